@@ -1,0 +1,93 @@
+"""Paged attention: the contract and its plain-torch reference.
+
+One contract covers every attention Eyrie runs (extend / chunked prefill, decode, tree verify,
+tree draft). Each request ``b`` of a batch owns
+
+* query rows ``q[qo_indptr[b]:qo_indptr[b+1]]``                      (``q_len``)
+* key/value slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``        (``kv_len``)
+  into the token-major caches ``k_cache/v_cache [num_slots, Hkv, D]``.
+
+The first ``prefix_lens[b]`` key slots are the committed prefix: every query of ``b`` sees them.
+The remaining ``extra = kv_len - prefix_lens[b]`` slots are the tokens of this step:
+
+* ``custom_mask is None``: causal, ``extra == q_len`` and query ``j`` sees extra slots ``0..j``
+  (extend, chunked prefill and decode);
+* otherwise a row-major ``[q_len, extra]`` bool block per request, the blocks concatenated in
+  request order starting at ``mask_indptr[b]`` (tree verify: ancestors and self; tree draft).
+
+Queries use ``Hq = G * Hkv`` heads (GQA); query head ``h`` reads kv head ``h // G``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    qo_indptr: torch.Tensor  # [B+1] int64, query row offsets
+    kv_indptr: torch.Tensor  # [B+1] int64, offsets into kv_indices
+    kv_indices: torch.Tensor  # [total_kv] int64, cache slots, prefix first then this step's
+    prefix_lens: torch.Tensor  # [B] int64, kv entries every query of the request sees
+    custom_mask: torch.Tensor | None = None  # [sum q_len*extra] bool, None = causal
+    mask_indptr: torch.Tensor | None = None  # [B+1] int64 offsets into custom_mask
+    # Host copies used by the torch reference to avoid a device sync per request.
+    qo_indptr_cpu: list[int] | None = None
+    kv_indptr_cpu: list[int] | None = None
+    prefix_lens_cpu: list[int] | None = None
+    mask_indptr_cpu: list[int] | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.qo_indptr.numel() - 1
+
+    def host(self) -> tuple[list[int], list[int], list[int], list[int] | None]:
+        qo = self.qo_indptr_cpu if self.qo_indptr_cpu is not None else self.qo_indptr.tolist()
+        kv = self.kv_indptr_cpu if self.kv_indptr_cpu is not None else self.kv_indptr.tolist()
+        pre = self.prefix_lens_cpu if self.prefix_lens_cpu is not None else self.prefix_lens.tolist()
+        mi = None
+        if self.custom_mask is not None:
+            mi = self.mask_indptr_cpu if self.mask_indptr_cpu is not None else self.mask_indptr.tolist()
+        return qo, kv, pre, mi
+
+
+def visible_mask(q_len: int, kv_len: int, prefix_len: int, block: torch.Tensor | None,
+                 device: torch.device) -> torch.Tensor:
+    """[q_len, kv_len] bool: which key slots each query of one request may read."""
+    extra = kv_len - prefix_len
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    if block is None:
+        if extra != q_len:
+            raise ValueError(f"causal attention needs extra == q_len, got {extra} and {q_len}")
+        mask[:, prefix_len:] = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
+    else:
+        mask[:, prefix_len:] = block.view(q_len, extra)
+    return mask
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
+    """o [T, Hq, D]: softmax(q k^T * sm_scale + mask) v per request, accumulated in float32."""
+    T, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    group = hq // hkv
+    out = torch.empty_like(q)
+    qo, kv, pre, mi = meta.host()
+    for b in range(len(qo) - 1):
+        qs, qe, ks, ke = qo[b], qo[b + 1], kv[b], kv[b + 1]
+        if qe == qs:
+            continue
+        idx = meta.kv_indices[ks:ke]
+        k = k_cache[idx].float().repeat_interleave(group, dim=1)  # [kv, Hq, D]
+        v = v_cache[idx].float().repeat_interleave(group, dim=1)
+        block = None
+        if mi is not None:
+            block = meta.custom_mask[mi[b]:mi[b + 1]]
+        mask = visible_mask(qe - qs, ke - ks, pre[b], block, q.device)
+        scores = torch.einsum("qhd,khd->hqk", q[qs:qe].float(), k) * sm_scale
+        scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[qs:qe] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out

@@ -1,0 +1,91 @@
+"""The forward batch: what one model forward reads, built for the cache of the runner that runs it.
+
+Every forward in Eyrie (prefill chunk, decode, tree verify, draft step, draft extend) has the same
+shape: request ``b`` has ``q_len[b]`` query tokens written at positions ``write_pos`` of its row in
+the request-to-token map, and its keys are the row's slots ``[0, kv_len[b])``: the committed prefix
+``[0, prefix_len[b])`` that every query sees, then this step's slots, causal or under a mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention_ref import AttentionMetadata
+from shared.memory.kv_cache import KVCache
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, RoPE positions
+    out_cache_loc: torch.Tensor  # [T] int64, slot each token's K/V is written to
+    attn: AttentionMetadata
+    logits_rows: torch.Tensor | None = None  # [R] int64 rows of T that need logits; None = all
+    hidden_in: torch.Tensor | None = None  # [T, W] draft feature input (drafts only)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+def build_forward_batch(
+    cache: KVCache,
+    rows: list[int],
+    prefix_lens: list[int],
+    q_lens: list[int],
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    write_pos: torch.Tensor,
+    extra_lens: list[int] | None = None,
+    custom_mask: torch.Tensor | None = None,
+    logits_rows: torch.Tensor | None = None,
+    hidden_in: torch.Tensor | None = None,
+) -> ForwardBatch:
+    """Assemble a forward batch over ``cache``.
+
+    ``write_pos [T]``: row position each query token's K/V goes to (must be reserved).
+    ``extra_lens``: slots after the prefix that the step attends to (default ``q_lens``, causal).
+    ``custom_mask``: concatenated ``[q_len, extra]`` bool blocks (tree verify / tree draft).
+    """
+    device = cache.spec.device
+    extra = q_lens if extra_lens is None else extra_lens
+    kv_lens = [p + e for p, e in zip(prefix_lens, extra)]
+    table = cache.req_to_token.table
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+    kv_lens_t = torch.tensor(kv_lens, dtype=torch.int64, device=device)
+    width = max(kv_lens, default=0)
+    take = torch.arange(width, device=device).unsqueeze(0) < kv_lens_t.unsqueeze(1)
+    kv_indices = table[rows_t, :width][take]
+    tok_req = torch.repeat_interleave(rows_t, torch.tensor(q_lens, device=device))
+    out_cache_loc = table[tok_req, write_pos.to(device)]
+    qo = _indptr(q_lens)
+    kv = _indptr(kv_lens)
+    meta = AttentionMetadata(
+        qo_indptr=torch.tensor(qo, device=device),
+        kv_indptr=torch.tensor(kv, device=device),
+        kv_indices=kv_indices,
+        prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=device),
+        qo_indptr_cpu=qo, kv_indptr_cpu=kv, prefix_lens_cpu=list(prefix_lens),
+    )
+    if custom_mask is not None:
+        mi = _indptr([q * e for q, e in zip(q_lens, extra)])
+        meta.custom_mask = custom_mask.to(device)
+        meta.mask_indptr = torch.tensor(mi, device=device)
+        meta.mask_indptr_cpu = mi
+    return ForwardBatch(
+        input_ids=input_ids.to(device),
+        positions=positions.to(device),
+        out_cache_loc=out_cache_loc,
+        attn=meta,
+        logits_rows=None if logits_rows is None else logits_rows.to(device),
+        hidden_in=hidden_in,
+    )
+
+
+def _indptr(lens: list[int]) -> list[int]:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return out

@@ -1,0 +1,71 @@
+"""Engine configuration (pydantic): memory, scheduling, device and speculative decoding."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+DEVICES = ("cpu", "cuda")
+
+
+class SpecConfig(BaseModel):
+    """EAGLE tree shape: ``steps`` levels, ``topk`` branches per level, ``num_draft_tokens`` nodes
+    verified per step (root included). ``topk == 1`` is a chain with ``steps + 1`` nodes."""
+
+    model_config = ConfigDict(frozen=True)
+    topk: int = 1
+    steps: int = 3
+    num_draft_tokens: int = 4
+
+    @model_validator(mode="after")
+    def _shape(self) -> "SpecConfig":
+        if self.topk < 1:
+            raise ValueError("spec topk must be >= 1")
+        if self.steps < 1:
+            raise ValueError("spec steps must be >= 1")
+        most = 1 + self.topk + (self.steps - 1) * self.topk ** 2
+        if not 2 <= self.num_draft_tokens <= most:
+            raise ValueError(f"spec num_draft_tokens must be in [2, {most}] for topk={self.topk}, steps={self.steps}")
+        if self.topk == 1 and self.num_draft_tokens != self.steps + 1:
+            raise ValueError("spec num_draft_tokens must be steps + 1 for a chain (topk=1)")
+        return self
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    device: str = "cpu"
+    dtype: str = "float32"
+    page_size: int = 16
+    num_pages: int | None = None  # None: enough for max_running requests of max_context tokens
+    max_running: int = 32
+    max_context: int | None = None  # None: the model's max_position_embeddings
+    chunk_size: int | None = 512  # prefill tokens per step across requests; None = whole prompts
+    spec: SpecConfig | None = None
+    aux_layers: tuple[int, ...] | None = None  # EAGLE-3 capture layers; None: from the draft config
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v.split(":")[0] not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {v!r}")
+        return v
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        if v not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {v!r}")
+        return v
+
+    @field_validator("page_size", "max_running")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("must be >= 1")
+        return v
+
+    @field_validator("chunk_size")
+    @classmethod
+    def _chunk(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError("chunk_size must be >= 1 (or None for whole prompts)")
+        return v

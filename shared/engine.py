@@ -1,0 +1,224 @@
+"""The single-process engine: continuous batching, chunked prefill, optional EAGLE speculation.
+
+``Engine.generate`` is the Python API; the services drive the same engine through ``add_request``
+/ ``step`` (prefill) or ``admit_handoff`` / ``step`` (decode).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shared.batch import build_forward_batch
+from shared.config import EngineConfig
+from shared.memory.kv_cache import CacheSpec, KVCache
+from shared.model.config import ModelConfig
+from shared.model.llama import LlamaForCausalLM, TargetOutput
+from shared.model.loader import load_target, parse_dtype
+from shared.model.tokenizer import Tokenizer
+from shared.request import Phase, Request, RequestError
+from shared.sampling import SamplingParams, make_generator, sample
+from shared.scheduler import Chunk, Scheduler, StepPlan
+
+
+@dataclass
+class GenerationResult:
+    rid: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str | None
+    finish_reason: str
+    ttft_s: float
+    latency_s: float
+    spec: dict | None
+
+    def as_json(self) -> dict:
+        return {"request_id": self.rid, "token_ids": self.token_ids, "text": self.text,
+                "finish_reason": self.finish_reason, "prompt_tokens": len(self.prompt_ids),
+                "timing": {"ttft_s": round(self.ttft_s, 6), "latency_s": round(self.latency_s, 6)},
+                **({"spec": self.spec} if self.spec is not None else {})}
+
+
+def make_cache(config: ModelConfig, num_layers: int, engine: EngineConfig, max_context: int) -> KVCache:
+    num_pages = engine.num_pages or engine.max_running * -(-max_context // engine.page_size)
+    return KVCache(CacheSpec(
+        num_layers=num_layers, num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+        dtype=parse_dtype(engine.dtype), device=torch.device(engine.device), page_size=engine.page_size,
+        num_pages=num_pages, max_reqs=engine.max_running, max_context=max_context,
+    ))
+
+
+class Engine:
+    def __init__(self, model: str | Path | LlamaForCausalLM, draft: str | Path | None = None,
+                 config: EngineConfig = EngineConfig(), tokenizer: Tokenizer | None = None):
+        self.config = config
+        self.device = torch.device(config.device)
+        if config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise RequestError("device", "cuda was asked for but no CUDA device is available")
+        if isinstance(model, LlamaForCausalLM):
+            self.model = model
+        else:
+            self.model = load_target(model, config.dtype, config.device)
+            if tokenizer is None and (Path(model) / "tokenizer.json").exists():
+                tokenizer = Tokenizer(model)
+        self.tokenizer = tokenizer
+        mc = self.model.config
+        self.max_context = min(config.max_context or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.cache = make_cache(mc, mc.num_hidden_layers, config, self.max_context)
+        self.spec = None
+        if draft is not None:
+            from shared.spec.worker import SpecWorker  # the draft machinery is optional
+
+            self.spec = SpecWorker.load(draft, self, config)
+        caches = [self.cache] + (self.spec.caches if self.spec else [])
+        headroom = self.spec.headroom if self.spec else 1
+        self.scheduler = Scheduler(caches, config.max_running, config.chunk_size, headroom)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    # ---- requests --------------------------------------------------------------------------------
+    def validate_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("prompt", "text prompts need a tokenizer.json beside the model")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise RequestError("prompt", "the prompt is empty")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_context:
+            raise RequestError("prompt", f"{len(ids)} tokens do not fit the context of {self.max_context}")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    rid: str | None = None) -> Request:
+        params = params or SamplingParams()
+        ids = self.validate_prompt(prompt)
+        if len(ids) + params.max_new_tokens > self.max_context:
+            raise RequestError("max_new_tokens", f"prompt ({len(ids)}) + max_new_tokens "
+                               f"({params.max_new_tokens}) exceeds the context of {self.max_context}")
+        rid = rid or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise RequestError("request_id", f"{rid!r} is already running")
+        req = Request(rid=rid, prompt_ids=ids, params=params, eos_ids=self.model.config.eos_token_ids,
+                      generator=make_generator(params.seed))
+        self.scheduler.submit(req)
+        self.requests[rid] = req
+        return req
+
+    def abort(self, rid: str) -> bool:
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return False
+        req.finish_reason = req.finish_reason or "abort"
+        req.phase = Phase.FINISHED
+        self.scheduler.release(req)
+        return True
+
+    # ---- stepping --------------------------------------------------------------------------------
+    def step(self) -> list[tuple[Request, list[int]]]:
+        """Run one scheduling step; returns (request, tokens it committed) for each request touched."""
+        plan = self.scheduler.schedule()
+        events: list[tuple[Request, list[int]]] = []
+        if self.spec is None:
+            events += self._run_target_step(plan)
+        else:
+            if plan.prefill:
+                events += self._run_target_step(StepPlan(prefill=plan.prefill))
+            if plan.decode:
+                events += self.spec.decode_step(plan.decode)
+        for req, _ in events:
+            if req.finish_reason is not None and req.phase is not Phase.FINISHED:
+                self._finish(req)
+        return events
+
+    def _finish(self, req: Request) -> None:
+        req.phase = Phase.FINISHED
+        req.t_finish = time.perf_counter()
+        self.scheduler.release(req)
+        self.requests.pop(req.rid, None)
+
+    def _run_target_step(self, plan: StepPlan) -> list[tuple[Request, list[int]]]:
+        """One target forward over the decode tokens and prefill chunks of ``plan``."""
+        rows, prefix, q_lens, ids, pos, sample_rows, sampled_reqs = [], [], [], [], [], [], []
+        for req in plan.decode:
+            self.cache.reserve(req.handles[0], req.kv_len + 1)
+            rows.append(req.handles[0].row), prefix.append(req.kv_len), q_lens.append(1)
+            ids.append(req.all_ids[req.kv_len]), pos.append(req.kv_len)
+            sample_rows.append(len(ids) - 1), sampled_reqs.append(req)
+        for ch in plan.prefill:
+            rows.append(ch.req.handles[0].row), prefix.append(ch.start), q_lens.append(ch.end - ch.start)
+            ids.extend(ch.req.prompt_ids[ch.start:ch.end]), pos.extend(range(ch.start, ch.end))
+            if ch.completes_prompt:
+                sample_rows.append(len(ids) - 1), sampled_reqs.append(ch.req)
+        positions = torch.tensor(pos, dtype=torch.int64)
+        batch = build_forward_batch(self.cache, rows, prefix, q_lens, torch.tensor(ids), positions, positions,
+                                    logits_rows=torch.tensor(sample_rows, dtype=torch.int64))
+        capture = self.spec.capture_mode if self.spec is not None else "none"
+        out = self.model(batch, self.cache, capture=capture, aux_layers=self.spec.aux_layers if self.spec else ())
+        for req in plan.decode:
+            req.kv_len += 1
+        for ch in plan.prefill:
+            ch.req.kv_len = ch.end
+        events = self._sample_and_commit(out, sampled_reqs)
+        if self.spec is not None:
+            self.spec.draft_extend_prefill(plan.prefill, out)
+        for ch in plan.prefill:
+            if ch.completes_prompt:
+                ch.req.phase = Phase.DECODING
+            elif not any(r is ch.req for r, _ in events):
+                events.append((ch.req, []))
+        return events
+
+    def _sample_and_commit(self, out: TargetOutput, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
+        if not reqs:
+            return []
+        tokens = sample(out.logits, [r.params for r in reqs], [r.generator for r in reqs])
+        logprobs = torch.log_softmax(out.logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+        return [(r, r.commit([t], [lp])) for r, t, lp in zip(reqs, tokens.tolist(), logprobs.tolist())]
+
+    # ---- the Python API --------------------------------------------------------------------------
+    def run_until_done(self, max_steps: int | None = None) -> None:
+        for _ in range(max_steps) if max_steps else itertools.count():
+            if not self.scheduler.has_work():
+                return
+            self.step()
+
+    def generate(self, prompts: list[str | list[int]] | str | list[int],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        reqs = []
+        try:
+            for p, sp in zip(prompts, plist):
+                reqs.append(self.add_request(p, sp))
+        except RequestError:
+            for r in reqs:
+                self.abort(r.rid)
+            raise
+        self.run_until_done()
+        return [self.result(r) for r in reqs]
+
+    def result(self, req: Request) -> GenerationResult:
+        text = self.tokenizer.decode(req.output_ids) if self.tokenizer else None
+        end = req.t_finish or time.perf_counter()
+        return GenerationResult(
+            rid=req.rid, prompt_ids=req.prompt_ids, token_ids=list(req.output_ids),
+            logprobs=list(req.output_logprobs), text=text, finish_reason=req.finish_reason or "abort",
+            ttft_s=(req.t_first_token or end) - req.t_arrival, latency_s=end - req.t_arrival,
+            spec=req.stats.as_dict() if self.spec is not None else None,
+        )
+
+    def is_idle_and_clean(self) -> bool:
+        """True when no request runs and every cache is full again (the no-leak invariant)."""
+        return not self.scheduler.has_work() and all(c.is_full() for c in self.scheduler.caches)

@@ -1,0 +1,214 @@
+"""Paged KV cache: a page allocator, a request-to-token map and per-layer K/V pools.
+
+Every model runner (the target, and each draft layer of a multi-layer draft) owns one
+``KVCache``. A forward batch is always built from the cache of the runner that executes it, so no
+step can read another step's pools (seed 001).
+
+Slots are token-granular: ``slot = page * page_size + offset``. Page 0 is never handed out; its
+slots absorb the writes of padding rows. A request's row in the request-to-token map lists, for each
+position ``p < reserved``, the slot holding its K/V. The host mirror of that table is the truth for
+bookkeeping (which pages a request owns), so freeing never reads the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class OutOfPages(RuntimeError):
+    """Raised only on a scheduler bug: callers check ``can_reserve`` before reserving."""
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages  # allocatable pages, ids 1..num_pages
+        self._free = list(range(num_pages, 0, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
+        pages = self._free[-n:] if n else []
+        del self._free[len(self._free) - n:]
+        return pages[::-1]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(pages)
+
+
+class ReqToTokenMap:
+    """Rows of slots per request; row 0 is the padding row (all slots 0)."""
+
+    def __init__(self, max_reqs: int, max_context: int, device: torch.device):
+        self.max_context = max_context
+        self.host = torch.zeros(max_reqs + 1, max_context, dtype=torch.int64)
+        self.table = self.host if device.type == "cpu" else self.host.to(device)
+        self._free_rows = list(range(max_reqs, 0, -1))
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    @property
+    def num_rows(self) -> int:
+        return self.host.shape[0] - 1
+
+    def alloc_row(self) -> int:
+        if not self._free_rows:
+            raise OutOfPages("no free request slot")
+        return self._free_rows.pop()
+
+    def free_row(self, row: int) -> None:
+        self.host[row].zero_()
+        self._sync(row, 0, self.max_context)
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.host[row, start:start + slots.numel()] = slots
+        self._sync(row, start, start + slots.numel())
+
+    def _sync(self, row: int, start: int, end: int) -> None:
+        if self.table is not self.host and end > start:
+            self.table[row, start:end].copy_(self.host[row, start:end], non_blocking=True)
+
+
+@dataclass
+class CacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    page_size: int
+    num_pages: int
+    max_reqs: int
+    max_context: int
+
+
+@dataclass
+class KVHandle:
+    """One request's claim on one cache."""
+
+    row: int  # row in the request-to-token map
+    reserved: int = 0  # positions [0, reserved) have slots
+
+
+class KVCache:
+    def __init__(self, spec: CacheSpec):
+        if spec.page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        self.spec = spec
+        self.page_size = spec.page_size
+        num_slots = (spec.num_pages + 1) * spec.page_size
+        shape = (num_slots, spec.num_kv_heads, spec.head_dim)
+        self.k = [torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
+        self.v = [torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
+        self.allocator = PageAllocator(spec.num_pages)
+        self.req_to_token = ReqToTokenMap(spec.max_reqs, spec.max_context, spec.device)
+
+    # ---- counters the scheduler and the tests read -------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def num_free_rows(self) -> int:
+        return self.req_to_token.num_free_rows
+
+    def is_full(self) -> bool:
+        """True when every page and request row is back in its pool."""
+        return (self.allocator.num_free == self.spec.num_pages
+                and self.req_to_token.num_free_rows == self.req_to_token.num_rows)
+
+    def pages_for(self, n_positions: int) -> int:
+        return -(-n_positions // self.page_size)
+
+    def pages_needed(self, handle: KVHandle | None, n_positions: int) -> int:
+        have = self.pages_for(handle.reserved) if handle is not None else 0
+        return max(0, self.pages_for(n_positions) - have)
+
+    def can_reserve(self, handle: KVHandle | None, n_positions: int) -> bool:
+        if n_positions > self.spec.max_context:
+            return False
+        if handle is None and self.req_to_token.num_free_rows == 0:
+            return False
+        return self.pages_needed(handle, n_positions) <= self.allocator.num_free
+
+    # ---- request lifetime ------------------------------------------------------------------------
+    def open(self) -> KVHandle:
+        return KVHandle(row=self.req_to_token.alloc_row())
+
+    def reserve(self, h: KVHandle, n_positions: int) -> None:
+        """Give positions [h.reserved, n_positions) slots, allocating pages as needed."""
+        if n_positions <= h.reserved:
+            return
+        if n_positions > self.spec.max_context:
+            raise OutOfPages(f"{n_positions} positions exceed max_context {self.spec.max_context}")
+        ps = self.page_size
+        new_pages = self.allocator.alloc(self.pages_needed(h, n_positions))
+        pos = torch.arange(h.reserved, n_positions)
+        first_new_page = self.pages_for(h.reserved)
+        slots = torch.empty(n_positions - h.reserved, dtype=torch.int64)
+        in_old = pos < first_new_page * ps
+        if in_old.any():  # the tail of the last partially filled page
+            last_page = int(self.req_to_token.host[h.row, (first_new_page - 1) * ps]) // ps
+            slots[in_old] = last_page * ps + pos[in_old] % ps
+        if new_pages:
+            page_ids = torch.tensor(new_pages, dtype=torch.int64)
+            p = pos[~in_old]
+            slots[~in_old] = page_ids[p // ps - first_new_page] * ps + p % ps
+        self.req_to_token.write(h.row, h.reserved, slots)
+        h.reserved = n_positions
+
+    def shrink(self, h: KVHandle, n_positions: int) -> None:
+        """Release every page not needed for positions [0, n_positions)."""
+        if n_positions >= h.reserved:
+            return
+        keep = self.pages_for(n_positions)
+        self.allocator.free(self.pages_of(h, keep, self.pages_for(h.reserved)))
+        h.reserved = n_positions
+
+    def close(self, h: KVHandle) -> None:
+        self.allocator.free(self.pages_of(h, 0, self.pages_for(h.reserved)))
+        self.req_to_token.free_row(h.row)
+        h.reserved = 0
+        h.row = 0
+
+    def pages_of(self, h: KVHandle, first: int, last: int) -> list[int]:
+        """Page ids of the request's page indices [first, last)."""
+        ps = self.page_size
+        firsts = self.req_to_token.host[h.row, first * ps:last * ps:ps]
+        return (firsts // ps).tolist()
+
+    def slots(self, h: KVHandle, start: int, end: int) -> torch.Tensor:
+        return self.req_to_token.table[h.row, start:end]
+
+    # ---- accepted-path compaction ----------------------------------------------------------------
+    def compact(self, h: KVHandle, start: int, keep: list[int]) -> None:
+        """Move positions ``start + keep[i]`` to ``start + i`` (keep increasing, keep[i] >= i).
+
+        Page size 1 permutes the request's slots (no bytes move: the kept slots go to the front, the
+        others after them, so the request still owns exactly its slots). Larger pages copy K/V of
+        every layer, because a page is shared by neighbouring positions and cannot be re-pointed.
+        """
+        if all(k == i for i, k in enumerate(keep)):
+            return
+        host = self.req_to_token.host[h.row]
+        if self.page_size == 1:
+            end = start + keep[-1] + 1
+            rest = [i for i in range(end - start) if i not in set(keep)]
+            order = torch.tensor(keep + rest, dtype=torch.int64) + start
+            host[start:end] = host[order].clone()
+            self.req_to_token._sync(h.row, start, end)
+            return
+        dev = self.k[0].device
+        src = host[torch.tensor(keep, dtype=torch.int64) + start].to(dev)
+        dst = host[start:start + len(keep)].to(dev)
+        for layer in range(len(self.k)):
+            self.k[layer][dst] = self.k[layer][src]  # gathers before it scatters
+            self.v[layer][dst] = self.v[layer][src]

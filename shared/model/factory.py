@@ -1,0 +1,111 @@
+"""``eyrie make-model``: random-weight checkpoints in standard Hugging Face formats.
+
+Layout of OUT_DIR: ``target/`` (a Llama checkpoint ``transformers`` can load), and the draft heads
+beside it (``eagle/``, ``eagle3/``, ``mtp/``), each a directory with ``config.json`` and
+``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from shared.model.tokenizer import build_tiny_tokenizer
+
+PRESETS = {
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096),
+    "llama3-8b-shape": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                            num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                            max_position_embeddings=131072),
+}
+
+
+def llama_hf_config(vocab_size: int, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
+                    num_attention_heads: int, num_key_value_heads: int, max_position_embeddings: int,
+                    tie_word_embeddings: bool = False, rope_theta: float = 10000.0,
+                    rope_scaling: dict | None = None, architecture: str = "LlamaForCausalLM",
+                    **extra) -> dict:
+    rope = {"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})}
+    return {
+        "architectures": [architecture], "model_type": "llama",
+        "vocab_size": vocab_size, "hidden_size": hidden_size, "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_hidden_layers, "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads, "head_dim": hidden_size // num_attention_heads,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": max_position_embeddings,
+        "rope_theta": rope_theta, "rope_parameters": rope, "tie_word_embeddings": tie_word_embeddings,
+        "attention_bias": False, "mlp_bias": False, "bos_token_id": 0, "eos_token_id": 1,
+        "torch_dtype": "float32", **extra,
+    }
+
+
+def decoder_layer_weights(cfg: dict, prefix: str, gen: torch.Generator, qkv_in: int | None = None,
+                          input_norm: bool = True) -> dict[str, torch.Tensor]:
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    hd = cfg["head_dim"]
+    q_out, kv_out = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    qkv_in = qkv_in or h
+    w = {
+        f"{prefix}.self_attn.q_proj.weight": _rand(gen, q_out, qkv_in),
+        f"{prefix}.self_attn.k_proj.weight": _rand(gen, kv_out, qkv_in),
+        f"{prefix}.self_attn.v_proj.weight": _rand(gen, kv_out, qkv_in),
+        f"{prefix}.self_attn.o_proj.weight": _rand(gen, h, q_out),
+        f"{prefix}.mlp.gate_proj.weight": _rand(gen, inter, h),
+        f"{prefix}.mlp.up_proj.weight": _rand(gen, inter, h),
+        f"{prefix}.mlp.down_proj.weight": _rand(gen, h, inter),
+        f"{prefix}.post_attention_layernorm.weight": _norm_weight(gen, h),
+    }
+    if input_norm:
+        w[f"{prefix}.input_layernorm.weight"] = _norm_weight(gen, h)
+    return w
+
+
+def random_llama_state(cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    state = {"model.embed_tokens.weight": torch.randn(cfg["vocab_size"], cfg["hidden_size"], generator=gen),
+             "model.norm.weight": _norm_weight(gen, cfg["hidden_size"])}
+    for i in range(cfg["num_hidden_layers"]):
+        state.update(decoder_layer_weights(cfg, f"model.layers.{i}", gen))
+    if not cfg["tie_word_embeddings"]:
+        state["lm_head.weight"] = _rand(gen, cfg["vocab_size"], cfg["hidden_size"])
+    return state
+
+
+def write_checkpoint(out: Path, config: dict, state: dict[str, torch.Tensor]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "config.json", "w") as f:
+        json.dump(config, f, indent=1)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def make_tiny_target(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    out = Path(out_dir) / "target"
+    cfg = llama_hf_config(**{**PRESETS["tiny"], **overrides})
+    gen = torch.Generator().manual_seed(seed)
+    write_checkpoint(out, cfg, random_llama_state(cfg, gen))
+    build_tiny_tokenizer(out, cfg["vocab_size"])
+    return out
+
+
+def make_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Write the preset's target (and, where defined, its draft heads) under out_dir."""
+    if preset != "tiny":
+        raise ValueError(f"preset: {preset!r} cannot be written to disk here (known: tiny)")
+    make_tiny_target(out_dir, seed)
+    from shared.model.drafts import write_tiny_drafts  # drafts depend on the target's shape
+
+    write_tiny_drafts(Path(out_dir), seed)
+    return Path(out_dir)
+
+
+def _rand(gen: torch.Generator, rows: int, cols: int) -> torch.Tensor:
+    # Scaled so that activations neither vanish nor saturate: random models then produce varied,
+    # non-degenerate greedy continuations, which the losslessness tests need.
+    return torch.randn(rows, cols, generator=gen) / cols ** 0.5
+
+
+def _norm_weight(gen: torch.Generator, dim: int) -> torch.Tensor:
+    return 1.0 + 0.1 * torch.randn(dim, generator=gen)

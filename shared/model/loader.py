@@ -1,0 +1,91 @@
+"""Load Hugging Face checkpoint directories (safetensors, sharded or not) into Eyrie modules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from shared.model.config import ModelConfig
+from shared.model.llama import LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise CheckpointError(f"dtype: {name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        files = sorted(path.glob("*.bin"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors or *.bin weights found")
+    return files
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(Path(path)):
+        if file.suffix == ".bin":
+            state.update(torch.load(file, map_location="cpu", weights_only=True))
+            continue
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                state[key] = f.get_tensor(key)
+    return state
+
+
+def build_module(cls, config: ModelConfig, dtype: torch.dtype, device: torch.device, *args) -> nn.Module:
+    """Construct directly on the device in the target dtype (no float32 copy of a large model)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return cls(config, *args)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_weights(module: nn.Module, state: dict[str, torch.Tensor], optional: tuple[str, ...] = ()) -> None:
+    """Copy ``state`` into ``module``; a missing or unexpected tensor is an error naming it."""
+    params = dict(module.named_parameters())
+    missing = [k for k in params if k not in state and not k.startswith(optional)]
+    unexpected = [k for k in state if k not in params]
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            p = params[name]
+            if p.shape != tensor.shape:
+                raise CheckpointError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(p.shape)}")
+            p.copy_(tensor.to(p.dtype))
+
+
+def load_target(path: str | Path, dtype="float32", device="cpu") -> LlamaForCausalLM:
+    path = Path(path)
+    config = ModelConfig.from_dir(path)
+    dtype = parse_dtype(dtype)
+    model = build_module(LlamaForCausalLM, config, dtype, torch.device(device))
+    state = read_state_dict(path)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    load_weights(model, state)
+    return model.eval()
