@@ -58,13 +58,13 @@ def build_forward_batch(
     width = max(kv_lens, default=0)
     take = torch.arange(width, device=device).unsqueeze(0) < kv_lens_t.unsqueeze(1)
     kv_indices = table[rows_t, :width][take]
-    tok_req = torch.repeat_interleave(rows_t, torch.tensor(q_lens, device=device))
+    tok_req = torch.repeat_interleave(rows_t, torch.tensor(q_lens, dtype=torch.int64, device=device))
     out_cache_loc = table[tok_req, write_pos.to(device)]
     qo = _indptr(q_lens)
     kv = _indptr(kv_lens)
     meta = AttentionMetadata(
-        qo_indptr=torch.tensor(qo, device=device),
-        kv_indptr=torch.tensor(kv, device=device),
+        qo_indptr=torch.tensor(qo, dtype=torch.int64, device=device),
+        kv_indptr=torch.tensor(kv, dtype=torch.int64, device=device),
         kv_indices=kv_indices,
         prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=device),
         qo_indptr_cpu=qo, kv_indptr_cpu=kv, prefix_lens_cpu=list(prefix_lens),
@@ -72,7 +72,7 @@ def build_forward_batch(
     if custom_mask is not None:
         mi = _indptr([q * e for q, e in zip(q_lens, extra)])
         meta.custom_mask = custom_mask.to(device)
-        meta.mask_indptr = torch.tensor(mi, device=device)
+        meta.mask_indptr = torch.tensor(mi, dtype=torch.int64, device=device)
         meta.mask_indptr_cpu = mi
     return ForwardBatch(
         input_ids=input_ids.to(device),

@@ -41,6 +41,7 @@ class EngineConfig(BaseModel):
     chunk_size: int | None = 512  # prefill tokens per step across requests; None = whole prompts
     spec: SpecConfig | None = None
     aux_layers: tuple[int, ...] | None = None  # EAGLE-3 capture layers; None: from the draft config
+    cuda_graph: bool = False  # capture decode phases as CUDA graphs (CUDA only)
 
     @field_validator("device")
     @classmethod

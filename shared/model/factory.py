@@ -77,7 +77,7 @@ def write_checkpoint(out: Path, config: dict, state: dict[str, torch.Tensor]) ->
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "config.json", "w") as f:
         json.dump(config, f, indent=1)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
+    save_file({k: v.clone().contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
 
 
@@ -94,10 +94,8 @@ def make_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
     """Write the preset's target (and, where defined, its draft heads) under out_dir."""
     if preset != "tiny":
         raise ValueError(f"preset: {preset!r} cannot be written to disk here (known: tiny)")
-    make_tiny_target(out_dir, seed)
-    from shared.model.drafts import write_tiny_drafts  # drafts depend on the target's shape
-
-    write_tiny_drafts(Path(out_dir), seed)
+    target = make_tiny_target(out_dir, seed)
+    write_random_drafts(target, Path(out_dir), seed)
     return Path(out_dir)
 
 
@@ -109,3 +107,127 @@ def _rand(gen: torch.Generator, rows: int, cols: int) -> torch.Tensor:
 
 def _norm_weight(gen: torch.Generator, dim: int) -> torch.Tensor:
     return 1.0 + 0.1 * torch.randn(dim, generator=gen)
+
+
+# ---- draft heads ---------------------------------------------------------------------------------
+DRAFT_MTP_LAYERS = 5  # enough for steps <= 5
+
+
+def draft_config(target_cfg: dict, architecture: str, num_layers: int, **extra) -> dict:
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "max_position_embeddings")
+    cfg = llama_hf_config(**{k: target_cfg[k] for k in keys}, num_hidden_layers=num_layers,
+                          architecture=architecture)
+    cfg.update(extra)
+    return cfg
+
+
+def eagle_state(cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    h = cfg["hidden_size"]
+    state = {"fc.weight": _rand(gen, h, 2 * h), "fc.bias": torch.zeros(h)}
+    for i in range(cfg["num_hidden_layers"]):
+        state.update(decoder_layer_weights(cfg, f"layers.{i}", gen, input_norm=i != 0))
+    return state
+
+
+def eagle3_state(cfg: dict, gen: torch.Generator, target_hidden: int) -> dict[str, torch.Tensor]:
+    h, vd, v = cfg["hidden_size"], cfg["draft_vocab_size"], cfg["vocab_size"]
+    state = decoder_layer_weights(cfg, "midlayer", gen, qkv_in=2 * h)
+    state["midlayer.hidden_norm.weight"] = _norm_weight(gen, h)
+    state.update({"fc.weight": _rand(gen, h, 3 * target_hidden), "norm.weight": _norm_weight(gen, h),
+                  "lm_head.weight": _rand(gen, vd, h)})
+    # The draft vocabulary: every other target token (a real head keeps the most frequent ones).
+    hot = torch.arange(0, v, v // vd)[:vd]
+    state["d2t"] = hot - torch.arange(vd)
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[hot] = True
+    state["t2d"] = t2d
+    return state
+
+
+def mtp_state(cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    h = cfg["hidden_size"]
+    state = {}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}"
+        state.update(decoder_layer_weights(cfg, p, gen))
+        state.update({f"{p}.enorm.weight": _norm_weight(gen, h), f"{p}.hnorm.weight": _norm_weight(gen, h),
+                      f"{p}.eh_proj.weight": _rand(gen, h, 2 * h), f"{p}.norm.weight": _norm_weight(gen, h)})
+    return state
+
+
+def write_random_drafts(target_dir: Path, out_dir: Path, seed: int = 0) -> None:
+    with open(target_dir / "config.json") as f:
+        tcfg = json.load(f)
+    gen = torch.Generator().manual_seed(seed + 1)
+    cfg = draft_config(tcfg, "LlamaForCausalLMEagle", 1, bias=True)
+    write_checkpoint(out_dir / "eagle", cfg, eagle_state(cfg, gen))
+    cfg = draft_config(tcfg, "LlamaForCausalLMEagle3", 1, draft_vocab_size=tcfg["vocab_size"] // 2,
+                       target_hidden_size=tcfg["hidden_size"])
+    write_checkpoint(out_dir / "eagle3", cfg, eagle3_state(cfg, gen, tcfg["hidden_size"]))
+    cfg = draft_config(tcfg, "EyrieMultiLayerDraft", DRAFT_MTP_LAYERS)
+    write_checkpoint(out_dir / "mtp", cfg, mtp_state(cfg, gen))
+
+
+# ---- oracle-ish pairs: drafts that agree with the target most of the time ------------------------
+def make_oracle_model(out_dir: str | Path, seed: int = 0, alpha: float = 0.2, **overrides) -> Path:
+    """A target whose next token depends mostly on the current token, and drafts that know it.
+
+    The target keeps every mechanism live (attention in every layer, all layers contributing), but
+    attention outputs and layers 1.. are scaled by ``alpha``, so layer 0's MLP on the current token
+    dominates. Each draft reproduces that map exactly from the token it is fed (EAGLE and MTP through
+    their input projection, EAGLE-3 through a self-attending head), so drafts are accepted often,
+    while the target's logits still depend on the whole context (KV mistakes change them).
+    """
+    out = Path(out_dir)
+    tcfg = llama_hf_config(**{**PRESETS["tiny"], **overrides})
+    gen = torch.Generator().manual_seed(seed)
+    state = random_llama_state(tcfg, gen)
+    h = tcfg["hidden_size"]
+    emb = state["model.embed_tokens.weight"]
+    state["model.embed_tokens.weight"] = emb / emb.pow(2).mean(-1, keepdim=True).sqrt()  # RMS 1: norm = id
+    state["model.norm.weight"] = torch.ones(h)
+    state["model.layers.0.input_layernorm.weight"] = torch.ones(h)
+    for i in range(tcfg["num_hidden_layers"]):
+        state[f"model.layers.{i}.self_attn.o_proj.weight"] *= alpha
+        if i > 0:
+            state[f"model.layers.{i}.mlp.down_proj.weight"] *= alpha
+    write_checkpoint(out / "target", tcfg, state)
+    build_tiny_tokenizer(out / "target", tcfg["vocab_size"])
+    layer0 = {k.removeprefix("model.layers.0."): v for k, v in state.items() if k.startswith("model.layers.0.")}
+
+    eye_fc = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)  # keep the token, drop the feature
+    cfg = draft_config(tcfg, "LlamaForCausalLMEagle", 1, bias=True)
+    eagle = {"fc.weight": eye_fc, "fc.bias": torch.zeros(h)}
+    eagle.update({f"layers.0.{k}": v for k, v in layer0.items() if not k.startswith("input_layernorm")})
+    write_checkpoint(out / "eagle", cfg, eagle)
+
+    cfg = draft_config(tcfg, "EyrieMultiLayerDraft", DRAFT_MTP_LAYERS)
+    mtp = {}
+    for i in range(DRAFT_MTP_LAYERS):
+        mtp.update({f"layers.{i}.{k}": v for k, v in layer0.items()})
+        mtp.update({f"layers.{i}.enorm.weight": torch.ones(h), f"layers.{i}.hnorm.weight": torch.ones(h),
+                    f"layers.{i}.eh_proj.weight": eye_fc, f"layers.{i}.norm.weight": torch.ones(h)})
+    write_checkpoint(out / "mtp", cfg, mtp)
+
+    # EAGLE-3: the residual stream starts from fc(features) = 0; one attention head per dimension
+    # group that attends (almost) only to the current position copies the token's embedding in.
+    heads, hd = tcfg["num_attention_heads"], h // tcfg["num_attention_heads"]
+    cfg = draft_config(tcfg, "LlamaForCausalLMEagle3", 1, num_key_value_heads=heads,
+                       draft_vocab_size=tcfg["vocab_size"], target_hidden_size=h)
+    big = 8.0
+    qk = torch.cat([big * torch.eye(h), torch.zeros(h, h)], dim=1)
+    e3 = {"fc.weight": torch.zeros(h, 3 * h), "norm.weight": torch.ones(h),
+          "lm_head.weight": state["lm_head.weight"], "d2t": torch.zeros(tcfg["vocab_size"], dtype=torch.int64),
+          "t2d": torch.ones(tcfg["vocab_size"], dtype=torch.bool),
+          "midlayer.input_layernorm.weight": torch.ones(h), "midlayer.hidden_norm.weight": torch.ones(h),
+          "midlayer.self_attn.q_proj.weight": qk, "midlayer.self_attn.k_proj.weight": qk,
+          "midlayer.self_attn.v_proj.weight": torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1),
+          "midlayer.self_attn.o_proj.weight": torch.eye(h),
+          "midlayer.post_attention_layernorm.weight": layer0["post_attention_layernorm.weight"],
+          "midlayer.mlp.gate_proj.weight": layer0["mlp.gate_proj.weight"],
+          "midlayer.mlp.up_proj.weight": layer0["mlp.up_proj.weight"],
+          "midlayer.mlp.down_proj.weight": layer0["mlp.down_proj.weight"]}
+    del hd
+    write_checkpoint(out / "eagle3", cfg, e3)
+    return out

@@ -1,0 +1,133 @@
+"""The ``eyrie`` command line: generate, make-model, and (with the services) serve / up / client.
+
+Bad input exits with status 2 and one line naming the problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    pass
+
+
+def _fail(message: str) -> None:
+    print(f"eyrie: error: {message}", file=sys.stderr)
+    raise SystemExit(EXIT_USAGE)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        _fail(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="eyrie", description="LLM serving with lossless EAGLE speculative decoding")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate text with the single-process engine")
+    g.add_argument("--model", help="target checkpoint directory (default: a tiny model made on the fly)")
+    g.add_argument("--draft", help="draft head directory (EAGLE, EAGLE-3 or multi-layer)")
+    g.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--chunk-size", type=int, default=512)
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", default="float32")
+    g.add_argument("--spec-topk", type=int, default=1)
+    g.add_argument("--spec-steps", type=int, default=3)
+    g.add_argument("--spec-draft-tokens", type=int)
+    g.add_argument("--cuda-graph", choices=["on", "off"], default="off")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("make-model", help="write a random-weight checkpoint (target + draft heads)")
+    m.add_argument("--preset", default="tiny")
+    m.add_argument("out_dir")
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=cmd_make_model)
+
+    try:
+        from services.launch import add_service_commands
+    except ImportError:
+        pass
+    else:
+        add_service_commands(sub)
+    return p
+
+
+def cmd_make_model(args) -> int:
+    from shared.model.factory import make_model
+
+    try:
+        out = make_model(args.preset, args.out_dir, args.seed)
+    except ValueError as e:
+        _fail(str(e))
+    print(out)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from shared.config import EngineConfig, SpecConfig
+    from shared.engine import Engine
+    from shared.request import RequestError
+    from shared.sampling import SamplingParams
+    from pydantic import ValidationError
+
+    try:
+        spec = None
+        if args.draft:
+            n = args.spec_draft_tokens or (args.spec_steps + 1 if args.spec_topk == 1 else 8)
+            spec = SpecConfig(topk=args.spec_topk, steps=args.spec_steps, num_draft_tokens=n)
+        config = EngineConfig(device=args.device, dtype=args.dtype, page_size=args.page_size,
+                              chunk_size=args.chunk_size, spec=spec, cuda_graph=args.cuda_graph == "on")
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                seed=args.seed, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
+    except ValidationError as e:
+        err = e.errors()[0]
+        _fail(f"{'.'.join(str(x) for x in err['loc']) or 'config'}: {err['msg']}")
+    model, draft = args.model, args.draft
+    if model is None:
+        from shared.model.factory import make_model
+
+        tmp = Path(tempfile.mkdtemp(prefix="eyrie-tiny-"))
+        make_model("tiny", tmp)
+        model = tmp / "target"
+    for name, path in (("--model", model), ("--draft", draft)):
+        if path is not None and not (Path(path) / "config.json").exists():
+            _fail(f"{name}: {path} is not a checkpoint directory (no config.json)")
+    try:
+        engine = Engine(model, draft, config)
+        results = engine.generate(args.prompt, params)
+    except RequestError as e:
+        _fail(str(e))
+    for r in results:
+        if args.json:
+            print(json.dumps(r.as_json()))
+        else:
+            print(r.text)
+            if r.spec:
+                print(f"[accept length {r.spec['accept_length']:.2f}, accept rate {r.spec['accept_rate']:.2f}]",
+                      file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""EAGLE draft heads: EAGLE (-1/-2), EAGLE-3 and the multi-layer (MTP-style) chain.
+
+All three share one calling convention: ``forward(batch, cache, layer, features, from_target)``
+runs draft position t on (feature at t, token at t+1) and returns the logits of token t+2 and the
+recurrent hidden state (the feature the next draft step consumes).
+
+Widths are declared once, here (seed 003): ``feature_width(from_target)`` is the input width of
+the draft (target hidden, or 3x target hidden for EAGLE-3's draft extend) and ``hidden_width`` the
+recurrent width (the draft's own hidden size). Buffers, the wire schema and empty batches all ask
+these two methods.
+
+Checkpoint formats:
+* ``eagle``  (SafeAILab EAGLE / SGLang ``LlamaForCausalLMEagle``): ``fc.{weight,bias}`` over
+  concat(embedding, feature), ``layers.N.*`` Llama layers (layer 0 without input_layernorm); the
+  target's LM head applied to the un-normalised output.
+* ``eagle3`` (SGLang ``LlamaForCausalLMEagle3`` / SpecForge): ``fc.weight`` [H, 3H] fusing the low,
+  mid and high target features; ``midlayer.*`` with ``hidden_norm`` and attention over
+  concat(norm(embedding), norm(hidden)); ``norm``; ``lm_head`` over a reduced draft vocabulary with
+  ``d2t`` (target id = draft id + d2t[draft id]) and ``t2d``.
+* ``mtp`` (Eyrie's multi-layer chain, DeepSeek-MTP-like modules): ``layers.N.{enorm,hnorm,eh_proj}``
+  then a Llama layer and a per-layer ``norm`` before the target's LM head. Layer i serves draft step
+  i and owns its own KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shared.batch import ForwardBatch
+from shared.model.config import ModelConfig
+from shared.model.layers import MLP, Attention, DecoderLayer, RMSNorm
+from shared.model.llama import LlamaForCausalLM, default_aux_layers
+from shared.model.loader import CheckpointError, build_module, load_weights, parse_dtype, read_state_dict
+
+DRAFT_ARCHITECTURES = {
+    "LlamaForCausalLMEagle": "eagle", "EagleLlamaForCausalLM": "eagle",
+    "LlamaForCausalLMEagle3": "eagle3", "Eagle3LlamaForCausalLM": "eagle3",
+    "EyrieMultiLayerDraft": "mtp",
+}
+
+
+@dataclass
+class DraftOutput:
+    logits: torch.Tensor  # [R, Vd] float32 over the draft vocabulary, rows = batch.logits_rows
+    hidden: torch.Tensor  # [T, hidden_width] recurrent feature for the next draft step
+
+
+class DraftHead(nn.Module):
+    kind: str
+
+    def __init__(self, config: ModelConfig, target: LlamaForCausalLM):
+        super().__init__()
+        self.config = config
+        self.target_hidden = target.config.hidden_size
+        # The target's embedding and LM head are shared, not owned (not in this state dict).
+        self._target = (target,)
+        self.embed_tokens: nn.Embedding | None = None
+
+    @property
+    def hidden_width(self) -> int:
+        return self.config.hidden_size
+
+    def feature_width(self, from_target: bool) -> int:
+        return self.target_hidden if from_target else self.hidden_width
+
+    @property
+    def num_caches(self) -> int:
+        return 1
+
+    @property
+    def layers_per_cache(self) -> int:
+        return 1
+
+    def cache_for_step(self, step: int) -> int:
+        """Index of the cache (and layer) that draft step ``step`` runs with."""
+        return 0
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        table = self.embed_tokens if self.embed_tokens is not None else self._target[0].model.embed_tokens
+        return table(ids)
+
+    def target_lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        return self._target[0].lm_head(x).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
+
+    @staticmethod
+    def rows(x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return x if batch.logits_rows is None else x[batch.logits_rows]
+
+
+class EagleDraft(DraftHead):
+    kind = "eagle"
+
+    def __init__(self, config: ModelConfig, target: LlamaForCausalLM):
+        super().__init__(config, target)
+        h = config.hidden_size
+        self.fc = nn.Linear(h + self.target_hidden, h, bias=config.fc_bias)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, input_norm=i != 0)
+                                    for i in range(config.num_hidden_layers))
+
+    @property
+    def layers_per_cache(self) -> int:
+        return len(self.layers)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache, step: int, features: torch.Tensor,
+                from_target: bool) -> DraftOutput:
+        x = self.fc(torch.cat([self.embed(batch.input_ids), features.to(self.fc.weight.dtype)], dim=-1))
+        for layer in self.layers:
+            x = layer(x, batch, cache)
+        return DraftOutput(logits=self.target_lm_head(self.rows(x, batch)), hidden=x)
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h = config.hidden_size
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.self_attn = Attention(config, cache_layer=0, in_dim=2 * h)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.mlp = MLP(h, config.intermediate_size)
+
+
+class Eagle3Draft(DraftHead):
+    kind = "eagle3"
+
+    def __init__(self, config: ModelConfig, target: LlamaForCausalLM, aux_layers: tuple[int, ...]):
+        super().__init__(config, target)
+        h = config.hidden_size
+        self.aux_layers = aux_layers
+        self.fc = nn.Linear(len(aux_layers) * self.target_hidden, h, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        vd = config.draft_vocab_size or config.vocab_size
+        self.lm_head = nn.Linear(h, vd, bias=False)
+        self.register_buffer("d2t", torch.zeros(vd, dtype=torch.int64))
+
+    def feature_width(self, from_target: bool) -> int:
+        return len(self.aux_layers) * self.target_hidden if from_target else self.hidden_width
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache, step: int, features: torch.Tensor,
+                from_target: bool) -> DraftOutput:
+        m = self.midlayer
+        h = features.to(self.fc.weight.dtype)
+        h = self.fc(h) if from_target else h
+        a = torch.cat([m.input_layernorm(self.embed(batch.input_ids)), m.hidden_norm(h)], dim=-1)
+        x = h + m.self_attn(a, batch, cache)
+        x = x + m.mlp(m.post_attention_layernorm(x))
+        return DraftOutput(logits=self.lm_head(self.norm(self.rows(x, batch))).float(), hidden=x)
+
+
+class MTPLayer(DecoderLayer):
+    def __init__(self, config: ModelConfig, target_hidden: int):
+        super().__init__(config, cache_layer=0)
+        h = config.hidden_size
+        self.enorm = RMSNorm(h, config.rms_norm_eps)
+        self.hnorm = RMSNorm(target_hidden, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(h + target_hidden, h, bias=False)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+
+
+class MultiLayerDraft(DraftHead):
+    kind = "mtp"
+
+    def __init__(self, config: ModelConfig, target: LlamaForCausalLM):
+        super().__init__(config, target)
+        if config.hidden_size != self.target_hidden:
+            raise CheckpointError("mtp draft: hidden_size must equal the target's (layers feed each other)")
+        self.layers = nn.ModuleList(MTPLayer(config, self.target_hidden) for _ in range(config.num_hidden_layers))
+
+    @property
+    def num_caches(self) -> int:
+        return len(self.layers)
+
+    def cache_for_step(self, step: int) -> int:
+        return step
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache, step: int, features: torch.Tensor,
+                from_target: bool) -> DraftOutput:
+        layer = self.layers[step]
+        e = layer.enorm(self.embed(batch.input_ids))
+        x = layer.eh_proj(torch.cat([e, layer.hnorm(features.to(e.dtype))], dim=-1))
+        x = DecoderLayer.forward(layer, x, batch, cache)
+        return DraftOutput(logits=self.target_lm_head(layer.norm(self.rows(x, batch))), hidden=x)
+
+
+def draft_kind(path: str | Path) -> str:
+    with open(Path(path) / "config.json") as f:
+        archs = json.load(f).get("architectures") or []
+    for arch in archs:
+        if arch in DRAFT_ARCHITECTURES:
+            return DRAFT_ARCHITECTURES[arch]
+    raise CheckpointError(f"{path}: architectures {archs} name no known draft head "
+                          f"({sorted(DRAFT_ARCHITECTURES)})")
+
+
+def aux_layers_of(path: str | Path, target: LlamaForCausalLM) -> tuple[int, ...]:
+    with open(Path(path) / "config.json") as f:
+        cfg = json.load(f)
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return tuple(ids) if ids else default_aux_layers(target.config.num_hidden_layers)
+
+
+def load_draft(path: str | Path, target: LlamaForCausalLM, dtype="float32", device="cpu") -> DraftHead:
+    path = Path(path)
+    kind = draft_kind(path)
+    config = ModelConfig.from_dir(path)
+    dtype, device = parse_dtype(dtype), torch.device(device)
+    state = {k.removeprefix("model."): v for k, v in read_state_dict(path).items()}
+    if kind == "eagle":
+        head = build_module(EagleDraft, config, dtype, device, target)
+    elif kind == "eagle3":
+        head = build_module(Eagle3Draft, config, dtype, device, target, aux_layers_of(path, target))
+        state.pop("t2d", None)  # derivable from d2t; the target->draft direction is never needed
+        if "d2t" in state:
+            with torch.no_grad():
+                head.d2t.copy_(state.pop("d2t").to(torch.int64))
+    else:
+        head = build_module(MultiLayerDraft, config, dtype, device, target)
+    if "embed_tokens.weight" in state:
+        head.embed_tokens = nn.Embedding(*state["embed_tokens.weight"].shape, device=device, dtype=dtype)
+    state.pop("lm_head.weight", None) if kind != "eagle3" else None
+    load_weights(head, state)
+    return head.eval()

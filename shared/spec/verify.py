@@ -1,0 +1,93 @@
+"""Acceptance: which tree path the target agrees with, and the bonus token after it.
+
+Both rules return ``accept_index [B, steps + 1]``: the node indices of the accepted path, root
+first, padded with -1. Its shape gives the stride of every per-token gather that follows (seed 004).
+
+Sampling uses multi-candidate speculative sampling with the draft as a point mass on each child
+(tree tokens are chosen by top-k, deterministically): child x of the current node is accepted with
+probability p(x); on rejection p <- normalize(p with x removed) and the next sibling is tried; the
+bonus token is drawn from what is left of p. Each committed token therefore has exactly the target
+distribution ``target_probs`` defines. Greedy is the same rule with p one-hot, run vectorised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.sampling import SamplingParams, target_probs
+from shared.spec.tree import DraftTree
+
+
+@dataclass
+class Acceptance:
+    accept_index: torch.Tensor  # [B, steps+1] int64 node indices of the accepted path, -1 padded
+    accept_len: torch.Tensor  # [B] int64 accepted nodes including the root (>= 1)
+    bonus: torch.Tensor  # [B] int64 the target's token after the last accepted node
+
+
+def greedy_accept(tree: DraftTree, target_argmax: torch.Tensor, steps: int) -> Acceptance:
+    """target_argmax [B, N]: the target's greedy token after each node."""
+    B = target_argmax.shape[0]
+    device = target_argmax.device
+    cur = torch.zeros(B, dtype=torch.int64, device=device)
+    alive = torch.ones(B, dtype=torch.bool, device=device)
+    index = torch.full((B, steps + 1), -1, dtype=torch.int64, device=device)
+    index[:, 0] = 0
+    for d in range(1, steps + 1):
+        want = target_argmax.gather(1, cur.unsqueeze(1))
+        match = (tree.parents == cur.unsqueeze(1)) & (tree.tokens == want) & alive.unsqueeze(1)
+        found = match.any(dim=1)
+        nxt = match.to(torch.int8).argmax(dim=1)
+        index[:, d] = torch.where(found, nxt, -1)
+        cur = torch.where(found, nxt, cur)
+        alive &= found
+    return Acceptance(index, (index >= 0).sum(dim=1), target_argmax.gather(1, cur.unsqueeze(1)).squeeze(1))
+
+
+def sampled_accept(tree: DraftTree, logits: torch.Tensor, params: list[SamplingParams],
+                   generators: list[torch.Generator], steps: int) -> Acceptance:
+    """logits [B, N, V] of the target after each node; one generator per request."""
+    B, N, V = logits.shape
+    probs = target_probs(logits.reshape(B * N, V), [p for p in params for _ in range(N)]).view(B, N, V).cpu()
+    parents, tokens = tree.parents.cpu(), tree.tokens.cpu()
+    index = torch.full((B, steps + 1), -1, dtype=torch.int64)
+    bonus = torch.empty(B, dtype=torch.int64)
+    for b in range(B):
+        path, last_p = _walk(parents[b], tokens[b], probs[b], generators[b], steps)
+        index[b, :len(path)] = torch.tensor(path)
+        bonus[b] = _draw(last_p, generators[b])
+    device = logits.device
+    index = index.to(device)
+    return Acceptance(index, (index >= 0).sum(dim=1), bonus.to(device))
+
+
+def _walk(parents, tokens, probs, gen, steps) -> tuple[list[int], torch.Tensor]:
+    """The accepted path from the root and the (residual) distribution at its end."""
+    path, cur = [0], 0
+    while len(path) <= steps:
+        p = probs[cur].double().clone()
+        children = (parents == cur).nonzero().flatten().tolist()
+        nxt = None
+        for c in children:
+            x = int(tokens[c])
+            px = float(p[x])
+            if px >= 1.0 or (px > 0.0 and torch.rand(1, generator=gen, dtype=torch.float64).item() < px):
+                nxt = c
+                break
+            p[x] = 0.0
+            p /= p.sum()
+        if nxt is None:
+            return path, p
+        path.append(nxt)
+        cur = nxt
+    return path, probs[cur].double()
+
+
+def _draw(p: torch.Tensor, gen: torch.Generator) -> int:
+    if (p == 1.0).any():  # greedy rows draw nothing
+        return int(p.argmax())
+    u = torch.rand(1, generator=gen, dtype=torch.float64).item()
+    cdf = p.cumsum(0)
+    return int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True).clamp(max=p.numel() - 1))
