@@ -55,7 +55,11 @@ def make_cache(config: ModelConfig, num_layers: int, engine: EngineConfig, max_c
 
 class Engine:
     def __init__(self, model: str | Path | LlamaForCausalLM, draft: str | Path | None = None,
-                 config: EngineConfig = EngineConfig(), tokenizer: Tokenizer | None = None):
+                 config: EngineConfig = EngineConfig(), tokenizer: Tokenizer | None = None,
+                 role: str = "both"):
+        if role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode, got {role!r}")
+        self.role = role
         self.config = config
         self.device = torch.device(config.device)
         if config.device.startswith("cuda") and not torch.cuda.is_available():
@@ -77,7 +81,8 @@ class Engine:
             self.spec = SpecWorker.load(draft, self, config)
         caches = [self.cache] + (self.spec.caches if self.spec else [])
         headroom = self.spec.headroom if self.spec else 1
-        self.scheduler = Scheduler(caches, config.max_running, config.chunk_size, headroom)
+        self.scheduler = Scheduler(caches, config.max_running, config.chunk_size, headroom,
+                                   prefill_only=role == "prefill")
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -129,6 +134,8 @@ class Engine:
         """Run one scheduling step; returns (request, tokens it committed) for each request touched."""
         plan = self.scheduler.schedule()
         events: list[tuple[Request, list[int]]] = []
+        if plan.empty:
+            return events
         if self.spec is None:
             events += self._run_target_step(plan)
         else:
@@ -174,7 +181,7 @@ class Engine:
             self.spec.draft_extend_prefill(plan.prefill, out)
         for ch in plan.prefill:
             if ch.completes_prompt:
-                ch.req.phase = Phase.DECODING
+                ch.req.phase = Phase.HANDOFF if self.role == "prefill" else Phase.DECODING
             elif not any(r is ch.req for r, _ in events):
                 events.append((ch.req, []))
         return events
@@ -185,6 +192,49 @@ class Engine:
         tokens = sample(out.logits, [r.params for r in reqs], [r.generator for r in reqs])
         logprobs = torch.log_softmax(out.logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
         return [(r, r.commit([t], [lp])) for r, t, lp in zip(reqs, tokens.tolist(), logprobs.tolist())]
+
+    # ---- disaggregation: prefill hands requests to a decode instance ------------------------------
+    def take_handoffs(self) -> list[Request]:
+        """Requests whose prefill completed (prefill role); they keep their pages until released."""
+        return [r for r in self.scheduler.running if r.phase is Phase.HANDOFF and r.finish_reason is None]
+
+    def page_ids(self, req: Request) -> list[list[int]]:
+        """Per cache (target first), the request's page ids in position order."""
+        return [cache.pages_of(h, 0, cache.pages_for(h.reserved))
+                for cache, h in zip(self.scheduler.caches, req.handles)]
+
+    def release(self, req: Request, reason: str = "handed_off") -> None:
+        """Drop a request and return its pages (after the decode side acknowledged, or on failure)."""
+        req.finish_reason = req.finish_reason or reason
+        self._finish(req)
+
+    def reserve_handoff(self, rid: str, prompt_ids: list[int], output_ids: list[int],
+                        output_logprobs: list[float], params: SamplingParams, committed_len: int) -> Request | None:
+        """Decode role: claim pages for a request about to arrive; None when it cannot be held now."""
+        if rid in self.requests:
+            raise RequestError("request_id", f"{rid!r} is already here")
+        req = Request(rid=rid, prompt_ids=list(prompt_ids), params=params,
+                      eos_ids=self.model.config.eos_token_ids, generator=make_generator(params.seed))
+        req.output_ids, req.output_logprobs = list(output_ids), list(output_logprobs)
+        self.scheduler.check_fits(req)
+        if not self.scheduler.can_admit(req):
+            return None
+        req.handles = [cache.open() for cache in self.scheduler.caches]
+        for cache, h in zip(self.scheduler.caches, req.handles):
+            cache.reserve(h, committed_len)
+        req.phase = Phase.RECEIVING
+        self.scheduler.running.append(req)
+        self.requests[rid] = req
+        return req
+
+    def activate_handoff(self, req: Request, committed_len: int, draft_state=None) -> None:
+        """The K/V has arrived: the request resumes straight into the decode loop."""
+        req.kv_len = committed_len
+        req.draft_state = draft_state
+        if draft_state is not None and draft_state.rng_state is not None:
+            req.generator.set_state(draft_state.rng_state)
+        req.t_first_token = req.t_first_token or time.perf_counter()
+        req.phase = Phase.DECODING
 
     # ---- the Python API --------------------------------------------------------------------------
     def run_until_done(self, max_steps: int | None = None) -> None:

@@ -24,6 +24,8 @@ class Phase(Enum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
     DECODING = "decoding"
+    HANDOFF = "handoff"  # prefill role: prompt done, waiting to be sent to a decode instance
+    RECEIVING = "receiving"  # decode role: pages reserved, K/V arriving
     FINISHED = "finished"
 
 

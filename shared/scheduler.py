@@ -37,8 +37,10 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, caches: list[KVCache], max_running: int, chunk_size: int | None, headroom: int):
+    def __init__(self, caches: list[KVCache], max_running: int, chunk_size: int | None, headroom: int,
+                 prefill_only: bool = False):
         self.caches = caches
+        self.prefill_only = prefill_only  # a prefill service never decodes: claims stop at the prompt
         self.max_running = max_running
         self.chunk_size = chunk_size
         self.headroom = headroom  # positions beyond the final length a decode step may touch
@@ -46,6 +48,8 @@ class Scheduler:
         self.running: list[Request] = []
 
     def peak_positions(self, req: Request) -> int:
+        if self.prefill_only:
+            return req.prompt_len
         return req.prompt_len + req.params.max_new_tokens + self.headroom
 
     def check_fits(self, req: Request) -> None:
@@ -60,6 +64,12 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_work_to_step(self) -> bool:
+        """Whether a step would run a forward (requests waiting on a transfer need none)."""
+        if any(r.phase in (Phase.PREFILLING, Phase.DECODING) for r in self.running):
+            return True
+        return bool(self.waiting) and self.can_admit(self.waiting[0])
 
     def schedule(self) -> StepPlan:
         plan = StepPlan(decode=[r for r in self.running if r.phase is Phase.DECODING])
@@ -85,6 +95,10 @@ class Scheduler:
             cache.reserve(handle, end)
         plan.prefill.append(Chunk(req, start, end))
         return None if budget is None else budget - (end - start)
+
+    def can_admit(self, req: Request) -> bool:
+        """Whether ``req`` (not yet holding pages) fits beside what running requests may claim."""
+        return len(self.running) < self.max_running and self._admissible(req)
 
     def _admissible(self, req: Request) -> bool:
         for i, cache in enumerate(self.caches):
