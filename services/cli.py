@@ -80,11 +80,12 @@ def cmd_make_model(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from pydantic import ValidationError
+
     from shared.config import EngineConfig, SpecConfig
     from shared.engine import Engine
     from shared.request import RequestError
     from shared.sampling import SamplingParams
-    from pydantic import ValidationError
 
     try:
         spec = None

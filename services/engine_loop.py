@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
 
 from shared.engine import Engine
 from shared.request import Request
@@ -41,7 +41,7 @@ class EngineLoop:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="eyrie-engine", daemon=True)
 
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         self._thread.start()
         return self
 

@@ -89,3 +89,47 @@ def _indptr(lens: list[int]) -> list[int]:
     for n in lens:
         out.append(out[-1] + n)
     return out
+
+
+def build_uniform_batch(
+    cache: KVCache,
+    rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    q_len: int,
+    extra: int,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    write_pos: torch.Tensor,
+    custom_mask: torch.Tensor | None = None,
+    logits_rows: torch.Tensor | None = None,
+    kv_buffer: torch.Tensor | None = None,
+) -> ForwardBatch:
+    """A batch where every request has ``q_len`` queries and ``extra`` slots after its prefix.
+
+    Every decode-side phase has this shape (decode 1/1, verify N/N, draft step k/(base+k), padded
+    draft extend (steps+1)/(steps+1)). Built from device tensors only, with no host read, so it
+    can run inside a CUDA graph; ``kv_buffer`` is the static home of kv_indices when captured.
+    ``custom_mask``: [B, q_len, extra] bool, or None for causal.
+    """
+    from kernels.kv_indices import gather_kv_indices
+
+    B = rows.numel()
+    device = rows.device
+    table = cache.req_to_token.table
+    kv_lens = prefix_lens + extra
+    kv_indptr = torch.zeros(B + 1, dtype=torch.int64, device=device)
+    kv_indptr[1:] = kv_lens.cumsum(0)
+    meta = AttentionMetadata(
+        qo_indptr=torch.arange(B + 1, device=device) * q_len,
+        kv_indptr=kv_indptr,
+        kv_indices=gather_kv_indices(table, rows, kv_lens, kv_indptr, kv_buffer),
+        prefix_lens=prefix_lens,
+    )
+    if custom_mask is not None:
+        meta.custom_mask = custom_mask.reshape(-1)
+        meta.mask_indptr = torch.arange(B + 1, device=device) * (q_len * extra)
+    tok_rows = rows.repeat_interleave(q_len)
+    return ForwardBatch(
+        input_ids=input_ids, positions=positions, out_cache_loc=table[tok_rows, write_pos.reshape(-1)],
+        attn=meta, logits_rows=logits_rows,
+    )

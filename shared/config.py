@@ -17,7 +17,7 @@ class SpecConfig(BaseModel):
     num_draft_tokens: int = 4
 
     @model_validator(mode="after")
-    def _shape(self) -> "SpecConfig":
+    def _shape(self) -> SpecConfig:
         if self.topk < 1:
             raise ValueError("spec topk must be >= 1")
         if self.steps < 1:

@@ -22,7 +22,7 @@ from shared.model.loader import load_target, parse_dtype
 from shared.model.tokenizer import Tokenizer
 from shared.request import Phase, Request, RequestError
 from shared.sampling import SamplingParams, make_generator, sample
-from shared.scheduler import Chunk, Scheduler, StepPlan
+from shared.scheduler import Scheduler, StepPlan
 
 
 @dataclass
@@ -55,11 +55,12 @@ def make_cache(config: ModelConfig, num_layers: int, engine: EngineConfig, max_c
 
 class Engine:
     def __init__(self, model: str | Path | LlamaForCausalLM, draft: str | Path | None = None,
-                 config: EngineConfig = EngineConfig(), tokenizer: Tokenizer | None = None,
+                 config: EngineConfig | None = None, tokenizer: Tokenizer | None = None,
                  role: str = "both"):
         if role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, got {role!r}")
         self.role = role
+        config = config or EngineConfig()
         self.config = config
         self.device = torch.device(config.device)
         if config.device.startswith("cuda") and not torch.cuda.is_available():

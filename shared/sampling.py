@@ -6,6 +6,8 @@ sampling and speculative verification both use it, which is what makes verificat
 
 from __future__ import annotations
 
+import math
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -23,7 +25,7 @@ class SamplingParams(BaseModel):
     @field_validator("temperature")
     @classmethod
     def _temperature(cls, v: float) -> float:
-        if not v >= 0 or v != v or v == float("inf"):
+        if not (math.isfinite(v) and v >= 0):
             raise ValueError("temperature must be a finite number >= 0")
         return v
 

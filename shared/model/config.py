@@ -43,7 +43,7 @@ class ModelConfig(BaseModel):
     target_hidden_size: int | None = None
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict) -> ModelConfig:
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         eos = cfg.get("eos_token_id")
@@ -72,7 +72,7 @@ class ModelConfig(BaseModel):
         )
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> ModelConfig:
         with open(Path(path) / "config.json") as f:
             return cls.from_hf_dict(json.load(f))
 

@@ -48,7 +48,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             state.update(torch.load(file, map_location="cpu", weights_only=True))
             continue
         with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 state[key] = f.get_tensor(key)
     return state
 

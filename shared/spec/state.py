@@ -38,7 +38,7 @@ class DraftState:
         return struct.pack("<I", len(head)) + head + buf.getvalue()
 
     @classmethod
-    def from_bytes(cls, data: bytes, device: torch.device | str = "cpu") -> "DraftState":
+    def from_bytes(cls, data: bytes, device: torch.device | str = "cpu") -> DraftState:
         (n,) = struct.unpack("<I", data[:4])
         header = json.loads(data[4:4 + n])
         if header.get("version") != SCHEMA_VERSION:

@@ -22,8 +22,7 @@ class Candidates:
     depths: torch.Tensor  # [B, M] int64, 1 for the first level
 
     @classmethod
-    def first_level(cls, topk_ids: torch.Tensor, topk_p: torch.Tensor) -> "Candidates":
-        B, k = topk_ids.shape
+    def first_level(cls, topk_ids: torch.Tensor, topk_p: torch.Tensor) -> Candidates:
         return cls(tokens=topk_ids, parents=torch.full_like(topk_ids, -1), scores=topk_p.float(),
                    depths=torch.ones_like(topk_ids))
 

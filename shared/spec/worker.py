@@ -22,8 +22,9 @@ from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import TargetOutput
 from shared.request import Request
 from shared.scheduler import Chunk
+from shared.spec.phases import DecodeInputs, SpecPhases, StepOutput
 from shared.spec.state import DraftState
-from shared.spec.tree import Candidates, DraftTree, select_tree
+from shared.spec.tree import DraftTree
 from shared.spec.verify import Acceptance, greedy_accept, sampled_accept
 
 
@@ -56,9 +57,10 @@ class SpecWorker:
                        for _ in range(n_caches)]
         self.capture_mode = "aux" if draft.kind == "eagle3" else "last"
         self.aux_layers = getattr(draft, "aux_layers", ())
+        self.phases = SpecPhases(self)
 
     @classmethod
-    def load(cls, path: str | Path, engine, config: EngineConfig) -> "SpecWorker":
+    def load(cls, path: str | Path, engine, config: EngineConfig) -> SpecWorker:
         draft = load_draft(path, engine.model, config.dtype, config.device)
         return cls(engine, draft, config.spec or SpecConfig(), config)
 
@@ -121,132 +123,80 @@ class SpecWorker:
 
     # ---- one decode step -------------------------------------------------------------------------
     def decode_step(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
+        """Draft, verify, accept, compact and extend for ``reqs``; host bookkeeping around four
+        pure tensor phases (each can be replayed from a CUDA graph)."""
+        self._reserve(reqs)
+        inp = self._inputs(reqs)
         t0 = time.perf_counter()
-        tree = self.draft_tree(reqs)
+        tree = self.phases.draft(inp)
         t1 = time.perf_counter()
-        out, acc = self.verify(reqs, tree)
+        logits, feats = self.phases.verify(inp, tree)
+        acc = self.accept(reqs, tree, logits)
+        out = self.phases.extend(inp, tree, acc, logits, feats)
         t2 = time.perf_counter()
-        events = self.commit(reqs, tree, out, acc)
+        events = self._commit(reqs, inp, out)
         for req in reqs:
-            req.stats.draft_time_s += (t1 - t0) / max(len(reqs), 1)
-            req.stats.verify_time_s += (t2 - t1) / max(len(reqs), 1)
+            req.stats.draft_time_s += (t1 - t0) / len(reqs)
+            req.stats.verify_time_s += (t2 - t1) / len(reqs)
         return events
 
-    def draft_tree(self, reqs: list[Request]) -> DraftTree:
-        """``steps - 1`` draft forwards grow the tree below the first level from the extend."""
+    def _reserve(self, reqs: list[Request]) -> None:
+        """Pages for every position this step may write: verify nodes, tree scratch, extend."""
         s = self.spec
-        k = s.topk
+        for r in reqs:
+            L = r.draft_state.committed_len
+            self.target_cache.reserve(r.handles[0], L + s.num_draft_tokens)
+            for c, cache in enumerate(self.caches):
+                cache.reserve(r.handles[1 + c], L + max(self.phases.scratch_len(c), s.steps + 1))
+
+    def _inputs(self, reqs: list[Request]) -> DecodeInputs:
+        dev = self.target_cache.spec.device
         states = [r.draft_state for r in reqs]
-        B = len(reqs)
-        dev = self.target_cache.spec.device
-        L = torch.tensor([st.committed_len for st in states], dtype=torch.int64)
-        cand = Candidates.first_level(self._stack([st.topk_ids for st in states], (B, k), torch.int64),
-                                      self._stack([st.topk_p for st in states], (B, k), torch.float32))
-        leaf_idx = torch.arange(k, device=dev).expand(B, k)  # candidate index of each leaf
-        leaf_hidden = self._stack([st.hidden for st in states], (B, self.draft.hidden_width), self.dtype)
-        leaf_hidden = leaf_hidden.unsqueeze(1).expand(B, k, -1)
-        ancestors = torch.zeros(B, k, 0, dtype=torch.bool, device=dev)  # over earlier forwards' leaves
-        step_cache: list[int] = []
-        for i in range(s.steps - 1):
-            c = self.cache_of_step(i + 1)
-            step_cache.append(c)
-            same = torch.tensor([sc == c for sc in step_cache for _ in range(k)], dtype=torch.bool, device=dev)
-            visible = torch.cat([ancestors, torch.eye(k, dtype=torch.bool, device=dev).expand(B, k, k)], 2)
-            o = self._draft_forward(reqs, c, L, i, cand.tokens.gather(1, leaf_idx), leaf_hidden,
-                                    visible[:, :, same], scratch_before=int(same[:-k].sum()))
-            child_p, child_draft = torch.softmax(o.logits, dim=-1).topk(k, dim=-1)  # [B*k, k]
-            child_tokens = self.draft.to_target_ids(child_draft).view(B, k * k)
-            parent_scores = cand.scores.gather(1, leaf_idx)
-            scores = (parent_scores.unsqueeze(2) * child_p.view(B, k, k)).view(B, k * k)
-            base = cand.tokens.shape[1]
-            cand.add(child_tokens, leaf_idx.repeat_interleave(k, dim=1), scores, depth=i + 2)
-            best = scores.topk(k, dim=1).indices  # the next leaves, among this level's children
-            parent_slot = best // k  # which current leaf each next leaf hangs from
-            leaf_hidden = o.hidden.view(B, k, -1).gather(1, parent_slot.unsqueeze(2).expand(-1, -1, o.hidden.shape[-1]))
-            ancestors = torch.cat([ancestors.gather(1, parent_slot.unsqueeze(2).expand(-1, -1, ancestors.shape[2])),
-                                   torch.nn.functional.one_hot(parent_slot, k).bool()], 2)
-            leaf_idx = base + best
-        for c, cache in enumerate(self.caches):  # scratch K/V of the tree is dropped
-            for r, st in zip(reqs, states):
-                cache.shrink(r.handles[1 + c], st.committed_len)
-        roots = torch.tensor([st.bonus_token for st in states], dtype=torch.int64, device=dev)
-        return select_tree(roots, cand, s.num_draft_tokens, s.steps)
-
-    def _draft_forward(self, reqs, c: int, L: torch.Tensor, step: int, tokens: torch.Tensor,
-                       hidden: torch.Tensor, visible: torch.Tensor, scratch_before: int):
-        """Draft forward ``step`` (position L + step) of the k leaves of every request, on cache c."""
-        B, k = tokens.shape
-        cache = self.caches[c]
-        for r, l in zip(reqs, L.tolist()):
-            cache.reserve(r.handles[1 + c], l + scratch_before + k)
-        write = (L.unsqueeze(1) + scratch_before + torch.arange(k)).flatten()
-        positions = (L + step).repeat_interleave(k)
-        batch = build_forward_batch(
-            cache, [r.handles[1 + c].row for r in reqs], L.tolist(), [k] * B, tokens.flatten().cpu(),
-            positions, write, extra_lens=[scratch_before + k] * B, custom_mask=visible.flatten(),
+        return DecodeInputs(
+            target_rows=torch.tensor([r.handles[0].row for r in reqs], dtype=torch.int64, device=dev),
+            draft_rows=torch.tensor([[r.handles[1 + c].row for r in reqs] for c in range(len(self.caches))],
+                                    dtype=torch.int64, device=dev),
+            L=torch.tensor([st.committed_len for st in states], dtype=torch.int64, device=dev),
+            bonus=torch.tensor([st.bonus_token for st in states], dtype=torch.int64, device=dev),
+            hidden=torch.stack([st.hidden.to(dev, self.dtype) for st in states]),
+            topk_p=torch.stack([st.topk_p.to(dev, torch.float32) for st in states]),
+            topk_ids=torch.stack([st.topk_ids.to(dev, torch.int64) for st in states]),
         )
-        return self.draft(batch, cache, c, hidden.reshape(B * k, -1), from_target=False)
 
-    def _stack(self, tensors: list[torch.Tensor], shape: tuple, dtype) -> torch.Tensor:
-        dev = self.target_cache.spec.device
-        if not tensors:
-            return torch.zeros(shape, dtype=dtype, device=dev)
-        return torch.stack([t.to(dev) for t in tensors]).to(dtype)
-
-    # ---- verify ----------------------------------------------------------------------------------
-    def verify(self, reqs: list[Request], tree: DraftTree) -> tuple[TargetOutput, Acceptance]:
-        B, N = tree.tokens.shape
-        L = torch.tensor([r.draft_state.committed_len for r in reqs], dtype=torch.int64)
-        for r, l in zip(reqs, L.tolist()):
-            self.target_cache.reserve(r.handles[0], l + N)
-        write = (L.unsqueeze(1) + torch.arange(N)).flatten()
-        positions = (L.unsqueeze(1) + tree.depths.cpu()).flatten()
-        batch = build_forward_batch(
-            self.target_cache, [r.handles[0].row for r in reqs], L.tolist(), [N] * B,
-            tree.tokens.flatten().cpu(), positions, write, custom_mask=tree.mask.flatten(),
-        )
-        out = self.target(batch, self.target_cache, capture=self.capture_mode, aux_layers=self.aux_layers)
-        logits = out.logits.view(B, N, -1)
+    def accept(self, reqs: list[Request], tree: DraftTree, logits: torch.Tensor) -> Acceptance:
         if all(r.params.greedy for r in reqs):
-            acc = greedy_accept(tree, logits.argmax(dim=-1), self.spec.steps)
-        else:
-            acc = sampled_accept(tree, logits, [r.params for r in reqs], [r.generator for r in reqs],
-                                 self.spec.steps)
-        return out, acc
+            return greedy_accept(tree, logits.argmax(dim=-1), self.spec.steps)
+        return sampled_accept(tree, logits, [r.params for r in reqs], [r.generator for r in reqs],
+                              self.spec.steps)
 
-    # ---- accept: commit tokens, compact K/V, extend the draft ------------------------------------
-    def commit(self, reqs: list[Request], tree: DraftTree, out: TargetOutput,
-               acc: Acceptance) -> list[tuple[Request, list[int]]]:
-        B, N = tree.tokens.shape
-        stride = acc.accept_index.shape[1]  # steps + 1: the one stride of every gather below
-        path = acc.accept_index.clamp(min=0)
-        flat = (path + torch.arange(B, device=path.device).unsqueeze(1) * N).flatten()  # [B*stride]
-        logprobs = torch.log_softmax(out.logits, dim=-1)
-        # Token committed after path node d: the next path node's token, or the bonus after the last.
-        nxt_tok = torch.cat([tree.tokens.gather(1, path[:, 1:]), acc.bonus.unsqueeze(1)], 1)
-        nxt_tok = torch.where(torch.arange(stride, device=path.device) == (acc.accept_len - 1).unsqueeze(1),
-                              acc.bonus.unsqueeze(1), nxt_tok)
-        token_lp = logprobs[flat].gather(1, nxt_tok.reshape(-1, 1)).view(B, stride)
-        path_features = self.features(out)[flat].view(B, stride, -1)
-        lens, toks, lps = acc.accept_len.tolist(), nxt_tok.tolist(), token_lp.tolist()
-        index_host = acc.accept_index.tolist()
-        events, spans, feats = [], [], []
+    def _commit(self, reqs: list[Request], inp: DecodeInputs, out: StepOutput) -> list[tuple[Request, list[int]]]:
+        """Host side: hand tokens to requests, release what they no longer need, keep the state."""
+        lens = out.accept_len.tolist()
+        toks, lps = out.tokens.tolist(), out.logprobs.tolist()
+        self._sync_host_rows(reqs, inp)
+        events = []
         for b, req in enumerate(reqs):
             n = lens[b]
             L = req.draft_state.committed_len
-            taken = req.commit(toks[b][:n], lps[b][:n])
-            events.append((req, taken))
+            events.append((req, req.commit(toks[b][:n], lps[b][:n])))
             req.stats.verify_steps += 1
             req.stats.accepted_drafts += n - 1
             req.stats.proposed_drafts += self.spec.steps
             if req.finish_reason is not None:
-                continue
-            self.target_cache.compact(req.handles[0], L, index_host[b][:n])
-            self.target_cache.shrink(req.handles[0], L + n)
+                continue  # the engine returns all its pages
             req.kv_len = L + n
-            spans.append((req, L, L + n))
-            feats.append(path_features[b, :n])
-        width = self.draft.feature_width(from_target=True)
-        features = torch.cat(feats) if feats else torch.zeros(0, width, device=path.device, dtype=self.dtype)
-        self.draft_extend(spans, features, [True] * len(spans))
+            for cache, h in zip([self.target_cache] + self.caches, req.handles):
+                cache.shrink(h, L + n)
+            req.draft_state = DraftState(bonus_token=toks[b][n - 1], committed_len=L + n, hidden=out.hidden[b],
+                                         topk_p=out.topk_p[b], topk_ids=out.topk_ids[b])
         return events
+
+    def _sync_host_rows(self, reqs: list[Request], inp: DecodeInputs) -> None:
+        """Page size 1 compacts by permuting the device table; mirror the touched span on the host."""
+        if self.target_cache.page_size != 1:
+            return
+        n = self.spec.num_draft_tokens
+        span = inp.L.unsqueeze(1) + torch.arange(n, device=inp.L.device)
+        table = self.target_cache.req_to_token
+        values = table.table[inp.target_rows.unsqueeze(1), span].cpu()
+        table.host[inp.target_rows.cpu().unsqueeze(1), span.cpu()] = values

@@ -1,0 +1,178 @@
+"""The decode step's tensor phases: draft loop, verify, and compaction + draft extend.
+
+Each phase is a pure function of device tensors with static shapes (every request of the batch has
+the same number of tree nodes, draft leaves and extend slots), so each can be captured in a CUDA
+graph per batch-size bucket and replayed; on the CPU the same functions run eagerly. Nothing here
+reads a value back to the host. Positions come from committed lengths (seed 002): draft step i of a
+request with committed length L runs at L + i, tree node n at L + depth(n), extend slot j at L + j.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shared.batch import build_uniform_batch
+from shared.spec.tree import Candidates, DraftTree, select_tree
+from shared.spec.verify import Acceptance
+
+
+@dataclass
+class DecodeInputs:
+    """One decode step's batch. Padding rows use request row 0 (all slots on the sink page) and L=0."""
+
+    target_rows: torch.Tensor  # [B] int64 rows in the target request-to-token map
+    draft_rows: torch.Tensor  # [C, B] int64 rows in each draft cache's map
+    L: torch.Tensor  # [B] int64 committed lengths
+    bonus: torch.Tensor  # [B] int64 the token at position L (root of the tree)
+    hidden: torch.Tensor  # [B, Hd] draft recurrent hidden state
+    topk_p: torch.Tensor  # [B, k] float32 first tree level probabilities
+    topk_ids: torch.Tensor  # [B, k] int64 first tree level target token ids
+
+
+@dataclass
+class StepOutput:
+    accept_len: torch.Tensor  # [B] int64 accepted nodes incl. the root = tokens committed this step
+    tokens: torch.Tensor  # [B, steps+1] int64 committed tokens in order (first accept_len valid)
+    logprobs: torch.Tensor  # [B, steps+1] float32 target log p of each committed token
+    hidden: torch.Tensor  # [B, Hd] next draft state: recurrent hidden
+    topk_p: torch.Tensor  # [B, k] next draft state: first tree level
+    topk_ids: torch.Tensor  # [B, k]
+
+
+class SpecPhases:
+    def __init__(self, worker):
+        self.w = worker
+        self.spec = worker.spec
+        k, steps = self.spec.topk, self.spec.steps
+        # Which cache each draft loop forward runs on, and how many scratch slots precede it there.
+        self.step_cache = [worker.cache_of_step(i + 1) for i in range(steps - 1)]
+        self.scratch_before = [k * self.step_cache[:i].count(c) for i, c in enumerate(self.step_cache)]
+        # Columns of the scratch-ancestor mask that live in the cache of forward i.
+        dev = worker.target_cache.spec.device
+        self.visible_cols = [
+            torch.tensor([j * k + m for j, sc in enumerate(self.step_cache[:i + 1]) for m in range(k) if sc == c],
+                         dtype=torch.int64, device=dev)
+            for i, c in enumerate(self.step_cache)
+        ]
+
+    def scratch_len(self, c: int) -> int:
+        return self.spec.topk * self.step_cache.count(c)
+
+    # ---- draft loop ------------------------------------------------------------------------------
+    def draft(self, inp: DecodeInputs) -> DraftTree:
+        """``steps - 1`` draft forwards grow the tree below the first level (from the last extend)."""
+        w, k = self.w, self.spec.topk
+        B = inp.L.numel()
+        dev = inp.L.device
+        cand = Candidates.first_level(inp.topk_ids, inp.topk_p)
+        leaf_idx = torch.arange(k, device=dev).expand(B, k)  # candidate index of each leaf
+        leaf_hidden = inp.hidden.unsqueeze(1).expand(B, k, -1)
+        ancestors = torch.zeros(B, k, 0, dtype=torch.bool, device=dev)  # over earlier forwards' leaves
+        eye = torch.eye(k, dtype=torch.bool, device=dev).expand(B, k, k)
+        for i, c in enumerate(self.step_cache):
+            visible = torch.cat([ancestors, eye], 2).index_select(2, self.visible_cols[i])  # this cache's slots
+            base = self.scratch_before[i]
+            cache = w.caches[c]
+            batch = build_uniform_batch(
+                cache, inp.draft_rows[c], inp.L, k, base + k, cand.tokens.gather(1, leaf_idx).reshape(-1),
+                (inp.L + i).repeat_interleave(k), (inp.L.unsqueeze(1) + base + torch.arange(k, device=dev)),
+                custom_mask=visible,
+            )
+            o = w.draft(batch, cache, c, leaf_hidden.reshape(B * k, -1), from_target=False)
+            child_p, child_draft = torch.softmax(o.logits, dim=-1).topk(k, dim=-1)  # [B*k, k]
+            scores = (cand.scores.gather(1, leaf_idx).unsqueeze(2) * child_p.view(B, k, k)).view(B, k * k)
+            first_child = cand.tokens.shape[1]
+            cand.add(w.draft.to_target_ids(child_draft).view(B, k * k), leaf_idx.repeat_interleave(k, dim=1),
+                     scores, depth=i + 2)
+            best = scores.topk(k, dim=1).indices  # the next leaves, among this level's children
+            parent_slot = best // k  # which current leaf each next leaf hangs from
+            leaf_hidden = o.hidden.view(B, k, -1).gather(1, parent_slot.unsqueeze(2).expand(-1, -1, o.hidden.shape[-1]))
+            ancestors = torch.cat([ancestors.gather(1, parent_slot.unsqueeze(2).expand(-1, -1, ancestors.shape[2])),
+                                   F.one_hot(parent_slot, k).bool()], 2)
+            leaf_idx = first_child + best
+        return select_tree(inp.bonus, cand, self.spec.num_draft_tokens, self.spec.steps)
+
+    # ---- verify ----------------------------------------------------------------------------------
+    def verify(self, inp: DecodeInputs, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target forward over every tree node: logits [B, N, V] and features [B, N, W]."""
+        w = self.w
+        B, N = tree.tokens.shape
+        dev = inp.L.device
+        batch = build_uniform_batch(
+            w.target_cache, inp.target_rows, inp.L, N, N, tree.tokens.reshape(-1),
+            (inp.L.unsqueeze(1) + tree.depths).reshape(-1), inp.L.unsqueeze(1) + torch.arange(N, device=dev),
+            custom_mask=tree.mask,
+        )
+        out = w.target(batch, w.target_cache, capture=w.capture_mode, aux_layers=w.aux_layers)
+        feats = w.features(out)
+        return out.logits.view(B, N, -1), feats.view(B, N, feats.shape[-1])
+
+    # ---- compaction and draft extend -------------------------------------------------------------
+    def extend(self, inp: DecodeInputs, tree: DraftTree, acc: Acceptance, logits: torch.Tensor,
+               feats: torch.Tensor) -> StepOutput:
+        """Keep the accepted path's K/V at positions L.., gather every per-token output by the one
+        accept index, and run the draft over the committed tokens (padded to steps + 1 slots)."""
+        w = self.w
+        stride = acc.accept_index.shape[1]  # steps + 1: the stride of every gather below (seed 004)
+        dev = inp.L.device
+        path = acc.accept_index.clamp(min=0)
+        valid = acc.accept_index >= 0
+        last = acc.accept_len - 1
+        slot = torch.arange(stride, device=dev)
+        # The token committed after path node d: the next path node's token, the bonus after the last.
+        tokens = torch.cat([tree.tokens.gather(1, path[:, 1:]), acc.bonus.unsqueeze(1)], 1)
+        tokens = torch.where(slot == last.unsqueeze(1), acc.bonus.unsqueeze(1), tokens)
+        logprobs = torch.log_softmax(logits.gather(1, path.unsqueeze(2).expand(-1, -1, logits.shape[2])), dim=-1)
+        logprobs = logprobs.gather(2, tokens.unsqueeze(2)).squeeze(2)
+        path_feats = feats.gather(1, path.unsqueeze(2).expand(-1, -1, feats.shape[2]))
+        self._compact_target(inp, acc.accept_index, valid)
+        ext_hidden, ext_logits = self._extend(inp, tokens, path_feats, last)
+        topk_p, topk_draft = torch.softmax(ext_logits, dim=-1).topk(self.spec.topk, dim=-1)
+        return StepOutput(accept_len=acc.accept_len, tokens=tokens, logprobs=logprobs, hidden=ext_hidden,
+                          topk_p=topk_p, topk_ids=w.draft.to_target_ids(topk_draft))
+
+    def _compact_target(self, inp: DecodeInputs, accept_index: torch.Tensor, valid: torch.Tensor) -> None:
+        """Accepted node n at path depth d moves from position L + n to L + d (n >= d)."""
+        cache = self.w.target_cache
+        table = cache.req_to_token.table
+        B, stride = accept_index.shape
+        N = self.spec.num_draft_tokens
+        dev = accept_index.device
+        rows = inp.target_rows.unsqueeze(1)
+        if cache.page_size == 1:
+            # Re-point positions: the accepted nodes' slots first, the others after (still owned).
+            node = torch.arange(N, device=dev).expand(B, N)
+            depth_of = torch.full((B, N), N, dtype=torch.int64, device=dev)
+            depth_of.scatter_(1, accept_index.clamp(min=0), torch.where(valid, torch.arange(stride, device=dev), N))
+            depth_of[:, 0] = 0
+            order = torch.argsort(depth_of * (N + 1) + node, dim=1)
+            span = inp.L.unsqueeze(1) + node
+            table[rows, span] = table[rows, span].gather(1, order)
+            return
+        src = table[rows, inp.L.unsqueeze(1) + accept_index.clamp(min=0)]
+        dst = table[rows, inp.L.unsqueeze(1) + torch.arange(stride, device=dev)]
+        src = torch.where(valid, src, 0).reshape(-1)  # padding moves go to the sink slot 0
+        dst = torch.where(valid, dst, 0).reshape(-1)
+        for layer in range(len(cache.k)):
+            cache.k[layer][dst] = cache.k[layer][src]  # gathers before it scatters
+            cache.v[layer][dst] = cache.v[layer][src]
+
+    def _extend(self, inp: DecodeInputs, tokens: torch.Tensor, feats: torch.Tensor, last: torch.Tensor):
+        """Draft positions L .. L+steps over (target feature, committed token); rows past the accepted
+        length are padding whose K/V lands beyond the committed length and is never read."""
+        w = self.w
+        B, stride = tokens.shape
+        dev = tokens.device
+        slots = inp.L.unsqueeze(1) + torch.arange(stride, device=dev)
+        out_rows = torch.arange(B, device=dev) * stride + last
+        hidden = logits = None
+        for c, cache in enumerate(w.caches):
+            batch = build_uniform_batch(cache, inp.draft_rows[c], inp.L, stride, stride, tokens.reshape(-1),
+                                        slots.reshape(-1), slots, logits_rows=out_rows)
+            o = w.draft(batch, cache, c, feats.reshape(B * stride, -1), from_target=True)
+            if c == 0:
+                hidden, logits = o.hidden[out_rows], o.logits
+        return hidden, logits
