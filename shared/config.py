@@ -42,6 +42,8 @@ class EngineConfig(BaseModel):
     spec: SpecConfig | None = None
     aux_layers: tuple[int, ...] | None = None  # EAGLE-3 capture layers; None: from the draft config
     cuda_graph: bool = False  # capture decode phases as CUDA graphs (CUDA only)
+    cuda_graph_phases: tuple[str, ...] = ("decode", "draft", "verify", "extend")  # each switchable
+    cuda_graph_max_bs: int = 32  # larger batches run eagerly
 
     @field_validator("device")
     @classmethod

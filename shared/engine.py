@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from shared.batch import build_forward_batch
+from shared.batch import build_forward_batch, build_uniform_batch
 from shared.config import EngineConfig
 from shared.memory.kv_cache import CacheSpec, KVCache
 from shared.model.config import ModelConfig
@@ -22,6 +22,7 @@ from shared.model.loader import load_target, parse_dtype
 from shared.model.tokenizer import Tokenizer
 from shared.request import Phase, Request, RequestError
 from shared.sampling import SamplingParams, make_generator, sample
+from shared.runner import PhaseGraphs, pad_rows
 from shared.scheduler import Scheduler, StepPlan
 
 
@@ -84,6 +85,8 @@ class Engine:
         headroom = self.spec.headroom if self.spec else 1
         self.scheduler = Scheduler(caches, config.max_running, config.chunk_size, headroom,
                                    prefill_only=role == "prefill")
+        graphs_on = set(config.cuda_graph_phases) if config.cuda_graph else set()
+        self.decode_graphs = PhaseGraphs("decode", self._decode_phase, "decode" in graphs_on, config.cuda_graph_max_bs)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -137,7 +140,9 @@ class Engine:
         events: list[tuple[Request, list[int]]] = []
         if plan.empty:
             return events
-        if self.spec is None:
+        if self.spec is None and not plan.prefill and self.decode_graphs.enabled:
+            events += self._run_decode_step(plan.decode)
+        elif self.spec is None:
             events += self._run_target_step(plan)
         else:
             if plan.prefill:
@@ -186,6 +191,25 @@ class Engine:
             elif not any(r is ch.req for r, _ in events):
                 events.append((ch.req, []))
         return events
+
+    def _decode_phase(self, rows: torch.Tensor, lengths: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Pure tensor decode forward (graph-capturable): one token per request at its length."""
+        batch = build_uniform_batch(self.cache, rows, lengths, 1, 1, tokens, lengths, lengths.unsqueeze(1))
+        return self.model(batch, self.cache).logits
+
+    def _run_decode_step(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
+        n = len(reqs)
+        bs = self.decode_graphs.bucket(n) or n
+        for req in reqs:
+            self.cache.reserve(req.handles[0], req.kv_len + 1)
+        dev = self.device
+        rows = pad_rows(torch.tensor([r.handles[0].row for r in reqs], dtype=torch.int64, device=dev), bs)
+        lengths = pad_rows(torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=dev), bs)
+        tokens = pad_rows(torch.tensor([r.all_ids[r.kv_len] for r in reqs], dtype=torch.int64, device=dev), bs)
+        logits = self.decode_graphs(rows, lengths, tokens)[:n]
+        for req in reqs:
+            req.kv_len += 1
+        return self._sample_and_commit(TargetOutput(logits=logits), reqs)
 
     def _sample_and_commit(self, out: TargetOutput, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
         if not reqs:

@@ -24,7 +24,7 @@ class DecodeInputs:
     """One decode step's batch. Padding rows use request row 0 (all slots on the sink page) and L=0."""
 
     target_rows: torch.Tensor  # [B] int64 rows in the target request-to-token map
-    draft_rows: torch.Tensor  # [C, B] int64 rows in each draft cache's map
+    draft_rows: torch.Tensor  # [B, C] int64 rows in each draft cache's map
     L: torch.Tensor  # [B] int64 committed lengths
     bonus: torch.Tensor  # [B] int64 the token at position L (root of the tree)
     hidden: torch.Tensor  # [B, Hd] draft recurrent hidden state
@@ -77,7 +77,7 @@ class SpecPhases:
             base = self.scratch_before[i]
             cache = w.caches[c]
             batch = build_uniform_batch(
-                cache, inp.draft_rows[c], inp.L, k, base + k, cand.tokens.gather(1, leaf_idx).reshape(-1),
+                cache, inp.draft_rows[:, c], inp.L, k, base + k, cand.tokens.gather(1, leaf_idx).reshape(-1),
                 (inp.L + i).repeat_interleave(k), (inp.L.unsqueeze(1) + base + torch.arange(k, device=dev)),
                 custom_mask=visible,
             )
@@ -170,7 +170,7 @@ class SpecPhases:
         out_rows = torch.arange(B, device=dev) * stride + last
         hidden = logits = None
         for c, cache in enumerate(w.caches):
-            batch = build_uniform_batch(cache, inp.draft_rows[c], inp.L, stride, stride, tokens.reshape(-1),
+            batch = build_uniform_batch(cache, inp.draft_rows[:, c], inp.L, stride, stride, tokens.reshape(-1),
                                         slots.reshape(-1), slots, logits_rows=out_rows)
             o = w.draft(batch, cache, c, feats.reshape(B * stride, -1), from_target=True)
             if c == 0:

@@ -22,6 +22,7 @@ from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import TargetOutput
 from shared.request import Request
 from shared.scheduler import Chunk
+from shared.runner import PhaseGraphs, pad_rows, tree_map
 from shared.spec.phases import DecodeInputs, SpecPhases, StepOutput
 from shared.spec.state import DraftState
 from shared.spec.tree import DraftTree
@@ -58,6 +59,9 @@ class SpecWorker:
         self.capture_mode = "aux" if draft.kind == "eagle3" else "last"
         self.aux_layers = getattr(draft, "aux_layers", ())
         self.phases = SpecPhases(self)
+        on = set(config.cuda_graph_phases) if config.cuda_graph else set()
+        self.graphs = {name: PhaseGraphs(name, getattr(self.phases, name), name in on, config.cuda_graph_max_bs)
+                       for name in ("draft", "verify", "extend")}
 
     @classmethod
     def load(cls, path: str | Path, engine, config: EngineConfig) -> SpecWorker:
@@ -126,13 +130,17 @@ class SpecWorker:
         """Draft, verify, accept, compact and extend for ``reqs``; host bookkeeping around four
         pure tensor phases (each can be replayed from a CUDA graph)."""
         self._reserve(reqs)
-        inp = self._inputs(reqs)
+        n = len(reqs)
+        bs = self.graphs["draft"].bucket(n) or n  # padded rows: request row 0, length 0
+        inp = tree_map(lambda t: pad_rows(t, bs), self._inputs(reqs))
         t0 = time.perf_counter()
-        tree = self.phases.draft(inp)
+        tree = self.graphs["draft"](inp)
         t1 = time.perf_counter()
-        logits, feats = self.phases.verify(inp, tree)
+        logits, feats = self.graphs["verify"](inp, tree)
         acc = self.accept(reqs, tree, logits)
-        out = self.phases.extend(inp, tree, acc, logits, feats)
+        out = self.graphs["extend"](inp, tree, acc, logits, feats)
+        out = tree_map(lambda t: t[:n], out)
+        inp = tree_map(lambda t: t[:n], inp)
         t2 = time.perf_counter()
         events = self._commit(reqs, inp, out)
         for req in reqs:
@@ -154,8 +162,7 @@ class SpecWorker:
         states = [r.draft_state for r in reqs]
         return DecodeInputs(
             target_rows=torch.tensor([r.handles[0].row for r in reqs], dtype=torch.int64, device=dev),
-            draft_rows=torch.tensor([[r.handles[1 + c].row for r in reqs] for c in range(len(self.caches))],
-                                    dtype=torch.int64, device=dev),
+            draft_rows=torch.tensor([[h.row for h in r.handles[1:]] for r in reqs], dtype=torch.int64, device=dev),
             L=torch.tensor([st.committed_len for st in states], dtype=torch.int64, device=dev),
             bonus=torch.tensor([st.bonus_token for st in states], dtype=torch.int64, device=dev),
             hidden=torch.stack([st.hidden.to(dev, self.dtype) for st in states]),
@@ -164,10 +171,15 @@ class SpecWorker:
         )
 
     def accept(self, reqs: list[Request], tree: DraftTree, logits: torch.Tensor) -> Acceptance:
+        """Greedy on the device for the whole (padded) batch; sampling per request on the host."""
         if all(r.params.greedy for r in reqs):
             return greedy_accept(tree, logits.argmax(dim=-1), self.spec.steps)
-        return sampled_accept(tree, logits, [r.params for r in reqs], [r.generator for r in reqs],
-                              self.spec.steps)
+        n, bs = len(reqs), logits.shape[0]
+        sub = tree_map(lambda t: t[:n], tree)
+        acc = sampled_accept(sub, logits[:n], [r.params for r in reqs], [r.generator for r in reqs], self.spec.steps)
+        index = pad_rows(acc.accept_index, bs, -1)
+        index[n:, 0] = 0
+        return Acceptance(index, pad_rows(acc.accept_len, bs, 1), pad_rows(acc.bonus, bs))
 
     def _commit(self, reqs: list[Request], inp: DecodeInputs, out: StepOutput) -> list[tuple[Request, list[int]]]:
         """Host side: hand tokens to requests, release what they no longer need, keep the state."""
