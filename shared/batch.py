@@ -23,7 +23,7 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor  # [T] int64, slot each token's K/V is written to
     attn: AttentionMetadata
     logits_rows: torch.Tensor | None = None  # [R] int64 rows of T that need logits; None = all
-    hidden_in: torch.Tensor | None = None  # [T, W] draft feature input (drafts only)
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # RoPE of `positions`, memoised per forward
 
     @property
     def num_tokens(self) -> int:
@@ -41,7 +41,6 @@ def build_forward_batch(
     extra_lens: list[int] | None = None,
     custom_mask: torch.Tensor | None = None,
     logits_rows: torch.Tensor | None = None,
-    hidden_in: torch.Tensor | None = None,
 ) -> ForwardBatch:
     """Assemble a forward batch over ``cache``.
 
@@ -80,7 +79,6 @@ def build_forward_batch(
         out_cache_loc=out_cache_loc,
         attn=meta,
         logits_rows=None if logits_rows is None else logits_rows.to(device),
-        hidden_in=hidden_in,
     )
 
 

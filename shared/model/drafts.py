@@ -33,7 +33,7 @@ from torch import nn
 
 from shared.batch import ForwardBatch
 from shared.model.config import ModelConfig
-from shared.model.layers import MLP, Attention, DecoderLayer, RMSNorm
+from shared.model.layers import MLP, Attention, DecoderLayer, RMSNorm, fuse_projections
 from shared.model.llama import LlamaForCausalLM, default_aux_layers
 from shared.model.loader import CheckpointError, build_module, load_weights, parse_dtype, read_state_dict
 
@@ -234,4 +234,4 @@ def load_draft(path: str | Path, target: LlamaForCausalLM, dtype="float32", devi
         head.embed_tokens = nn.Embedding(*state["embed_tokens.weight"].shape, device=device, dtype=dtype)
     state.pop("lm_head.weight", None) if kind != "eagle3" else None
     load_weights(head, state)
-    return head.eval()
+    return fuse_projections(head).eval()

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.batch import ForwardBatch
+from kernels.norm_rope import apply_rope, rms_norm
 from shared.model.config import ModelConfig, RopeConfig
 
 
@@ -19,10 +20,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)[0]
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one pass."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -47,17 +49,14 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.float().unsqueeze(0)  # [T, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos = emb.cos().to(q.dtype).unsqueeze(1)
-        sin = emb.sin().to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return freqs.cos(), freqs.sin()
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    def forward(self, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor):
+        if batch.cos_sin is None:  # computed once per forward, shared by every layer
+            batch.cos_sin = self.cos_sin(batch.positions)
+        return apply_rope(q, k, *batch.cos_sin)
 
 
 def attention_fn():
@@ -85,13 +84,30 @@ class Attention(nn.Module):
         self.rotary = RotaryEmbedding(config.rope, self.head_dim)
         self.scale = self.head_dim ** -0.5
         self._attend = attention_fn()
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse(): one GEMM instead of three
+        self.qkv_bias: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """Concatenate q/k/v projections after loading (checkpoints name them separately)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = torch.cat([p.weight for p in projs])
+        self.qkv_bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _qkv(self, x: torch.Tensor):
+        if self.qkv_weight is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return F.linear(x, self.qkv_weight, self.qkv_bias).split([qd, kd, kd], dim=-1)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(batch.positions, q, k)
+        q, k, v = self._qkv(x)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(batch, q, k)
         k_cache, v_cache = cache.k[self.cache_layer], cache.v[self.cache_layer]
         k_cache[batch.out_cache_loc] = k.to(k_cache.dtype)
         v_cache[batch.out_cache_loc] = v.to(v_cache.dtype)
@@ -105,9 +121,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -122,5 +147,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         h = self.input_layernorm(x) if self.input_layernorm is not None else x
-        x = x + self.self_attn(h, batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.add_forward(self.self_attn(h, batch, cache), x)
+        return x + self.mlp(h)
+
+
+def fuse_projections(module: nn.Module) -> nn.Module:
+    """Merge q/k/v and gate/up GEMMs of every layer (after the checkpoint is loaded)."""
+    for m in list(module.modules()):
+        if isinstance(m, (Attention, MLP)) and getattr(m, "qkv_weight", None) is None \
+                and getattr(m, "gate_up_weight", None) is None:
+            m.fuse()
+    return module

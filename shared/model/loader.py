@@ -10,6 +10,7 @@ from safetensors import safe_open
 from torch import nn
 
 from shared.model.config import ModelConfig
+from shared.model.layers import fuse_projections
 from shared.model.llama import LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -88,4 +89,4 @@ def load_target(path: str | Path, dtype="float32", device="cpu") -> LlamaForCaus
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     load_weights(model, state)
-    return model.eval()
+    return fuse_projections(model).eval()

@@ -64,8 +64,9 @@ class SpecWorker:
                        for name in ("draft", "verify", "extend")}
 
     @classmethod
-    def load(cls, path: str | Path, engine, config: EngineConfig) -> SpecWorker:
-        draft = load_draft(path, engine.model, config.dtype, config.device)
+    def load(cls, path: str | Path | DraftHead, engine, config: EngineConfig) -> SpecWorker:
+        """``path``: a draft checkpoint directory, or a draft head already built on the target."""
+        draft = path if isinstance(path, DraftHead) else load_draft(path, engine.model, config.dtype, config.device)
         return cls(engine, draft, config.spec or SpecConfig(), config)
 
     @property

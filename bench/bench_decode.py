@@ -1,0 +1,165 @@
+"""Decode-side step times on the 8B shape vs the bandwidth floor, eager vs CUDA graph.
+
+Questions answered (one table each, all in one JSON):
+  decode   target decode step, batch x context, eager and graph, vs floor = (weights + KV) / copy BW
+  verify   verify of N draft tokens at batch 1 vs a single-token decode step
+  spec     EAGLE draft loop, verify, extend and the whole iteration at batch 1 (steps=5, topk=1)
+The K/V of each request is reserved to the context length and left as it is (timing does not
+depend on its values), so no 8k-token prefill is needed.
+
+    python bench/bench_decode.py --out docs/bench/decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import build_draft, build_target, copy_bandwidth, engine_config, param_bytes, time_cuda, write_json  # noqa: E402
+from shared.config import SpecConfig  # noqa: E402
+from shared.engine import Engine  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
+
+
+def fake_requests(engine: Engine, batch: int, ctx: int, max_new: int = 64):
+    """Requests holding ``ctx`` positions of K/V in every cache, ready to decode."""
+    reqs = []
+    for i in range(batch):
+        req = engine.reserve_handoff(f"b{i}", [1] * ctx, [2], [0.0], SamplingParams(max_new_tokens=max_new, ignore_eos=True), ctx)
+        assert req is not None, "pool too small for the benchmark"
+        engine.activate_handoff(req, ctx)
+        reqs.append(req)
+    return reqs
+
+
+def kv_bytes(engine: Engine, tokens: int) -> int:
+    c = engine.cache.spec
+    return 2 * c.num_layers * tokens * c.num_kv_heads * c.head_dim * torch.tensor([], dtype=c.dtype).element_size()
+
+
+def bench_target_decode(target, bw, batches, contexts, rows_out):
+    for ctx in contexts:
+        for bs in batches:
+            engine = Engine(target, config=engine_config(ctx, bs))
+            reqs = fake_requests(engine, bs, ctx)
+            dev = engine.device
+            rows = torch.tensor([r.handles[0].row for r in reqs], device=dev)
+            lens = torch.full((bs,), ctx, dtype=torch.int64, device=dev)
+            toks = torch.ones(bs, dtype=torch.int64, device=dev)
+            for r in reqs:
+                engine.cache.reserve(r.handles[0], ctx + 1)
+            g = engine.decode_graphs
+            ms_graph = time_cuda(lambda: g(rows, lens, toks))
+            g.capture = False
+            ms_eager = time_cuda(lambda: g(rows, lens, toks), iters=10)
+            floor_ms = (param_bytes(target) + kv_bytes(engine, bs * ctx)) / bw * 1e3
+            row = {"batch": bs, "context": ctx, "eager_ms": ms_eager, "graph_ms": ms_graph, "floor_ms": floor_ms,
+                   "graph_over_floor": ms_graph / floor_ms, "tok_per_s": bs / ms_graph * 1e3}
+            rows_out.append(row)
+            print(f"decode bs={bs:3d} ctx={ctx:5d} eager {ms_eager:7.2f} ms  graph {ms_graph:7.2f} ms  "
+                  f"floor {floor_ms:6.2f} ms  x{ms_graph / floor_ms:.3f}", flush=True)
+            del engine
+            torch.cuda.empty_cache()
+
+
+def spec_engine(target, draft, ctx, topk, steps, n):
+    engine = Engine(target, draft, engine_config(ctx + 1024, 1, spec=SpecConfig(topk=topk, steps=steps, num_draft_tokens=n)))
+    reqs = fake_requests(engine, 1, ctx, max_new=512)
+    dev = engine.device
+    k = topk
+    from shared.spec.state import DraftState
+
+    for r in reqs:
+        r.draft_state = DraftState(bonus_token=2, committed_len=ctx, hidden=torch.zeros(draft.hidden_width, device=dev,
+                                   dtype=torch.bfloat16), topk_p=torch.full((k,), 1.0 / k, device=dev),
+                                   topk_ids=torch.arange(k, device=dev))
+    return engine, reqs
+
+
+def bench_spec(target, draft, bw, ctx, results):
+    w_bytes = param_bytes(target)
+    floor_ms = (w_bytes + kv_bytes_for(target, ctx)) / bw * 1e3
+    # Verify cost vs N at batch 1.
+    for n in (4, 8, 16, 32, 64):
+        topk = 1 if n <= 8 else 4
+        steps = n - 1 if topk == 1 else 5
+        if topk > 1 and n > 1 + topk + (steps - 1) * topk * topk:
+            continue
+        engine, reqs = spec_engine(target, draft, ctx, topk, steps, n)
+        w = engine.spec
+        w._reserve(reqs)
+        inp = w._inputs(reqs)
+        tree = w.graphs["draft"](inp)
+        ms = time_cuda(lambda: w.graphs["verify"](inp, tree))
+        results["verify"].append({"num_draft_tokens": n, "graph_ms": ms, "floor_ms": floor_ms})
+        print(f"verify N={n:3d} {ms:7.2f} ms", flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    # The whole EAGLE iteration, chain steps=5.
+    engine, reqs = spec_engine(target, draft, ctx, 1, 5, 6)
+    w = engine.spec
+    w._reserve(reqs)
+    inp = w._inputs(reqs)
+    tree = w.graphs["draft"](inp)
+    logits, feats = w.graphs["verify"](inp, tree)
+    acc = w.accept(reqs, tree, logits)
+    row = {}
+    for graphs in (True, False):
+        for g in w.graphs.values():
+            g.capture = graphs
+        tag = "graph" if graphs else "eager"
+        row[f"draft_{tag}_ms"] = time_cuda(lambda: w.graphs["draft"](inp), iters=20 if graphs else 5)
+        row[f"verify_{tag}_ms"] = time_cuda(lambda: w.graphs["verify"](inp, tree), iters=20 if graphs else 5)
+        row[f"extend_{tag}_ms"] = time_cuda(lambda: w.graphs["extend"](inp, tree, acc, logits, feats),
+                                            iters=20 if graphs else 5)
+    for g in w.graphs.values():
+        g.capture = True
+
+    def iteration():
+        engine.spec.decode_step(reqs)
+
+    row["iteration_graph_ms"] = time_cuda(iteration, iters=20)
+    row["draft_graph_speedup"] = row["draft_eager_ms"] / row["draft_graph_ms"]
+    row["floor_ms"] = floor_ms
+    results["spec"].append(row)
+    print({k: round(v, 3) for k, v in row.items()}, flush=True)
+
+
+def kv_bytes_for(target, ctx):
+    c = target.config
+    return 2 * c.num_hidden_layers * ctx * c.num_key_value_heads * c.head_dim * 2
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--contexts", default="1024,4096,8192")
+    ap.add_argument("--draft", default="eagle", choices=["eagle", "eagle3"])
+    ap.add_argument("--skip-decode", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    t0 = time.time()
+    bw = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+    target = build_target()
+    print(f"target weights {param_bytes(target) / 1e9:.2f} GB", flush=True)
+    results = {"device": torch.cuda.get_device_name(), "copy_bw_Bps": bw, "decode": [], "verify": [], "spec": []}
+    if not args.skip_decode:
+        bench_target_decode(target, bw, [int(x) for x in args.batches.split(",")],
+                            [int(x) for x in args.contexts.split(",")], results["decode"])
+        write_json(args.out, results)
+    draft = build_draft(args.draft, target)
+    bench_spec(target, draft, bw, 1024, results)
+    results["wall_s"] = time.time() - t0
+    write_json(args.out, results)
+
+
+if __name__ == "__main__":
+    main()

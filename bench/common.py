@@ -1,0 +1,94 @@
+"""Shared pieces of the GPU benchmarks: the 8B-shaped models in memory, timing, the floor."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from shared.config import EngineConfig, SpecConfig
+from shared.model.config import ModelConfig
+from shared.model.drafts import Eagle3Draft, EagleDraft
+from shared.model.layers import fuse_projections
+from shared.model.factory import PRESETS, draft_config, llama_hf_config
+from shared.model.llama import LlamaForCausalLM, default_aux_layers
+from shared.model.loader import build_module
+
+
+def llama8b_config() -> dict:
+    return llama_hf_config(**PRESETS["llama3-8b-shape"], rope_theta=500000.0)
+
+
+@torch.no_grad()
+def random_init_(module: torch.nn.Module, std: float = 0.02) -> None:
+    for p in module.parameters():
+        p.normal_(0, std) if p.dim() > 1 else p.fill_(1.0)
+
+
+def build_target(device="cuda", dtype=torch.bfloat16) -> LlamaForCausalLM:
+    """Llama-3.1-8B's shape with random weights, built on the device (no disk)."""
+    model = build_module(LlamaForCausalLM, ModelConfig.from_hf_dict(llama8b_config()), dtype, torch.device(device))
+    random_init_(model)
+    return fuse_projections(model).eval()
+
+
+def build_draft(kind: str, target: LlamaForCausalLM, device="cuda", dtype=torch.bfloat16):
+    tcfg = llama8b_config()
+    if kind == "eagle":
+        cfg = ModelConfig.from_hf_dict(draft_config(tcfg, "LlamaForCausalLMEagle", 1))
+        head = build_module(EagleDraft, cfg, dtype, torch.device(device), target)
+    else:
+        cfg = ModelConfig.from_hf_dict(draft_config(tcfg, "LlamaForCausalLMEagle3", 1, draft_vocab_size=32000))
+        aux = default_aux_layers(target.config.num_hidden_layers)
+        head = build_module(Eagle3Draft, cfg, dtype, torch.device(device), target, aux)
+    random_init_(head)
+    return fuse_projections(head).eval()
+
+
+def engine_config(max_context: int, batch: int, page_size: int = 16, spec: SpecConfig | None = None,
+                  cuda_graph: bool = True) -> EngineConfig:
+    pages = batch * (-(-(max_context + 128) // page_size)) + 8
+    return EngineConfig(device="cuda", dtype="bfloat16", page_size=page_size, num_pages=pages,
+                        max_running=batch, max_context=max_context + 128, chunk_size=None, spec=spec,
+                        cuda_graph=cuda_graph, cuda_graph_max_bs=max(batch, 1))
+
+
+def time_cuda(fn, iters: int = 30, warmup: int = 5) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` runs, CUDA events around each."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted), measured now."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_cuda(lambda: dst.copy_(src), iters=20)
+    return 2 * nbytes / (ms / 1e3)
+
+
+def param_bytes(module: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in module.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=1))

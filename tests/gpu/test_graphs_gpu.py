@@ -1,0 +1,69 @@
+"""On the GPU: greedy output with CUDA graphs == without graphs == the CPU reference.
+
+For every draft kind, topk 1 and > 1, page sizes 1 and 16, and a batch that does not fill its graph
+bucket (so padding rows are replayed). Runs in float32 so the CPU reference is comparable token
+for token.
+"""
+
+import pytest
+import torch
+
+from shared.config import EngineConfig, SpecConfig
+from shared.engine import Engine
+from shared.sampling import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[5, 17, 33, 2, 9, 100, 200, 7], list(range(40, 77)), [3] * 5]
+PARAMS = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+
+def _run(model_dir, draft, device, graphs, spec=None, page_size=16):
+    cfg = EngineConfig(device=device, page_size=page_size, chunk_size=8, spec=spec, cuda_graph=graphs)
+    engine = Engine(model_dir / "target", None if draft is None else model_dir / draft, cfg)
+    results = engine.generate(PROMPTS, PARAMS)
+    assert engine.is_idle_and_clean()
+    return [r.token_ids for r in results], [r.spec for r in results]
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(oracle_model_dir):
+    return _run(oracle_model_dir, None, "cpu", False)[0]
+
+
+def test_target_decode_graph_equals_eager_and_cpu(oracle_model_dir, cpu_reference):
+    eager, _ = _run(oracle_model_dir, None, "cuda", False)
+    graph, _ = _run(oracle_model_dir, None, "cuda", True)
+    assert graph == eager == cpu_reference
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp"])
+@pytest.mark.parametrize("topk,steps,n", [(1, 3, 4), (4, 5, 16)])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_spec_graph_equals_eager_and_cpu(oracle_model_dir, cpu_reference, kind, topk, steps, n, page_size):
+    spec = SpecConfig(topk=topk, steps=steps, num_draft_tokens=n)
+    eager, _ = _run(oracle_model_dir, kind, "cuda", False, spec, page_size)
+    graph, stats = _run(oracle_model_dir, kind, "cuda", True, spec, page_size)
+    assert graph == eager == cpu_reference
+    assert max(s["accept_length"] for s in stats) > 1.5  # drafts were accepted under the graphs
+
+
+def test_graph_capture_mutates_no_request_state(oracle_model_dir):
+    """Capturing happens on padding rows only: a request's K/V is the same before and after."""
+    cfg = EngineConfig(device="cuda", page_size=16, chunk_size=None, cuda_graph=True,
+                       spec=SpecConfig(topk=2, steps=3, num_draft_tokens=6))
+    engine = Engine(oracle_model_dir / "target", oracle_model_dir / "eagle", cfg)
+    req = engine.add_request(PROMPTS[1], PARAMS)
+    engine.step()  # prefill only: no decode graph captured yet
+    slots = engine.cache.slots(req.handles[0], 0, req.kv_len)
+    before = [k[slots].clone() for k in engine.cache.k]
+    for g in engine.spec.graphs.values():
+        assert not g._graphs
+    w = engine.spec
+    w._reserve([req])
+    inp = w._inputs([req])
+    w.graphs["draft"]._capture((inp,))
+    after = [k[slots] for k in engine.cache.k]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    engine.abort(req.rid)
+    assert engine.is_idle_and_clean()
