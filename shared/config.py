@@ -29,6 +29,12 @@ class SpecConfig(BaseModel):
             raise ValueError("spec num_draft_tokens must be steps + 1 for a chain (topk=1)")
         return self
 
+    @property
+    def headroom(self) -> int:
+        """Positions past a request's committed length that one decode step may write: the verify
+        nodes in the target cache, the tree scratch or the padded extend in the draft caches."""
+        return max(self.num_draft_tokens, self.topk * self.steps, self.steps + 1) + 1
+
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -44,6 +50,11 @@ class EngineConfig(BaseModel):
     cuda_graph: bool = False  # capture decode phases as CUDA graphs (CUDA only)
     cuda_graph_phases: tuple[str, ...] = ("decode", "draft", "verify", "extend")  # each switchable
     cuda_graph_max_bs: int = 32  # larger batches run eagerly
+
+    @property
+    def headroom(self) -> int:
+        """Positions a decode step may touch past the committed length (1 without speculation)."""
+        return self.spec.headroom if self.spec is not None else 1
 
     @field_validator("device")
     @classmethod

@@ -46,6 +46,7 @@ class GenerationResult:
 
 
 def make_cache(config: ModelConfig, num_layers: int, engine: EngineConfig, max_context: int) -> KVCache:
+    max_context += engine.headroom  # a decode step near the end of the context writes past it
     num_pages = engine.num_pages or engine.max_running * -(-max_context // engine.page_size)
     return KVCache(CacheSpec(
         num_layers=num_layers, num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
@@ -82,8 +83,7 @@ class Engine:
 
             self.spec = SpecWorker.load(draft, self, config)
         caches = [self.cache] + (self.spec.caches if self.spec else [])
-        headroom = self.spec.headroom if self.spec else 1
-        self.scheduler = Scheduler(caches, config.max_running, config.chunk_size, headroom,
+        self.scheduler = Scheduler(caches, config.max_running, config.chunk_size, config.headroom,
                                    prefill_only=role == "prefill")
         graphs_on = set(config.cuda_graph_phases) if config.cuda_graph else set()
         self.decode_graphs = PhaseGraphs("decode", self._decode_phase, "decode" in graphs_on, config.cuda_graph_max_bs)

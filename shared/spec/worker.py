@@ -20,7 +20,7 @@ from shared.config import EngineConfig, SpecConfig
 from shared.memory.kv_cache import KVCache
 from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import TargetOutput
-from shared.request import Request
+from shared.request import Request, SpecStats
 from shared.scheduler import Chunk
 from shared.runner import PhaseGraphs, pad_rows, tree_map
 from shared.spec.phases import DecodeInputs, SpecPhases, StepOutput
@@ -59,6 +59,7 @@ class SpecWorker:
         self.capture_mode = "aux" if draft.kind == "eagle3" else "last"
         self.aux_layers = getattr(draft, "aux_layers", ())
         self.phases = SpecPhases(self)
+        self.totals = SpecStats()  # the whole engine's, batch after batch
         on = set(config.cuda_graph_phases) if config.cuda_graph else set()
         self.graphs = {name: PhaseGraphs(name, getattr(self.phases, name), name in on, config.cuda_graph_max_bs)
                        for name in ("draft", "verify", "extend")}
@@ -72,11 +73,6 @@ class SpecWorker:
     @property
     def dtype(self) -> torch.dtype:
         return self.target.lm_head.weight.dtype
-
-    @property
-    def headroom(self) -> int:
-        s = self.spec
-        return max(s.num_draft_tokens, s.topk * s.steps) + 1
 
     def cache_of_step(self, step: int) -> int:
         """Draft step ``step`` (0 = the extend that produces the first tree level) -> cache index."""
@@ -147,6 +143,11 @@ class SpecWorker:
         for req in reqs:
             req.stats.draft_time_s += (t1 - t0) / len(reqs)
             req.stats.verify_time_s += (t2 - t1) / len(reqs)
+        self.totals.verify_steps += len(reqs)
+        self.totals.accepted_drafts += sum(int(n) - 1 for n in out.accept_len.tolist())
+        self.totals.proposed_drafts += self.spec.steps * len(reqs)
+        self.totals.draft_time_s += t1 - t0
+        self.totals.verify_time_s += t2 - t1
         return events
 
     def _reserve(self, reqs: list[Request]) -> None:

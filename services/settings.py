@@ -1,0 +1,107 @@
+"""Service configuration: flags, ``EYRIE_*`` environment variables, or a JSON/env file.
+
+Precedence (highest first): command-line flags, environment, the ``--config`` file, defaults.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.config import EngineConfig, SpecConfig
+
+
+class CommonSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EYRIE_", extra="ignore")
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    host: str = "127.0.0.1"
+    advertise_host: str | None = None  # the address other services dial (default: host)
+    grpc_port: int = 0  # 0 = pick a free port
+    http_port: int = 0  # /health and /metrics
+    instance_id: str | None = None
+    heartbeat_s: float = 1.0
+    registry_ttl_s: float = 5.0
+    log_level: str = "INFO"
+
+    @property
+    def advertised(self) -> str:
+        return self.advertise_host or self.host
+
+
+class EngineSettings(CommonSettings):
+    model: str | None = None  # target checkpoint directory
+    draft: str | None = None  # draft head directory; none = no speculation
+    device: str = "cpu"
+    dtype: str = "float32"
+    page_size: int = 16
+    num_pages: int | None = None
+    max_running: int = 32
+    max_context: int | None = None
+    chunk_size: int | None = 512
+    spec_topk: int = 1
+    spec_steps: int = 3
+    spec_draft_tokens: int | None = None
+    cuda_graph: bool = False
+
+    def engine_config(self) -> EngineConfig:
+        spec = None
+        if self.draft:
+            n = self.spec_draft_tokens or (self.spec_steps + 1 if self.spec_topk == 1 else 8)
+            spec = SpecConfig(topk=self.spec_topk, steps=self.spec_steps, num_draft_tokens=n)
+        return EngineConfig(device=self.device, dtype=self.dtype, page_size=self.page_size, num_pages=self.num_pages,
+                            max_running=self.max_running, max_context=self.max_context, chunk_size=self.chunk_size,
+                            spec=spec, cuda_graph=self.cuda_graph)
+
+
+class PrefillSettings(EngineSettings):
+    handoff_chunk_bytes: int = 4 << 20
+    handoff_timeout_s: float = 60.0
+
+
+class DecodeSettings(EngineSettings):
+    pass
+
+
+class RouterSettings(CommonSettings):
+    request_ttl_s: int = 3600  # finished / failed / aborted records expire after this
+    max_message_bytes: int = 4 << 20
+    api_key: str | None = None
+    openai_port: int | None = None  # OpenAI-compatible HTTP; None = off
+    placement_timeout_s: float = 10.0
+    stream_timeout_s: float = 300.0
+    model_name: str = "eyrie"
+
+
+SETTINGS = {"router": RouterSettings, "prefill": PrefillSettings, "decode": DecodeSettings}
+
+
+def load_settings(kind: str, config_file: str | None = None, **flags) -> CommonSettings:
+    """Build settings for service ``kind``: flags over environment over file over defaults."""
+    cls = SETTINGS[kind]
+    file_values = {}
+    if config_file:
+        text = Path(config_file).read_text()
+        file_values = json.loads(text) if config_file.endswith(".json") else _parse_env_file(text)
+    env_values = cls().model_dump(exclude_defaults=True)
+    merged = {**file_values, **env_values, **{k: v for k, v in flags.items() if v is not None}}
+    return cls(**merged)
+
+
+def _parse_env_file(text: str) -> dict:
+    values = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, value = line.split("=", 1)
+            values[key.strip().lower().removeprefix("eyrie_")] = value.strip()
+    return values
+
+
+def settings_fields(kind: str) -> dict:
+    return {name: f for name, f in SETTINGS[kind].model_fields.items()}
+
+
+__all__ = ["CommonSettings", "DecodeSettings", "Field", "PrefillSettings", "RouterSettings", "load_settings"]
