@@ -38,6 +38,11 @@ class AttentionMetadata:
     kv_indptr_cpu: list[int] | None = None
     prefix_lens_cpu: list[int] | None = None
     mask_indptr_cpu: list[int] | None = None
+    # Static host bounds (Python ints, no device read) that size the Triton kernel's grid: any
+    # request's query count is <= max_q_len and key count <= max_kv_len. None: derived from the host
+    # copies above, else from the tensor shapes (q's row count), which is correct but launches more.
+    max_q_len: int | None = None
+    max_kv_len: int | None = None
 
     @property
     def batch_size(self) -> int:

@@ -67,6 +67,7 @@ def build_forward_batch(
         kv_indices=kv_indices,
         prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=device),
         qo_indptr_cpu=qo, kv_indptr_cpu=kv, prefix_lens_cpu=list(prefix_lens),
+        max_q_len=max(q_lens, default=0), max_kv_len=width,
     )
     if custom_mask is not None:
         mi = _indptr([q * e for q, e in zip(q_lens, extra)])
@@ -122,6 +123,7 @@ def build_uniform_batch(
         kv_indptr=kv_indptr,
         kv_indices=gather_kv_indices(table, rows, kv_lens, kv_indptr, kv_buffer),
         prefix_lens=prefix_lens,
+        max_q_len=q_len, max_kv_len=table.shape[1],  # static bounds for the kernel grid (no host read)
     )
     if custom_mask is not None:
         meta.custom_mask = custom_mask.reshape(-1)

@@ -1,0 +1,206 @@
+"""Paged attention: the Triton kernel equals the torch reference on every shape of the contract.
+
+Runs the kernel under TRITON_INTERPRET=1 on the CPU (conftest sets it) with tiny shapes: extend /
+chunked prefill (ragged, with an empty request), decode with and without key splits, tree verify
+(prefix + ancestor mask) and tree draft (prefix + arbitrary packed mask), page sizes 1, 4 and 16,
+GQA and MHA, float32 and the half types. Pages are handed out in a shuffled order so neighbouring
+positions are rarely neighbouring slots.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels.attention import choose_config, paged_attention
+from kernels.attention_ref import AttentionMetadata, paged_attention_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_interpreter = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="Triton on the CPU needs TRITON_INTERPRET=1 set before import")
+TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+       torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
+
+
+def tree_mask(parents: list[int]) -> torch.Tensor:
+    """[N, N] ancestor-or-self mask of a tree given by parent indices (-1 = root)."""
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    for i in range(n):
+        j = parents[i]
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
+def make_case(q_lens, prefix, extra, page_size, hq, hkv, d, dtype, masks=None, seed=0, host_copies=False,
+              device=DEVICE):
+    """Random q / caches and metadata; ``masks`` is None (causal) or a list of [q_len, extra] bool blocks."""
+    g = torch.Generator().manual_seed(seed)
+    kv_lens = [p + e for p, e in zip(prefix, extra)]
+    pages_per = [-(-n // page_size) for n in kv_lens]
+    num_pages = sum(pages_per)
+    order = (torch.randperm(num_pages, generator=g) + 1).tolist()  # page 0 stays the sink
+    kv_indices, used = [], 0
+    for n, pp in zip(kv_lens, pages_per):
+        pages = order[used:used + pp]
+        used += pp
+        kv_indices += [pages[i // page_size] * page_size + i % page_size for i in range(n)]
+    num_slots = (num_pages + 2) * page_size
+    k = torch.randn(num_slots, hkv, d, generator=g).to(dtype)
+    v = torch.randn(num_slots, hkv, d, generator=g).to(dtype)
+    q = torch.randn(sum(q_lens), hq, d, generator=g).to(dtype)
+    qo, kv = [0], [0]
+    for a, b in zip(q_lens, kv_lens):
+        qo.append(qo[-1] + a)
+        kv.append(kv[-1] + b)
+    meta = AttentionMetadata(qo_indptr=torch.tensor(qo), kv_indptr=torch.tensor(kv),
+                             kv_indices=torch.tensor(kv_indices, dtype=torch.int64),
+                             prefix_lens=torch.tensor(prefix, dtype=torch.int64))
+    if masks is not None:
+        mi = [0]
+        for m in masks:
+            mi.append(mi[-1] + m.numel())
+        meta.custom_mask = torch.cat([m.reshape(-1) for m in masks])
+        meta.mask_indptr = torch.tensor(mi)
+    if host_copies:
+        meta.qo_indptr_cpu, meta.kv_indptr_cpu, meta.prefix_lens_cpu = qo, kv, list(prefix)
+    dev = torch.device(device)
+    for f in ("qo_indptr", "kv_indptr", "kv_indices", "prefix_lens", "custom_mask", "mask_indptr"):
+        if getattr(meta, f) is not None:
+            setattr(meta, f, getattr(meta, f).to(dev))
+    return q.to(dev), k.to(dev), v.to(dev), meta
+
+
+def check(q, k, v, meta, scale=0.37, **kw):
+    ref = paged_attention_ref(q, k, v, meta, scale)
+    out = paged_attention(q, k, v, meta, scale, backend="triton", **kw)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[q.dtype])
+    return out
+
+
+@needs_interpreter
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads", [(4, 2), (3, 3)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_extend_ragged_matches_reference(page_size, heads, dtype):
+    """Chunked prefill: a fresh prompt, a chunk after a prefix, an empty request, a one-token request."""
+    q_lens, prefix = [9, 21, 0, 1], [0, 19, 6, 33]
+    q, k, v, meta = make_case(q_lens, prefix, q_lens, page_size, *heads, 16, dtype, seed=page_size)
+    check(q, k, v, meta)
+
+
+@needs_interpreter
+def test_extend_spans_several_query_blocks():
+    """A long chunk (more query blocks than one) with GQA 4 and a non power-of-two head dim."""
+    q_lens, prefix = [70, 5], [37, 0]
+    q, k, v, meta = make_case(q_lens, prefix, q_lens, 4, 8, 2, 24, torch.float32, seed=3)
+    cfg = choose_config(q, 2, 2, max(q_lens), None)
+    assert -(-70 // cfg.block_q) > 1
+    check(q, k, v, meta)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_split_kv_matches_reference(num_splits, page_size):
+    """One query per request; splits that get no key (short rows, 8 splits) contribute nothing."""
+    prefix = [150, 1, 64, 17]
+    q, k, v, meta = make_case([1] * 4, prefix, [1] * 4, page_size, 8, 2, 32, torch.float32, seed=num_splits or 0)
+    check(q, k, v, meta, num_splits=num_splits)
+
+
+@needs_interpreter
+def test_decode_bfloat16_gqa8():
+    prefix = [90, 33]
+    q, k, v, meta = make_case([1, 1], prefix, [1, 1], 16, 8, 1, 32, torch.bfloat16, seed=11)
+    check(q, k, v, meta, num_splits=2)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_verify_matches_reference(page_size, dtype):
+    """Each request verifies a tree of N nodes after its prefix under the ancestor mask."""
+    trees = [[-1, 0, 0, 1, 1, 2, 3, 6], [-1, 0, 1, 2, 3, 4, 5, 6], [-1, 0, 0, 0, 0, 1, 2, 3]]
+    prefix = [12, 40, 1]
+    masks = [tree_mask(p) for p in trees]
+    q, k, v, meta = make_case([8] * 3, prefix, [8] * 3, page_size, 4, 2, 16, dtype, masks=masks, seed=5)
+    check(q, k, v, meta, num_splits=2)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_tree_draft_matches_reference(page_size):
+    """Draft step: k leaf queries see the prefix and a packed mask over more scratch slots than queries."""
+    g = torch.Generator().manual_seed(2)
+    q_lens, extra, prefix = [3, 3, 3], [6, 6, 6], [10, 0, 25]
+    masks = []
+    for ql, e in zip(q_lens, extra):
+        m = torch.rand(ql, e, generator=g) < 0.4
+        m[torch.arange(ql), e - ql + torch.arange(ql)] = True  # each leaf sees itself
+        masks.append(m)
+    q, k, v, meta = make_case(q_lens, prefix, extra, page_size, 4, 2, 16, torch.float32, masks=masks, seed=6)
+    check(q, k, v, meta)
+    check(q, k, v, meta, num_splits=3)
+
+
+@needs_interpreter
+def test_static_bounds_from_host_copies_equal_explicit_bounds():
+    """The grid bound can come from host copies, from max_q_len, or (worst case) from q's rows."""
+    q_lens, prefix = [5, 2], [3, 9]
+    q, k, v, meta = make_case(q_lens, prefix, q_lens, 1, 2, 1, 16, torch.float32, seed=8, host_copies=True)
+    a = check(q, k, v, meta)
+    meta.qo_indptr_cpu = meta.kv_indptr_cpu = None
+    b = check(q, k, v, meta)
+    meta.max_q_len, meta.max_kv_len = 5, 11
+    c = check(q, k, v, meta)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(a, c)
+
+
+@needs_interpreter
+def test_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
+    """No .item() / .tolist() / nonzero on the kernel path: it can be captured in a CUDA graph."""
+    q_lens, prefix = [4, 1], [6, 30]
+    q, k, v, meta = make_case(q_lens, prefix, q_lens, 16, 4, 2, 16, torch.float32, seed=9)
+    meta.max_q_len, meta.max_kv_len = 4, 31
+    ref = paged_attention_ref(q, k, v, meta, 0.5)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("host read on the kernel path")
+
+    for name in ("item", "tolist", "nonzero", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    out = paged_attention(q, k, v, meta, 0.5, backend="triton", num_splits=2)
+    monkeypatch.undo()
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_forward_batch_metadata_carries_static_bounds():
+    """shared/batch.py fills the bounds the kernel sizes its grid with (host path and device path)."""
+    from shared.batch import build_forward_batch, build_uniform_batch
+    from shared.memory.kv_cache import CacheSpec, KVCache
+
+    cache = KVCache(CacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32,
+                              device=torch.device("cpu"), page_size=4, num_pages=16, max_reqs=4, max_context=32))
+    hs = [cache.open(), cache.open()]
+    for h, n in zip(hs, (7, 12)):
+        cache.reserve(h, n)
+    ids = torch.zeros(5, dtype=torch.int64)
+    fb = build_forward_batch(cache, [h.row for h in hs], [4, 10], [3, 2], ids, ids, torch.tensor([4, 5, 6, 10, 11]))
+    assert (fb.attn.max_q_len, fb.attn.max_kv_len) == (3, 12)
+    rows = torch.tensor([h.row for h in hs])
+    ub = build_uniform_batch(cache, rows, torch.tensor([4, 9]), 2, 2, ids[:4], ids[:4],
+                             torch.tensor([[4, 5], [9, 10]]))
+    assert ub.attn.max_q_len == 2 and ub.attn.max_kv_len >= 11
+
+
+def test_cpu_tensors_dispatch_to_the_reference():
+    """backend='auto' on CPU tensors is the reference itself (bit-identical), not the interpreter."""
+    q, k, v, meta = make_case([3], [2], [3], 1, 2, 2, 8, torch.float32, seed=1, device="cpu")
+    torch.testing.assert_close(paged_attention(q, k, v, meta, 0.5), paged_attention_ref(q, k, v, meta, 0.5),
+                               atol=0, rtol=0)
