@@ -1,0 +1,238 @@
+"""Speculative kernels: each Triton kernel equals its torch reference (interpreter on the CPU), and each
+reference equals the shared/spec code it stands in for, so swapping the kernel in changes nothing."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from kernels.spec_kernels import (
+    build_tree,
+    build_tree_ref,
+    gather_accepted,
+    gather_accepted_ref,
+    greedy_verify,
+    greedy_verify_ref,
+    move_kv,
+    move_kv_ref,
+    tree_speculative_sample,
+    tree_speculative_sample_ref,
+)
+from shared.spec.tree import Candidates, DraftTree, select_tree
+from shared.spec.verify import greedy_accept
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_interpreter = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="Triton on the CPU needs TRITON_INTERPRET=1 set before import")
+
+
+def make_candidates(B: int, k: int, steps: int, vocab: int, seed: int, ties: bool = False) -> Candidates:
+    """Candidates grown the way the draft loop grows them: k leaves per level, k children each.
+    ``ties``: probabilities on a coarse grid so many scores are equal (stable order matters)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def probs(n):
+        p = torch.rand(B, n, generator=g)
+        if ties:
+            p = (p * 4).ceil() / 4
+        return p.sort(dim=1, descending=True).values
+
+    cand = Candidates.first_level(torch.randint(0, vocab, (B, k), generator=g), probs(k))
+    leaf_idx = torch.arange(k).expand(B, k)
+    for i in range(steps - 1):
+        child_p = probs(k * k)
+        scores = (cand.scores.gather(1, leaf_idx).repeat_interleave(k, dim=1) * child_p)
+        first_child = cand.tokens.shape[1]
+        cand.add(torch.randint(0, vocab, (B, k * k), generator=g), leaf_idx.repeat_interleave(k, dim=1), scores,
+                 depth=i + 2)
+        leaf_idx = first_child + scores.topk(k, dim=1).indices
+    return cand
+
+
+def to_dev(*xs):
+    return [x.to(DEVICE) for x in xs]
+
+
+# ---- tree build ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("k,steps,n,ties", [(1, 3, 4, False), (3, 4, 10, True), (4, 5, 16, False)])
+def test_build_tree_reference_is_select_tree(k, steps, n, ties):
+    cand = make_candidates(3, k, steps, 50, seed=k * 10 + steps, ties=ties)
+    root = torch.tensor([7, 8, 9])
+    ref = build_tree_ref(root, cand.tokens, cand.parents, cand.scores, cand.depths, n, steps)
+    tree = select_tree(root, cand, n, steps)
+    for f in ("tokens", "parents", "depths", "mask"):
+        assert torch.equal(getattr(ref, f), getattr(tree, f)), f
+
+
+def test_build_tree_retrieve_indices_enumerate_children():
+    """first_child / next_sibling list exactly each node's children, in index order."""
+    cand = make_candidates(2, 3, 4, 50, seed=4)
+    t = build_tree_ref(torch.tensor([1, 2]), cand.tokens, cand.parents, cand.scores, cand.depths, 9, 4,
+                       committed_len=torch.tensor([5, 11]))
+    for b in range(2):
+        for node in range(9):
+            kids, c = [], int(t.first_child[b, node])
+            while c >= 0:
+                kids.append(c)
+                c = int(t.next_sibling[b, c])
+            assert kids == [m for m in range(9) if int(t.parents[b, m]) == node]
+    assert torch.equal(t.positions, torch.tensor([[5], [11]]) + t.depths)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("k,steps,n,ties", [(1, 3, 4, False), (2, 3, 6, True), (4, 5, 16, True)])
+def test_build_tree_kernel_matches_reference(k, steps, n, ties):
+    cand = make_candidates(3, k, steps, 50, seed=n, ties=ties)
+    root, L = torch.tensor([3, 4, 5]), torch.tensor([0, 17, 40])
+    args = to_dev(root, cand.tokens, cand.parents, cand.scores, cand.depths)
+    out = build_tree(*args, n, steps, committed_len=L.to(DEVICE), backend="triton")
+    ref = build_tree_ref(root, cand.tokens, cand.parents, cand.scores, cand.depths, n, steps, committed_len=L)
+    for f in ("tokens", "parents", "depths", "mask", "first_child", "next_sibling", "positions"):
+        assert torch.equal(getattr(out, f).cpu(), getattr(ref, f)), f
+
+
+# ---- greedy verify -------------------------------------------------------------------------------
+def random_tree_and_argmax(B: int, k: int, steps: int, n: int, vocab: int, seed: int):
+    """A tree and a target argmax that follows some child of each node with probability 0.75."""
+    cand = make_candidates(B, k, steps, vocab, seed)
+    tree = build_tree_ref(torch.randint(0, vocab, (B,)), cand.tokens, cand.parents, cand.scores, cand.depths, n,
+                          steps)
+    g = torch.Generator().manual_seed(seed + 1)
+    argmax = torch.randint(0, vocab, (B, n), generator=g)
+    for b in range(B):
+        for node in range(n):
+            kids = [m for m in range(n) if int(tree.parents[b, m]) == node]
+            if kids and torch.rand(1, generator=g).item() < 0.75:
+                argmax[b, node] = tree.tokens[b, kids[int(torch.randint(len(kids), (1,), generator=g))]]
+    return tree, argmax
+
+
+@needs_interpreter
+@pytest.mark.parametrize("k,steps,n", [(1, 4, 5), (3, 4, 12)])
+def test_greedy_verify_kernel_matches_reference_and_greedy_accept(k, steps, n):
+    tree, argmax = random_tree_and_argmax(6, k, steps, n, 20, seed=k)
+    ref = greedy_verify_ref(tree.parents, tree.tokens, argmax, steps)
+    out = greedy_verify(*to_dev(tree.parents, tree.tokens, argmax), steps, backend="triton")
+    shared = greedy_accept(DraftTree(tree.tokens, tree.parents, tree.depths, tree.mask), argmax, steps)
+    for f in ("accept_index", "accept_len", "bonus"):
+        assert torch.equal(getattr(out, f).cpu(), getattr(ref, f)), f
+        assert torch.equal(getattr(shared, f), getattr(ref, f)), f
+    assert ref.accept_len.max() > 1  # some drafts accepted: the walk itself was exercised
+
+
+# ---- speculative sampling ------------------------------------------------------------------------
+def sampling_case(B, k, steps, n, vocab, seed):
+    tree, _ = random_tree_and_argmax(B, k, steps, n, vocab, seed)
+    g = torch.Generator().manual_seed(seed + 2)
+    logits = torch.randn(B, n, vocab, generator=g) * 2
+    # Put mass on the tree's own children so that accepting is common.
+    boost = math.log(vocab) + 1.0
+    for b in range(B):
+        for m in range(1, n):
+            logits[b, tree.parents[b, m], tree.tokens[b, m]] += boost
+    probs = torch.softmax(logits, dim=-1)
+    coins = torch.rand(B, n, generator=g)
+    bonus_u = torch.rand(B, generator=g)
+    return tree, probs, coins, bonus_u
+
+
+@needs_interpreter
+@pytest.mark.parametrize("k,steps,n,vocab", [(2, 3, 6, 40), (3, 4, 10, 3000)])
+def test_speculative_sample_kernel_matches_reference(k, steps, n, vocab):
+    """vocab 3000 > one 2048-token block: the bonus draw crosses blocks."""
+    tree, probs, coins, bonus_u = sampling_case(8, k, steps, n, vocab, seed=vocab)
+    ref = tree_speculative_sample_ref(probs, tree.parents, tree.tokens, coins, bonus_u, steps)
+    out = tree_speculative_sample(*to_dev(probs, tree.parents, tree.tokens, coins, bonus_u), steps, backend="triton")
+    for f in ("accept_index", "accept_len", "bonus"):
+        assert torch.equal(getattr(out, f).cpu(), getattr(ref, f)), f
+    assert ref.accept_len.max() > 1 and ref.accept_len.min() < steps + 1  # both accepts and rejections
+
+
+@needs_interpreter
+def test_speculative_sample_duplicate_sibling_tokens_and_rejection_residual():
+    """Two children with the same token: the second has no residual mass and is never accepted; after
+    rejecting all children the bonus is never one of their tokens."""
+    parents = torch.tensor([[-1, 0, 0, 0]])
+    tokens = torch.tensor([[0, 2, 2, 3]])
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.4]]).expand(1, 4, 4).contiguous()
+    coins = torch.tensor([[0.0, 0.99, 0.0, 0.99]])  # child 1 (p=.3) and child 3 (p=.4/.7) rejected
+    for u in (0.0, 0.5, 0.999):
+        bu = torch.tensor([u])
+        ref = tree_speculative_sample_ref(probs, parents, tokens, coins, bu, 1)
+        out = tree_speculative_sample(*to_dev(probs, parents, tokens, coins, bu), 1, backend="triton")
+        assert ref.accept_len.item() == 1 and ref.bonus.item() in (0, 1)
+        assert torch.equal(out.bonus.cpu(), ref.bonus) and torch.equal(out.accept_index.cpu(), ref.accept_index)
+
+
+@needs_interpreter
+def test_speculative_sample_with_one_hot_target_is_greedy_verify():
+    tree, argmax = random_tree_and_argmax(5, 3, 3, 8, 16, seed=9)
+    probs = torch.nn.functional.one_hot(argmax, 16).float()
+    g = torch.Generator().manual_seed(0)
+    coins, bonus_u = torch.rand(5, 8, generator=g), torch.rand(5, generator=g)
+    out = tree_speculative_sample(*to_dev(probs, tree.parents, tree.tokens, coins, bonus_u), 3, backend="triton")
+    ref = greedy_verify_ref(tree.parents, tree.tokens, argmax, 3)
+    for f in ("accept_index", "accept_len", "bonus"):
+        assert torch.equal(getattr(out, f).cpu(), getattr(ref, f)), f
+
+
+def test_speculative_sample_reference_commits_the_target_distribution():
+    """Lossless: the first committed token is distributed as the target's p, whatever the draft tree
+    (three children of the root, 3000 independent draws, chi-square)."""
+    from scipy.stats import chisquare
+
+    n_draws, V = 3000, 6
+    p = torch.tensor([0.05, 0.3, 0.1, 0.25, 0.2, 0.1])
+    probs = p.expand(n_draws, 4, V).contiguous()
+    parents = torch.tensor([-1, 0, 0, 0]).expand(n_draws, 4)
+    tokens = torch.tensor([0, 1, 3, 5]).expand(n_draws, 4)
+    g = torch.Generator().manual_seed(1)
+    acc = tree_speculative_sample_ref(probs, parents, tokens, torch.rand(n_draws, 4, generator=g),
+                                      torch.rand(n_draws, generator=g), 1)
+    first = torch.where(acc.accept_len > 1, tokens.gather(1, acc.accept_index[:, 1:].clamp(min=0)).squeeze(1),
+                        acc.bonus)
+    counts = torch.bincount(first, minlength=V).double().numpy()
+    expected = p.double().numpy() * counts.sum() / p.double().sum().item()
+    assert chisquare(counts, expected).pvalue > 1e-3
+
+
+# ---- KV move -------------------------------------------------------------------------------------
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_move_kv_kernel_matches_reference(dtype):
+    """Compaction moves: request 0 keeps path [0, 2, 3] (a slot is read by one move and written by the
+    next), request 1 is a padding row (sink slot 0 onto itself), request 2 keeps [0, 1, 4]."""
+    g = torch.Generator().manual_seed(0)
+    layers, slots, heads, d = 3, 48, 2, 8
+    base = [torch.randn(slots, heads, d, generator=g).to(dtype) for _ in range(2 * layers)]
+    src = torch.tensor([[16, 18, 19], [0, 0, 0], [32, 33, 36]])
+    dst = torch.tensor([[16, 17, 18], [0, 0, 0], [32, 33, 34]])
+    ref = [c.clone() for c in base]
+    move_kv_ref(ref[:layers], ref[layers:], src, dst)
+    out = [c.clone().to(DEVICE) for c in base]
+    move_kv(out[:layers], out[layers:], src.to(DEVICE), dst.to(DEVICE), backend="triton")
+    for o, r, b in zip(out, ref, base):
+        assert torch.equal(o.cpu(), r)
+        assert torch.equal(r[17], b[18]) and torch.equal(r[18], b[19]) and torch.equal(r[34], b[36])
+
+
+# ---- accepted-path gather ------------------------------------------------------------------------
+@needs_interpreter
+@pytest.mark.parametrize("vocab,width", [(50, 12), (5000, 40)])
+def test_gather_accepted_kernel_matches_reference(vocab, width):
+    steps, n = 3, 8
+    tree, argmax = random_tree_and_argmax(5, 2, steps, n, vocab, seed=3)
+    acc = greedy_verify_ref(tree.parents, tree.tokens, argmax, steps)
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, n, vocab, generator=g) * 3
+    feats = torch.randn(5, n, width, generator=g).bfloat16()
+    ref = gather_accepted_ref(acc.accept_index, acc.accept_len, acc.bonus, tree.tokens, logits, feats)
+    out = gather_accepted(*to_dev(acc.accept_index, acc.accept_len, acc.bonus, tree.tokens, logits, feats),
+                          backend="triton")
+    assert torch.equal(out.tokens.cpu(), ref.tokens)
+    torch.testing.assert_close(out.logprobs.cpu(), ref.logprobs, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out.feats.cpu(), ref.feats)
+    assert acc.accept_len.min() < steps + 1  # padded slots (past the accepted length) are covered too
