@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.spec_kernels import move_kv
+
 
 class OutOfPages(RuntimeError):
     """Raised only on a scheduler bug: callers check ``can_reserve`` before reserving."""
@@ -209,6 +211,9 @@ class KVCache:
         dev = self.k[0].device
         src = host[torch.tensor(keep, dtype=torch.int64) + start].to(dev)
         dst = host[start:start + len(keep)].to(dev)
+        if dst.is_cuda:  # every layer in one Triton launch, same contract (kernels/spec_kernels.py: move_kv)
+            move_kv(self.k, self.v, src.unsqueeze(0), dst.unsqueeze(0))
+            return
         for layer in range(len(self.k)):
             self.k[layer][dst] = self.k[layer][src]  # gathers before it scatters
             self.v[layer][dst] = self.v[layer][src]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.spec_kernels import gather_accepted, move_kv
 from shared.batch import build_uniform_batch
 from shared.spec.tree import Candidates, DraftTree, select_tree
 from shared.spec.verify import Acceptance
@@ -122,12 +123,16 @@ class SpecPhases:
         valid = acc.accept_index >= 0
         last = acc.accept_len - 1
         slot = torch.arange(stride, device=dev)
-        # The token committed after path node d: the next path node's token, the bonus after the last.
-        tokens = torch.cat([tree.tokens.gather(1, path[:, 1:]), acc.bonus.unsqueeze(1)], 1)
-        tokens = torch.where(slot == last.unsqueeze(1), acc.bonus.unsqueeze(1), tokens)
-        logprobs = torch.log_softmax(logits.gather(1, path.unsqueeze(2).expand(-1, -1, logits.shape[2])), dim=-1)
-        logprobs = logprobs.gather(2, tokens.unsqueeze(2)).squeeze(2)
-        path_feats = feats.gather(1, path.unsqueeze(2).expand(-1, -1, feats.shape[2]))
+        if logits.is_cuda:  # one Triton launch, same contract (kernels/spec_kernels.py: gather_accepted)
+            path_out = gather_accepted(acc.accept_index, acc.accept_len, acc.bonus, tree.tokens, logits, feats)
+            tokens, logprobs, path_feats = path_out.tokens, path_out.logprobs, path_out.feats
+        else:
+            # The token committed after path node d: the next path node's token, the bonus after the last.
+            tokens = torch.cat([tree.tokens.gather(1, path[:, 1:]), acc.bonus.unsqueeze(1)], 1)
+            tokens = torch.where(slot == last.unsqueeze(1), acc.bonus.unsqueeze(1), tokens)
+            logprobs = torch.log_softmax(logits.gather(1, path.unsqueeze(2).expand(-1, -1, logits.shape[2])), dim=-1)
+            logprobs = logprobs.gather(2, tokens.unsqueeze(2)).squeeze(2)
+            path_feats = feats.gather(1, path.unsqueeze(2).expand(-1, -1, feats.shape[2]))
         self._compact_target(inp, acc.accept_index, valid)
         ext_hidden, ext_logits = self._extend(inp, tokens, path_feats, last)
         topk_p, topk_draft = torch.softmax(ext_logits, dim=-1).topk(self.spec.topk, dim=-1)
@@ -154,8 +159,12 @@ class SpecPhases:
             return
         src = table[rows, inp.L.unsqueeze(1) + accept_index.clamp(min=0)]
         dst = table[rows, inp.L.unsqueeze(1) + torch.arange(stride, device=dev)]
-        src = torch.where(valid, src, 0).reshape(-1)  # padding moves go to the sink slot 0
-        dst = torch.where(valid, dst, 0).reshape(-1)
+        src = torch.where(valid, src, 0)  # padding moves go to the sink slot 0
+        dst = torch.where(valid, dst, 0)
+        if src.is_cuda:  # every layer in one Triton launch, same contract (kernels/spec_kernels.py: move_kv)
+            move_kv(cache.k, cache.v, src, dst)
+            return
+        src, dst = src.reshape(-1), dst.reshape(-1)
         for layer in range(len(cache.k)):
             cache.k[layer][dst] = cache.k[layer][src]  # gathers before it scatters
             cache.v[layer][dst] = cache.v[layer][src]

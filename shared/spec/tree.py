@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.spec_kernels import build_tree
+
 
 @dataclass
 class Candidates:
@@ -46,6 +48,9 @@ class DraftTree:
 
 
 def select_tree(root: torch.Tensor, cand: Candidates, num_nodes: int, max_depth: int) -> DraftTree:
+    if root.is_cuda:  # one Triton launch, same contract (kernels/spec_kernels.py: build_tree)
+        t = build_tree(root, cand.tokens, cand.parents, cand.scores, cand.depths, num_nodes, max_depth)
+        return DraftTree(tokens=t.tokens, parents=t.parents, depths=t.depths, mask=t.mask)
     B, M = cand.tokens.shape
     order = torch.sort(cand.scores, dim=1, descending=True, stable=True).indices[:, :num_nodes - 1]
     sel = order.sort(dim=1).values  # creation order: parents first

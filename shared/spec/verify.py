@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.spec_kernels import greedy_verify
 from shared.sampling import SamplingParams, target_probs
 from shared.spec.tree import DraftTree
 
@@ -29,6 +30,9 @@ class Acceptance:
 
 def greedy_accept(tree: DraftTree, target_argmax: torch.Tensor, steps: int) -> Acceptance:
     """target_argmax [B, N]: the target's greedy token after each node."""
+    if target_argmax.is_cuda:  # one Triton launch, same contract (kernels/spec_kernels.py: greedy_verify)
+        acc = greedy_verify(tree.parents, tree.tokens, target_argmax, steps)
+        return Acceptance(acc.accept_index, acc.accept_len, acc.bonus)
     B = target_argmax.shape[0]
     device = target_argmax.device
     cur = torch.zeros(B, dtype=torch.int64, device=device)
