@@ -86,7 +86,9 @@ if triton is not None:
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+        # Masked: keys past the range read the sink slot, and 0 * (whatever lives there) must stay 0.
+        v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         return acc, m_new, l_i
@@ -256,14 +258,16 @@ def _use_triton(q: torch.Tensor, backend: str) -> bool:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     sm_scale: float, *, backend: str = "auto", num_splits: int | None = None,
-                    config: AttnConfig | None = None) -> torch.Tensor:
+                    config: AttnConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """o [T, Hq, D] under the contract of ``paged_attention_ref``; Triton on CUDA, the reference elsewhere.
 
-    ``num_splits`` / ``config`` override the launch choice (tests and benchmarks). Rows of ``q`` that
-    belong to no request are left unwritten, as in the reference.
+    ``num_splits`` / ``config`` override the launch choice (tests and benchmarks); ``out`` is an
+    optional contiguous [T, Hq, D] destination of q's dtype. Rows of ``q`` that belong to no request
+    are left unwritten, as in the reference.
     """
     if not _use_triton(q, backend) or q.shape[0] == 0 or meta.batch_size == 0:
-        return paged_attention_ref(q, k_cache, v_cache, meta, sm_scale)
+        ref = paged_attention_ref(q, k_cache, v_cache, meta, sm_scale)
+        return ref if out is None else out.copy_(ref)
     T, hq, d = q.shape
     hkv = k_cache.shape[1]
     if hq % hkv:
@@ -276,7 +280,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     B = meta.batch_size
     max_q = _static_max_q_len(q, meta)
     cfg = config or choose_config(q, hkv, B, max_q, _static_max_kv_len(meta), num_splits)
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError("out must be a contiguous tensor of q's shape and dtype")
     n_qblocks = -(-max_q // cfg.block_q)
     if n_qblocks == 0:
         return out
@@ -289,7 +296,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         lse = torch.empty((S, T, hq), dtype=torch.float32, device=q.device)
     else:
         opart = lse = out  # unused
-    block_d = triton.next_power_of_2(d)
+    block_d = max(16, triton.next_power_of_2(d))  # tl.dot needs K, N >= 16
     upcast = q.dtype == torch.bfloat16 and not q.is_cuda  # only the interpreter runs off CUDA
     precision = "ieee" if (q.dtype == torch.float32 or upcast) else "tf32"
     _attn_kernel[(n_qblocks, B * hkv, S)](

@@ -204,3 +204,21 @@ def test_cpu_tensors_dispatch_to_the_reference():
     q, k, v, meta = make_case([3], [2], [3], 1, 2, 2, 8, torch.float32, seed=1, device="cpu")
     torch.testing.assert_close(paged_attention(q, k, v, meta, 0.5), paged_attention_ref(q, k, v, meta, 0.5),
                                atol=0, rtol=0)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("masks", [False, True])
+def test_unreferenced_slots_never_leak_into_the_output(masks):
+    """NaN in every slot no request owns (the sink page included) and a NaN-filled ``out``: keys past
+    a request's range read the sink slot but must contribute exactly nothing."""
+    q_lens, prefix = [3, 1], [21, 50]
+    blocks = [tree_mask([-1, 0, 1]), torch.ones(1, 1, dtype=torch.bool)] if masks else None
+    q, k, v, meta = make_case(q_lens, prefix, q_lens, 16, 4, 2, 16, torch.float32, masks=blocks, seed=12)
+    unused = torch.ones(k.shape[0], dtype=torch.bool, device=k.device)
+    unused[meta.kv_indices] = False
+    k[unused], v[unused] = float("nan"), float("nan")
+    ref = paged_attention_ref(q, k, v, meta, 0.4)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, k, v, meta, 0.4, backend="triton", num_splits=4, out=out)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
