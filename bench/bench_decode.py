@@ -21,10 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import build_draft, build_target, copy_bandwidth, engine_config, param_bytes, time_cuda, write_json  # noqa: E402
-from shared.config import SpecConfig  # noqa: E402
-from shared.engine import Engine  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
+from bench.common import build_draft, build_target, copy_bandwidth, engine_config, param_bytes, time_cuda, write_json
+from shared.config import SpecConfig
+from shared.engine import Engine
+from shared.sampling import SamplingParams
 
 
 def fake_requests(engine: Engine, batch: int, ctx: int, max_new: int = 64):
@@ -55,9 +55,9 @@ def bench_target_decode(target, bw, batches, contexts, rows_out):
             for r in reqs:
                 engine.cache.reserve(r.handles[0], ctx + 1)
             g = engine.decode_graphs
-            ms_graph = time_cuda(lambda: g(rows, lens, toks))
+            ms_graph = time_cuda(lambda: g(rows, lens, toks))  # noqa: B023 (called at once)
             g.capture = False
-            ms_eager = time_cuda(lambda: g(rows, lens, toks), iters=10)
+            ms_eager = time_cuda(lambda: g(rows, lens, toks), iters=10)  # noqa: B023
             floor_ms = (param_bytes(target) + kv_bytes(engine, bs * ctx)) / bw * 1e3
             row = {"batch": bs, "context": ctx, "eager_ms": ms_eager, "graph_ms": ms_graph, "floor_ms": floor_ms,
                    "graph_over_floor": ms_graph / floor_ms, "tok_per_s": bs / ms_graph * 1e3}
@@ -96,7 +96,7 @@ def bench_spec(target, draft, bw, ctx, results):
         w._reserve(reqs)
         inp = w._inputs(reqs)
         tree = w.graphs["draft"](inp)
-        ms = time_cuda(lambda: w.graphs["verify"](inp, tree))
+        ms = time_cuda(lambda: w.graphs["verify"](inp, tree))  # noqa: B023
         results["verify"].append({"num_draft_tokens": n, "graph_ms": ms, "floor_ms": floor_ms})
         print(f"verify N={n:3d} {ms:7.2f} ms", flush=True)
         del engine

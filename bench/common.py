@@ -11,8 +11,8 @@ import torch
 from shared.config import EngineConfig, SpecConfig
 from shared.model.config import ModelConfig
 from shared.model.drafts import Eagle3Draft, EagleDraft
-from shared.model.layers import fuse_projections
 from shared.model.factory import PRESETS, draft_config, llama_hf_config
+from shared.model.layers import fuse_projections
 from shared.model.llama import LlamaForCausalLM, default_aux_layers
 from shared.model.loader import build_module
 
@@ -80,11 +80,16 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
 
 
 def param_bytes(module: torch.nn.Module) -> int:
+    """Bytes of every weight the forward reads: parameters, buffers and the fused projections that
+    ``fuse_projections`` keeps as plain tensor attributes (each storage counted once)."""
     seen, total = set(), 0
-    for p in module.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
+    for m in module.modules():
+        tensors = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
+        tensors += [v for v in vars(m).values() if isinstance(v, torch.Tensor)]
+        for t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
     return total
 
 
