@@ -18,6 +18,8 @@ Llama-3-8B attention shape: 32 query heads, 8 KV heads, head dim 128, bfloat16.
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -26,12 +28,43 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import copy_bandwidth, time_cuda, write_json
 from kernels.attention import AttnConfig, choose_config, paged_attention
 from kernels.attention_ref import AttentionMetadata
 
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
+
+
+# The timing helpers of bench/common.py, repeated here because that module imports the engine (and its
+# dependencies); a kernel benchmark needs only torch and triton. Same definitions.
+def time_cuda(fn, iters: int = 30, warmup: int = 5) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` runs, CUDA events around each."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted), measured now."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_cuda(lambda: dst.copy_(src), iters=20)
+    return 2 * nbytes / (ms / 1e3)
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=1))
 
 
 def paged_layout(lens: list[int], page_size: int, gen: torch.Generator) -> torch.Tensor:
@@ -161,7 +194,7 @@ def tune_decode(caches: Caches, batch: int, ctx: int, gen, copy_bw: float, shape
 def tune_extend(caches: Caches, batch: int, seq: int, gen) -> list[dict]:
     rows = []
     for block_m, block_n, warps, stages in [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 3),
-                                             (64, 64, 4, 3)]:
+                                             (64, 64, 4, 3), (128, 32, 4, 3), (256, 64, 8, 2), (128, 64, 8, 4)]:
         cfg = AttnConfig(block_q=block_m // (HQ // HKV), block_m=block_m, block_n=block_n, num_splits=1,
                          num_warps=warps, num_stages=stages)
         try:
