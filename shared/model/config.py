@@ -34,7 +34,8 @@ class ModelConfig(BaseModel):
     rope: RopeConfig = RopeConfig()
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2-style q/k/v bias
+    attention_bias: bool = False  # bias on q/k/v (Qwen2 and Llama's attention_bias)
+    o_proj_bias: bool = False  # Llama's attention_bias also puts one on o_proj; Qwen2 does not
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     # Draft-only fields (EAGLE / EAGLE-3 / multi-layer heads).
@@ -49,7 +50,8 @@ class ModelConfig(BaseModel):
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-        bias = cfg.get("attention_bias", cfg.get("model_type") == "qwen2")
+        qwen2 = cfg.get("model_type") == "qwen2"
+        bias = cfg.get("attention_bias", qwen2)
         return cls(
             architecture=archs[0],
             vocab_size=cfg["vocab_size"],
@@ -64,6 +66,7 @@ class ModelConfig(BaseModel):
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=bool(bias),
+            o_proj_bias=bool(bias) and not qwen2,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             draft_vocab_size=cfg.get("draft_vocab_size"),

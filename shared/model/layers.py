@@ -80,7 +80,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(in_dim, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias)
         self.rotary = RotaryEmbedding(config.rope, self.head_dim)
         self.scale = self.head_dim ** -0.5
         self._attend = attention_fn()
