@@ -318,9 +318,4 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def kv_bytes(meta_kv_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V one request of ``meta_kv_len`` keys reads (benchmarks' floor)."""
-    return 2 * meta_kv_len * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
-
-
-__all__ = ["AttentionMetadata", "AttnConfig", "choose_config", "kv_bytes", "paged_attention"]
+__all__ = ["AttentionMetadata", "AttnConfig", "choose_config", "paged_attention"]
