@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text with the single-process engine")
     g.add_argument("--model", help="target checkpoint directory (default: a tiny model made on the fly)")
     g.add_argument("--draft", help="draft head directory (EAGLE, EAGLE-3 or multi-layer)")
-    g.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    g.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    g.add_argument("--prompt-ids", action="append", help="prompt as comma-separated token ids (repeatable)")
+    g.add_argument("--stop-token-ids", help="comma-separated token ids that end generation")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -87,6 +89,14 @@ def cmd_generate(args) -> int:
     from shared.request import RequestError
     from shared.sampling import SamplingParams
 
+    prompts: list = list(args.prompt or [])
+    try:
+        prompts += [[int(t) for t in ids.split(",") if t.strip()] for ids in args.prompt_ids or []]
+        stop_ids = tuple(int(t) for t in args.stop_token_ids.split(",")) if args.stop_token_ids else ()
+    except ValueError:
+        _fail("--prompt-ids / --stop-token-ids: expected comma-separated integers")
+    if not prompts:
+        _fail("prompt: give --prompt TEXT or --prompt-ids IDS")
     try:
         spec = None
         if args.draft:
@@ -95,7 +105,8 @@ def cmd_generate(args) -> int:
         config = EngineConfig(device=args.device, dtype=args.dtype, page_size=args.page_size,
                               chunk_size=args.chunk_size, spec=spec, cuda_graph=args.cuda_graph == "on")
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                seed=args.seed, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
+                                seed=args.seed, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos,
+                                stop_token_ids=stop_ids)
     except ValidationError as e:
         err = e.errors()[0]
         _fail(f"{'.'.join(str(x) for x in err['loc']) or 'config'}: {err['msg']}")
@@ -111,7 +122,7 @@ def cmd_generate(args) -> int:
             _fail(f"{name}: {path} is not a checkpoint directory (no config.json)")
     try:
         engine = Engine(model, draft, config)
-        results = engine.generate(args.prompt, params)
+        results = engine.generate(prompts, params)
     except RequestError as e:
         _fail(str(e))
     for r in results:

@@ -14,11 +14,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from shared.batch import build_forward_batch  # noqa: E402
-from shared.config import EngineConfig  # noqa: E402
-from shared.engine import Engine  # noqa: E402
-from shared.model.loader import load_target  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
+from shared.batch import build_forward_batch
+from shared.config import EngineConfig
+from shared.engine import Engine
+from shared.model.loader import load_target
+from shared.sampling import SamplingParams
 
 BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=1, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1)
