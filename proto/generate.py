@@ -16,8 +16,8 @@ SOURCES = sorted((ROOT / "eyrie" / "v1").glob("*.proto"))
 
 
 def generate(out_dir: Path | None = None) -> list[Path]:
-    from grpc_tools import protoc
     import grpc_tools
+    from grpc_tools import protoc
 
     out = Path(out_dir) if out_dir else ROOT
     out.mkdir(parents=True, exist_ok=True)

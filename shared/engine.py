@@ -21,8 +21,8 @@ from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.model.loader import load_target, parse_dtype
 from shared.model.tokenizer import Tokenizer
 from shared.request import Phase, Request, RequestError
-from shared.sampling import SamplingParams, make_generator, sample
 from shared.runner import PhaseGraphs, pad_rows
+from shared.sampling import SamplingParams, make_generator, sample
 from shared.scheduler import Scheduler, StepPlan
 
 

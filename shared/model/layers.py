@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.batch import ForwardBatch
 from kernels.norm_rope import apply_rope, rms_norm
+from shared.batch import ForwardBatch
 from shared.model.config import ModelConfig, RopeConfig
 
 

@@ -21,8 +21,8 @@ from shared.memory.kv_cache import KVCache
 from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import TargetOutput
 from shared.request import Request, SpecStats
-from shared.scheduler import Chunk
 from shared.runner import PhaseGraphs, pad_rows, tree_map
+from shared.scheduler import Chunk
 from shared.spec.phases import DecodeInputs, SpecPhases, StepOutput
 from shared.spec.state import DraftState
 from shared.spec.tree import DraftTree
