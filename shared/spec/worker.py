@@ -128,7 +128,8 @@ class SpecWorker:
         pure tensor phases (each can be replayed from a CUDA graph)."""
         self._reserve(reqs)
         n = len(reqs)
-        bs = self.graphs["draft"].bucket(n) or n  # padded rows: request row 0, length 0
+        # Padded rows: request row 0, length 0. An empty batch runs one such row, the same path.
+        bs = self.graphs["draft"].bucket(n) or max(n, 1)
         inp = tree_map(lambda t: pad_rows(t, bs), self._inputs(reqs))
         t0 = time.perf_counter()
         tree = self.graphs["draft"](inp)
@@ -162,14 +163,22 @@ class SpecWorker:
     def _inputs(self, reqs: list[Request]) -> DecodeInputs:
         dev = self.target_cache.spec.device
         states = [r.draft_state for r in reqs]
+        n, k = len(reqs), self.spec.topk
+
+        def stack(tensors: list[torch.Tensor], width: int, dtype: torch.dtype) -> torch.Tensor:
+            # An empty batch gets the same shapes, widths from the draft (seed 003), not from a tensor.
+            return torch.stack([t.to(dev, dtype) for t in tensors]) if tensors else torch.zeros(
+                0, width, dtype=dtype, device=dev)
+
         return DecodeInputs(
             target_rows=torch.tensor([r.handles[0].row for r in reqs], dtype=torch.int64, device=dev),
-            draft_rows=torch.tensor([[h.row for h in r.handles[1:]] for r in reqs], dtype=torch.int64, device=dev),
+            draft_rows=torch.tensor([[h.row for h in r.handles[1:]] for r in reqs], dtype=torch.int64,
+                                    device=dev).view(n, len(self.caches)),
             L=torch.tensor([st.committed_len for st in states], dtype=torch.int64, device=dev),
             bonus=torch.tensor([st.bonus_token for st in states], dtype=torch.int64, device=dev),
-            hidden=torch.stack([st.hidden.to(dev, self.dtype) for st in states]),
-            topk_p=torch.stack([st.topk_p.to(dev, torch.float32) for st in states]),
-            topk_ids=torch.stack([st.topk_ids.to(dev, torch.int64) for st in states]),
+            hidden=stack([st.hidden for st in states], self.draft.hidden_width, self.dtype),
+            topk_p=stack([st.topk_p for st in states], k, torch.float32),
+            topk_ids=stack([st.topk_ids for st in states], k, torch.int64),
         )
 
     def accept(self, reqs: list[Request], tree: DraftTree, logits: torch.Tensor) -> Acceptance:

@@ -1,0 +1,83 @@
+"""Helpers for the speculative-decoding tests: loaded models (shared by many engines), target-only
+references computed once per prompt set, and comparisons.
+
+Engines here are small (``max_context`` 160, 8 rows) so that each costs little to build; the
+target and draft modules are loaded once per session and shared, since an engine only adds caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shared.config import EngineConfig, SpecConfig
+from shared.engine import Engine, GenerationResult
+from shared.model.drafts import DraftHead, load_draft
+from shared.model.llama import LlamaForCausalLM
+from shared.model.loader import load_target
+from shared.sampling import SamplingParams
+
+KINDS = ("eagle", "eagle3", "mtp")
+SMALL = dict(max_running=8, max_context=160)
+
+# Five prompts of mixed lengths (3 .. 53 tokens), so that chunks of 4 and 64 cut them differently.
+PROMPTS = [
+    [7, 8, 9],
+    [100 + (i * 37) % 300 for i in range(53)],
+    [5, 6, 7, 8, 9, 10, 11],
+    list(range(3, 40)),
+    [60 + (i * 11) % 97 for i in range(18)],
+]
+GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
+
+
+@dataclass
+class Models:
+    """One checkpoint directory's target and draft heads, loaded once."""
+
+    root: Path
+    target: LlamaForCausalLM
+    drafts: dict[str, DraftHead] = field(default_factory=dict)
+    _refs: dict = field(default_factory=dict)
+
+    def engine(self, kind: str | None = None, topk: int = 1, steps: int = 3, ndt: int | None = None,
+               **cfg) -> Engine:
+        """An engine on the shared modules; ``kind=None``: target only."""
+        spec = None
+        if kind is not None:
+            spec = SpecConfig(topk=topk, steps=steps, num_draft_tokens=ndt or steps + 1)
+        config = EngineConfig(**{**SMALL, **cfg, "spec": spec})
+        return Engine(self.target, self.drafts[kind] if kind else None, config)
+
+    def reference(self, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[GenerationResult]:
+        """Greedy target-only results (page size 1, whole prompts, one batch), cached per prompts."""
+        key = (tuple(map(tuple, prompts)), params)
+        if key not in self._refs:
+            engine = self.engine(page_size=1, chunk_size=None)
+            self._refs[key] = engine.generate(prompts, params)
+            assert engine.is_idle_and_clean()
+        return self._refs[key]
+
+
+def load_models(root: Path) -> Models:
+    target = load_target(root / "target")
+    return Models(root=root, target=target, drafts={k: load_draft(root / k, target) for k in KINDS})
+
+
+def assert_same_greedy(got: list[GenerationResult], want: list[GenerationResult], what: str = "") -> None:
+    """Token for token, logprobs to float32 noise (tree verify reduces in another order)."""
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.token_ids == w.token_ids, f"{what} prompt {i}: {g.token_ids} != {w.token_ids}"
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4), \
+            f"{what} prompt {i}: logprobs {g.logprobs} != {w.logprobs}"
+        assert g.finish_reason == w.finish_reason
+
+
+def run_steps(engine: Engine) -> list[list[tuple[str, list[int]]]]:
+    """Step the engine until done; per step, the (request id, tokens committed) events."""
+    steps = []
+    while engine.scheduler.has_work():
+        steps.append([(r.rid, toks) for r, toks in engine.step()])
+    return steps
