@@ -67,6 +67,9 @@ class DecodeSettings(EngineSettings):
 
 
 class RouterSettings(CommonSettings):
+    model: str | None = None  # model directory: the router reads config.json and tokenizer.json, no weights
+    max_context: int | None = None
+    default_max_new_tokens: int = 256
     request_ttl_s: int = 3600  # finished / failed / aborted records expire after this
     max_message_bytes: int = 4 << 20
     api_key: str | None = None
