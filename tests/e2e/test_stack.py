@@ -1,0 +1,245 @@
+"""router -> prefill -> decode over real gRPC with a real Redis server.
+
+Greedy output equals the single-process engine and the target alone, for every draft kind, chain and
+tree, page sizes 1 and 16, prompts shorter and several times longer than the chunk size; concurrent
+streams; complete Redis records; bad requests; aborts and disconnects leak nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from proto.eyrie.v1 import eyrie_pb2 as pb
+from shared.config import EngineConfig, SpecConfig
+from shared.engine import Engine
+from shared.sampling import SamplingParams
+from tests.e2e.conftest import start_stack
+
+SHORT = [5, 17, 33, 2, 9]  # shorter than the chunk (8)
+LONG = [(i * 37 + 11) % 500 for i in range(30)]  # several chunks
+NEW = 16
+# Pairwise over draft kind x topk x page size (every pair of values appears at least once).
+CASES = [("eagle", 1, 1), ("eagle", 4, 16), ("eagle3", 1, 16), ("eagle3", 4, 1), ("mtp", 1, 1), ("mtp", 4, 16)]
+
+
+def spec_config(topk: int) -> SpecConfig:
+    return SpecConfig(topk=topk, steps=3, num_draft_tokens=4 if topk == 1 else 8)
+
+
+@pytest.fixture(scope="module")
+def target_only(oracle_model_dir):
+    engine = Engine(oracle_model_dir / "target", config=EngineConfig(page_size=4, chunk_size=None))
+    return [r.token_ids for r in engine.generate([SHORT, LONG], SamplingParams(max_new_tokens=NEW, ignore_eos=True))]
+
+
+@pytest.mark.parametrize("draft, topk, page_size", CASES)
+def test_greedy_through_the_stack_equals_engine_and_target(redis_url, oracle_model_dir, target_only, draft, topk,
+                                                           page_size):
+    spec = spec_config(topk)
+    cfg = dict(page_size=page_size, chunk_size=8, spec_topk=topk, spec_steps=spec.steps,
+               spec_draft_tokens=spec.num_draft_tokens)
+    engine = Engine(oracle_model_dir / "target", oracle_model_dir / draft,
+                    EngineConfig(page_size=page_size, chunk_size=8, spec=spec))
+    single = [r.token_ids for r in engine.generate([SHORT, LONG], SamplingParams(max_new_tokens=NEW, ignore_eos=True))]
+    assert single == target_only
+    stack = start_stack(redis_url, oracle_model_dir, draft, **cfg)
+    try:
+        accept = []
+        for prompt, want in zip([SHORT, LONG], target_only):
+            tokens, finish = stack.generate(prompt, max_new_tokens=NEW, ignore_eos=True)
+            assert tokens == want
+            assert finish.reason == "length" and finish.usage.completion_tokens == NEW
+            assert finish.usage.prompt_tokens == len(prompt)
+            accept.append(finish.spec.accept_length)
+        assert max(accept) > 1.2, "the oracle drafts should be accepted through the stack too"
+        assert stack.wait_clean()
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url, oracle_model_dir):
+    s = start_stack(redis_url, oracle_model_dir, "eagle3", page_size=4, chunk_size=8, spec_topk=4, spec_steps=3,
+                    spec_draft_tokens=8, max_running=32)
+    yield s
+    s.stop()
+
+
+def test_sixteen_concurrent_streams(stack, oracle_model_dir):
+    prompts = [[(i * 7 + j * 3) % 500 for j in range(3 + i * 2)] for i in range(16)]
+    engine = Engine(oracle_model_dir / "target", config=EngineConfig(page_size=4, chunk_size=None))
+    want = [r.token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))]
+    got = [None] * 16
+    errors = []
+
+    def run(i):
+        try:
+            got[i] = stack.generate(prompts[i], max_new_tokens=12, ignore_eos=True)[0]
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    assert got == want
+    assert stack.wait_clean()
+
+
+def test_text_prompt_streams_text(stack):
+    req = pb.GenerateRequest(text="def add(a, b):", sampling=pb.SamplingParams(max_new_tokens=8, ignore_eos=True))
+    msgs = list(stack.stub.Generate(req, timeout=60))
+    assert sum(len(m.token_ids) for m in msgs) == 8
+    assert msgs[-1].HasField("finish") and not any(m.HasField("finish") for m in msgs[:-1])
+    assert isinstance("".join(m.text for m in msgs), str)
+
+
+def test_redis_record_of_a_finished_request(stack):
+    req = pb.GenerateRequest(request_id="rec-ok", token_ids=pb.TokenIds(ids=LONG),
+                             sampling=pb.SamplingParams(max_new_tokens=6, ignore_eos=True))
+    list(stack.stub.Generate(req, timeout=60))
+    rec = stack.store.get("rec-ok")
+    states = [s for s, _ in rec["transitions"]]
+    assert states == ["queued", "prefilling", "transferring", "decoding", "finished"]
+    times = [t for _, t in rec["transitions"]]
+    assert times == sorted(times) and times[0] < times[-1]
+    assert rec["prompt_tokens"] == str(len(LONG)) and rec["output_tokens"] == "6"
+    assert rec["prefill_instance"].startswith("prefill-") and rec["decode_instance"].startswith("decode-")
+    assert float(rec["accept_length"]) >= 1.0 and int(rec["handoff_bytes"]) > 0
+    assert 0 < stack.store.client.ttl("req:rec-ok") <= 3600
+
+
+def test_request_ending_at_its_first_token_is_not_handed_off(stack):
+    req = pb.GenerateRequest(request_id="rec-one", token_ids=pb.TokenIds(ids=SHORT),
+                             sampling=pb.SamplingParams(max_new_tokens=1))
+    msgs = list(stack.stub.Generate(req, timeout=60))
+    assert len(msgs) == 1 and msgs[0].finish.reason == "length"
+    assert [s for s, _ in stack.store.get("rec-one")["transitions"]] == ["queued", "prefilling", "finished"]
+    assert stack.wait_clean()
+
+
+BAD = [
+    (dict(), "prompt"),
+    (dict(text=""), "prompt.text"),
+    (dict(token_ids=pb.TokenIds(ids=[])), "prompt.token_ids"),
+    (dict(token_ids=pb.TokenIds(ids=[5, 512])), "prompt.token_ids"),
+    (dict(token_ids=pb.TokenIds(ids=[5, -3])), "prompt.token_ids"),
+    (dict(token_ids=pb.TokenIds(ids=[5] * 5000)), "prompt.token_ids"),
+    (dict(text="hi", sampling=pb.SamplingParams(temperature=-1)), "sampling.temperature"),
+    (dict(text="hi", sampling=pb.SamplingParams(temperature=float("nan"))), "sampling.temperature"),
+    (dict(text="hi", sampling=pb.SamplingParams(temperature=float("inf"))), "sampling.temperature"),
+    (dict(text="hi", sampling=pb.SamplingParams(top_p=1.5)), "sampling.top_p"),
+    (dict(text="hi", sampling=pb.SamplingParams(top_p=-0.1)), "sampling.top_p"),
+    (dict(text="hi", sampling=pb.SamplingParams(top_k=-1)), "sampling.top_k"),
+    (dict(text="hi", sampling=pb.SamplingParams(max_new_tokens=10**6)), "sampling.max_new_tokens"),
+    (dict(text="hi", sampling=pb.SamplingParams(stop_token_ids=[9999])), "sampling.stop_token_ids"),
+    (dict(text="hi", request_id="bad id with spaces"), "request_id"),
+    (dict(text="hi", request_id="x" * 200), "request_id"),
+    (dict(text="x" * (5 << 20)), "request"),
+]
+
+
+@pytest.mark.parametrize("fields, name", BAD, ids=[f"{n}-{i}" for i, (_, n) in enumerate(BAD)])
+def test_bad_requests_are_invalid_argument_naming_the_field(stack, fields, name):
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack.stub.Generate(pb.GenerateRequest(**fields), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert err.value.details().startswith(f"{name}:"), err.value.details()
+
+
+def test_duplicate_request_id_and_health_after_bad_requests(stack):
+    req = pb.GenerateRequest(request_id="dup-1", token_ids=pb.TokenIds(ids=SHORT),
+                             sampling=pb.SamplingParams(max_new_tokens=2))
+    list(stack.stub.Generate(req, timeout=60))
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack.stub.Generate(req, timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("request_id:")
+    assert stack.generate(SHORT, max_new_tokens=3)[1].reason == "length"  # still serving
+    assert stack.wait_clean()
+
+
+def _stream_then(stack, rid, action):
+    req = pb.GenerateRequest(request_id=rid, token_ids=pb.TokenIds(ids=LONG),
+                             sampling=pb.SamplingParams(max_new_tokens=400, ignore_eos=True))
+    call = stack.stub.Generate(req, timeout=60)
+    seen = 0
+    with pytest.raises(grpc.RpcError) as err:
+        for msg in call:
+            seen += len(msg.token_ids)
+            if seen >= 3:
+                action(call)
+    return err.value
+
+
+def test_abort_mid_stream(stack):
+    err = _stream_then(stack, "abort-1", lambda call: stack.stub.Abort(pb.AbortRequest(request_id="abort-1")))
+    assert err.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED)
+    assert stack.wait_clean()
+    rec = stack.store.get("abort-1")
+    assert rec["state"] == "aborted" and rec["transitions"][-1][0] == "aborted"
+    assert not stack.stub.Abort(pb.AbortRequest(request_id="abort-1")).found
+
+
+def test_client_disconnect_mid_stream(stack):
+    err = _stream_then(stack, "gone-1", lambda call: call.cancel())
+    assert err.code() == grpc.StatusCode.CANCELLED
+    deadline = time.monotonic() + 10
+    while stack.store.get("gone-1").get("state") != "aborted" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stack.store.get("gone-1")["state"] == "aborted"
+    assert stack.wait_clean()
+
+
+def test_mismatched_speculative_config_is_refused_at_the_handshake(redis_url, oracle_model_dir):
+    s = start_stack(redis_url, oracle_model_dir, "eagle", page_size=4, chunk_size=8, spec_topk=1, spec_steps=3,
+                    decode_extra=dict(spec_topk=4, spec_draft_tokens=8))
+    try:
+        req = pb.GenerateRequest(request_id="mismatch", token_ids=pb.TokenIds(ids=SHORT),
+                                 sampling=pb.SamplingParams(max_new_tokens=4))
+        with pytest.raises(grpc.RpcError) as err:
+            list(s.stub.Generate(req, timeout=30))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        details = err.value.details()
+        assert "spec" in details and "topk=4" in details and "topk=1" in details
+        rec = s.store.get("mismatch")
+        assert rec["state"] == "failed" and "mismatch" in rec["error"]
+        assert s.wait_clean()
+    finally:
+        s.stop()
+
+
+def test_prefill_without_draft_cannot_feed_a_speculative_decode(redis_url, oracle_model_dir):
+    """SGLang #17212: this pairing produced wrong answers silently; here it is refused."""
+    s = start_stack(redis_url, oracle_model_dir, "eagle", page_size=4, chunk_size=8, prefill_extra=dict(draft=None))
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            s.generate(SHORT, max_new_tokens=4)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "none" in err.value.details()
+        assert s.wait_clean()
+    finally:
+        s.stop()
+
+
+def test_full_decode_instance_refuses_and_the_router_places_elsewhere(redis_url, oracle_model_dir, target_only):
+    """Two decode instances, one too small for the request: the router re-places on the other."""
+    s = start_stack(redis_url, oracle_model_dir, "eagle", page_size=4, chunk_size=8, num_decodes=1)
+    from services.decode.server import start_decode
+    from services.settings import DecodeSettings
+
+    small = start_decode(DecodeSettings(model=str(oracle_model_dir / "target"), draft=str(oracle_model_dir / "eagle"),
+                                        redis_url=s.redis_url, page_size=4, chunk_size=8, num_pages=4,
+                                        heartbeat_s=0.2))
+    s.decodes.append(small)
+    try:
+        for _ in range(3):  # whichever instance the router tries first, the request lands whole
+            tokens, finish = s.generate(LONG, max_new_tokens=NEW, ignore_eos=True)
+            assert tokens == target_only[1]
+        assert s.wait_clean()
+    finally:
+        s.stop()
