@@ -76,7 +76,8 @@ class EngineLoop:
     def _run(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
-            self._drain_calls()
+            if self._drain_calls() and self.after_step is not None:
+                self.after_step(engine)  # calls (releases, aborts, admissions) change what the gauges show
             if not engine.scheduler.has_work_to_step():
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -96,12 +97,14 @@ class EngineLoop:
             if self.after_step is not None:
                 self.after_step(engine)
 
-    def _drain_calls(self) -> None:
+    def _drain_calls(self) -> int:
+        done = 0
         while True:
             try:
                 fn, fut = self._calls.get_nowait()
             except queue.Empty:
-                return
+                return done
+            done += 1
             if fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(fn(self.engine))

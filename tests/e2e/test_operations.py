@@ -1,0 +1,185 @@
+"""Operating the services: health, metrics, gRPC health and reflection, API keys, killed processes,
+and ``eyrie up --demo``."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from proto.eyrie.v1 import eyrie_pb2 as pb
+from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
+from services.launch import Stack, free_port
+from shared.metadata import RequestStore, connect
+from tests.e2e.conftest import start_stack
+
+
+def http_get(addr: str, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://{addr}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def metric(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url, tiny_model_dir):
+    s = start_stack(redis_url, tiny_model_dir, "eagle", page_size=4, chunk_size=8)
+    yield s
+    s.stop()
+
+
+def test_metrics_parse_and_move(stack):
+    router_http = stack.router.http_address
+    before = metric(http_get(router_http, "/metrics")[1], "eyrie_requests_total", outcome="finished")
+    stack.generate([5, 6, 7, 8], max_new_tokens=6, ignore_eos=True)
+    code, text = http_get(router_http, "/metrics")
+    assert code == 200
+    assert metric(text, "eyrie_requests_total", outcome="finished") == before + 1
+    assert metric(text, "eyrie_ttft_seconds_count") >= 1
+    _, ptext = http_get(stack.prefills[0].http_address, "/metrics")
+    assert metric(ptext, "eyrie_handoff_bytes_total") > 0
+    _, dtext = http_get(stack.decodes[0].http_address, "/metrics")
+    assert metric(dtext, "eyrie_accept_length_count") >= 1
+    assert metric(dtext, "eyrie_kv_pages_total", cache="target") > 0
+    assert metric(dtext, "eyrie_kv_pages_used", cache="draft0") == 0  # nothing running now
+
+
+def test_grpc_health_and_reflection(stack):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    for handle, service in ((stack.router, "eyrie.v1.Generation"), (stack.prefills[0], "eyrie.v1.Prefill"),
+                            (stack.decodes[0], "eyrie.v1.Decode")):
+        ch = grpc.insecure_channel(handle.grpc_address)
+        health = health_pb2_grpc.HealthStub(ch)
+        for name in ("", service):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert service in ProtoReflectionDescriptorDatabase(ch).get_services()
+        code, body = http_get(handle.http_address, "/health")
+        assert code == 200 and json.loads(body)["status"] == "ready"
+
+
+def test_model_info(stack):
+    info = pb_grpc.GenerationStub(grpc.insecure_channel(stack.router.grpc_address)).GetModelInfo(pb.ModelInfoRequest())
+    assert info.vocab_size == 512 and info.max_context > 0
+
+
+def test_health_is_503_while_loading(redis_url, tiny_model_dir, monkeypatch):
+    import services.prefill.server as prefill_server
+    from services.settings import PrefillSettings
+
+    real_engine = prefill_server.Engine
+    gate = threading.Event()
+
+    def slow_engine(*args, **kwargs):
+        gate.wait(10)
+        return real_engine(*args, **kwargs)
+
+    monkeypatch.setattr(prefill_server, "Engine", slow_engine)
+    port = free_port()
+    settings = PrefillSettings(model=str(tiny_model_dir / "target"), redis_url=redis_url, http_port=port)
+    handles = []
+    t = threading.Thread(target=lambda: handles.append(prefill_server.start_prefill(settings)))
+    t.start()
+    deadline = time.monotonic() + 10
+    code = None
+    while code != 503 and time.monotonic() < deadline:
+        try:
+            code, body = http_get(f"127.0.0.1:{port}", "/health")
+        except OSError:
+            time.sleep(0.01)
+    assert code == 503 and json.loads(body)["status"] == "loading"
+    gate.set()
+    t.join(30)
+    assert http_get(f"127.0.0.1:{port}", "/health")[0] == 200
+    handles[0].stop(0.5)
+
+
+def test_api_key_guards_grpc_but_not_health(redis_url, tiny_model_dir):
+    s = start_stack(redis_url, tiny_model_dir, None, page_size=4, router_extra=dict(api_key="sekret"))
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            s.generate([5, 6, 7], max_new_tokens=2)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            s.generate([5, 6, 7], max_new_tokens=2, metadata=[("authorization", "Bearer wrong")])
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        stub = pb_grpc.GenerationStub(grpc.insecure_channel(s.router.grpc_address))
+        for call in (lambda md: stub.GetModelInfo(pb.ModelInfoRequest(), metadata=md),
+                     lambda md: stub.Abort(pb.AbortRequest(request_id="x"), metadata=md)):
+            with pytest.raises(grpc.RpcError) as err:
+                call(None)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            call([("authorization", "Bearer sekret")])
+        tokens, finish = s.generate([5, 6, 7], max_new_tokens=2, metadata=[("authorization", "Bearer sekret")])
+        assert len(tokens) == 2
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(s.router.grpc_address))
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        assert http_get(s.router.http_address, "/health")[0] == 200
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def process_stack(tiny_model_dir):
+    stack = Stack(str(tiny_model_dir / "target"), str(tiny_model_dir / "mtp"), None, free_port(),
+                  extra={"page_size": 4, "chunk_size": 8}).start()
+    yield stack
+    stack.stop()
+
+
+def test_kill_9_of_decode_mid_stream(process_stack):
+    stack = process_stack
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(stack.router_address))
+    req = pb.GenerateRequest(request_id="killed-1", token_ids=pb.TokenIds(ids=list(range(3, 30))),
+                             sampling=pb.SamplingParams(max_new_tokens=2000, ignore_eos=True))
+    seen = 0
+    with pytest.raises(grpc.RpcError) as err:
+        for msg in stub.Generate(req, timeout=60):
+            seen += len(msg.token_ids)
+            if seen >= 3 and stack.procs["decode"].poll() is None:
+                stack.procs["decode"].send_signal(signal.SIGKILL)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "decode" in err.value.details()
+    rec = RequestStore(connect(stack.redis_url)).get("killed-1")
+    assert rec["state"] == "failed" and "decode" in rec["error"]
+    assert [s for s, _ in rec["transitions"]] == ["queued", "prefilling", "transferring", "decoding", "failed"]
+    _, text = http_get(stack.http["prefill"], "/metrics")
+    assert metric(text, "eyrie_kv_pages_used", cache="target") == 0  # the survivor's pool is full
+    assert metric(text, "eyrie_requests_running") == 0
+
+
+def test_eyrie_up_demo_within_a_minute(tmp_path):
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "up", "--demo", "--grpc-port", "0"],
+                          capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
+    assert "router on" in proc.stdout and "finish_reason length" in proc.stderr
+
+
+def test_client_exit_2_on_invalid_argument(process_stack):
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "client", "hello", "--router",
+                           process_stack.router_address, "--temperature", "-1"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "sampling.temperature" in proc.stderr
