@@ -1,12 +1,8 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-from typing import Optional as _Optional
-from typing import Union as _Union
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -247,7 +243,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("request_id", "cache", "layer", "first_page", "num_pages", "k", "v", "crc32", "draft_state", "last", "total_chunks")
+    __slots__ = ("request_id", "cache", "layer", "first_page", "num_pages", "k", "v", "crc32", "draft_state", "last", "total_chunks", "seq")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +255,7 @@ class KVChunk(_message.Message):
     DRAFT_STATE_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cache: int
     layer: int
@@ -270,7 +267,8 @@ class KVChunk(_message.Message):
     draft_state: bytes
     last: bool
     total_chunks: int
-    def __init__(self, request_id: _Optional[str] = ..., cache: _Optional[int] = ..., layer: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ..., crc32: _Optional[int] = ..., draft_state: _Optional[bytes] = ..., last: _Optional[bool] = ..., total_chunks: _Optional[int] = ...) -> None: ...
+    seq: int
+    def __init__(self, request_id: _Optional[str] = ..., cache: _Optional[int] = ..., layer: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ..., crc32: _Optional[int] = ..., draft_state: _Optional[bytes] = ..., last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class TransferAck(_message.Message):
     __slots__ = ("bytes", "chunks")
