@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from spec_helpers import Models, load_models
+from spec_helpers import Models, add_feature_path, load_models
 
 
 @pytest.fixture(scope="session")
@@ -16,5 +16,6 @@ def random_models(tiny_model_dir) -> Models:
 
 @pytest.fixture(scope="session")
 def oracle_models(oracle_model_dir) -> Models:
-    """Oracle drafts: accepted often (accept length 2-3.5), so long accepted runs are exercised."""
-    return load_models(Path(oracle_model_dir))
+    """Oracle drafts: accepted often, so long accepted runs are exercised; with a feature path added
+    (``add_feature_path``) so that their K/V and hidden states depend on the target features too."""
+    return add_feature_path(load_models(Path(oracle_model_dir)))
