@@ -19,14 +19,16 @@ class SpecConfig(BaseModel):
     @model_validator(mode="after")
     def _shape(self) -> SpecConfig:
         if self.topk < 1:
-            raise ValueError("spec topk must be >= 1")
+            raise ValueError(f"spec topk must be >= 1, got {self.topk}")
         if self.steps < 1:
-            raise ValueError("spec steps must be >= 1")
+            raise ValueError(f"spec steps must be >= 1, got {self.steps}")
+        n = self.num_draft_tokens
+        if self.topk == 1 and n != self.steps + 1:
+            raise ValueError(f"spec num_draft_tokens={n} must be steps + 1 = {self.steps + 1} for a chain (topk=1)")
         most = 1 + self.topk + (self.steps - 1) * self.topk ** 2
-        if not 2 <= self.num_draft_tokens <= most:
-            raise ValueError(f"spec num_draft_tokens must be in [2, {most}] for topk={self.topk}, steps={self.steps}")
-        if self.topk == 1 and self.num_draft_tokens != self.steps + 1:
-            raise ValueError("spec num_draft_tokens must be steps + 1 for a chain (topk=1)")
+        if not 2 <= n <= most:
+            raise ValueError(f"spec num_draft_tokens={n} must be in [2, {most}]: a tree of topk={self.topk}, "
+                             f"steps={self.steps} holds at most 1 + topk + (steps - 1) * topk^2 = {most} nodes")
         return self
 
     @property

@@ -214,12 +214,35 @@ def aux_layers_of(path: str | Path, target: LlamaForCausalLM) -> tuple[int, ...]
     return tuple(ids) if ids else default_aux_layers(target.config.num_hidden_layers)
 
 
+def check_matches_target(path: Path, config: ModelConfig, target: LlamaForCausalLM,
+                         d2t: torch.Tensor | None) -> None:
+    """A draft made for another target is refused at load, with both sides in the message."""
+    t = target.config
+    if config.vocab_size != t.vocab_size:
+        raise CheckpointError(f"{path}: draft vocab_size {config.vocab_size} != target vocab_size {t.vocab_size}")
+    # Every head embeds tokens with the target's table (and EAGLE / multi-layer use its LM head).
+    if config.hidden_size != t.hidden_size:
+        raise CheckpointError(f"{path}: draft hidden_size {config.hidden_size} != target hidden_size {t.hidden_size}")
+    if config.target_hidden_size is not None and config.target_hidden_size != t.hidden_size:
+        raise CheckpointError(f"{path}: draft target_hidden_size {config.target_hidden_size} != target "
+                              f"hidden_size {t.hidden_size}")
+    if d2t is not None:
+        vd = config.draft_vocab_size or config.vocab_size
+        if d2t.numel() != vd:
+            raise CheckpointError(f"{path}: d2t has {d2t.numel()} entries != draft_vocab_size {vd}")
+        ids = torch.arange(vd) + d2t.to(torch.int64)
+        if vd and not (0 <= int(ids.min()) and int(ids.max()) < t.vocab_size):
+            raise CheckpointError(f"{path}: d2t maps draft ids to target ids in [{int(ids.min())}, {int(ids.max())}], "
+                                  f"outside the target vocabulary [0, {t.vocab_size})")
+
+
 def load_draft(path: str | Path, target: LlamaForCausalLM, dtype="float32", device="cpu") -> DraftHead:
     path = Path(path)
     kind = draft_kind(path)
     config = ModelConfig.from_dir(path)
     dtype, device = parse_dtype(dtype), torch.device(device)
     state = {k.removeprefix("model."): v for k, v in read_state_dict(path).items()}
+    check_matches_target(path, config, target, state.get("d2t") if kind == "eagle3" else None)
     if kind == "eagle":
         head = build_module(EagleDraft, config, dtype, device, target)
     elif kind == "eagle3":
