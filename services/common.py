@@ -3,6 +3,7 @@ the handle a started service returns, and logging set-up."""
 
 from __future__ import annotations
 
+import hmac
 import logging
 import uuid
 from collections.abc import Callable
@@ -53,7 +54,7 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
         if handler_call_details.method.startswith(OPEN_METHOD_PREFIXES):
             return continuation(handler_call_details)
         md = dict(handler_call_details.invocation_metadata or ())
-        if md.get("authorization") == self.expected:
+        if hmac.compare_digest(md.get("authorization", "").encode(), self.expected.encode()):
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
         if handler is not None and handler.response_streaming:

@@ -48,7 +48,8 @@ class Telemetry:
         self.errors_total = Counter("eyrie_errors", "Errors by kind", ["kind"], registry=r)
         self._server = ThreadingHTTPServer((host, port), self._handler())
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name=f"{service}-http", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name=f"{service}-http", daemon=True)
 
     @property
     def address(self) -> str:

@@ -1,0 +1,109 @@
+"""shared.telemetry: /health follows the state, /metrics parses and moves, instances don't share metrics."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared.config import EngineConfig
+from shared.engine import Engine
+from shared.sampling import SamplingParams
+from shared.telemetry import Telemetry
+
+
+def get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def samples(address: str) -> dict:
+    status, body = get(f"http://{address}/metrics")
+    assert status == 200
+    out = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+@pytest.fixture
+def telemetry():
+    t = Telemetry("decode", "decode-test").start()
+    yield t
+    t.stop()
+
+
+def test_health_follows_the_state(telemetry):
+    base = f"http://{telemetry.address}"
+    status, body = get(f"{base}/health")
+    assert status == 503 and json.loads(body)["status"] == "loading"
+    for state in ("capturing", "draining"):
+        telemetry.set_state(state)
+        status, body = get(f"{base}/health")
+        assert status == 503 and json.loads(body)["status"] == state
+    telemetry.set_state("ready")
+    status, body = get(f"{base}/health")
+    assert status == 200 and json.loads(body) == {"status": "ready", "service": "decode", "instance_id": "decode-test"}
+    assert get(f"{base}/nothing")[0] == 404
+    with pytest.raises(ValueError):
+        telemetry.set_state("sleepy")
+
+
+def test_metrics_parse_and_move_and_instances_are_independent(telemetry):
+    other = Telemetry("prefill", "prefill-test").start()
+    try:
+        before = samples(telemetry.address)
+        assert before[("eyrie_requests_running", ())] == 0
+        assert before[("eyrie_ttft_seconds_count", ())] == 0
+        telemetry.requests_total.labels("length").inc()
+        telemetry.errors_total.labels("transfer").inc(2)
+        telemetry.ttft_seconds.observe(0.02)
+        telemetry.handoff_bytes_total.inc(4096)
+        telemetry.stage_seconds.labels("prefill").observe(0.5)
+        after = samples(telemetry.address)
+        assert after[("eyrie_requests_total", (("outcome", "length"),))] == 1
+        assert after[("eyrie_errors_total", (("kind", "transfer"),))] == 2
+        assert after[("eyrie_ttft_seconds_count", ())] == 1
+        assert after[("eyrie_ttft_seconds_bucket", (("le", "0.025"),))] == 1
+        assert after[("eyrie_ttft_seconds_bucket", (("le", "0.01"),))] == 0
+        assert after[("eyrie_handoff_bytes_total", ())] == 4096
+        assert after[("eyrie_stage_seconds_sum", (("stage", "prefill"),))] == 0.5
+        untouched = samples(other.address)
+        assert ("eyrie_requests_total", (("outcome", "length"),)) not in untouched
+        assert untouched[("eyrie_handoff_bytes_total", ())] == 0
+        for name in ("eyrie_inter_token_seconds_count", "eyrie_handoff_seconds_count", "eyrie_accept_length_count",
+                     "eyrie_accept_rate_count", "eyrie_draft_seconds_count", "eyrie_verify_seconds_count",
+                     "eyrie_requests_queued"):
+            assert (name, ()) in untouched, name
+    finally:
+        other.stop()
+
+
+def test_observe_engine_reports_every_pool(telemetry, tiny_model_dir):
+    from shared.config import SpecConfig
+
+    engine = Engine(tiny_model_dir / "target", tiny_model_dir / "mtp",
+                    EngineConfig(page_size=4, num_pages=32, spec=SpecConfig(topk=1, steps=2, num_draft_tokens=3)))
+    telemetry.observe_engine(engine)
+    m = samples(telemetry.address)
+    caches = sorted(dict(k[1])["cache"] for k in m if k[0] == "eyrie_kv_pages_total")
+    assert caches == ["draft0", "draft1", "target"]  # the multi-layer draft has one pool per step
+    assert m[("eyrie_kv_pages_used", (("cache", "target"),))] == 0
+    engine.add_request(list(range(10)), SamplingParams(max_new_tokens=4), rid="r")
+    engine.step()
+    telemetry.observe_engine(engine)
+    m = samples(telemetry.address)
+    total = m[("eyrie_kv_pages_total", (("cache", "target"),))]
+    assert total == engine.cache.spec.num_pages
+    assert m[("eyrie_kv_pages_used", (("cache", "target"),))] >= 3  # 10+ tokens in pages of 4
+    assert m[("eyrie_requests_running", ())] + m[("eyrie_requests_queued", ())] == 1
+    engine.abort("r")
+    telemetry.observe_engine(engine)
+    assert samples(telemetry.address)[("eyrie_kv_pages_used", (("cache", "target"),))] == 0
