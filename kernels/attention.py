@@ -249,7 +249,7 @@ def choose_config(q: torch.Tensor, num_kv_heads: int, batch: int, max_q_len: int
                       num_warps=num_warps, num_stages=num_stages)
 
 
-MIN_SPLIT_KEYS = 256
+MIN_SPLIT_KEYS = 64
 
 
 def _use_triton(q: torch.Tensor, backend: str) -> bool:

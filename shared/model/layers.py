@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fused import rope_store, silu_mul
 from kernels.norm_rope import apply_rope, rms_norm
 from shared.batch import ForwardBatch
 from shared.model.config import ModelConfig, RopeConfig
@@ -103,14 +104,20 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self._qkv(x)
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(batch, q, k)
         k_cache, v_cache = cache.k[self.cache_layer], cache.v[self.cache_layer]
-        k_cache[batch.out_cache_loc] = k.to(k_cache.dtype)
-        v_cache[batch.out_cache_loc] = v.to(v_cache.dtype)
+        if self.qkv_weight is not None:  # fused: one GEMM, then RoPE + the K/V store in one launch
+            if batch.cos_sin is None:
+                batch.cos_sin = self.rotary.cos_sin(batch.positions)
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+            q = rope_store(qkv, *batch.cos_sin, k_cache, v_cache, batch.out_cache_loc, self.num_heads,
+                           self.num_kv_heads)
+        else:
+            q, k, v = self._qkv(x)
+            q = q.reshape(T, self.num_heads, self.head_dim)
+            k = k.reshape(T, self.num_kv_heads, self.head_dim)
+            q, k = self.rotary(batch, q, k)
+            k_cache[batch.out_cache_loc] = k.to(k_cache.dtype)
+            v_cache[batch.out_cache_loc] = v.reshape(T, self.num_kv_heads, self.head_dim).to(v_cache.dtype)
         o = self._attend(q, k_cache, v_cache, batch.attn, self.scale)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
@@ -131,8 +138,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
 
 
 class DecoderLayer(nn.Module):
