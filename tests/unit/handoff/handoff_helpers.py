@@ -1,0 +1,107 @@
+"""Helpers of the hand-off tests: models whose drafts depend on the transferred state, and an in-process
+hand-off between two engines through the real wire format (no sockets)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shared.config import EngineConfig, SpecConfig
+from shared.engine import Engine
+from shared.handoff import HandoffSchema, PageSink, PageSource, decode_draft_state, encode_draft_state, iter_chunks
+from shared.handoff.wire import page_bytes
+from shared.model.drafts import DraftHead, load_draft
+from shared.model.llama import LlamaForCausalLM
+from shared.model.loader import load_target
+from shared.request import Phase, Request
+from shared.sampling import SamplingParams
+
+KINDS = ("eagle", "eagle3", "mtp")
+SHORT = [5, 17, 33, 2, 9]  # shorter than the chunk (8)
+LONG = [(i * 37 + 11) % 500 for i in range(30)]  # several chunks
+PROMPTS = [SHORT, LONG]
+GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
+
+
+@dataclass
+class Models:
+    root: Path
+    target: LlamaForCausalLM
+    drafts: dict[str, DraftHead]
+
+
+def load_models(root: Path, feature_scale: float = 0.25, seed: int = 5) -> Models:
+    """The oracle checkpoints, with a small random read of the target features added to each draft's
+    input projection (in memory): the factory's oracle drafts ignore the features, so a draft state
+    or draft K/V that went wrong in transit would go unnoticed; with this path the draft's hidden
+    states and K/V depend on them, and drafts are still accepted often."""
+    target = load_target(root / "target")
+    drafts = {k: load_draft(root / k, target) for k in KINDS}
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for kind, draft in drafts.items():
+            for proj in [layer.eh_proj for layer in draft.layers] if kind == "mtp" else [draft.fc]:
+                w = proj.weight
+                h = w.shape[1] - draft.feature_width(from_target=True)  # the token part stays
+                w[:, h:] = feature_scale * torch.randn(w.shape[0], w.shape[1] - h, generator=g) / (w.shape[1] - h) ** .5
+    return Models(root, target, drafts)
+
+
+def spec_config(topk: int, steps: int = 3) -> SpecConfig:
+    return SpecConfig(topk=topk, steps=steps, num_draft_tokens=steps + 1 if topk == 1 else 8)
+
+
+def engine_config(draft: str | None, topk: int = 1, page_size: int = 16, **kw) -> EngineConfig:
+    return EngineConfig(page_size=page_size, chunk_size=kw.pop("chunk_size", 8),
+                        spec=spec_config(topk) if draft else None, **kw)
+
+
+def make_engine(models: Models, draft: str | None, config: EngineConfig, role: str = "both") -> Engine:
+    return Engine(models.target, models.drafts[draft] if draft else None, config, role=role)
+
+
+def prefill_until_handoff(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
+    """Admit every prompt at once (their chunks interleave, so their pages do too) and step until each
+    is parked for its hand-off."""
+    reqs = [engine.add_request(p, params) for p in prompts]
+    while any(r.phase is not Phase.HANDOFF and r.finish_reason is None for r in reqs):
+        engine.step()
+    return reqs
+
+
+def positions_kv(engine: Engine, req: Request, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per cache and layer, K and V of the request's positions [0, length) (wherever its pages are)."""
+    out = []
+    for cache, h in zip(engine.scheduler.caches, req.handles):
+        slots = cache.req_to_token.host[h.row, :length]
+        out += [(cache.k[layer][slots].clone(), cache.v[layer][slots].clone()) for layer in range(len(cache.k))]
+    return out
+
+
+def smallest_chunk_bytes(engine: Engine) -> int:
+    """The smallest legal chunk size: one page of one layer of the widest cache (the others get
+    several pages per chunk), so runs are cut into many chunks."""
+    return max(page_bytes(c) for c in engine.scheduler.caches)
+
+
+def hand_off(prefill: Engine, req: Request, decode: Engine, chunk_bytes: int | None = None,
+             state_bytes: bytes | None = None) -> Request:
+    """Move ``req`` from ``prefill`` to ``decode`` through the wire format, as the services do: reserve
+    on the decode side, stream the chunks into the reserved pages, check, activate. Returns the decode
+    side's request (the prefill side's is left for the caller to release)."""
+    source = PageSource(req.rid, prefill.scheduler.caches, prefill.page_ids(req),
+                        encode_draft_state(req) if state_bytes is None else state_bytes)
+    moved = decode.reserve_handoff(req.rid, req.prompt_ids, req.output_ids, req.output_logprobs, req.params,
+                                   req.kv_len)
+    assert moved is not None, "the decode engine refused the request"
+    sink = PageSink(req.rid, decode.scheduler.caches, decode.page_ids(moved))
+    last = None
+    for chunk in iter_chunks(source, chunk_bytes or smallest_chunk_bytes(prefill)):
+        sink.write(chunk)
+        last = chunk
+    received = sink.finish(last)
+    state = decode_draft_state(received.draft_state, HandoffSchema.from_engine(decode), req.kv_len)
+    decode.activate_handoff(moved, req.kv_len, state)
+    return moved

@@ -1,0 +1,108 @@
+"""Two engines, one hand-off: a prefill-role engine hands its requests to a decode-role engine through
+the wire format (page extraction, chunks, insertion, DraftState bytes), and the decode engine resumes
+them straight into draft(). Output equals the single-process engine's and the target's alone, with the
+same acceptance (so the draft state and draft K/V arrived intact), for every draft kind, chain and
+tree, page sizes 1 and 16, prompts shorter and longer than the chunk, and without a draft.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from handoff_helpers import (
+    GREEDY,
+    PROMPTS,
+    engine_config,
+    hand_off,
+    load_models,
+    make_engine,
+    positions_kv,
+    prefill_until_handoff,
+)
+
+from shared.config import EngineConfig
+from shared.engine import Engine
+from shared.sampling import SamplingParams
+from shared.spec.state import DraftState
+
+# Pairwise over draft kind x topk x page size (every pair of values appears), and no draft at all.
+CASES = [(None, 1, 1), (None, 1, 16), ("eagle", 1, 1), ("eagle", 4, 16), ("eagle3", 1, 16), ("eagle3", 4, 1),
+         ("mtp", 1, 1), ("mtp", 4, 16)]
+
+
+@pytest.fixture(scope="module")
+def models(oracle_model_dir):
+    return load_models(oracle_model_dir)
+
+
+@pytest.fixture(scope="module")
+def target_only(models):
+    engine = Engine(models.target, config=EngineConfig(page_size=4, chunk_size=None))
+    return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+
+
+def spec_counts(result) -> tuple[int, int] | None:
+    return None if result.spec is None else (result.spec["verify_steps"], result.spec["accepted_drafts"])
+
+
+def same_state(a: DraftState | None, b: DraftState | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return (a.bonus_token, a.committed_len) == (b.bonus_token, b.committed_len) and all(
+        torch.equal(getattr(a, f).cpu(), getattr(b, f).cpu()) for f in ("hidden", "topk_p", "topk_ids"))
+
+
+def run_disaggregated(models, draft, config, params, chunk_bytes=None, tamper=None):
+    """Prefill both prompts on one engine, hand them to another, decode there; returns the results and
+    (per request) whether the K/V at every committed position of every cache and layer, and the draft
+    state (bonus token, length, draft hidden state, first tree level), arrived intact."""
+    prefill = make_engine(models, draft, config, role="prefill")
+    decode = make_engine(models, draft, config, role="decode")
+    reqs = prefill_until_handoff(prefill, PROMPTS, params)
+    moved, intact = [], []
+    for req in reqs:
+        state = None if tamper is None else tamper(req)
+        d = hand_off(prefill, req, decode, chunk_bytes, state_bytes=state)
+        before, after = positions_kv(prefill, req, req.kv_len), positions_kv(decode, d, req.kv_len)
+        same = all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(before, after))
+        intact.append(same and same_state(req.draft_state, d.draft_state))
+        prefill.release(req)
+        moved.append(d)
+    assert prefill.is_idle_and_clean(), "the prefill engine kept pages after releasing its hand-offs"
+    decode.run_until_done()
+    assert decode.is_idle_and_clean(), "the decode engine kept pages after its requests finished"
+    return [decode.result(d) for d in moved], intact
+
+
+@pytest.mark.parametrize("draft, topk, page_size", CASES)
+def test_two_engines_equal_one_engine_and_the_target(models, target_only, draft, topk, page_size):
+    config = engine_config(draft, topk, page_size)
+    single = make_engine(models, draft, config).generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in single] == target_only
+    results, intact = run_disaggregated(models, draft, config, GREEDY)
+    assert all(intact), "K/V or draft state differs after the hand-off"
+    for got, want in zip(results, single):
+        assert got.token_ids == want.token_ids
+        assert got.finish_reason == want.finish_reason == "length"
+        assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-4)
+        assert spec_counts(got) == spec_counts(want), "acceptance differs: the draft state or draft K/V changed"
+    if draft is not None:
+        assert max(r.spec["accept_length"] for r in results) > 1.2, "drafts should be accepted often here"
+
+
+def test_seeded_sampling_resumes_the_same_generator(models):
+    """The request's generator state travels: a sampled request draws on the decode side exactly what it
+    draws in one process. Restarting the generator from the seed instead draws something else."""
+    config = engine_config("eagle", 1, 16)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, seed=11)
+    single = make_engine(models, "eagle", config).generate(PROMPTS, params)
+    results, _ = run_disaggregated(models, "eagle", config, params)
+    assert [r.token_ids for r in results] == [r.token_ids for r in single]
+
+    def fresh_generator(req):
+        return dataclasses.replace(req.draft_state, rng_state=None).to_bytes()
+
+    restarted, _ = run_disaggregated(models, "eagle", config, params, tamper=fresh_generator)
+    assert [r.token_ids for r in restarted] != [r.token_ids for r in single]
