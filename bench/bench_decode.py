@@ -13,6 +13,7 @@ depend on its values), so no 8k-token prefill is needed.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -64,7 +65,8 @@ def bench_target_decode(target, bw, batches, contexts, rows_out):
             rows_out.append(row)
             print(f"decode bs={bs:3d} ctx={ctx:5d} eager {ms_eager:7.2f} ms  graph {ms_graph:7.2f} ms  "
                   f"floor {floor_ms:6.2f} ms  x{ms_graph / floor_ms:.3f}", flush=True)
-            del engine
+            del engine, reqs, g
+            gc.collect()
             torch.cuda.empty_cache()
 
 
@@ -99,7 +101,8 @@ def bench_spec(target, draft, bw, ctx, results):
         ms = time_cuda(lambda: w.graphs["verify"](inp, tree))  # noqa: B023
         results["verify"].append({"num_draft_tokens": n, "graph_ms": ms, "floor_ms": floor_ms})
         print(f"verify N={n:3d} {ms:7.2f} ms", flush=True)
-        del engine
+        del engine, reqs, w
+        gc.collect()
         torch.cuda.empty_cache()
     # The whole EAGLE iteration, chain steps=5.
     engine, reqs = spec_engine(target, draft, ctx, 1, 5, 6)

@@ -5,26 +5,28 @@ import torch
 
 from kernels.fused import rope_store, rope_store_ref, silu_mul, silu_mul_ref
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU, the kernel on a GPU
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq, hk", [(4, 2), (4, 4)])
 def test_rope_store_matches_reference(dtype, hq, hk):
     torch.manual_seed(0)
     T, d, slots_total = 5, 16, 40
-    qkv = torch.randn(T, (hq + 2 * hk) * d, dtype=dtype)
-    pos = torch.tensor([3, 7, 8, 20, 21]).float()
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    qkv = torch.randn(T, (hq + 2 * hk) * d, dtype=dtype, device=DEVICE)
+    pos = torch.tensor([3, 7, 8, 20, 21], device=DEVICE).float()
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=DEVICE).float() / d))
     freqs = pos[:, None] * inv[None]
     cos, sin = freqs.cos(), freqs.sin()
-    slots = torch.tensor([11, 2, 30, 5, 17])
-    caches = [torch.full((slots_total, hk, d), float("nan"), dtype=dtype) for _ in range(4)]
+    slots = torch.tensor([11, 2, 30, 5, 17], device=DEVICE)
+    caches = [torch.full((slots_total, hk, d), float("nan"), dtype=dtype, device=DEVICE) for _ in range(4)]
     q_ref = rope_store_ref(qkv, cos, sin, caches[0], caches[1], slots, hq, hk)
     q = rope_store(qkv, cos, sin, caches[2], caches[3], slots, hq, hk, backend="triton")
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(q, q_ref, atol=tol, rtol=tol)
     for ref, got in ((caches[0], caches[2]), (caches[1], caches[3])):
         torch.testing.assert_close(got[slots], ref[slots], atol=tol, rtol=tol)
-        untouched = torch.ones(slots_total, dtype=torch.bool)
+        untouched = torch.ones(slots_total, dtype=torch.bool, device=DEVICE)
         untouched[slots] = False
         assert torch.isnan(got[untouched]).all()  # nothing written outside the slots
 
@@ -32,6 +34,6 @@ def test_rope_store_matches_reference(dtype, hq, hk):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_matches_reference(dtype):
     torch.manual_seed(1)
-    x = torch.randn(3, 2 * 1500, dtype=dtype)  # a column count that is not a block multiple
+    x = torch.randn(3, 2 * 1500, dtype=dtype, device=DEVICE)  # a column count that is not a block multiple
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(silu_mul(x, backend="triton"), silu_mul_ref(x), atol=tol, rtol=tol)
