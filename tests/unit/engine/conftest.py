@@ -1,0 +1,18 @@
+"""Engine-test fixtures: each prompt's greedy output computed alone, the reference of batching tests."""
+
+from __future__ import annotations
+
+import pytest
+from engine_checks import GREEDY, PROMPTS, check_pools_full
+
+from shared.config import EngineConfig
+from shared.engine import Engine
+
+
+@pytest.fixture(scope="session")
+def solo_reference(tiny_model_dir):
+    """Each of ``PROMPTS`` alone, whole-prompt prefill, page size 1: 8 greedy tokens, EOS ignored."""
+    engine = Engine(tiny_model_dir / "target", config=EngineConfig(chunk_size=None, page_size=1))
+    out = [engine.generate([p], GREEDY)[0] for p in PROMPTS]
+    check_pools_full(engine)
+    return out

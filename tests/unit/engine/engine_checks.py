@@ -1,0 +1,69 @@
+"""Engine-test helpers (imported by name, like tests/unit/spec/spec_helpers.py): the no-leak check."""
+
+from __future__ import annotations
+
+from shared.sampling import SamplingParams
+
+
+def check_pools_full(engine) -> None:
+    """Every page and request row of every cache is back in its pool, each exactly once.
+
+    Reads the counters the allocator keeps and the free list itself, so a double free that hides a
+    lost page (counter right, contents wrong) fails too; then the engine's own no-leak predicate.
+    """
+    assert not engine.scheduler.running and not engine.scheduler.waiting, "requests still scheduled"
+    assert not engine.requests, f"requests still registered: {sorted(engine.requests)}"
+    for i, cache in enumerate(engine.scheduler.caches):
+        n_pages, n_rows = cache.spec.num_pages, cache.req_to_token.num_rows
+        assert cache.num_free_pages == n_pages, f"cache {i}: {cache.num_free_pages} of {n_pages} pages free"
+        assert cache.num_free_rows == n_rows, f"cache {i}: {cache.num_free_rows} of {n_rows} request rows free"
+        assert sorted(cache.allocator._free) == list(range(1, n_pages + 1)), f"cache {i}: free list corrupted"
+        assert sorted(cache.req_to_token._free_rows) == list(range(1, n_rows + 1)), f"cache {i}: row list corrupted"
+        assert not cache.req_to_token.host.any(), f"cache {i}: a freed row still maps slots"
+    assert engine.is_idle_and_clean()
+
+
+
+# Prompts of different lengths (21, 3, 29 and 10 tokens) for the tiny model (vocabulary 512).
+PROMPTS = [list(range(3, 24)), [7, 8, 9], [100 + (i * 37) % 300 for i in range(29)], [42] * 10]
+GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
+
+
+def check_accounting(engine) -> None:
+    """Mid-run bookkeeping: the pages and rows in use are exactly those the live requests hold."""
+    sched = engine.scheduler
+    for i, cache in enumerate(sched.caches):
+        held = sum(cache.pages_for(r.handles[i].reserved) for r in sched.running if r.handles)
+        assert cache.num_free_pages + held == cache.spec.num_pages, f"cache {i}: pages unaccounted for"
+        rows = sum(1 for r in sched.running if r.handles)
+        assert cache.num_free_rows + rows == cache.req_to_token.num_rows, f"cache {i}: rows unaccounted for"
+    assert len(sched.running) <= engine.config.max_running
+
+
+def record_logits(engine) -> dict[str, list]:
+    """From now on, every logits row the engine samples from, per request id, in order."""
+    seen: dict[str, list] = {}
+    inner = engine._sample_and_commit
+
+    def spy(out, reqs):
+        for req, row in zip(reqs, out.logits):
+            seen.setdefault(req.rid, []).append(row.clone())
+        return inner(out, reqs)
+
+    engine._sample_and_commit = spy
+    return seen
+
+
+def record_plans(engine) -> list[tuple[int, list[int], int]]:
+    """From now on, per scheduling step: (decode requests, prefill chunk lengths, waiting requests)."""
+    plans: list[tuple[int, list[int], int]] = []
+    inner = engine.scheduler.schedule
+
+    def spy():
+        plan = inner()
+        if not plan.empty:
+            plans.append((len(plan.decode), [c.end - c.start for c in plan.prefill], len(engine.scheduler.waiting)))
+        return plan
+
+    engine.scheduler.schedule = spy
+    return plans

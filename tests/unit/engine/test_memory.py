@@ -1,0 +1,155 @@
+"""Memory: every page and request row comes back, and running out of pages is a scheduling decision.
+
+After every request ends (finished, stopped, aborted while waiting / mid-prefill / mid-decode,
+refused), the allocator's counters equal the pool sizes. With a tiny pool, requests queue and all
+finish; the pool is never asked for more pages than it has (``OutOfPages`` would propagate).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from engine_checks import GREEDY, PROMPTS, check_accounting, check_pools_full, record_plans
+
+from shared.config import EngineConfig
+from shared.engine import Engine
+from shared.request import RequestError
+from shared.sampling import SamplingParams
+
+
+def make_engine(model_dir, **cfg) -> Engine:
+    return Engine(model_dir / "target", config=EngineConfig(**cfg))
+
+
+def test_counters_move_and_return(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, page_size=4, chunk_size=8)
+    cache = engine.cache
+    total_pages, total_rows = cache.spec.num_pages, cache.req_to_token.num_rows
+    req = engine.add_request(PROMPTS[0], GREEDY)
+    assert (cache.num_free_pages, cache.num_free_rows) == (total_pages, total_rows), "waiting holds nothing"
+    engine.step()  # first chunk: 8 positions = 2 pages
+    assert (cache.num_free_pages, cache.num_free_rows) == (total_pages - 2, total_rows - 1)
+    assert not engine.is_idle_and_clean()
+    engine.step()
+    assert cache.num_free_pages == total_pages - 4
+    check_accounting(engine)
+    engine.run_until_done()
+    assert req.finish_reason == "length" and len(req.output_ids) == 8
+    assert (cache.num_free_pages, cache.num_free_rows) == (total_pages, total_rows)
+    check_pools_full(engine)
+
+
+def test_small_pool_queues_instead_of_failing(tiny_model_dir, solo_reference):
+    """Room for about one request at a time: the scheduler queues the rest, all finish, same output."""
+    engine = make_engine(tiny_model_dir, chunk_size=16, page_size=4, num_pages=12, max_running=4)
+    plans = record_plans(engine)
+    most_running = 0
+    reqs = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    while engine.scheduler.has_work():
+        engine.step()
+        check_accounting(engine)
+        most_running = max(most_running, len(engine.scheduler.running))
+    assert most_running < len(PROMPTS), "the pool was big enough for everyone: nothing was tested"
+    assert any(waiting and (decode or chunks) for decode, chunks, waiting in plans), "nobody queued"
+    assert [engine.result(r).token_ids for r in reqs] == [r.token_ids for r in solo_reference]
+    check_pools_full(engine)
+
+
+def test_max_running_bounds_the_batch(tiny_model_dir, solo_reference):
+    engine = make_engine(tiny_model_dir, chunk_size=None, page_size=4, max_running=2)
+    reqs = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    while engine.scheduler.has_work():
+        engine.step()
+        assert len(engine.scheduler.running) <= 2
+    assert [engine.result(r).token_ids for r in reqs] == [r.token_ids for r in solo_reference]
+    check_pools_full(engine)
+
+
+@pytest.mark.parametrize("prompt_len, max_new, field", [(37, 8, "max_new_tokens"), (3, 40, "max_new_tokens")])
+def test_request_that_can_never_fit_is_rejected(tiny_model_dir, prompt_len, max_new, field):
+    engine = make_engine(tiny_model_dir, page_size=4, num_pages=8)  # 32 positions
+    running = engine.add_request(PROMPTS[1], GREEDY)
+    engine.step()
+    with pytest.raises(RequestError) as err:
+        engine.add_request(list(range(3, 3 + prompt_len)), SamplingParams(max_new_tokens=max_new))
+    assert err.value.field == field and "pages" in str(err.value)
+    check_accounting(engine)
+    engine.run_until_done()
+    assert running.finish_reason == "length"
+    check_pools_full(engine)
+
+
+@pytest.mark.parametrize("when", ["waiting", "mid_prefill", "mid_decode"])
+def test_abort_returns_everything(tiny_model_dir, solo_reference, when):
+    engine = make_engine(tiny_model_dir, page_size=4, chunk_size=8)
+    req = engine.add_request(PROMPTS[2], GREEDY)  # 29 tokens: four chunks
+    other = engine.add_request(PROMPTS[1], GREEDY)
+    steps = {"waiting": 0, "mid_prefill": 2, "mid_decode": 6}[when]
+    for _ in range(steps):
+        engine.step()
+    assert req.phase.name == {"waiting": "WAITING", "mid_prefill": "PREFILLING", "mid_decode": "DECODING"}[when]
+    if when == "mid_decode":
+        assert 0 < len(req.output_ids) < 8
+    assert engine.abort(req.rid)
+    assert not engine.abort(req.rid), "a second abort of the same request is a no-op"
+    check_accounting(engine)
+    engine.run_until_done()
+    assert engine.result(req).finish_reason == "abort"
+    assert engine.result(other).token_ids == solo_reference[1].token_ids
+    check_pools_full(engine)
+
+
+def test_abort_everything_at_once(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, page_size=4, chunk_size=20, num_pages=16, max_running=2)
+    reqs = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    for _ in range(3):
+        engine.step()
+    assert engine.scheduler.waiting and engine.scheduler.running
+    for r in reqs:
+        assert engine.abort(r.rid)
+    assert not engine.scheduler.has_work()
+    check_pools_full(engine)
+
+
+@pytest.mark.parametrize("page_size, num_pages", [(1, 45), (4, 12), (16, 4)])
+def test_random_arrivals_and_aborts_under_a_tiny_pool(tiny_model_dir, page_size, num_pages):
+    """Random prompts arrive at random steps, some are aborted at random steps, the pool holds
+    about one request: every step's bookkeeping adds up, nothing raises, survivors match a roomy run."""
+    rng = random.Random(page_size)
+    prompts = [[rng.randrange(512) for _ in range(rng.randint(1, 30))] for _ in range(10)]
+    params = [SamplingParams(max_new_tokens=rng.randint(1, 8), ignore_eos=True) for _ in prompts]
+    roomy = make_engine(tiny_model_dir, chunk_size=None, page_size=page_size)
+    want = [r.token_ids for r in roomy.generate(prompts, params)]
+
+    engine = make_engine(tiny_model_dir, chunk_size=rng.choice([3, 7, 16]), page_size=page_size,
+                         num_pages=num_pages, max_running=3)
+    arrivals = sorted(rng.randrange(25) for _ in prompts)
+    abort_steps = set(rng.sample(range(3, 40), 4))
+    reqs: dict[int, object] = {}
+    aborted: dict[int, str] = {}  # index -> phase at the abort
+    step = 0
+    while len(reqs) < len(prompts) or engine.scheduler.has_work():
+        for i, t in enumerate(arrivals):
+            if t == step:
+                reqs[i] = engine.add_request(prompts[i], params[i])
+        if step in abort_steps:  # a request holding pages if there is one, else a queued one
+            live = [i for i, r in reqs.items() if r.rid in engine.requests and i not in aborted]
+            holding = [i for i in live if reqs[i].handles]
+            if holding or live:
+                i = rng.choice(holding or live)
+                aborted[i] = reqs[i].phase.name
+                assert engine.abort(reqs[i].rid)
+        engine.step()
+        check_accounting(engine)
+        step += 1
+        assert step < 500, "the engine stopped making progress"
+    assert {"PREFILLING", "DECODING"} & set(aborted.values()), f"no abort hit a request holding pages: {aborted}"
+    for i, req in reqs.items():
+        res = engine.result(req)
+        if i in aborted:
+            assert res.finish_reason == "abort" and res.token_ids == want[i][:len(res.token_ids)]
+        else:
+            assert res.finish_reason == "length" and res.token_ids == want[i]
+    check_pools_full(engine)
+    check_pools_full(roomy)
