@@ -30,9 +30,13 @@ class TokenEvent:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, after_step: Callable[[Engine], None] | None = None):
+    def __init__(self, engine: Engine, after_step: Callable[[Engine], None] | None = None,
+                 before_fail: Callable[[str], None] | None = None):
         self.engine = engine
         self.after_step = after_step  # e.g. the prefill service starts hand-offs here
+        # Called (on the loop thread) for each request an engine error is about to abort, before its
+        # pages are freed: the decode service stops a transfer that may still be writing them.
+        self.before_fail = before_fail
         self._calls: queue.Queue = queue.Queue()
         self._streams: dict[str, queue.Queue] = {}
         self._streams_lock = threading.Lock()
@@ -49,12 +53,29 @@ class EngineLoop:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        self._refuse_pending()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
 
     def call(self, fn: Callable[[Engine], object]) -> Future:
+        """Run ``fn(engine)`` on the loop thread between steps; a stopped loop fails the future at once."""
         fut: Future = Future()
         self._calls.put((fn, fut))
         self._wake.set()
+        if self._stop.is_set() and not self._thread.is_alive():
+            self._refuse_pending()
         return fut
+
+    def _refuse_pending(self) -> None:
+        while True:
+            try:
+                _, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError("the engine loop has stopped"))
 
     def subscribe(self, rid: str) -> queue.Queue:
         """Token events of ``rid`` (subscribe before the request can produce tokens)."""
@@ -63,9 +84,12 @@ class EngineLoop:
             self._streams[rid] = q
         return q
 
-    def unsubscribe(self, rid: str) -> None:
+    def unsubscribe(self, rid: str, q: queue.Queue | None = None) -> None:
+        """Stop delivering ``rid``'s events (only to ``q`` when given: a newer subscriber under the same
+        id, e.g. a request placed here again, keeps its queue)."""
         with self._streams_lock:
-            self._streams.pop(rid, None)
+            if q is None or self._streams.get(rid) is q:
+                self._streams.pop(rid, None)
 
     def publish(self, event: TokenEvent) -> None:
         with self._streams_lock:
@@ -76,8 +100,8 @@ class EngineLoop:
     def _run(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
-            if self._drain_calls() and self.after_step is not None:
-                self.after_step(engine)  # calls (releases, aborts, admissions) change what the gauges show
+            if self._drain_calls():
+                self._after_step()  # calls (releases, aborts, admissions) change what the gauges show
             if not engine.scheduler.has_work_to_step():
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -92,10 +116,17 @@ class EngineLoop:
             for req, tokens in events:
                 done = req.finish_reason is not None
                 if tokens or done:
-                    self.publish(TokenEvent(req.rid, tokens, req.output_logprobs[len(req.output_logprobs) - len(tokens):],
-                                            req.finish_reason, req if done else None))
-            if self.after_step is not None:
-                self.after_step(engine)
+                    logprobs = req.output_logprobs[len(req.output_logprobs) - len(tokens):]
+                    self.publish(TokenEvent(req.rid, tokens, logprobs, req.finish_reason, req if done else None))
+            self._after_step()
+
+    def _after_step(self) -> None:
+        if self.after_step is None:
+            return
+        try:
+            self.after_step(self.engine)
+        except Exception:  # a hook's bug must not stop the loop (every request would hang)
+            log.exception("after_step hook failed")
 
     def _drain_calls(self) -> int:
         done = 0
@@ -114,6 +145,8 @@ class EngineLoop:
     def _fail_all(self, reason: str) -> None:
         for rid in list(self.engine.requests):
             req = self.engine.requests[rid]
+            if self.before_fail is not None:
+                self.before_fail(rid)
             self.engine.abort(rid)
             req.finish_reason = "error"
             self.publish(TokenEvent(rid, [], [], "error", req))

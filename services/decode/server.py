@@ -1,11 +1,17 @@
 """The decode service: admits hand-offs (pages first), receives K/V + draft state, runs the EAGLE loop.
 
-A request's life here: ``Reserve`` (schema check, then pages claimed, or a refusal the router
-re-places on) -> ``Transfer`` (chunks written straight into the reserved pages; the acknowledgement
-lets the prefill side free its copy) -> the request resumes into draft() from the transferred
-state -> ``Stream`` (tokens buffered from Reserve on, so none are lost before the router attaches).
-A request nobody streams within ``stream_attach_timeout_s``, or whose stream goes away, is aborted
-and its pages freed.
+A request's life here:
+- ``Reserve``: the schema is checked (FAILED_PRECONDITION naming both sides), then pages are claimed in
+  every cache (``Engine.reserve_handoff``), or the request is refused (``accepted=false`` with the
+  reason) and the router places it elsewhere. From here on its tokens are buffered for ``Stream``.
+- ``Transfer``: the chunks are written straight into the reserved pages while the request is
+  RECEIVING (nothing else touches them; an abort cancels the request's ``PageGuard`` before the pages
+  can go back to the pool), checked (checksums, order, sizes, coverage, the draft state's shape), and
+  the request is activated: it resumes straight into draft() from the transferred state. The
+  acknowledgement lets the prefill side free its copy. A broken or bad transfer frees the reservation.
+- ``Stream``: the tokens after the first, then a final message with ``finish`` (usage, speculative
+  stats, ttft / latency). A stream whose client goes away, or a reservation nobody streams within
+  ``stream_attach_timeout_s``, is aborted and its pages freed. ``Abort`` ends it wherever it is.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 
 import grpc
 from pydantic import ValidationError
@@ -22,49 +29,98 @@ from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.common import ServiceHandle, full_name
 from services.engine_loop import EngineLoop
-from services.prefill.server import engine_load, start_engine_service, validation_message
+from services.engine_service import engine_load, start_engine_service
+from services.prefill.server import validation_message
 from services.settings import DecodeSettings
 from shared.engine import Engine
-from shared.handoff import ChunkWriter, SchemaMismatch, TransferError, check_schema, engine_schema, sampling_from_pb
-from shared.request import RequestError
-from shared.spec.state import DraftState
+from shared.handoff import (
+    GrpcStreamTransport,
+    HandoffSchema,
+    PageGuard,
+    PageSink,
+    SchemaMismatch,
+    TransferCancelled,
+    TransferError,
+    Transport,
+    decode_draft_state,
+    sampling_from_pb,
+)
+from shared.request import Phase, Request, RequestError
 from shared.telemetry import Telemetry
 
 log = logging.getLogger("eyrie.decode")
 SERVICES = [full_name("Decode")]
+POLL_S = 0.25
+
+
+class NoReservation(LookupError):
+    pass
+
+
+@dataclass
+class Incoming:
+    """One handed-off request on this instance, from Reserve to the end of its stream."""
+
+    rid: str
+    req: Request  # the engine's request (identity guards against a re-placed request of the same id)
+    committed_len: int
+    events: queue.Queue  # token events from Reserve on (then, on an abort, the reason as a str)
+    attach_deadline: float
+    guard: PageGuard = field(default_factory=PageGuard)
+    receiving: bool = False  # a Transfer has opened
+    streaming: bool = False  # a Stream has attached
 
 
 class DecodeServicer(pb_grpc.DecodeServicer):
-    def __init__(self, loop: EngineLoop, settings: DecodeSettings, telemetry: Telemetry, instance_id: str = ""):
+    def __init__(self, loop: EngineLoop, settings: DecodeSettings, telemetry: Telemetry, instance_id: str = "",
+                 transport: Transport | None = None):
         self.loop, self.settings, self.telemetry = loop, settings, telemetry
         self.instance_id = instance_id
-        self.schema = engine_schema(loop.engine)
+        self.schema = HandoffSchema.from_engine(loop.engine)
+        self.transport = transport or GrpcStreamTransport()
         self._lock = threading.Lock()
-        self._streams: dict[str, queue.Queue] = {}  # rid -> token events, from Reserve on
-        self._unattached: dict[str, float] = {}  # rid -> deadline for a Stream to attach
+        self._incoming: dict[str, Incoming] = {}
+        self._reserving: set[str] = set()  # request ids between Reserve's checks and its reply
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="decode-reaper", daemon=True)
         self._reaper.start()
 
     # ---- admission -------------------------------------------------------------------------------
-    def Handshake(self, request: pb.HandoffSchema, context):  # noqa: N802
+    def _check_schema(self, msg: pb.HandoffSchema, context) -> None:
         try:
-            check_schema(self.schema, request)
-        except SchemaMismatch as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        return pb.HandshakeResponse(instance_id=self.instance_id)
-
-    def Reserve(self, request: pb.ReserveRequest, context):  # noqa: N802
-        try:
-            check_schema(self.schema, request.schema)
+            self.schema.check(HandoffSchema.from_pb(msg), me=f"decode {self.instance_id}".strip(), them="prefill")
         except SchemaMismatch as e:
             self.telemetry.errors_total.labels("schema_mismatch").inc()
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+
+    def Handshake(self, request: pb.HandoffSchema, context):  # noqa: N802
+        self._check_schema(request, context)
+        return pb.HandshakeResponse(instance_id=self.instance_id)
+
+    def Reserve(self, request: pb.ReserveRequest, context):  # noqa: N802
+        self._check_schema(request.schema, context)
+        rid = request.request_id
+        if not rid:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
         try:
             params = sampling_from_pb(request.sampling)
         except ValidationError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, validation_message(e))
-        rid = request.request_id
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{validation_message(e)}")
+        known = len(request.prompt_ids) + len(request.output_ids)
+        if not 0 < request.committed_len < known:  # the token at committed_len (the bonus) must be known
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"committed_len: {request.committed_len} is not in "
+                                                            f"[1, {known}) for {known} known tokens")
+        with self._lock:
+            if rid in self._incoming or rid in self._reserving:
+                return pb.ReserveResponse(accepted=False, reason=f"request_id: {rid!r} is already here")
+            self._reserving.add(rid)
+        try:
+            return self._reserve(rid, request, params)
+        finally:
+            with self._lock:
+                self._reserving.discard(rid)
+
+    def _reserve(self, rid: str, request: pb.ReserveRequest, params) -> pb.ReserveResponse:
         events = self.loop.subscribe(rid)
 
         def reserve(engine: Engine):
@@ -74,127 +130,176 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         try:
             req = self.loop.call(reserve).result()
         except RequestError as e:  # this instance can never hold it (or already has it): place elsewhere
-            self.loop.unsubscribe(rid)
+            self.loop.unsubscribe(rid, events)
             return pb.ReserveResponse(accepted=False, reason=str(e))
         if req is None:
-            self.loop.unsubscribe(rid)
+            self.loop.unsubscribe(rid, events)
             free = self.loop.engine.cache.num_free_pages
-            return pb.ReserveResponse(accepted=False, reason=f"no room now ({free} free pages)")
+            self.telemetry.errors_total.labels("decode_full").inc()
+            return pb.ReserveResponse(accepted=False, reason=f"no room now ({free} free target pages, "
+                                                             f"{len(self.loop.engine.scheduler.running)} running)")
+        inc = Incoming(rid, req, request.committed_len, events,
+                       attach_deadline=time.monotonic() + self.settings.stream_attach_timeout_s)
         with self._lock:
-            self._streams[rid] = events
-            self._unattached[rid] = time.monotonic() + self.settings.stream_attach_timeout_s
+            self._incoming[rid] = inc
         return pb.ReserveResponse(accepted=True)
 
+    # ---- the transfer ----------------------------------------------------------------------------
     def Transfer(self, request_iterator, context):  # noqa: N802
-        rid, writer, last, t0 = None, None, None, time.perf_counter()
+        t0 = time.perf_counter()
+        opened: list[Incoming] = []
+
+        def open_sink(rid: str) -> PageSink:
+            with self._lock:
+                inc = self._incoming.get(rid)
+                if inc is None or inc.receiving:
+                    raise NoReservation(f"request_id: {rid!r} has no reservation waiting for a transfer here")
+                inc.receiving = True
+            opened.append(inc)
+
+            def pages(engine: Engine):
+                ok = engine.requests.get(rid) is inc.req and inc.req.phase is Phase.RECEIVING
+                return engine.page_ids(inc.req) if ok else None
+
+            page_ids = self.loop.call(pages).result()
+            if page_ids is None:
+                raise TransferCancelled(f"{rid} was aborted before its transfer")
+            return PageSink(rid, self.loop.engine.scheduler.caches, page_ids, inc.guard)
+
         try:
-            for chunk in request_iterator:
-                if writer is None:
-                    rid = chunk.request_id
-                    page_ids = self.loop.call(lambda e: self._receiving_pages(e, rid)).result()
-                    if page_ids is None:
-                        context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: {rid!r} has no reservation here")
-                    writer = ChunkWriter(self.loop.engine.scheduler.caches, page_ids)
-                writer.write(chunk)
-                last = chunk
-                if chunk.last:
-                    break
-            if writer is None:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty transfer")
-            writer.finish(last)
-            state = DraftState.from_bytes(last.draft_state, self.loop.engine.device) if last.draft_state else None
-        except (TransferError, ValueError) as e:
-            self._drop(rid, "transfer")
+            received = self.transport.receive(request_iterator, open_sink)
+            inc = opened[0]
+            state = decode_draft_state(received.draft_state, self.schema, inc.committed_len, self.loop.engine.device)
+        except NoReservation as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except TransferCancelled as e:
+            context.abort(grpc.StatusCode.ABORTED, str(e))
+        except TransferError as e:
             self.telemetry.errors_total.labels("transfer").inc()
-            context.abort(grpc.StatusCode.DATA_LOSS, f"hand-off of {rid}: {e}")
-        except grpc.RpcError:  # the sender went away mid-transfer
-            self._drop(rid, "transfer_broken")
-            raise
-        if state is None and self.loop.engine.spec is not None:
-            self._drop(rid, "transfer")
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a speculative decode needs the draft state")
+            self._drop(opened, f"transfer failed: {e}")
+            context.abort(grpc.StatusCode.DATA_LOSS, f"hand-off refused: {e}")
+        except grpc.RpcError:  # the sender went away mid-transfer (cancelled, deadline, connection lost)
+            self.telemetry.errors_total.labels("transfer_broken").inc()
+            self._drop(opened, "transfer broken")
+            context.abort(grpc.StatusCode.CANCELLED, "the transfer broke off")
+        except Exception as e:
+            log.exception("transfer failed")
+            self._drop(opened, f"transfer failed: {e}")
+            context.abort(grpc.StatusCode.INTERNAL, f"transfer failed: {e}")
 
         def activate(engine: Engine) -> bool:
-            req = engine.requests.get(rid)
-            if req is None:
+            if engine.requests.get(inc.rid) is not inc.req or inc.req.phase is not Phase.RECEIVING:
                 return False
-            engine.activate_handoff(req, req.handles[0].reserved if state is None else state.committed_len, state)
+            engine.activate_handoff(inc.req, inc.committed_len, state)  # straight into draft(): no pseudo-forward
             return True
 
         if not self.loop.call(activate).result():
-            context.abort(grpc.StatusCode.ABORTED, f"{rid} was aborted during its transfer")
-        self.telemetry.handoff_bytes_total.inc(writer.bytes)
-        self.telemetry.handoff_seconds.observe(time.perf_counter() - t0)
-        return pb.TransferAck(bytes=writer.bytes, chunks=writer.received)
+            context.abort(grpc.StatusCode.ABORTED, f"{inc.rid} was aborted during its transfer")
+        dt = time.perf_counter() - t0
+        self.telemetry.handoff_bytes_total.inc(received.bytes)
+        self.telemetry.handoff_seconds.observe(dt)
+        log.debug("received %d bytes in %d chunks in %.3fs", received.bytes, received.chunks, dt,
+                  extra={"rid": inc.rid})
+        return pb.TransferAck(bytes=received.bytes, chunks=received.chunks)
 
-    @staticmethod
-    def _receiving_pages(engine: Engine, rid: str):
-        req = engine.requests.get(rid)
-        if req is None or req.phase.name != "RECEIVING":
-            return None
-        return engine.page_ids(req)
+    def _drop(self, opened: list[Incoming], reason: str) -> None:
+        for inc in opened:
+            self._abort(inc, reason)
 
     # ---- streaming -------------------------------------------------------------------------------
     def Stream(self, request: pb.StreamRequest, context):  # noqa: N802
         rid = request.request_id
         with self._lock:
-            events = self._streams.get(rid)
-            self._unattached.pop(rid, None)
-        if events is None:
+            inc = self._incoming.get(rid)
+            if inc is not None and inc.streaming:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"request_id: {rid!r} is already being streamed")
+            if inc is not None:
+                inc.streaming = True
+        if inc is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: {rid!r} is not on this decode instance")
-        context.add_callback(lambda: self._drop(rid, "abort"))
+        context.add_callback(lambda: self._abort(inc, "the stream's client went away"))  # no-op once finished
         last = time.perf_counter()
+        idle_deadline = time.monotonic() + self.settings.stream_idle_timeout_s
         try:
-            while True:
+            while context.is_active():
                 try:
-                    ev = events.get(timeout=self.settings.stream_idle_timeout_s)
+                    ev = inc.events.get(timeout=POLL_S)
                 except queue.Empty:
-                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no token for too long")
+                    if time.monotonic() > idle_deadline:
+                        self._abort(inc, "no token for too long")
+                        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{rid}: no token for "
+                                                                         f"{self.settings.stream_idle_timeout_s}s")
+                    continue
+                if isinstance(ev, str):  # aborted on this instance
+                    context.abort(grpc.StatusCode.ABORTED, f"{rid} was aborted on the decode instance: {ev}")
+                idle_deadline = time.monotonic() + self.settings.stream_idle_timeout_s
                 now = time.perf_counter()
                 if ev.token_ids:
                     self.telemetry.inter_token_seconds.observe((now - last) / len(ev.token_ids))
                 last = now
                 msg = pb.GenerateResponse(request_id=rid, token_ids=ev.token_ids, logprobs=ev.logprobs)
                 if ev.finish_reason is not None:
-                    req = ev.request
-                    if req is not None:
-                        self.telemetry.observe_finished(req)
-                        msg.finish.CopyFrom(finish_message(req))
+                    if ev.request is not None:
+                        self.telemetry.observe_finished(ev.request)
+                        msg.finish.CopyFrom(finish_message(ev.request))
                     else:
                         msg.finish.reason = ev.finish_reason
+                    if ev.finish_reason == "error":
+                        context.abort(grpc.StatusCode.INTERNAL, f"{rid} failed on the decode instance (engine error)")
                     yield msg
                     return
                 yield msg
         finally:
-            self._forget(rid)
+            self._forget(inc)
 
     # ---- aborts and clean-up ---------------------------------------------------------------------
     def Abort(self, request: pb.AbortRequest, context):  # noqa: N802
-        found = self.loop.call(lambda e: e.abort(request.request_id)).result()
-        self._forget(request.request_id)
-        return pb.AbortResponse(found=found)
-
-    def _drop(self, rid: str | None, reason: str) -> None:
-        if rid is None:
-            return
-        self.loop.call(lambda e: e.abort(rid))
-        self._forget(rid)
-
-    def _forget(self, rid: str) -> None:
         with self._lock:
-            self._streams.pop(rid, None)
-            self._unattached.pop(rid, None)
-        self.loop.unsubscribe(rid)
+            inc = self._incoming.get(request.request_id)
+        return pb.AbortResponse(found=inc is not None and self._abort(inc, "aborted by request"))
+
+    def _abort(self, inc: Incoming, reason: str) -> bool:
+        """Abort ``inc`` wherever it is (reserved, receiving, decoding); True if it was still running."""
+        inc.guard.cancel()  # a transfer writes its pages no more (waits for a chunk being written)
+
+        def abort(engine: Engine) -> bool:
+            return engine.requests.get(inc.rid) is inc.req and engine.abort(inc.rid)
+
+        try:
+            found = self.loop.call(abort).result(timeout=30)
+        except Exception:  # the loop stopped (shutdown)
+            found = False
+        if found:
+            log.info("aborted: %s", reason, extra={"rid": inc.rid})
+            self.telemetry.requests_total.labels("abort").inc()
+            inc.events.put(reason)  # an attached stream ends with ABORTED
+        if not inc.streaming:
+            self._forget(inc)
+        return found
+
+    def _forget(self, inc: Incoming) -> None:
+        with self._lock:
+            if self._incoming.get(inc.rid) is inc:
+                del self._incoming[inc.rid]
+        self.loop.unsubscribe(inc.rid, inc.events)
 
     def _reap(self) -> None:
-        while not self._stop.wait(0.5):
+        while not self._stop.wait(POLL_S):
             now = time.monotonic()
             with self._lock:
-                late = [rid for rid, deadline in self._unattached.items() if deadline < now]
-            for rid in late:
-                log.warning("no stream attached in time; aborting", extra={"rid": rid})
+                late = [i for i in self._incoming.values() if not i.streaming and i.attach_deadline < now]
+            for inc in late:
                 self.telemetry.errors_total.labels("stream_not_attached").inc()
-                self._drop(rid, "abort")
+                self._abort(inc, f"no stream attached within {self.settings.stream_attach_timeout_s}s")
+
+    def before_fail(self, rid: str) -> None:
+        with self._lock:
+            inc = self._incoming.get(rid)
+        if inc is not None:
+            inc.guard.cancel()
+
+    def after_step(self, engine: Engine) -> None:
+        self.telemetry.observe_engine(engine)
 
     def load(self, engine: Engine) -> dict:
         out = engine_load(engine)
@@ -204,9 +309,14 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
     def close(self) -> None:
         self._stop.set()
+        with self._lock:
+            incoming = list(self._incoming.values())
+        for inc in incoming:
+            inc.guard.cancel()
+        self.transport.close()
 
 
-def finish_message(req) -> pb.Finish:
+def finish_message(req: Request) -> pb.Finish:
     end = req.t_finish or time.perf_counter()
     stats = req.stats
     return pb.Finish(
@@ -220,10 +330,7 @@ def finish_message(req) -> pb.Finish:
 
 
 def start_decode(settings: DecodeSettings, engine: Engine | None = None) -> ServiceHandle:
-    holder = {}
-
-    def make(loop, s, telemetry):
-        holder["servicer"] = DecodeServicer(loop, s, telemetry, telemetry.instance_id)
-        return holder["servicer"]
+    def make(loop: EngineLoop, telemetry: Telemetry, instance_id: str) -> DecodeServicer:
+        return DecodeServicer(loop, settings, telemetry, instance_id)
 
     return start_engine_service("decode", settings, engine, make, pb_grpc.add_DecodeServicer_to_server, SERVICES)

@@ -1,194 +1,308 @@
-"""The prefill service: chunked prefill + the first draft extend, first token, then the hand-off.
+"""The prefill service: chunked prefill + the first draft extend, the first token, then the hand-off.
 
-``Prefill`` streams two events: ``first_token`` once the prompt's last chunk is done and the first
-token sampled, then ``handed_off`` once the decode instance acknowledged the request's pages and
-draft state. The pages are freed only after that acknowledgement (or when anything fails).
+``Prefill`` streams two events: ``first_token`` once the prompt's last chunk ran and the first token
+was sampled, then ``handed_off`` once the decode instance acknowledged the request's pages and draft
+state. A request that ends at its first token (EOS, stop token, max_new_tokens=1) is never handed off.
+
+The hand-off starts on the engine thread, right after the step that parked the request in
+``Phase.HANDOFF`` (``after_step``: the page ids and the draft state are read there, while nothing else
+runs), and continues on a hand-off worker: ``Decode.Handshake`` (once per decode address),
+``Decode.Reserve`` (refused -> RESOURCE_EXHAUSTED, so the router places the request elsewhere), then the
+transport streams the pages (a parked request's pages do not change, so reading them off the engine
+thread is safe; an abort first cancels the request's ``PageGuard``). The pages are freed after the
+acknowledgement, or on any failure; a failure after a successful Reserve also aborts it on the decode
+side. A client that goes away, or ``Prefill.Abort``, aborts the request wherever it is.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import grpc
 from pydantic import ValidationError
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
-from services.common import ServiceHandle, full_name, new_instance_id, set_serving, start_grpc_server
-from services.engine_loop import EngineLoop
+from services.common import ServiceHandle, full_name
+from services.engine_loop import EngineLoop, TokenEvent
+from services.engine_service import engine_load, start_engine_service
 from services.settings import PrefillSettings
 from shared.engine import Engine
-from shared.handoff import engine_schema, iter_chunks, sampling_from_pb, sampling_to_pb
-from shared.handoff.transport import GrpcStreamTransport
-from shared.metadata import Heartbeat, InstanceInfo, Registry, connect
-from shared.request import Phase, RequestError
+from shared.handoff import (
+    ChannelPool,
+    DecodeClient,
+    GrpcStreamTransport,
+    HandoffSchema,
+    PageSource,
+    TransferCancelled,
+    Transport,
+    encode_draft_state,
+    sampling_from_pb,
+    sampling_to_pb,
+)
+from shared.handoff.wire import pages_per_chunk
+from shared.request import Request, RequestError
 from shared.telemetry import Telemetry
 
 log = logging.getLogger("eyrie.prefill")
 SERVICES = [full_name("Prefill")]
+POLL_S = 0.25  # how often a waiting RPC checks that its client is still there
 
 
 def validation_message(e: ValidationError) -> str:
+    """``field: message`` of the first pydantic error (INVALID_ARGUMENT details name the field)."""
     err = e.errors()[0]
     return f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}"
 
 
-class PrefillServicer(pb_grpc.PrefillServicer):
-    def __init__(self, loop: EngineLoop, settings: PrefillSettings, telemetry: Telemetry, transport):
-        self.loop, self.settings, self.telemetry, self.transport = loop, settings, telemetry, transport
-        self.schema = engine_schema(loop.engine)
+@dataclass
+class HandoffOutcome:
+    """What the hand-off worker reports to the Prefill RPC."""
 
+    ack: pb.TransferAck | None = None
+    seconds: float = 0.0
+    code: grpc.StatusCode | None = None  # set on failure
+    message: str = ""
+
+
+@dataclass
+class Job:
+    """One Prefill RPC: its request, where it goes, and the queue its events arrive on."""
+
+    rid: str
+    decode_address: str
+    events: queue.Queue  # the engine loop's token events, then one HandoffOutcome
+    req: Request | None = None  # the engine's request (identity guards against a re-placed same id)
+    source: PageSource | None = None  # set when the hand-off starts
+    done: threading.Event = field(default_factory=threading.Event)  # the RPC has ended
+
+
+class PrefillServicer(pb_grpc.PrefillServicer):
+    def __init__(self, loop: EngineLoop, settings: PrefillSettings, telemetry: Telemetry,
+                 transport: Transport | None = None, channels: ChannelPool | None = None):
+        self.loop, self.settings, self.telemetry = loop, settings, telemetry
+        self.schema = HandoffSchema.from_engine(loop.engine)
+        for cache in loop.engine.scheduler.caches:  # a chunk size below one page fails now, not per request
+            pages_per_chunk(cache, settings.handoff_chunk_bytes)
+        self.channels = channels or ChannelPool()
+        self.client = DecodeClient(self.channels, self.schema)
+        self.transport = transport or GrpcStreamTransport(self.channels, settings.handoff_chunk_bytes)
+        self._jobs: dict[str, Job] = {}
+        self._lock = threading.Lock()
+        self._workers = ThreadPoolExecutor(max_workers=settings.handoff_workers, thread_name_prefix="handoff")
+        self._closed = False
+
+    # ---- the RPCs --------------------------------------------------------------------------------
     def Prefill(self, request: pb.PrefillRequest, context):  # noqa: N802
         rid = request.request_id
         if not rid:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: empty")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+        if not request.decode_address:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode_address: must not be empty")
         try:
             params = sampling_from_pb(request.sampling)
         except ValidationError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, validation_message(e))
-        events = self.loop.subscribe(rid)
-        t0 = time.perf_counter()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{validation_message(e)}")
+        job = Job(rid, request.decode_address, self.loop.subscribe(rid))
+        with self._lock:
+            if rid in self._jobs or self._closed:
+                self.loop.unsubscribe(rid, job.events)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT if not self._closed else grpc.StatusCode.UNAVAILABLE,
+                              f"request_id: {rid!r} is already running here" if not self._closed else "shutting down")
+            self._jobs[rid] = job
+        context.add_callback(lambda: self._end(job))
         try:
-            self.loop.call(lambda e: e.add_request(list(request.prompt_ids), params, rid=rid)).result()
+            job.req = self.loop.call(lambda e: e.add_request(list(request.prompt_ids), params, rid=rid)).result()
         except RequestError as e:
-            self.loop.unsubscribe(rid)
+            self._forget(job)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        context.add_callback(lambda: self._abort_if_running(rid))
+        except RuntimeError as e:  # the loop stopped under us
+            self._forget(job)
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         try:
-            yield from self._run(rid, request, events, context, t0)
+            yield from self._run(job, context)
         finally:
-            self.loop.unsubscribe(rid)
+            self._forget(job)
 
-    def _run(self, rid, request, events, context, t0):
-        try:
-            ev = events.get(timeout=self.settings.handoff_timeout_s)
-        except queue.Empty:
-            self._release(rid, "timeout")
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
-        if ev.finish_reason in ("abort", "error") and not ev.token_ids:
-            context.abort(grpc.StatusCode.ABORTED if ev.finish_reason == "abort" else grpc.StatusCode.INTERNAL,
-                          f"request {ev.finish_reason}ed during prefill")
+    def _run(self, job: Job, context):
+        t0 = time.perf_counter()
+        ev = self._next(job, context)
+        if ev is None:
+            return  # the client went away (its callback aborts the request)
+        if not isinstance(ev, TokenEvent) or not ev.token_ids:
+            reason = ev.finish_reason if isinstance(ev, TokenEvent) else "aborted"
+            code = grpc.StatusCode.INTERNAL if reason == "error" else grpc.StatusCode.ABORTED
+            context.abort(code, f"request {job.rid} ended during prefill ({reason})")
         self.telemetry.stage_seconds.labels("prefill").observe(time.perf_counter() - t0)
+        self.telemetry.ttft_seconds.observe(time.perf_counter() - job.req.t_arrival)
         yield pb.PrefillEvent(first_token=pb.FirstToken(token_id=ev.token_ids[0], logprob=ev.logprobs[0],
                                                         finish_reason=ev.finish_reason or ""))
         if ev.finish_reason is not None:  # ended at its first token: nothing to hand off
             self.telemetry.requests_total.labels(ev.finish_reason).inc()
             return
-        t1 = time.perf_counter()
-        try:
-            ack = self._hand_off(rid, request, context)
-        finally:
-            self._release(rid, "handed_off")
-        dt = time.perf_counter() - t1
-        self.telemetry.handoff_bytes_total.inc(ack.bytes)
-        self.telemetry.handoff_seconds.observe(dt)
+        outcome = self._next(job, context)
+        if outcome is None:
+            return
+        if isinstance(outcome, TokenEvent):  # aborted, or an engine error, before the hand-off began
+            code = grpc.StatusCode.INTERNAL if outcome.finish_reason == "error" else grpc.StatusCode.ABORTED
+            context.abort(code, f"request {job.rid} ended before its hand-off ({outcome.finish_reason})")
+        if outcome.code is not None:
+            context.abort(outcome.code, outcome.message)
+        self.telemetry.handoff_bytes_total.inc(outcome.ack.bytes)
+        self.telemetry.handoff_seconds.observe(outcome.seconds)
+        self.telemetry.stage_seconds.labels("handoff").observe(outcome.seconds)
         self.telemetry.requests_total.labels("handed_off").inc()
-        yield pb.PrefillEvent(handed_off=pb.HandedOff(bytes=ack.bytes, seconds=dt, chunks=ack.chunks))
+        yield pb.PrefillEvent(handed_off=pb.HandedOff(bytes=outcome.ack.bytes, seconds=outcome.seconds,
+                                                      chunks=outcome.ack.chunks))
 
-    def _hand_off(self, rid: str, request: pb.PrefillRequest, context) -> pb.TransferAck:
-        def snapshot(engine: Engine):
-            req = engine.requests.get(rid)
-            if req is None or req.phase is not Phase.HANDOFF:
-                return None
-            state = req.draft_state
-            if state is not None and req.generator is not None:
-                state.rng_state = req.generator.get_state()
-            state_bytes = state.to_bytes() if state is not None else b""
-            reserve = pb.ReserveRequest(
-                request_id=rid, prompt_ids=req.prompt_ids, output_ids=req.output_ids,
-                output_logprobs=req.output_logprobs, sampling=sampling_to_pb(req.params),
-                committed_len=req.kv_len, schema=self.schema)
-            return reserve, engine.page_ids(req), state_bytes
-
-        snap = self.loop.call(snapshot).result()
-        if snap is None:
-            context.abort(grpc.StatusCode.ABORTED, "request aborted before the hand-off")
-        reserve, page_ids, state_bytes = snap
-        address, timeout = request.decode_address, self.settings.handoff_timeout_s
-        try:
-            reply = self.transport.reserve(address, reserve, timeout)
-        except grpc.RpcError as e:
-            self.telemetry.errors_total.labels("handoff_reserve").inc()
-            context.abort(e.code(), f"decode {address}: {e.details()}")
-        if not reply.accepted:
-            self.telemetry.errors_total.labels("decode_full").inc()
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode {address} cannot hold the request: {reply.reason}")
-        caches = self.loop.engine.scheduler.caches
-        chunks = iter_chunks(rid, caches, page_ids, state_bytes, self.settings.handoff_chunk_bytes)
-        try:
-            return self.transport.transfer(address, chunks, timeout)
-        except grpc.RpcError as e:
-            self.telemetry.errors_total.labels("handoff_transfer").inc()
-            context.abort(e.code(), f"hand-off to {address} failed: {e.details()}")
-
-    def _release(self, rid: str, reason: str) -> None:
-        def release(engine: Engine):
-            req = engine.requests.get(rid)
-            if req is not None:
-                engine.release(req, reason)
-
-        self.loop.call(release).result()
-
-    def _abort_if_running(self, rid: str) -> None:
-        self.loop.call(lambda e: e.abort(rid))
+    def _next(self, job: Job, context):
+        """The job's next event (a TokenEvent or a HandoffOutcome); None once the client is gone."""
+        while context.is_active():
+            try:
+                return job.events.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+        return None
 
     def Abort(self, request: pb.AbortRequest, context):  # noqa: N802
-        return pb.AbortResponse(found=self.loop.call(lambda e: e.abort(request.request_id)).result())
+        with self._lock:
+            job = self._jobs.get(request.request_id)
+        return pb.AbortResponse(found=job is not None and self._abort(job))
 
+    # ---- the hand-off ----------------------------------------------------------------------------
+    def after_step(self, engine: Engine) -> None:
+        """Loop thread: start the hand-off of every request the last step parked in HANDOFF."""
+        self.telemetry.observe_engine(engine)
+        for req in engine.take_handoffs():
+            with self._lock:
+                job = self._jobs.get(req.rid)
+            if job is None or job.req is not req:  # its RPC is gone: nobody to hand it to
+                engine.release(req, "abort")
+                continue
+            if job.source is not None:
+                continue  # already under way
+            job.source = PageSource(req.rid, engine.scheduler.caches, engine.page_ids(req), encode_draft_state(req))
+            reserve = pb.ReserveRequest(request_id=req.rid, prompt_ids=req.prompt_ids, output_ids=req.output_ids,
+                                        output_logprobs=req.output_logprobs, sampling=sampling_to_pb(req.params),
+                                        committed_len=req.kv_len)
+            try:
+                self._workers.submit(self._hand_off, job, reserve)
+            except RuntimeError:  # shutting down
+                engine.release(req, "abort")
+                job.events.put(HandoffOutcome(code=grpc.StatusCode.UNAVAILABLE, message="prefill shutting down"))
 
-def engine_load(engine: Engine) -> dict:
-    sched = engine.scheduler
-    outstanding = sum(r.prompt_len - r.kv_len for r in [*sched.running, *sched.waiting])
-    return {"outstanding_tokens": outstanding, "running": len(sched.running),
-            "free_pages": engine.cache.num_free_pages}
+    def _hand_off(self, job: Job, reserve: pb.ReserveRequest) -> None:
+        """Worker thread: reserve on the decode instance, send, release after the acknowledgement."""
+        address, timeout, t0 = job.decode_address, self.settings.handoff_timeout_s, time.perf_counter()
+        reserved, outcome = False, None
+        try:
+            if job.source.guard.cancelled:
+                raise TransferCancelled(job.rid)
+            self.client.handshake(address, timeout)
+            reply = self.client.reserve(address, reserve, timeout)
+            if not reply.accepted:
+                self.telemetry.errors_total.labels("decode_full").inc()
+                outcome = HandoffOutcome(code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                         message=f"decode {address} cannot hold the request now: {reply.reason}")
+                return
+            reserved = True
+            ack = self.transport.send(address, job.source, timeout)
+            self._release(job, "handed_off")  # only now: the decode side has every byte
+            outcome = HandoffOutcome(ack=ack, seconds=time.perf_counter() - t0)
+        except TransferCancelled:
+            outcome = HandoffOutcome(code=grpc.StatusCode.ABORTED, message=f"{job.rid} was aborted during its hand-off")
+        except grpc.RpcError as e:
+            kind = "schema_mismatch" if e.code() == grpc.StatusCode.FAILED_PRECONDITION else "handoff"
+            self.telemetry.errors_total.labels(kind).inc()
+            code = e.code() if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                            grpc.StatusCode.DEADLINE_EXCEEDED) else grpc.StatusCode.UNAVAILABLE
+            outcome = HandoffOutcome(code=code, message=f"hand-off to decode {address} failed: "
+                                                        f"{e.code().name}: {e.details()}")
+        except Exception as e:  # a bug: report it rather than leave the RPC waiting
+            log.exception("hand-off failed", extra={"rid": job.rid})
+            self.telemetry.errors_total.labels("handoff").inc()
+            outcome = HandoffOutcome(code=grpc.StatusCode.INTERNAL, message=f"hand-off failed: {e}")
+        finally:
+            if outcome is None or outcome.code is not None:
+                job.source.guard.cancel()
+                if reserved:
+                    self.client.abort(address, job.rid)
+                self._release(job, "abort")
+            job.events.put(outcome)
 
+    def _release(self, job: Job, reason: str) -> None:
+        def release(engine: Engine) -> None:
+            if job.req is not None and engine.requests.get(job.rid) is job.req:
+                engine.release(job.req, reason)
 
-def start_engine_service(role: str, settings, engine: Engine | None, servicer_factory, add_fn,
-                         services: list[str]) -> ServiceHandle:
-    """Load the engine, start its loop, gRPC, telemetry and the registry heartbeat (shared with decode)."""
-    instance_id = settings.instance_id or new_instance_id(role)
-    telemetry = Telemetry(role, instance_id, settings.host, settings.http_port).start()
-    telemetry.set_state("loading")
-    if engine is None:
-        engine = Engine(settings.model, settings.draft, settings.engine_config(), role=role)
-    loop = EngineLoop(engine, after_step=telemetry.observe_engine).start()
-    servicer = servicer_factory(loop, settings, telemetry)
-    server, port, health = start_grpc_server(settings.host, settings.grpc_port, [(add_fn, servicer)], services)
-    grpc_address = f"{settings.advertised}:{port}"
-    http_address = f"{settings.advertised}:{telemetry.port}"
-    registry = Registry(connect(settings.redis_url), settings.registry_ttl_s)
-    info = InstanceInfo(instance_id=instance_id, role=role, grpc_address=grpc_address, http_address=http_address,
-                        started_at=time.time())
-    heartbeat = Heartbeat(registry, info, settings.heartbeat_s,
-                          lambda: loop.call(servicer.load if hasattr(servicer, "load") else engine_load).result(5))
-    telemetry.observe_engine(engine)
-    heartbeat.start()
-    set_serving(health, services, True)
-    telemetry.set_state("ready")
-    log.info("%s %s serving gRPC on %s, HTTP on %s", role, instance_id, grpc_address, http_address)
+        try:
+            self.loop.call(release).result(timeout=30)
+        except Exception as e:  # the loop stopped (shutdown): the pages go with the process
+            log.warning("could not release %s: %s", job.rid, e)
 
-    def stop(grace: float = 2.0) -> None:
-        telemetry.set_state("draining")
-        set_serving(health, services, False)
-        heartbeat.stop()
-        server.stop(grace).wait(grace + 1)
-        loop.stop()
-        if hasattr(servicer, "close"):
-            servicer.close()
-        telemetry.stop()
+    # ---- aborts and clean-up ---------------------------------------------------------------------
+    def _abort(self, job: Job) -> bool:
+        """Abort the job's request wherever it is; True if it was still running."""
+        if job.source is not None:
+            job.source.guard.cancel()  # stop the transfer early (it touches the pages no more)
 
-    return ServiceHandle(role=role, instance_id=instance_id, grpc_address=grpc_address, http_address=http_address,
-                         stop=stop, engine_loop=loop, extra={"servicer": servicer, "telemetry": telemetry})
+        def abort(engine: Engine) -> bool:
+            if job.req is None or engine.requests.get(job.rid) is not job.req:
+                return False
+            if job.source is not None:  # set on this thread: a hand-off that started after the check above
+                job.source.guard.cancel()
+            return engine.abort(job.rid)
+
+        try:
+            found = self.loop.call(abort).result(timeout=30)
+        except Exception:
+            return False
+        if found:
+            self.telemetry.requests_total.labels("abort").inc()
+            job.events.put(TokenEvent(job.rid, [], [], "abort"))  # a waiting RPC ends at once
+        return found
+
+    def _end(self, job: Job) -> None:
+        """RPC termination callback (normal end, error, or the client went away)."""
+        job.done.set()
+        self._abort(job)  # a no-op once the request was handed off or released
+        self._forget(job)
+
+    def _forget(self, job: Job) -> None:
+        with self._lock:
+            if self._jobs.get(job.rid) is job:
+                del self._jobs[job.rid]
+        self.loop.unsubscribe(job.rid, job.events)
+
+    def load(self, engine: Engine) -> dict:
+        return engine_load(engine)
+
+    def before_fail(self, rid: str) -> None:
+        with self._lock:
+            job = self._jobs.get(rid)
+        if job is not None and job.source is not None:
+            job.source.guard.cancel()
+
+    def close(self) -> None:
+        """Shutdown: stop every transfer and the workers (the RPCs end with the server)."""
+        with self._lock:
+            self._closed = True
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            if job.source is not None:
+                job.source.guard.cancel()
+        self._workers.shutdown(wait=False, cancel_futures=True)
+        self.transport.close()
+        self.channels.close()
 
 
 def start_prefill(settings: PrefillSettings, engine: Engine | None = None) -> ServiceHandle:
-    transport = GrpcStreamTransport()
-
-    def make(loop, s, telemetry):
-        servicer = PrefillServicer(loop, s, telemetry, transport)
-        servicer.close = transport.close
-        return servicer
+    def make(loop: EngineLoop, telemetry: Telemetry, instance_id: str) -> PrefillServicer:
+        return PrefillServicer(loop, settings, telemetry)
 
     return start_engine_service("prefill", settings, engine, make, pb_grpc.add_PrefillServicer_to_server, SERVICES)

@@ -1,0 +1,89 @@
+"""Start-up and shutdown shared by the two engine services (prefill and decode).
+
+Order matters for health: telemetry answers 503 ("loading") from the first moment, the engine loads,
+its loop starts, gRPC starts with every health status NOT_SERVING, the instance registers in Redis,
+and only then do gRPC health and ``/health`` turn to SERVING / 200. ``stop`` reverses it: draining
+(503, NOT_SERVING), deregistered, in-flight work cancelled, gRPC stopped, loop stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from services.common import ServiceHandle, new_instance_id, set_serving, start_grpc_server
+from services.engine_loop import EngineLoop
+from services.settings import EngineSettings
+from shared.engine import Engine
+from shared.metadata import Heartbeat, InstanceInfo, Registry, connect
+from shared.telemetry import Telemetry
+
+log = logging.getLogger("eyrie.service")
+
+
+class EngineServicer(Protocol):
+    """What an engine service's servicer offers the start-up code."""
+
+    def after_step(self, engine: Engine) -> None: ...  # on the loop thread, after each step
+    def before_fail(self, rid: str) -> None: ...  # on the loop thread, before an engine error aborts rid
+    def load(self, engine: Engine) -> dict: ...  # registry load figures, on the loop thread
+    def close(self) -> None: ...  # cancel in-flight work (hand-offs, streams) at shutdown
+
+
+def engine_load(engine: Engine) -> dict:
+    """Load figures for the registry: prompt tokens still to prefill, requests holding pages, free pages."""
+    sched = engine.scheduler
+    outstanding = sum(r.prompt_len - r.kv_len for r in [*sched.running, *sched.waiting])
+    return {"outstanding_tokens": outstanding, "running": len(sched.running),
+            "free_pages": engine.cache.num_free_pages}
+
+
+def start_engine_service(role: str, settings: EngineSettings, engine: Engine | None,
+                         make_servicer: Callable[[EngineLoop, Telemetry, str], EngineServicer],
+                         add_fn: Callable, services: list[str]) -> ServiceHandle:
+    instance_id = settings.instance_id or new_instance_id(role)
+    telemetry = Telemetry(role, instance_id, settings.host, settings.http_port).start()
+    telemetry.set_state("loading")
+    started: list[Callable[[], None]] = [telemetry.stop]  # undo list, should start-up fail half-way
+    try:
+        if engine is None:
+            engine = Engine(settings.model, settings.draft, settings.engine_config(), role=role)
+        elif engine.role != role:
+            raise ValueError(f"a {role} service needs an engine of role {role!r}, got {engine.role!r}")
+        loop = EngineLoop(engine)
+        servicer = make_servicer(loop, telemetry, instance_id)
+        loop.after_step, loop.before_fail = servicer.after_step, servicer.before_fail
+        loop.start()
+        started.append(loop.stop)
+        started.append(servicer.close)
+        server, port, health = start_grpc_server(settings.host, settings.grpc_port, [(add_fn, servicer)], services)
+        started.append(lambda: server.stop(0))
+        grpc_address = f"{settings.advertised}:{port}"
+        http_address = f"{settings.advertised}:{telemetry.port}"
+        registry = Registry(connect(settings.redis_url), settings.registry_ttl_s)
+        info = InstanceInfo(instance_id=instance_id, role=role, grpc_address=grpc_address, http_address=http_address,
+                            started_at=time.time())
+        heartbeat = Heartbeat(registry, info, settings.heartbeat_s,
+                              lambda: loop.call(servicer.load).result(5)).start()
+    except BaseException:
+        for undo in reversed(started):
+            undo()
+        raise
+    telemetry.observe_engine(engine)
+    set_serving(health, services, True)
+    telemetry.set_state("ready")
+    log.info("%s %s serving gRPC on %s, HTTP on %s", role, instance_id, grpc_address, http_address)
+
+    def stop(grace: float = 2.0) -> None:
+        telemetry.set_state("draining")
+        set_serving(health, services, False)
+        heartbeat.stop()
+        servicer.close()
+        server.stop(grace).wait(grace + 1)
+        loop.stop()
+        telemetry.stop()
+
+    return ServiceHandle(role=role, instance_id=instance_id, grpc_address=grpc_address, http_address=http_address,
+                         stop=stop, engine_loop=loop, extra={"servicer": servicer, "telemetry": telemetry})
