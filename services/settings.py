@@ -57,8 +57,9 @@ class EngineSettings(CommonSettings):
 
 
 class PrefillSettings(EngineSettings):
-    handoff_chunk_bytes: int = 4 << 20
+    handoff_chunk_bytes: int = 4 << 20  # K + V bytes per hand-off message (page-aligned; >= one page of one layer)
     handoff_timeout_s: float = 60.0
+    handoff_workers: int = 8  # hand-offs under way at once (each streams one request's pages)
 
 
 class DecodeSettings(EngineSettings):
