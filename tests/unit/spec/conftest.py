@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from spec_helpers import Models, add_feature_path, load_models
 
 
@@ -19,3 +20,13 @@ def oracle_models(oracle_model_dir) -> Models:
     """Oracle drafts: accepted often, so long accepted runs are exercised; with a feature path added
     (``add_feature_path``) so that their K/V and hidden states depend on the target features too."""
     return add_feature_path(load_models(Path(oracle_model_dir)))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These models are tiny: one intra-op thread is as fast as two and, on a busy 2-core machine,
+    much steadier (two spinning threads stall each other). Restored after each test."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
