@@ -1,0 +1,220 @@
+"""The KV wire format on bare caches (no model): page order, coalescing, chunk limits, checks.
+
+Round trips move a request's pages between two pools laid out differently; the bytes at every
+position are identical after, whatever the fragmentation. Every corruption a receiver can see
+(checksum, order, duplicates, sizes, ranges, truncation, a wrong count, a foreign draft state) is
+refused with a message saying what; a released request's pages are never touched again.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.handoff import (
+    CacheShape,
+    HandoffSchema,
+    PageGuard,
+    PageSink,
+    PageSource,
+    TransferCancelled,
+    TransferError,
+    coalesce,
+    decode_draft_state,
+    iter_chunks,
+)
+from shared.handoff.wire import page_bytes
+from shared.memory.kv_cache import CacheSpec, KVCache
+from shared.spec.state import DraftState
+
+PS = 4
+
+
+def cache(layers: int = 2, heads: int = 2, dim: int = 8, pages: int = 16, seed: int = 0,
+          dtype: torch.dtype = torch.float32) -> KVCache:
+    c = KVCache(CacheSpec(num_layers=layers, num_kv_heads=heads, head_dim=dim, dtype=dtype,
+                          device=torch.device("cpu"), page_size=PS, num_pages=pages, max_reqs=4, max_context=64))
+    g = torch.Generator().manual_seed(seed)
+    for t in [*c.k, *c.v]:
+        t.copy_(torch.randn(t.shape, generator=g).to(dtype))
+    return c
+
+
+def pages_kv(c: KVCache, pages: list[int]) -> list[torch.Tensor]:
+    """K and V of the given pages, per layer, in page order."""
+    idx = torch.tensor([p * PS + i for p in pages for i in range(PS)])
+    return [t[idx] for layer in range(c.spec.num_layers) for t in (c.k[layer], c.v[layer])]
+
+
+def round_trip(src_pages: list[list[int]], dst_pages: list[list[int]], chunk_bytes: int, shapes=((2, 2, 8),)):
+    srcs = [cache(*s, seed=i) for i, s in enumerate(shapes)]
+    dsts = [cache(*s, seed=10 + i) for i, s in enumerate(shapes)]
+    source = PageSource("r", srcs, src_pages, b"state")
+    sink = PageSink("r", dsts, dst_pages)
+    chunks = list(iter_chunks(source, chunk_bytes))
+    for ch in chunks:
+        sink.write(ch)
+    received = sink.finish(chunks[-1])
+    return srcs, dsts, chunks, received
+
+
+def test_coalesce_finds_contiguous_runs_in_request_order():
+    runs = coalesce([3, 4, 5, 9, 10, 2])
+    assert [(r.first, r.page, r.count) for r in runs] == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
+    assert len(coalesce(list(range(1, 9)))) == 1
+    assert coalesce([]) == []
+
+
+def test_fragmented_pages_send_more_runs_and_arrive_identical():
+    contiguous, fragmented = [1, 2, 3, 4, 5, 6], [7, 2, 3, 12, 5, 9]
+    big = 1 << 20  # no cutting: one chunk per run per layer
+    _, _, whole, _ = round_trip([contiguous], [[8, 9, 10, 11, 12, 13]], big)
+    srcs, dsts, pieces, received = round_trip([fragmented], [[14, 1, 6, 3, 10, 4]], big)
+    assert len(whole) == 2 * 1 and len(pieces) == 2 * len(coalesce(fragmented)) == 2 * 5
+    for a, b in zip(pages_kv(srcs[0], fragmented), pages_kv(dsts[0], [14, 1, 6, 3, 10, 4])):
+        assert torch.equal(a, b)
+    assert received.draft_state == b"state" and received.chunks == len(pieces)
+    assert received.bytes == sum(len(c.k) + len(c.v) for c in pieces) + len(b"state")
+
+
+def test_order_is_cache_then_layer_then_position_and_every_chunk_fits_the_limit():
+    shapes = ((2, 2, 8), (1, 2, 16))  # a target and a draft cache with pages twice as wide
+    src = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
+    dst = [[5, 4, 3, 2, 1], [10, 11, 12, 13, 14]]
+    limit = 2 * page_bytes(cache(1, 2, 16))  # two draft pages, four target pages per message
+    srcs, dsts, chunks, _ = round_trip(src, dst, limit, shapes)
+    assert all(len(c.k) + len(c.v) <= limit for c in chunks)
+    assert [(c.cache, c.layer, c.first_page, c.num_pages) for c in chunks] == [
+        (0, 0, 0, 4), (0, 0, 4, 1), (0, 1, 0, 4), (0, 1, 4, 1), (1, 0, 0, 2), (1, 0, 2, 2), (1, 0, 4, 1)]
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    assert [c.last for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].total_chunks == len(chunks) and chunks[-1].draft_state == b"state"
+    assert all(not c.draft_state for c in chunks[:-1])
+    for c in range(2):
+        for a, b in zip(pages_kv(srcs[c], src[c]), pages_kv(dsts[c], dst[c])):
+            assert torch.equal(a, b)
+
+
+def test_bfloat16_pages_travel_bit_for_bit():
+    src, dst = cache(dtype=torch.bfloat16), cache(seed=3, dtype=torch.bfloat16)
+    sink = PageSink("r", [dst], [[9, 3]])
+    chunks = list(iter_chunks(PageSource("r", [src], [[2, 5]], b""), page_bytes(src)))
+    for ch in chunks:
+        sink.write(ch)
+    sink.finish(chunks[-1])
+    for a, b in zip(pages_kv(src, [2, 5]), pages_kv(dst, [9, 3])):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_chunks_are_read_lazily():
+    """Bounded memory in flight: a page is read when its chunk is asked for, not before."""
+    src = cache()
+    gen = iter_chunks(PageSource("r", [src], [[1, 2, 3]], b""), page_bytes(src))
+    first = next(gen)
+    src.k[1][:].fill_(7.0)  # layer 1 is read later: the change shows in its chunks
+    rest = list(gen)
+    assert torch.frombuffer(bytearray(first.k), dtype=torch.float32).ne(7.0).any()
+    assert all(torch.frombuffer(bytearray(c.k), dtype=torch.float32).eq(7.0).all() for c in rest if c.layer == 1)
+
+
+def test_chunk_limit_below_one_page_is_refused():
+    src = cache()
+    with pytest.raises(ValueError, match="smaller than one page"):
+        next(iter_chunks(PageSource("r", [src], [[1]], b""), page_bytes(src) - 1))
+
+
+def chunks_of(pages=(1, 2, 3), chunk_pages: int = 1):
+    src = cache()
+    return list(iter_chunks(PageSource("r", [src], [list(pages)], b"state"), chunk_pages * page_bytes(src)))
+
+
+def receive(chunks, pages=(4, 5, 6)):
+    sink = PageSink("r", [cache(seed=9)], [list(pages)])
+    for ch in chunks:
+        sink.write(ch)
+    return sink.finish(chunks[-1] if chunks else None)
+
+
+def flip_k(chunk):
+    k = bytearray(chunk.k)
+    k[5] ^= 0x40
+    chunk.k = bytes(k)
+
+
+def resize(chunk):
+    from shared.handoff.wire import checksum
+
+    chunk.k, chunk.v = chunk.k[:-4], chunk.v[:-4]
+    chunk.crc32 = checksum(chunk.k, chunk.v)
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda cs: flip_k(cs[2]), "failed its CRC32"),
+    (lambda cs: cs.pop(1), "chunks lost or out of order"),
+    (lambda cs: cs.insert(1, cs[0]), "chunks lost or out of order"),
+    (lambda cs: cs.pop(), "ended before its last chunk"),
+    (lambda cs: setattr(cs[-1], "total_chunks", 9), "the sender sent 9"),
+    (lambda cs: resize(cs[0]), "expected 256 each"),
+    (lambda cs: setattr(cs[0], "request_id", "other"), "belongs to 'other'"),
+    (lambda cs: setattr(cs[1], "first_page", 7), "the request has 3 reserved here"),
+    (lambda cs: setattr(cs[1], "layer", 5), "names layer 5"),
+    (lambda cs: setattr(cs[1], "cache", 1), "names cache 1"),
+])
+def test_receiver_refuses_damaged_transfers(damage, words):
+    chunks = chunks_of()
+    damage(chunks)
+    with pytest.raises(TransferError, match=words):
+        receive(chunks)
+
+
+def test_receiver_refuses_a_page_written_twice_and_a_page_never_written():
+    chunks = chunks_of()
+    chunks[1].first_page = 0  # seq and CRC still fine: the receiver counts what each page got
+    with pytest.raises(TransferError, match="a second time"):
+        receive(chunks)
+    short = chunks_of(pages=(1, 2))  # the sender has fewer pages than were reserved here
+    with pytest.raises(TransferError, match="never arrived"):
+        receive(short)
+
+
+def test_a_cancelled_guard_stops_both_ends_before_they_touch_a_page():
+    src, dst = cache(), cache(seed=4)
+    guard = PageGuard()
+    gen = iter_chunks(PageSource("r", [src], [[1, 2]], b"", guard), page_bytes(src))
+    first = next(gen)
+    assert guard.cancel() and not guard.cancel()  # only the first cancel counts
+    with pytest.raises(TransferCancelled):
+        next(gen)
+    before = dst.k[0].clone()
+    sink = PageSink("r", [dst], [[5, 6]], guard)
+    with pytest.raises(TransferCancelled):
+        sink.write(first)
+    assert torch.equal(dst.k[0], before)
+
+
+SCHEMA = HandoffSchema(version=1, page_size=PS, dtype="float32", caches=(CacheShape(2, 2, 8),), draft_kind="eagle",
+                       topk=4, steps=3, num_draft_tokens=8, draft_hidden_width=32, vocab_size=100)
+
+
+def state_bytes(**change) -> bytes:
+    fields = dict(bonus_token=7, committed_len=10, hidden=torch.randn(32), topk_p=torch.rand(4),
+                  topk_ids=torch.arange(4))
+    return DraftState(**{**fields, **change}).to_bytes()
+
+
+def test_draft_state_is_checked_against_the_receivers_schema():
+    state = decode_draft_state(state_bytes(), SCHEMA, committed_len=10)
+    assert state.bonus_token == 7 and state.hidden.shape == (32,)
+    bad = [
+        (state_bytes(hidden=torch.randn(96)), SCHEMA, "hidden width 96, the draft's is 32"),  # e.g. 3x EAGLE-3 width
+        (state_bytes(committed_len=9), SCHEMA, "committed_len 9, the reservation is for 10"),
+        (state_bytes(topk_p=torch.rand(1), topk_ids=torch.arange(1)), SCHEMA, r"topk_p of shape \(1,\)"),
+        (state_bytes(bonus_token=100), SCHEMA, "outside the vocabulary"),
+        (b"", SCHEMA, "no draft state arrived"),
+        (b"\x05\x00\x00\x00garbage", SCHEMA, "cannot be read"),
+        (state_bytes(), HandoffSchema(**{**SCHEMA.__dict__, "draft_kind": ""}), "without speculative decoding"),
+    ]
+    for data, schema, words in bad:
+        with pytest.raises(TransferError, match=words):
+            decode_draft_state(data, schema, committed_len=10)
+    assert decode_draft_state(b"", HandoffSchema(**{**SCHEMA.__dict__, "draft_kind": ""}), 10) is None
