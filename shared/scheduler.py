@@ -54,9 +54,15 @@ class Scheduler:
 
     def check_fits(self, req: Request) -> None:
         cache = self.caches[0]
-        if cache.pages_for(self.peak_positions(req)) > cache.spec.num_pages:
-            raise RequestError("max_new_tokens", f"prompt + max_new_tokens needs "
-                               f"{cache.pages_for(self.peak_positions(req))} pages, the pool has {cache.spec.num_pages}")
+        need, have = cache.pages_for(self.peak_positions(req)), cache.spec.num_pages
+        if need <= have:
+            return
+        # Name the input the user must change: the prompt when it cannot fit even with one new token.
+        least = req.prompt_len if self.prefill_only else req.prompt_len + 1 + self.headroom
+        if cache.pages_for(least) > have:
+            raise RequestError("prompt", f"{req.prompt_len} tokens need {cache.pages_for(least)} pages, "
+                               f"the pool has {have}")
+        raise RequestError("max_new_tokens", f"prompt + max_new_tokens needs {need} pages, the pool has {have}")
 
     def submit(self, req: Request) -> None:
         self.check_fits(req)

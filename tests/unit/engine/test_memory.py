@@ -66,7 +66,8 @@ def test_max_running_bounds_the_batch(tiny_model_dir, solo_reference):
     check_pools_full(engine)
 
 
-@pytest.mark.parametrize("prompt_len, max_new, field", [(37, 8, "max_new_tokens"), (3, 40, "max_new_tokens")])
+@pytest.mark.parametrize("prompt_len, max_new, field", [(20, 12, "max_new_tokens"), (3, 40, "max_new_tokens"),
+                                                         (31, 1, "prompt"), (40, 1, "prompt")])
 def test_request_that_can_never_fit_is_rejected(tiny_model_dir, prompt_len, max_new, field):
     engine = make_engine(tiny_model_dir, page_size=4, num_pages=8)  # 32 positions
     running = engine.add_request(PROMPTS[1], GREEDY)
