@@ -116,8 +116,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                               f"request_id: {rid!r} is already running here" if not self._closed else "shutting down")
             self._jobs[rid] = job
         context.add_callback(lambda: self._end(job))
+        def add(engine: Engine) -> None:  # job.req is set on the loop thread: an abort queued behind sees it
+            job.req = engine.add_request(list(request.prompt_ids), params, rid=rid)
+
         try:
-            job.req = self.loop.call(lambda e: e.add_request(list(request.prompt_ids), params, rid=rid)).result()
+            self.loop.call(add).result()
         except RequestError as e:
             self._forget(job)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

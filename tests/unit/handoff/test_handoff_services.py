@@ -1,0 +1,430 @@
+"""Prefill and decode services over real gRPC sockets, without the router: a small driver calls
+``Prefill`` (first token, then the hand-off) and then ``Decode.Stream``.
+
+Output equals the single-process engine's (greedy and seeded sampling); the decode side refuses what
+it cannot hold (RESOURCE_EXHAUSTED) and what does not match it (FAILED_PRECONDITION naming both
+sides); and after every way a request can end (finished, refused, broken transfers on either side,
+aborts on either side, clients that go away, a stream nobody attaches) every pool on both services
+is full again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from handoff_helpers import GREEDY, LONG, SHORT, engine_config, load_models, make_engine
+
+from proto.eyrie.v1 import eyrie_pb2 as pb
+from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
+from services.common import start_grpc_server
+from services.decode.server import start_decode
+from services.prefill.server import start_prefill
+from services.settings import DecodeSettings, PrefillSettings
+from shared.handoff import HandoffSchema, PageSource, iter_chunks, sampling_to_pb
+from shared.handoff.wire import page_bytes
+from shared.metadata import EmbeddedRedis, Registry, connect
+from shared.sampling import SamplingParams
+
+DRAFT, TOPK, PAGE = "eagle", 4, 4
+MAX_RUNNING = 8
+SAMPLED = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, seed=3)
+
+
+@pytest.fixture(scope="module")
+def models(oracle_model_dir):
+    return load_models(oracle_model_dir)
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    server = EmbeddedRedis()
+    url = server.start()
+    yield url
+    server.stop()
+
+
+def config(draft=DRAFT, **kw):
+    return engine_config(draft, TOPK, PAGE, max_context=512, max_running=MAX_RUNNING, **kw)
+
+
+class Stack:
+    """One prefill and one decode instance (engines built in memory), and a driver for them."""
+
+    def __init__(self, models, redis_url, prefill_draft=DRAFT, **decode_settings):
+        self.prefill_engine = make_engine(models, prefill_draft, config(prefill_draft), role="prefill")
+        decode_engine = make_engine(models, DRAFT, config(), role="decode")
+        smallest = 2 * max(page_bytes(c) for c in self.prefill_engine.scheduler.caches)  # many chunks per request
+        common = dict(redis_url=redis_url, heartbeat_s=0.2)
+        self.prefill = start_prefill(PrefillSettings(**common, handoff_chunk_bytes=smallest, handoff_timeout_s=20),
+                                     self.prefill_engine)
+        try:
+            self.decode = start_decode(DecodeSettings(**common, **decode_settings), decode_engine)
+        except BaseException:
+            self.prefill.stop(0)
+            raise
+        self.pstub = pb_grpc.PrefillStub(grpc.insecure_channel(self.prefill.grpc_address))
+        self.dstub = pb_grpc.DecodeStub(grpc.insecure_channel(self.decode.grpc_address))
+        self._ids = iter(range(1 << 30))
+
+    def rid(self) -> str:
+        return f"t{next(self._ids)}"
+
+    def prefill_call(self, rid, prompt, params=GREEDY, address=None, **kw):
+        return self.pstub.Prefill(pb.PrefillRequest(request_id=rid, prompt_ids=prompt, sampling=sampling_to_pb(params),
+                                                    decode_address=address or self.decode.grpc_address),
+                                  timeout=kw.pop("timeout", 30), **kw)
+
+    def generate(self, prompt, params=GREEDY):
+        """Prefill, then Stream: (tokens, Finish, the prefill events)."""
+        rid = self.rid()
+        events = list(self.prefill_call(rid, prompt, params))
+        first = events[0].first_token
+        if first.finish_reason:
+            return [first.token_id], pb.Finish(reason=first.finish_reason), events
+        assert events[1].HasField("handed_off") and len(events) == 2
+        tokens, finish = [first.token_id], None
+        for msg in self.dstub.Stream(pb.StreamRequest(request_id=rid), timeout=30):
+            tokens += msg.token_ids
+            if msg.HasField("finish"):
+                finish = msg.finish
+        return tokens, finish, events
+
+    def engines(self):
+        return [self.prefill.engine_loop, self.decode.engine_loop]
+
+    def clean(self, timeout: float = 10.0) -> bool:
+        """Every page and request slot back in every pool, on both services."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(loop.call(lambda e: e.is_idle_and_clean()).result(5) for loop in self.engines()):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def stop(self) -> None:
+        self.prefill.stop(0.2)
+        self.decode.stop(0.2)
+
+
+@pytest.fixture(scope="module")
+def stack(models, redis_url):
+    s = Stack(models, redis_url)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def single(models):
+    """The single-process engine's results for SHORT and LONG (greedy) and LONG (seeded sampling)."""
+    engine = make_engine(models, DRAFT, config())
+    greedy = engine.generate([SHORT, LONG], GREEDY)
+    return greedy + engine.generate([LONG], SAMPLED)
+
+
+def blocked(loop):
+    """Hold the engine thread until the returned event is set (deterministic timing for aborts)."""
+    gate, entered = threading.Event(), threading.Event()
+
+    def hold(engine):
+        entered.set()
+        gate.wait(10)
+
+    loop.call(hold)
+    assert entered.wait(5)
+    return gate
+
+
+# ---- the happy path ----------------------------------------------------------------------------------
+def test_prefill_then_stream_equals_the_single_process_engine(stack, single, redis_url):
+    for prompt, params, want in [(SHORT, GREEDY, single[0]), (LONG, GREEDY, single[1]), (LONG, SAMPLED, single[2])]:
+        tokens, finish, events = stack.generate(prompt, params)
+        assert tokens == want.token_ids
+        assert finish.reason == "length" and finish.usage.completion_tokens == len(want.token_ids)
+        assert finish.usage.prompt_tokens == len(prompt)
+        assert (finish.spec.verify_steps, finish.spec.accepted_drafts) == (want.spec["verify_steps"],
+                                                                           want.spec["accepted_drafts"])
+        handed = events[1].handed_off
+        assert handed.bytes > 0 and handed.chunks > 2 * 2  # cut into many chunks (the fixture's chunk limit)
+    assert stack.clean()
+    registry = Registry(connect(redis_url))
+    assert {i.instance_id for i in registry.instances()} >= {stack.prefill.instance_id, stack.decode.instance_id}
+    assert all(i.free_pages > 0 for i in registry.instances("decode"))
+
+
+def test_concurrent_requests_all_equal_the_single_process_engine(stack, single):
+    prompts = [SHORT, LONG] * 3
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(stack.generate, prompts))
+    for prompt, (tokens, finish, _) in zip(prompts, results):
+        assert tokens == single[0 if prompt is SHORT else 1].token_ids and finish.reason == "length"
+    assert stack.clean()
+
+
+def test_a_request_ending_at_its_first_token_is_not_handed_off(stack):
+    decode_before = stack.decode.extra["telemetry"].handoff_bytes_total._value.get()
+    tokens, finish, events = stack.generate(LONG, SamplingParams(max_new_tokens=1))
+    assert len(events) == 1 and finish.reason == "length" and len(tokens) == 1
+    assert stack.decode.extra["telemetry"].handoff_bytes_total._value.get() == decode_before
+    assert stack.clean()
+
+
+# ---- refusals --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field, request_kw", [
+    ("request_id", dict(request_id="")),
+    ("decode_address", dict(decode_address="")),
+    ("prompt", dict(prompt_ids=[5, 10 ** 6])),
+    ("prompt", dict(prompt_ids=[])),
+    ("sampling.top_p", dict(sampling=pb.SamplingParams(top_p=1.5))),
+    ("max_new_tokens", dict(sampling=pb.SamplingParams(max_new_tokens=10 ** 6))),
+])
+def test_bad_prefill_requests_get_invalid_argument_naming_the_field(stack, field, request_kw):
+    msg = dict(request_id="bad", prompt_ids=SHORT, sampling=pb.SamplingParams(max_new_tokens=4),
+               decode_address=stack.decode.grpc_address)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack.pstub.Prefill(pb.PrefillRequest(**{**msg, **request_kw}), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(f"{field}:")
+    assert stack.clean()
+
+
+def test_a_prefill_without_speculation_is_refused_at_the_handshake(models, redis_url):
+    s = Stack(models, redis_url, prefill_draft=None)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            s.generate(SHORT)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        details = err.value.details()
+        assert f"speculative config: decode {s.decode.instance_id} has eagle (topk=4, steps=3, num_draft_tokens=8), " \
+               "prefill has none" in details
+        with pytest.raises(grpc.RpcError) as err:  # the handshake alone says the same
+            s.dstub.Handshake(HandoffSchema.from_engine(s.prefill_engine).to_pb(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "prefill has none" in err.value.details()
+        assert s.clean()
+    finally:
+        s.stop()
+
+
+def test_a_full_decode_instance_refuses_and_both_pools_stay_whole(stack, single):
+    def fill(engine):
+        return [engine.reserve_handoff(f"blocker{i}", [1, 2, 3], [4], [0.0], SamplingParams(max_new_tokens=2), 3)
+                for i in range(MAX_RUNNING)]
+
+    blockers = stack.decode.engine_loop.call(fill).result()
+    assert all(b is not None for b in blockers)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            stack.generate(LONG)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "cannot hold the request" in \
+            err.value.details()
+        assert stack.prefill.engine_loop.call(lambda e: e.is_idle_and_clean()).result()
+    finally:
+        stack.decode.engine_loop.call(lambda e: [e.abort(b.rid) for b in blockers]).result()
+    assert stack.clean()
+    assert stack.generate(LONG)[0] == single[1].token_ids  # room again: the same request goes through
+
+
+# ---- broken transfers ------------------------------------------------------------------------------
+def reserve_directly(stack, rid):
+    """The test plays the prefill side: a valid reservation for LONG's hand-off."""
+    reply = stack.dstub.Reserve(pb.ReserveRequest(
+        request_id=rid, prompt_ids=LONG, output_ids=[7], output_logprobs=[-1.0], sampling=sampling_to_pb(GREEDY),
+        committed_len=len(LONG), schema=HandoffSchema.from_engine(stack.prefill_engine).to_pb()), timeout=5)
+    assert reply.accepted
+    caches = stack.prefill_engine.scheduler.caches
+    pages = [list(range(1, c.pages_for(len(LONG)) + 1)) for c in caches]  # sizes right, contents whatever
+    return list(iter_chunks(PageSource(rid, caches, pages, b""), page_bytes(caches[0])))
+
+
+def test_a_transfer_broken_off_mid_way_frees_the_reservation(stack):
+    rid = stack.rid()
+    chunks = reserve_directly(stack, rid)
+    sent_two, hang = threading.Event(), threading.Event()
+
+    def messages():
+        yield from chunks[:2]
+        sent_two.set()
+        hang.wait(10)  # the sender stalls, then goes away
+
+    call = stack.dstub.Transfer.future(messages(), timeout=20)
+    assert sent_two.wait(5)
+    time.sleep(0.1)
+    call.cancel()
+    hang.set()
+    assert stack.clean()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack.dstub.Stream(pb.StreamRequest(request_id=rid), timeout=5))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def truncate(chunks):
+    return chunks[:3]
+
+
+def corrupt(chunks):
+    chunks[1].v = bytes(len(chunks[1].v))
+    return chunks
+
+
+def no_state(chunks):
+    return chunks  # a speculative decode needs the draft state on the last chunk
+
+
+@pytest.mark.parametrize("damage, words", [(truncate, "ended before its last chunk"), (corrupt, "CRC32"),
+                                           (no_state, "no draft state arrived")])
+def test_a_bad_transfer_is_refused_with_data_loss_and_frees_the_reservation(stack, damage, words):
+    rid = stack.rid()
+    chunks = damage(reserve_directly(stack, rid))
+    with pytest.raises(grpc.RpcError) as err:
+        stack.dstub.Transfer(iter(chunks), timeout=10)
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS and words in err.value.details()
+    assert stack.clean()
+
+
+def test_a_transfer_without_a_reservation_is_refused(stack):
+    caches = stack.prefill_engine.scheduler.caches
+    chunks = iter_chunks(PageSource("nobody", caches, [[1] for _ in caches], b""), 1 << 20)
+    with pytest.raises(grpc.RpcError) as err:
+        stack.dstub.Transfer(chunks, timeout=5)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "'nobody'" in err.value.details()
+
+
+class BreakingDecode(pb_grpc.DecodeServicer):
+    """A decode instance that accepts the reservation and then fails (or stalls in) the transfer."""
+
+    def __init__(self, stall: bool):
+        self.stall, self.aborted, self.chunks = stall, [], 0
+        self.receiving, self.release = threading.Event(), threading.Event()
+
+    def Handshake(self, request, context):  # noqa: N802
+        return pb.HandshakeResponse(instance_id="breaking")
+
+    def Reserve(self, request, context):  # noqa: N802
+        return pb.ReserveResponse(accepted=True)
+
+    def Transfer(self, request_iterator, context):  # noqa: N802
+        next(request_iterator)
+        self.chunks += 1
+        self.receiving.set()
+        if self.stall:
+            self.release.wait(10)
+            return pb.TransferAck()
+        context.abort(grpc.StatusCode.UNAVAILABLE, "disk on fire")
+
+    def Abort(self, request, context):  # noqa: N802
+        self.aborted.append(request.request_id)
+        return pb.AbortResponse(found=True)
+
+
+@pytest.fixture
+def breaking_decode():
+    servicers = []
+
+    def start(stall: bool):
+        servicer = BreakingDecode(stall)
+        server, port, _ = start_grpc_server("127.0.0.1", 0, [(pb_grpc.add_DecodeServicer_to_server, servicer)], [])
+        servicers.append((server, servicer))
+        return servicer, f"127.0.0.1:{port}"
+
+    yield start
+    for server, servicer in servicers:
+        servicer.release.set()
+        server.stop(0)
+
+
+def test_a_transfer_failing_on_the_decode_side_frees_the_prefill_pages(stack, breaking_decode):
+    fake, address = breaking_decode(stall=False)
+    rid = stack.rid()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack.prefill_call(rid, LONG, address=address))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "disk on fire" in err.value.details()
+    assert fake.chunks == 1 and fake.aborted == [rid]  # the reservation there is released too
+    assert stack.clean()
+
+
+# ---- aborts and clients that go away ---------------------------------------------------------------
+def test_prefill_abort_during_the_hand_off_stops_the_transfer_and_frees_the_pages(stack, breaking_decode):
+    fake, address = breaking_decode(stall=True)
+    rid = stack.rid()
+    call = stack.prefill_call(rid, LONG, address=address)
+    assert next(call).HasField("first_token")
+    assert fake.receiving.wait(10)
+    assert stack.pstub.Abort(pb.AbortRequest(request_id=rid), timeout=5).found
+    with pytest.raises(grpc.RpcError) as err:
+        next(call)
+    assert err.value.code() == grpc.StatusCode.ABORTED
+    assert stack.clean()
+
+
+def test_prefill_abort_before_the_prompt_ran(stack):
+    rid = stack.rid()
+    gate = blocked(stack.prefill.engine_loop)
+    call = stack.prefill_call(rid, LONG)
+    time.sleep(0.2)  # the request is queued behind the held engine thread
+    abort = stack.pstub.Abort.future(pb.AbortRequest(request_id=rid), timeout=10)
+    time.sleep(0.2)
+    gate.set()
+    assert abort.result().found
+    with pytest.raises(grpc.RpcError) as err:
+        list(call)
+    assert err.value.code() == grpc.StatusCode.ABORTED
+    assert stack.clean()
+
+
+def test_a_prefill_client_that_goes_away_aborts_the_request(stack):
+    gate = blocked(stack.prefill.engine_loop)
+    call = stack.prefill_call(stack.rid(), LONG)
+    time.sleep(0.2)
+    call.cancel()
+    gate.set()
+    assert stack.clean()
+
+
+def start_long_stream(stack):
+    rid = stack.rid()
+    events = list(stack.prefill_call(rid, LONG, SamplingParams(max_new_tokens=400, ignore_eos=True)))
+    assert events[-1].HasField("handed_off")
+    stream = stack.dstub.Stream(pb.StreamRequest(request_id=rid), timeout=30)
+    first = next(stream)
+    assert first.token_ids and not first.HasField("finish")
+    return rid, stream
+
+
+def test_decode_abort_mid_stream_ends_the_stream_and_frees_the_pages(stack):
+    rid, stream = start_long_stream(stack)
+    with pytest.raises(grpc.RpcError) as err:  # a second subscriber is refused
+        next(stack.dstub.Stream(pb.StreamRequest(request_id=rid), timeout=5))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert stack.dstub.Abort(pb.AbortRequest(request_id=rid), timeout=5).found
+    with pytest.raises(grpc.RpcError) as err:
+        for msg in stream:
+            assert not msg.HasField("finish")
+    assert err.value.code() == grpc.StatusCode.ABORTED
+    assert stack.clean()
+
+
+def test_a_stream_client_that_goes_away_aborts_the_request(stack):
+    _, stream = start_long_stream(stack)
+    stream.cancel()
+    assert stack.clean()
+
+
+def test_a_hand_off_nobody_streams_is_aborted_after_the_attach_timeout(models, redis_url):
+    s = Stack(models, redis_url, stream_attach_timeout_s=0.5)
+    try:
+        rid = s.rid()
+        events = list(s.prefill_call(rid, LONG, SamplingParams(max_new_tokens=400, ignore_eos=True)))
+        assert events[-1].HasField("handed_off")
+        assert s.clean()
+        with pytest.raises(grpc.RpcError) as err:
+            list(s.dstub.Stream(pb.StreamRequest(request_id=rid), timeout=5))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        t0 = time.monotonic()
+        s.stop()
+        assert time.monotonic() - t0 < 5
+    assert not [i for i in Registry(connect(redis_url)).instances()
+                if i.instance_id in (s.prefill.instance_id, s.decode.instance_id)], "stop deregisters"
