@@ -2,25 +2,29 @@
 and streams tokens back.
 
 Every request the router accepts ends in Redis as ``finished``, ``failed`` (with a reason) or
-``aborted``; every transition is recorded with its time. A decode instance that cannot hold a request
-(RESOURCE_EXHAUSTED from the hand-off) makes the router place it again on another instance; the first
-token is held back until the hand-off succeeded, so a re-placed request streams each token once.
+``aborted`` (with a reason); every transition is recorded with its time. Placement picks the live
+instances with the least outstanding tokens, counting what this router placed since their last
+heartbeat. Until the hand-off succeeded nothing has reached the client, so the router places the
+request again when a decode instance is full (RESOURCE_EXHAUSTED), speaks another speculative config
+(FAILED_PRECONDITION, while another instance remains) or is unreachable, and when the prefill instance
+is unreachable. Once tokens streamed, a broken decode stream fails the request with a clear status.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import re
 import threading
 import time
 import uuid
-from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from pydantic import ValidationError
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
@@ -33,64 +37,148 @@ from services.common import (
     start_grpc_server,
 )
 from services.settings import RouterSettings
-from shared.handoff import sampling_from_pb
+from shared.handoff import sampling_from_pb, sampling_to_pb
 from shared.metadata import InstanceInfo, Registry, RequestStore, connect
 from shared.model.config import ModelConfig
 from shared.model.tokenizer import Tokenizer
 from shared.request import RequestError
+from shared.sampling import SamplingParams
 from shared.telemetry import Telemetry
 
 log = logging.getLogger("eyrie.router")
 SERVICES = [full_name("Generation")]
 RID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# Router -> service channels: keepalive finds a peer that vanished without closing its sockets.
+CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
+                   ("grpc.max_receive_message_length", 64 << 20)]
 
 
 class RouterError(Exception):
+    """A failure after validation, with the gRPC status the client gets."""
+
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code, self.message = code, message
 
 
 class Detokenizer:
-    """Text deltas that never split a UTF-8 character (held back while the text ends in U+FFFD)."""
+    """Incremental text deltas that never split a UTF-8 character.
+
+    Decodes only a short window: ``ids[prefix:read]`` is text already sent, ``ids[prefix:]`` the window
+    with the new tokens; the delta is their difference. A window ending in U+FFFD (an incomplete byte
+    sequence) is held back until the next token completes it, or flushed as is on the final push.
+    Decoding from ``prefix`` rather than from the new tokens alone keeps tokenizers that strip a leading
+    space (SentencePiece) right.
+    """
 
     def __init__(self, tokenizer: Tokenizer | None):
-        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
 
     def push(self, ids: list[int], final: bool = False) -> str:
         if self.tokenizer is None:
             return ""
         self.ids += ids
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd") and not final:
+        sent = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        window = self.tokenizer.decode(self.ids[self.prefix:])
+        if not final and (window.endswith("\ufffd") or len(window) <= len(sent)):
             return ""
-        delta, self.text = text[len(self.text):], text
+        delta = window[len(sent):]
+        self.prefix, self.read = self.read, len(self.ids)
         return delta
 
 
 @dataclass
+class _Placed:
+    tokens: int
+    arrived: int | None = None  # the instance's heartbeat number when the request reached it
+
+
+class LoadLedger:
+    """Tokens this router placed on each instance that the instance's own figure may not include yet.
+
+    An instance's heartbeat reports its outstanding tokens with a sequence number. A placement counts
+    on top of that figure until the request leaves the instance, or until a heartbeat newer than the one
+    current when the request arrived there (from then on the instance counts it itself).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._placed: dict[str, dict[int, _Placed]] = {}
+        self._beats: dict[str, int] = {}
+        self._keys = itertools.count()
+
+    def load(self, info: InstanceInfo) -> int:
+        with self._lock:
+            self._beats[info.instance_id] = max(self._beats.get(info.instance_id, 0), info.beat)
+            entries = self._placed.get(info.instance_id, {})
+            for key in [k for k, e in entries.items() if e.arrived is not None and info.beat > e.arrived]:
+                del entries[key]
+            return info.outstanding_tokens + sum(e.tokens for e in entries.values())
+
+    def place(self, instance_id: str, tokens: int, arrived: bool = False) -> int:
+        with self._lock:
+            key = next(self._keys)
+            entry = _Placed(tokens, self._beats.get(instance_id, 0) if arrived else None)
+            self._placed.setdefault(instance_id, {})[key] = entry
+            return key
+
+    def arrived(self, instance_id: str, key: int) -> None:
+        with self._lock:
+            entry = self._placed.get(instance_id, {}).get(key)
+            if entry is not None:
+                entry.arrived = self._beats.get(instance_id, 0)
+
+    def done(self, instance_id: str, key: int) -> None:
+        with self._lock:
+            self._placed.get(instance_id, {}).pop(key, None)
+
+    def pending(self, instance_id: str) -> int:
+        with self._lock:
+            return sum(e.tokens for e in self._placed.get(instance_id, {}).values())
+
+
+@dataclass
 class Active:
+    """A request in flight on this router."""
+
     rid: str
     cancelled: threading.Event = field(default_factory=threading.Event)
-    call: object | None = None
+    reason: str = ""  # why it was cancelled
+    code: grpc.StatusCode = grpc.StatusCode.CANCELLED
+    call: object | None = None  # the gRPC call to cancel on abort
     prefill: InstanceInfo | None = None
     decode: InstanceInfo | None = None
+    output_tokens: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _Replace(Exception):
+    """The current placement did not take the request; ``exclude`` says which instance to avoid."""
+
+    def __init__(self, error: RouterError, role: str, kind: str):
+        super().__init__(error.message)
+        self.error, self.role, self.kind = error, role, kind  # kind: full | mismatch | unreachable
 
 
 class RouterCore:
+    """Validation, records, placement and streaming; the gRPC servicer and the OpenAI HTTP layer wrap it."""
+
     def __init__(self, settings: RouterSettings, store: RequestStore, registry: Registry,
                  tokenizer: Tokenizer | None, model_config: ModelConfig, telemetry: Telemetry | None = None):
         self.settings, self.store, self.registry = settings, store, registry
         self.tokenizer, self.model_config, self.telemetry = tokenizer, model_config, telemetry
         self.max_context = min(settings.max_context or model_config.max_position_embeddings,
                                model_config.max_position_embeddings)
+        self.ledger = LoadLedger()
         self._active: dict[str, Active] = {}
         self._lock = threading.Lock()
-        self._inflight: dict[str, int] = defaultdict(int)  # instance -> tokens this router placed there
         self._channels: dict[str, grpc.Channel] = {}
 
     # ---- validation ------------------------------------------------------------------------------
-    def validate(self, req: pb.GenerateRequest) -> tuple[str, list[int], object]:
+    def validate(self, req: pb.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
+        """(request id, prompt ids, sampling params), or RequestError naming the field."""
         limit = self.settings.max_message_bytes
         if req.ByteSize() > limit:
             raise RequestError("request", f"{req.ByteSize()} bytes exceed the limit of {limit}")
@@ -100,13 +188,16 @@ class RouterCore:
         kind = req.WhichOneof("prompt")
         if kind is None:
             raise RequestError("prompt", "give text or token_ids")
+        field_name = f"prompt.{kind}"
         if kind == "text":
             if self.tokenizer is None:
-                raise RequestError("prompt.text", "this router has no tokenizer: send token_ids")
+                raise RequestError(field_name, "this router has no tokenizer: send token_ids")
+            if len(req.text) > 8 * self.max_context:  # don't tokenize megabytes to learn they don't fit
+                raise RequestError(field_name, f"{len(req.text)} characters cannot fit the context of "
+                                               f"{self.max_context} tokens")
             ids = self.tokenizer.encode(req.text)
         else:
             ids = list(req.token_ids.ids)
-        field_name = f"prompt.{kind}"
         vocab = self.model_config.vocab_size
         if not ids:
             raise RequestError(field_name, "the prompt is empty")
@@ -114,14 +205,15 @@ class RouterCore:
         if bad is not None:
             raise RequestError(field_name, f"token id {bad} is outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_context:
-            raise RequestError(field_name, f"{len(ids)} tokens do not fit the context of {self.max_context}")
+            raise RequestError(field_name, f"{len(ids)} tokens leave no room to generate in the context of "
+                                           f"{self.max_context}")
         s = req.sampling
         if not math.isfinite(s.temperature) or s.temperature < 0:
-            raise RequestError("sampling.temperature", "must be a finite number >= 0")
+            raise RequestError("sampling.temperature", f"{s.temperature} is not a finite number >= 0")
         if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
-            raise RequestError("sampling.top_p", "must be in (0, 1] (0 means unset)")
+            raise RequestError("sampling.top_p", f"{s.top_p} is not in (0, 1] (0 means unset)")
         if s.top_k < 0:
-            raise RequestError("sampling.top_k", "must be >= 0 (0 disables it)")
+            raise RequestError("sampling.top_k", f"{s.top_k} is negative (0 disables it)")
         room = self.max_context - len(ids)
         if s.max_new_tokens > room:
             raise RequestError("sampling.max_new_tokens",
@@ -130,7 +222,11 @@ class RouterCore:
         bad = next((t for t in s.stop_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError("sampling.stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
-        params = sampling_from_pb(s, default_max_new_tokens=min(self.settings.default_max_new_tokens, room))
+        try:
+            params = sampling_from_pb(s, default_max_new_tokens=min(self.settings.default_max_new_tokens, room))
+        except ValidationError as e:  # anything the checks above missed still names its field
+            err = e.errors()[0]
+            raise RequestError(f"sampling.{'.'.join(str(x) for x in err['loc'])}", err["msg"]) from None
         return rid, ids, params
 
     # ---- placement -------------------------------------------------------------------------------
@@ -138,185 +234,283 @@ class RouterCore:
         live = [i for i in self.registry.instances(role) if i.instance_id not in exclude]
         if not live:
             return None
-        with self._lock:
-            return min(live, key=lambda i: (i.outstanding_tokens + self._inflight[i.instance_id], i.instance_id))
+        return min(live, key=lambda i: (self.ledger.load(i), i.instance_id))
 
     def _stub(self, cls, address: str):
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = grpc.insecure_channel(address)
+                ch = self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         return cls(ch)
-
-    def _account(self, inst: InstanceInfo | None, tokens: int) -> None:
-        if inst is not None:
-            with self._lock:
-                self._inflight[inst.instance_id] += tokens
 
     # ---- the request's walk ----------------------------------------------------------------------
     def generate(self, req: pb.GenerateRequest, cancelled: threading.Event | None = None
                  ) -> Iterator[pb.GenerateResponse]:
-        rid, ids, params = self.validate(req)
+        """Stream the request's responses; the last one carries ``finish``.
+
+        Raises RequestError (bad input: nothing recorded) or RouterError (recorded as failed/aborted).
+        ``cancelled`` set by the caller ends the request at its next message; ``abort(rid)`` ends it at once.
+        """
+        try:
+            rid, ids, params = self.validate(req)
+        except RequestError:
+            self._count_error("invalid_argument")
+            raise
+        active = Active(rid, cancelled or threading.Event())
         with self._lock:
-            if rid in self._active or self.store.exists(rid):
-                raise RequestError("request_id", f"{rid!r} already exists")
-            active = self._active[rid] = Active(rid, cancelled or threading.Event())
-        self.store.create(rid, prompt_tokens=len(ids), max_new_tokens=params.max_new_tokens)
+            duplicate = rid in self._active
+            if not duplicate:
+                self._active[rid] = active
+        if duplicate or not self.store.create(rid, prompt_tokens=len(ids), max_new_tokens=params.max_new_tokens):
+            with self._lock:
+                if self._active.get(rid) is active:
+                    del self._active[rid]
+            self._count_error("invalid_argument")
+            raise RequestError("request_id", f"{rid!r} is already in use (ids are unique until their record expires)")
         t0 = time.perf_counter()
+        outcome = "failed"
         try:
             yield from self._walk(active, ids, params, req.return_logprobs, t0)
+            outcome = "finished"
         except RouterError as e:
-            state = "aborted" if active.cancelled.is_set() else "failed"
-            self.store.transition(rid, state, error=e.message)
-            if self.telemetry:
-                self.telemetry.requests_total.labels(state).inc()
-                self.telemetry.errors_total.labels(e.code.name.lower()).inc()
-            self._abort_remote(active)
+            outcome = "aborted" if active.cancelled.is_set() else "failed"
+            self._end(active, outcome, e.message, e.code)
             raise
-        except GeneratorExit:  # the caller stopped reading (client went away)
-            self.store.transition(rid, "aborted", error="client went away")
-            self._abort_remote(active)
+        except GeneratorExit:  # the caller stopped reading: the client went away
+            outcome = "aborted"
+            self._end(active, outcome, active.reason or "client went away", None)
             raise
         except Exception as e:
             log.exception("request failed", extra={"rid": rid})
-            self.store.transition(rid, "failed", error=f"internal: {e}")
-            self._abort_remote(active)
+            self._end(active, outcome, f"internal error: {e}", grpc.StatusCode.INTERNAL)
             raise RouterError(grpc.StatusCode.INTERNAL, f"internal error: {e}") from e
         finally:
             with self._lock:
                 self._active.pop(rid, None)
+            if self.telemetry:
+                self.telemetry.requests_total.labels(outcome).inc()
 
-    def _walk(self, active: Active, ids: list[int], params, return_logprobs: bool, t0: float):
+    def _end(self, active: Active, state: str, reason: str, code: grpc.StatusCode | None) -> None:
+        """Record a failed / aborted end, then free whatever the services still hold for the request."""
+        log.info("request %s: %s", state, reason, extra={"rid": active.rid})
+        self.store.transition(active.rid, state, error=reason, output_tokens=active.output_tokens)
+        if code is not None:
+            self._count_error(code.name.lower())
+        self._abort_remote(active)
+
+    def _walk(self, active: Active, ids: list[int], params: SamplingParams, return_logprobs: bool, t0: float):
         rid = active.rid
-        detok = Detokenizer(self.tokenizer)
-        deadline = time.monotonic() + self.settings.placement_timeout_s
-        refused: set[str] = set()
-        first = None
-        while first is None:
-            self._check_cancelled(active)
-            prefill, decode = self._pick("prefill", set()), self._pick("decode", refused)
-            if prefill is None or decode is None:
-                if time.monotonic() > deadline:
-                    missing = "prefill" if prefill is None else "decode"
-                    raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no {missing} instance can take the request")
-                time.sleep(0.05)
-                continue
-            active.prefill, active.decode = prefill, decode
-            self.store.transition(rid, "prefilling", prefill_instance=prefill.instance_id,
-                                  decode_instance=decode.instance_id)
-            first = self._prefill(active, ids, params, prefill, decode, refused, deadline)
-        token, logprob, finish_reason = first
+        token, logprob, finish_reason = self._place(active, ids, params, t0)
         ttft = time.perf_counter() - t0
         if self.telemetry:
             self.telemetry.ttft_seconds.observe(ttft)
+        detok = Detokenizer(self.tokenizer)
         out = pb.GenerateResponse(request_id=rid, token_ids=[token], text=detok.push([token], bool(finish_reason)))
         if return_logprobs:
             out.logprobs.append(logprob)
-        n_out = 1
-        if finish_reason:
+        active.output_tokens = 1
+        if finish_reason:  # ended at its first token: the prefill instance kept (and freed) it
             out.finish.CopyFrom(pb.Finish(reason=finish_reason, usage=pb.Usage(prompt_tokens=len(ids),
                                           completion_tokens=1), ttft_s=ttft, latency_s=ttft))
             self._finished(rid, out.finish)
             yield out
             return
         yield out
-        stream = self._stub(pb_grpc.DecodeStub, active.decode.grpc_address).Stream(
-            pb.StreamRequest(request_id=rid), timeout=self.settings.stream_timeout_s)
-        active.call = stream
-        self._account(active.decode, params.max_new_tokens)
+        yield from self._stream(active, ids, params, return_logprobs, detok, t0, ttft)
+
+    def _place(self, active: Active, ids: list[int], params: SamplingParams, t0: float):
+        """Prefill + hand-off on the best live pair, placing again while nothing has reached the client."""
+        deadline = time.monotonic() + self.settings.placement_timeout_s
+        avoid: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+        full: set[str] = set()  # decode instances that said "no room now": tried again once all are full
+        last_error: RouterError | None = None
+        while True:
+            self._check_cancelled(active)
+            prefill = self._pick("prefill", avoid["prefill"])
+            decode = self._pick("decode", avoid["decode"] | full)
+            if decode is None and full:
+                full.clear()  # every live instance is full: wait a little for room on any of them
+                time.sleep(0.05)
+                decode = self._pick("decode", avoid["decode"])
+            if prefill is None or decode is None:
+                if last_error is not None and last_error.code == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise last_error  # a configuration error: waiting will not fix it
+                if time.monotonic() > deadline:
+                    raise last_error or RouterError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"no live {'prefill' if prefill is None else 'decode'} instance within "
+                        f"{self.settings.placement_timeout_s:g}s")
+                time.sleep(0.05)
+                continue
+            active.prefill, active.decode = prefill, decode
+            self.store.transition(active.rid, "prefilling", prefill_instance=prefill.instance_id,
+                                  decode_instance=decode.instance_id)
+            if self.telemetry:
+                self.telemetry.stage_seconds.labels("placement").observe(time.perf_counter() - t0)
+            try:
+                return self._prefill(active, ids, params)
+            except _Replace as r:
+                last_error = r.error
+                self._check_cancelled(active)
+                inst = prefill if r.role == "prefill" else decode
+                log.info("%s %s did not take the request (%s): placing again", r.role, inst.instance_id, r.kind,
+                         extra={"rid": active.rid})
+                (full if r.kind == "full" else avoid[r.role]).add(inst.instance_id)
+                if time.monotonic() > deadline:
+                    raise r.error from None
+
+    def _prefill(self, active: Active, ids: list[int], params: SamplingParams):
+        """Run the prefill + hand-off; returns (first token, logprob, finish reason) or raises _Replace."""
+        rid, prefill, decode = active.rid, active.prefill, active.decode
+        t1 = time.perf_counter()
+        call = self._stub(pb_grpc.PrefillStub, prefill.grpc_address).Prefill(
+            pb.PrefillRequest(request_id=rid, prompt_ids=ids, sampling=sampling_to_pb(params),
+                              decode_address=decode.grpc_address), timeout=self.settings.stream_timeout_s)
+        self._attach(active, call)
+        p_key = self.ledger.place(prefill.instance_id, len(ids), arrived=True)
+        d_key = self.ledger.place(decode.instance_id, params.max_new_tokens)
+        first = None
+        try:
+            for ev in call:
+                if ev.HasField("first_token"):
+                    self.ledger.done(prefill.instance_id, p_key)
+                    ft = ev.first_token
+                    first = (ft.token_id, ft.logprob, ft.finish_reason)
+                    if self.telemetry:
+                        self.telemetry.stage_seconds.labels("prefill").observe(time.perf_counter() - t1)
+                    if ft.finish_reason:
+                        return first
+                    self.store.transition(rid, "transferring")
+                    t1 = time.perf_counter()
+                elif ev.HasField("handed_off") and first is not None:
+                    if self.telemetry:
+                        self.telemetry.stage_seconds.labels("handoff").observe(time.perf_counter() - t1)
+                    self.store.transition(rid, "decoding", handoff_bytes=ev.handed_off.bytes,
+                                          handoff_s=round(ev.handed_off.seconds, 6))
+                    return first
+        except grpc.RpcError as e:
+            self._check_cancelled(active)
+            raise self._classify(e, prefill, decode) from None
+        finally:  # from here the stream phase accounts for the decode side (or nobody, on failure)
+            self.ledger.done(prefill.instance_id, p_key)
+            self.ledger.done(decode.instance_id, d_key)
+        raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                          f"prefill instance {prefill.instance_id} ended the call before handing the request off")
+
+    @staticmethod
+    def _classify(e: grpc.RpcError, prefill: InstanceInfo, decode: InstanceInfo) -> Exception:
+        """A failed Prefill call -> _Replace (place again) or RouterError (fail the request)."""
+        code, details = e.code(), e.details() or ""
+        msg = f"{code.name}: {details}"
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return _Replace(RouterError(code, f"no decode instance can hold the request ({msg})"), "decode", "full")
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            return _Replace(RouterError(code, f"decode instance {decode.instance_id} refused prefill instance "
+                                              f"{prefill.instance_id}: {details}"), "decode", "mismatch")
+        if code == grpc.StatusCode.UNAVAILABLE:
+            # The prefill service names the decode address when the decode side was unreachable.
+            role = "decode" if decode.grpc_address in details else "prefill"
+            inst = decode if role == "decode" else prefill
+            return _Replace(RouterError(code, f"{role} instance {inst.instance_id} is unreachable ({msg})"),
+                            role, "unreachable")
+        if code == grpc.StatusCode.INVALID_ARGUMENT:  # the engine refused what the router let through
+            return RouterError(code, details)
+        return RouterError(grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.UNKNOWN else code,
+                           f"prefill instance {prefill.instance_id}: {msg}")
+
+    def _stream(self, active: Active, ids, params: SamplingParams, return_logprobs: bool, detok: Detokenizer,
+                t0: float, ttft: float):
+        rid, decode = active.rid, active.decode
+        d_key = self.ledger.place(decode.instance_id, params.max_new_tokens - 1, arrived=True)
+        t1 = time.perf_counter()
+        # No deadline: a long generation may take minutes; the decode side ends idle streams, keepalive
+        # finds a vanished peer, and the client's own deadline cancels this call through abort().
+        stream = self._stub(pb_grpc.DecodeStub, decode.grpc_address).Stream(pb.StreamRequest(request_id=rid))
+        self._attach(active, stream)
         try:
             for msg in stream:
-                n_out += len(msg.token_ids)
+                self._check_cancelled(active)
+                active.output_tokens += len(msg.token_ids)
                 final = msg.HasField("finish")
                 out = pb.GenerateResponse(request_id=rid, token_ids=msg.token_ids,
                                           text=detok.push(list(msg.token_ids), final))
                 if return_logprobs:
                     out.logprobs.extend(msg.logprobs)
                 if final:
+                    if msg.finish.reason in ("abort", "error"):
+                        raise RouterError(grpc.StatusCode.ABORTED if msg.finish.reason == "abort"
+                                          else grpc.StatusCode.INTERNAL,
+                                          f"decode instance {decode.instance_id} ended the request: "
+                                          f"{msg.finish.reason}")
                     out.finish.CopyFrom(msg.finish)
                     out.finish.ttft_s, out.finish.latency_s = ttft, time.perf_counter() - t0
-                    out.finish.usage.prompt_tokens, out.finish.usage.completion_tokens = len(ids), n_out
+                    out.finish.usage.prompt_tokens = len(ids)
+                    out.finish.usage.completion_tokens = active.output_tokens
+                    if self.telemetry:
+                        self.telemetry.stage_seconds.labels("decode").observe(time.perf_counter() - t1)
                     self._finished(rid, out.finish)
                     yield out
                     return
                 yield out
         except grpc.RpcError as e:
             self._check_cancelled(active)
-            raise RouterError(grpc.StatusCode.UNAVAILABLE if e.code() != grpc.StatusCode.CANCELLED else e.code(),
-                              f"decode instance {active.decode.instance_id}: {e.code().name}: {e.details()}") from e
+            raise RouterError(grpc.StatusCode.UNAVAILABLE if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+                              else e.code(), f"decode instance {decode.instance_id} failed mid-stream after "
+                                             f"{active.output_tokens} tokens: {e.code().name}: {e.details()}"
+                              ) from None
         finally:
-            self._account(active.decode, -params.max_new_tokens)
-        raise RouterError(grpc.StatusCode.UNAVAILABLE, f"decode instance {active.decode.instance_id} ended the "
-                                                       "stream without finishing the request")
-
-    def _prefill(self, active: Active, ids, params, prefill: InstanceInfo, decode: InstanceInfo,
-                 refused: set[str], deadline: float):
-        """Run the prefill + hand-off; returns (first token, logprob, finish reason) or None to re-place."""
-        from shared.handoff import sampling_to_pb
-
-        rid = active.rid
-        call = self._stub(pb_grpc.PrefillStub, prefill.grpc_address).Prefill(
-            pb.PrefillRequest(request_id=rid, prompt_ids=ids, sampling=sampling_to_pb(params),
-                              decode_address=decode.grpc_address), timeout=self.settings.stream_timeout_s)
-        active.call = call
-        first = None
-        self._account(prefill, len(ids))
-        try:
-            for ev in call:
-                if ev.HasField("first_token"):
-                    ft = ev.first_token
-                    first = (ft.token_id, ft.logprob, ft.finish_reason)
-                    if ft.finish_reason:
-                        return first
-                    self.store.transition(rid, "transferring")
-                elif ev.HasField("handed_off"):
-                    self.store.transition(rid, "decoding", handoff_bytes=ev.handed_off.bytes,
-                                          handoff_s=round(ev.handed_off.seconds, 6))
-                    return first
-        except grpc.RpcError as e:
-            self._check_cancelled(active)
-            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline:
-                log.info("decode %s refused; placing again", decode.instance_id, extra={"rid": rid})
-                refused.add(decode.instance_id)
-                if len(refused) >= len(self.registry.instances("decode")):
-                    refused.clear()  # every instance refused: wait for room on any of them
-                    time.sleep(0.1)
-                return None
-            code = e.code() if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT) \
-                else grpc.StatusCode.UNAVAILABLE
-            raise RouterError(code, f"prefill instance {prefill.instance_id}: {e.code().name}: {e.details()}") from e
-        finally:
-            self._account(prefill, -len(ids))
-        raise RouterError(grpc.StatusCode.UNAVAILABLE, f"prefill instance {prefill.instance_id} ended early")
-
-    def _check_cancelled(self, active: Active) -> None:
-        if active.cancelled.is_set():
-            raise RouterError(grpc.StatusCode.CANCELLED, "aborted")
+            self.ledger.done(decode.instance_id, d_key)
+            stream.cancel()  # no-op when it ended; frees the call when the client went away
+        raise RouterError(grpc.StatusCode.UNAVAILABLE, f"decode instance {decode.instance_id} ended the stream "
+                                                       "without finishing the request")
 
     def _finished(self, rid: str, finish: pb.Finish) -> None:
         self.store.transition(rid, "finished", finish_reason=finish.reason,
                               output_tokens=finish.usage.completion_tokens,
                               accept_length=round(finish.spec.accept_length, 4),
-                              accept_rate=round(finish.spec.accept_rate, 4))
+                              accept_rate=round(finish.spec.accept_rate, 4), ttft_s=round(finish.ttft_s, 6),
+                              latency_s=round(finish.latency_s, 6))
         if self.telemetry:
-            self.telemetry.requests_total.labels("finished").inc()
             self.telemetry.stage_seconds.labels("total").observe(finish.latency_s)
             if finish.spec.verify_steps:
                 self.telemetry.accept_length.observe(finish.spec.accept_length)
                 self.telemetry.accept_rate.observe(finish.spec.accept_rate)
+                self.telemetry.draft_seconds.observe(finish.spec.draft_time_s)
+                self.telemetry.verify_seconds.observe(finish.spec.verify_time_s)
+
+    def _count_error(self, kind: str) -> None:
+        if self.telemetry:
+            self.telemetry.errors_total.labels(kind).inc()
 
     # ---- aborts ----------------------------------------------------------------------------------
-    def abort(self, rid: str) -> bool:
+    def _attach(self, active: Active, call) -> None:
+        """Make ``call`` the one an abort cancels (cancelled at once if the abort came first)."""
+        with active.lock:
+            active.call = call
+            if active.cancelled.is_set():
+                call.cancel()
+
+    def _check_cancelled(self, active: Active) -> None:
+        if active.cancelled.is_set():
+            raise RouterError(active.code, active.reason or "the request was cancelled")
+
+    def abort(self, rid: str, reason: str = "aborted by an Abort call",
+              code: grpc.StatusCode = grpc.StatusCode.ABORTED) -> bool:
+        """End request ``rid`` now (its stream raises ``code``); False when it is not running here."""
         with self._lock:
             active = self._active.get(rid)
         if active is None:
             return False
-        active.cancelled.set()
-        if active.call is not None:
-            active.call.cancel()
+        with active.lock:
+            if not active.cancelled.is_set():
+                active.reason, active.code = reason, code
+                active.cancelled.set()
+            if active.call is not None:
+                active.call.cancel()
         return True
 
     def _abort_remote(self, active: Active) -> None:
+        """Free the request on both services (either may still hold it; a dead one holds nothing)."""
         for inst, cls in ((active.prefill, pb_grpc.PrefillStub), (active.decode, pb_grpc.DecodeStub)):
             if inst is None:
                 continue
@@ -331,7 +525,9 @@ class RouterCore:
                             eos_token_ids=list(mc.eos_token_ids))
 
     def close(self) -> None:
-        for ch in self._channels.values():
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
             ch.close()
 
 
@@ -342,20 +538,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def Generate(self, request: pb.GenerateRequest, context):  # noqa: N802
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
-        cancelled = threading.Event()
+        done = threading.Event()
         rid = request.request_id
-        context.add_callback(lambda: cancelled.is_set() or self.core.abort(rid))
+        # The client went away (or its deadline passed): end the request now, not at its next token.
+        context.add_callback(lambda: done.is_set() or self.core.abort(rid, "client disconnected",
+                                                                      grpc.StatusCode.CANCELLED))
         try:
-            for msg in self.core.generate(request, cancelled):
-                if not context.is_active():
-                    return
+            for msg in self.core.generate(request):
                 yield msg
         except RequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RouterError as e:
             context.abort(e.code, e.message)
         finally:
-            cancelled.set()
+            done.set()
 
     def Abort(self, request: pb.AbortRequest, context):  # noqa: N802
         return pb.AbortResponse(found=self.core.abort(request.request_id))
@@ -364,17 +560,27 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return self.core.model_info()
 
 
+def load_model_files(model: str | None) -> tuple[ModelConfig, Tokenizer | None]:
+    """The router reads the model directory's config.json and tokenizer.json, never its weights."""
+    if not model:
+        raise RequestError("model", "the router needs the model directory (config.json, tokenizer.json)")
+    model_dir = Path(model)
+    if not (model_dir / "config.json").exists():
+        raise RequestError("model", f"{model_dir} has no config.json")
+    tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
+    return ModelConfig.from_dir(model_dir), tokenizer
+
+
 def start_router(settings: RouterSettings) -> ServiceHandle:
     instance_id = settings.instance_id or new_instance_id("router")
+    model_config, tokenizer = load_model_files(settings.model)
     telemetry = Telemetry("router", instance_id, settings.host, settings.http_port).start()
-    if not settings.model:
-        raise RequestError("model", "the router needs the model directory (config.json, tokenizer.json)")
-    model_dir = Path(settings.model)
-    tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
     client = connect(settings.redis_url)
     core = RouterCore(settings, RequestStore(client, settings.request_ttl_s), Registry(client, settings.registry_ttl_s),
-                      tokenizer, ModelConfig.from_dir(model_dir), telemetry)
+                      tokenizer, model_config, telemetry)
     interceptors = [ApiKeyInterceptor(settings.api_key)] if settings.api_key else []
+    # gRPC refuses messages over 4x the request limit itself (RESOURCE_EXHAUSTED); between 1x and 4x the
+    # router answers INVALID_ARGUMENT naming `request`.
     server, port, health = start_grpc_server(
         settings.host, settings.grpc_port, [(pb_grpc.add_GenerationServicer_to_server, GenerationServicer(core))],
         SERVICES, max_message_bytes=4 * settings.max_message_bytes, interceptors=interceptors)
