@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.config import EngineConfig, SpecConfig
@@ -46,6 +46,11 @@ class EngineSettings(CommonSettings):
     spec_draft_tokens: int | None = None
     cuda_graph: bool = False
 
+    @field_validator("draft", mode="before")
+    @classmethod
+    def _no_draft(cls, v):  # "--draft none" switches speculation off
+        return None if isinstance(v, str) and v.strip().lower() in ("", "none") else v
+
     def engine_config(self) -> EngineConfig:
         spec = None
         if self.draft:
@@ -71,7 +76,7 @@ class RouterSettings(CommonSettings):
     model: str | None = None  # model directory: the router reads config.json and tokenizer.json, no weights
     max_context: int | None = None
     default_max_new_tokens: int = 256
-    request_ttl_s: int = 3600  # finished / failed / aborted records expire after this
+    request_ttl_s: float = 3600  # finished / failed / aborted records expire after this
     max_message_bytes: int = 4 << 20
     api_key: str | None = None
     openai_port: int | None = None  # OpenAI-compatible HTTP; None = off
@@ -90,7 +95,15 @@ def load_settings(kind: str, config_file: str | None = None, **flags) -> CommonS
     if config_file:
         text = Path(config_file).read_text()
         file_values = json.loads(text) if config_file.endswith(".json") else _parse_env_file(text)
-    env_values = cls().model_dump(exclude_defaults=True)
+        if not isinstance(file_values, dict):
+            raise ValueError(f"{config_file}: expected a JSON object of settings")
+        # One file may configure every role; a name no role knows is a typo, refused rather than ignored.
+        unknown = sorted(set(file_values) - {name for c in SETTINGS.values() for name in c.model_fields})
+        if unknown:
+            raise ValueError(f"{config_file}: unknown setting(s) {', '.join(unknown)}")
+        file_values = {k: v for k, v in file_values.items() if k in cls.model_fields}
+    env = cls()  # reads EYRIE_* (only the fields the environment set count, even when equal to a default)
+    env_values = env.model_dump(include=env.model_fields_set)
     merged = {**file_values, **env_values, **{k: v for k, v in flags.items() if v is not None}}
     return cls(**merged)
 
@@ -101,7 +114,10 @@ def _parse_env_file(text: str) -> dict:
         line = line.strip()
         if line and not line.startswith("#") and "=" in line:
             key, value = line.split("=", 1)
-            values[key.strip().lower().removeprefix("eyrie_")] = value.strip()
+            value = value.strip()
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                value = value[1:-1]
+            values[key.strip().lower().removeprefix("eyrie_")] = value
     return values
 
 

@@ -1,0 +1,57 @@
+"""services.settings: flags over EYRIE_* environment over a --config file over defaults."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from services.settings import DecodeSettings, PrefillSettings, RouterSettings, load_settings
+
+
+def test_defaults_and_types():
+    r = load_settings("router")
+    assert isinstance(r, RouterSettings) and r.request_ttl_s == 3600 and r.api_key is None and r.grpc_port == 0
+    assert isinstance(load_settings("prefill"), PrefillSettings)
+    assert isinstance(load_settings("decode"), DecodeSettings)
+
+
+def test_precedence_flags_over_env_over_file(tmp_path, monkeypatch):
+    cfg = tmp_path / "eyrie.json"
+    cfg.write_text(json.dumps({"page_size": 1, "chunk_size": 64, "spec_topk": 4, "max_running": 3,
+                               "api_key": "only-the-router-uses-this"}))
+    monkeypatch.setenv("EYRIE_CHUNK_SIZE", "128")
+    monkeypatch.setenv("EYRIE_PAGE_SIZE", "16")  # equal to the default, still over the file's 1
+    s = load_settings("decode", str(cfg), spec_topk="2", max_running=None)
+    assert (s.page_size, s.chunk_size, s.spec_topk, s.max_running) == (16, 128, 2, 3)
+
+
+def test_env_file_format(tmp_path, monkeypatch):
+    monkeypatch.delenv("EYRIE_CHUNK_SIZE", raising=False)
+    cfg = tmp_path / "eyrie.env"
+    cfg.write_text("# comment\nEYRIE_REDIS_URL='redis://r:6379/2'\neyrie_chunk_size = 32\nMODEL=\"/m/target\"\n\n")
+    s = load_settings("prefill", str(cfg))
+    assert (s.redis_url, s.chunk_size, s.model) == ("redis://r:6379/2", 32, "/m/target")
+
+
+def test_unknown_file_keys_and_bad_values_are_refused(tmp_path):
+    cfg = tmp_path / "eyrie.json"
+    cfg.write_text(json.dumps({"page_sise": 4}))
+    with pytest.raises(ValueError, match="page_sise"):
+        load_settings("decode", str(cfg))
+    cfg.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        load_settings("decode", str(cfg))
+    with pytest.raises(ValidationError) as err:
+        load_settings("decode", page_size="four")
+    assert err.value.errors()[0]["loc"] == ("page_size",)
+
+
+def test_engine_config_from_settings():
+    s = DecodeSettings(model="m", draft="d", spec_topk=4, spec_steps=3, page_size=1, chunk_size=8)
+    cfg = s.engine_config()
+    assert (cfg.page_size, cfg.chunk_size, cfg.spec.topk, cfg.spec.steps, cfg.spec.num_draft_tokens) == (1, 8, 4, 3, 8)
+    assert DecodeSettings(draft="d").engine_config().spec.num_draft_tokens == 4  # chain: steps + 1
+    assert DecodeSettings(draft="none").engine_config().spec is None
+    assert PrefillSettings().engine_config().spec is None
