@@ -27,9 +27,8 @@ from shared.engine import Engine
 from shared.sampling import SamplingParams
 from shared.spec.state import DraftState
 
-# Pairwise over draft kind x topk x page size (every pair of values appears), and no draft at all.
-CASES = [(None, 1, 1), (None, 1, 16), ("eagle", 1, 1), ("eagle", 4, 16), ("eagle3", 1, 16), ("eagle3", 4, 1),
-         ("mtp", 1, 1), ("mtp", 4, 16)]
+# Every draft kind x chain / tree x page size 1 / 16, and no draft at all.
+CASES = [(None, 1, 1), (None, 1, 16)] + [(d, k, p) for d in ("eagle", "eagle3", "mtp") for k in (1, 4) for p in (1, 16)]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +38,7 @@ def models(oracle_model_dir):
 
 @pytest.fixture(scope="module")
 def target_only(models):
-    engine = Engine(models.target, config=EngineConfig(page_size=4, chunk_size=None))
+    engine = Engine(models.target, config=EngineConfig(page_size=4, chunk_size=None, max_context=512))
     return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
 
 
@@ -78,7 +77,7 @@ def run_disaggregated(models, draft, config, params, chunk_bytes=None, tamper=No
 
 @pytest.mark.parametrize("draft, topk, page_size", CASES)
 def test_two_engines_equal_one_engine_and_the_target(models, target_only, draft, topk, page_size):
-    config = engine_config(draft, topk, page_size)
+    config = engine_config(draft, topk, page_size, max_context=512)
     single = make_engine(models, draft, config).generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in single] == target_only
     results, intact = run_disaggregated(models, draft, config, GREEDY)
@@ -95,7 +94,7 @@ def test_two_engines_equal_one_engine_and_the_target(models, target_only, draft,
 def test_seeded_sampling_resumes_the_same_generator(models):
     """The request's generator state travels: a sampled request draws on the decode side exactly what it
     draws in one process. Restarting the generator from the seed instead draws something else."""
-    config = engine_config("eagle", 1, 16)
+    config = engine_config("eagle", 1, 16, max_context=512)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, seed=11)
     single = make_engine(models, "eagle", config).generate(PROMPTS, params)
     results, _ = run_disaggregated(models, "eagle", config, params)

@@ -125,6 +125,17 @@ def single(models):
     return greedy + engine.generate([LONG], SAMPLED)
 
 
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def queued_calls(loop) -> int:
+    return loop._calls.qsize()
+
+
 def blocked(loop):
     """Hold the engine thread until the returned event is set (deterministic timing for aborts)."""
     gate, entered = threading.Event(), threading.Event()
@@ -251,7 +262,6 @@ def test_a_transfer_broken_off_mid_way_frees_the_reservation(stack):
 
     call = stack.dstub.Transfer.future(messages(), timeout=20)
     assert sent_two.wait(5)
-    time.sleep(0.1)
     call.cancel()
     hang.set()
     assert stack.clean()
@@ -361,11 +371,12 @@ def test_prefill_abort_during_the_hand_off_stops_the_transfer_and_frees_the_page
 
 def test_prefill_abort_before_the_prompt_ran(stack):
     rid = stack.rid()
-    gate = blocked(stack.prefill.engine_loop)
+    loop = stack.prefill.engine_loop
+    gate = blocked(loop)
     call = stack.prefill_call(rid, LONG)
-    time.sleep(0.2)  # the request is queued behind the held engine thread
+    wait_until(lambda: queued_calls(loop) == 1)  # the request's admission waits behind the held engine thread
     abort = stack.pstub.Abort.future(pb.AbortRequest(request_id=rid), timeout=10)
-    time.sleep(0.2)
+    wait_until(lambda: queued_calls(loop) == 2)  # and the abort behind it
     gate.set()
     assert abort.result().found
     with pytest.raises(grpc.RpcError) as err:
@@ -375,10 +386,12 @@ def test_prefill_abort_before_the_prompt_ran(stack):
 
 
 def test_a_prefill_client_that_goes_away_aborts_the_request(stack):
-    gate = blocked(stack.prefill.engine_loop)
+    loop = stack.prefill.engine_loop
+    gate = blocked(loop)
     call = stack.prefill_call(stack.rid(), LONG)
-    time.sleep(0.2)
+    wait_until(lambda: queued_calls(loop) == 1)
     call.cancel()
+    wait_until(lambda: queued_calls(loop) == 2)  # the abort the cancellation caused
     gate.set()
     assert stack.clean()
 
