@@ -151,6 +151,29 @@ def test_bad_requests_are_invalid_argument_naming_the_field(stack, fields, name)
         list(stack.stub.Generate(pb.GenerateRequest(**fields), timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     assert err.value.details().startswith(f"{name}:"), err.value.details()
+    if fields.get("request_id"):
+        assert stack.store.get(fields["request_id"]) == {}, "a refused request leaves no record"
+
+
+def test_after_every_bad_request_nothing_leaked_and_all_serve(stack):
+    """Runs after the bad-request cases (file order): pools full on both engines, health SERVING everywhere."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    assert stack.wait_clean()
+    for handle in (stack.router, *stack.prefills, *stack.decodes):
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(handle.grpc_address))
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    assert stack.generate(SHORT, max_new_tokens=3, ignore_eos=True)[1].reason == "length"
+
+
+def test_a_message_over_the_grpc_limit_is_refused_by_grpc_and_the_router_lives(stack):
+    """Over 4x max_message_bytes gRPC refuses the message itself (RESOURCE_EXHAUSTED) before the router reads it;
+    between 1x and 4x the router answers INVALID_ARGUMENT naming `request` (a BAD case above)."""
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack.stub.Generate(pb.GenerateRequest(text="x" * (17 << 20)), timeout=30))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert stack.generate(SHORT, max_new_tokens=2, ignore_eos=True)[1].reason == "length"
 
 
 def test_duplicate_request_id_and_health_after_bad_requests(stack):
@@ -177,13 +200,25 @@ def _stream_then(stack, rid, action):
     return err.value
 
 
+def assert_complete_record(rec: dict, last: str) -> None:
+    """Every transition of a request that reached the decode stream, in order, with increasing times."""
+    assert [s for s, _ in rec["transitions"]] == ["queued", "prefilling", "transferring", "decoding", last]
+    times = [t for _, t in rec["transitions"]]
+    assert all(a < b for a, b in zip(times, times[1:])), times
+    assert rec["state"] == last and float(rec["created_at"]) == times[0]
+    assert rec["prefill_instance"].startswith("prefill-") and rec["decode_instance"].startswith("decode-")
+    assert rec["prompt_tokens"] == str(len(LONG)) and int(rec["handoff_bytes"]) > 0
+
+
 def test_abort_mid_stream(stack):
     err = _stream_then(stack, "abort-1", lambda call: stack.stub.Abort(pb.AbortRequest(request_id="abort-1")))
-    assert err.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED)
+    assert err.code() == grpc.StatusCode.ABORTED and "Abort call" in err.details()
     assert stack.wait_clean()
     rec = stack.store.get("abort-1")
-    assert rec["state"] == "aborted" and rec["transitions"][-1][0] == "aborted"
+    assert_complete_record(rec, "aborted")
+    assert rec["error"] == "aborted by an Abort call" and int(rec["output_tokens"]) >= 3
     assert not stack.stub.Abort(pb.AbortRequest(request_id="abort-1")).found
+    assert 0 < stack.store.client.ttl("req:abort-1") <= 3600
 
 
 def test_client_disconnect_mid_stream(stack):
@@ -192,7 +227,9 @@ def test_client_disconnect_mid_stream(stack):
     deadline = time.monotonic() + 10
     while stack.store.get("gone-1").get("state") != "aborted" and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert stack.store.get("gone-1")["state"] == "aborted"
+    rec = stack.store.get("gone-1")
+    assert_complete_record(rec, "aborted")
+    assert rec["error"] in ("client disconnected", "client went away")
     assert stack.wait_clean()
 
 
@@ -209,6 +246,9 @@ def test_mismatched_speculative_config_is_refused_at_the_handshake(redis_url, or
         assert "spec" in details and "topk=4" in details and "topk=1" in details
         rec = s.store.get("mismatch")
         assert rec["state"] == "failed" and "mismatch" in rec["error"]
+        assert [st for st, _ in rec["transitions"]] == ["queued", "prefilling", "transferring", "failed"]
+        times = [t for _, t in rec["transitions"]]
+        assert all(a < b for a, b in zip(times, times[1:]))
         assert s.wait_clean()
     finally:
         s.stop()
