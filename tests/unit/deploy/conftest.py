@@ -7,6 +7,8 @@ on a developer machine without them the tests that need them skip, saying what t
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import shutil
 import subprocess
@@ -45,7 +47,13 @@ def run_compose_config(env: dict | None = None, compose_file: Path = COMPOSE_FIL
 
 
 def compose_config(env: dict | None = None) -> dict:
-    proc = run_compose_config(env)
+    """The resolved file (a fresh copy: tests may not share mutations) for this environment."""
+    return copy.deepcopy(_compose_config(tuple(sorted((env or {}).items()))))
+
+
+@functools.lru_cache(maxsize=None)
+def _compose_config(env: tuple) -> dict:
+    proc = run_compose_config(dict(env))
     assert proc.returncode == 0, proc.stderr
     return yaml.safe_load(proc.stdout)
 

@@ -1,0 +1,53 @@
+"""docs/deploy.md cannot drift: its configuration table is the one generated from services/settings.py,
+every EYRIE_* name it or the compose file mentions is a real setting, and every variable the compose file
+reads is documented."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+from services.settings import SETTINGS
+from tests.unit.deploy.conftest import COMPOSE_FILE, ROOT
+
+DOC = ROOT / "docs" / "deploy.md"
+
+
+def config_table():
+    spec = importlib.util.spec_from_file_location("config_table", ROOT / "docker" / "config_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_configuration_table_matches_the_settings():
+    ct = config_table()
+    documented = ct.current_table(DOC.read_text())
+    assert documented == ct.table(), "docs/deploy.md's table is stale: run python docker/config_table.py --write"
+    fields = {name for cls in SETTINGS.values() for name in cls.model_fields}
+    rows = re.findall(r"^\| `EYRIE_(\w+)` \|", documented, flags=re.M)
+    assert sorted(r.lower() for r in rows) == sorted(fields)  # one row per field, no more
+
+
+def test_stale_table_is_detected():
+    ct = config_table()
+    doc = DOC.read_text()
+    row = next(line for line in doc.splitlines() if line.startswith("| `EYRIE_REDIS_URL`"))
+    assert ct.current_table(doc.replace(row + "\n", "")) != ct.table()
+    assert ct.main(["--check"]) == 0
+
+
+def test_every_eyrie_name_is_a_setting():
+    fields = {name for cls in SETTINGS.values() for name in cls.model_fields}
+    for path in (DOC, COMPOSE_FILE, ROOT / "docker" / "entrypoint.sh"):
+        names = set(re.findall(r"\bEYRIE_([A-Z][A-Z0-9_]*)", path.read_text()))
+        unknown = sorted(n for n in names if n.lower() not in fields)
+        assert not unknown, f"{path.name} mentions EYRIE_{unknown} that services/settings.py does not have"
+
+
+def test_every_compose_variable_is_documented():
+    variables = set(re.findall(r"\$\{(\w+)(?::?[-?][^}]*)?\}", COMPOSE_FILE.read_text()))
+    assert {"REDIS_PASSWORD", "MODELS_DIR", "DECODE_GPU", "ROUTER_BIND"} <= variables
+    doc = DOC.read_text()
+    undocumented = sorted(v for v in variables if f"`{v}`" not in doc)
+    assert not undocumented, f"docs/deploy.md does not explain {undocumented}"
