@@ -162,8 +162,11 @@ def test_kill_9_of_decode_mid_stream(process_stack):
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "decode" in err.value.details()
     rec = RequestStore(connect(stack.redis_url)).get("killed-1")
-    assert rec["state"] == "failed" and "decode" in rec["error"]
+    assert rec["state"] == "failed" and "decode" in rec["error"] and "mid-stream" in rec["error"]
     assert [s for s, _ in rec["transitions"]] == ["queued", "prefilling", "transferring", "decoding", "failed"]
+    times = [t for _, t in rec["transitions"]]
+    assert all(a < b for a, b in zip(times, times[1:]))
+    assert int(rec["output_tokens"]) >= seen >= 3
     _, text = http_get(stack.http["prefill"], "/metrics")
     assert metric(text, "eyrie_kv_pages_used", cache="target") == 0  # the survivor's pool is full
     assert metric(text, "eyrie_requests_running") == 0
