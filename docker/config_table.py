@@ -1,8 +1,9 @@
 """The EYRIE_* configuration table of docs/deploy.md, generated from services/settings.py.
 
     python docker/config_table.py            # print the table
-    python docker/config_table.py --write    # rewrite it in docs/deploy.md (between the markers)
-    python docker/config_table.py --check    # exit 1 if docs/deploy.md's table is stale
+    python docker/config_table.py --write    # rewrite it between the markers, in docs/deploy.md (and in
+                                             # README.md when the markers are there too)
+    python docker/config_table.py --check    # exit 1 if any of those tables is stale
 
 A test runs the check, so the table cannot drift from the settings. A field's meaning is its
 ``Field(description=...)``, else its entry in DESCRIPTIONS below, else the comment at the end of its line in
@@ -18,7 +19,8 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "deploy.md"
+DOC = ROOT / "docs" / "deploy.md"  # must hold the table
+OPTIONAL_DOCS = (ROOT / "README.md",)  # hold it when they have the markers
 START, END = "<!-- settings-table:start -->", "<!-- settings-table:end -->"
 
 # One line per field name; where the router and the engines use a name differently, the line says so.
@@ -128,20 +130,26 @@ def current_table(doc: str) -> str:
     return doc.split(START, 1)[1].split(END, 1)[0].strip()
 
 
+def documents() -> list[Path]:
+    return [DOC, *(p for p in OPTIONAL_DOCS if p.exists() and START in p.read_text())]
+
+
 def write() -> None:
-    doc = DOC.read_text()
-    head, rest = doc.split(START, 1)
-    DOC.write_text(f"{head}{START}\n{table()}\n{END}{rest.split(END, 1)[1]}")
+    for path in documents():
+        doc = path.read_text()
+        head, rest = doc.split(START, 1)
+        path.write_text(f"{head}{START}\n{table()}\n{END}{rest.split(END, 1)[1]}")
 
 
 def main(argv: list[str]) -> int:
     if "--write" in argv:
         write()
     elif "--check" in argv:
-        if current_table(DOC.read_text()) != table():
-            print(f"{DOC} has a stale configuration table: run python docker/config_table.py --write",
+        stale = [p for p in documents() if current_table(p.read_text()) != table()]
+        for path in stale:
+            print(f"{path} has a stale configuration table: run python docker/config_table.py --write",
                   file=sys.stderr)
-            return 1
+        return 1 if stale else 0
     else:
         print(table())
     return 0
