@@ -186,3 +186,39 @@ def test_client_exit_2_on_invalid_argument(process_stack):
                            process_stack.router_address, "--temperature", "-1"], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and "sampling.temperature" in proc.stderr
+
+
+PARENT = """
+import os, subprocess, sys, time
+env = {**os.environ, "EYRIE_PARENT_PID": str(os.getpid())}
+subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "router", "--model", sys.argv[1],
+                  "--redis-url", sys.argv[2]], env=env)
+time.sleep(120)
+"""
+
+
+def test_services_exit_when_eyrie_up_is_killed(tiny_model_dir, redis_url):
+    """kill -9 of ``eyrie up`` leaves no orphan: its services watch the parent and stop themselves."""
+    import psutil
+
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tiny_model_dir / "target"), redis_url],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        started = json.loads(parent.stdout.readline())  # the router's line: it is serving
+        assert started["role"] == "router"
+        (child,) = psutil.Process(parent.pid).children()
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(5)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.05)
+        else:
+            child.kill()
+            pytest.fail("the router outlived the eyrie up process that started it")
+    finally:
+        parent.kill()
