@@ -109,11 +109,3 @@ class HandoffSchema:
         diffs = self.differences(other, me, them)
         if diffs:
             raise SchemaMismatch("hand-off schema mismatch: " + "; ".join(diffs))
-
-    def page_bytes(self, cache: int) -> int:
-        """K + V bytes of one page of one layer of cache ``cache`` (the unit a chunk is cut in)."""
-        import torch
-
-        c = self.caches[cache]
-        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return 2 * self.page_size * c.num_kv_heads * c.head_dim * itemsize

@@ -32,20 +32,21 @@ class Models:
     drafts: dict[str, DraftHead]
 
 
-def load_models(root: Path, feature_scale: float = 0.25, seed: int = 5) -> Models:
+def load_models(root: Path, feature_scale: float = 0.25, seed: int = 5, device: str = "cpu") -> Models:
     """The oracle checkpoints, with a small random read of the target features added to each draft's
     input projection (in memory): the factory's oracle drafts ignore the features, so a draft state
     or draft K/V that went wrong in transit would go unnoticed; with this path the draft's hidden
     states and K/V depend on them, and drafts are still accepted often."""
-    target = load_target(root / "target")
-    drafts = {k: load_draft(root / k, target) for k in KINDS}
+    target = load_target(root / "target", device=device)
+    drafts = {k: load_draft(root / k, target, device=device) for k in KINDS}
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for kind, draft in drafts.items():
             for proj in [layer.eh_proj for layer in draft.layers] if kind == "mtp" else [draft.fc]:
                 w = proj.weight
                 h = w.shape[1] - draft.feature_width(from_target=True)  # the token part stays
-                w[:, h:] = feature_scale * torch.randn(w.shape[0], w.shape[1] - h, generator=g) / (w.shape[1] - h) ** .5
+                extra = torch.randn(w.shape[0], w.shape[1] - h, generator=g) / (w.shape[1] - h) ** .5
+                w[:, h:] = feature_scale * extra.to(w.device)
     return Models(root, target, drafts)
 
 
@@ -102,6 +103,6 @@ def hand_off(prefill: Engine, req: Request, decode: Engine, chunk_bytes: int | N
         sink.write(chunk)
         last = chunk
     received = sink.finish(last)
-    state = decode_draft_state(received.draft_state, HandoffSchema.from_engine(decode), req.kv_len)
+    state = decode_draft_state(received.draft_state, HandoffSchema.from_engine(decode), req.kv_len, decode.device)
     decode.activate_handoff(moved, req.kv_len, state)
     return moved

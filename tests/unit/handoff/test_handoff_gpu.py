@@ -1,0 +1,81 @@
+"""On the GPU: the hand-off between two CUDA engines (the decode one replaying CUDA graphs from the
+first step after the hand-off) and through the two services equals the single-process engine, which
+equals the CPU engine, token for token (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from handoff_helpers import GREEDY, PROMPTS, engine_config, hand_off, load_models, make_engine, prefill_until_handoff
+
+from proto.eyrie.v1 import eyrie_pb2 as pb
+from shared.handoff import sampling_to_pb
+
+pytestmark = pytest.mark.gpu
+
+CASES = [(None, 1, 16), ("eagle", 4, 1), ("eagle3", 4, 16), ("mtp", 1, 16)]
+
+
+@pytest.fixture(scope="module")
+def models(oracle_model_dir):
+    return {"cpu": load_models(oracle_model_dir), "cuda": load_models(oracle_model_dir, device="cuda")}
+
+
+def config(draft, topk, page_size, device, graphs=False):
+    return engine_config(draft, topk, page_size, max_context=512, device=device, cuda_graph=graphs)
+
+
+@pytest.mark.parametrize("draft, topk, page_size", CASES)
+def test_hand_off_between_cuda_engines_with_graphs_equals_one_engine(models, draft, topk, page_size):
+    cpu = make_engine(models["cpu"], draft, config(draft, topk, page_size, "cpu")).generate(PROMPTS, GREEDY)
+    gpu = make_engine(models["cuda"], draft, config(draft, topk, page_size, "cuda", True)).generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in gpu] == [r.token_ids for r in cpu]
+    prefill = make_engine(models["cuda"], draft, config(draft, topk, page_size, "cuda"), role="prefill")
+    decode = make_engine(models["cuda"], draft, config(draft, topk, page_size, "cuda", True), role="decode")
+    reqs = prefill_until_handoff(prefill, PROMPTS, GREEDY)
+    moved = []
+    for req in reqs:
+        moved.append(hand_off(prefill, req, decode))
+        if req.draft_state is not None:
+            assert moved[-1].draft_state.hidden.device.type == "cuda"
+            assert torch.equal(moved[-1].draft_state.hidden, req.draft_state.hidden)
+        prefill.release(req)
+    decode.run_until_done()
+    assert [decode.result(d).token_ids for d in moved] == [r.token_ids for r in cpu]
+    assert prefill.is_idle_and_clean() and decode.is_idle_and_clean()
+
+
+def test_services_on_cuda_equal_the_single_process_engine(models, tmp_path):
+    import grpc
+
+    from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
+    from services.decode.server import start_decode
+    from services.prefill.server import start_prefill
+    from services.settings import DecodeSettings, PrefillSettings
+    from shared.metadata import EmbeddedRedis
+
+    m = models["cuda"]
+    want = make_engine(m, "eagle3", config("eagle3", 4, 16, "cuda", True)).generate(PROMPTS, GREEDY)
+    redis = EmbeddedRedis()
+    url = redis.start()
+    prefill = start_prefill(PrefillSettings(redis_url=url), make_engine(m, "eagle3", config("eagle3", 4, 16, "cuda"),
+                                                                        role="prefill"))
+    decode = start_decode(DecodeSettings(redis_url=url), make_engine(m, "eagle3", config("eagle3", 4, 16, "cuda", True),
+                                                                     role="decode"))
+    try:
+        pstub = pb_grpc.PrefillStub(grpc.insecure_channel(prefill.grpc_address))
+        dstub = pb_grpc.DecodeStub(grpc.insecure_channel(decode.grpc_address))
+        for i, (prompt, w) in enumerate(zip(PROMPTS, want)):
+            events = list(pstub.Prefill(pb.PrefillRequest(request_id=f"g{i}", prompt_ids=prompt,
+                                                          sampling=sampling_to_pb(GREEDY),
+                                                          decode_address=decode.grpc_address), timeout=60))
+            tokens = [events[0].first_token.token_id]
+            for msg in dstub.Stream(pb.StreamRequest(request_id=f"g{i}"), timeout=60):
+                tokens += msg.token_ids
+            assert tokens == w.token_ids
+        for h in (prefill, decode):
+            assert h.engine_loop.call(lambda e: e.is_idle_and_clean()).result(10)
+    finally:
+        prefill.stop(0.5)
+        decode.stop(0.5)
+        redis.stop()
