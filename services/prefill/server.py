@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from pydantic import ValidationError
@@ -79,7 +79,6 @@ class Job:
     events: queue.Queue  # the engine loop's token events, then one HandoffOutcome
     req: Request | None = None  # the engine's request (identity guards against a re-placed same id)
     source: PageSource | None = None  # set when the hand-off starts
-    done: threading.Event = field(default_factory=threading.Event)  # the RPC has ended
 
 
 class PrefillServicer(pb_grpc.PrefillServicer):
@@ -272,7 +271,6 @@ class PrefillServicer(pb_grpc.PrefillServicer):
 
     def _end(self, job: Job) -> None:
         """RPC termination callback (normal end, error, or the client went away)."""
-        job.done.set()
         self._abort(job)  # a no-op once the request was handed off or released
         self._forget(job)
 
