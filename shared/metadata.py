@@ -117,24 +117,53 @@ class InstanceInfo:
 
 
 class Registry:
+    """Live instances: ``instance:{id}`` keys that expire without heartbeats, indexed by the set ``instances``.
+
+    The index keeps listing O(instances) however many ``req:*`` records Redis holds (no SCAN of the
+    keyspace per request); members whose key expired are pruned as they are found.
+    """
+
+    INDEX = "instances"
+
     def __init__(self, client: redis.Redis, ttl_s: float = 5.0):
         self.client, self.ttl_s = client, ttl_s
 
     def register(self, info: InstanceInfo) -> None:
-        self.client.set(f"instance:{info.instance_id}", json.dumps(asdict(info)), px=int(self.ttl_s * 1000))
+        with self.client.pipeline() as pipe:
+            pipe.set(f"instance:{info.instance_id}", json.dumps(asdict(info)), px=max(1, int(self.ttl_s * 1000)))
+            pipe.sadd(self.INDEX, info.instance_id)
+            pipe.execute()
 
     def deregister(self, instance_id: str) -> None:
-        self.client.delete(f"instance:{instance_id}")
+        with self.client.pipeline() as pipe:
+            pipe.delete(f"instance:{instance_id}")
+            pipe.srem(self.INDEX, instance_id)
+            pipe.execute()
 
     def instances(self, role: str | None = None) -> list[InstanceInfo]:
-        keys = sorted(self.client.scan_iter("instance:*"))
-        out = []
-        for raw in self.client.mget(keys) if keys else []:
-            if raw is None:  # expired between scan and get
+        ids = sorted(self.client.smembers(self.INDEX))
+        if not ids:
+            return []
+        out, gone = [], []
+        for instance_id, raw in zip(ids, self.client.mget([f"instance:{i}" for i in ids])):
+            if raw is None:  # its heartbeats stopped: the key expired
+                gone.append(instance_id)
                 continue
             info = InstanceInfo.from_json(raw)
             if role is None or info.role == role:
                 out.append(info)
+        if gone:
+            # a heartbeat may have re-registered one meanwhile: drop only members whose key is still absent
+            for instance_id in gone:
+                with self.client.pipeline() as pipe:
+                    try:
+                        pipe.watch(f"instance:{instance_id}")
+                        if not pipe.exists(f"instance:{instance_id}"):
+                            pipe.multi()
+                            pipe.srem(self.INDEX, instance_id)
+                            pipe.execute()
+                    except redis.WatchError:
+                        pass
         return out
 
 

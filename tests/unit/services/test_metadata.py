@@ -46,12 +46,26 @@ def test_registry_lists_live_instances_by_role_and_forgets_expired_ones(redis_ur
     registry.deregister("d2")
     assert [i.instance_id for i in registry.instances("decode")] == ["d1"]
     assert wait_for(lambda: registry.instances() == [], 3), "instances must vanish when their TTL runs out"
+    assert registry.client.smembers(Registry.INDEX) == set(), "the index forgets them too"
+
+
+def test_listing_does_not_scan_request_records(redis_url):
+    client = connect(redis_url)
+    registry, store = Registry(client, ttl_s=30), RequestStore(client)
+    for i in range(300):
+        store.create(f"r{i}")
+    registry.register(InstanceInfo("d1", "decode", "h:1"))
+    client.execute_command("CONFIG", "RESETSTAT")
+    assert [i.instance_id for i in registry.instances("decode")] == ["d1"]
+    stats = client.info("commandstats")
+    assert "cmdstat_scan" not in stats and "cmdstat_keys" not in stats
 
 
 def test_instance_info_tolerates_fields_a_newer_instance_adds(redis_url):
     client = connect(redis_url)
     client.set("instance:x", json.dumps({"instance_id": "x", "role": "decode", "grpc_address": "a:1",
                                          "gpu_memory": 80, "beat": 4}))
+    client.sadd(Registry.INDEX, "x")
     (info,) = Registry(client).instances("decode")
     assert info.instance_id == "x" and info.beat == 4
 
