@@ -92,12 +92,52 @@ def test_sixteen_concurrent_streams(stack, oracle_model_dir):
     assert stack.wait_clean()
 
 
-def test_text_prompt_streams_text(stack):
-    req = pb.GenerateRequest(text="def add(a, b):", sampling=pb.SamplingParams(max_new_tokens=8, ignore_eos=True))
+def test_text_prompt_streams_text(stack, oracle_model_dir):
+    from shared.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(oracle_model_dir / "target")
+    req = pb.GenerateRequest(text="def add(a, b):", sampling=pb.SamplingParams(max_new_tokens=24, ignore_eos=True),
+                             return_logprobs=True)
     msgs = list(stack.stub.Generate(req, timeout=60))
-    assert sum(len(m.token_ids) for m in msgs) == 8
+    ids = [t for m in msgs for t in m.token_ids]
+    assert len(ids) == 24 and all(len(m.logprobs) == len(m.token_ids) for m in msgs)
+    assert all(lp <= 0 for m in msgs for lp in m.logprobs)
     assert msgs[-1].HasField("finish") and not any(m.HasField("finish") for m in msgs[:-1])
-    assert isinstance("".join(m.text for m in msgs), str)
+    assert "".join(m.text for m in msgs) == tok.decode(ids)  # the deltas add up to the whole text
+    assert not any(m.text.endswith("\ufffd") for m in msgs[:-1])  # no half character is sent early
+    engine = Engine(oracle_model_dir / "target", config=EngineConfig(page_size=4, chunk_size=None))
+    want = engine.generate([tok.encode("def add(a, b):")], SamplingParams(max_new_tokens=24, ignore_eos=True))[0]
+    assert ids == want.token_ids
+
+
+def test_requests_spread_over_two_decode_instances(redis_url, oracle_model_dir, target_only):
+    """Concurrent requests land on both decode instances: the router counts what it placed itself before the
+    instances' heartbeats report it."""
+    s = start_stack(redis_url, oracle_model_dir, "eagle", page_size=4, chunk_size=8, num_decodes=2,
+                    decode_extra=dict(heartbeat_s=5))  # heartbeats far apart: only the router's own count helps
+    try:
+        got, errors = {}, []
+
+        def run(i):
+            rid = f"spread-{i}"
+            req = pb.GenerateRequest(request_id=rid, token_ids=pb.TokenIds(ids=LONG),
+                                     sampling=pb.SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+            try:
+                got[rid] = [t for m in s.stub.Generate(req, timeout=60) for t in m.token_ids]
+            except grpc.RpcError as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors and all(tokens == target_only[1] for tokens in got.values()) and len(got) == 6
+        placed = [s.store.get(rid)["decode_instance"] for rid in got]
+        assert min(placed.count(d.instance_id) for d in s.decodes) >= 2, placed
+        assert s.wait_clean()
+    finally:
+        s.stop()
 
 
 def test_redis_record_of_a_finished_request(stack):
