@@ -81,7 +81,7 @@ class RouterSettings(CommonSettings):
     api_key: str | None = None
     openai_port: int | None = None  # OpenAI-compatible HTTP; None = off
     placement_timeout_s: float = 10.0
-    stream_timeout_s: float = 300.0
+    stream_timeout_s: float = 300.0  # deadline of the prefill + hand-off call (the decode stream has none)
     model_name: str = "eyrie"
 
 
