@@ -45,5 +45,8 @@ def gather_kv_indices(table: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Te
     if out is None:
         out = torch.zeros(rows.numel() * table.shape[1], dtype=table.dtype, device=table.device)
     if rows.numel():
-        _gather_kv_indices_kernel[(rows.numel(),)](table, table.stride(0), rows, kv_lens, kv_indptr, out, BLOCK=256)
+        # The kernel reads rows[b] at rows_ptr + b: a strided view (one column of a [B, caches] map of a
+        # multi-layer draft) must be made contiguous, or request b reads another request's row.
+        _gather_kv_indices_kernel[(rows.numel(),)](table, table.stride(0), rows.contiguous(), kv_lens.contiguous(),
+                                                   kv_indptr.contiguous(), out, BLOCK=256)
     return out

@@ -22,6 +22,12 @@ def oracle_models(oracle_model_dir) -> Models:
     return add_feature_path(load_models(Path(oracle_model_dir)))
 
 
+@pytest.fixture(scope="session")
+def oracle_models_cuda(oracle_model_dir) -> Models:
+    """The same oracle drafts (same feature path) on the GPU, for the ``gpu`` tests."""
+    return add_feature_path(load_models(Path(oracle_model_dir), device="cuda"))
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     """These models are tiny: one intra-op thread is as fast as two and, on a busy 2-core machine,

@@ -45,11 +45,15 @@ class DraftCalls:
         self.calls: list[DraftCall] = []
 
     def _hook(self, module, args, kwargs, out):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return  # a CUDA graph being captured (on padding inputs): no host reads allowed, nothing to see
         batch, cache, c, features = args
         self.calls.append(DraftCall(
             cache_index=c, cache=cache, from_target=kwargs["from_target"], input_ids=batch.input_ids.clone(),
             positions=batch.positions.clone(), out_cache_loc=batch.out_cache_loc.clone(),
-            kv_indices=batch.attn.kv_indices.clone(), features=features.clone(), logits=out.logits.clone(),
+            # on CUDA kv_indices is a static buffer: only its first kv_indptr[-1] entries are the batch's
+            kv_indices=batch.attn.kv_indices[:int(batch.attn.kv_indptr[-1])].clone(), features=features.clone(),
+            logits=out.logits.clone(),
             hidden=out.hidden.clone()))
 
     def __enter__(self) -> DraftCalls:

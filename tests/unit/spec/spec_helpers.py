@@ -40,6 +40,7 @@ class Models:
     root: Path
     target: LlamaForCausalLM
     drafts: dict[str, DraftHead] = field(default_factory=dict)
+    device: str = "cpu"
     _refs: dict = field(default_factory=dict)
 
     def engine(self, kind: str | None = None, topk: int = 1, steps: int = 3, ndt: int | None = None,
@@ -48,7 +49,7 @@ class Models:
         spec = None
         if kind is not None:
             spec = SpecConfig(topk=topk, steps=steps, num_draft_tokens=ndt or steps + 1)
-        config = EngineConfig(**{**SMALL, **cfg, "spec": spec})
+        config = EngineConfig(**{**SMALL, "device": self.device, **cfg, "spec": spec})
         return Engine(self.target, self.drafts[kind] if kind else None, config)
 
     def reference(self, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[GenerationResult]:
@@ -61,9 +62,10 @@ class Models:
         return self._refs[key]
 
 
-def load_models(root: Path) -> Models:
-    target = load_target(root / "target")
-    return Models(root=root, target=target, drafts={k: load_draft(root / k, target) for k in KINDS})
+def load_models(root: Path, device: str = "cpu") -> Models:
+    target = load_target(root / "target", device=device)
+    drafts = {k: load_draft(root / k, target, device=device) for k in KINDS}
+    return Models(root=root, target=target, drafts=drafts, device=device)
 
 
 def add_feature_path(models: Models, scale: float = 0.25, seed: int = 5) -> Models:

@@ -92,11 +92,26 @@ def run(models, spec, poison: bool, check: bool):
     return [engine.result(r) for r in reqs], accepts, checked, by_hand
 
 
-@pytest.mark.parametrize("spec", [dict(topk=1, steps=4), dict(topk=2, steps=3, ndt=6)], ids=["chain", "tree"])
+SPECS = pytest.mark.parametrize("spec", [dict(topk=1, steps=4), dict(topk=2, steps=3, ndt=6)], ids=["chain", "tree"])
+
+
+@SPECS
 def test_each_step_reads_only_its_own_pools(oracle_models, spec):
-    want = oracle_models.reference(BATCH, PARAMS)
-    clean, clean_accepts, _, _ = run(oracle_models, spec, poison=False, check=False)
-    got, accepts, checked, by_hand = run(oracle_models, spec, poison=True, check=True)
+    check_own_pools(oracle_models, spec)
+
+
+@pytest.mark.gpu
+@SPECS
+def test_each_step_reads_only_its_own_pools_cuda(oracle_models_cuda, spec):
+    """The same on the GPU, where batches are built by Triton kernels (kv_indices from each cache's
+    rows: one column of the [batch, caches] row map, a strided view)."""
+    check_own_pools(oracle_models_cuda, spec)
+
+
+def check_own_pools(models, spec):
+    want = models.reference(BATCH, PARAMS)
+    clean, clean_accepts, _, _ = run(models, spec, poison=False, check=False)
+    got, accepts, checked, by_hand = run(models, spec, poison=True, check=True)
     assert [r.token_ids for r in got] == [r.token_ids for r in want] == [r.token_ids for r in clean]
     assert accepts == clean_accepts, "the offsets or the poison changed what the draft proposed"
     assert max(n for step in accepts for _, n in step) >= 3, "no accepted run: the draft was not exercised"

@@ -29,15 +29,29 @@ TREES = {"k4s3n8": dict(topk=4, steps=3, ndt=8), "k2s5n16": dict(topk=2, steps=5
 @pytest.mark.parametrize("tree", list(TREES))
 @pytest.mark.parametrize("kind", KINDS)
 def test_tree_compaction(oracle_models, kind, tree, page_size):
+    check_compaction(oracle_models, kind, tree, page_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("kind", KINDS)
+def test_tree_compaction_cuda_graphs(oracle_models_cuda, kind, page_size):
+    """On the GPU under CUDA graph replay: the Triton tree build, verify, accepted-path gather and KV
+    move, inside captured phases."""
+    check_compaction(oracle_models_cuda, kind, "k4s3n8", page_size, cuda_graph=True)
+
+
+def check_compaction(models, kind, tree, page_size, **cfg):
+    oracle_models = models
     spec = TREES[tree]
-    engine = oracle_models.engine(kind, **spec, page_size=page_size, chunk_size=None)
+    engine = oracle_models.engine(kind, **spec, page_size=page_size, chunk_size=None, **cfg)
     w = engine.spec
     accepted_paths = []
     accept = w.accept
 
     def recording_accept(reqs, tree_, logits):
         acc = accept(reqs, tree_, logits)
-        accepted_paths.append(acc.accept_index[:len(reqs)].clone())
+        accepted_paths.append(acc.accept_index[:len(reqs)].cpu())
         return acc
 
     w.accept = recording_accept
