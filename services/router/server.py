@@ -111,18 +111,34 @@ class LoadLedger:
 
     def load(self, info: InstanceInfo) -> int:
         with self._lock:
-            self._beats[info.instance_id] = max(self._beats.get(info.instance_id, 0), info.beat)
-            entries = self._placed.get(info.instance_id, {})
-            for key in [k for k, e in entries.items() if e.arrived is not None and info.beat > e.arrived]:
-                del entries[key]
-            return info.outstanding_tokens + sum(e.tokens for e in entries.values())
+            return self._load(info)
+
+    def _load(self, info: InstanceInfo) -> int:  # under self._lock
+        self._beats[info.instance_id] = max(self._beats.get(info.instance_id, 0), info.beat)
+        entries = self._placed.get(info.instance_id, {})
+        for key in [k for k, e in entries.items() if e.arrived is not None and info.beat > e.arrived]:
+            del entries[key]
+        return info.outstanding_tokens + sum(e.tokens for e in entries.values())
 
     def place(self, instance_id: str, tokens: int, arrived: bool = False) -> int:
         with self._lock:
-            key = next(self._keys)
-            entry = _Placed(tokens, self._beats.get(instance_id, 0) if arrived else None)
-            self._placed.setdefault(instance_id, {})[key] = entry
-            return key
+            return self._place(instance_id, tokens, arrived)
+
+    def _place(self, instance_id: str, tokens: int, arrived: bool) -> int:
+        key = next(self._keys)
+        entry = _Placed(tokens, self._beats.get(instance_id, 0) if arrived else None)
+        self._placed.setdefault(instance_id, {})[key] = entry
+        return key
+
+    def choose(self, live: list[InstanceInfo], tokens: int, arrived: bool = False
+               ) -> tuple[InstanceInfo, int] | tuple[None, None]:
+        """The least loaded of ``live`` with ``tokens`` placed on it, in one step: concurrent requests see
+        each other's choices (choosing, then placing, would let a burst pile onto one instance)."""
+        if not live:
+            return None, None
+        with self._lock:
+            best = min(live, key=lambda i: (self._load(i), i.instance_id))
+            return best, self._place(best.instance_id, tokens, arrived)
 
     def arrived(self, instance_id: str, key: int) -> None:
         with self._lock:
@@ -230,11 +246,11 @@ class RouterCore:
         return rid, ids, params
 
     # ---- placement -------------------------------------------------------------------------------
-    def _pick(self, role: str, exclude: set[str]) -> InstanceInfo | None:
-        live = [i for i in self.registry.instances(role) if i.instance_id not in exclude]
-        if not live:
-            return None
-        return min(live, key=lambda i: (self.ledger.load(i), i.instance_id))
+    def _pick(self, role: str, exclude: set[str], tokens: int = 0, arrived: bool = False
+              ) -> tuple[InstanceInfo, int] | tuple[None, None]:
+        """The least loaded live instance of ``role`` (not in ``exclude``), with ``tokens`` placed on it."""
+        return self.ledger.choose([i for i in self.registry.instances(role) if i.instance_id not in exclude],
+                                  tokens, arrived)
 
     def _stub(self, cls, address: str):
         with self._lock:
@@ -326,13 +342,17 @@ class RouterCore:
         last_error: RouterError | None = None
         while True:
             self._check_cancelled(active)
-            prefill = self._pick("prefill", avoid["prefill"])
-            decode = self._pick("decode", avoid["decode"] | full)
+            prefill, p_key = self._pick("prefill", avoid["prefill"], len(ids), arrived=True)
+            decode, d_key = self._pick("decode", avoid["decode"] | full, params.max_new_tokens)
             if decode is None and full:
                 full.clear()  # every live instance is full: wait a little for room on any of them
                 time.sleep(0.05)
-                decode = self._pick("decode", avoid["decode"])
+                decode, d_key = self._pick("decode", avoid["decode"], params.max_new_tokens)
             if prefill is None or decode is None:
+                if prefill is not None:
+                    self.ledger.done(prefill.instance_id, p_key)
+                if decode is not None:
+                    self.ledger.done(decode.instance_id, d_key)
                 if last_error is not None and last_error.code == grpc.StatusCode.FAILED_PRECONDITION:
                     raise last_error  # a configuration error: waiting will not fix it
                 if time.monotonic() > deadline:
@@ -343,12 +363,12 @@ class RouterCore:
                 time.sleep(0.05)
                 continue
             active.prefill, active.decode = prefill, decode
-            self.store.transition(active.rid, "prefilling", prefill_instance=prefill.instance_id,
-                                  decode_instance=decode.instance_id)
-            if self.telemetry:
-                self.telemetry.stage_seconds.labels("placement").observe(time.perf_counter() - t0)
             try:
-                return self._prefill(active, ids, params)
+                self.store.transition(active.rid, "prefilling", prefill_instance=prefill.instance_id,
+                                      decode_instance=decode.instance_id)
+                if self.telemetry:
+                    self.telemetry.stage_seconds.labels("placement").observe(time.perf_counter() - t0)
+                return self._prefill(active, ids, params, p_key, d_key)
             except _Replace as r:
                 last_error = r.error
                 self._check_cancelled(active)
@@ -358,17 +378,21 @@ class RouterCore:
                 (full if r.kind == "full" else avoid[r.role]).add(inst.instance_id)
                 if time.monotonic() > deadline:
                     raise r.error from None
+            finally:  # from here the stream phase accounts for the decode side (or nobody, on failure)
+                self.ledger.done(prefill.instance_id, p_key)
+                self.ledger.done(decode.instance_id, d_key)
 
-    def _prefill(self, active: Active, ids: list[int], params: SamplingParams):
-        """Run the prefill + hand-off; returns (first token, logprob, finish reason) or raises _Replace."""
+    def _prefill(self, active: Active, ids: list[int], params: SamplingParams, p_key: int, d_key: int):
+        """Run the prefill + hand-off; returns (first token, logprob, finish reason) or raises _Replace.
+
+        ``p_key`` / ``d_key``: this placement's ledger entries; the caller releases them (the prefill's is
+        released here already at the first token: the prompt is done there)."""
         rid, prefill, decode = active.rid, active.prefill, active.decode
         t1 = time.perf_counter()
         call = self._stub(pb_grpc.PrefillStub, prefill.grpc_address).Prefill(
             pb.PrefillRequest(request_id=rid, prompt_ids=ids, sampling=sampling_to_pb(params),
                               decode_address=decode.grpc_address), timeout=self.settings.stream_timeout_s)
         self._attach(active, call)
-        p_key = self.ledger.place(prefill.instance_id, len(ids), arrived=True)
-        d_key = self.ledger.place(decode.instance_id, params.max_new_tokens)
         first = None
         try:
             for ev in call:
@@ -391,9 +415,6 @@ class RouterCore:
         except grpc.RpcError as e:
             self._check_cancelled(active)
             raise self._classify(e, prefill, decode) from None
-        finally:  # from here the stream phase accounts for the decode side (or nobody, on failure)
-            self.ledger.done(prefill.instance_id, p_key)
-            self.ledger.done(decode.instance_id, d_key)
         raise RouterError(grpc.StatusCode.UNAVAILABLE,
                           f"prefill instance {prefill.instance_id} ended the call before handing the request off")
 

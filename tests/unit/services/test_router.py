@@ -186,13 +186,34 @@ def test_placement_picks_least_loaded_counting_own_placements(core):
     reg = core.registry
     reg.register(InstanceInfo("d-a", "decode", "a:1", outstanding_tokens=30, beat=1))
     reg.register(InstanceInfo("d-b", "decode", "b:1", outstanding_tokens=10, beat=1))
-    assert core._pick("decode", set()).instance_id == "d-b"
+    assert core._pick("decode", set())[0].instance_id == "d-b"
     core.ledger.place("d-b", 25, arrived=True)
-    assert core._pick("decode", set()).instance_id == "d-a"  # 30 < 10 + 25
+    assert core._pick("decode", set())[0].instance_id == "d-a"  # 30 < 10 + 25
     reg.register(InstanceInfo("d-b", "decode", "b:1", outstanding_tokens=12, beat=2))
-    assert core._pick("decode", set()).instance_id == "d-b"  # its heartbeat now counts the request itself
-    assert core._pick("decode", {"d-b"}).instance_id == "d-a"
-    assert core._pick("decode", {"d-a", "d-b"}) is None and core._pick("prefill", set()) is None
+    assert core._pick("decode", set())[0].instance_id == "d-b"  # its heartbeat now counts the request itself
+    assert core._pick("decode", {"d-b"})[0].instance_id == "d-a"
+    assert core._pick("decode", {"d-a", "d-b"}) == (None, None) and core._pick("prefill", set()) == (None, None)
+
+
+def test_a_burst_of_choices_spreads_evenly():
+    """Choosing and placing is one step, so concurrent requests see each other."""
+    ledger = LoadLedger()
+    live = [InstanceInfo(f"d{i}", "decode", "x", beat=1) for i in range(3)]
+    picks: list[str] = []
+    lock = threading.Lock()
+
+    def choose():
+        info, _ = ledger.choose(live, 10)
+        with lock:
+            picks.append(info.instance_id)
+
+    threads = [threading.Thread(target=choose) for _ in range(30)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(picks.count(i.instance_id) for i in live) == [10, 10, 10]
+    assert all(ledger.load(i) == 100 for i in live)
 
 
 # ---- placement against scripted services ---------------------------------------------------------
