@@ -58,7 +58,9 @@ class Stack:
         self.prefill_engine = make_engine(models, prefill_draft, config(prefill_draft), role="prefill")
         decode_engine = make_engine(models, DRAFT, config(), role="decode")
         smallest = 2 * max(page_bytes(c) for c in self.prefill_engine.scheduler.caches)  # many chunks per request
-        common = dict(redis_url=redis_url, heartbeat_s=0.2)
+        # No heartbeat during the tests (it registers at start): its load query would queue engine-loop calls
+        # that the abort tests count.
+        common = dict(redis_url=redis_url, heartbeat_s=60, registry_ttl_s=120)
         self.prefill = start_prefill(PrefillSettings(**common, handoff_chunk_bytes=smallest, handoff_timeout_s=20),
                                      self.prefill_engine)
         try:
@@ -132,8 +134,13 @@ def wait_until(condition, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def queued_calls(loop) -> int:
-    return loop._calls.qsize()
+def queued(loop, name: str, rid: str) -> bool:
+    """Whether the prefill servicer's engine-loop call ``name`` (add / abort) for ``rid`` waits in the queue."""
+    for fn, _ in list(loop._calls.queue):
+        cells = [c.cell_contents for c in fn.__closure__ or ()]
+        if fn.__name__ == name and any(getattr(c, "rid", None) == rid for c in cells):
+            return True
+    return False
 
 
 def blocked(loop):
@@ -374,9 +381,9 @@ def test_prefill_abort_before_the_prompt_ran(stack):
     loop = stack.prefill.engine_loop
     gate = blocked(loop)
     call = stack.prefill_call(rid, LONG)
-    wait_until(lambda: queued_calls(loop) == 1)  # the request's admission waits behind the held engine thread
+    wait_until(lambda: queued(loop, "add", rid))  # the request's admission waits behind the held engine thread
     abort = stack.pstub.Abort.future(pb.AbortRequest(request_id=rid), timeout=10)
-    wait_until(lambda: queued_calls(loop) == 2)  # and the abort behind it
+    wait_until(lambda: queued(loop, "abort", rid))  # and the abort behind it
     gate.set()
     assert abort.result().found
     with pytest.raises(grpc.RpcError) as err:
@@ -388,10 +395,11 @@ def test_prefill_abort_before_the_prompt_ran(stack):
 def test_a_prefill_client_that_goes_away_aborts_the_request(stack):
     loop = stack.prefill.engine_loop
     gate = blocked(loop)
-    call = stack.prefill_call(stack.rid(), LONG)
-    wait_until(lambda: queued_calls(loop) == 1)
+    rid = stack.rid()
+    call = stack.prefill_call(rid, LONG)
+    wait_until(lambda: queued(loop, "add", rid))
     call.cancel()
-    wait_until(lambda: queued_calls(loop) == 2)  # the abort the cancellation caused
+    wait_until(lambda: queued(loop, "abort", rid))  # the abort the cancellation caused
     gate.set()
     assert stack.clean()
 
