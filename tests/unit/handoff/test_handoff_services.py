@@ -404,6 +404,10 @@ def test_a_prefill_client_that_goes_away_aborts_the_request(stack):
     assert stack.clean()
 
 
+def aborted_on_decode(stack) -> float:
+    return stack.decode.extra["telemetry"].requests_total.labels("abort")._value.get()
+
+
 def start_long_stream(stack):
     rid = stack.rid()
     events = list(stack.prefill_call(rid, LONG, SamplingParams(max_new_tokens=400, ignore_eos=True)))
@@ -415,6 +419,7 @@ def start_long_stream(stack):
 
 
 def test_decode_abort_mid_stream_ends_the_stream_and_frees_the_pages(stack):
+    before = aborted_on_decode(stack)
     rid, stream = start_long_stream(stack)
     with pytest.raises(grpc.RpcError) as err:  # a second subscriber is refused
         next(stack.dstub.Stream(pb.StreamRequest(request_id=rid), timeout=5))
@@ -425,12 +430,15 @@ def test_decode_abort_mid_stream_ends_the_stream_and_frees_the_pages(stack):
             assert not msg.HasField("finish")
     assert err.value.code() == grpc.StatusCode.ABORTED
     assert stack.clean()
+    wait_until(lambda: aborted_on_decode(stack) == before + 1)  # counted just after the pages went back
 
 
 def test_a_stream_client_that_goes_away_aborts_the_request(stack):
+    before = aborted_on_decode(stack)
     _, stream = start_long_stream(stack)
     stream.cancel()
     assert stack.clean()
+    wait_until(lambda: aborted_on_decode(stack) == before + 1)  # aborted, rather than ended by itself
 
 
 def test_a_hand_off_nobody_streams_is_aborted_after_the_attach_timeout(models, redis_url):
@@ -440,6 +448,7 @@ def test_a_hand_off_nobody_streams_is_aborted_after_the_attach_timeout(models, r
         events = list(s.prefill_call(rid, LONG, SamplingParams(max_new_tokens=400, ignore_eos=True)))
         assert events[-1].HasField("handed_off")
         assert s.clean()
+        wait_until(lambda: aborted_on_decode(s) == 1)
         with pytest.raises(grpc.RpcError) as err:
             list(s.dstub.Stream(pb.StreamRequest(request_id=rid), timeout=5))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
