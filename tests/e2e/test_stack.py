@@ -7,8 +7,10 @@ streams; complete Redis records; bad requests; aborts and disconnects leak nothi
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -22,8 +24,10 @@ from tests.e2e.conftest import start_stack
 SHORT = [5, 17, 33, 2, 9]  # shorter than the chunk (8)
 LONG = [(i * 37 + 11) % 500 for i in range(30)]  # several chunks
 NEW = 16
-# Pairwise over draft kind x topk x page size (every pair of values appears at least once).
-CASES = [("eagle", 1, 1), ("eagle", 4, 16), ("eagle3", 1, 16), ("eagle3", 4, 1), ("mtp", 1, 1), ("mtp", 4, 16)]
+CHUNK = 8
+MAX_CONTEXT = 64  # LONG + NEW fit; small pools keep each stack cheap to start
+# The full matrix: every draft kind x chain / tree x page size 1 and 16 (one stack per configuration).
+CASES = list(itertools.product(("eagle", "eagle3", "mtp"), (1, 4), (1, 16)))
 
 
 def spec_config(topk: int) -> SpecConfig:
@@ -36,17 +40,23 @@ def target_only(oracle_model_dir):
     return [r.token_ids for r in engine.generate([SHORT, LONG], SamplingParams(max_new_tokens=NEW, ignore_eos=True))]
 
 
-@pytest.mark.parametrize("draft, topk, page_size", CASES)
+def test_the_matrix_is_complete():
+    assert len(CASES) == 12 and len(set(CASES)) == 12
+    assert len(LONG) > 3 * CHUNK > CHUNK > len(SHORT)
+
+
+@pytest.mark.parametrize("draft, topk, page_size", CASES, ids=[f"{d}-topk{k}-page{p}" for d, k, p in CASES])
 def test_greedy_through_the_stack_equals_engine_and_target(redis_url, oracle_model_dir, target_only, draft, topk,
                                                            page_size):
     spec = spec_config(topk)
-    cfg = dict(page_size=page_size, chunk_size=8, spec_topk=topk, spec_steps=spec.steps,
-               spec_draft_tokens=spec.num_draft_tokens)
     engine = Engine(oracle_model_dir / "target", oracle_model_dir / draft,
-                    EngineConfig(page_size=page_size, chunk_size=8, spec=spec))
+                    EngineConfig(page_size=page_size, chunk_size=CHUNK, spec=spec, max_context=MAX_CONTEXT,
+                                 max_running=4))
     single = [r.token_ids for r in engine.generate([SHORT, LONG], SamplingParams(max_new_tokens=NEW, ignore_eos=True))]
     assert single == target_only
-    stack = start_stack(redis_url, oracle_model_dir, draft, **cfg)
+    stack = start_stack(redis_url, oracle_model_dir, draft, page_size=page_size, chunk_size=CHUNK, spec_topk=topk,
+                        spec_steps=spec.steps, spec_draft_tokens=spec.num_draft_tokens, max_context=MAX_CONTEXT,
+                        max_running=4)
     try:
         accept = []
         for prompt, want in zip([SHORT, LONG], target_only):
@@ -54,6 +64,7 @@ def test_greedy_through_the_stack_equals_engine_and_target(redis_url, oracle_mod
             assert tokens == want
             assert finish.reason == "length" and finish.usage.completion_tokens == NEW
             assert finish.usage.prompt_tokens == len(prompt)
+            assert finish.spec.verify_steps > 0
             accept.append(finish.spec.accept_length)
         assert max(accept) > 1.2, "the oracle drafts should be accepted through the stack too"
         assert stack.wait_clean()
@@ -307,19 +318,56 @@ def test_prefill_without_draft_cannot_feed_a_speculative_decode(redis_url, oracl
 
 
 def test_full_decode_instance_refuses_and_the_router_places_elsewhere(redis_url, oracle_model_dir, target_only):
-    """Two decode instances, one too small for the request: the router re-places on the other."""
-    s = start_stack(redis_url, oracle_model_dir, "eagle", page_size=4, chunk_size=8, num_decodes=1)
+    """Two decode instances; the one the router tries first (the lower id at equal load) is full. Every request
+    is refused there (RESOURCE_EXHAUSTED, counted as decode_full on both services), placed again on the other,
+    and ends whole; the Redis record shows the second placement."""
     from services.decode.server import start_decode
     from services.settings import DecodeSettings
 
-    small = start_decode(DecodeSettings(model=str(oracle_model_dir / "target"), draft=str(oracle_model_dir / "eagle"),
-                                        redis_url=s.redis_url, page_size=4, chunk_size=8, num_pages=4,
-                                        heartbeat_s=0.2))
-    s.decodes.append(small)
+    s = start_stack(redis_url, oracle_model_dir, "eagle", page_size=4, chunk_size=8, max_context=MAX_CONTEXT,
+                    decode_extra=dict(instance_id="decode-b-big"))
+    full = start_decode(DecodeSettings(model=str(oracle_model_dir / "target"), draft=str(oracle_model_dir / "eagle"),
+                                       redis_url=s.redis_url, page_size=4, chunk_size=8, max_context=MAX_CONTEXT,
+                                       max_running=1, heartbeat_s=0.2, instance_id="decode-a-full"))
+    s.decodes.append(full)
+
+    def occupy(engine):  # its one slot taken by a hand-off that never arrives; nothing left to generate
+        return engine.reserve_handoff("blocker", [1, 2, 3], [4], [0.0], SamplingParams(max_new_tokens=1), 3)
+
+    blocker = full.engine_loop.call(occupy).result(5)
+    assert blocker is not None
     try:
-        for _ in range(3):  # whichever instance the router tries first, the request lands whole
-            tokens, finish = s.generate(LONG, max_new_tokens=NEW, ignore_eos=True)
+        time.sleep(0.5)  # a heartbeat or two: the full instance reports 0 outstanding tokens, like the other
+        for i in range(3):
+            rid = f"replaced-{i}"
+            req = pb.GenerateRequest(request_id=rid, token_ids=pb.TokenIds(ids=LONG),
+                                     sampling=pb.SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+            tokens = [t for m in s.stub.Generate(req, timeout=60) for t in m.token_ids]
             assert tokens == target_only[1]
+            rec = s.store.get(rid)
+            assert [st for st, _ in rec["transitions"]] == ["queued", "prefilling", "transferring", "prefilling",
+                                                            "transferring", "decoding", "finished"], rec
+            assert rec["decode_instance"] == "decode-b-big"
+        assert metric(http_get(full.http_address, "/metrics"), "eyrie_errors_total", kind="decode_full") == 3
+        assert metric(http_get(s.prefills[0].http_address, "/metrics"), "eyrie_errors_total",
+                      kind="decode_full") == 3
+        assert metric(http_get(s.decodes[0].http_address, "/metrics"), "eyrie_errors_total",
+                      kind="decode_full") == 0
+    finally:
+        full.engine_loop.call(lambda e: e.abort("blocker")).result(5)
+    try:
         assert s.wait_clean()
     finally:
         s.stop()
+
+
+def http_get(address: str, path: str) -> str:
+    with urllib.request.urlopen(f"http://{address}{path}", timeout=5) as r:
+        return r.read().decode()
+
+
+def metric(text: str, name: str, **labels) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
