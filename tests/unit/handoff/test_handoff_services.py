@@ -312,8 +312,8 @@ def test_a_transfer_without_a_reservation_is_refused(stack):
 class BreakingDecode(pb_grpc.DecodeServicer):
     """A decode instance that accepts the reservation and then fails (or stalls in) the transfer."""
 
-    def __init__(self, stall: bool):
-        self.stall, self.aborted, self.chunks = stall, [], 0
+    def __init__(self, stall: bool, drain: bool = False):
+        self.stall, self.drain, self.aborted, self.chunks = stall, drain, [], 0
         self.receiving, self.release = threading.Event(), threading.Event()
 
     def Handshake(self, request, context):  # noqa: N802
@@ -323,12 +323,14 @@ class BreakingDecode(pb_grpc.DecodeServicer):
         return pb.ReserveResponse(accepted=True)
 
     def Transfer(self, request_iterator, context):  # noqa: N802
-        next(request_iterator)
-        self.chunks += 1
+        for chunk in request_iterator:  # the first chunk only, or (drain) every chunk up to the last
+            self.chunks += 1
+            if not self.drain or chunk.last:
+                break
         self.receiving.set()
         if self.stall:
             self.release.wait(10)
-            return pb.TransferAck()
+            return pb.TransferAck(bytes=1234, chunks=self.chunks)
         context.abort(grpc.StatusCode.UNAVAILABLE, "disk on fire")
 
     def Abort(self, request, context):  # noqa: N802
@@ -340,8 +342,8 @@ class BreakingDecode(pb_grpc.DecodeServicer):
 def breaking_decode():
     servicers = []
 
-    def start(stall: bool):
-        servicer = BreakingDecode(stall)
+    def start(stall: bool, drain: bool = False):
+        servicer = BreakingDecode(stall, drain)
         server, port, _ = start_grpc_server("127.0.0.1", 0, [(pb_grpc.add_DecodeServicer_to_server, servicer)], [])
         servicers.append((server, servicer))
         return servicer, f"127.0.0.1:{port}"
@@ -360,6 +362,39 @@ def test_a_transfer_failing_on_the_decode_side_frees_the_prefill_pages(stack, br
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "disk on fire" in err.value.details()
     assert fake.chunks == 1 and fake.aborted == [rid]  # the reservation there is released too
     assert stack.clean()
+
+
+def held_by(engine, rid: str) -> list[int] | None:
+    """Pages ``rid`` holds in each cache (None when the engine no longer has it); every used page is its."""
+    req = engine.requests.get(rid)
+    if req is None:
+        return None
+    pages = [len(p) for p in engine.page_ids(req)]
+    used = [c.spec.num_pages - c.num_free_pages for c in engine.scheduler.caches]
+    assert pages == used, (pages, used)
+    return pages
+
+
+def test_the_prefill_frees_the_pages_only_after_the_decode_acknowledges(stack, breaking_decode):
+    """Every chunk has reached the decode side but its acknowledgement is pending: the prefill still holds the
+    request's pages in every cache; once the acknowledgement arrives it frees them and reports the hand-off."""
+    fake, address = breaking_decode(stall=True, drain=True)
+    rid = stack.rid()
+    loop = stack.prefill.engine_loop
+    call = stack.prefill_call(rid, LONG, address=address)
+    assert next(call).HasField("first_token")
+    assert fake.receiving.wait(10) and fake.chunks > 2  # the last chunk arrived
+    for _ in range(3):  # and stays held while the acknowledgement waits
+        pages = loop.call(lambda e: held_by(e, rid)).result(5)
+        assert pages is not None and all(n > 0 for n in pages) and len(pages) == 2  # target + draft cache
+        time.sleep(0.1)
+    assert not loop.call(lambda e: e.is_idle_and_clean()).result(5)
+    fake.release.set()
+    event = next(call)
+    assert event.HasField("handed_off") and (event.handed_off.bytes, event.handed_off.chunks) == (1234, fake.chunks)
+    assert loop.call(lambda e: held_by(e, rid)).result(5) is None  # released by the time the router hears
+    assert stack.clean()
+    assert fake.aborted == []
 
 
 # ---- aborts and clients that go away ---------------------------------------------------------------
