@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
+from shared.metadata import InstanceInfo
 
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
@@ -32,6 +33,23 @@ class ServiceHandle:
     stop: Callable[[float], None]
     engine_loop: object | None = None
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class EngineInstanceInfo(InstanceInfo):
+    """An engine instance's registry entry, with what the router reports in GetModelInfo: ``dtype``,
+    ``page_size`` and ``spec`` (``draft_kind``, ``topk``, ``steps``, ``num_draft_tokens``) of its engine."""
+
+    model: dict = field(default_factory=dict)
+
+    @staticmethod
+    def facts(engine) -> dict:
+        from shared.handoff import HandoffSchema
+
+        schema = HandoffSchema.from_engine(engine)
+        return {"dtype": schema.dtype, "page_size": schema.page_size, "max_context": engine.max_context,
+                "spec": {"draft_kind": schema.draft_kind, "topk": schema.topk, "steps": schema.steps,
+                         "num_draft_tokens": schema.num_draft_tokens}}
 
 
 def new_instance_id(role: str) -> str:

@@ -13,11 +13,11 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from services.common import ServiceHandle, new_instance_id, set_serving, start_grpc_server
+from services.common import EngineInstanceInfo, ServiceHandle, new_instance_id, set_serving, start_grpc_server
 from services.engine_loop import EngineLoop
 from services.settings import EngineSettings
 from shared.engine import Engine
-from shared.metadata import Heartbeat, InstanceInfo, Registry, connect
+from shared.metadata import Heartbeat, Registry, connect
 from shared.telemetry import Telemetry
 
 log = logging.getLogger("eyrie.service")
@@ -63,8 +63,9 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
         grpc_address = f"{settings.advertised}:{port}"
         http_address = f"{settings.advertised}:{telemetry.port}"
         registry = Registry(connect(settings.redis_url), settings.registry_ttl_s)
-        info = InstanceInfo(instance_id=instance_id, role=role, grpc_address=grpc_address, http_address=http_address,
-                            started_at=time.time())
+        info = EngineInstanceInfo(instance_id=instance_id, role=role, grpc_address=grpc_address,
+                                  http_address=http_address, started_at=time.time(),
+                                  model=EngineInstanceInfo.facts(engine))
         heartbeat = Heartbeat(registry, info, settings.heartbeat_s,
                               lambda: loop.call(servicer.load).result(5)).start()
     except BaseException:

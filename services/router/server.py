@@ -30,6 +30,7 @@ from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.common import (
     ApiKeyInterceptor,
+    EngineInstanceInfo,
     ServiceHandle,
     full_name,
     new_instance_id,
@@ -191,6 +192,7 @@ class RouterCore:
         self._active: dict[str, Active] = {}
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
+        self._facts: dict = {}  # the engines' dtype / page size / speculative config, as last seen
 
     # ---- validation ------------------------------------------------------------------------------
     def validate(self, req: pb.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
@@ -540,10 +542,28 @@ class RouterCore:
             except grpc.RpcError:
                 pass  # that instance is gone; its pages went with it
 
+    def engine_facts(self) -> dict:
+        """dtype, page size and speculative config of the engines serving this model, from the registry: a live
+        decode instance's (the one that generates), else a prefill instance's, else the last ones seen ({} until
+        an engine instance registered)."""
+        for role in ("decode", "prefill"):
+            for inst in self.registry.instances(role):
+                raw = self.registry.client.get(f"instance:{inst.instance_id}")
+                facts = EngineInstanceInfo.from_json(raw).model if raw else {}
+                if facts:
+                    self._facts = facts
+                    return facts
+        return self._facts
+
     def model_info(self) -> pb.ModelInfo:
         mc = self.model_config
-        return pb.ModelInfo(model=self.settings.model_name, vocab_size=mc.vocab_size, max_context=self.max_context,
+        info = pb.ModelInfo(model=self.settings.model_name, vocab_size=mc.vocab_size, max_context=self.max_context,
                             eos_token_ids=list(mc.eos_token_ids))
+        facts = self.engine_facts()
+        if facts:
+            info.dtype, info.page_size = facts["dtype"], facts["page_size"]
+            info.spec.CopyFrom(pb.SpecConfig(**facts["spec"]))
+        return info
 
     def close(self) -> None:
         with self._lock:

@@ -81,7 +81,9 @@ def test_grpc_health_and_reflection(stack):
 
 def test_model_info(stack):
     info = pb_grpc.GenerationStub(grpc.insecure_channel(stack.router.grpc_address)).GetModelInfo(pb.ModelInfoRequest())
-    assert info.vocab_size == 512 and info.max_context > 0
+    assert info.vocab_size == 512 and info.max_context > 0 and info.model == "eyrie"
+    assert (info.dtype, info.page_size) == ("float32", 4)  # the engines' figures, from the registry
+    assert (info.spec.draft_kind, info.spec.topk, info.spec.steps, info.spec.num_draft_tokens) == ("eagle", 1, 3, 4)
 
 
 def test_health_is_503_while_loading(redis_url, tiny_model_dir, monkeypatch):

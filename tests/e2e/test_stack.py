@@ -80,6 +80,12 @@ def stack(redis_url, oracle_model_dir):
     s.stop()
 
 
+def test_model_info_reports_the_engines_configuration(stack):
+    info = stack.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10)
+    assert (info.model, info.vocab_size, info.dtype, info.page_size) == ("eyrie", 512, "float32", 4)
+    assert (info.spec.draft_kind, info.spec.topk, info.spec.steps, info.spec.num_draft_tokens) == ("eagle3", 4, 3, 8)
+
+
 def test_sixteen_concurrent_streams(stack, oracle_model_dir):
     prompts = [[(i * 7 + j * 3) % 500 for j in range(3 + i * 2)] for i in range(16)]
     engine = Engine(oracle_model_dir / "target", config=EngineConfig(page_size=4, chunk_size=None))

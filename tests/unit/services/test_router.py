@@ -137,6 +137,25 @@ def test_model_info(core):
     info = core.model_info()
     assert (info.vocab_size, info.max_context, list(info.eos_token_ids)) == (VOCAB, 64, [1])
     assert info.model == "eyrie"
+    assert (info.dtype, info.page_size, info.HasField("spec")) == ("", 0, False)  # no engine registered yet
+
+
+def test_model_info_reports_the_engines_dtype_page_size_and_speculative_config(core):
+    from services.common import EngineInstanceInfo
+
+    facts = {"dtype": "bfloat16", "page_size": 16, "max_context": 4096,
+             "spec": {"draft_kind": "eagle3", "topk": 4, "steps": 3, "num_draft_tokens": 8}}
+    prefill_facts = {**facts, "dtype": "float16"}
+    core.registry.register(EngineInstanceInfo("prefill-1", "prefill", "127.0.0.1:1", model=prefill_facts))
+    info = core.model_info()
+    assert (info.dtype, info.page_size) == ("float16", 16)  # only a prefill instance: its figures
+    core.registry.register(EngineInstanceInfo("decode-1", "decode", "127.0.0.1:2", model=facts))
+    info = core.model_info()
+    assert (info.dtype, info.page_size) == ("bfloat16", 16)  # the decode instance's win
+    assert (info.spec.draft_kind, info.spec.topk, info.spec.steps, info.spec.num_draft_tokens) == ("eagle3", 4, 3, 8)
+    for instance_id in ("prefill-1", "decode-1"):
+        core.registry.deregister(instance_id)
+    assert core.model_info().dtype == "bfloat16"  # every engine gone: the last figures seen
 
 
 # ---- text deltas ---------------------------------------------------------------------------------
