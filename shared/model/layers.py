@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.fused import rope_store, silu_mul
+from kernels.gemv import linear
 from kernels.norm_rope import apply_rope, rms_norm
 from shared.batch import ForwardBatch
 from shared.model.config import ModelConfig, RopeConfig
@@ -100,7 +101,7 @@ class Attention(nn.Module):
         if self.qkv_weight is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return F.linear(x, self.qkv_weight, self.qkv_bias).split([qd, kd, kd], dim=-1)
+        return linear(x, self.qkv_weight, self.qkv_bias).split([qd, kd, kd], dim=-1)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         T = x.shape[0]
@@ -108,7 +109,7 @@ class Attention(nn.Module):
         if self.qkv_weight is not None:  # fused: one GEMM, then RoPE + the K/V store in one launch
             if batch.cos_sin is None:
                 batch.cos_sin = self.rotary.cos_sin(batch.positions)
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+            qkv = linear(x, self.qkv_weight, self.qkv_bias)
             q = rope_store(qkv, *batch.cos_sin, k_cache, v_cache, batch.out_cache_loc, self.num_heads,
                            self.num_kv_heads)
         else:
@@ -119,7 +120,7 @@ class Attention(nn.Module):
             k_cache[batch.out_cache_loc] = k.to(k_cache.dtype)
             v_cache[batch.out_cache_loc] = v.reshape(T, self.num_kv_heads, self.head_dim).to(v_cache.dtype)
         o = self._attend(q, k_cache, v_cache, batch.attn, self.scale)
-        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+        return linear(o.reshape(T, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -138,7 +139,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
+        return linear(silu_mul(linear(x, self.gate_up_weight)), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -155,6 +156,24 @@ class DecoderLayer(nn.Module):
         h = self.input_layernorm(x) if self.input_layernorm is not None else x
         h, x = self.post_attention_layernorm.add_forward(self.self_attn(h, batch, cache), x)
         return x + self.mlp(h)
+
+    def forward_deferred(self, out: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
+                         cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The same layer with the residual add deferred into the next RMSNorm (one launch fewer).
+
+        The layer's input is ``out + residual`` (``residual`` None: ``out`` itself, the first layer);
+        returns ``(mlp_out, residual, layer_input)`` where the next layer's input is
+        ``mlp_out + residual``. Same arithmetic as ``forward``: the sum is rounded to the activation
+        dtype before the norm, exactly as ``x + mlp`` was.
+        """
+        if residual is None:
+            x = out
+            h = self.input_layernorm(x) if self.input_layernorm is not None else x
+        else:
+            h, x = self.input_layernorm.add_forward(out, residual)
+        layer_input = x
+        h, x = self.post_attention_layernorm.add_forward(self.self_attn(h, batch, cache), x)
+        return self.mlp(h), x, layer_input
 
 
 def fuse_projections(module: nn.Module) -> nn.Module:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels.gemv import linear
 from shared.batch import ForwardBatch
 from shared.model.config import ModelConfig
 from shared.model.layers import DecoderLayer, RMSNorm
@@ -49,16 +50,16 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, cache, capture: str = "none",
                 aux_layers: tuple[int, ...] = ()) -> TargetOutput:
         """``capture``: "none", "last" (EAGLE feature) or "aux" (EAGLE-3 features at aux_layers)."""
-        x = self.model.embed_tokens(batch.input_ids)
+        out, residual = self.model.embed_tokens(batch.input_ids), None
         layer_inputs = {}
         for i, layer in enumerate(self.model.layers):
+            out, residual, x = layer.forward_deferred(out, residual, batch, cache)
             if capture == "aux" and i in aux_layers:
                 layer_inputs[i] = x
-            x = layer(x, batch, cache)
-        h = self.model.norm(x)
+        h, _ = self.model.norm.add_forward(out, residual)
         rows = h if batch.logits_rows is None else h[batch.logits_rows]
         return TargetOutput(
-            logits=self.lm_head(rows).float(),
+            logits=linear(rows, self.lm_head.weight).float(),
             hidden=h if capture == "last" else None,
             aux_hidden=torch.cat([layer_inputs[i] for i in aux_layers], dim=-1) if capture == "aux" else None,
         )
