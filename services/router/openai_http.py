@@ -119,9 +119,12 @@ def from_router_error(e: Exception) -> ApiError:
 class ChatTemplate:
     """The model's chat template, rendered like Hugging Face does (sandboxed Jinja, trim/lstrip blocks)."""
 
-    def __init__(self, model_dir: str | Path | None):
+    def __init__(self, model_dir: str | Path | None, model_name: str = "eyrie"):
         self.source: str | None = None
+        self.model_name = model_name
         self.bos_token, self.eos_token = "", ""
+        self._compiled = None
+        self._lock = threading.Lock()
         if model_dir is None:
             return
         model_dir = Path(model_dir)
@@ -136,21 +139,25 @@ class ChatTemplate:
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)
         self.source = template if isinstance(template, str) and template else None
-        self._compiled = None
-        self._lock = threading.Lock()
 
     def render(self, messages: list[dict]) -> str:
         if self.source is None:
-            raise bad("messages", "this model has no chat template (tokenizer_config.json chat_template or "
-                                  "chat_template.jinja): use /v1/completions", code="no_chat_template")
+            raise bad("messages", f"messages: the model '{self.model_name}' has no chat template (neither "
+                                  "chat_template.jinja nor a chat_template in tokenizer_config.json): send the "
+                                  "prompt to /v1/completions", code="no_chat_template")
         with self._lock:
             if self._compiled is None:
-                self._compiled = self._compile(self.source)
+                try:
+                    self._compiled = self._compile(self.source)
+                except Exception as e:  # the model's files are at fault, not the request
+                    raise ApiError(500, f"the chat template of the model '{self.model_name}' does not compile: "
+                                        f"{e}", code="bad_chat_template") from e
         try:
             return self._compiled.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
                                          eos_token=self.eos_token)
         except Exception as e:  # raise_exception() in the template, or a template bug
-            raise bad("messages", f"the chat template refused these messages: {e}") from e
+            raise bad("messages", f"messages: the chat template refused these messages: {e}",
+                      code="chat_template_error") from e
 
     @staticmethod
     def _compile(source: str):
@@ -163,7 +170,12 @@ class ChatTemplate:
         def raise_exception(message: str):
             raise TemplateError(message)
 
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            # Hugging Face's: Jinja's own tojson escapes <, >, & and ' for HTML, which would change the prompt.
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
         return env.from_string(source)
@@ -410,7 +422,7 @@ class OpenAIServer(ThreadingHTTPServer):
 
     def __init__(self, address, core, settings: RouterSettings):
         self.core, self.settings = core, settings
-        self.template = ChatTemplate(settings.model)
+        self.template = ChatTemplate(settings.model, settings.model_name)
         self.created = int(time.time())
         self.expected_auth = f"Bearer {settings.api_key}".encode() if settings.api_key else None
         super().__init__(address, OpenAIHandler)
