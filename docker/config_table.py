@@ -1,8 +1,7 @@
-"""The EYRIE_* configuration table of docs/deploy.md, generated from services/settings.py.
+"""The EYRIE_* configuration table of docs/deploy.md and README.md, generated from services/settings.py.
 
     python docker/config_table.py            # print the table
-    python docker/config_table.py --write    # rewrite it between the markers, in docs/deploy.md (and in
-                                             # README.md when the markers are there too)
+    python docker/config_table.py --write    # rewrite it between the markers, in docs/deploy.md and README.md
     python docker/config_table.py --check    # exit 1 if any of those tables is stale
 
 A test runs the check, so the table cannot drift from the settings. A field's meaning is its
@@ -19,8 +18,9 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "deploy.md"  # must hold the table
-OPTIONAL_DOCS = (ROOT / "README.md",)  # hold it when they have the markers
+DOC = ROOT / "docs" / "deploy.md"
+README = ROOT / "README.md"
+DOCS = (DOC, README)  # both must hold the table between the markers
 START, END = "<!-- settings-table:start -->", "<!-- settings-table:end -->"
 
 # One line per field name; where the router and the engines use a name differently, the line says so.
@@ -124,14 +124,14 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def current_table(doc: str) -> str:
+def current_table(doc: str, name: str = "the document") -> str:
     if START not in doc or END not in doc:
-        raise ValueError(f"{DOC} lacks the markers {START} ... {END}")
+        raise ValueError(f"{name} lacks the markers {START} ... {END}")
     return doc.split(START, 1)[1].split(END, 1)[0].strip()
 
 
 def documents() -> list[Path]:
-    return [DOC, *(p for p in OPTIONAL_DOCS if p.exists() and START in p.read_text())]
+    return list(DOCS)
 
 
 def write() -> None:
@@ -145,7 +145,7 @@ def main(argv: list[str]) -> int:
     if "--write" in argv:
         write()
     elif "--check" in argv:
-        stale = [p for p in documents() if current_table(p.read_text()) != table()]
+        stale = [p for p in documents() if current_table(p.read_text(), p.name) != table()]
         for path in stale:
             print(f"{path} has a stale configuration table: run python docker/config_table.py --write",
                   file=sys.stderr)
