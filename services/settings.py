@@ -25,6 +25,7 @@ class CommonSettings(BaseSettings):
     heartbeat_s: float = 1.0
     registry_ttl_s: float = 5.0
     log_level: str = "INFO"
+    api_key: str | None = None  # every service of a stack shares it: they call each other with it
 
     @property
     def advertised(self) -> str:
@@ -78,7 +79,6 @@ class RouterSettings(CommonSettings):
     default_max_new_tokens: int = 256
     request_ttl_s: float = 3600  # finished / failed / aborted records expire after this
     max_message_bytes: int = 4 << 20
-    api_key: str | None = None
     openai_port: int | None = None  # OpenAI-compatible HTTP; None = off
     placement_timeout_s: float = 10.0
     stream_timeout_s: float = 300.0  # deadline of the prefill + hand-off call (the decode stream has none)

@@ -29,10 +29,11 @@ from pydantic import ValidationError
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.common import (
-    ApiKeyInterceptor,
     EngineInstanceInfo,
     ServiceHandle,
+    ServiceTelemetry,
     full_name,
+    insecure_channel,
     new_instance_id,
     set_serving,
     start_grpc_server,
@@ -257,8 +258,8 @@ class RouterCore:
     def _stub(self, cls, address: str):
         with self._lock:
             ch = self._channels.get(address)
-            if ch is None:
-                ch = self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            if ch is None:  # the internal services ask for the key too
+                ch = self._channels[address] = insecure_channel(address, CHANNEL_OPTIONS, self.settings.api_key)
         return cls(ch)
 
     # ---- the request's walk ----------------------------------------------------------------------
@@ -615,16 +616,16 @@ def load_model_files(model: str | None) -> tuple[ModelConfig, Tokenizer | None]:
 def start_router(settings: RouterSettings) -> ServiceHandle:
     instance_id = settings.instance_id or new_instance_id("router")
     model_config, tokenizer = load_model_files(settings.model)
-    telemetry = Telemetry("router", instance_id, settings.host, settings.http_port).start()
+    telemetry = ServiceTelemetry("router", instance_id, settings.host, settings.http_port, settings.api_key).start()
     client = connect(settings.redis_url)
     core = RouterCore(settings, RequestStore(client, settings.request_ttl_s), Registry(client, settings.registry_ttl_s),
                       tokenizer, model_config, telemetry)
-    interceptors = [ApiKeyInterceptor(settings.api_key)] if settings.api_key else []
     # gRPC refuses messages over 4x the request limit itself (RESOURCE_EXHAUSTED); between 1x and 4x the
     # router answers INVALID_ARGUMENT naming `request`.
     server, port, health = start_grpc_server(
         settings.host, settings.grpc_port, [(pb_grpc.add_GenerationServicer_to_server, GenerationServicer(core))],
-        SERVICES, max_message_bytes=4 * settings.max_message_bytes, interceptors=interceptors)
+        SERVICES, max_message_bytes=4 * settings.max_message_bytes, api_key=settings.api_key,
+        on_denied=lambda: telemetry.errors_total.labels("unauthenticated").inc())
     extra = {"core": core, "telemetry": telemetry}
     openai_server = None
     if settings.openai_port is not None:

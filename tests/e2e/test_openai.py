@@ -4,8 +4,8 @@ wire format itself is the point), against a real stack: router + prefill + decod
 
 What is proved: completions and chat completions (stream and not) give exactly the tokens the gRPC API
 gives for the same prompt and sampling; chat prompts are the model's chat template rendered; errors come
-in OpenAI's shape with the right status and ``param``; with a key set, every HTTP route and every gRPC
-Generation method refuses a request without it while health stays open; a client that hangs up
+in OpenAI's shape with the right status and ``param``; with a key set, every HTTP route (``/metrics`` too) and
+every gRPC Generation method refuses a request without it while health stays open; a client that hangs up
 mid-stream gets its request aborted and every KV page back.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 
 import grpc
 import httpx
@@ -34,7 +33,7 @@ PROMPT = "def fibonacci(n):"
 def stack(redis_url, oracle_model_dir):
     # The oracle model's drafts are accepted often, so "equal to gRPC" covers multi-token verify steps.
     s = start_stack(redis_url, oracle_model_dir, "eagle3", page_size=4, chunk_size=8, spec_topk=2, spec_steps=3,
-                    spec_draft_tokens=6, router_extra=dict(api_key=KEY, openai_port=0))
+                    spec_draft_tokens=6, api_key=KEY, router_extra=dict(api_key=KEY, openai_port=0))
     s.tokenizer = Tokenizer(oracle_model_dir / "target")
     s.base_url = f"http://{s.router.extra['openai_address']}/v1"
     yield s
@@ -283,10 +282,13 @@ def test_api_key_guards_every_http_and_grpc_entry_but_not_health(stack):
         if method.server_streaming:
             assert sum(len(m.token_ids) for m in result) == 2
 
-    # Health stays open: OpenAI port, telemetry /health and /metrics, gRPC health.
+    # Health stays open (OpenAI port and telemetry /health, gRPC health); the telemetry port's /metrics needs the key.
     assert raw(stack, "GET", "/health", key=None).status_code == 200
-    for path in ("/health", "/metrics"):
-        with urllib.request.urlopen(f"http://{stack.router.http_address}{path}", timeout=5) as r:
-            assert r.status == 200
+    telemetry = f"http://{stack.router.http_address}"
+    assert httpx.get(f"{telemetry}/health", timeout=5).status_code == 200
+    for key in (None, "wrong"):
+        r = httpx.get(f"{telemetry}/metrics", headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=5)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{telemetry}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=5).status_code == 200
     health = health_pb2_grpc.HealthStub(channel)
     assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING

@@ -117,27 +117,92 @@ def test_health_is_503_while_loading(redis_url, tiny_model_dir, monkeypatch):
     handles[0].stop(0.5)
 
 
-def test_api_key_guards_grpc_but_not_health(redis_url, tiny_model_dir):
-    s = start_stack(redis_url, tiny_model_dir, None, page_size=4, router_extra=dict(api_key="sekret"))
+KEY = "sekret"
+AUTH = [("authorization", f"Bearer {KEY}")]
+WRONG_KEYS = [None, [("authorization", "Bearer wrong")], [("authorization", KEY)], [("authorization", "")]]
+
+
+def call_method(channel, service: str, method, metadata, timeout=10):
+    """Call ``service``'s ``method`` (a descriptor) with an empty request: None if it succeeded, else its status."""
+    path = f"/{pb.DESCRIPTOR.services_by_name[service].full_name}/{method.name}"
+    request, output = getattr(pb, method.input_type.name)(), getattr(pb, method.output_type.name)
+    kind = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
+            (True, False): channel.stream_unary, (True, True): channel.stream_stream}
+    call = kind[(method.client_streaming, method.server_streaming)](
+        path, request_serializer=type(request).SerializeToString, response_deserializer=output.FromString)
+    arg = iter([request]) if method.client_streaming else request
     try:
-        with pytest.raises(grpc.RpcError) as err:
-            s.generate([5, 6, 7], max_new_tokens=2)
-        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        with pytest.raises(grpc.RpcError) as err:
-            s.generate([5, 6, 7], max_new_tokens=2, metadata=[("authorization", "Bearer wrong")])
-        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        stub = pb_grpc.GenerationStub(grpc.insecure_channel(s.router.grpc_address))
-        for call in (lambda md: stub.GetModelInfo(pb.ModelInfoRequest(), metadata=md),
-                     lambda md: stub.Abort(pb.AbortRequest(request_id="x"), metadata=md)):
-            with pytest.raises(grpc.RpcError) as err:
-                call(None)
-            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            call([("authorization", "Bearer sekret")])
-        tokens, finish = s.generate([5, 6, 7], max_new_tokens=2, metadata=[("authorization", "Bearer sekret")])
-        assert len(tokens) == 2
-        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(s.router.grpc_address))
-        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
-        assert http_get(s.router.http_address, "/health")[0] == 200
+        result = call(arg, metadata=metadata, timeout=timeout)
+        if method.server_streaming:
+            list(result)
+    except grpc.RpcError as e:
+        return e.code()
+    return None
+
+
+def reflect(channel, metadata) -> set[str]:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    (reply,) = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                         metadata=metadata, timeout=10)
+    return {svc.name for svc in reply.list_services_response.service}
+
+
+def http(addr: str, path: str, key: str | None = None, method: str = "GET") -> tuple[int, dict, str]:
+    req = urllib.request.Request(f"http://{addr}{path}", method=method, data=b"{}" if method == "POST" else None,
+                                 headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, dict(r.headers), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read().decode()
+
+
+def test_api_key_guards_every_grpc_service_and_http_route_of_every_service(redis_url, tiny_model_dir):
+    """With a key set, the router's Generation, the internal Prefill and Decode services, server reflection on each,
+    and every HTTP route but /health on each refuse a call without it or with a wrong one; with it they answer,
+    and a request walks the whole stack (the services call each other with the key). Health stays open."""
+    s = start_stack(redis_url, tiny_model_dir, "eagle", page_size=4, chunk_size=8, api_key=KEY,
+                    router_extra=dict(api_key=KEY))
+    services = [(s.router, "Generation"), (s.prefills[0], "Prefill"), (s.decodes[0], "Decode")]
+    try:
+        tokens, finish = s.generate(list(range(5, 30)), max_new_tokens=8, ignore_eos=True, metadata=AUTH)
+        assert len(tokens) == 8 and finish.reason == "length"  # prefill -> decode hand-off carried the key
+        for handle, service in services:
+            channel = grpc.insecure_channel(handle.grpc_address)
+            for method in pb.DESCRIPTOR.services_by_name[service].methods:
+                for md in WRONG_KEYS:
+                    assert call_method(channel, service, method, md) == grpc.StatusCode.UNAUTHENTICATED, \
+                        (service, method.name, md)
+                # With the key the call gets through: it succeeds or is refused for its (empty) content.
+                assert call_method(channel, service, method, AUTH) != grpc.StatusCode.UNAUTHENTICATED, \
+                    (service, method.name)
+            for md in WRONG_KEYS:
+                with pytest.raises(grpc.RpcError) as err:
+                    reflect(channel, md)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, (service, "reflection")
+            assert f"eyrie.v1.{service}" in reflect(channel, AUTH)
+            health = health_pb2_grpc.HealthStub(channel)
+            for name in ("", f"eyrie.v1.{service}"):
+                assert health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status == \
+                    health_pb2.HealthCheckResponse.SERVING
+
+            addr = handle.http_address
+            for path, method in (("/metrics", "GET"), ("/metrics?x=1", "GET"), ("/nothing", "GET"),
+                                 ("/metrics", "POST")):
+                for key in (None, "wrong"):
+                    code, headers, body = http(addr, path, key, method)
+                    assert code == 401, (service, method, path, key)
+                    assert headers["WWW-Authenticate"].startswith("Bearer")
+                    assert json.loads(body)["error"]["code"] == "invalid_api_key"
+            code, _, text = http(addr, "/metrics", KEY)
+            assert code == 200 and metric(text, "eyrie_errors_total", kind="unauthenticated") > 0
+            assert http(addr, "/nothing", KEY)[0] == 404 and http(addr, "/metrics", KEY, "POST")[0] == 405
+            code, _, body = http(addr, "/health")
+            assert code == 200 and json.loads(body)["status"] == "ready"
+            assert http(addr, "/health", method="POST")[0] == 405  # open, and only for GET
+        assert s.wait_clean()
     finally:
         s.stop()
 

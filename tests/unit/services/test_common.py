@@ -1,4 +1,5 @@
-"""services.common: gRPC server with health (NOT_SERVING until told) and reflection; API-key auth."""
+"""services.common: gRPC server with health (NOT_SERVING until told) and reflection; API-key auth on every
+method shape (health open, reflection guarded) and on the services' own channels to each other."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
-from services.common import ApiKeyInterceptor, full_name, set_serving, start_grpc_server
+from services.common import (
+    ApiKeyInterceptor,
+    AuthChannelPool,
+    full_name,
+    insecure_channel,
+    set_serving,
+    start_grpc_server,
+)
 
 GEN = full_name("Generation")
 
@@ -48,13 +56,20 @@ def test_health_is_not_serving_until_the_service_says_so(server):
 
 
 def test_reflection_lists_the_services(server):
-    channel, _, _ = server
+    channel, _, key = server
+    md = [("authorization", f"Bearer {key}")] if key else None  # reflection needs the key when one is set
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-    (reply,) = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    (reply,) = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                         metadata=md)
     names = {s.name for s in reply.list_services_response.service}
     assert {GEN, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
-    (reply,) = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=GEN)]))
+    (reply,) = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=GEN)]),
+                                         metadata=md)
     assert reply.file_descriptor_response.file_descriptor_proto, "a client can fetch the service's descriptor"
+    if key:
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_api_key_guards_generation_but_not_health(server):
@@ -75,3 +90,65 @@ def test_api_key_guards_generation_but_not_health(server):
     set_serving(health, [GEN], True)
     assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status == \
         health_pb2.HealthCheckResponse.SERVING
+
+
+class RecordingDecode(pb_grpc.DecodeServicer):
+    """Every method shape (unary, client-streaming, server-streaming), recording the metadata it was called with."""
+
+    def __init__(self):
+        self.seen = []
+
+    def _record(self, context):
+        self.seen.append(dict(context.invocation_metadata()).get("authorization"))
+
+    def Abort(self, request, context):  # noqa: N802
+        self._record(context)
+        return pb.AbortResponse(found=True)
+
+    def Transfer(self, request_iterator, context):  # noqa: N802
+        self._record(context)
+        return pb.TransferAck(chunks=sum(1 for _ in request_iterator))
+
+    def Stream(self, request, context):  # noqa: N802
+        self._record(context)
+        yield pb.GenerateResponse(request_id=request.request_id, token_ids=[3])
+
+
+@pytest.fixture
+def keyed_decode():
+    denied = []
+    servicer = RecordingDecode()
+    srv, port, _ = start_grpc_server("127.0.0.1", 0, [(pb_grpc.add_DecodeServicer_to_server, servicer)],
+                                     [full_name("Decode")], api_key="k3y", on_denied=lambda: denied.append(1))
+    yield f"127.0.0.1:{port}", servicer, denied
+    srv.stop(0)
+
+
+def calls(stub):
+    return [lambda: stub.Abort(pb.AbortRequest(request_id="r"), timeout=5).found,
+            lambda: stub.Transfer(iter([pb.KVChunk(request_id="r")] * 3), timeout=5).chunks,
+            lambda: [m.token_ids[0] for m in stub.Stream(pb.StreamRequest(request_id="r"), timeout=5)]]
+
+
+def test_every_method_shape_is_refused_without_the_key_and_counted(keyed_decode):
+    address, servicer, denied = keyed_decode
+    channel = grpc.insecure_channel(address)
+    for call in calls(pb_grpc.DecodeStub(channel)):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert servicer.seen == [] and len(denied) == 3  # refused before the servicer, each refusal counted
+    assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)  # open
+
+
+def test_channels_of_the_services_carry_the_key(keyed_decode):
+    address, servicer, _ = keyed_decode
+    stub = pb_grpc.DecodeStub(insecure_channel(address, api_key="k3y"))
+    assert [call() for call in calls(stub)] == [True, 3, [3]]
+    pool = AuthChannelPool("k3y")  # the prefill side's channels (hand-off control and transport)
+    assert [call() for call in calls(pool.decode_stub(address))] == [True, 3, [3]]
+    pool.close()
+    assert servicer.seen == ["Bearer k3y"] * 6
+    with pytest.raises(grpc.RpcError) as err:  # a stack whose services hold different keys fails loudly
+        pb_grpc.DecodeStub(insecure_channel(address, api_key="other")).Abort(pb.AbortRequest(), timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED

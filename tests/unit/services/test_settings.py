@@ -20,11 +20,12 @@ def test_defaults_and_types():
 def test_precedence_flags_over_env_over_file(tmp_path, monkeypatch):
     cfg = tmp_path / "eyrie.json"
     cfg.write_text(json.dumps({"page_size": 1, "chunk_size": 64, "spec_topk": 4, "max_running": 3,
-                               "api_key": "only-the-router-uses-this"}))
+                               "api_key": "every-role-reads-this"}))
     monkeypatch.setenv("EYRIE_CHUNK_SIZE", "128")
     monkeypatch.setenv("EYRIE_PAGE_SIZE", "16")  # equal to the default, still over the file's 1
     s = load_settings("decode", str(cfg), spec_topk="2", max_running=None)
     assert (s.page_size, s.chunk_size, s.spec_topk, s.max_running) == (16, 128, 2, 3)
+    assert s.api_key == load_settings("router", str(cfg)).api_key == "every-role-reads-this"
 
 
 def test_env_file_format(tmp_path, monkeypatch):

@@ -107,3 +107,33 @@ def test_observe_engine_reports_every_pool(telemetry, tiny_model_dir):
     engine.abort("r")
     telemetry.observe_engine(engine)
     assert samples(telemetry.address)[("eyrie_kv_pages_used", (("cache", "target"),))] == 0
+
+
+def test_service_telemetry_guards_every_path_but_health_with_the_key():
+    from services.common import ServiceTelemetry
+
+    open_ = ServiceTelemetry("router", "router-open").start()
+    keyed = ServiceTelemetry("router", "router-keyed", api_key="k3y").start()
+    try:
+        assert get(f"http://{open_.address}/metrics")[0] == 200  # no key set: open
+        base = f"http://{keyed.address}"
+        for path in ("/metrics", "/metrics?name=x", "/", "/nothing"):
+            for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "k3y"}):
+                req = urllib.request.Request(base + path, headers=headers)
+                try:
+                    urllib.request.urlopen(req, timeout=5)
+                    pytest.fail(f"{path} answered without the key")
+                except urllib.error.HTTPError as e:
+                    assert e.code == 401 and e.headers["WWW-Authenticate"].startswith("Bearer")
+                    assert json.loads(e.read())["error"]["code"] == "invalid_api_key"
+        keyed.set_state("ready")
+        assert get(f"{base}/health")[0] == 200  # open
+        with urllib.request.urlopen(urllib.request.Request(f"{base}/metrics", headers={"Authorization": "Bearer k3y"}),
+                                    timeout=5) as r:
+            text = r.read().decode()
+        counted = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "eyrie_errors_total" and s.labels == {"kind": "unauthenticated"}]
+        assert counted == [12.0]
+    finally:
+        open_.stop()
+        keyed.stop()
