@@ -47,7 +47,16 @@ def kv_bytes(engine: Engine, tokens: int) -> int:
 def bench_target_decode(target, bw, batches, contexts, rows_out):
     for ctx in contexts:
         for bs in batches:
-            engine = Engine(target, config=engine_config(ctx, bs))
+            try:
+                engine = Engine(target, config=engine_config(ctx, bs))
+            except torch.OutOfMemoryError:
+                gc.collect()
+                torch.cuda.empty_cache()
+                kv_gb = kv_bytes_for(target, ctx + 128) * bs / 1e9
+                rows_out.append({"batch": bs, "context": ctx, "fits": False, "kv_GB": kv_gb})
+                print(f"decode bs={bs:3d} ctx={ctx:5d} does not fit: {kv_gb:.0f} GB of KV beside the weights",
+                      flush=True)
+                continue
             reqs = fake_requests(engine, bs, ctx)
             dev = engine.device
             rows = torch.tensor([r.handles[0].row for r in reqs], device=dev)
