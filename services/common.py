@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import hmac
 import json
-import logging
 import uuid
 from collections.abc import Callable
 from concurrent import futures
@@ -245,20 +244,8 @@ def set_serving(health_servicer: health.HealthServicer, service_names: list[str]
         health_servicer.set(name, status)
 
 
-class RequestIdFilter(logging.Filter):
-    """Adds ``rid`` to every record (``-`` when a log line is not about one request)."""
+def setup_logging(level: str, role: str, instance: str = "-"):
+    """JSON log lines (``services.logs``) for this process."""
+    from services.logs import setup_logging as setup
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not hasattr(record, "rid"):
-            record.rid = "-"
-        return True
-
-
-def setup_logging(level: str, role: str) -> None:
-    handler = logging.StreamHandler()
-    handler.addFilter(RequestIdFilter())
-    handler.setFormatter(logging.Formatter(
-        f"%(asctime)s %(levelname)s {role} %(name)s rid=%(rid)s %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    return setup(level, role, instance)

@@ -14,10 +14,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from services.logs import ServiceLog
 from shared.engine import Engine
 from shared.request import Request
-
-log = logging.getLogger("eyrie.loop")
 
 
 @dataclass
@@ -31,8 +30,9 @@ class TokenEvent:
 
 class EngineLoop:
     def __init__(self, engine: Engine, after_step: Callable[[Engine], None] | None = None,
-                 before_fail: Callable[[str], None] | None = None):
+                 before_fail: Callable[[str], None] | None = None, log: ServiceLog | None = None):
         self.engine = engine
+        self.log = log or ServiceLog(engine.role)  # the service's log: lines about a request carry its id
         self.after_step = after_step  # e.g. the prefill service starts hand-offs here
         # Called (on the loop thread) for each request an engine error is about to abort, before its
         # pages are freed: the decode service stops a transfer that may still be writing them.
@@ -109,12 +109,14 @@ class EngineLoop:
             try:
                 events = engine.step()
             except Exception as e:  # a bug: fail every request rather than hang them
-                log.exception("engine step failed")
+                self.log.exception("engine_error", requests=sorted(engine.requests))
                 self.error = e
                 self._fail_all(f"engine error: {e}")
                 continue
             for req, tokens in events:
                 done = req.finish_reason is not None
+                if done:
+                    self.log.debug("step_done", req.rid, reason=req.finish_reason, output_tokens=len(req.output_ids))
                 if tokens or done:
                     logprobs = req.output_logprobs[len(req.output_logprobs) - len(tokens):]
                     self.publish(TokenEvent(req.rid, tokens, logprobs, req.finish_reason, req if done else None))
@@ -126,7 +128,7 @@ class EngineLoop:
         try:
             self.after_step(self.engine)
         except Exception:  # a hook's bug must not stop the loop (every request would hang)
-            log.exception("after_step hook failed")
+            self.log.exception("after_step_failed")
 
     def _drain_calls(self) -> int:
         done = 0
@@ -149,4 +151,5 @@ class EngineLoop:
                 self.before_fail(rid)
             self.engine.abort(rid)
             req.finish_reason = "error"
+            self.log.event("failed", rid, logging.ERROR, reason=reason, output_tokens=len(req.output_ids))
             self.publish(TokenEvent(rid, [], [], "error", req))

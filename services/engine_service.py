@@ -8,7 +8,6 @@ and only then do gRPC health and ``/health`` turn to SERVING / 200. ``stop`` rev
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -22,12 +21,11 @@ from services.common import (
     start_grpc_server,
 )
 from services.engine_loop import EngineLoop
+from services.logs import ServiceLog
 from services.settings import EngineSettings
 from shared.engine import Engine
 from shared.metadata import Heartbeat, Registry, connect
 from shared.telemetry import Telemetry
-
-log = logging.getLogger("eyrie.service")
 
 
 class EngineServicer(Protocol):
@@ -51,6 +49,7 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
                          make_servicer: Callable[[EngineLoop, Telemetry, str], EngineServicer],
                          add_fn: Callable, services: list[str]) -> ServiceHandle:
     instance_id = settings.instance_id or new_instance_id(role)
+    log = ServiceLog(role, instance_id)
     telemetry = ServiceTelemetry(role, instance_id, settings.host, settings.http_port, settings.api_key).start()
     telemetry.set_state("loading")
     started: list[Callable[[], None]] = [telemetry.stop]  # undo list, should start-up fail half-way
@@ -59,7 +58,7 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
             engine = Engine(settings.model, settings.draft, settings.engine_config(), role=role)
         elif engine.role != role:
             raise ValueError(f"a {role} service needs an engine of role {role!r}, got {engine.role!r}")
-        loop = EngineLoop(engine)
+        loop = EngineLoop(engine, log=log)
         servicer = make_servicer(loop, telemetry, instance_id)
         loop.after_step, loop.before_fail = servicer.after_step, servicer.before_fail
         loop.start()
@@ -84,9 +83,10 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
     telemetry.observe_engine(engine)
     set_serving(health, services, True)
     telemetry.set_state("ready")
-    log.info("%s %s serving gRPC on %s, HTTP on %s", role, instance_id, grpc_address, http_address)
+    log.event("started", grpc=grpc_address, http=http_address, **EngineInstanceInfo.facts(engine))
 
     def stop(grace: float = 2.0) -> None:
+        log.event("stopping")
         telemetry.set_state("draining")
         set_serving(health, services, False)
         heartbeat.stop()

@@ -77,7 +77,7 @@ def add_service_commands(sub) -> None:
 def cmd_serve(args) -> int:
     from pydantic import ValidationError
 
-    from services.common import setup_logging
+    from services.logs import setup_logging
     from services.settings import SETTINGS, load_settings
     from shared.request import RequestError
 
@@ -89,7 +89,7 @@ def cmd_serve(args) -> int:
         _fail(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}")
     except (OSError, ValueError) as e:  # unreadable, malformed or misspelt --config
         _fail(f"--config: {e}")
-    setup_logging(settings.log_level, args.role)
+    formatter = setup_logging(settings.log_level, args.role, settings.instance_id or "-")  # JSON lines on stderr
     if not settings.model:
         _fail("model: give --model DIR or EYRIE_MODEL")
     if not (Path(settings.model) / "config.json").exists():
@@ -101,6 +101,7 @@ def cmd_serve(args) -> int:
         handle = start_role(args.role, settings)
     except RequestError as e:
         _fail(str(e))
+    formatter.instance = handle.instance_id  # lines from outside the service's own log (libraries) too
     print(json.dumps({"role": args.role, "instance_id": handle.instance_id, "grpc": handle.grpc_address,
                       "http": handle.http_address}), flush=True)
     _watch_parent(stop)
@@ -143,7 +144,7 @@ class Stack:
 
     def __init__(self, model: str, draft: str | None, redis_url: str | None, router_port: int,
                  openai_port: int | None = None, extra: dict | None = None, env: dict | None = None,
-                 router_extra: dict | None = None):
+                 router_extra: dict | None = None, log_dir: str | Path | None = None):
         self.model, self.draft, self.router_port, self.openai_port = model, draft, router_port, openai_port
         self.extra = extra or {}  # engine flags (prefill and decode)
         self.router_extra = router_extra or {}
@@ -152,6 +153,8 @@ class Stack:
         self.redis_url = redis_url
         self.procs: dict[str, subprocess.Popen] = {}
         self.http: dict[str, str] = {}
+        self.log_dir = Path(log_dir) if log_dir is not None else None  # each service's log: {role}.log there
+        self._logs: list = []
 
     def start(self, timeout: float = 120.0) -> Stack:
         if self.redis_url is None:
@@ -182,7 +185,13 @@ class Stack:
 
     def _spawn(self, role: str, flags: list[str]) -> None:
         cmd = [sys.executable, "-m", "services.cli", "serve", role, *flags]
-        self.procs[role] = subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, start_new_session=True)
+        stderr = None  # the JSON log lines: this terminal's, or a file per service
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            stderr = open(self.log_dir / f"{role}.log", "ab")  # noqa: SIM115 (closed in stop)
+            self._logs.append(stderr)
+        self.procs[role] = subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=stderr,
+                                            start_new_session=True)
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -218,6 +227,9 @@ class Stack:
                 proc.kill()
         if self.redis is not None:
             self.redis.stop()
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
 
 
 def cmd_up(args) -> int:

@@ -48,7 +48,6 @@ from shared.handoff import (
 from shared.request import Phase, Request, RequestError
 from shared.telemetry import Telemetry
 
-log = logging.getLogger("eyrie.decode")
 SERVICES = [full_name("Decode")]
 POLL_S = 0.25
 
@@ -75,6 +74,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     def __init__(self, loop: EngineLoop, settings: DecodeSettings, telemetry: Telemetry, instance_id: str = "",
                  transport: Transport | None = None):
         self.loop, self.settings, self.telemetry = loop, settings, telemetry
+        self.log = loop.log
         self.instance_id = instance_id
         self.schema = HandoffSchema.from_engine(loop.engine)
         self.transport = transport or GrpcStreamTransport()
@@ -86,11 +86,12 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self._reaper.start()
 
     # ---- admission -------------------------------------------------------------------------------
-    def _check_schema(self, msg: pb.HandoffSchema, context) -> None:
+    def _check_schema(self, msg: pb.HandoffSchema, context, rid: str | None = None) -> None:
         try:
             self.schema.check(HandoffSchema.from_pb(msg), me=f"decode {self.instance_id}".strip(), them="prefill")
         except SchemaMismatch as e:
             self.telemetry.errors_total.labels("schema_mismatch").inc()
+            self.log.event("schema_mismatch", rid, logging.WARNING, peer=context.peer(), reason=str(e))
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
     def Handshake(self, request: pb.HandoffSchema, context):  # noqa: N802
@@ -98,8 +99,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         return pb.HandshakeResponse(instance_id=self.instance_id)
 
     def Reserve(self, request: pb.ReserveRequest, context):  # noqa: N802
-        self._check_schema(request.schema, context)
         rid = request.request_id
+        self._check_schema(request.schema, context, rid)
         if not rid:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
         try:
@@ -131,17 +132,21 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             req = self.loop.call(reserve).result()
         except RequestError as e:  # this instance can never hold it (or already has it): place elsewhere
             self.loop.unsubscribe(rid, events)
+            self.log.event("refused", rid, reason=str(e))
             return pb.ReserveResponse(accepted=False, reason=str(e))
         if req is None:
             self.loop.unsubscribe(rid, events)
             free = self.loop.engine.cache.num_free_pages
             self.telemetry.errors_total.labels("decode_full").inc()
-            return pb.ReserveResponse(accepted=False, reason=f"no room now ({free} free target pages, "
-                                                             f"{len(self.loop.engine.scheduler.running)} running)")
+            reason = f"no room now ({free} free target pages, {len(self.loop.engine.scheduler.running)} running)"
+            self.log.event("refused", rid, reason=reason, kind="decode_full")
+            return pb.ReserveResponse(accepted=False, reason=reason)
         inc = Incoming(rid, req, request.committed_len, events,
                        attach_deadline=time.monotonic() + self.settings.stream_attach_timeout_s)
         with self._lock:
             self._incoming[rid] = inc
+        self.log.event("reserved", rid, prompt_tokens=len(request.prompt_ids), committed_len=request.committed_len,
+                       max_new_tokens=params.max_new_tokens)
         return pb.ReserveResponse(accepted=True)
 
     # ---- the transfer ----------------------------------------------------------------------------
@@ -183,7 +188,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             self._drop(opened, "transfer broken")
             context.abort(grpc.StatusCode.CANCELLED, "the transfer broke off")
         except Exception as e:
-            log.exception("transfer failed")
+            self.log.exception("handoff_failed", opened[0].rid if opened else None, reason=str(e))
             self._drop(opened, f"transfer failed: {e}")
             context.abort(grpc.StatusCode.INTERNAL, f"transfer failed: {e}")
 
@@ -198,8 +203,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         dt = time.perf_counter() - t0
         self.telemetry.handoff_bytes_total.inc(received.bytes)
         self.telemetry.handoff_seconds.observe(dt)
-        log.debug("received %d bytes in %d chunks in %.3fs", received.bytes, received.chunks, dt,
-                  extra={"rid": inc.rid})
+        self.log.event("handoff_received", inc.rid, bytes=received.bytes, chunks=received.chunks,
+                       seconds=round(dt, 6))
         return pb.TransferAck(bytes=received.bytes, chunks=received.chunks)
 
     def _drop(self, opened: list[Incoming], reason: str) -> None:
@@ -218,6 +223,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         if inc is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: {rid!r} is not on this decode instance")
         context.add_callback(lambda: self._abort(inc, "the stream's client went away"))  # no-op once finished
+        self.log.event("stream_attached", rid)
+        first = True
         last = time.perf_counter()
         idle_deadline = time.monotonic() + self.settings.stream_idle_timeout_s
         try:
@@ -236,6 +243,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 now = time.perf_counter()
                 if ev.token_ids:
                     self.telemetry.inter_token_seconds.observe((now - last) / len(ev.token_ids))
+                    if first:  # the first token this instance generated (the prefill side sampled the one before)
+                        self.log.event("first_token", rid, tokens=len(ev.token_ids))
+                        first = False
                 last = now
                 msg = pb.GenerateResponse(request_id=rid, token_ids=ev.token_ids, logprobs=ev.logprobs)
                 if ev.finish_reason is not None:
@@ -244,6 +254,12 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                         msg.finish.CopyFrom(finish_message(ev.request))
                     else:
                         msg.finish.reason = ev.finish_reason
+                    if ev.finish_reason != "error":  # an engine error was logged (failed) by the engine loop
+                        spec = msg.finish.spec
+                        self.log.event("finished", rid, reason=ev.finish_reason,
+                                       output_tokens=msg.finish.usage.completion_tokens,
+                                       accept_length=round(spec.accept_length, 4), verify_steps=spec.verify_steps,
+                                       latency_s=round(msg.finish.latency_s, 6))
                     if ev.finish_reason == "error":
                         context.abort(grpc.StatusCode.INTERNAL, f"{rid} failed on the decode instance (engine error)")
                     yield msg
@@ -270,7 +286,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         except Exception:  # the loop stopped (shutdown)
             found = False
         if found:
-            log.info("aborted: %s", reason, extra={"rid": inc.rid})
+            self.log.event("aborted", inc.rid, reason=reason)
             self.telemetry.requests_total.labels("abort").inc()
             inc.events.put(reason)  # an attached stream ends with ABORTED
         if not inc.streaming:

@@ -49,7 +49,6 @@ from shared.handoff.wire import pages_per_chunk
 from shared.request import Request, RequestError
 from shared.telemetry import Telemetry
 
-log = logging.getLogger("eyrie.prefill")
 SERVICES = [full_name("Prefill")]
 POLL_S = 0.25  # how often a waiting RPC checks that its client is still there
 
@@ -85,6 +84,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
     def __init__(self, loop: EngineLoop, settings: PrefillSettings, telemetry: Telemetry,
                  transport: Transport | None = None, channels: ChannelPool | None = None):
         self.loop, self.settings, self.telemetry = loop, settings, telemetry
+        self.log = loop.log
         self.schema = HandoffSchema.from_engine(loop.engine)
         for cache in loop.engine.scheduler.caches:  # a chunk size below one page fails now, not per request
             pages_per_chunk(cache, settings.handoff_chunk_bytes)
@@ -122,10 +122,14 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             self.loop.call(add).result()
         except RequestError as e:
             self._forget(job)
+            self.log.event("refused", rid, field=e.field, message=str(e))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RuntimeError as e:  # the loop stopped under us
             self._forget(job)
+            self.log.event("refused", rid, message=str(e))
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        self.log.event("received", rid, prompt_tokens=len(request.prompt_ids), decode=request.decode_address,
+                       max_new_tokens=params.max_new_tokens)
         try:
             yield from self._run(job, context)
         finally:
@@ -140,12 +144,16 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             reason = ev.finish_reason if isinstance(ev, TokenEvent) else "aborted"
             code = grpc.StatusCode.INTERNAL if reason == "error" else grpc.StatusCode.ABORTED
             context.abort(code, f"request {job.rid} ended during prefill ({reason})")
-        self.telemetry.stage_seconds.labels("prefill").observe(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.telemetry.stage_seconds.labels("prefill").observe(seconds)
         self.telemetry.ttft_seconds.observe(time.perf_counter() - job.req.t_arrival)
+        self.log.event("prefill_done", job.rid, seconds=round(seconds, 6), first_token=ev.token_ids[0],
+                       finish_reason=ev.finish_reason)
         yield pb.PrefillEvent(first_token=pb.FirstToken(token_id=ev.token_ids[0], logprob=ev.logprobs[0],
                                                         finish_reason=ev.finish_reason or ""))
         if ev.finish_reason is not None:  # ended at its first token: nothing to hand off
             self.telemetry.requests_total.labels(ev.finish_reason).inc()
+            self.log.event("finished", job.rid, reason=ev.finish_reason, output_tokens=1)
             return
         outcome = self._next(job, context)
         if outcome is None:
@@ -174,7 +182,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
     def Abort(self, request: pb.AbortRequest, context):  # noqa: N802
         with self._lock:
             job = self._jobs.get(request.request_id)
-        return pb.AbortResponse(found=job is not None and self._abort(job))
+        return pb.AbortResponse(found=job is not None and self._abort(job, "aborted by an Abort call"))
 
     # ---- the hand-off ----------------------------------------------------------------------------
     def after_step(self, engine: Engine) -> None:
@@ -209,6 +217,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             reply = self.client.reserve(address, reserve, timeout)
             if not reply.accepted:
                 self.telemetry.errors_total.labels("decode_full").inc()
+                self.log.event("handoff_refused", job.rid, decode=address, reason=reply.reason)
                 outcome = HandoffOutcome(code=grpc.StatusCode.RESOURCE_EXHAUSTED,
                                          message=f"decode {address} cannot hold the request now: {reply.reason}")
                 return
@@ -216,6 +225,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             ack = self.transport.send(address, job.source, timeout)
             self._release(job, "handed_off")  # only now: the decode side has every byte
             outcome = HandoffOutcome(ack=ack, seconds=time.perf_counter() - t0)
+            self.log.event("handoff_sent", job.rid, decode=address, bytes=ack.bytes, chunks=ack.chunks,
+                           seconds=round(outcome.seconds, 6))
         except TransferCancelled:
             outcome = HandoffOutcome(code=grpc.StatusCode.ABORTED, message=f"{job.rid} was aborted during its hand-off")
         except grpc.RpcError as e:
@@ -225,8 +236,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                             grpc.StatusCode.DEADLINE_EXCEEDED) else grpc.StatusCode.UNAVAILABLE
             outcome = HandoffOutcome(code=code, message=f"hand-off to decode {address} failed: "
                                                         f"{e.code().name}: {e.details()}")
+            self.log.event("handoff_failed", job.rid, logging.WARNING, decode=address, code=code.name,
+                           reason=outcome.message)
         except Exception as e:  # a bug: report it rather than leave the RPC waiting
-            log.exception("hand-off failed", extra={"rid": job.rid})
+            self.log.exception("handoff_failed", job.rid, decode=address, reason=str(e))
             self.telemetry.errors_total.labels("handoff").inc()
             outcome = HandoffOutcome(code=grpc.StatusCode.INTERNAL, message=f"hand-off failed: {e}")
         finally:
@@ -245,10 +258,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         try:
             self.loop.call(release).result(timeout=30)
         except Exception as e:  # the loop stopped (shutdown): the pages go with the process
-            log.warning("could not release %s: %s", job.rid, e)
+            self.log.warning("release_failed", job.rid, reason=str(e))
 
     # ---- aborts and clean-up ---------------------------------------------------------------------
-    def _abort(self, job: Job) -> bool:
+    def _abort(self, job: Job, reason: str) -> bool:
         """Abort the job's request wherever it is; True if it was still running."""
         if job.source is not None:
             job.source.guard.cancel()  # stop the transfer early (it touches the pages no more)
@@ -266,12 +279,13 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             return False
         if found:
             self.telemetry.requests_total.labels("abort").inc()
+            self.log.event("aborted", job.rid, reason=reason)
             job.events.put(TokenEvent(job.rid, [], [], "abort"))  # a waiting RPC ends at once
         return found
 
     def _end(self, job: Job) -> None:
         """RPC termination callback (normal end, error, or the client went away)."""
-        self._abort(job)  # a no-op once the request was handed off or released
+        self._abort(job, "the Prefill call ended (client gone or cancelled)")  # no-op once handed off or released
         self._forget(job)
 
     def _forget(self, job: Job) -> None:
@@ -304,6 +318,6 @@ class PrefillServicer(pb_grpc.PrefillServicer):
 
 def start_prefill(settings: PrefillSettings, engine: Engine | None = None) -> ServiceHandle:
     def make(loop: EngineLoop, telemetry: Telemetry, instance_id: str) -> PrefillServicer:
-        return PrefillServicer(loop, settings, telemetry)
+        return PrefillServicer(loop, settings, telemetry)  # its log is the loop's (service and instance)
 
     return start_engine_service("prefill", settings, engine, make, pb_grpc.add_PrefillServicer_to_server, SERVICES)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import logging
 import math
 import threading
 import time
@@ -47,8 +46,6 @@ import grpc
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from services.settings import RouterSettings
 from shared.request import RequestError
-
-log = logging.getLogger("eyrie.router.openai")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 UINT32_MAX, INT32_MAX, UINT64_MAX = 2**32 - 1, 2**31 - 1, 2**64 - 1
@@ -443,7 +440,7 @@ class OpenAIHandler(BaseHTTPRequestHandler):
     server_version = "eyrie"
 
     def log_message(self, format, *args):  # noqa: A002 - the base class's signature
-        log.debug("%s %s", self.address_string(), format % args)
+        self.server.core.log.debug("http_access", peer=self.address_string(), line=format % args)
 
     # ---- dispatch ----
     def do_GET(self):  # noqa: N802
@@ -492,7 +489,7 @@ class OpenAIHandler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
         except Exception as e:  # a bug here must not take the server thread down
-            log.exception("OpenAI HTTP request failed")
+            self.server.core.log.exception("http_error", method=method, path=path)
             self._send_error(ApiError(500, f"internal error: {e}", code="internal"))
 
     def _check_method(self, method: str, allowed: tuple[str, ...]) -> None:
@@ -570,7 +567,7 @@ class OpenAIHandler(BaseHTTPRequestHandler):
             else:
                 self._complete(rid, parsed, gen, first)
         except (BrokenPipeError, ConnectionResetError):
-            log.info("client went away", extra={"rid": rid})
+            core.log.event("client_gone", rid)
             self.close_connection = True
             core.abort(rid)
             raise
@@ -702,7 +699,8 @@ class OpenAIHandler(BaseHTTPRequestHandler):
 
     def _send_error(self, e: ApiError) -> None:
         if e.status >= 500:
-            log.warning("OpenAI HTTP %d: %s", e.status, e.message)
+            self.server.core.log.warning("http_error", status=e.status, message=e.message,
+                                         path=self.path.split("?", 1)[0])
         headers = {}
         if e.status == 401:
             headers["WWW-Authenticate"] = 'Bearer realm="eyrie"'
@@ -723,7 +721,7 @@ def start_openai_server(core, settings: RouterSettings) -> tuple[OpenAIServer, i
     server = OpenAIServer((settings.host, settings.openai_port or 0), core, settings)
     port = server.server_address[1]
     threading.Thread(target=server.serve_forever, name="router-openai-http", daemon=True).start()
-    log.info("OpenAI-compatible HTTP on %s:%d", settings.host, port)
+    core.log.event("openai_http_started", address=f"{settings.host}:{port}")
     return server, port
 
 

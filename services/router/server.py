@@ -13,7 +13,6 @@ is unreachable. Once tokens streamed, a broken decode stream fails the request w
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 import re
 import threading
@@ -38,6 +37,7 @@ from services.common import (
     set_serving,
     start_grpc_server,
 )
+from services.logs import ServiceLog
 from services.settings import RouterSettings
 from shared.handoff import sampling_from_pb, sampling_to_pb
 from shared.metadata import InstanceInfo, Registry, RequestStore, connect
@@ -47,7 +47,6 @@ from shared.request import RequestError
 from shared.sampling import SamplingParams
 from shared.telemetry import Telemetry
 
-log = logging.getLogger("eyrie.router")
 SERVICES = [full_name("Generation")]
 RID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # Router -> service channels: keepalive finds a peer that vanished without closing its sockets.
@@ -184,8 +183,10 @@ class RouterCore:
     """Validation, records, placement and streaming; the gRPC servicer and the OpenAI HTTP layer wrap it."""
 
     def __init__(self, settings: RouterSettings, store: RequestStore, registry: Registry,
-                 tokenizer: Tokenizer | None, model_config: ModelConfig, telemetry: Telemetry | None = None):
+                 tokenizer: Tokenizer | None, model_config: ModelConfig, telemetry: Telemetry | None = None,
+                 instance_id: str = "router"):
         self.settings, self.store, self.registry = settings, store, registry
+        self.log = ServiceLog("router", instance_id)
         self.tokenizer, self.model_config, self.telemetry = tokenizer, model_config, telemetry
         self.max_context = min(settings.max_context or model_config.max_position_embeddings,
                                model_config.max_position_embeddings)
@@ -272,8 +273,10 @@ class RouterCore:
         """
         try:
             rid, ids, params = self.validate(req)
-        except RequestError:
+        except RequestError as e:
             self._count_error("invalid_argument")
+            self.log.event("refused", req.request_id if RID_PATTERN.match(req.request_id) else None,
+                           field=e.field, message=str(e))
             raise
         active = Active(rid, cancelled or threading.Event())
         with self._lock:
@@ -285,7 +288,10 @@ class RouterCore:
                 if self._active.get(rid) is active:
                     del self._active[rid]
             self._count_error("invalid_argument")
+            self.log.event("refused", rid, field="request_id", message="already in use")
             raise RequestError("request_id", f"{rid!r} is already in use (ids are unique until their record expires)")
+        self.log.event("received", rid, prompt_tokens=len(ids), max_new_tokens=params.max_new_tokens,
+                       temperature=params.temperature, text=req.WhichOneof("prompt") == "text")
         t0 = time.perf_counter()
         outcome = "failed"
         try:
@@ -300,7 +306,7 @@ class RouterCore:
             self._end(active, outcome, active.reason or "client went away", None)
             raise
         except Exception as e:
-            log.exception("request failed", extra={"rid": rid})
+            self.log.exception("internal_error", rid, reason=str(e))
             self._end(active, outcome, f"internal error: {e}", grpc.StatusCode.INTERNAL)
             raise RouterError(grpc.StatusCode.INTERNAL, f"internal error: {e}") from e
         finally:
@@ -311,7 +317,10 @@ class RouterCore:
 
     def _end(self, active: Active, state: str, reason: str, code: grpc.StatusCode | None) -> None:
         """Record a failed / aborted end, then free whatever the services still hold for the request."""
-        log.info("request %s: %s", state, reason, extra={"rid": active.rid})
+        self.log.event(state, active.rid, reason=reason, code=code.name if code is not None else None,
+                       output_tokens=active.output_tokens,
+                       prefill=active.prefill.instance_id if active.prefill else None,
+                       decode=active.decode.instance_id if active.decode else None)
         self.store.transition(active.rid, state, error=reason, output_tokens=active.output_tokens)
         if code is not None:
             self._count_error(code.name.lower())
@@ -323,6 +332,7 @@ class RouterCore:
         ttft = time.perf_counter() - t0
         if self.telemetry:
             self.telemetry.ttft_seconds.observe(ttft)
+        self.log.event("first_token", rid, ttft_s=round(ttft, 6))
         detok = Detokenizer(self.tokenizer)
         out = pb.GenerateResponse(request_id=rid, token_ids=[token], text=detok.push([token], bool(finish_reason)))
         if return_logprobs:
@@ -343,6 +353,7 @@ class RouterCore:
         avoid: dict[str, set[str]] = {"prefill": set(), "decode": set()}
         full: set[str] = set()  # decode instances that said "no room now": tried again once all are full
         last_error: RouterError | None = None
+        attempt = 0
         while True:
             self._check_cancelled(active)
             prefill, p_key = self._pick("prefill", avoid["prefill"], len(ids), arrived=True)
@@ -366,6 +377,9 @@ class RouterCore:
                 time.sleep(0.05)
                 continue
             active.prefill, active.decode = prefill, decode
+            attempt += 1
+            self.log.event("placed", active.rid, prefill=prefill.instance_id, decode=decode.instance_id,
+                           attempt=attempt)
             try:
                 self.store.transition(active.rid, "prefilling", prefill_instance=prefill.instance_id,
                                       decode_instance=decode.instance_id)
@@ -376,8 +390,8 @@ class RouterCore:
                 last_error = r.error
                 self._check_cancelled(active)
                 inst = prefill if r.role == "prefill" else decode
-                log.info("%s %s did not take the request (%s): placing again", r.role, inst.instance_id, r.kind,
-                         extra={"rid": active.rid})
+                self.log.event("replaced", active.rid, role=r.role, instance=inst.instance_id, kind=r.kind,
+                               reason=r.error.message)
                 (full if r.kind == "full" else avoid[r.role]).add(inst.instance_id)
                 if time.monotonic() > deadline:
                     raise r.error from None
@@ -405,6 +419,8 @@ class RouterCore:
                     first = (ft.token_id, ft.logprob, ft.finish_reason)
                     if self.telemetry:
                         self.telemetry.stage_seconds.labels("prefill").observe(time.perf_counter() - t1)
+                    self.log.event("prefill_done", rid, prefill=prefill.instance_id,
+                                   seconds=round(time.perf_counter() - t1, 6), finish_reason=ft.finish_reason or None)
                     if ft.finish_reason:
                         return first
                     self.store.transition(rid, "transferring")
@@ -412,6 +428,8 @@ class RouterCore:
                 elif ev.HasField("handed_off") and first is not None:
                     if self.telemetry:
                         self.telemetry.stage_seconds.labels("handoff").observe(time.perf_counter() - t1)
+                    self.log.event("handoff_done", rid, decode=decode.instance_id, bytes=ev.handed_off.bytes,
+                                   seconds=round(ev.handed_off.seconds, 6))
                     self.store.transition(rid, "decoding", handoff_bytes=ev.handed_off.bytes,
                                           handoff_s=round(ev.handed_off.seconds, 6))
                     return first
@@ -489,6 +507,9 @@ class RouterCore:
                                                        "without finishing the request")
 
     def _finished(self, rid: str, finish: pb.Finish) -> None:
+        self.log.event("finished", rid, reason=finish.reason, output_tokens=finish.usage.completion_tokens,
+                       ttft_s=round(finish.ttft_s, 6), latency_s=round(finish.latency_s, 6),
+                       accept_length=round(finish.spec.accept_length, 4))
         self.store.transition(rid, "finished", finish_reason=finish.reason,
                               output_tokens=finish.usage.completion_tokens,
                               accept_length=round(finish.spec.accept_length, 4),
@@ -619,7 +640,7 @@ def start_router(settings: RouterSettings) -> ServiceHandle:
     telemetry = ServiceTelemetry("router", instance_id, settings.host, settings.http_port, settings.api_key).start()
     client = connect(settings.redis_url)
     core = RouterCore(settings, RequestStore(client, settings.request_ttl_s), Registry(client, settings.registry_ttl_s),
-                      tokenizer, model_config, telemetry)
+                      tokenizer, model_config, telemetry, instance_id)
     # gRPC refuses messages over 4x the request limit itself (RESOURCE_EXHAUSTED); between 1x and 4x the
     # router answers INVALID_ARGUMENT naming `request`.
     server, port, health = start_grpc_server(
@@ -632,16 +653,17 @@ def start_router(settings: RouterSettings) -> ServiceHandle:
         try:
             from services.router.openai_http import start_openai_server
         except ImportError:
-            log.warning("OpenAI-compatible HTTP is not available in this build")
+            core.log.warning("openai_http_unavailable")
         else:
             openai_server, openai_port = start_openai_server(core, settings)
             extra["openai_address"] = f"{settings.advertised}:{openai_port}"
     set_serving(health, SERVICES, True)
     telemetry.set_state("ready")
     grpc_address = f"{settings.advertised}:{port}"
-    log.info("router %s serving gRPC on %s, HTTP on %s", instance_id, grpc_address, telemetry.address)
+    core.log.event("started", grpc=grpc_address, http=telemetry.address, openai=extra.get("openai_address"))
 
     def stop(grace: float = 2.0) -> None:
+        core.log.event("stopping")
         telemetry.set_state("draining")
         set_serving(health, SERVICES, False)
         if openai_server is not None:

@@ -208,11 +208,81 @@ def test_api_key_guards_every_grpc_service_and_http_route_of_every_service(redis
 
 
 @pytest.fixture(scope="module")
-def process_stack(tiny_model_dir):
+def process_stack(tiny_model_dir, tmp_path_factory):
     stack = Stack(str(tiny_model_dir / "target"), str(tiny_model_dir / "mtp"), None, free_port(),
-                  extra={"page_size": 4, "chunk_size": 8}).start()
+                  extra={"page_size": 4, "chunk_size": 8}, log_dir=tmp_path_factory.mktemp("logs")).start()
     yield stack
     stack.stop()
+
+
+LOG_KEYS = {"ts", "level", "service", "instance", "rid", "event", "fields"}
+
+
+def service_log(stack, role: str) -> list[dict]:
+    """Every line the service process wrote to its log, each parsed as one JSON object."""
+    lines = (stack.log_dir / f"{role}.log").read_text().splitlines()
+    out = [json.loads(line) for line in lines]
+    assert out and all(set(obj) == LOG_KEYS for obj in out), lines[:3]
+    assert {obj["service"] for obj in out} == {role}
+    return out
+
+
+def events(stack, role: str, rid: str) -> list[dict]:
+    return [x for x in service_log(stack, role) if x["rid"] == rid]
+
+
+def test_every_service_logs_json_lines_with_the_request_id(process_stack):
+    """The service processes' own log output (stderr): one JSON object per line, and for a finished, an aborted
+    and a refused request every lifecycle event of each service, carrying the request id and the reason."""
+    stack = process_stack
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(stack.router_address))
+    ok = pb.GenerateRequest(request_id="logged-ok", token_ids=pb.TokenIds(ids=list(range(3, 30))),
+                            sampling=pb.SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert sum(len(m.token_ids) for m in stub.Generate(ok, timeout=60)) == 8
+    long = pb.GenerateRequest(request_id="logged-abort", token_ids=pb.TokenIds(ids=list(range(3, 30))),
+                              sampling=pb.SamplingParams(max_new_tokens=2000, ignore_eos=True))
+    with pytest.raises(grpc.RpcError) as err:
+        for i, _ in enumerate(stub.Generate(long, timeout=60)):
+            if i == 2:
+                assert stub.Abort(pb.AbortRequest(request_id="logged-abort"), timeout=10).found
+    assert err.value.code() == grpc.StatusCode.ABORTED
+    with pytest.raises(grpc.RpcError):
+        list(stub.Generate(pb.GenerateRequest(request_id="logged-bad", text="hi",
+                                              sampling=pb.SamplingParams(temperature=-1)), timeout=30))
+    rec = RequestStore(connect(stack.redis_url)).get("logged-ok")
+
+    router = events(stack, "router", "logged-ok")
+    assert [x["event"] for x in router] == ["received", "placed", "prefill_done", "handoff_done", "first_token",
+                                            "finished"]
+    assert router[1]["fields"]["prefill"] == rec["prefill_instance"] == router[2]["fields"]["prefill"]
+    assert router[1]["fields"]["decode"] == rec["decode_instance"]
+    assert router[-1]["fields"]["reason"] == "length" and router[-1]["fields"]["output_tokens"] == 8
+    prefill = events(stack, "prefill", "logged-ok")
+    assert [x["event"] for x in prefill] == ["received", "prefill_done", "handoff_sent"]
+    assert {x["instance"] for x in prefill} == {rec["prefill_instance"]}
+    assert prefill[-1]["fields"]["bytes"] == int(rec["handoff_bytes"]) > 0
+    decode = events(stack, "decode", "logged-ok")
+    assert [x["event"] for x in decode] == ["reserved", "handoff_received", "stream_attached", "first_token",
+                                            "finished"]
+    assert {x["instance"] for x in decode} == {rec["decode_instance"]}
+    assert decode[1]["fields"]["bytes"] == int(rec["handoff_bytes"]) and decode[-1]["fields"]["reason"] == "length"
+    ts = [x["ts"] for x in router]
+    assert ts == sorted(ts)
+
+    (aborted,) = [x for x in events(stack, "router", "logged-abort") if x["event"] == "aborted"]
+    assert aborted["fields"]["reason"] == "aborted by an Abort call" and aborted["fields"]["code"] == "ABORTED"
+    deadline = time.monotonic() + 10  # the decode side hears of it through the router's Abort call
+    while not any(x["event"] == "aborted" for x in events(stack, "decode", "logged-abort")):
+        assert time.monotonic() < deadline, "the decode service did not log the abort"
+        time.sleep(0.1)
+    (refused,) = events(stack, "router", "logged-bad")
+    assert refused["event"] == "refused" and refused["fields"]["field"] == "sampling.temperature"
+    assert not events(stack, "prefill", "logged-bad") and not events(stack, "decode", "logged-bad")
+    lifecycle = {"received", "placed", "prefill_done", "handoff_done", "handoff_sent", "handoff_received",
+                 "first_token", "finished", "failed", "aborted", "refused", "reserved", "stream_attached"}
+    for role in ("router", "prefill", "decode"):
+        assert all(x["rid"] for x in service_log(stack, role) if x["event"] in lifecycle)
+        assert {x["event"] for x in service_log(stack, role)} >= {"started"}
 
 
 def test_kill_9_of_decode_mid_stream(process_stack):
@@ -234,6 +304,8 @@ def test_kill_9_of_decode_mid_stream(process_stack):
     times = [t for _, t in rec["transitions"]]
     assert all(a < b for a, b in zip(times, times[1:]))
     assert int(rec["output_tokens"]) >= seen >= 3
+    (failed,) = [x for x in events(stack, "router", "killed-1") if x["event"] == "failed"]
+    assert "mid-stream" in failed["fields"]["reason"] and failed["fields"]["code"] == "UNAVAILABLE"
     _, text = http_get(stack.http["prefill"], "/metrics")
     assert metric(text, "eyrie_kv_pages_used", cache="target") == 0  # the survivor's pool is full
     assert metric(text, "eyrie_requests_running") == 0
