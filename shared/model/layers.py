@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fused import rope_store
-from kernels.gemv import add_rmsnorm_linear, linear, silu_mul_linear
+from kernels.extend_attention import extend_attention
+from kernels.fused import rope_store, silu_mul
+from kernels.gemv import linear
 from kernels.norm_rope import apply_rope, rms_norm
 from shared.batch import ForwardBatch
 from shared.model.config import ModelConfig, RopeConfig
@@ -61,6 +62,17 @@ class RotaryEmbedding(nn.Module):
         return apply_rope(q, k, *batch.cos_sin)
 
 
+# Causal batches whose longest request has at least this many queries (prefill chunks) run the
+# extend kernel on CUDA; decode, verify and draft steps keep the paged kernel.
+EXTEND_MIN_Q = 64
+
+
+def _long_extend(q: torch.Tensor, batch: ForwardBatch) -> bool:
+    meta = batch.attn
+    return (q.is_cuda and meta.custom_mask is None and meta.max_q_len is not None
+            and meta.max_q_len >= EXTEND_MIN_Q)
+
+
 def attention_fn():
     """The paged attention entry point: Triton on CUDA, the torch reference elsewhere."""
     try:
@@ -104,27 +116,25 @@ class Attention(nn.Module):
         return linear(x, self.qkv_weight, self.qkv_bias).split([qd, kd, kd], dim=-1)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
-        if self.qkv_weight is not None:  # fused: one GEMM, then RoPE + the K/V store in one launch
-            return self.forward_qkv(linear(x, self.qkv_weight, self.qkv_bias), batch, cache)
         T = x.shape[0]
         k_cache, v_cache = cache.k[self.cache_layer], cache.v[self.cache_layer]
-        q, k, v = self._qkv(x)
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(batch, q, k)
-        k_cache[batch.out_cache_loc] = k.to(k_cache.dtype)
-        v_cache[batch.out_cache_loc] = v.reshape(T, self.num_kv_heads, self.head_dim).to(v_cache.dtype)
-        o = self._attend(q, k_cache, v_cache, batch.attn, self.scale)
-        return linear(o.reshape(T, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
-
-    def forward_qkv(self, qkv: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
-        """The rest of the fused forward from the q/k/v projection's output."""
-        T = qkv.shape[0]
-        k_cache, v_cache = cache.k[self.cache_layer], cache.v[self.cache_layer]
-        if batch.cos_sin is None:
-            batch.cos_sin = self.rotary.cos_sin(batch.positions)
-        q = rope_store(qkv, *batch.cos_sin, k_cache, v_cache, batch.out_cache_loc, self.num_heads,
-                       self.num_kv_heads)
+        if self.qkv_weight is not None:  # fused: one GEMM, then RoPE + the K/V store in one launch
+            if batch.cos_sin is None:
+                batch.cos_sin = self.rotary.cos_sin(batch.positions)
+            qkv = linear(x, self.qkv_weight, self.qkv_bias)
+            q = rope_store(qkv, *batch.cos_sin, k_cache, v_cache, batch.out_cache_loc, self.num_heads,
+                           self.num_kv_heads)
+            if _long_extend(q, batch):  # prefill chunks: this step's K/V read densely (TMA), not by slot
+                loc = batch.out_cache_loc
+                o = extend_attention(q, k_cache[loc], v_cache[loc], k_cache, v_cache, batch.attn, self.scale)
+                return linear(o.reshape(T, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
+        else:
+            q, k, v = self._qkv(x)
+            q = q.reshape(T, self.num_heads, self.head_dim)
+            k = k.reshape(T, self.num_kv_heads, self.head_dim)
+            q, k = self.rotary(batch, q, k)
+            k_cache[batch.out_cache_loc] = k.to(k_cache.dtype)
+            v_cache[batch.out_cache_loc] = v.reshape(T, self.num_kv_heads, self.head_dim).to(v_cache.dtype)
         o = self._attend(q, k_cache, v_cache, batch.attn, self.scale)
         return linear(o.reshape(T, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
 
@@ -145,7 +155,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return silu_mul_linear(linear(x, self.gate_up_weight), self.down_proj.weight)
+        return linear(silu_mul(linear(x, self.gate_up_weight)), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -165,34 +175,21 @@ class DecoderLayer(nn.Module):
 
     def forward_deferred(self, out: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                          cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The same layer with the residual add deferred into the next layer's pre-norm, and each
-        pre-norm folded into the projection after it (``kernels.gemv``): per layer, q/k/v (+ add +
-        norm), RoPE + K/V store, attention, o, gate/up (+ add + norm), down (+ SiLU-mul).
+        """The same layer with the residual add deferred into the next RMSNorm (one launch fewer).
 
         The layer's input is ``out + residual`` (``residual`` None: ``out`` itself, the first layer);
         returns ``(mlp_out, residual, layer_input)`` where the next layer's input is
         ``mlp_out + residual``. Same arithmetic as ``forward``: the sum is rounded to the activation
         dtype before the norm, exactly as ``x + mlp`` was.
         """
-        attn, mlp = self.self_attn, self.mlp
         if residual is None:
             x = out
             h = self.input_layernorm(x) if self.input_layernorm is not None else x
-            a = attn(h, batch, cache)
-        elif attn.qkv_weight is not None:  # the add + norm folded into the q/k/v projection
-            ln = self.input_layernorm
-            qkv, x = add_rmsnorm_linear(out, residual, ln.weight, ln.eps, attn.qkv_weight, attn.qkv_bias)
-            a = attn.forward_qkv(qkv, batch, cache)
         else:
             h, x = self.input_layernorm.add_forward(out, residual)
-            a = attn(h, batch, cache)
         layer_input = x
-        if mlp.gate_up_weight is not None:  # ... and into the gate/up projection
-            ln = self.post_attention_layernorm
-            gate_up, x = add_rmsnorm_linear(a, x, ln.weight, ln.eps, mlp.gate_up_weight)
-            return silu_mul_linear(gate_up, mlp.down_proj.weight), x, layer_input
-        h, x = self.post_attention_layernorm.add_forward(a, x)
-        return mlp(h), x, layer_input
+        h, x = self.post_attention_layernorm.add_forward(self.self_attn(h, batch, cache), x)
+        return self.mlp(h), x, layer_input
 
 
 def fuse_projections(module: nn.Module) -> nn.Module:

@@ -43,39 +43,3 @@ def test_config_gives_enough_programs():
         block_n, block_k, _, _ = choose_config(1, n, k, 132)
         assert -(-n // block_n) >= 132  # at least one program per SM
         assert block_k * 2 >= 512  # wide loads
-
-
-@pytest.mark.parametrize("rows", [1, 5])
-def test_silu_mul_linear_equals_the_two_steps(rows):
-    """The down projection reading silu(gate) * up in its prologue == silu_mul then linear."""
-    from kernels.fused import silu_mul_ref
-    from kernels.gemv import silu_mul_linear
-
-    torch.manual_seed(rows)
-    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
-    gate_up = torch.randn(rows, 2 * 48, device=DEVICE, dtype=dtype)
-    w = torch.randn(40, 48, device=DEVICE, dtype=dtype)
-    got = silu_mul_linear(gate_up, w, backend="triton", config=(16, 32, 4, 2))
-    ref = linear_ref(silu_mul_ref(gate_up).double(), w.double())
-    assert ((got.double() - ref).norm() / ref.norm()).item() < (1e-5 if dtype == torch.float32 else 2e-2)
-
-
-@pytest.mark.parametrize("rows", [1, 5])
-@pytest.mark.parametrize("k", [64, 50], ids=["even", "ragged"])
-def test_add_rmsnorm_linear_equals_the_two_steps(rows, k):
-    """The pre-norm folded into the projection: same output and the same residual sum, written once."""
-    from kernels.gemv import add_rmsnorm_linear
-    from kernels.norm_rope import rms_norm_ref
-
-    torch.manual_seed(rows + k)
-    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
-    x = torch.randn(rows, k, device=DEVICE, dtype=dtype)
-    res = torch.randn(rows, k, device=DEVICE, dtype=dtype)
-    nw = torch.rand(k, device=DEVICE, dtype=dtype) + 0.5
-    w = torch.randn(72, k, device=DEVICE, dtype=dtype)
-    b = torch.randn(72, device=DEVICE, dtype=dtype)
-    got, summed = add_rmsnorm_linear(x, res, nw, 1e-5, w, b, backend="triton", config=(16, 32, 4, 2))
-    normed, ref_sum = rms_norm_ref(x, nw, 1e-5, res)
-    ref = linear_ref(normed.double(), w.double(), b.double())
-    assert torch.equal(summed, ref_sum)  # the same additions, rounded the same way
-    assert ((got.double() - ref).norm() / ref.norm()).item() < (1e-5 if dtype == torch.float32 else 2e-2)

@@ -1,0 +1,360 @@
+"""Causal extend / chunked-prefill attention in Triton, with this step's K/V read unpaged (TMA on Hopper).
+
+The contract is that of ``kernels.attention_ref.paged_attention_ref`` restricted to causal metadata
+(``custom_mask is None``): request ``b`` owns query rows ``q[qo_indptr[b]:qo_indptr[b+1]]`` and key
+slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``; the first ``prefix_lens[b]`` slots are the cached
+prefix, which every query of ``b`` sees, and the remaining ``q_len`` slots hold this step's tokens,
+query ``j`` seeing this-step keys ``0..j``. ``extend_attention`` returns what the reference returns,
+but reads the two parts of the keys differently:
+
+* the **prefix** is gathered from the token-major caches ``k_cache/v_cache [num_slots, Hkv, D]``
+  through ``kv_indices`` (pointer loads; any page size);
+* **this step's** keys come from ``k_new/v_new [T, Hkv, D]``, the same (already rotated) rows that
+  were written into the cache, row-aligned with ``q`` (key ``j`` of request ``b`` is row
+  ``qo_indptr[b] + j``). These rows are dense, so on sm90+ they (and the query tile) are loaded with
+  tensor descriptors (TMA, ``triton.tools.tensor_descriptor.TensorDescriptor`` built on the host)
+  over the 2-D view ``[T, H * D]``; elsewhere with plain pointer loads.
+
+How the kernel is laid out (FlashAttention-2 style):
+
+* One program owns ``BLOCK_M`` consecutive query tokens of one request and ONE query head (no GQA
+  packing: the diagonal stays ``BLOCK_M`` tokens wide and the query tile is a single TMA box). The
+  grid is ``(B * Hq, query blocks)`` with the head fastest, so the ``G`` query heads that share a KV
+  head run side by side and find its tiles in L2.
+* Causal load balance: program ``(.., j)`` takes the request's ``j``-th query block counted from the
+  END, so the blocks with the most keys are dispatched first and the short ones fill the tail.
+* Each program walks its keys in five runs, paying for masks only where needed:
+    1. full prefix tiles                (gathered, no mask)
+    2. the prefix's last partial tile   (gathered, bounds mask)
+    3. this-step keys ``[0, m0)``       (TMA, no mask; ``m0`` = the block's first query; the bulk;
+                                         optionally warp-specialised)
+    4. full diagonal tiles              (TMA, causal mask)
+    5. the diagonal's last partial tile (pointer loads, causal + bounds mask)
+  Run 5 exists only in a request's last query block when ``q_len`` is not a multiple of
+  ``BLOCK_N``; loading it with masks means no key or value row outside the request is ever read
+  (rows of ``k_new/v_new`` that belong to no request, e.g. CUDA-graph padding, may hold anything).
+* ``BLOCK_N`` divides ``BLOCK_M``, so runs 3 and 4 cover whole tiles. Softmax is online, in float32,
+  in the exp2 domain (``sm_scale * log2(e)`` folded into one multiply-add). Every row sees at least
+  one key in the first tile it processes, so the running max is finite from the first tile on.
+* The output is stored with masked pointer stores (a TMA store of a partial block would write into
+  the next request's rows). Query rows that belong to no request are left unwritten.
+
+No host synchronisation: the grid comes from Python ints only (``meta.max_q_len``, else the host
+copy ``qo_indptr_cpu``, else q's row count), so a call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention_ref import AttentionMetadata, paged_attention_ref
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a dependency, but keep the reference usable
+    triton = None
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - Triton < 3.4: pointer loads only
+    TensorDescriptor = None
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    """Launch parameters of one call; ``choose_extend_config`` picks them, benchmarks may override them."""
+
+    block_m: int  # query tokens (of one head) per program
+    block_n: int  # keys per inner iteration; must divide block_m
+    num_warps: int
+    num_stages: int
+    tma: bool  # this step's K/V and the query tile through tensor descriptors (else pointer loads)
+    warp_specialize: bool = False  # tl.range(warp_specialize=True) on the main (run 3) loop
+
+
+# Default launch on sm90 for 16-bit inputs with head_dim <= 128 and a chunk of more than 64 tokens:
+# the best of ``python bench/bench_extend.py --tune`` on an H100 (2026-11-23, 8192 tokens, 32/8 heads
+# x 128, bf16): 64 x 64 tiles, 4 warps, 3 stages, 526 TFLOP/s; 128 x 128 / 8 warps / 3 stages 486,
+# 128 x 128 / 8 warps / 2 stages 426 (docs/benchmarks.md).
+# Compiled for sm90 (Triton 3.9, bf16, D=128): 253 registers, no spills, 161 KiB shared memory
+# (3 stages: 225 KiB, just under the 227 KiB limit). 4 warps for 128 query rows spill registers.
+HOPPER_CONFIG = ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True)
+# Without tensor descriptors (pre-Hopper GPUs): 64 KiB of shared memory (sm80: 255 registers, a small spill).
+POINTER_CONFIG = ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=False)
+
+
+if triton is not None:
+    @triton.jit
+    def _load_rows(ptr, rows, stride_row, col, offs_d, row_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   CHECK_ROWS: tl.constexpr, UPCAST: tl.constexpr):
+        """x[rows, col:col + HEAD_DIM] as a [len(rows), BLOCK_D] tile; masked rows / padded columns read 0."""
+        ptrs = ptr + rows[:, None] * stride_row + col + offs_d[None, :]
+        if CHECK_ROWS:
+            x = tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            x = tl.load(ptrs)
+        if UPCAST:  # the CPU interpreter's tl.dot mishandles bfloat16 operands: compute them in float32
+            x = x.to(tl.float32)
+        return x
+
+    @triton.jit
+    def _load_new(desc, ptr, row0, offs_n, stride_row, head, stride_head, offs_d, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr):
+        """A full tile of this step's rows ``row0 + offs_n`` (all inside the request) of one head of k_new / v_new."""
+        if USE_TMA:  # the descriptor views the tensor as [T, H * HEAD_DIM]
+            x = desc.load([row0.to(tl.int32), head * HEAD_DIM])
+            if UPCAST:
+                x = x.to(tl.float32)
+        else:
+            x = _load_rows(ptr, row0 + offs_n, stride_row, head * stride_head, offs_d, offs_n, HEAD_DIM, BLOCK_D,
+                           False, UPCAST)
+        return x
+
+    @triton.jit
+    def _softmax_step(acc, m_i, l_i, s, v, visible, qk_scale, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+        """Fold one tile of raw scores ``s = q k^T`` [BLOCK_M, BLOCK_N] and its values into the online softmax."""
+        if MASKED:
+            s = tl.where(visible, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)  # m_i = -inf on the first tile: alpha = 0
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        return acc, m_new, l_i
+
+    @triton.jit
+    def _extend_kernel(Q, QD, Kn, KnD, Vn, VnD, Kc, Vc, O,
+                       qo_indptr, kv_indptr, kv_indices, prefix_lens,
+                       qk_scale, num_q_heads,
+                       stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                       stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
+                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
+                       WARP_SPEC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        bh = tl.program_id(0)
+        b = bh // num_q_heads
+        h = bh % num_q_heads
+        kvh = h // GROUP
+        q_start = tl.load(qo_indptr + b)
+        q_len = tl.load(qo_indptr + b + 1) - q_start
+        n_blocks = tl.cdiv(q_len, BLOCK_M)
+        j = tl.program_id(1)
+        if j >= n_blocks:  # this request has fewer query blocks than the static grid
+            return
+        m0 = (n_blocks - 1 - j) * BLOCK_M  # longest blocks first
+        kv_start = tl.load(kv_indptr + b)
+        prefix = tl.load(prefix_lens + b)
+
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        tok = m0 + offs_m  # query index inside the request
+        row_ok = tok < q_len
+        if USE_TMA:
+            # Rows past the request are other requests' tokens (or TMA's zero fill past T): they only
+            # produce output rows that are never stored, since rows never mix.
+            q = QD.load([(q_start + m0).to(tl.int32), h * HEAD_DIM])
+            if UPCAST:
+                q = q.to(tl.float32)
+        else:
+            q = _load_rows(Q, q_start + tok, stride_qt, h * stride_qh, offs_d, row_ok, HEAD_DIM, BLOCK_D, True, UPCAST)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+        # 1. Full prefix tiles, gathered through kv_indices: every query sees every prefix key.
+        prefix_full = (prefix // BLOCK_N) * BLOCK_N
+        for start in range(0, prefix_full, BLOCK_N):
+            slot = tl.load(kv_indices + kv_start + start + offs_n)
+            k = _load_rows(Kc, slot, stride_kct, kvh * stride_kch, offs_d, offs_n, HEAD_DIM, BLOCK_D, False, UPCAST)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            v = _load_rows(Vc, slot, stride_vct, kvh * stride_vch, offs_d, offs_n, HEAD_DIM, BLOCK_D, False, UPCAST)
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, None, qk_scale, False, PRECISION)
+        # 2. The prefix's partial last tile; keys past the prefix read nothing (K and V masked to 0).
+        if prefix_full < prefix:
+            n_ok = prefix_full + offs_n < prefix
+            slot = tl.load(kv_indices + kv_start + prefix_full + offs_n, mask=n_ok, other=0)
+            k = _load_rows(Kc, slot, stride_kct, kvh * stride_kch, offs_d, n_ok, HEAD_DIM, BLOCK_D, True, UPCAST)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            v = _load_rows(Vc, slot, stride_vct, kvh * stride_vch, offs_d, n_ok, HEAD_DIM, BLOCK_D, True, UPCAST)
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, n_ok[None, :], qk_scale, True, PRECISION)
+
+        # 3. This step's keys before the block's first query: seen by every row, no mask.
+        for start in tl.range(0, m0, BLOCK_N, warp_specialize=WARP_SPEC):
+            k = _load_new(KnD, Kn, q_start + start, offs_n, stride_knt, kvh, stride_knh, offs_d, HEAD_DIM, BLOCK_D,
+                          USE_TMA, UPCAST)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            v = _load_new(VnD, Vn, q_start + start, offs_n, stride_vnt, kvh, stride_vnh, offs_d, HEAD_DIM, BLOCK_D,
+                          USE_TMA, UPCAST)
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, None, qk_scale, False, PRECISION)
+
+        # 4. Full tiles of the diagonal: key j visible to query tok iff j <= tok.
+        q_end = tl.minimum(m0 + BLOCK_M, q_len)
+        diag_full = m0 + ((q_end - m0) // BLOCK_N) * BLOCK_N
+        for start in range(m0, diag_full, BLOCK_N):
+            k = _load_new(KnD, Kn, q_start + start, offs_n, stride_knt, kvh, stride_knh, offs_d, HEAD_DIM, BLOCK_D,
+                          USE_TMA, UPCAST)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            v = _load_new(VnD, Vn, q_start + start, offs_n, stride_vnt, kvh, stride_vnh, offs_d, HEAD_DIM, BLOCK_D,
+                          USE_TMA, UPCAST)
+            visible = (start + offs_n)[None, :] <= tok[:, None]
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, visible, qk_scale, True, PRECISION)
+        # 5. The diagonal's partial last tile (the request ends inside it): masked pointer loads.
+        if diag_full < q_end:
+            key = diag_full + offs_n
+            n_ok = key < q_len
+            k = _load_rows(Kn, q_start + key, stride_knt, kvh * stride_knh, offs_d, n_ok, HEAD_DIM, BLOCK_D, True,
+                           UPCAST)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            v = _load_rows(Vn, q_start + key, stride_vnt, kvh * stride_vnh, offs_d, n_ok, HEAD_DIM, BLOCK_D, True,
+                           UPCAST)
+            visible = (key[None, :] <= tok[:, None]) & n_ok[None, :]
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, visible, qk_scale, True, PRECISION)
+
+        out = acc / l_i[:, None]  # l_i >= 1 on every row: its running max came from a visible key
+        row = q_start + tok
+        tl.store(O + row[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+@functools.lru_cache(maxsize=8)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def _static_max_q_len(q: torch.Tensor, meta: AttentionMetadata) -> int:
+    """An upper bound on any request's query count, known on the host without reading the device."""
+    if meta.max_q_len is not None:
+        return meta.max_q_len
+    if meta.qo_indptr_cpu is not None:
+        qo = meta.qo_indptr_cpu
+        return max((qo[i + 1] - qo[i] for i in range(len(qo) - 1)), default=0)
+    return q.shape[0]
+
+
+def _rows_view_ok(x: torch.Tensor) -> bool:
+    """Can ``x [T, H, D]`` be described as the 2-D TMA tensor ``[T, H * D]`` (strides ``[x.stride(0), 1]``)?"""
+    d = x.shape[2]
+    return (x.shape[0] > 0 and x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == d)
+            and x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0)
+
+
+def tma_supported(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> bool:
+    """Tensor descriptors for q / k_new / v_new: sm90+ (or the interpreter), a power-of-two head dim of
+    at least 16 bytes, 16-byte aligned bases and row strides, heads packed next to each other."""
+    if TensorDescriptor is None:
+        return False
+    if q.is_cuda and _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())[0] < 9:
+        return False
+    d = q.shape[2]
+    if d & (d - 1) or d * q.element_size() < 16:
+        return False
+    return all(_rows_view_ok(x) for x in (q, k_new, v_new))
+
+
+def choose_extend_config(q: torch.Tensor, max_q_len: int, tma: bool) -> ExtendConfig:
+    """Tile sizes: ``HOPPER_CONFIG`` (``POINTER_CONFIG`` without descriptors) for 16-bit inputs with
+    head_dim <= 128 and long chunks, smaller tiles for short chunks, float32 and big heads; the
+    interpreter gets small tiles (fast tests)."""
+    d = q.shape[2]
+    if not q.is_cuda:
+        bm = 32 if max_q_len > 16 else 16
+        return ExtendConfig(block_m=bm, block_n=16, num_warps=4, num_stages=1, tma=tma)
+    if q.dtype == torch.float32:
+        return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, tma=tma)
+    if d > 128:
+        return ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, tma=tma)
+    if max_q_len <= 64:
+        return ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=3 if tma else 2, tma=tma)
+    return HOPPER_CONFIG if tma else POINTER_CONFIG
+
+
+def _use_triton(q: torch.Tensor, backend: str) -> bool:
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
+    return triton is not None and (backend == "triton" or (backend == "auto" and q.is_cuda))
+
+
+def _rows_descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    t, heads, d = x.shape
+    return TensorDescriptor(x, [t, heads * d], [x.stride(0), 1], [block_rows, d])
+
+
+def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, meta: AttentionMetadata, sm_scale: float, *, backend: str = "auto",
+                     out: torch.Tensor | None = None, config: ExtendConfig | None = None) -> torch.Tensor:
+    """o [T, Hq, D] equal to ``paged_attention_ref(q, k_cache, v_cache, meta, sm_scale)`` for causal metadata.
+
+    ``k_new / v_new [T, Hkv, D]`` are this step's keys and values (already rotated), row-aligned with
+    ``q`` and equal to what the cache holds at this step's slots; the prefix comes from the caches.
+    ``backend``: "auto" runs Triton on CUDA tensors and the torch reference otherwise, "triton" forces
+    the kernel (the CPU interpreter in tests), "torch" the reference. ``config`` overrides the launch
+    choice (tests, benchmarks); ``out`` is an optional contiguous [T, Hq, D] destination of q's dtype.
+    Rows of ``q`` that belong to no request are left unwritten.
+    """
+    if meta.custom_mask is not None:
+        raise ValueError("extend_attention is causal only (custom_mask must be None); use paged_attention")
+    T, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if k_new.shape != (T, hkv, d) or v_new.shape != (T, hkv, d):
+        raise ValueError(f"k_new / v_new must be [{T}, {hkv}, {d}], got {tuple(k_new.shape)} / {tuple(v_new.shape)}")
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv heads")
+    if not _use_triton(q, backend) or T == 0 or meta.batch_size == 0:
+        ref = paged_attention_ref(q, k_cache, v_cache, meta, sm_scale)
+        return ref if out is None else out.copy_(ref)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError("out must be a contiguous tensor of q's shape and dtype")
+    q, k_new, v_new = (x if x.stride(2) == 1 else x.contiguous() for x in (q, k_new, v_new))
+    if k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
+        raise ValueError("the caches need a contiguous head dimension")
+    if k_new.dtype != q.dtype or v_new.dtype != q.dtype or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError("q, k_new, v_new and the caches must share one dtype")
+    max_q = _static_max_q_len(q, meta)
+    can_tma = tma_supported(q, k_new, v_new)
+    cfg = config or choose_extend_config(q, max_q, can_tma)
+    if cfg.tma and not can_tma:
+        raise ValueError("config asks for tensor descriptors, but these tensors / this device cannot use them")
+    if cfg.block_m % cfg.block_n or cfg.block_n < 16:
+        raise ValueError(f"block_n ({cfg.block_n}) must be >= 16 and divide block_m ({cfg.block_m})")
+    n_qblocks = -(-max_q // cfg.block_m)
+    if n_qblocks == 0:
+        return out
+    block_d = max(16, triton.next_power_of_2(d))  # tl.dot needs K, N >= 16
+    if cfg.tma:
+        qd, knd, vnd = (_rows_descriptor(q, cfg.block_m), _rows_descriptor(k_new, cfg.block_n),
+                        _rows_descriptor(v_new, cfg.block_n))
+    else:
+        qd, knd, vnd = q, k_new, v_new  # unused: the pointer path reads the tensors themselves
+    upcast = q.dtype == torch.bfloat16 and not q.is_cuda  # only the interpreter runs off CUDA
+    precision = "ieee" if (q.dtype == torch.float32 or upcast) else "tf32"
+    _extend_kernel[(meta.batch_size * hq, n_qblocks)](
+        q, qd, k_new, knd, v_new, vnd, k_cache, v_cache, out,
+        meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.prefix_lens,
+        sm_scale * LOG2E, hq,
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_TMA=cfg.tma,
+        WARP_SPEC=cfg.warp_specialize, PRECISION=precision, UPCAST=upcast,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+__all__ = ["ExtendConfig", "HOPPER_CONFIG", "POINTER_CONFIG", "choose_extend_config", "extend_attention",
+           "tma_supported"]
