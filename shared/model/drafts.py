@@ -13,10 +13,20 @@ Checkpoint formats:
 * ``eagle``  (SafeAILab EAGLE / SGLang ``LlamaForCausalLMEagle``): ``fc.{weight,bias}`` over
   concat(embedding, feature), ``layers.N.*`` Llama layers (layer 0 without input_layernorm); the
   target's LM head applied to the un-normalised output.
+  SafeAILab's own configs name the plain ``LlamaForCausalLM`` architecture and keep ``embed_tokens``
+  in ``pytorch_model.bin``; such a directory is recognised by its weights (``fc`` + ``layers.N``),
+  and the ``fc`` bias follows the weights (SafeAILab's default is a bias, ``"bias": false`` drops it).
 * ``eagle3`` (SGLang ``LlamaForCausalLMEagle3`` / SpecForge): ``fc.weight`` [H, 3H] fusing the low,
   mid and high target features; ``midlayer.*`` with ``hidden_norm`` and attention over
   concat(norm(embedding), norm(hidden)); ``norm``; ``lm_head`` over a reduced draft vocabulary with
-  ``d2t`` (target id = draft id + d2t[draft id]) and ``t2d``.
+  ``d2t`` (target id = draft id + d2t[draft id]) and ``t2d``. Without ``lm_head.weight`` (SGLang:
+  no ``draft_vocab_size``) the head reads the target's LM head, as SGLang does.
+  The three target features are named by ``eagle_config.eagle_aux_hidden_state_layer_ids`` in
+  SGLang's and SpecForge's convention: id ``k`` is the OUTPUT of target layer ``k`` (the residual
+  stream entering layer ``k + 1``; SGLang's ``set_eagle3_layers_to_capture`` adds 1; SpecForge writes
+  [1, 15, 28] for 32 layers). Without ids, the capture points are SGLang's default: the inputs of
+  layers 2, L//2 and L-3 (``default_aux_layers``). ``aux_layers`` below are always capture points
+  (inputs of layers), what the target's forward takes.
 * ``mtp`` (Eyrie's multi-layer chain, DeepSeek-MTP-like modules): ``layers.N.{enorm,hnorm,eh_proj}``
   then a Llama layer and a per-layer ``norm`` before the target's LM head. Layer i serves draft step
   i and owns its own KV cache.
@@ -135,8 +145,8 @@ class Eagle3Draft(DraftHead):
     def __init__(self, config: ModelConfig, target: LlamaForCausalLM, aux_layers: tuple[int, ...]):
         super().__init__(config, target)
         h = config.hidden_size
-        self.aux_layers = aux_layers
-        self.fc = nn.Linear(len(aux_layers) * self.target_hidden, h, bias=False)
+        self.aux_layers = aux_layers  # capture points: the target's residual stream entering these layers
+        self.fc = nn.Linear(len(aux_layers) * self.target_hidden, h, bias=config.fc_bias)
         self.midlayer = Eagle3Layer(config)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         vd = config.draft_vocab_size or config.vocab_size
@@ -197,21 +207,62 @@ class MultiLayerDraft(DraftHead):
         return DraftOutput(logits=self.target_lm_head(layer.norm(self.rows(x, batch))), hidden=x)
 
 
-def draft_kind(path: str | Path) -> str:
+def draft_kind(path: str | Path, state: dict[str, torch.Tensor] | None = None) -> str:
+    """The head's kind from ``architectures``; a plain ``LlamaForCausalLM`` config (SafeAILab writes
+    its EAGLE heads that way) is told by its weights: ``fc`` + ``midlayer.*`` (EAGLE-3) or ``fc`` +
+    ``layers.N.*`` (EAGLE). A target checkpoint has neither ``fc`` nor top-level ``layers``."""
     with open(Path(path) / "config.json") as f:
         archs = json.load(f).get("architectures") or []
     for arch in archs:
         if arch in DRAFT_ARCHITECTURES:
             return DRAFT_ARCHITECTURES[arch]
+    if state is not None and "fc.weight" in state:
+        if any(k.startswith("midlayer.") for k in state):
+            return "eagle3"
+        if any(k.startswith("layers.") for k in state):
+            return "eagle"
     raise CheckpointError(f"{path}: architectures {archs} name no known draft head "
-                          f"({sorted(DRAFT_ARCHITECTURES)})")
+                          f"({sorted(DRAFT_ARCHITECTURES)}) and the weights are not an EAGLE head's "
+                          f"(fc.weight with layers.N.* or midlayer.*)")
+
+
+def capture_points(layer_ids, num_layers: int, where: str = "eagle_aux_hidden_state_layer_ids") -> tuple[int, ...]:
+    """SGLang / SpecForge layer ids -> Eyrie capture points (the target layers whose input is taken).
+
+    Id ``k`` names the output of target layer ``k``, i.e. the residual stream entering layer ``k + 1``
+    (SGLang: ``layers_to_capture = [val + 1 for val in layer_ids]``; transformers:
+    ``hidden_states[k + 1]``). Ids run from 0 to L - 2: the output of the last layer is not a layer's
+    input (neither SGLang nor Eyrie's target captures it), and a negative id is no layer at all.
+    """
+    if not isinstance(layer_ids, (list, tuple)) or not layer_ids or not all(
+            isinstance(k, int) and not isinstance(k, bool) for k in layer_ids):
+        raise CheckpointError(f"{where}: expected a non-empty list of layer ids, got {layer_ids!r}")
+    bad = [k for k in layer_ids if not 0 <= k <= num_layers - 2]
+    if bad:
+        raise CheckpointError(
+            f"{where}: layer id {bad[0]} of {list(layer_ids)} is outside [0, {num_layers - 2}] for a target of "
+            f"{num_layers} layers (id k is the output of layer k, captured entering layer k + 1)")
+    return tuple(k + 1 for k in layer_ids)
 
 
 def aux_layers_of(path: str | Path, target: LlamaForCausalLM) -> tuple[int, ...]:
+    """Capture points of an EAGLE-3 head: from ``eagle_config.eagle_aux_hidden_state_layer_ids``
+    (SGLang's convention, see ``capture_points``), else SGLang's default (inputs of 2, L//2, L-3)."""
     with open(Path(path) / "config.json") as f:
         cfg = json.load(f)
+    n = target.config.num_hidden_layers
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    return tuple(ids) if ids else default_aux_layers(target.config.num_hidden_layers)
+    if ids is None and "eagle_aux_hidden_state_layer_ids" in cfg:
+        # vLLM's speculators configs put the ids at the top level, as layer INPUTS (no shift), while
+        # SGLang shifts them: the two conventions disagree, so a top-level list is not guessed at.
+        top = cfg["eagle_aux_hidden_state_layer_ids"]
+        raise CheckpointError(
+            f"{path}: config.json has a top-level eagle_aux_hidden_state_layer_ids {top}; Eyrie reads "
+            f"eagle_config.eagle_aux_hidden_state_layer_ids in SGLang's convention (id k = output of layer k): "
+            f"move the ids there, shifted as that convention needs")
+    if ids is None:
+        return default_aux_layers(n)
+    return capture_points(ids, n, f"{path}: eagle_config.eagle_aux_hidden_state_layer_ids")
 
 
 def check_matches_target(path: Path, config: ModelConfig, target: LlamaForCausalLM,
@@ -238,19 +289,36 @@ def check_matches_target(path: Path, config: ModelConfig, target: LlamaForCausal
 
 def load_draft(path: str | Path, target: LlamaForCausalLM, dtype="float32", device="cpu") -> DraftHead:
     path = Path(path)
-    kind = draft_kind(path)
-    config = ModelConfig.from_dir(path)
     dtype, device = parse_dtype(dtype), torch.device(device)
     state = {k.removeprefix("model."): v for k, v in read_state_dict(path).items()}
+    kind = draft_kind(path, state)
+    # The fc bias is what the weights hold: SafeAILab's EAGLE defaults to one (no "bias" key in its
+    # configs), "bias": false drops it; SGLang's EAGLE-3 reads config "bias" (default none).
+    config = ModelConfig.from_dir(path).model_copy(update={"fc_bias": "fc.bias" in state})
     check_matches_target(path, config, target, state.get("d2t") if kind == "eagle3" else None)
     if kind == "eagle":
         head = build_module(EagleDraft, config, dtype, device, target)
     elif kind == "eagle3":
-        head = build_module(Eagle3Draft, config, dtype, device, target, aux_layers_of(path, target))
+        aux = aux_layers_of(path, target)
+        fc = state.get("fc.weight")
+        if fc is not None and fc.shape[-1] != len(aux) * target.config.hidden_size:
+            raise CheckpointError(f"{path}: fc.weight takes {fc.shape[-1]} inputs but the target features are "
+                                  f"{len(aux)} layers x hidden_size {target.config.hidden_size} "
+                                  f"(capture points {list(aux)})")
+        head = build_module(Eagle3Draft, config, dtype, device, target, aux)
         state.pop("t2d", None)  # derivable from d2t; the target->draft direction is never needed
+        vd = head.lm_head.out_features
         if "d2t" in state:
             with torch.no_grad():
                 head.d2t.copy_(state.pop("d2t").to(torch.int64))
+        elif vd != target.config.vocab_size:
+            raise CheckpointError(f"{path}: no d2t map for a draft vocabulary of {vd} (target vocabulary "
+                                  f"{target.config.vocab_size})")
+        if "lm_head.weight" not in state:
+            # SGLang: a head without its own LM head (no draft_vocab_size) loads the target's.
+            if vd != target.config.vocab_size:
+                raise CheckpointError(f"{path}: no lm_head.weight for a draft vocabulary of {vd}")
+            state["lm_head.weight"] = target.lm_head.weight.detach()
     else:
         head = build_module(MultiLayerDraft, config, dtype, device, target)
     if "embed_tokens.weight" in state:

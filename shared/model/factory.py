@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from shared.model.llama import default_aux_layers
 from shared.model.tokenizer import build_tiny_tokenizer
 
 PRESETS = {
@@ -122,6 +123,20 @@ def draft_config(target_cfg: dict, architecture: str, num_layers: int, **extra) 
     return cfg
 
 
+def eagle3_layer_config(num_target_layers: int) -> dict:
+    """``eagle_config`` of an EAGLE-3 head, as SpecForge writes it and SGLang reads it.
+
+    SGLang's ids name the target layer whose OUTPUT is captured (it captures the input of layer
+    id + 1), so the ids of Eyrie's (and SGLang's) default capture points, the inputs of layers
+    2, L//2 and L-3, are one less: [1, 15, 28] for 32 layers. Targets too shallow for the default to
+    be written this way (fewer than 3 layers) get no ids, and readers fall back to the same default.
+    """
+    ids = [p - 1 for p in default_aux_layers(num_target_layers)]
+    if min(ids) < 0:
+        return {}
+    return {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
+
+
 def eagle_state(cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     h = cfg["hidden_size"]
     state = {"fc.weight": _rand(gen, h, 2 * h), "fc.bias": torch.zeros(h)}
@@ -163,7 +178,7 @@ def write_random_drafts(target_dir: Path, out_dir: Path, seed: int = 0) -> None:
     cfg = draft_config(tcfg, "LlamaForCausalLMEagle", 1, bias=True)
     write_checkpoint(out_dir / "eagle", cfg, eagle_state(cfg, gen))
     cfg = draft_config(tcfg, "LlamaForCausalLMEagle3", 1, draft_vocab_size=tcfg["vocab_size"] // 2,
-                       target_hidden_size=tcfg["hidden_size"])
+                       target_hidden_size=tcfg["hidden_size"], **eagle3_layer_config(tcfg["num_hidden_layers"]))
     write_checkpoint(out_dir / "eagle3", cfg, eagle3_state(cfg, gen, tcfg["hidden_size"]))
     cfg = draft_config(tcfg, "EyrieMultiLayerDraft", DRAFT_MTP_LAYERS)
     write_checkpoint(out_dir / "mtp", cfg, mtp_state(cfg, gen))
@@ -214,7 +229,8 @@ def make_oracle_model(out_dir: str | Path, seed: int = 0, alpha: float = 0.2, **
     # group that attends (almost) only to the current position copies the token's embedding in.
     heads, hd = tcfg["num_attention_heads"], h // tcfg["num_attention_heads"]
     cfg = draft_config(tcfg, "LlamaForCausalLMEagle3", 1, num_key_value_heads=heads,
-                       draft_vocab_size=tcfg["vocab_size"], target_hidden_size=h)
+                       draft_vocab_size=tcfg["vocab_size"], target_hidden_size=h,
+                       **eagle3_layer_config(tcfg["num_hidden_layers"]))
     big = 8.0
     qk = torch.cat([big * torch.eye(h), torch.zeros(h, h)], dim=1)
     e3 = {"fc.weight": torch.zeros(h, 3 * h), "norm.weight": torch.ones(h),
