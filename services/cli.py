@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spec-steps", type=int, default=3)
     g.add_argument("--spec-draft-tokens", type=int)
     g.add_argument("--cuda-graph", choices=["on", "off"], default="off")
-    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    g.add_argument("--json", action="store_true",
+                   help="one JSON object per prompt (with a draft: its statistics, 'spec', and those of "
+                        "each verify step it took part in, 'spec_batches')")
     g.set_defaults(func=cmd_generate)
 
     m = sub.add_parser("make-model", help="write a random-weight checkpoint (target + draft heads)")
@@ -122,17 +124,30 @@ def cmd_generate(args) -> int:
             _fail(f"{name}: {path} is not a checkpoint directory (no config.json)")
     try:
         engine = Engine(model, draft, config)
+        if engine.spec is not None:
+            engine.spec.keep_batches(None)  # one bounded run: every verify step's statistics
         results = engine.generate(prompts, params)
     except RequestError as e:
         _fail(str(e))
+    batches = engine.spec.batches_since(0) if engine.spec is not None else []
     for r in results:
         if args.json:
-            print(json.dumps(r.as_json()))
+            obj = r.as_json()
+            if engine.spec is not None:
+                obj["spec_batches"] = [b.as_dict() for b in batches if r.rid in b.request_ids]
+            print(json.dumps(obj))
         else:
             print(r.text)
             if r.spec:
                 print(f"[accept length {r.spec['accept_length']:.2f}, accept rate {r.spec['accept_rate']:.2f}]",
                       file=sys.stderr)
+    if engine.spec is not None and not args.json:
+        from shared.spec.worker import summarize_batches
+
+        s = summarize_batches(batches)
+        print(f"[{s['verify_batches']} verify batches, mean batch size {s['mean_batch_size']:.2f}, "
+              f"accept length {s['accept_length']:.2f}, accept rate {s['accept_rate']:.2f}, "
+              f"draft {s['draft_time_s']:.3f}s, verify {s['verify_time_s']:.3f}s]", file=sys.stderr)
     return 0
 
 

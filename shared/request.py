@@ -31,16 +31,26 @@ class Phase(Enum):
 
 @dataclass
 class SpecStats:
+    """Speculative statistics (a request's, or an engine's summed over requests).
+
+    Accept length is committed tokens per verify: the accepted drafts plus the bonus token, cut where
+    EOS, a stop token or max_new_tokens ended the request inside the accepted run (the discarded rest
+    is not counted). Accept rate is the drafts verification accepted (discarded ones included: it
+    measures the draft, not where the request ended) over the drafts it could accept (``steps`` per
+    verify). Without a cut, accept length = (accepted_drafts + verify_steps) / verify_steps.
+    """
+
     verify_steps: int = 0
-    accepted_drafts: int = 0  # draft tokens the target accepted (bonus tokens not counted)
+    accepted_drafts: int = 0  # draft tokens verification accepted (bonus tokens not counted)
     proposed_drafts: int = 0  # draft tokens on the verified path's depth budget (steps per verify)
+    committed_tokens: int = 0  # tokens the verifies committed to the output (bonus included)
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
 
     @property
     def accept_length(self) -> float:
-        """Committed tokens per verify (accepted drafts + the bonus token)."""
-        return (self.accepted_drafts + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+        """Committed tokens per verify."""
+        return self.committed_tokens / self.verify_steps if self.verify_steps else 0.0
 
     @property
     def accept_rate(self) -> float:
@@ -48,6 +58,7 @@ class SpecStats:
 
     def as_dict(self) -> dict:
         return {"verify_steps": self.verify_steps, "accepted_drafts": self.accepted_drafts,
+                "committed_tokens": self.committed_tokens,
                 "accept_length": round(self.accept_length, 4), "accept_rate": round(self.accept_rate, 4),
                 "draft_time_s": round(self.draft_time_s, 6), "verify_time_s": round(self.verify_time_s, 6)}
 

@@ -6,11 +6,21 @@ position L + depth(n). Every forward batch is built from the cache of the runner
 (seed 001). One function gives the draft extend's shifted tokens, whatever the draft kind or the
 chunking (seed 000). Every per-token output of verification is gathered by one accept index
 (seed 004). Empty batches run the same code as full ones, with widths from the draft (seed 003).
+
+Statistics (per request in ``Request.stats``, per engine in ``SpecWorker.totals``, per verify step in
+``SpecWorker.batches``; definitions in ``shared.request.SpecStats``): accept length is committed
+tokens per verify, the accepted drafts plus the bonus token, cut where EOS, a stop token or
+max_new_tokens ends a request inside an accepted run (the discarded rest is not counted). Accept
+rate is the drafts verification accepted over the ``steps`` drafts each verify could accept. A
+step's draft time runs to the end of tree drafting, its verify time from there to the end of the
+extend that follows; a request's share of each is the step's time over the step's batch size.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,6 +51,58 @@ def shifted_tokens(req: Request, start: int, end: int) -> list[int]:
     return ids[start + 1:end + 1]
 
 
+@dataclass
+class SpecBatchStats:
+    """One verify step of the engine: the requests it verified together and what each committed."""
+
+    step: int  # the engine's verify-step counter (0, 1, ...), kept across generate calls
+    request_ids: list[str]
+    committed: list[int]  # per request: tokens this verify committed (bonus included, cut at a stop)
+    verified: list[int]  # per request: accepted drafts + bonus as verification found them (before a cut)
+    drafts_per_request: int  # spec steps: drafts each request could have accepted
+    draft_time_s: float
+    verify_time_s: float
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def accept_length(self) -> float:
+        """Committed tokens per verify, averaged over the batch's requests."""
+        return sum(self.committed) / self.batch_size if self.batch_size else 0.0
+
+    @property
+    def accept_rate(self) -> float:
+        """Drafts verification accepted over the drafts the batch's requests could accept."""
+        proposed = self.drafts_per_request * self.batch_size
+        return sum(v - 1 for v in self.verified) / proposed if proposed else 0.0
+
+    def as_dict(self) -> dict:
+        return {"step": self.step, "batch_size": self.batch_size, "request_ids": list(self.request_ids),
+                "committed": list(self.committed), "verified": list(self.verified),
+                "accept_length": round(self.accept_length, 4), "accept_rate": round(self.accept_rate, 4),
+                "draft_time_s": round(self.draft_time_s, 6), "verify_time_s": round(self.verify_time_s, 6)}
+
+
+def summarize_batches(batches: list[SpecBatchStats]) -> dict:
+    """Totals over verify steps (for example those of one prompt batch): the same definitions."""
+    steps = sum(b.batch_size for b in batches)  # request-verifies
+    committed = sum(sum(b.committed) for b in batches)
+    accepted = sum(sum(b.verified) for b in batches) - steps
+    proposed = sum(b.drafts_per_request * b.batch_size for b in batches)
+    return {"verify_batches": len(batches), "verify_steps": steps,
+            "mean_batch_size": round(steps / len(batches), 4) if batches else 0.0,
+            "accepted_drafts": accepted, "committed_tokens": committed,
+            "accept_length": round(committed / steps, 4) if steps else 0.0,
+            "accept_rate": round(accepted / proposed, 4) if proposed else 0.0,
+            "draft_time_s": round(sum(b.draft_time_s for b in batches), 6),
+            "verify_time_s": round(sum(b.verify_time_s for b in batches), 6)}
+
+
+BATCH_LOG = 4096  # verify steps ``SpecWorker.batches`` keeps (a serving engine runs forever)
+
+
 class SpecWorker:
     def __init__(self, engine, draft: DraftHead, spec: SpecConfig, config: EngineConfig):
         from shared.engine import make_cache
@@ -60,9 +122,19 @@ class SpecWorker:
         self.aux_layers = getattr(draft, "aux_layers", ())
         self.phases = SpecPhases(self)
         self.totals = SpecStats()  # the whole engine's, batch after batch
+        self.batches: deque[SpecBatchStats] = deque(maxlen=BATCH_LOG)  # the latest verify steps
+        self.num_batches = 0  # verify steps run so far (``batches_since`` takes a mark of it)
         on = set(config.cuda_graph_phases) if config.cuda_graph else set()
         self.graphs = {name: PhaseGraphs(name, getattr(self.phases, name), name in on, config.cuda_graph_max_bs)
                        for name in ("draft", "verify", "extend")}
+
+    def keep_batches(self, limit: int | None) -> None:
+        """Keep the latest ``limit`` verify steps' statistics (None: all, for a bounded run)."""
+        self.batches = deque(self.batches, maxlen=limit)
+
+    def batches_since(self, mark: int) -> list[SpecBatchStats]:
+        """The kept verify steps numbered ``mark`` and later (``mark`` = ``num_batches`` read earlier)."""
+        return [b for b in self.batches if b.step >= mark]
 
     @classmethod
     def load(cls, path: str | Path | DraftHead, engine, config: EngineConfig) -> SpecWorker:
@@ -140,15 +212,24 @@ class SpecWorker:
         out = tree_map(lambda t: t[:n], out)
         inp = tree_map(lambda t: t[:n], inp)
         t2 = time.perf_counter()
+        verified = out.accept_len.tolist()
         events = self._commit(reqs, inp, out)
+        committed = [len(toks) for _, toks in events]
         for req in reqs:
             req.stats.draft_time_s += (t1 - t0) / len(reqs)
             req.stats.verify_time_s += (t2 - t1) / len(reqs)
         self.totals.verify_steps += len(reqs)
-        self.totals.accepted_drafts += sum(int(n) - 1 for n in out.accept_len.tolist())
+        self.totals.accepted_drafts += sum(int(n) - 1 for n in verified)
+        self.totals.committed_tokens += sum(committed)
         self.totals.proposed_drafts += self.spec.steps * len(reqs)
         self.totals.draft_time_s += t1 - t0
         self.totals.verify_time_s += t2 - t1
+        if reqs:  # an empty step verifies nothing: no batch to report
+            self.batches.append(SpecBatchStats(
+                step=self.num_batches, request_ids=[r.rid for r in reqs], committed=committed,
+                verified=[int(n) for n in verified], drafts_per_request=self.spec.steps,
+                draft_time_s=t1 - t0, verify_time_s=t2 - t1))
+            self.num_batches += 1
         return events
 
     def _reserve(self, reqs: list[Request]) -> None:
@@ -201,9 +282,11 @@ class SpecWorker:
         for b, req in enumerate(reqs):
             n = lens[b]
             L = req.draft_state.committed_len
-            events.append((req, req.commit(toks[b][:n], lps[b][:n])))
+            taken = req.commit(toks[b][:n], lps[b][:n])  # a stop inside the run cuts it
+            events.append((req, taken))
             req.stats.verify_steps += 1
             req.stats.accepted_drafts += n - 1
+            req.stats.committed_tokens += len(taken)  # a stop inside the run: only up to it
             req.stats.proposed_drafts += self.spec.steps
             if req.finish_reason is not None:
                 continue  # the engine returns all its pages
