@@ -12,6 +12,66 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+LEFT_RUNNING = "engines_left_running"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", f"{LEFT_RUNNING}(reason): the test leaves its engines mid-request on purpose, so the "
+                   "end-of-test pool check (engine_pools_checked) skips it; rare, and the reason says why")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call":
+        item.eyrie_call_failed = report.failed  # a failed test's leftovers are not a second error
+    return report
+
+
+def pools_complaint(engines: list) -> str | None:
+    """What is wrong with the first of ``engines`` whose pages or request slots are not all back in
+    their pools (``check_pools_full``), or None when every one is clean."""
+    from tests.unit.engine.engine_checks import check_pools_full
+
+    for i, engine in enumerate(engines):
+        try:
+            check_pools_full(engine)
+        except AssertionError as e:
+            return (f"engine {i + 1} of {len(engines)} built in this test did not get all its pages and request "
+                    f"slots back: {e}")
+    return None
+
+
+@pytest.fixture
+def engine_pools_checked(request, monkeypatch):
+    """Records every ``Engine`` built during the test (the list is the fixture's value); when the
+    test ends, every page and request slot of every cache of each must be back in its pool. Made
+    autouse by the engine and spec test directories. A test that leaves engines mid-request on
+    purpose says so, and why, with ``@pytest.mark.engines_left_running(reason="...")``."""
+    from shared.engine import Engine
+
+    made: list = []
+    init = Engine.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(Engine, "__init__", recording_init)
+    yield made
+    marker = request.node.get_closest_marker(LEFT_RUNNING)
+    if marker is not None:
+        if not (marker.kwargs.get("reason") or marker.args):
+            pytest.fail(f"@pytest.mark.{LEFT_RUNNING} needs a reason")
+        return
+    if getattr(request.node, "eyrie_call_failed", False):
+        return  # the failure is reported already; its leftovers are no news
+    complaint = pools_complaint(made)
+    if complaint:
+        pytest.fail(complaint, pytrace=False)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

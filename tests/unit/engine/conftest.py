@@ -16,3 +16,9 @@ def solo_reference(tiny_model_dir):
     out = [engine.generate([p], GREEDY)[0] for p in PROMPTS]
     check_pools_full(engine)
     return out
+
+
+@pytest.fixture(autouse=True)
+def pools_back_after_each_test(engine_pools_checked):
+    """Every engine a test here builds ends with all its pages and request slots free (tests/conftest.py)."""
+    yield

@@ -36,3 +36,9 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def pools_back_after_each_test(engine_pools_checked):
+    """Every engine a test here builds ends with all its pages and request slots free (tests/conftest.py)."""
+    yield
