@@ -1,8 +1,9 @@
 """Start-up and shutdown shared by the two engine services (prefill and decode).
 
 Order matters for health: telemetry answers 503 ("loading") from the first moment, the engine loads,
-its loop starts, gRPC starts with every health status NOT_SERVING, the instance registers in Redis,
-and only then do gRPC health and ``/health`` turn to SERVING / 200. ``stop`` reverses it: draining
+CUDA graphs are captured (503 "capturing", when on and the engine can capture ahead), its loop starts,
+gRPC starts with every health status NOT_SERVING, the instance registers in Redis, and only then do
+gRPC health and ``/health`` turn to SERVING / 200. ``stop`` reverses it: draining
 (503, NOT_SERVING), deregistered, in-flight work cancelled, gRPC stopped, loop stopped.
 """
 
@@ -45,6 +46,22 @@ def engine_load(engine: Engine) -> dict:
             "free_pages": engine.cache.num_free_pages}
 
 
+def capture_graphs(engine: Engine, enabled: bool, telemetry: Telemetry, log: ServiceLog) -> None:
+    """With CUDA graphs on, capture them before serving, with ``/health`` answering 503 ``capturing``
+    meanwhile (gRPC health is not up yet), through the engine's ``capture_graphs()`` when it has one.
+
+    An engine without it captures each graph lazily at the first step of its batch size: then the first
+    requests of each size pay for the capture instead, and this state is skipped."""
+    capture = getattr(engine, "capture_graphs", None)
+    if not enabled or not callable(capture):
+        return
+    telemetry.set_state("capturing")
+    log.event("capturing_graphs")
+    t0 = time.perf_counter()
+    capture()
+    log.event("graphs_captured", seconds=round(time.perf_counter() - t0, 3))
+
+
 def start_engine_service(role: str, settings: EngineSettings, engine: Engine | None,
                          make_servicer: Callable[[EngineLoop, Telemetry, str], EngineServicer],
                          add_fn: Callable, services: list[str]) -> ServiceHandle:
@@ -58,6 +75,7 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
             engine = Engine(settings.model, settings.draft, settings.engine_config(), role=role)
         elif engine.role != role:
             raise ValueError(f"a {role} service needs an engine of role {role!r}, got {engine.role!r}")
+        capture_graphs(engine, settings.cuda_graph, telemetry, log)
         loop = EngineLoop(engine, log=log)
         servicer = make_servicer(loop, telemetry, instance_id)
         loop.after_step, loop.before_fail = servicer.after_step, servicer.before_fail

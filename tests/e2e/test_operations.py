@@ -43,25 +43,159 @@ def metric(text: str, name: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def stack(redis_url, tiny_model_dir):
-    s = start_stack(redis_url, tiny_model_dir, "eagle", page_size=4, chunk_size=8)
+    # One running request at a time on the prefill side: a second one waits (the queued gauge can move).
+    s = start_stack(redis_url, tiny_model_dir, "eagle", page_size=4, chunk_size=8, prefill_extra=dict(max_running=1))
     yield s
     s.stop()
 
 
-def test_metrics_parse_and_move(stack):
-    router_http = stack.router.http_address
-    before = metric(http_get(router_http, "/metrics")[1], "eyrie_requests_total", outcome="finished")
-    stack.generate([5, 6, 7, 8], max_new_tokens=6, ignore_eos=True)
-    code, text = http_get(router_http, "/metrics")
+def scrape(handle) -> str:
+    code, text = http_get(handle.http_address, "/metrics")
     assert code == 200
-    assert metric(text, "eyrie_requests_total", outcome="finished") == before + 1
-    assert metric(text, "eyrie_ttft_seconds_count") >= 1
-    _, ptext = http_get(stack.prefills[0].http_address, "/metrics")
-    assert metric(ptext, "eyrie_handoff_bytes_total") > 0
-    _, dtext = http_get(stack.decodes[0].http_address, "/metrics")
-    assert metric(dtext, "eyrie_accept_length_count") >= 1
-    assert metric(dtext, "eyrie_kv_pages_total", cache="target") > 0
-    assert metric(dtext, "eyrie_kv_pages_used", cache="draft0") == 0  # nothing running now
+    return text
+
+
+def wait_for(condition, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def hold(loop, timeout: float = 30.0) -> threading.Event:
+    """Keep ``loop``'s engine thread busy until the returned event is set."""
+    gate, entered = threading.Event(), threading.Event()
+    loop.call(lambda engine: (entered.set(), gate.wait(timeout)))
+    assert entered.wait(5)
+    return gate
+
+
+def test_metrics_parse_and_move(stack):
+    """Under real traffic every family moves where it should: requests and errors by kind, TTFT, inter-token
+    latency, latency by stage, hand-off bytes and seconds, accept length, draft and verify time."""
+    router, prefill, decode = stack.router, stack.prefills[0], stack.decodes[0]
+    before = {h.instance_id: scrape(h) for h in (router, prefill, decode)}
+
+    def moved(handle, name, **labels) -> float:
+        return metric(scrape(handle), name, **labels) - metric(before[handle.instance_id], name, **labels)
+
+    stack.generate(list(range(5, 25)), max_new_tokens=6, ignore_eos=True)
+    assert moved(router, "eyrie_requests_total", outcome="finished") == 1
+    assert moved(router, "eyrie_ttft_seconds_count") == 1
+    for stage in ("placement", "prefill", "handoff", "decode", "total"):
+        assert moved(router, "eyrie_stage_seconds_count", stage=stage) == 1, stage
+        assert moved(router, "eyrie_stage_seconds_sum", stage=stage) > 0, stage
+    for name in ("eyrie_draft_seconds", "eyrie_verify_seconds", "eyrie_accept_length", "eyrie_accept_rate"):
+        assert moved(router, f"{name}_count") == 1 and moved(decode, f"{name}_count") == 1, name
+    assert moved(router, "eyrie_draft_seconds_sum") > 0 and moved(decode, "eyrie_verify_seconds_sum") > 0
+    assert moved(prefill, "eyrie_stage_seconds_count", stage="prefill") == 1
+    assert moved(prefill, "eyrie_stage_seconds_count", stage="handoff") == 1
+    assert moved(prefill, "eyrie_ttft_seconds_count") == 1 and moved(prefill, "eyrie_handoff_bytes_total") > 0
+    assert moved(prefill, "eyrie_requests_total", outcome="handed_off") == 1
+    for handle in (prefill, decode):  # both ends of the hand-off time it
+        assert moved(handle, "eyrie_handoff_seconds_count") == 1 and moved(handle, "eyrie_handoff_seconds_sum") > 0
+    assert moved(decode, "eyrie_handoff_bytes_total") == moved(prefill, "eyrie_handoff_bytes_total")
+    assert moved(decode, "eyrie_inter_token_seconds_count") >= 1  # one per streamed batch of tokens after the first
+    assert moved(decode, "eyrie_inter_token_seconds_sum") > 0
+    assert moved(decode, "eyrie_requests_total", outcome="length") == 1
+    assert metric(scrape(decode), "eyrie_kv_pages_total", cache="target") > 0
+    assert metric(scrape(decode), "eyrie_kv_pages_used", cache="draft0") == 0  # nothing running now
+
+    # Errors by kind: a bad request, a refused duplicate id, an aborted request.
+    with pytest.raises(grpc.RpcError):
+        stack.generate([5, 6], max_new_tokens=2, temperature=-1)
+    req = pb.GenerateRequest(request_id="metrics-dup", token_ids=pb.TokenIds(ids=[5, 6, 7]),
+                             sampling=pb.SamplingParams(max_new_tokens=2))
+    list(stack.stub.Generate(req, timeout=30))
+    with pytest.raises(grpc.RpcError):
+        list(stack.stub.Generate(req, timeout=30))
+    assert moved(router, "eyrie_errors_total", kind="invalid_argument") == 2
+
+    # Gauges: a long request runs on the decode instance (running 1, pages used), then is aborted.
+    long = pb.GenerateRequest(request_id="metrics-long", token_ids=pb.TokenIds(ids=list(range(5, 25))),
+                              sampling=pb.SamplingParams(max_new_tokens=2000, ignore_eos=True))
+    with pytest.raises(grpc.RpcError) as err:
+        for i, _ in enumerate(stack.stub.Generate(long, timeout=60)):
+            if i == 2:
+                wait_for(lambda: metric(scrape(decode), "eyrie_requests_running") == 1, what="decode running 1")
+                assert metric(scrape(decode), "eyrie_kv_pages_used", cache="target") > 0
+                assert stack.stub.Abort(pb.AbortRequest(request_id="metrics-long"), timeout=10).found
+    assert err.value.code() == grpc.StatusCode.ABORTED
+    assert moved(router, "eyrie_errors_total", kind="aborted") == 1
+    assert moved(router, "eyrie_requests_total", outcome="aborted") == 1
+    wait_for(lambda: metric(scrape(decode), "eyrie_requests_running") == 0, what="decode running 0")
+    assert metric(scrape(decode), "eyrie_kv_pages_used", cache="target") == 0
+
+    # Queued: the decode's engine thread is held, so the first request's hand-off waits for its reservation and
+    # keeps the prefill's one running slot; the second waits for admission there.
+    gate = hold(decode.engine_loop)
+    results = []
+    threads = [threading.Thread(target=lambda i=i: results.append(
+        stack.generate(list(range(5 + i, 25)), max_new_tokens=4, ignore_eos=True)[1].reason)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        wait_for(lambda: (metric(scrape(prefill), "eyrie_requests_running"),
+                          metric(scrape(prefill), "eyrie_requests_queued")) == (1, 1), what="1 running, 1 queued")
+    finally:
+        gate.set()
+        for t in threads:
+            t.join(60)
+    assert results == ["length", "length"]
+    wait_for(lambda: metric(scrape(prefill), "eyrie_requests_queued") == 0 == metric(scrape(prefill),
+                                                                                      "eyrie_requests_running"))
+    assert stack.wait_clean()
+
+
+def test_health_is_503_capturing_while_graphs_are_captured(redis_url, tiny_model_dir, monkeypatch):
+    """With cuda_graph on, an engine that can capture ahead does so before the service serves: /health says
+    503 capturing (after loading) until it is done, gRPC health is not up yet, and no registry entry exists."""
+    import services.decode.server as decode_server
+    import services.engine_service as engine_service
+    from services.settings import DecodeSettings
+    from shared.metadata import Registry
+
+    real_engine = engine_service.Engine
+    gate, capturing = threading.Event(), threading.Event()
+
+    def engine_that_captures(*args, **kwargs):
+        engine = real_engine(*args, **kwargs)
+
+        def capture_graphs():
+            capturing.set()
+            assert gate.wait(10)
+
+        engine.capture_graphs = capture_graphs
+        return engine
+
+    monkeypatch.setattr(engine_service, "Engine", engine_that_captures)
+    port = free_port()
+    settings = DecodeSettings(model=str(tiny_model_dir / "target"), redis_url=redis_url, http_port=port,
+                              page_size=4, max_context=64, cuda_graph=True, instance_id="decode-capturing")
+    handles = []
+    t = threading.Thread(target=lambda: handles.append(decode_server.start_decode(settings)))
+    t.start()
+    try:
+        assert capturing.wait(30)
+        code, body = http_get(f"127.0.0.1:{port}", "/health")
+        assert code == 503 and json.loads(body)["status"] == "capturing"
+        assert "decode-capturing" not in {i.instance_id for i in Registry(connect(redis_url)).instances()}
+        gate.set()
+        t.join(30)
+        assert http_get(f"127.0.0.1:{port}", "/health")[0] == 200
+        assert "decode-capturing" in {i.instance_id for i in Registry(connect(redis_url)).instances()}
+    finally:
+        gate.set()
+        t.join(30)
+        for h in handles:
+            h.stop(0.5)
+    settings.cuda_graph = False  # graphs off: the engine's capture is never called, nor the state entered
+    capturing.clear()
+    handle = decode_server.start_decode(settings)
+    try:
+        assert not capturing.is_set() and http_get(f"127.0.0.1:{port}", "/health")[0] == 200
+    finally:
+        handle.stop(0.5)
 
 
 def test_grpc_health_and_reflection(stack):
@@ -87,34 +221,37 @@ def test_model_info(stack):
 
 
 def test_health_is_503_while_loading(redis_url, tiny_model_dir, monkeypatch):
+    import services.engine_service as engine_service
     import services.prefill.server as prefill_server
     from services.settings import PrefillSettings
 
-    real_engine = prefill_server.Engine
-    gate = threading.Event()
+    real_engine = engine_service.Engine
+    gate, loading = threading.Event(), threading.Event()
 
     def slow_engine(*args, **kwargs):
-        gate.wait(10)
+        loading.set()
+        assert gate.wait(10)
         return real_engine(*args, **kwargs)
 
-    monkeypatch.setattr(prefill_server, "Engine", slow_engine)
+    monkeypatch.setattr(engine_service, "Engine", slow_engine)  # where the services build their engine
     port = free_port()
-    settings = PrefillSettings(model=str(tiny_model_dir / "target"), redis_url=redis_url, http_port=port)
+    settings = PrefillSettings(model=str(tiny_model_dir / "target"), redis_url=redis_url, http_port=port,
+                               max_context=64)
     handles = []
     t = threading.Thread(target=lambda: handles.append(prefill_server.start_prefill(settings)))
     t.start()
-    deadline = time.monotonic() + 10
-    code = None
-    while code != 503 and time.monotonic() < deadline:
-        try:
-            code, body = http_get(f"127.0.0.1:{port}", "/health")
-        except OSError:
-            time.sleep(0.01)
-    assert code == 503 and json.loads(body)["status"] == "loading"
-    gate.set()
-    t.join(30)
-    assert http_get(f"127.0.0.1:{port}", "/health")[0] == 200
-    handles[0].stop(0.5)
+    try:
+        assert loading.wait(30)  # the engine is loading now (held here)
+        code, body = http_get(f"127.0.0.1:{port}", "/health")
+        assert code == 503 and json.loads(body)["status"] == "loading"
+        gate.set()
+        t.join(30)
+        assert http_get(f"127.0.0.1:{port}", "/health")[0] == 200
+    finally:
+        gate.set()
+        t.join(30)
+        for h in handles:
+            h.stop(0.5)
 
 
 KEY = "sekret"
