@@ -159,6 +159,15 @@ def kv_bytes_for(target, ctx):
     return 2 * c.num_hidden_layers * ctx * c.num_key_value_heads * c.head_dim * 2
 
 
+def warm_up_gpu(seconds: float = 3.0) -> None:
+    """Matrix products for a few seconds, so the first configuration is not timed on idle clocks."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    end = time.time() + seconds
+    while time.time() < end:
+        a @ a
+        torch.cuda.synchronize()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
@@ -169,6 +178,7 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     t0 = time.time()
+    warm_up_gpu()
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
     target = build_target()

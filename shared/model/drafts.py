@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kernels.gemv import linear
 from shared.batch import ForwardBatch
 from shared.model.config import ModelConfig
 from shared.model.layers import MLP, Attention, DecoderLayer, RMSNorm, fuse_projections
@@ -95,7 +96,7 @@ class DraftHead(nn.Module):
         return table(ids)
 
     def target_lm_head(self, x: torch.Tensor) -> torch.Tensor:
-        return self._target[0].lm_head(x).float()
+        return linear(x, self._target[0].lm_head.weight).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
@@ -168,7 +169,7 @@ class Eagle3Draft(DraftHead):
         a = torch.cat([m.input_layernorm(self.embed(batch.input_ids)), m.hidden_norm(h)], dim=-1)
         x = h + m.self_attn(a, batch, cache)
         x = x + m.mlp(m.post_attention_layernorm(x))
-        return DraftOutput(logits=self.lm_head(self.norm(self.rows(x, batch))).float(), hidden=x)
+        return DraftOutput(logits=linear(self.norm(self.rows(x, batch)), self.lm_head.weight).float(), hidden=x)
 
 
 class MTPLayer(DecoderLayer):

@@ -136,7 +136,7 @@ def test_engine_prefill_through_the_extend_kernel_equals_paged_and_cpu(oracle_mo
     from shared.engine import Engine
     from shared.sampling import SamplingParams
 
-    prompts = [list(range(3, 203)), [7, 9] * 70, list(range(500, 580))]
+    prompts = [list(range(3, 200)), [7, 9] * 70, list(range(100, 180))]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
     def run(device, chunk, min_q):
