@@ -89,11 +89,11 @@ def cmd_serve(args) -> int:
         _fail(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}")
     except (OSError, ValueError) as e:  # unreadable, malformed or misspelt --config
         _fail(f"--config: {e}")
-    formatter = setup_logging(settings.log_level, args.role, settings.instance_id or "-")  # JSON lines on stderr
     if not settings.model:
         _fail("model: give --model DIR or EYRIE_MODEL")
     if not (Path(settings.model) / "config.json").exists():
         _fail(f"model: {settings.model} is not a checkpoint directory (no config.json)")
+    formatter = setup_logging(settings.log_level, args.role, settings.instance_id or "-")  # JSON lines on stderr
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -216,20 +216,25 @@ class Stack:
     def router_address(self) -> str:
         return f"127.0.0.1:{self.router_port}"
 
-    def stop(self) -> None:
+    def stop(self) -> dict[str, int]:
+        """SIGTERM every service, wait for each (kill -9 after 10 s), stop the embedded Redis; returns each
+        service's exit status (0: it stopped cleanly)."""
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
+        codes = {}
+        for role, proc in self.procs.items():
             try:
-                proc.wait(10)
+                codes[role] = proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                codes[role] = proc.wait()
         if self.redis is not None:
             self.redis.stop()
         for f in self._logs:
             f.close()
         self._logs.clear()
+        return codes
 
 
 def cmd_up(args) -> int:
@@ -261,18 +266,23 @@ def cmd_up(args) -> int:
     except KeyboardInterrupt:
         stack.stop()
         return 130
+    stop = threading.Event()  # Ctrl-C (SIGINT) or SIGTERM from here on: stop everything, exit 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     print(f"eyrie up: router on {stack.router_address} (health http://{stack.http['router']}/health), "
           f"redis {stack.redis_url}, ready in {time.time() - t0:.1f}s", flush=True)
+    code = 0
     try:
         if args.demo:
-            return run_client(stack.router_address, "def fibonacci(n):", max_new_tokens=32, api_key=args.api_key)
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        stop.wait()
-        return 0
+            code = run_client(stack.router_address, "def fibonacci(n):", max_new_tokens=32, api_key=args.api_key)
+        else:
+            stop.wait()
     finally:
-        stack.stop()
+        exits = stack.stop()
+        print("eyrie up: stopped " + ", ".join(f"{role} (exit {c})" for role, c in exits.items())
+              + (f" and the embedded Redis {stack.redis_url}" if stack.redis is not None else ""),
+              file=sys.stderr, flush=True)
+    return code or (1 if any(exits.values()) else 0)  # a service that did not stop cleanly is an error
 
 
 # ---- eyrie client -------------------------------------------------------------------------------

