@@ -127,7 +127,7 @@ def single(models):
     return greedy + engine.generate([LONG], SAMPLED)
 
 
-def wait_until(condition, timeout: float = 10.0) -> None:
+def wait_until(condition, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "timed out"
@@ -149,7 +149,7 @@ def blocked(loop):
 
     def hold(engine):
         entered.set()
-        gate.wait(10)
+        gate.wait(40)  # longer than wait_until: a slow machine times out waiting, not by the gate opening
 
     loop.call(hold)
     assert entered.wait(5)
