@@ -133,6 +133,8 @@ def bench_spec(target, draft, bw, ctx, results):
         row[f"verify_{tag}_ms"] = time_cuda(lambda: w.graphs["verify"](inp, tree), iters=20 if graphs else 5)
         row[f"extend_{tag}_ms"] = time_cuda(lambda: w.graphs["extend"](inp, tree, acc, logits, feats),
                                             iters=20 if graphs else 5)
+        row[f"verify_extend_{tag}_ms"] = time_cuda(lambda: w.graphs["verify_extend"](inp, tree),
+                                                   iters=20 if graphs else 5)
     for g in w.graphs.values():
         g.capture = True
 

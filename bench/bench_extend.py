@@ -251,6 +251,7 @@ def tune_configs(tma: bool) -> list[ExtendConfig]:
         (128, 64, 8, 2, False), (128, 64, 8, 3, False), (128, 64, 8, 4, False),
         (128, 128, 8, 2, True),
         (64, 64, 4, 2, False), (64, 64, 4, 3, False), (64, 64, 4, 4, False), (64, 32, 4, 3, False),
+        (64, 64, 8, 3, False), (64, 32, 4, 4, False), (32, 32, 4, 3, False), (64, 64, 4, 3, True),
     ]
     cfgs = [ExtendConfig(bm, bn, w, s, tma, ws) for bm, bn, w, s, ws in shapes if tma or not ws]
     if tma:  # the pointer-load path for comparison

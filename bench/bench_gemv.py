@@ -112,7 +112,7 @@ def main():
         for name, (n, k) in SHAPES.items():
             configs = [None, choose_config(m, n, k, sms)]
             if args.tune:
-                bks = (256, 512, 1024) if m == 1 else (64, 128, 256)
+                bks = (256, 512, 1024) if m == 1 else (128, 256, 512)
                 bns = (8, 16, 32) if m == 1 else (16, 32, 64)
                 configs += [c for c in itertools.product(bns, bks, (4, 8), (3, 4))
                             if c not in configs and c[0] * c[1] <= 16384]

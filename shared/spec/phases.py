@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from kernels.spec_kernels import gather_accepted, move_kv
 from shared.batch import build_uniform_batch
 from shared.spec.tree import Candidates, DraftTree, select_tree
-from shared.spec.verify import Acceptance
+from shared.spec.verify import Acceptance, greedy_accept
 
 
 @dataclass
@@ -36,6 +36,7 @@ class DecodeInputs:
 @dataclass
 class StepOutput:
     accept_len: torch.Tensor  # [B] int64 accepted nodes incl. the root = tokens committed this step
+    accept_index: torch.Tensor  # [B, steps+1] int64 the accepted path's tree nodes (-1 past its end)
     tokens: torch.Tensor  # [B, steps+1] int64 committed tokens in order (first accept_len valid)
     logprobs: torch.Tensor  # [B, steps+1] float32 target log p of each committed token
     hidden: torch.Tensor  # [B, Hd] next draft state: recurrent hidden
@@ -111,6 +112,14 @@ class SpecPhases:
         feats = w.features(out)
         return out.logits.view(B, N, -1), feats.view(B, N, feats.shape[-1])
 
+    def verify_extend(self, inp: DecodeInputs, tree: DraftTree) -> StepOutput:
+        """Verify, greedy acceptance on the device, compaction and draft extend in one function: for
+        an all-greedy batch the three run as one graph (no logits copied between graphs, no eager
+        launches between them)."""
+        logits, feats = self.verify(inp, tree)
+        acc = greedy_accept(tree, logits.argmax(dim=-1), self.spec.steps)
+        return self.extend(inp, tree, acc, logits, feats)
+
     # ---- compaction and draft extend -------------------------------------------------------------
     def extend(self, inp: DecodeInputs, tree: DraftTree, acc: Acceptance, logits: torch.Tensor,
                feats: torch.Tensor) -> StepOutput:
@@ -136,7 +145,7 @@ class SpecPhases:
         self._compact_target(inp, acc.accept_index, valid)
         ext_hidden, ext_logits = self._extend(inp, tokens, path_feats, last)
         topk_p, topk_draft = torch.softmax(ext_logits, dim=-1).topk(self.spec.topk, dim=-1)
-        return StepOutput(accept_len=acc.accept_len, tokens=tokens, logprobs=logprobs, hidden=ext_hidden,
+        return StepOutput(accept_len=acc.accept_len, accept_index=acc.accept_index, tokens=tokens, logprobs=logprobs, hidden=ext_hidden,
                           topk_p=topk_p, topk_ids=w.draft.to_target_ids(topk_draft))
 
     def _compact_target(self, inp: DecodeInputs, accept_index: torch.Tensor, valid: torch.Tensor) -> None:

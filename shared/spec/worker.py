@@ -127,6 +127,9 @@ class SpecWorker:
         on = set(config.cuda_graph_phases) if config.cuda_graph else set()
         self.graphs = {name: PhaseGraphs(name, getattr(self.phases, name), name in on, config.cuda_graph_max_bs)
                        for name in ("draft", "verify", "extend")}
+        # All-greedy batches run verify + acceptance + extend as one graph when both phases are on.
+        self.graphs["verify_extend"] = PhaseGraphs("verify_extend", self.phases.verify_extend,
+                                                   {"verify", "extend"} <= on, config.cuda_graph_max_bs)
 
     def keep_batches(self, limit: int | None) -> None:
         """Keep the latest ``limit`` verify steps' statistics (None: all, for a bounded run)."""
@@ -206,9 +209,12 @@ class SpecWorker:
         t0 = time.perf_counter()
         tree = self.graphs["draft"](inp)
         t1 = time.perf_counter()
-        logits, feats = self.graphs["verify"](inp, tree)
-        acc = self.accept(reqs, tree, logits)
-        out = self.graphs["extend"](inp, tree, acc, logits, feats)
+        if all(r.params.greedy for r in reqs):
+            out = self.graphs["verify_extend"](inp, tree)
+        else:
+            logits, feats = self.graphs["verify"](inp, tree)
+            acc = self.accept(reqs, tree, logits)
+            out = self.graphs["extend"](inp, tree, acc, logits, feats)
         out = tree_map(lambda t: t[:n], out)
         inp = tree_map(lambda t: t[:n], inp)
         t2 = time.perf_counter()
@@ -251,12 +257,15 @@ class SpecWorker:
             return torch.stack([t.to(dev, dtype) for t in tensors]) if tensors else torch.zeros(
                 0, width, dtype=dtype, device=dev)
 
+        # The host integers of the batch travel in one copy: [target row, draft rows..., L, bonus].
+        c = len(self.caches)
+        ints = torch.tensor([[r.handles[0].row, *(h.row for h in r.handles[1:]), st.committed_len, st.bonus_token]
+                             for r, st in zip(reqs, states)], dtype=torch.int64).view(n, c + 3).to(dev)
         return DecodeInputs(
-            target_rows=torch.tensor([r.handles[0].row for r in reqs], dtype=torch.int64, device=dev),
-            draft_rows=torch.tensor([[h.row for h in r.handles[1:]] for r in reqs], dtype=torch.int64,
-                                    device=dev).view(n, len(self.caches)),
-            L=torch.tensor([st.committed_len for st in states], dtype=torch.int64, device=dev),
-            bonus=torch.tensor([st.bonus_token for st in states], dtype=torch.int64, device=dev),
+            target_rows=ints[:, 0].contiguous(),
+            draft_rows=ints[:, 1:1 + c].contiguous(),
+            L=ints[:, 1 + c].contiguous(),
+            bonus=ints[:, 2 + c].contiguous(),
             hidden=stack([st.hidden for st in states], self.draft.hidden_width, self.dtype),
             topk_p=stack([st.topk_p for st in states], k, torch.float32),
             topk_ids=stack([st.topk_ids for st in states], k, torch.int64),

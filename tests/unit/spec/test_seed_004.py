@@ -47,14 +47,13 @@ def check_compaction(models, kind, tree, page_size, **cfg):
     engine = oracle_models.engine(kind, **spec, page_size=page_size, chunk_size=None, **cfg)
     w = engine.spec
     accepted_paths = []
-    accept = w.accept
+    commit = w._commit
 
-    def recording_accept(reqs, tree_, logits):
-        acc = accept(reqs, tree_, logits)
-        accepted_paths.append(acc.accept_index[:len(reqs)].cpu())
-        return acc
+    def recording_commit(reqs, inp, out):  # every decode step's accepted paths, greedy or sampled
+        accepted_paths.append(out.accept_index[:len(reqs)].cpu())
+        return commit(reqs, inp, out)
 
-    w.accept = recording_accept
+    w._commit = recording_commit
     reqs = [engine.add_request(p, PARAMS) for p in BATCH]
     checks = 0
     while engine.scheduler.has_work():

@@ -28,18 +28,17 @@ STEPS = 3
 
 def run_recorded(models, kind, prompts, params, **spec):
     """Run to the end; per request id, the accept lengths verification found and the tokens each
-    verify committed, recorded around the worker's ``accept`` and ``decode_step``."""
+    verify committed, recorded around the worker's ``_commit`` and ``decode_step``."""
     engine = models.engine(kind, steps=STEPS, **spec)
     verified: dict[str, list[int]] = {}
     committed: dict[str, list[int]] = {}
     sizes: list[int] = []
-    accept, decode_step = engine.spec.accept, engine.spec.decode_step
+    commit, decode_step = engine.spec._commit, engine.spec.decode_step
 
-    def recording_accept(reqs, tree, logits):
-        acc = accept(reqs, tree, logits)
-        for r, n in zip(reqs, acc.accept_len.tolist()):
+    def recording_commit(reqs, inp, out):  # what verification accepted, before any stop cuts it
+        for r, n in zip(reqs, out.accept_len.tolist()):
             verified.setdefault(r.rid, []).append(n)
-        return acc
+        return commit(reqs, inp, out)
 
     def recording_decode_step(reqs):
         events = decode_step(reqs)
@@ -48,7 +47,7 @@ def run_recorded(models, kind, prompts, params, **spec):
             committed.setdefault(r.rid, []).append(len(toks))
         return events
 
-    engine.spec.accept, engine.spec.decode_step = recording_accept, recording_decode_step
+    engine.spec._commit, engine.spec.decode_step = recording_commit, recording_decode_step
     reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     engine.run_until_done()
     assert engine.is_idle_and_clean()
