@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 
 
@@ -44,7 +45,8 @@ class JsonFormatter(logging.Formatter):
             fields = {"message": record.getMessage(), "logger": record.name, **fields}
         if record.exc_info:
             fields["exception"] = self.formatException(record.exc_info)
-        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs * 1000):06d}Z"
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + \
+            f".{int(record.created % 1 * 1e6):06d}Z"
         return json.dumps({"ts": ts, "level": record.levelname,
                            "service": getattr(record, "service", None) or self.service,
                            "instance": getattr(record, "instance", None) or self.instance,
@@ -76,10 +78,26 @@ class ServiceLog:
         self.event(event, rid, logging.ERROR, exc_info=True, **fields)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a line is logged (not the stream current at set-up, which a
+    test harness or an embedding program may have swapped and closed since)."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):  # StreamHandler.__init__ assigns it
+        pass
+
+
 def setup_logging(level: str, role: str, instance: str = "-", stream=None) -> JsonFormatter:
     """JSON lines on stderr (or ``stream``) for this process; returns the formatter (set ``instance`` on it
     once the instance id is known)."""
-    handler = logging.StreamHandler(stream)
+    handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()
     formatter = JsonFormatter(role, instance)
     handler.setFormatter(formatter)
     root = logging.getLogger()
