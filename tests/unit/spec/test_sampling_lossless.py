@@ -8,10 +8,15 @@ exactly (never estimated), for chain and tree, with temperature, top-k and top-p
   per case; the committed sequence (up to 3 tokens) must follow the target's autoregressive
   distribution along the tree. A negative control shows the test rejects a classic bug (no residual
   renormalisation after a rejection).
-* the whole engine: a 16-token-vocabulary target with oracle drafts (accepted often), 700 seeded
-  requests per sampling setting in one ``generate`` call; the joint distribution of the first three
-  output tokens (the first from prefill, the next two speculative) must match the exact joint
-  computed with ``transformers`` on the same checkpoint.
+* the whole engine: a 16-token-vocabulary target with oracle drafts (accepted often), for a chain
+  (EAGLE) and a tree (EAGLE-3, topk 3), 3000 seeded requests for each of temperature, top-k, top-p
+  and all three combined (12000 per shape, in batches of 600 that mix the settings and a few greedy
+  requests); the first four output tokens (the first from prefill, the next three speculative: a
+  chain of three accepted drafts covers them all) must follow the exact law computed with
+  ``transformers`` on the same checkpoint, jointly, token by token and pair by pair (one test at
+  p > 0.001, Bonferroni over those views). A good share of the requests accept two drafts or more,
+  so the second and third speculative tokens are really drafts. An engine-level negative control
+  (the unnormalised rule inside the engine, tree) must be rejected.
 
 Every configuration and seed is fixed, so each test is deterministic.
 """
@@ -219,8 +224,11 @@ def test_negative_control_the_test_rejects_a_biased_rule(monkeypatch):
 
 # ---- the whole engine ----------------------------------------------------------------------------
 PROMPT = [3, 4, 5, 6, 7]
-PER_SETTING = 700
-ENGINE_SETTINGS = ("temperature", "top_k", "top_p")
+DEPTH = 4  # output tokens compared: the first from prefill, then three from speculative verification
+PER_SETTING = 3000
+ENGINE_SETTINGS = tuple(SETTINGS)  # temperature, top-k, top-p, and all three together
+BATCH = 600  # requests per engine batch (admission costs grow with the batch; every batch mixes settings)
+GREEDY_ROWS = 2  # greedy requests in every batch, beside the sampled ones
 SPECS = {
     "chain": ("eagle", SpecConfig(topk=1, steps=3, num_draft_tokens=4)),
     "tree": ("eagle3", SpecConfig(topk=3, steps=2, num_draft_tokens=6)),
@@ -229,47 +237,106 @@ SPECS = {
 
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
-    """A 16-token target (2 layers) with oracle drafts, and the exact joint law of its first three
+    """A 16-token target (2 layers) with oracle drafts, and the exact joint law of its first DEPTH
     sampled tokens after PROMPT under each setting, from ``transformers``."""
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a test dependency: a missing one fails here, never skips
+
     from shared.model.factory import make_oracle_model
 
     root = make_oracle_model(tmp_path_factory.mktemp("v16"), seed=0, vocab_size=16, num_hidden_layers=2)
     hf = transformers.LlamaForCausalLM.from_pretrained(root / "target", torch_dtype=torch.float32).eval()
     v = 16
-    prefixes = [()] + [(a,) for a in range(v)] + list(itertools.product(range(v), repeat=2))
+    prefixes = [p for n in range(DEPTH) for p in itertools.product(range(v), repeat=n)]
     with torch.no_grad():
-        ids = torch.tensor([PROMPT + list(p) + [0] * (2 - len(p)) for p in prefixes])
+        ids = torch.tensor([PROMPT + list(p) + [0] * (DEPTH - 1 - len(p)) for p in prefixes])
         logits = hf(ids).logits  # causal: the padding after a prefix does not change its logits
     last = torch.stack([logits[i, len(PROMPT) + len(p) - 1] for i, p in enumerate(prefixes)])
     laws = {}
     for name in ENGINE_SETTINGS:
-        probs = reference_probs(last, **SETTINGS[name])
-        p0, p1, p2 = probs[0], probs[1:1 + v], probs[1 + v:].view(v, v, v)
-        laws[name] = {(a, b, c): float(p0[a] * p1[a, b] * p2[a, b, c])
-                      for a, b, c in itertools.product(range(v), repeat=3)}
+        probs = dict(zip(prefixes, reference_probs(last, **SETTINGS[name]).tolist()))
+        law = {(): 1.0}
+        for _ in range(DEPTH):
+            law = {seq + (x,): p * q for seq, p in law.items() if p > 0 for x, q in enumerate(probs[seq]) if q > 0}
+        laws[name] = law
     return root, laws
+
+
+def marginal(law: dict[tuple, float], positions: tuple[int, ...]) -> dict[tuple, float]:
+    out: dict[tuple, float] = {}
+    for seq, p in law.items():
+        key = tuple(seq[i] for i in positions)
+        out[key] = out.get(key, 0.0) + p
+    return out
+
+
+def project(observed: Counter, positions: tuple[int, ...]) -> Counter:
+    out = Counter()
+    for seq, n in observed.items():
+        out[tuple(seq[i] for i in positions)] += n
+    return out
+
+
+# What each setting's runs are tested on: the joint law of all DEPTH tokens (cells expected < 5
+# pooled), the law of each speculative token alone (outputs 2, 3 and 4: the first, second and third
+# token after the prompt's own) and of each consecutive pair of them, all exact. The views make one
+# test at level P_MIN (Bonferroni: the smallest p-value times the number of views), so that the
+# chance of a false alarm stays 0.001 per setting however many views are looked at.
+VIEWS = {"joint": tuple(range(DEPTH)), **{f"token {i + 1}": (i,) for i in range(1, DEPTH)},
+         **{f"tokens {i + 1},{i + 2}": (i, i + 1) for i in range(1, DEPTH - 1)}}
+
+
+def engine_runs(root, shape: str, settings: tuple[str, ...], per_setting: int) -> dict[str, list]:
+    """``per_setting`` seeded requests per setting (different seeds), in batches that mix the settings
+    and a few greedy requests; returns each setting's results (and the greedy ones under "greedy")."""
+    kind, spec = SPECS[shape]
+    engine = Engine(root / "target", root / kind, EngineConfig(page_size=4, max_running=BATCH + GREEDY_ROWS,
+                                                               max_context=32, chunk_size=None, spec=spec))
+    greedy = SamplingParams(max_new_tokens=DEPTH, ignore_eos=True)
+    todo = [(name, SamplingParams(**SETTINGS[name], seed=100_000 * j + i, max_new_tokens=DEPTH, ignore_eos=True))
+            for i in range(per_setting) for j, name in enumerate(settings)]  # interleaved: every batch mixes them
+    out: dict[str, list] = {name: [] for name in (*settings, "greedy")}
+    for start in range(0, len(todo), BATCH):
+        part = todo[start:start + BATCH] + [("greedy", greedy)] * GREEDY_ROWS
+        for (name, _), result in zip(part, engine.generate([PROMPT] * len(part), [p for _, p in part])):
+            out[name].append(result)
+        assert engine.is_idle_and_clean()
+    return out
+
+
+def check_setting(shape: str, name: str, rows: list, law: dict[tuple, float]) -> dict[str, float]:
+    observed = Counter(tuple(r.token_ids) for r in rows)
+    assert all(len(seq) == DEPTH for seq in observed)
+    return {view: chi_square_p(project(observed, pos), marginal(law, pos)) for view, pos in VIEWS.items()}
 
 
 @pytest.mark.parametrize("shape", list(SPECS))
 def test_engine_sampling_matches_the_target(small_vocab, shape):
     root, laws = small_vocab
-    kind, spec = SPECS[shape]
-    n = PER_SETTING * len(ENGINE_SETTINGS)
-    engine = Engine(root / "target", root / kind, EngineConfig(page_size=4, max_running=n + 4, max_context=32,
-                                                               chunk_size=None, spec=spec))
-    params = [SamplingParams(**SETTINGS[name], seed=1_000 * j + i, max_new_tokens=3, ignore_eos=True)
-              for j, name in enumerate(ENGINE_SETTINGS) for i in range(PER_SETTING)]
-    greedy = SamplingParams(max_new_tokens=3, ignore_eos=True)  # greedy rows share the sampled batches
-    results = engine.generate([PROMPT] * (n + 4), params + [greedy] * 4)
-    assert engine.is_idle_and_clean()
+    runs = engine_runs(root, shape, ENGINE_SETTINGS, PER_SETTING)
     target_only = Engine(root / "target", None, EngineConfig(page_size=4, max_context=32))
-    assert all(r.token_ids == target_only.generate(PROMPT, greedy)[0].token_ids for r in results[n:])
-    for j, name in enumerate(ENGINE_SETTINGS):
-        rows = results[j * PER_SETTING:(j + 1) * PER_SETTING]
-        observed = Counter(tuple(r.token_ids) for r in rows)
-        p = chi_square_p(observed, laws[name])
-        print(f"{shape} {name}: chi-square p = {p:.3g}, accepted {sum(r.spec['accepted_drafts'] for r in rows)}")
-        assert p > P_MIN, f"{shape} {name}: chi-square p = {p:.2e}"
-        accepted = sum(r.spec["accepted_drafts"] for r in rows)
-        assert accepted > PER_SETTING / 4, f"{shape} {name}: only {accepted} drafts accepted"
+    want = target_only.generate(PROMPT, SamplingParams(max_new_tokens=DEPTH, ignore_eos=True))[0].token_ids
+    assert runs["greedy"] and all(r.token_ids == want for r in runs["greedy"])
+    for name in ENGINE_SETTINGS:
+        rows = runs[name]
+        assert len(rows) == PER_SETTING
+        pvalues = check_setting(shape, name, rows, laws[name])
+        accepted = [r.spec["accepted_drafts"] for r in rows]
+        print(f"{shape} {name}: chi-square p " + ", ".join(f"{v} {p:.3g}" for v, p in pvalues.items())
+              + f"; accepted {sum(accepted)}, two or more in {sum(a >= 2 for a in accepted)} requests")
+        view = min(pvalues, key=pvalues.get)
+        assert pvalues[view] * len(VIEWS) > P_MIN, f"{shape} {name} {view}: chi-square p = {pvalues[view]:.2e}"
+        # the speculative path was really taken, beyond the first draft: many requests committed
+        # accepted drafts, and a good share accepted two or more (their tokens 3 and 4 are drafts)
+        assert sum(accepted) > PER_SETTING / 4, f"{shape} {name}: only {sum(accepted)} drafts accepted"
+        assert sum(a >= 2 for a in accepted) > PER_SETTING / 20, f"{shape} {name}: few runs of two drafts"
+
+
+def test_engine_negative_control_a_biased_rule_is_rejected(small_vocab, monkeypatch):
+    """The engine-level test, with verification's walk swapped for the unnormalised one (a rejected
+    sibling's mass removed but the rest not renormalised), rejects the result."""
+    root, laws = small_vocab
+    monkeypatch.setattr(verify, "_walk", _walk_unnormalised)
+    rows = engine_runs(root, "tree", ("temperature",), PER_SETTING)["temperature"]
+    pvalues = check_setting("tree", "temperature", rows, laws["temperature"])
+    print(f"biased tree temperature: chi-square p {pvalues}")
+    assert min(pvalues.values()) * len(VIEWS) < P_MIN
