@@ -240,7 +240,7 @@ def fmt_shape(row: dict) -> str:
 
 def fmt_cfg(c: ExtendConfig) -> str:
     return (f"bm{c.block_m} bn{c.block_n} w{c.num_warps} s{c.num_stages}"
-            f"{' ws' if c.warp_specialize else ''}{'' if c.tma else ' pointer'}")
+            f"{' ws' if c.warp_specialize else ''}{' hm' if c.head_major else ''}{'' if c.tma else ' pointer'}")
 
 
 def tune_configs(tma: bool) -> list[ExtendConfig]:
@@ -274,6 +274,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--tune", action="store_true", help="sweep launch configurations at 8192 tokens")
+    ap.add_argument("--tune-shapes", action="store_true",
+                    help="the leading configurations, both launch orders, at 16384 tokens, 4 x 4096 and 8192")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_extend needs a CUDA device")
@@ -297,6 +299,28 @@ def main() -> None:
         torch.cuda.empty_cache()
     prefix_case = Case(1, 4096, 4096, 16, gen)
     emit_row(shape_row(prefix_case))
+
+    if args.tune_shapes:
+        # The leading configurations in both launch orders at the long and the batched shapes.
+        shortlist = [ExtendConfig(64, 64, 4, 3, True), ExtendConfig(128, 128, 8, 3, True),
+                     ExtendConfig(128, 64, 8, 3, True), ExtendConfig(64, 64, 4, 3, True, True)]
+        shortlist += [ExtendConfig(**{**c.__dict__, "head_major": True}) for c in shortlist]
+        results["tune_shapes"] = {}
+        for batch, seq in [(1, 16384), (4, 4096), (1, 8192)]:
+            case = Case(batch, seq, 0, 16, gen)
+            ref = case.dense_to_rows(F.scaled_dot_product_attention(case.qs, *case.kv["expanded"], is_causal=True,
+                                                                    scale=SCALE))
+            print(f"-- bs{batch} seq{seq}", flush=True)
+            rows = []
+            for cfg in shortlist:
+                r = {"config": cfg.__dict__, **bench_kernel(case, case.extend(cfg), ref)}
+                rows.append(r)
+                print(f"    {fmt_cfg(cfg):28s} " + (f"{r['ms']:7.3f} ms {r['tflops']:6.1f} TF/s" if "ms" in r
+                                                    else f"ERROR {r['error']}"), flush=True)
+            results["tune_shapes"][f"bs{batch}_seq{seq}"] = rows
+            write_json(args.out, results)
+            del case, ref
+            torch.cuda.empty_cache()
 
     if args.tune:
         case = Case(1, 8192, 0, 16, gen)

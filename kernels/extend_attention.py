@@ -76,6 +76,7 @@ class ExtendConfig:
     num_stages: int
     tma: bool  # this step's K/V and the query tile through tensor descriptors (else pointer loads)
     warp_specialize: bool = False  # tl.range(warp_specialize=True) on the main (run 3) loop
+    head_major: bool = False  # launch order: every query block of one head before the next head
 
 
 # Default launch on sm90 for 16-bit inputs with head_dim <= 128 and a chunk of more than 64 tokens:
@@ -142,15 +143,20 @@ if triton is not None:
                        stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
-                       WARP_SPEC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-        bh = tl.program_id(0)
+                       WARP_SPEC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                       HEAD_MAJOR: tl.constexpr):
+        if HEAD_MAJOR:  # grid (query blocks, B * Hq): one head's blocks run together, sharing its K/V in L2
+            bh = tl.program_id(1)
+            j = tl.program_id(0)
+        else:  # grid (B * Hq, query blocks): the longest block of every head first
+            bh = tl.program_id(0)
+            j = tl.program_id(1)
         b = bh // num_q_heads
         h = bh % num_q_heads
         kvh = h // GROUP
         q_start = tl.load(qo_indptr + b)
         q_len = tl.load(qo_indptr + b + 1) - q_start
         n_blocks = tl.cdiv(q_len, BLOCK_M)
-        j = tl.program_id(1)
         if j >= n_blocks:  # this request has fewer query blocks than the static grid
             return
         m0 = (n_blocks - 1 - j) * BLOCK_M  # longest blocks first
@@ -343,14 +349,15 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         qd, knd, vnd = q, k_new, v_new  # unused: the pointer path reads the tensors themselves
     upcast = q.dtype == torch.bfloat16 and not q.is_cuda  # only the interpreter runs off CUDA
     precision = "ieee" if (q.dtype == torch.float32 or upcast) else "tf32"
-    _extend_kernel[(meta.batch_size * hq, n_qblocks)](
+    grid = (n_qblocks, meta.batch_size * hq) if cfg.head_major else (meta.batch_size * hq, n_qblocks)
+    _extend_kernel[grid](
         q, qd, k_new, knd, v_new, vnd, k_cache, v_cache, out,
         meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.prefix_lens,
         sm_scale * LOG2E, hq,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_TMA=cfg.tma,
-        WARP_SPEC=cfg.warp_specialize, PRECISION=precision, UPCAST=upcast,
+        WARP_SPEC=cfg.warp_specialize, PRECISION=precision, UPCAST=upcast, HEAD_MAJOR=cfg.head_major,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -106,6 +106,15 @@ def test_tile_shapes(tiles):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer"])
+def test_head_major_launch_order(tma):
+    """The other launch order (every query block of a head, then the next head) computes the same."""
+    q_lens, prefix = [70, 5, 33], [37, 0, 16]
+    cfg = ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, tma=tma, head_major=True)
+    check(*make_case(q_lens, prefix, 4, 4, 2, 16, torch.float16, seed=13, pad_rows=2), config=cfg)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("d", [64, 128])
 def test_real_head_dims(d):
     """Llama head dims, GQA 4, the default (interpreter) launch, both with and without a prefix."""
