@@ -48,7 +48,6 @@ class EngineConfig(BaseModel):
     max_context: int | None = None  # None: the model's max_position_embeddings
     chunk_size: int | None = 512  # prefill tokens per step across requests; None = whole prompts
     spec: SpecConfig | None = None
-    aux_layers: tuple[int, ...] | None = None  # EAGLE-3 capture layers; None: from the draft config
     cuda_graph: bool = False  # capture decode phases as CUDA graphs (CUDA only)
     cuda_graph_phases: tuple[str, ...] = ("decode", "draft", "verify", "extend")  # each switchable
     cuda_graph_max_bs: int = 32  # larger batches run eagerly

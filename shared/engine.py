@@ -294,6 +294,22 @@ class Engine:
             spec=req.stats.as_dict() if self.spec is not None else None,
         )
 
+    def capture_graphs(self) -> int:
+        """Capture every enabled CUDA graph of every batch-size bucket now, so serving starts without
+        capture pauses (the services do this while /health says ``capturing``). Runs on padding rows
+        only (request row 0, length 0: the sink page), as capture always does. Returns how many graphs
+        exist afterwards; nothing happens off CUDA."""
+        if self.device.type != "cuda":
+            return 0
+        if self.spec is not None:
+            return self.spec.capture_graphs()
+        g = self.decode_graphs
+        if g.capture:
+            for bs in g.buckets:
+                zeros = torch.zeros(bs, dtype=torch.int64, device=self.device)
+                g(zeros, zeros.clone(), zeros.clone())
+        return len(g.captured_sizes)
+
     def is_idle_and_clean(self) -> bool:
         """True when no request runs and every cache is full again (the no-leak invariant)."""
         return not self.scheduler.has_work() and all(c.is_full() for c in self.scheduler.caches)

@@ -54,6 +54,11 @@ class PhaseGraphs:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple, Any]] = {}
         self._pool = None
 
+    @property
+    def captured_sizes(self) -> list[int]:
+        """The bucket sizes captured so far."""
+        return sorted(self._graphs)
+
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None) if self.enabled else None
 

@@ -238,6 +238,26 @@ class SpecWorker:
             self.num_batches += 1
         return events
 
+    def capture_graphs(self) -> int:
+        """Capture each enabled phase at every bucket on padding inputs (rows 0, lengths 0), in the
+        order a decode step runs them; returns how many graphs exist afterwards."""
+        dev, k, c = self.target_cache.spec.device, self.spec.topk, len(self.caches)
+        g = self.graphs
+        for bs in g["draft"].buckets:
+            ints = torch.zeros(bs, dtype=torch.int64, device=dev)
+            inp = DecodeInputs(target_rows=ints, draft_rows=torch.zeros(bs, c, dtype=torch.int64, device=dev),
+                               L=ints.clone(), bonus=ints.clone(),
+                               hidden=torch.zeros(bs, self.draft.hidden_width, dtype=self.dtype, device=dev),
+                               topk_p=torch.zeros(bs, k, device=dev), topk_ids=torch.zeros(bs, k, dtype=torch.int64,
+                                                                                          device=dev))
+            tree = g["draft"](inp)
+            if g["verify_extend"].capture:
+                g["verify_extend"](inp, tree)
+            if g["verify"].capture or g["extend"].capture:
+                logits, feats = g["verify"](inp, tree)
+                g["extend"](inp, tree, greedy_accept(tree, logits.argmax(dim=-1), self.spec.steps), logits, feats)
+        return sum(len(p.captured_sizes) for p in g.values())
+
     def _reserve(self, reqs: list[Request]) -> None:
         """Pages for every position this step may write: verify nodes, tree scratch, extend."""
         s = self.spec

@@ -67,3 +67,20 @@ def test_graph_capture_mutates_no_request_state(oracle_model_dir):
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     engine.abort(req.rid)
     assert engine.is_idle_and_clean()
+
+
+@pytest.mark.parametrize("kind", [None, "eagle3"])
+def test_graphs_captured_ahead_of_serving(oracle_model_dir, cpu_reference, kind):
+    """capture_graphs() records every enabled phase at every bucket before any request, on padding
+    rows only; serving afterwards replays them and gives the CPU reference's tokens."""
+    spec = None if kind is None else SpecConfig(topk=2, steps=3, num_draft_tokens=6)
+    cfg = EngineConfig(device="cuda", page_size=16, chunk_size=8, spec=spec, cuda_graph=True, cuda_graph_max_bs=8)
+    engine = Engine(oracle_model_dir / "target", None if kind is None else oracle_model_dir / kind, cfg)
+    count = engine.capture_graphs()
+    graphs = [engine.decode_graphs] if kind is None else list(engine.spec.graphs.values())
+    assert count == sum(len(g.buckets) for g in graphs) > 0
+    assert all(g.captured_sizes == g.buckets for g in graphs)
+    assert engine.is_idle_and_clean()  # nothing allocated to a request by the capture
+    got = [r.token_ids for r in engine.generate(PROMPTS, PARAMS)]
+    assert got == cpu_reference
+    assert engine.is_idle_and_clean()

@@ -154,3 +154,15 @@ def test_random_arrivals_and_aborts_under_a_tiny_pool(tiny_model_dir, page_size,
             assert res.finish_reason == "length" and res.token_ids == want[i]
     check_pools_full(engine)
     check_pools_full(roomy)
+
+
+def test_capture_graphs_is_a_no_op_off_cuda(tiny_model_dir):
+    """On the CPU there is nothing to capture: no graph, no allocation, the engine serves as before."""
+    from shared.config import EngineConfig, SpecConfig
+    from shared.engine import Engine
+
+    for draft, spec in ((None, None), ("eagle", SpecConfig(topk=2, steps=2, num_draft_tokens=4))):
+        engine = Engine(tiny_model_dir / "target", None if draft is None else tiny_model_dir / draft,
+                        EngineConfig(device="cpu", cuda_graph=True, spec=spec))
+        assert engine.capture_graphs() == 0
+        assert engine.is_idle_and_clean()
