@@ -84,12 +84,16 @@ class Scheduler:
             budget = self._add_chunk(plan, req, budget)
             if budget == 0:
                 return plan
-        while self.waiting and len(self.running) < self.max_running and self._admissible(self.waiting[0]):
+        headroom = self._headroom() if self.waiting else []
+        while self.waiting and len(self.running) < self.max_running and self._admissible(self.waiting[0], headroom):
             req = self.waiting.popleft()
             req.handles = [cache.open() for cache in self.caches]
             req.phase = Phase.PREFILLING
             self.running.append(req)
             budget = self._add_chunk(plan, req, budget)
+            # What it reserved left the free pages, the rest of its peak joined the claims: the
+            # headroom shrinks by its whole peak (no rescan of the running requests per admission).
+            headroom = [h - cache.pages_for(self.peak_positions(req)) for h, cache in zip(headroom, self.caches)]
             if budget == 0:
                 break
         return plan
@@ -106,14 +110,16 @@ class Scheduler:
         """Whether ``req`` (not yet holding pages) fits beside what running requests may claim."""
         return len(self.running) < self.max_running and self._admissible(req)
 
-    def _admissible(self, req: Request) -> bool:
-        for i, cache in enumerate(self.caches):
-            claimed = sum(max(0, cache.pages_for(self.peak_positions(r)) - cache.pages_for(r.handles[i].reserved))
-                          for r in self.running)
-            need = cache.pages_for(self.peak_positions(req))
-            if cache.num_free_pages - claimed < need or cache.num_free_rows == 0:
-                return False
-        return True
+    def _headroom(self) -> list[int]:
+        """Per cache, the free pages no running request may still claim (its peak less what it holds)."""
+        return [cache.num_free_pages - sum(max(0, cache.pages_for(self.peak_positions(r))
+                                               - cache.pages_for(r.handles[i].reserved)) for r in self.running)
+                for i, cache in enumerate(self.caches)]
+
+    def _admissible(self, req: Request, headroom: list[int] | None = None) -> bool:
+        headroom = self._headroom() if headroom is None else headroom
+        return all(cache.num_free_rows > 0 and h >= cache.pages_for(self.peak_positions(req))
+                   for h, cache in zip(headroom, self.caches))
 
     def release(self, req: Request) -> None:
         """Return every page and request row of ``req`` to its cache."""

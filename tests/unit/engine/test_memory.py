@@ -166,3 +166,39 @@ def test_capture_graphs_is_a_no_op_off_cuda(tiny_model_dir):
                         EngineConfig(device="cpu", cuda_graph=True, spec=spec))
         assert engine.capture_graphs() == 0
         assert engine.is_idle_and_clean()
+
+
+@pytest.mark.parametrize("page_size, num_pages, chunk", [(1, 60, None), (4, 20, None), (16, 6, 5)])
+def test_admission_keeps_the_rule_while_admitting_many_at_once(tiny_model_dir, page_size, num_pages, chunk):
+    """One schedule() admits several requests with the headroom kept incrementally: after every step
+    the running requests' peaks fit the pool (the rule, recomputed from scratch), and the first
+    request left waiting is one the rule refuses or one the row / batch / chunk limits stop."""
+    rng = random.Random(num_pages)
+    engine = make_engine(tiny_model_dir, chunk_size=chunk, page_size=page_size, num_pages=num_pages, max_running=8)
+    sched = engine.scheduler
+    prompts = [[rng.randrange(512) for _ in range(rng.randint(1, 12))] for _ in range(12)]
+    params = [SamplingParams(max_new_tokens=rng.randint(1, 6), ignore_eos=True) for _ in prompts]
+    for p, sp in zip(prompts, params):
+        engine.add_request(p, sp)
+    admitted = []
+    schedule = sched.schedule
+
+    def checked_schedule():
+        before = len(sched.running)
+        plan = schedule()
+        admitted.append(len(sched.running) - before)
+        for i, cache in enumerate(sched.caches):  # the running requests' peaks fit what the pool has
+            held = sum(cache.pages_for(r.handles[i].reserved) for r in sched.running)
+            peaks = sum(cache.pages_for(sched.peak_positions(r)) for r in sched.running)
+            assert peaks <= cache.num_free_pages + held
+        if sched.waiting and len(sched.running) < sched.max_running and chunk is None:
+            assert not sched._admissible(sched.waiting[0])  # left waiting only because it does not fit
+        return plan
+
+    sched.schedule = checked_schedule
+    while sched.has_work():
+        engine.step()
+        check_accounting(engine)
+    admitted_at_once = max(admitted)
+    assert admitted_at_once >= 2  # several admissions in one schedule(), the incremental path
+    check_pools_full(engine)
