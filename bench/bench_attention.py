@@ -234,11 +234,13 @@ def tune_extend(caches: Caches, batch: int, seq: int, gen) -> list[dict]:
 
 def fmt(row: dict) -> str:
     c = row.get("config", {})
-    cfg = f"bm{c.get('block_m')} bn{c.get('block_n')} w{c.get('num_warps')} s{c.get('num_stages')} sp{c.get('num_splits')}" if c else ""
+    cfg = (f"bm{c.get('block_m')} bn{c.get('block_n')} w{c.get('num_warps')} s{c.get('num_stages')} "
+           f"sp{c.get('num_splits')}") if c else ""
     if "error" in row:
         return f"{row['kind']:7s} {cfg:24s} ERROR {row['error']}"
     if row["kind"] == "decode":
-        return (f"decode  ps{row['page_size']:<3d} bs{row['batch']:<3d} ctx{row['context']:<5d} {row['ms'] * 1e3:9.1f} us"
+        return (f"decode  ps{row['page_size']:<3d} bs{row['batch']:<3d} ctx{row['context']:<5d} "
+                f"{row['ms'] * 1e3:9.1f} us"
                 f" {row['kv_GBps']:8.1f} GB/s {100 * row['frac_copy_bw']:6.1f}% of copy"
                 f"  (eager {row['eager_ms'] * 1e3:.1f} us)   {cfg}")
     if row["kind"] == "extend":

@@ -32,7 +32,8 @@ def fake_requests(engine: Engine, batch: int, ctx: int, max_new: int = 64):
     """Requests holding ``ctx`` positions of K/V in every cache, ready to decode."""
     reqs = []
     for i in range(batch):
-        req = engine.reserve_handoff(f"b{i}", [1] * ctx, [2], [0.0], SamplingParams(max_new_tokens=max_new, ignore_eos=True), ctx)
+        params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+        req = engine.reserve_handoff(f"b{i}", [1] * ctx, [2], [0.0], params, ctx)
         assert req is not None, "pool too small for the benchmark"
         engine.activate_handoff(req, ctx)
         reqs.append(req)
@@ -65,9 +66,9 @@ def bench_target_decode(target, bw, batches, contexts, rows_out):
             for r in reqs:
                 engine.cache.reserve(r.handles[0], ctx + 1)
             g = engine.decode_graphs
-            ms_graph = time_cuda(lambda: g(rows, lens, toks))  # noqa: B023 (called at once)
+            ms_graph = time_cuda(lambda: g(rows, lens, toks))  # noqa: B023, F821 (called at once)
             g.capture = False
-            ms_eager = time_cuda(lambda: g(rows, lens, toks), iters=10)  # noqa: B023
+            ms_eager = time_cuda(lambda: g(rows, lens, toks), iters=10)  # noqa: B023, F821
             floor_ms = (param_bytes(target) + kv_bytes(engine, bs * ctx)) / bw * 1e3
             read_floor_ms = (read_bytes(target) + kv_bytes(engine, bs * ctx)) / bw * 1e3
             row = {"batch": bs, "context": ctx, "eager_ms": ms_eager, "graph_ms": ms_graph, "floor_ms": floor_ms,
@@ -83,7 +84,8 @@ def bench_target_decode(target, bw, batches, contexts, rows_out):
 
 
 def spec_engine(target, draft, ctx, topk, steps, n):
-    engine = Engine(target, draft, engine_config(ctx + 1024, 1, spec=SpecConfig(topk=topk, steps=steps, num_draft_tokens=n)))
+    spec = SpecConfig(topk=topk, steps=steps, num_draft_tokens=n)
+    engine = Engine(target, draft, engine_config(ctx + 1024, 1, spec=spec))
     reqs = fake_requests(engine, 1, ctx, max_new=512)
     dev = engine.device
     k = topk

@@ -78,7 +78,7 @@ def measure(name, n, k, m, bw, configs):
                 print(f"  {name} m={m} {cfg}: WRONG (rel err {err:.2e})", flush=True)
                 continue
 
-            def run(cfg=cfg, backend=backend):
+            def run(cfg=cfg, backend=backend, ws=ws, outs=outs):
                 for w, o in zip(ws, outs):
                     if backend == "torch":
                         torch.matmul(x, w.t(), out=o)

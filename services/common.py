@@ -17,7 +17,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
-from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from shared.handoff.transport import ChannelPool
 from shared.metadata import InstanceInfo
 from shared.telemetry import Telemetry
@@ -146,19 +145,9 @@ def insecure_channel(address: str, options=(), api_key: str | None = None) -> gr
     return grpc.intercept_channel(channel, ApiKeyClientInterceptor(api_key)) if api_key else channel
 
 
-class AuthChannelPool(ChannelPool):
+def auth_channel_pool(api_key: str | None, max_message_bytes: int = 64 << 20) -> ChannelPool:
     """The prefill side's channels to decode instances (hand-off control and transport), carrying the key."""
-
-    def __init__(self, api_key: str | None, max_message_bytes: int = 64 << 20):
-        super().__init__(max_message_bytes)
-        self.api_key = api_key
-
-    def decode_stub(self, address: str) -> pb_grpc.DecodeStub:
-        with self._lock:
-            ch = self._channels.get(address)
-            if ch is None:
-                ch = self._channels[address] = insecure_channel(address, self._options, self.api_key)
-        return pb_grpc.DecodeStub(ch)
+    return ChannelPool(max_message_bytes, lambda address, options: insecure_channel(address, options, api_key))
 
 
 class ServiceTelemetry(Telemetry):

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
-from services.common import AuthChannelPool, ServiceHandle, full_name
+from services.common import ServiceHandle, auth_channel_pool, full_name
 from services.engine_loop import EngineLoop, TokenEvent
 from services.engine_service import engine_load, start_engine_service
 from services.settings import PrefillSettings
@@ -88,7 +88,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.schema = HandoffSchema.from_engine(loop.engine)
         for cache in loop.engine.scheduler.caches:  # a chunk size below one page fails now, not per request
             pages_per_chunk(cache, settings.handoff_chunk_bytes)
-        self.channels = channels or AuthChannelPool(settings.api_key)  # the decode side asks for the key too
+        self.channels = channels or auth_channel_pool(settings.api_key)  # the decode side asks for the key too
         self.client = DecodeClient(self.channels, self.schema)
         self.transport = transport or GrpcStreamTransport(self.channels, settings.handoff_chunk_bytes)
         self._jobs: dict[str, Job] = {}

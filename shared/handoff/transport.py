@@ -32,17 +32,21 @@ from shared.handoff.wire import PageSink, PageSource, Received, TransferCancelle
 class ChannelPool:
     """One gRPC channel per decode address, shared by the control client and the transport."""
 
-    def __init__(self, max_message_bytes: int = 64 << 20):
+    def __init__(self, max_message_bytes: int = 64 << 20,
+                 open_channel: Callable[[str, list], grpc.Channel] | None = None):
+        """``open_channel(address, options)`` makes each channel (the services pass one that adds the
+        API key to every call); default ``grpc.insecure_channel``."""
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self._options = [("grpc.max_send_message_length", max_message_bytes),
                          ("grpc.max_receive_message_length", max_message_bytes)]
+        self._open = open_channel or (lambda address, options: grpc.insecure_channel(address, options=options))
 
     def decode_stub(self, address: str) -> pb_grpc.DecodeStub:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = grpc.insecure_channel(address, options=self._options)
+                ch = self._channels[address] = self._open(address, self._options)
         return pb_grpc.DecodeStub(ch)
 
     def close(self) -> None:

@@ -145,8 +145,8 @@ class SpecPhases:
         self._compact_target(inp, acc.accept_index, valid)
         ext_hidden, ext_logits = self._extend(inp, tokens, path_feats, last)
         topk_p, topk_draft = torch.softmax(ext_logits, dim=-1).topk(self.spec.topk, dim=-1)
-        return StepOutput(accept_len=acc.accept_len, accept_index=acc.accept_index, tokens=tokens, logprobs=logprobs, hidden=ext_hidden,
-                          topk_p=topk_p, topk_ids=w.draft.to_target_ids(topk_draft))
+        return StepOutput(accept_len=acc.accept_len, accept_index=acc.accept_index, tokens=tokens, logprobs=logprobs,
+                          hidden=ext_hidden, topk_p=topk_p, topk_ids=w.draft.to_target_ids(topk_draft))
 
     def _compact_target(self, inp: DecodeInputs, accept_index: torch.Tensor, valid: torch.Tensor) -> None:
         """Accepted node n at path depth d moves from position L + n to L + d (n >= d)."""

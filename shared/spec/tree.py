@@ -72,5 +72,6 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     for _ in range(max_depth):
         cur = parents.gather(1, cur.clamp(min=0)).masked_fill(cur < 0, -1)
         hit = cur >= 0
-        mask.scatter_(2, cur.clamp(min=0).unsqueeze(2), hit.unsqueeze(2) | mask.gather(2, cur.clamp(min=0).unsqueeze(2)))
+        at = cur.clamp(min=0).unsqueeze(2)
+        mask.scatter_(2, at, hit.unsqueeze(2) | mask.gather(2, at))
     return mask

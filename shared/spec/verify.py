@@ -94,4 +94,5 @@ def _draw(p: torch.Tensor, gen: torch.Generator) -> int:
         return int(p.argmax())
     u = torch.rand(1, generator=gen, dtype=torch.float64).item()
     cdf = p.cumsum(0)
-    return int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True).clamp(max=p.numel() - 1))
+    at = torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True)
+    return int(at.clamp(max=p.numel() - 1))

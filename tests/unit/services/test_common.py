@@ -12,7 +12,7 @@ from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.common import (
     ApiKeyInterceptor,
-    AuthChannelPool,
+    auth_channel_pool,
     full_name,
     insecure_channel,
     set_serving,
@@ -145,7 +145,7 @@ def test_channels_of_the_services_carry_the_key(keyed_decode):
     address, servicer, _ = keyed_decode
     stub = pb_grpc.DecodeStub(insecure_channel(address, api_key="k3y"))
     assert [call() for call in calls(stub)] == [True, 3, [3]]
-    pool = AuthChannelPool("k3y")  # the prefill side's channels (hand-off control and transport)
+    pool = auth_channel_pool("k3y")  # the prefill side's channels (hand-off control and transport)
     assert [call() for call in calls(pool.decode_stub(address))] == [True, 3, [3]]
     pool.close()
     assert servicer.seen == ["Bearer k3y"] * 6
