@@ -22,8 +22,6 @@ Llama-3-8B attention shape: 32 query heads, 8 KV heads, head dim 128, bfloat16.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -32,6 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.timing import copy_bandwidth, graph_of, time_cuda, write_json
 from kernels.attention import AttnConfig, choose_config, paged_attention
 from kernels.attention_ref import AttentionMetadata
 
@@ -39,52 +38,11 @@ HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
 
 
-# The timing helpers of bench/common.py, repeated here because that module imports the engine (and its
-# dependencies); a kernel benchmark needs only torch and triton. Same definitions.
-def time_cuda(fn, iters: int = 30, warmup: int = 5) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` runs, CUDA events around each."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def time_graph(fn, calls: int = 20, reps: int = 10) -> float:
     """Median milliseconds per call of ``fn`` replayed from one CUDA graph of ``calls`` invocations: the
     GPU time without the host's launch cost (the decode service replays its phases from graphs)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # compile and warm up outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    graph = graph_of(fn, calls=calls, warmup=3)
     return time_cuda(graph.replay, iters=reps, warmup=2) / calls
-
-
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write counted), measured now."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = time_cuda(lambda: dst.copy_(src), iters=20)
-    return 2 * nbytes / (ms / 1e3)
-
-
-def write_json(path: str | None, payload: dict) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(payload, indent=1))
 
 
 def paged_layout(lens: list[int], page_size: int, gen: torch.Generator) -> torch.Tensor:

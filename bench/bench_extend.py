@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import statistics
 import sys
 import time
 import warnings
@@ -38,6 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.timing import time_cuda, write_json
 from kernels.attention import paged_attention
 from kernels.attention_ref import AttentionMetadata
 from kernels.extend_attention import ExtendConfig, choose_extend_config, extend_attention, tma_supported
@@ -51,25 +50,7 @@ MAX_REL_ERR = 1e-2
 
 def time_ms(fn, reps: int = 7, calls: int = 8, warmup: int = 3) -> float:
     """Median milliseconds per call, each repetition timing ``calls`` back-to-back calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
-
-
-def write_json(path: str | None, payload: dict) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(payload, indent=1))
+    return time_cuda(fn, iters=reps, warmup=warmup, calls=calls)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

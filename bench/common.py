@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import statistics
-from pathlib import Path
-
 import torch
 
+from bench.timing import copy_bandwidth, time_cuda, write_json  # noqa: F401 (re-exported)
 from shared.config import EngineConfig, SpecConfig
 from shared.model.config import ModelConfig
 from shared.model.drafts import Eagle3Draft, EagleDraft
@@ -55,30 +52,6 @@ def engine_config(max_context: int, batch: int, page_size: int = 16, spec: SpecC
                         cuda_graph=cuda_graph, cuda_graph_max_bs=max(batch, 1))
 
 
-def time_cuda(fn, iters: int = 30, warmup: int = 5) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` runs, CUDA events around each."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write counted), measured now."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = time_cuda(lambda: dst.copy_(src), iters=20)
-    return 2 * nbytes / (ms / 1e3)
-
-
 def param_bytes(module: torch.nn.Module) -> int:
     """Bytes of every weight the forward reads: parameters, buffers and the fused projections that
     ``fuse_projections`` keeps as plain tensor attributes (each storage counted once)."""
@@ -91,9 +64,3 @@ def param_bytes(module: torch.nn.Module) -> int:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
     return total
-
-
-def write_json(path: str | None, payload: dict) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(payload, indent=1))

@@ -21,20 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_decode import fake_requests
 from bench.common import build_target, copy_bandwidth, engine_config, param_bytes, time_cuda, write_json
+from bench.timing import graph_of
 from shared.engine import Engine
-
-
-def graph_of(fn):
-    """``fn`` captured as one CUDA graph (launch overhead out of the measurement)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
 
 
 def gemv_ceilings(bw: float, batch: int = 1) -> list[dict]:

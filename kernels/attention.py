@@ -197,25 +197,6 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _static_max_q_len(q: torch.Tensor, meta: AttentionMetadata) -> int:
-    """An upper bound on any request's query count, known on the host without reading the device."""
-    if meta.max_q_len is not None:
-        return meta.max_q_len
-    if meta.qo_indptr_cpu is not None:
-        qo = meta.qo_indptr_cpu
-        return max((qo[i + 1] - qo[i] for i in range(len(qo) - 1)), default=0)
-    return q.shape[0]
-
-
-def _static_max_kv_len(meta: AttentionMetadata) -> int | None:
-    if meta.max_kv_len is not None:
-        return meta.max_kv_len
-    if meta.kv_indptr_cpu is not None:
-        kv = meta.kv_indptr_cpu
-        return max((kv[i + 1] - kv[i] for i in range(len(kv) - 1)), default=0)
-    return None
-
-
 def choose_config(q: torch.Tensor, num_kv_heads: int, batch: int, max_q_len: int, max_kv_len: int | None,
                   num_splits: int | None = None) -> AttnConfig:
     """Tile sizes for Hopper-class GPUs; the interpreter gets the same logic with a small SM count.
@@ -280,8 +261,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError("the caches need a contiguous head dimension")
     group = hq // hkv
     B = meta.batch_size
-    max_q = _static_max_q_len(q, meta)
-    cfg = config or choose_config(q, hkv, B, max_q, _static_max_kv_len(meta), num_splits)
+    max_q = meta.static_max_q_len(q.shape[0])
+    cfg = config or choose_config(q, hkv, B, max_q, meta.static_max_kv_len(), num_splits)
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():

@@ -25,6 +25,14 @@ from dataclasses import dataclass
 import torch
 
 
+def _host_bound(bound: int | None, indptr: list[int] | None) -> int | None:
+    if bound is not None:
+        return bound
+    if indptr is not None:
+        return max((indptr[i + 1] - indptr[i] for i in range(len(indptr) - 1)), default=0)
+    return None
+
+
 @dataclass
 class AttentionMetadata:
     qo_indptr: torch.Tensor  # [B+1] int64, query row offsets
@@ -47,6 +55,16 @@ class AttentionMetadata:
     @property
     def batch_size(self) -> int:
         return self.qo_indptr.numel() - 1
+
+    def static_max_q_len(self, num_rows: int) -> int:
+        """An upper bound on any request's query count known on the host without reading the device:
+        ``max_q_len``, else from the host copy of ``qo_indptr``, else the query row count."""
+        bound = _host_bound(self.max_q_len, self.qo_indptr_cpu)
+        return num_rows if bound is None else bound
+
+    def static_max_kv_len(self) -> int | None:
+        """The same for key counts (``max_kv_len``, else the host ``kv_indptr``), None when unknown."""
+        return _host_bound(self.max_kv_len, self.kv_indptr_cpu)
 
     def host(self) -> tuple[list[int], list[int], list[int], list[int] | None]:
         qo = self.qo_indptr_cpu if self.qo_indptr_cpu is not None else self.qo_indptr.tolist()

@@ -241,16 +241,6 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-def _static_max_q_len(q: torch.Tensor, meta: AttentionMetadata) -> int:
-    """An upper bound on any request's query count, known on the host without reading the device."""
-    if meta.max_q_len is not None:
-        return meta.max_q_len
-    if meta.qo_indptr_cpu is not None:
-        qo = meta.qo_indptr_cpu
-        return max((qo[i + 1] - qo[i] for i in range(len(qo) - 1)), default=0)
-    return q.shape[0]
-
-
 def _rows_view_ok(x: torch.Tensor) -> bool:
     """Can ``x [T, H, D]`` be described as the 2-D TMA tensor ``[T, H * D]`` (strides ``[x.stride(0), 1]``)?"""
     d = x.shape[2]
@@ -331,7 +321,7 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         raise ValueError("the caches need a contiguous head dimension")
     if k_new.dtype != q.dtype or v_new.dtype != q.dtype or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError("q, k_new, v_new and the caches must share one dtype")
-    max_q = _static_max_q_len(q, meta)
+    max_q = meta.static_max_q_len(q.shape[0])
     can_tma = tma_supported(q, k_new, v_new)
     cfg = config or choose_extend_config(q, max_q, can_tma)
     if cfg.tma and not can_tma:

@@ -164,6 +164,15 @@ class ServiceTelemetry(Telemetry):
         telemetry = self
 
         class Guarded(base):
+            def _reply(self, status: int, body: bytes, **headers: str) -> None:
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name.replace("_", "-"), value)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
             def _allowed(self) -> bool:
                 if telemetry.api_key is None or self.path.split("?")[0] in OPEN_HTTP_PATHS:
                     return True
@@ -173,12 +182,7 @@ class ServiceTelemetry(Telemetry):
                 body = json.dumps({"error": {"message": "missing or wrong API key (send Authorization: Bearer "
                                                         "<key>)", "type": "invalid_request_error", "param": None,
                                              "code": "invalid_api_key"}}).encode()
-                self.send_response(401)
-                self.send_header("WWW-Authenticate", 'Bearer realm="eyrie"')
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self._reply(401, body, WWW_Authenticate='Bearer realm="eyrie"')
                 return False
 
             def do_GET(self):  # noqa: N802
@@ -187,13 +191,7 @@ class ServiceTelemetry(Telemetry):
 
             def _not_allowed(self):
                 if self._allowed():
-                    body = b'{"error": "method not allowed"}'
-                    self.send_response(405)
-                    self.send_header("Allow", "GET")
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
+                    self._reply(405, b'{"error": "method not allowed"}', Allow="GET")
 
             do_POST = do_PUT = do_DELETE = do_PATCH = _not_allowed  # noqa: N815
 
