@@ -1,6 +1,6 @@
 """Pieces every Eyrie service shares: the gRPC server (with health and reflection), API-key auth (server
-side on gRPC and HTTP, client side on the services' channels to each other), the handle a started service
-returns, and logging set-up."""
+side on gRPC and HTTP, client side on the services' channels to each other) and the handle a started
+service returns (logging: ``services.logs``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from grpc_reflection.v1alpha import reflection
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from shared.handoff.transport import ChannelPool
-from shared.metadata import InstanceInfo
 from shared.telemetry import Telemetry
 
 # With an API key set, every gRPC method needs it except the standard health service (load balancers,
@@ -40,23 +39,6 @@ class ServiceHandle:
     stop: Callable[[float], None]
     engine_loop: object | None = None
     extra: dict = field(default_factory=dict)
-
-
-@dataclass
-class EngineInstanceInfo(InstanceInfo):
-    """An engine instance's registry entry, with what the router reports in GetModelInfo: ``dtype``,
-    ``page_size`` and ``spec`` (``draft_kind``, ``topk``, ``steps``, ``num_draft_tokens``) of its engine."""
-
-    model: dict = field(default_factory=dict)
-
-    @staticmethod
-    def facts(engine) -> dict:
-        from shared.handoff import HandoffSchema
-
-        schema = HandoffSchema.from_engine(engine)
-        return {"dtype": schema.dtype, "page_size": schema.page_size, "max_context": engine.max_context,
-                "spec": {"draft_kind": schema.draft_kind, "topk": schema.topk, "steps": schema.steps,
-                         "num_draft_tokens": schema.num_draft_tokens}}
 
 
 def new_instance_id(role: str) -> str:
@@ -111,7 +93,7 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
 class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
                                                            "wait_for_ready", "compression")),
                    grpc.ClientCallDetails):
-    pass
+    """The call details an interceptor passes on (gRPC gives no public constructor for them)."""
 
 
 class ApiKeyClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
@@ -229,10 +211,3 @@ def set_serving(health_servicer: health.HealthServicer, service_names: list[str]
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ["", *service_names]:
         health_servicer.set(name, status)
-
-
-def setup_logging(level: str, role: str, instance: str = "-"):
-    """JSON log lines (``services.logs``) for this process."""
-    from services.logs import setup_logging as setup
-
-    return setup(level, role, instance)

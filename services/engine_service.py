@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Protocol
 
 from services.common import (
-    EngineInstanceInfo,
     ServiceHandle,
     ServiceTelemetry,
     new_instance_id,
@@ -25,7 +24,8 @@ from services.engine_loop import EngineLoop
 from services.logs import ServiceLog
 from services.settings import EngineSettings
 from shared.engine import Engine
-from shared.metadata import Heartbeat, Registry, connect
+from shared.handoff import HandoffSchema
+from shared.metadata import Heartbeat, InstanceInfo, Registry, connect
 from shared.telemetry import Telemetry
 
 
@@ -46,19 +46,24 @@ def engine_load(engine: Engine) -> dict:
             "free_pages": engine.cache.num_free_pages}
 
 
-def capture_graphs(engine: Engine, enabled: bool, telemetry: Telemetry, log: ServiceLog) -> None:
-    """With CUDA graphs on, capture them before serving, with ``/health`` answering 503 ``capturing``
-    meanwhile (gRPC health is not up yet), through the engine's ``capture_graphs()`` when it has one.
+def engine_facts(engine: Engine) -> dict:
+    """What the registry entry tells the router's GetModelInfo: dtype, page size, context and the
+    speculative config (``draft_kind``, ``topk``, ``steps``, ``num_draft_tokens``) of the engine."""
+    schema = HandoffSchema.from_engine(engine)
+    return {"dtype": schema.dtype, "page_size": schema.page_size, "max_context": engine.max_context,
+            "spec": {"draft_kind": schema.draft_kind, "topk": schema.topk, "steps": schema.steps,
+                     "num_draft_tokens": schema.num_draft_tokens}}
 
-    An engine without it captures each graph lazily at the first step of its batch size: then the first
-    requests of each size pay for the capture instead, and this state is skipped."""
-    capture = getattr(engine, "capture_graphs", None)
-    if not enabled or not callable(capture):
+
+def capture_graphs(engine: Engine, enabled: bool, telemetry: Telemetry, log: ServiceLog) -> None:
+    """With CUDA graphs on, capture them before serving (``Engine.capture_graphs``), with ``/health``
+    answering 503 ``capturing`` meanwhile (gRPC health is not up yet)."""
+    if not enabled:
         return
     telemetry.set_state("capturing")
     log.event("capturing_graphs")
     t0 = time.perf_counter()
-    capture()
+    engine.capture_graphs()
     log.event("graphs_captured", seconds=round(time.perf_counter() - t0, 3))
 
 
@@ -89,9 +94,9 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
         grpc_address = f"{settings.advertised}:{port}"
         http_address = f"{settings.advertised}:{telemetry.port}"
         registry = Registry(connect(settings.redis_url), settings.registry_ttl_s)
-        info = EngineInstanceInfo(instance_id=instance_id, role=role, grpc_address=grpc_address,
-                                  http_address=http_address, started_at=time.time(),
-                                  model=EngineInstanceInfo.facts(engine))
+        facts = engine_facts(engine)
+        info = InstanceInfo(instance_id=instance_id, role=role, grpc_address=grpc_address,
+                            http_address=http_address, started_at=time.time(), model=facts)
         heartbeat = Heartbeat(registry, info, settings.heartbeat_s,
                               lambda: loop.call(servicer.load).result(5)).start()
     except BaseException:
@@ -101,7 +106,7 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
     telemetry.observe_engine(engine)
     set_serving(health, services, True)
     telemetry.set_state("ready")
-    log.event("started", grpc=grpc_address, http=http_address, **EngineInstanceInfo.facts(engine))
+    log.event("started", grpc=grpc_address, http=http_address, **facts)
 
     def stop(grace: float = 2.0) -> None:
         log.event("stopping")

@@ -78,20 +78,16 @@ class ServiceLog:
         self.event(event, rid, logging.ERROR, exc_info=True, **fields)
 
 
-class _StderrHandler(logging.StreamHandler):
+class _StderrHandler(logging.Handler):
     """Writes to whatever ``sys.stderr`` is when a line is logged (not the stream current at set-up, which a
     test harness or an embedding program may have swapped and closed since)."""
 
-    def __init__(self):
-        super().__init__(sys.stderr)
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value):  # StreamHandler.__init__ assigns it
-        pass
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
+        except Exception:
+            self.handleError(record)
 
 
 def setup_logging(level: str, role: str, instance: str = "-", stream=None) -> JsonFormatter:

@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
 
 import redis
@@ -108,6 +108,7 @@ class InstanceInfo:
     free_pages: int = 0
     started_at: float = 0.0
     beat: int = 0  # heartbeat sequence number: lets a router tell which of its placements a figure includes
+    model: dict = field(default_factory=dict)  # an engine's dtype, page_size, max_context and spec config
 
     @classmethod
     def from_json(cls, raw: str) -> InstanceInfo:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 
 import torch
@@ -55,6 +55,11 @@ class SpecStats:
     @property
     def accept_rate(self) -> float:
         return self.accepted_drafts / self.proposed_drafts if self.proposed_drafts else 0.0
+
+    def add(self, other: SpecStats) -> None:
+        """Sum ``other`` into these statistics (a verify step into a request's, or into the engine's)."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     def as_dict(self) -> dict:
         return {"verify_steps": self.verify_steps, "accepted_drafts": self.accepted_drafts,

@@ -30,7 +30,6 @@ Behaviour worth knowing (docs/deploy.md has the user-facing version):
 
 from __future__ import annotations
 
-import hmac
 import json
 import math
 import threading
@@ -44,6 +43,7 @@ from pathlib import Path
 import grpc
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
+from services.common import key_matches
 from services.settings import RouterSettings
 from shared.request import RequestError
 
@@ -421,7 +421,6 @@ class OpenAIServer(ThreadingHTTPServer):
         self.core, self.settings = core, settings
         self.template = ChatTemplate(settings.model, settings.model_name)
         self.created = int(time.time())
-        self.expected_auth = f"Bearer {settings.api_key}".encode() if settings.api_key else None
         super().__init__(address, OpenAIHandler)
 
     # The logprob of each token as text, for the logprobs blocks.
@@ -499,11 +498,8 @@ class OpenAIHandler(BaseHTTPRequestHandler):
                            code="method_not_allowed")
 
     def _authenticate(self) -> None:
-        expected = self.server.expected_auth
-        if expected is None:
-            return
-        given = (self.headers.get("Authorization") or "").strip().encode()
-        if not hmac.compare_digest(given, expected):
+        api_key = self.server.settings.api_key
+        if api_key and not key_matches(self.headers.get("Authorization"), api_key):
             raise ApiError(401, "missing or wrong API key (send Authorization: Bearer <key>)",
                            code="invalid_api_key")
 

@@ -28,7 +28,6 @@ from pydantic import ValidationError
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.common import (
-    EngineInstanceInfo,
     ServiceHandle,
     ServiceTelemetry,
     full_name,
@@ -570,11 +569,9 @@ class RouterCore:
         an engine instance registered)."""
         for role in ("decode", "prefill"):
             for inst in self.registry.instances(role):
-                raw = self.registry.client.get(f"instance:{inst.instance_id}")
-                facts = EngineInstanceInfo.from_json(raw).model if raw else {}
-                if facts:
-                    self._facts = facts
-                    return facts
+                if inst.model:
+                    self._facts = inst.model
+                    return inst.model
         return self._facts
 
     def model_info(self) -> pb.ModelInfo:

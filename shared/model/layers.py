@@ -124,10 +124,6 @@ class Attention(nn.Module):
             qkv = linear(x, self.qkv_weight, self.qkv_bias)
             q = rope_store(qkv, *batch.cos_sin, k_cache, v_cache, batch.out_cache_loc, self.num_heads,
                            self.num_kv_heads)
-            if _long_extend(q, batch):  # prefill chunks: this step's K/V read densely (TMA), not by slot
-                loc = batch.out_cache_loc
-                o = extend_attention(q, k_cache[loc], v_cache[loc], k_cache, v_cache, batch.attn, self.scale)
-                return linear(o.reshape(T, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
         else:
             q, k, v = self._qkv(x)
             q = q.reshape(T, self.num_heads, self.head_dim)
@@ -135,7 +131,11 @@ class Attention(nn.Module):
             q, k = self.rotary(batch, q, k)
             k_cache[batch.out_cache_loc] = k.to(k_cache.dtype)
             v_cache[batch.out_cache_loc] = v.reshape(T, self.num_kv_heads, self.head_dim).to(v_cache.dtype)
-        o = self._attend(q, k_cache, v_cache, batch.attn, self.scale)
+        if _long_extend(q, batch):  # prefill chunks: this step's K/V read densely (TMA), not by slot
+            loc = batch.out_cache_loc
+            o = extend_attention(q, k_cache[loc], v_cache[loc], k_cache, v_cache, batch.attn, self.scale)
+        else:
+            o = self._attend(q, k_cache, v_cache, batch.attn, self.scale)
         return linear(o.reshape(T, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
 
 

@@ -18,9 +18,9 @@ extend that follows; a request's share of each is the step's time over the step'
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,7 +51,7 @@ def shifted_tokens(req: Request, start: int, end: int) -> list[int]:
     return ids[start + 1:end + 1]
 
 
-@dataclass
+@dataclasses.dataclass
 class SpecBatchStats:
     """One verify step of the engine: the requests it verified together and what each committed."""
 
@@ -67,16 +67,22 @@ class SpecBatchStats:
     def batch_size(self) -> int:
         return len(self.request_ids)
 
+    def totals(self) -> SpecStats:
+        """This step as ``SpecStats`` summed over its requests (the definitions live there)."""
+        n = self.batch_size
+        return SpecStats(verify_steps=n, accepted_drafts=sum(self.verified) - n,
+                         proposed_drafts=self.drafts_per_request * n, committed_tokens=sum(self.committed),
+                         draft_time_s=self.draft_time_s, verify_time_s=self.verify_time_s)
+
     @property
     def accept_length(self) -> float:
         """Committed tokens per verify, averaged over the batch's requests."""
-        return sum(self.committed) / self.batch_size if self.batch_size else 0.0
+        return self.totals().accept_length
 
     @property
     def accept_rate(self) -> float:
         """Drafts verification accepted over the drafts the batch's requests could accept."""
-        proposed = self.drafts_per_request * self.batch_size
-        return sum(v - 1 for v in self.verified) / proposed if proposed else 0.0
+        return self.totals().accept_rate
 
     def as_dict(self) -> dict:
         return {"step": self.step, "batch_size": self.batch_size, "request_ids": list(self.request_ids),
@@ -87,17 +93,15 @@ class SpecBatchStats:
 
 def summarize_batches(batches: list[SpecBatchStats]) -> dict:
     """Totals over verify steps (for example those of one prompt batch): the same definitions."""
-    steps = sum(b.batch_size for b in batches)  # request-verifies
-    committed = sum(sum(b.committed) for b in batches)
-    accepted = sum(sum(b.verified) for b in batches) - steps
-    proposed = sum(b.drafts_per_request * b.batch_size for b in batches)
+    total = SpecStats()
+    for b in batches:
+        total.add(b.totals())
+    steps = total.verify_steps  # request-verifies
     return {"verify_batches": len(batches), "verify_steps": steps,
             "mean_batch_size": round(steps / len(batches), 4) if batches else 0.0,
-            "accepted_drafts": accepted, "committed_tokens": committed,
-            "accept_length": round(committed / steps, 4) if steps else 0.0,
-            "accept_rate": round(accepted / proposed, 4) if proposed else 0.0,
-            "draft_time_s": round(sum(b.draft_time_s for b in batches), 6),
-            "verify_time_s": round(sum(b.verify_time_s for b in batches), 6)}
+            "accepted_drafts": total.accepted_drafts, "committed_tokens": total.committed_tokens,
+            "accept_length": round(total.accept_length, 4), "accept_rate": round(total.accept_rate, 4),
+            "draft_time_s": round(total.draft_time_s, 6), "verify_time_s": round(total.verify_time_s, 6)}
 
 
 BATCH_LOG = 4096  # verify steps ``SpecWorker.batches`` keeps (a serving engine runs forever)
@@ -215,26 +219,22 @@ class SpecWorker:
             logits, feats = self.graphs["verify"](inp, tree)
             acc = self.accept(reqs, tree, logits)
             out = self.graphs["extend"](inp, tree, acc, logits, feats)
-        out = tree_map(lambda t: t[:n], out)
+        # The per-token outputs the host needs reach it here, once (the one sync of the step).
+        out = dataclasses.replace(tree_map(lambda t: t[:n], out), accept_len=out.accept_len[:n].cpu(),
+                                  tokens=out.tokens[:n].cpu(), logprobs=out.logprobs[:n].cpu())
         inp = tree_map(lambda t: t[:n], inp)
         t2 = time.perf_counter()
         verified = out.accept_len.tolist()
         events = self._commit(reqs, inp, out)
-        committed = [len(toks) for _, toks in events]
         for req in reqs:
             req.stats.draft_time_s += (t1 - t0) / len(reqs)
             req.stats.verify_time_s += (t2 - t1) / len(reqs)
-        self.totals.verify_steps += len(reqs)
-        self.totals.accepted_drafts += sum(int(n) - 1 for n in verified)
-        self.totals.committed_tokens += sum(committed)
-        self.totals.proposed_drafts += self.spec.steps * len(reqs)
-        self.totals.draft_time_s += t1 - t0
-        self.totals.verify_time_s += t2 - t1
+        batch = SpecBatchStats(step=self.num_batches, request_ids=[r.rid for r in reqs],
+                               committed=[len(toks) for _, toks in events], verified=verified,
+                               drafts_per_request=self.spec.steps, draft_time_s=t1 - t0, verify_time_s=t2 - t1)
+        self.totals.add(batch.totals())
         if reqs:  # an empty step verifies nothing: no batch to report
-            self.batches.append(SpecBatchStats(
-                step=self.num_batches, request_ids=[r.rid for r in reqs], committed=committed,
-                verified=[int(n) for n in verified], drafts_per_request=self.spec.steps,
-                draft_time_s=t1 - t0, verify_time_s=t2 - t1))
+            self.batches.append(batch)
             self.num_batches += 1
         return events
 
@@ -277,15 +277,16 @@ class SpecWorker:
             return torch.stack([t.to(dev, dtype) for t in tensors]) if tensors else torch.zeros(
                 0, width, dtype=dtype, device=dev)
 
-        # The host integers of the batch travel in one copy: [target row, draft rows..., L, bonus].
+        # The host integers of the batch travel in one copy, one row per field (each row contiguous):
+        # target rows, committed lengths, bonus tokens, then each draft cache's rows.
         c = len(self.caches)
-        ints = torch.tensor([[r.handles[0].row, *(h.row for h in r.handles[1:]), st.committed_len, st.bonus_token]
-                             for r, st in zip(reqs, states)], dtype=torch.int64).view(n, c + 3).to(dev)
+        ints = torch.tensor([[r.handles[0].row for r in reqs], [st.committed_len for st in states],
+                             [st.bonus_token for st in states], *([r.handles[1 + i].row for r in reqs]
+                                                                 for i in range(c))],
+                            dtype=torch.int64).view(3 + c, n).to(dev)
         return DecodeInputs(
-            target_rows=ints[:, 0].contiguous(),
-            draft_rows=ints[:, 1:1 + c].contiguous(),
-            L=ints[:, 1 + c].contiguous(),
-            bonus=ints[:, 2 + c].contiguous(),
+            target_rows=ints[0], L=ints[1], bonus=ints[2],
+            draft_rows=ints[3:].t(),  # [B, C]: column c (what a draft step reads) is row 3 + c, contiguous
             hidden=stack([st.hidden for st in states], self.draft.hidden_width, self.dtype),
             topk_p=stack([st.topk_p for st in states], k, torch.float32),
             topk_ids=stack([st.topk_ids for st in states], k, torch.int64),
@@ -330,8 +331,12 @@ class SpecWorker:
         """Page size 1 compacts by permuting the device table; mirror the touched span on the host."""
         if self.target_cache.page_size != 1:
             return
-        n = self.spec.num_draft_tokens
-        span = inp.L.unsqueeze(1) + torch.arange(n, device=inp.L.device)
         table = self.target_cache.req_to_token
-        values = table.table[inp.target_rows.unsqueeze(1), span].cpu()
-        table.host[inp.target_rows.cpu().unsqueeze(1), span.cpu()] = values
+        if table.table is table.host:  # on the CPU the table is its own mirror
+            return
+        n = self.spec.num_draft_tokens
+        values = table.table[inp.target_rows.unsqueeze(1), inp.L.unsqueeze(1) + torch.arange(n, device=inp.L.device)]
+        # The same indices on the host come from the requests (not read back from the device).
+        rows = torch.tensor([r.handles[0].row for r in reqs]).unsqueeze(1)
+        span = torch.tensor([r.draft_state.committed_len for r in reqs]).unsqueeze(1) + torch.arange(n)
+        table.host[rows, span] = values.cpu()

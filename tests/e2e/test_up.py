@@ -4,6 +4,7 @@ service and the embedded Redis server and exits 0, leaving no process and no tem
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -72,10 +73,8 @@ class Up:
 
     def kill(self) -> None:
         for p in [*self.services(), psutil.Process(self.proc.pid)] if self.proc.poll() is None else []:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
-            except psutil.NoSuchProcess:
-                pass
 
 
 def gone(proc: psutil.Process, timeout: float = 10) -> bool:

@@ -9,17 +9,13 @@ positions are rarely neighbouring slots.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_checks import DEVICE, needs_interpreter, no_host_reads
 
 from kernels.attention import choose_config, paged_attention
 from kernels.attention_ref import AttentionMetadata, paged_attention_ref
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_interpreter = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-                                       reason="Triton on the CPU needs TRITON_INTERPRET=1 set before import")
 TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.float16: {"atol": 2e-3, "rtol": 2e-3},
        torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
@@ -169,14 +165,8 @@ def test_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
     q, k, v, meta = make_case(q_lens, prefix, q_lens, 16, 4, 2, 16, torch.float32, seed=9)
     meta.max_q_len, meta.max_kv_len = 4, 31
     ref = paged_attention_ref(q, k, v, meta, 0.5)
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("host read on the kernel path")
-
-    for name in ("item", "tolist", "nonzero", "cpu"):
-        monkeypatch.setattr(torch.Tensor, name, refuse)
-    out = paged_attention(q, k, v, meta, 0.5, backend="triton", num_splits=2)
-    monkeypatch.undo()
+    with no_host_reads(monkeypatch):
+        out = paged_attention(q, k, v, meta, 0.5, backend="triton", num_splits=2)
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
 
 

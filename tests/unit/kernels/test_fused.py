@@ -2,10 +2,9 @@
 
 import pytest
 import torch
+from kernel_checks import DEVICE
 
 from kernels.fused import rope_store, rope_store_ref, silu_mul, silu_mul_ref
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU, the kernel on a GPU
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -2,10 +2,9 @@
 
 import pytest
 import torch
+from kernel_checks import DEVICE
 
 from kernels.gemv import MAX_ROWS, choose_config, linear, linear_ref
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])

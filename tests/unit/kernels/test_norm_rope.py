@@ -1,15 +1,11 @@
 """Fused RMSNorm and RoPE: the Triton kernels equal their torch references (interpreter on CPU)."""
 
-import os
 
 import pytest
 import torch
+from kernel_checks import DEVICE, needs_interpreter
 
 from kernels.norm_rope import apply_rope, apply_rope_ref, rms_norm, rms_norm_ref
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_interpreter = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-                                       reason="Triton on the CPU needs TRITON_INTERPRET=1 set before import")
 
 
 @needs_interpreter

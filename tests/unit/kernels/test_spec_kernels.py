@@ -4,10 +4,10 @@ reference equals the shared/spec code it stands in for, so swapping the kernel i
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
+from kernel_checks import DEVICE, needs_interpreter
 
 from kernels.spec_kernels import (
     build_tree,
@@ -23,10 +23,6 @@ from kernels.spec_kernels import (
 )
 from shared.spec.tree import Candidates, DraftTree, select_tree
 from shared.spec.verify import greedy_accept
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_interpreter = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-                                       reason="Triton on the CPU needs TRITON_INTERPRET=1 set before import")
 
 
 def make_candidates(B: int, k: int, steps: int, vocab: int, seed: int, ties: bool = False) -> Candidates:

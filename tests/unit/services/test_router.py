@@ -141,15 +141,15 @@ def test_model_info(core):
 
 
 def test_model_info_reports_the_engines_dtype_page_size_and_speculative_config(core):
-    from services.common import EngineInstanceInfo
+    from shared.metadata import InstanceInfo
 
     facts = {"dtype": "bfloat16", "page_size": 16, "max_context": 4096,
              "spec": {"draft_kind": "eagle3", "topk": 4, "steps": 3, "num_draft_tokens": 8}}
     prefill_facts = {**facts, "dtype": "float16"}
-    core.registry.register(EngineInstanceInfo("prefill-1", "prefill", "127.0.0.1:1", model=prefill_facts))
+    core.registry.register(InstanceInfo("prefill-1", "prefill", "127.0.0.1:1", model=prefill_facts))
     info = core.model_info()
     assert (info.dtype, info.page_size) == ("float16", 16)  # only a prefill instance: its figures
-    core.registry.register(EngineInstanceInfo("decode-1", "decode", "127.0.0.1:2", model=facts))
+    core.registry.register(InstanceInfo("decode-1", "decode", "127.0.0.1:2", model=facts))
     info = core.model_info()
     assert (info.dtype, info.page_size) == ("bfloat16", 16)  # the decode instance's win
     assert (info.spec.draft_kind, info.spec.topk, info.spec.steps, info.spec.num_draft_tokens) == ("eagle3", 4, 3, 8)
