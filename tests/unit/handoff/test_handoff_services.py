@@ -269,6 +269,10 @@ def test_a_transfer_broken_off_mid_way_frees_the_reservation(stack):
 
     call = stack.dstub.Transfer.future(messages(), timeout=20)
     assert sent_two.wait(5)
+    # Break off once the decode side has read the first chunk (and so knows the request): a transfer that
+    # breaks before naming its request cannot be told apart and is reaped at the attach deadline instead.
+    incoming = stack.decode.extra["servicer"]._incoming
+    wait_until(lambda: incoming[rid].receiving, timeout=10)
     call.cancel()
     hang.set()
     assert stack.clean()
@@ -487,6 +491,21 @@ def test_a_hand_off_nobody_streams_is_aborted_after_the_attach_timeout(models, r
         with pytest.raises(grpc.RpcError) as err:
             list(s.dstub.Stream(pb.StreamRequest(request_id=rid), timeout=5))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        # A transfer that breaks off before its first chunk never names its request: the same deadline frees it.
+        rid = s.rid()
+        reserve_directly(s, rid)
+        stalled = threading.Event()
+
+        def nothing():
+            stalled.wait(10)
+            yield from ()
+
+        call = s.dstub.Transfer.future(nothing(), timeout=20)
+        time.sleep(0.1)
+        call.cancel()
+        stalled.set()
+        assert s.clean()
+        wait_until(lambda: aborted_on_decode(s) == 2)
     finally:
         t0 = time.monotonic()
         s.stop()
