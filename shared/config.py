@@ -51,6 +51,9 @@ class EngineConfig(BaseModel):
     cuda_graph: bool = False  # capture decode phases as CUDA graphs (CUDA only)
     cuda_graph_phases: tuple[str, ...] = ("decode", "draft", "verify", "extend")  # each switchable
     cuda_graph_max_bs: int = 32  # larger batches run eagerly
+    # Launch the next step's draft before this step's tokens reach the host, so the host's bookkeeping
+    # overlaps the draft on the device (used when the next step runs the same requests). None: on CUDA.
+    spec_draft_ahead: bool | None = None
 
     @property
     def headroom(self) -> int:

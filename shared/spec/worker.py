@@ -104,6 +104,21 @@ def summarize_batches(batches: list[SpecBatchStats]) -> dict:
             "draft_time_s": round(total.draft_time_s, 6), "verify_time_s": round(total.verify_time_s, 6)}
 
 
+@dataclasses.dataclass
+class DraftAhead:
+    """The next step's draft, launched before this step's tokens reached the host. The next step uses
+    it when it runs the same requests, in the same order, from the states this step left them."""
+
+    reqs: list[Request]
+    states: list[DraftState | None]  # each request's draft state it was drafted from (set at commit)
+    inp: DecodeInputs  # padded to the bucket, on the device
+    tree: DraftTree
+
+    def matches(self, reqs: list[Request]) -> bool:
+        return (len(reqs) == len(self.reqs) and all(a is b for a, b in zip(reqs, self.reqs))
+                and all(r.draft_state is st for r, st in zip(reqs, self.states)))
+
+
 BATCH_LOG = 4096  # verify steps ``SpecWorker.batches`` keeps (a serving engine runs forever)
 
 
@@ -134,6 +149,10 @@ class SpecWorker:
         # All-greedy batches run verify + acceptance + extend as one graph when both phases are on.
         self.graphs["verify_extend"] = PhaseGraphs("verify_extend", self.phases.verify_extend,
                                                    {"verify", "extend"} <= on, config.cuda_graph_max_bs)
+        ahead = config.spec_draft_ahead
+        self.draft_ahead = engine.device.type == "cuda" if ahead is None else ahead
+        self._ahead: DraftAhead | None = None  # the draft launched for the next step, if any
+        self.ahead_used = self.ahead_dropped = 0  # drafts launched ahead that a step used / did not
 
     def keep_batches(self, limit: int | None) -> None:
         """Keep the latest ``limit`` verify steps' statistics (None: all, for a bounded run)."""
@@ -204,14 +223,28 @@ class SpecWorker:
     # ---- one decode step -------------------------------------------------------------------------
     def decode_step(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
         """Draft, verify, accept, compact and extend for ``reqs``; host bookkeeping around four
-        pure tensor phases (each can be replayed from a CUDA graph)."""
-        self._reserve(reqs)
+        pure tensor phases (each can be replayed from a CUDA graph).
+
+        Drafting ahead: the next step's draft needs only device tensors of this step's output, so it
+        is launched right after this step's verify and extend, and the host does this step's
+        bookkeeping while the device drafts. The next step uses it when it runs the same requests
+        from the states this step left them (``DraftAhead.matches``); otherwise it drafts anew (the
+        draft ahead wrote only scratch positions past the committed lengths, which it overwrites).
+        """
+        ahead_next = self.draft_ahead and bool(reqs) and self._can_draft_ahead(reqs)
+        self._reserve(reqs, ahead_next)
         n = len(reqs)
         # Padded rows: request row 0, length 0. An empty batch runs one such row, the same path.
         bs = self.graphs["draft"].bucket(n) or max(n, 1)
-        inp = tree_map(lambda t: pad_rows(t, bs), self._inputs(reqs))
+        ahead, self._ahead = self._ahead, None
         t0 = time.perf_counter()
-        tree = self.graphs["draft"](inp)
+        if ahead is not None and ahead.matches(reqs):
+            inp, tree = ahead.inp, ahead.tree
+            self.ahead_used += 1
+        else:
+            self.ahead_dropped += ahead is not None
+            inp = tree_map(lambda t: pad_rows(t, bs), self._inputs(reqs))
+            tree = self.graphs["draft"](inp)
         t1 = time.perf_counter()
         if all(r.params.greedy for r in reqs):
             out = self.graphs["verify_extend"](inp, tree)
@@ -219,13 +252,24 @@ class SpecWorker:
             logits, feats = self.graphs["verify"](inp, tree)
             acc = self.accept(reqs, tree, logits)
             out = self.graphs["extend"](inp, tree, acc, logits, feats)
-        # The per-token outputs the host needs reach it here, once (the one sync of the step).
-        out = dataclasses.replace(tree_map(lambda t: t[:n], out), accept_len=out.accept_len[:n].cpu(),
-                                  tokens=out.tokens[:n].cpu(), logprobs=out.logprobs[:n].cpu())
+        # The per-token outputs the host needs start on their way to it (the one sync of the step) ...
+        host, ready = self._to_host(out, n)
+        if ahead_next:  # ... and the next step's draft goes to the device behind them
+            nxt = tree_map(lambda t: pad_rows(t, bs), self._next_inputs(inp, out, n))
+            self._ahead = DraftAhead(list(reqs), [None] * n, nxt, self.graphs["draft"](nxt))
+        if ready is not None:
+            ready.synchronize()
+        out = dataclasses.replace(tree_map(lambda t: t[:n], out), **host)
         inp = tree_map(lambda t: t[:n], inp)
         t2 = time.perf_counter()
         verified = out.accept_len.tolist()
         events = self._commit(reqs, inp, out)
+        if self._ahead is not None:
+            if any(r.finish_reason is not None for r in reqs):
+                self._ahead = None  # a request ended: the next step runs another batch
+                self.ahead_dropped += 1
+            else:
+                self._ahead.states = [r.draft_state for r in reqs]
         for req in reqs:
             req.stats.draft_time_s += (t1 - t0) / len(reqs)
             req.stats.verify_time_s += (t2 - t1) / len(reqs)
@@ -237,6 +281,40 @@ class SpecWorker:
             self.batches.append(batch)
             self.num_batches += 1
         return events
+
+    @staticmethod
+    def _to_host(out: StepOutput, n: int) -> tuple[dict, torch.cuda.Event | None]:
+        """Start copying the host's share of ``out`` (first ``n`` rows) to pinned memory; the event
+        marks their arrival (None on the CPU, where they are already there)."""
+        names = ("accept_len", "accept_index", "tokens", "logprobs")
+        if not out.accept_len.is_cuda:
+            return {k: getattr(out, k)[:n] for k in names}, None
+        host = {k: getattr(out, k)[:n].to("cpu", non_blocking=True) for k in names}
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
+
+    def _next_inputs(self, inp: DecodeInputs, out: StepOutput, n: int) -> DecodeInputs:
+        """On the device, the inputs ``_inputs`` will build from the states ``_commit`` leaves (a
+        request that does not finish commits its whole accepted run)."""
+        last = (out.accept_len[:n] - 1).unsqueeze(1)
+        return DecodeInputs(target_rows=inp.target_rows[:n], draft_rows=inp.draft_rows[:n],
+                            L=inp.L[:n] + out.accept_len[:n], bonus=out.tokens[:n].gather(1, last).squeeze(1),
+                            hidden=out.hidden[:n].to(self.dtype), topk_p=out.topk_p[:n].float(),
+                            topk_ids=out.topk_ids[:n])
+
+    def _can_draft_ahead(self, reqs: list[Request]) -> bool:
+        """Whether every request can hold the next step's draft scratch after the longest accepted
+        run, within the peak the scheduler budgeted for it (so drafting ahead claims no page that
+        another request may need)."""
+        limit = self.engine.scheduler.peak_positions
+        return all(r.draft_state.committed_len + self.spec.steps + 1 + self._draft_reach(c)
+                   <= min(limit(r), cache.spec.max_context)
+                   for r in reqs for c, cache in enumerate(self.caches))
+
+    def _draft_reach(self, c: int) -> int:
+        """Positions past the committed length a step writes in draft cache ``c``."""
+        return max(self.phases.scratch_len(c), self.spec.steps + 1)
 
     def capture_graphs(self) -> int:
         """Capture each enabled phase at every bucket on padding inputs (rows 0, lengths 0), in the
@@ -258,14 +336,16 @@ class SpecWorker:
                 g["extend"](inp, tree, greedy_accept(tree, logits.argmax(dim=-1), self.spec.steps), logits, feats)
         return sum(len(p.captured_sizes) for p in g.values())
 
-    def _reserve(self, reqs: list[Request]) -> None:
-        """Pages for every position this step may write: verify nodes, tree scratch, extend."""
+    def _reserve(self, reqs: list[Request], ahead: bool = False) -> None:
+        """Pages for every position this step may write: verify nodes, tree scratch, extend; with
+        ``ahead``, also the next step's draft scratch after the longest accepted run."""
         s = self.spec
+        extra = s.steps + 1 if ahead else 0
         for r in reqs:
             L = r.draft_state.committed_len
             self.target_cache.reserve(r.handles[0], L + s.num_draft_tokens)
             for c, cache in enumerate(self.caches):
-                cache.reserve(r.handles[1 + c], L + max(self.phases.scratch_len(c), s.steps + 1))
+                cache.reserve(r.handles[1 + c], L + extra + self._draft_reach(c))
 
     def _inputs(self, reqs: list[Request]) -> DecodeInputs:
         dev = self.target_cache.spec.device
@@ -304,10 +384,11 @@ class SpecWorker:
         return Acceptance(index, pad_rows(acc.accept_len, bs, 1), pad_rows(acc.bonus, bs))
 
     def _commit(self, reqs: list[Request], inp: DecodeInputs, out: StepOutput) -> list[tuple[Request, list[int]]]:
-        """Host side: hand tokens to requests, release what they no longer need, keep the state."""
+        """Host side: hand tokens to requests, release what they no longer need, keep the state.
+        ``out``'s accept lengths, accept index, tokens and logprobs are on the host."""
         lens = out.accept_len.tolist()
         toks, lps = out.tokens.tolist(), out.logprobs.tolist()
-        self._sync_host_rows(reqs, inp)
+        self._sync_host_rows(reqs, out.accept_index.tolist(), lens)
         events = []
         for b, req in enumerate(reqs):
             n = lens[b]
@@ -321,22 +402,28 @@ class SpecWorker:
             if req.finish_reason is not None:
                 continue  # the engine returns all its pages
             req.kv_len = L + n
-            for cache, h in zip([self.target_cache] + self.caches, req.handles):
-                cache.shrink(h, L + n)
+            self.target_cache.shrink(req.handles[0], L + n)
+            for c, cache in enumerate(self.caches):  # a draft launched ahead writes its scratch there
+                cache.shrink(req.handles[1 + c], L + n + (self._draft_reach(c) if self._ahead is not None else 0))
             req.draft_state = DraftState(bonus_token=toks[b][n - 1], committed_len=L + n, hidden=out.hidden[b],
                                          topk_p=out.topk_p[b], topk_ids=out.topk_ids[b])
         return events
 
-    def _sync_host_rows(self, reqs: list[Request], inp: DecodeInputs) -> None:
-        """Page size 1 compacts by permuting the device table; mirror the touched span on the host."""
+    def _sync_host_rows(self, reqs: list[Request], accept_index: list[list[int]], lens: list[int]) -> None:
+        """Page size 1 compacts by permuting the device table (``SpecPhases._compact_target``); the
+        host mirror gets the same permutation from the accept index (nothing read from the device):
+        the accepted nodes' slots in path order, then the other nodes' slots in node order."""
         if self.target_cache.page_size != 1:
             return
         table = self.target_cache.req_to_token
         if table.table is table.host:  # on the CPU the table is its own mirror
             return
         n = self.spec.num_draft_tokens
-        values = table.table[inp.target_rows.unsqueeze(1), inp.L.unsqueeze(1) + torch.arange(n, device=inp.L.device)]
-        # The same indices on the host come from the requests (not read back from the device).
-        rows = torch.tensor([r.handles[0].row for r in reqs]).unsqueeze(1)
-        span = torch.tensor([r.draft_state.committed_len for r in reqs]).unsqueeze(1) + torch.arange(n)
-        table.host[rows, span] = values.cpu()
+        for b, r in enumerate(reqs):
+            path = accept_index[b][:lens[b]]
+            if path == list(range(len(path))):
+                continue  # the accepted nodes already lead in order: nothing moved
+            taken = set(path)
+            order = torch.tensor(path + [m for m in range(n) if m not in taken], dtype=torch.int64)
+            row, L = r.handles[0].row, r.draft_state.committed_len
+            table.host[row, L:L + n] = table.host[row, L + order]

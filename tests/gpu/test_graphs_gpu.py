@@ -84,3 +84,37 @@ def test_graphs_captured_ahead_of_serving(oracle_model_dir, cpu_reference, kind)
     got = [r.token_ids for r in engine.generate(PROMPTS, PARAMS)]
     assert got == cpu_reference
     assert engine.is_idle_and_clean()
+
+
+@pytest.mark.parametrize("kind,topk,steps,n", [("eagle", 1, 3, 4), ("eagle3", 2, 3, 8), ("mtp", 2, 3, 8)])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_drafting_ahead_under_graphs_equals_the_cpu(oracle_model_dir, kind, topk, steps, n, page_size):
+    """The draft launched ahead (on by default on CUDA) while requests end at different steps and one
+    joins mid-way: tokens equal the CPU's without it, the page-size-1 host mirror of the target's
+    request-to-token map equals the device table after every step, and every pool ends full."""
+    max_new = [24, 5, 13]
+    join_prompt, join_after = [11, 12, 13, 14], 6
+
+    def run(device, ahead):
+        cfg = EngineConfig(device=device, page_size=page_size, chunk_size=8, cuda_graph=device == "cuda",
+                           spec=SpecConfig(topk=topk, steps=steps, num_draft_tokens=n), spec_draft_ahead=ahead)
+        engine = Engine(oracle_model_dir / "target", oracle_model_dir / kind, cfg)
+        reqs = [engine.add_request(p, SamplingParams(max_new_tokens=m, ignore_eos=True))
+                for p, m in zip(PROMPTS, max_new)]
+        table, step = engine.cache.req_to_token, 0
+        while engine.scheduler.has_work() or step <= join_after:
+            if step == join_after:
+                reqs.append(engine.add_request(join_prompt, SamplingParams(max_new_tokens=9, ignore_eos=True)))
+            engine.step()
+            step += 1
+            for r in engine.scheduler.running:
+                assert torch.equal(table.host[r.handles[0].row], table.table[r.handles[0].row].cpu())
+        assert engine.is_idle_and_clean()
+        return [engine.result(r).token_ids for r in reqs], engine.spec
+
+    want, _ = run("cpu", False)
+    got, w = run("cuda", None)
+    assert w.draft_ahead and w.ahead_used > 0 and w.ahead_dropped > 0
+    assert got == want
+    off, w = run("cuda", False)
+    assert off == want and w.ahead_used == 0

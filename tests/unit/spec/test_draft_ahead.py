@@ -1,0 +1,149 @@
+"""Drafting ahead: the next step's draft launched before this step's tokens reach the host.
+
+On CUDA it is on by default (the host's bookkeeping then overlaps the draft on the device); here on
+the CPU it is switched on explicitly, so the same logic runs eagerly: which steps may use a draft
+launched ahead, which must drop it (a request ended, joined or was aborted in between), the draft
+scratch it keeps reserved, and that none of it changes a token. The page-size-1 host mirror of the
+target's request-to-token map, which the device permutes on compaction and the host re-derives from
+the accept index, is checked against a separate "device" table after every step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from spec_helpers import KINDS, PROMPTS, Models, assert_same_greedy
+
+from shared.engine import Engine
+from shared.sampling import SamplingParams
+
+# Requests end at different steps (the batch changes under a draft launched ahead).
+MAX_NEW = [16, 5, 11, 24, 2]
+
+
+def per_request(models: Models, prompts, max_new, **extra):
+    """Target-only greedy results, one prompt at a time (each with its own max_new_tokens)."""
+    return [models.reference([p], SamplingParams(max_new_tokens=m, ignore_eos=True, **extra))[0]
+            for p, m in zip(prompts, max_new)]
+
+
+def run(engine: Engine, prompts, params, join_after: int | None = None, join=None):
+    """Step until idle; ``join`` (prompt, params) is added after ``join_after`` steps."""
+    reqs = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+    steps = 0
+    while engine.scheduler.has_work() or (join is not None and steps <= join_after):
+        if join is not None and steps == join_after:
+            reqs.append(engine.add_request(*join))
+        engine.step()
+        steps += 1
+    return [engine.result(r) for r in reqs]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("topk,steps,n", [(1, 3, 4), (2, 3, 8)])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_drafting_ahead_is_lossless_as_the_batch_changes(oracle_models, kind, topk, steps, n, page_size):
+    engine = oracle_models.engine(kind, topk, steps, n, page_size=page_size, chunk_size=4, spec_draft_ahead=True)
+    assert engine.spec.draft_ahead
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
+    join = (PROMPTS[2], SamplingParams(max_new_tokens=9, ignore_eos=True))
+    got = run(engine, PROMPTS, params, join_after=12, join=join)
+    want = per_request(oracle_models, PROMPTS + [join[0]], MAX_NEW + [9])
+    assert_same_greedy(got, want, f"{kind} {topk}/{steps}/{n} page {page_size}")
+    w = engine.spec
+    assert w.ahead_used > 0, "no step used a draft launched ahead"
+    assert w.ahead_dropped > 0, "requests ended and one joined, yet no draft ahead was dropped"
+    assert w._ahead is None and engine.is_idle_and_clean()
+
+
+def test_drafting_ahead_off_launches_none(oracle_models):
+    engine = oracle_models.engine("eagle", 2, 3, 8, page_size=4, chunk_size=4, spec_draft_ahead=False)
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
+    got = run(engine, PROMPTS, params)
+    assert_same_greedy(got, per_request(oracle_models, PROMPTS, MAX_NEW))
+    assert engine.spec.ahead_used == engine.spec.ahead_dropped == 0
+
+
+def test_the_default_follows_the_device(oracle_models):
+    assert not oracle_models.engine("eagle", 1, 3, 4).spec.draft_ahead  # CPU: nothing to overlap
+
+
+@pytest.mark.parametrize("topk,steps,n", [(1, 3, 4), (2, 3, 8)])
+def test_seeded_sampling_is_the_same_with_and_without_drafting_ahead(oracle_models, topk, steps, n):
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True, temperature=0.8, top_p=0.9, seed=11 + i)
+              for i, m in enumerate(MAX_NEW)]
+    outs = []
+    for ahead in (False, True):
+        engine = oracle_models.engine("eagle3", topk, steps, n, page_size=4, chunk_size=4, spec_draft_ahead=ahead)
+        outs.append([(r.token_ids, r.finish_reason) for r in run(engine, PROMPTS, params)])
+        assert engine.is_idle_and_clean()
+    assert outs[0] == outs[1]
+
+
+def test_an_abort_between_steps_drops_the_draft_ahead_and_returns_every_page(oracle_models):
+    engine = oracle_models.engine("mtp", 2, 3, 8, page_size=4, chunk_size=None, spec_draft_ahead=True)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in PROMPTS[:3]]
+    while engine.spec._ahead is None:  # prefill, then decode steps until a draft is launched ahead
+        engine.step()
+    assert engine.abort(reqs[1].rid)
+    dropped = engine.spec.ahead_dropped
+    engine.step()
+    assert engine.spec.ahead_dropped == dropped + 1
+    while engine.scheduler.has_work():
+        engine.step()
+    kept = [engine.result(r) for r in (reqs[0], reqs[2])]
+    assert_same_greedy(kept, per_request(oracle_models, [PROMPTS[0], PROMPTS[2]], [30, 30]))
+    assert engine.is_idle_and_clean()
+
+
+def test_drafting_ahead_claims_no_page_beyond_the_scheduled_peak(oracle_models):
+    """A pool exactly as large as the requests' budgeted peaks: drafting ahead must fit in it (it
+    is skipped near a request's end) or a reservation would run out of pages mid-step."""
+    spec_args = ("eagle", 1, 3, 4)
+    probe = oracle_models.engine(*spec_args, page_size=4, chunk_size=4, spec_draft_ahead=True)
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
+    prompts = PROMPTS
+    peaks = [probe.cache.pages_for(len(p) + q.max_new_tokens + probe.config.headroom) for p, q in zip(prompts, params)]
+    engine = oracle_models.engine(*spec_args, page_size=4, chunk_size=4, spec_draft_ahead=True, num_pages=sum(peaks))
+    assert engine.cache.spec.num_pages == sum(peaks)
+    caps = [], []
+
+    def capped(cache, i):
+        reserve = cache.reserve
+
+        def checked(h, n_positions):
+            req = next(r for r in engine.scheduler.running if r.handles[i] is h)
+            assert n_positions <= engine.scheduler.peak_positions(req), "reserved beyond the scheduled peak"
+            caps[0].append(n_positions)
+            reserve(h, n_positions)
+        cache.reserve = checked
+
+    for i, cache in enumerate([engine.cache] + engine.spec.caches):
+        capped(cache, i)
+    got = run(engine, prompts, params)
+    assert_same_greedy(got, per_request(oracle_models, prompts, MAX_NEW))
+    assert engine.spec.ahead_used > 0 and caps[0]
+    assert engine.is_idle_and_clean()
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_the_page_size_1_host_mirror_follows_the_device_permutation(oracle_models, ahead):
+    """Give the CPU engine a separate "device" table, as on CUDA: compaction permutes that one, the
+    host re-derives the same permutation from the accept index; the two agree after every step."""
+    engine = oracle_models.engine("eagle", 2, 3, 8, page_size=1, chunk_size=4, spec_draft_ahead=ahead)
+    table = engine.cache.req_to_token
+    table.table = table.host.clone()
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
+    reqs = [engine.add_request(p, q) for p, q in zip(PROMPTS, params)]
+    moved = 0
+    while engine.scheduler.has_work():
+        before = table.host.clone()
+        engine.step()
+        for r in engine.scheduler.running:
+            row = r.handles[0].row
+            assert torch.equal(table.host[row], table.table[row]), f"{r.rid}: host mirror differs"
+            moved += not torch.equal(before[row, :r.kv_len], table.host[row, :r.kv_len])
+    assert moved > 0, "no compaction permuted a row: the mirror was not exercised"
+    assert_same_greedy([engine.result(r) for r in reqs], per_request(oracle_models, PROMPTS, MAX_NEW))
+    assert engine.is_idle_and_clean()
