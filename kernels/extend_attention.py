@@ -77,6 +77,7 @@ class ExtendConfig:
     tma: bool  # this step's K/V and the query tile through tensor descriptors (else pointer loads)
     warp_specialize: bool = False  # tl.range(warp_specialize=True) on the main (run 3) loop
     head_major: bool = False  # launch order: every query block of one head before the next head
+    pack: int = 1  # query heads of one KV head per program (GQA packing): block_m = pack * query tokens
 
 
 # Default launch on sm90 for 16-bit inputs with head_dim <= 128 and a chunk of more than 64 tokens:
@@ -86,6 +87,7 @@ class ExtendConfig:
 # Compiled for sm90 (Triton 3.9, bf16, D=128): 253 registers, no spills, 161 KiB shared memory
 # (3 stages: 225 KiB, just under the 227 KiB limit). 4 warps for 128 query rows spill registers.
 HOPPER_CONFIG = ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True)
+LONG_CONFIG = ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True, head_major=True)
 # Without tensor descriptors (pre-Hopper GPUs): 64 KiB of shared memory (sm80: 255 registers, a small spill).
 POINTER_CONFIG = ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=False)
 
@@ -144,38 +146,44 @@ if triton is not None:
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
                        WARP_SPEC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                       HEAD_MAJOR: tl.constexpr):
-        if HEAD_MAJOR:  # grid (query blocks, B * Hq): one head's blocks run together, sharing its K/V in L2
+                       HEAD_MAJOR: tl.constexpr, PACK: tl.constexpr):
+        # PACK query heads (of one KV head) per program: row r is token m0 + r % BLOCK_T of head h + r // BLOCK_T.
+        BLOCK_T: tl.constexpr = BLOCK_M // PACK
+        if HEAD_MAJOR:  # grid (query blocks, B * Hq / PACK): one head's blocks run together, sharing its K/V in L2
             bh = tl.program_id(1)
             j = tl.program_id(0)
-        else:  # grid (B * Hq, query blocks): the longest block of every head first
+        else:  # grid (B * Hq / PACK, query blocks): the longest block of every head first
             bh = tl.program_id(0)
             j = tl.program_id(1)
-        b = bh // num_q_heads
-        h = bh % num_q_heads
+        b = bh // (num_q_heads // PACK)
+        h = (bh % (num_q_heads // PACK)) * PACK
         kvh = h // GROUP
         q_start = tl.load(qo_indptr + b)
         q_len = tl.load(qo_indptr + b + 1) - q_start
-        n_blocks = tl.cdiv(q_len, BLOCK_M)
+        n_blocks = tl.cdiv(q_len, BLOCK_T)
         if j >= n_blocks:  # this request has fewer query blocks than the static grid
             return
-        m0 = (n_blocks - 1 - j) * BLOCK_M  # longest blocks first
+        m0 = (n_blocks - 1 - j) * BLOCK_T  # longest blocks first
         kv_start = tl.load(kv_indptr + b)
         prefix = tl.load(prefix_lens + b)
 
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        tok = m0 + offs_m  # query index inside the request
+        tok = m0 + offs_m % BLOCK_T  # query index inside the request
+        row_head = h + offs_m // BLOCK_T
         row_ok = tok < q_len
-        if USE_TMA:
+        if USE_TMA and PACK == 1:
             # Rows past the request are other requests' tokens (or TMA's zero fill past T): they only
             # produce output rows that are never stored, since rows never mix.
             q = QD.load([(q_start + m0).to(tl.int32), h * HEAD_DIM])
             if UPCAST:
                 q = q.to(tl.float32)
         else:
-            q = _load_rows(Q, q_start + tok, stride_qt, h * stride_qh, offs_d, row_ok, HEAD_DIM, BLOCK_D, True, UPCAST)
+            q_ptrs = Q + (q_start + tok)[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :]
+            q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -198,8 +206,9 @@ if triton is not None:
             v = _load_rows(Vc, slot, stride_vct, kvh * stride_vch, offs_d, n_ok, HEAD_DIM, BLOCK_D, True, UPCAST)
             acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, n_ok[None, :], qk_scale, True, PRECISION)
 
-        # 3. This step's keys before the block's first query: seen by every row, no mask.
-        for start in tl.range(0, m0, BLOCK_N, warp_specialize=WARP_SPEC):
+        # 3. This step's keys before the tile that holds the block's first query: seen by every row, no mask.
+        diag_start = (m0 // BLOCK_N) * BLOCK_N
+        for start in tl.range(0, diag_start, BLOCK_N, warp_specialize=WARP_SPEC):
             k = _load_new(KnD, Kn, q_start + start, offs_n, stride_knt, kvh, stride_knh, offs_d, HEAD_DIM, BLOCK_D,
                           USE_TMA, UPCAST)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
@@ -208,9 +217,9 @@ if triton is not None:
             acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, None, qk_scale, False, PRECISION)
 
         # 4. Full tiles of the diagonal: key j visible to query tok iff j <= tok.
-        q_end = tl.minimum(m0 + BLOCK_M, q_len)
-        diag_full = m0 + ((q_end - m0) // BLOCK_N) * BLOCK_N
-        for start in range(m0, diag_full, BLOCK_N):
+        q_end = tl.minimum(m0 + BLOCK_T, q_len)
+        diag_full = diag_start + ((q_end - diag_start) // BLOCK_N) * BLOCK_N
+        for start in range(diag_start, diag_full, BLOCK_N):
             k = _load_new(KnD, Kn, q_start + start, offs_n, stride_knt, kvh, stride_knh, offs_d, HEAD_DIM, BLOCK_D,
                           USE_TMA, UPCAST)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
@@ -231,9 +240,8 @@ if triton is not None:
             acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, visible, qk_scale, True, PRECISION)
 
         out = acc / l_i[:, None]  # l_i >= 1 on every row: its running max came from a visible key
-        row = q_start + tok
-        tl.store(O + row[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
-                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+        o_ptrs = O + (q_start + tok)[:, None] * stride_ot + row_head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
 @functools.lru_cache(maxsize=8)
@@ -261,7 +269,7 @@ def tma_supported(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> 
     return all(_rows_view_ok(x) for x in (q, k_new, v_new))
 
 
-def choose_extend_config(q: torch.Tensor, max_q_len: int, tma: bool) -> ExtendConfig:
+def choose_extend_config(q: torch.Tensor, max_q_len: int, tma: bool, batch_size: int = 1) -> ExtendConfig:
     """Tile sizes: ``HOPPER_CONFIG`` (``POINTER_CONFIG`` without descriptors) for 16-bit inputs with
     head_dim <= 128 and long chunks, smaller tiles for short chunks, float32 and big heads; the
     interpreter gets small tiles (fast tests)."""
@@ -275,6 +283,8 @@ def choose_extend_config(q: torch.Tensor, max_q_len: int, tma: bool) -> ExtendCo
         return ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, tma=tma)
     if max_q_len <= 64:
         return ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=3 if tma else 2, tma=tma)
+    if tma and max_q_len >= 16384:
+        return LONG_CONFIG
     return HOPPER_CONFIG if tma else POINTER_CONFIG
 
 
@@ -323,12 +333,15 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         raise ValueError("q, k_new, v_new and the caches must share one dtype")
     max_q = meta.static_max_q_len(q.shape[0])
     can_tma = tma_supported(q, k_new, v_new)
-    cfg = config or choose_extend_config(q, max_q, can_tma)
+    cfg = config or choose_extend_config(q, max_q, can_tma, meta.batch_size)
     if cfg.tma and not can_tma:
         raise ValueError("config asks for tensor descriptors, but these tensors / this device cannot use them")
-    if cfg.block_m % cfg.block_n or cfg.block_n < 16:
-        raise ValueError(f"block_n ({cfg.block_n}) must be >= 16 and divide block_m ({cfg.block_m})")
-    n_qblocks = -(-max_q // cfg.block_m)
+    if cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1):
+        raise ValueError(f"block_n ({cfg.block_n}) must be a power of two >= 16")
+    if (hq // hkv) % cfg.pack or cfg.block_m % cfg.pack or (cfg.block_m // cfg.pack) & (cfg.block_m // cfg.pack - 1):
+        raise ValueError(f"pack ({cfg.pack}) must divide the GQA group ({hq // hkv}) and block_m ({cfg.block_m}) "
+                         "into a power of two")
+    n_qblocks = -(-max_q // (cfg.block_m // cfg.pack))
     if n_qblocks == 0:
         return out
     block_d = max(16, triton.next_power_of_2(d))  # tl.dot needs K, N >= 16
@@ -339,7 +352,8 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         qd, knd, vnd = q, k_new, v_new  # unused: the pointer path reads the tensors themselves
     upcast = q.dtype == torch.bfloat16 and not q.is_cuda  # only the interpreter runs off CUDA
     precision = "ieee" if (q.dtype == torch.float32 or upcast) else "tf32"
-    grid = (n_qblocks, meta.batch_size * hq) if cfg.head_major else (meta.batch_size * hq, n_qblocks)
+    n_heads = meta.batch_size * hq // cfg.pack
+    grid = (n_qblocks, n_heads) if cfg.head_major else (n_heads, n_qblocks)
     _extend_kernel[grid](
         q, qd, k_new, knd, v_new, vnd, k_cache, v_cache, out,
         meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.prefix_lens,
@@ -347,7 +361,7 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_TMA=cfg.tma,
-        WARP_SPEC=cfg.warp_specialize, PRECISION=precision, UPCAST=upcast, HEAD_MAJOR=cfg.head_major,
+        WARP_SPEC=cfg.warp_specialize, PRECISION=precision, UPCAST=upcast, HEAD_MAJOR=cfg.head_major, PACK=cfg.pack,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
