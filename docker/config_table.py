@@ -48,6 +48,8 @@ DESCRIPTIONS = {
     "spec_steps": "draft tree: depth",
     "spec_draft_tokens": "draft tree: nodes verified per step (default: steps + 1 for a chain, 8 for a tree)",
     "cuda_graph": "capture decode, draft and verify in CUDA graphs",
+    "spec_draft_ahead": "launch the next step's draft before this step's tokens reach the host, overlapping the "
+                        "host's bookkeeping (unset = on with `cuda`)",
     "handoff_chunk_bytes": "largest KV chunk of the prefill -> decode hand-off",
     "handoff_timeout_s": "seconds a hand-off may take",
     "stream_attach_timeout_s": "a handed-off request nobody streams is aborted after this",

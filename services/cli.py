@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spec-steps", type=int, default=3)
     g.add_argument("--spec-draft-tokens", type=int)
     g.add_argument("--cuda-graph", choices=["on", "off"], default="off")
+    g.add_argument("--spec-draft-ahead", choices=["auto", "on", "off"], default="auto",
+                   help="launch the next step's draft before this step's tokens reach the host (auto: on CUDA)")
     g.add_argument("--json", action="store_true",
                    help="one JSON object per prompt (with a draft: its statistics, 'spec', and those of "
                         "each verify step it took part in, 'spec_batches')")
@@ -105,7 +107,8 @@ def cmd_generate(args) -> int:
             n = args.spec_draft_tokens or (args.spec_steps + 1 if args.spec_topk == 1 else 8)
             spec = SpecConfig(topk=args.spec_topk, steps=args.spec_steps, num_draft_tokens=n)
         config = EngineConfig(device=args.device, dtype=args.dtype, page_size=args.page_size,
-                              chunk_size=args.chunk_size, spec=spec, cuda_graph=args.cuda_graph == "on")
+                              chunk_size=args.chunk_size, spec=spec, cuda_graph=args.cuda_graph == "on",
+                              spec_draft_ahead={"auto": None, "on": True, "off": False}[args.spec_draft_ahead])
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 seed=args.seed, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos,
                                 stop_token_ids=stop_ids)

@@ -194,6 +194,7 @@ def test_cli_exits_2_with_one_line(cli_runs, case):
     (["--prompt", "hi", "--page-size", "0"], ["page_size"]),
     (["--prompt", "hi", "--chunk-size", "0"], ["chunk_size"]),
     (["--prompt", "hi", "--dtype", "int8"], ["dtype"]),
+    (["--prompt", "hi", "--spec-draft-ahead", "maybe"], ["--spec-draft-ahead", "maybe"]),
     (["--prompt-ids", "5,x"], ["prompt-ids"]),
     (["--max-new-tokens", "3"], ["prompt"]),
     (["--prompt", "hi", "--no-such-flag"], ["--no-such-flag"]),

@@ -114,3 +114,22 @@ def test_installed_command_with_every_sampling_flag(tiny_model_dir):
     params = SamplingParams(temperature=0.7, top_k=30, top_p=0.95, seed=42, max_new_tokens=N, ignore_eos=True)
     want = Engine(target, None, EngineConfig(dtype="bfloat16", device="cpu")).generate([PROMPT_IDS], params)[0]
     assert json.loads(proc.stdout)["token_ids"] == want.token_ids
+
+
+@pytest.mark.parametrize("ahead", ["on", "off", "auto"])
+def test_spec_draft_ahead_flag(tiny_model_dir, capsys, monkeypatch, ahead):
+    """``--spec-draft-ahead`` reaches the engine (auto: on only with CUDA) and changes no token."""
+    target, draft = tiny_model_dir / "target", tiny_model_dir / "eagle"
+    seen = []
+    init = Engine.__init__
+
+    def recording_init(self, *a, **kw):
+        init(self, *a, **kw)
+        seen.append(self.spec.draft_ahead)
+
+    monkeypatch.setattr(Engine, "__init__", recording_init)
+    objs = cli(capsys, target, "--draft", str(draft), "--spec-topk", "1", "--spec-steps", "3",
+               "--spec-draft-ahead", ahead)
+    assert seen == [{"on": True, "off": False, "auto": False}[ahead]]
+    monkeypatch.setattr(Engine, "__init__", init)
+    same(objs, api(target, SamplingParams(max_new_tokens=N, ignore_eos=True), draft=draft))

@@ -56,3 +56,16 @@ def test_engine_config_from_settings():
     assert DecodeSettings(draft="d").engine_config().spec.num_draft_tokens == 4  # chain: steps + 1
     assert DecodeSettings(draft="none").engine_config().spec is None
     assert PrefillSettings().engine_config().spec is None
+
+
+@pytest.mark.parametrize("env, want", [(None, None), ("true", True), ("0", False)])
+def test_spec_draft_ahead_from_the_environment(monkeypatch, env, want):
+    if env is not None:
+        monkeypatch.setenv("EYRIE_SPEC_DRAFT_AHEAD", env)
+    assert load_settings("decode", draft="d").engine_config().spec_draft_ahead is want
+
+
+def test_spec_draft_ahead_bad_value(monkeypatch):
+    monkeypatch.setenv("EYRIE_SPEC_DRAFT_AHEAD", "sometimes")
+    with pytest.raises(ValidationError, match="spec_draft_ahead"):
+        load_settings("decode")
