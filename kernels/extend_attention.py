@@ -17,23 +17,27 @@ but reads the two parts of the keys differently:
 
 How the kernel is laid out (FlashAttention-2 style):
 
-* One program owns ``BLOCK_M`` consecutive query tokens of one request and ONE query head (no GQA
-  packing: the diagonal stays ``BLOCK_M`` tokens wide and the query tile is a single TMA box). The
-  grid is ``(B * Hq, query blocks)`` with the head fastest, so the ``G`` query heads that share a KV
-  head run side by side and find its tiles in L2.
+* One program owns ``BLOCK_T = BLOCK_M / PACK`` consecutive query tokens of one request and ``PACK``
+  query heads of one KV head (``config.pack``; GQA packing): query row ``r`` of the tile is token
+  ``m0 + r % BLOCK_T`` of head ``h + r // BLOCK_T``, so each K/V tile loaded serves ``PACK`` heads.
+  With ``PACK == 1`` (the default) the query tile is a single TMA box; packed tiles are gathered with
+  pointer loads (once per program). The grid is ``(B * Hq / PACK, query blocks)`` with the head
+  fastest, so the query heads that share a KV head run side by side and find its tiles in L2
+  (``head_major`` swaps the two: every query block of one head before the next head).
 * Causal load balance: program ``(.., j)`` takes the request's ``j``-th query block counted from the
   END, so the blocks with the most keys are dispatched first and the short ones fill the tail.
 * Each program walks its keys in five runs, paying for masks only where needed:
     1. full prefix tiles                (gathered, no mask)
     2. the prefix's last partial tile   (gathered, bounds mask)
-    3. this-step keys ``[0, m0)``       (TMA, no mask; ``m0`` = the block's first query; the bulk;
-                                         optionally warp-specialised)
-    4. full diagonal tiles              (TMA, causal mask)
+    3. this-step keys ``[0, d0)``       (TMA, no mask; ``d0`` = the first query ``m0`` rounded down to
+                                         the key tile grid; the bulk; optionally warp-specialised)
+    4. full diagonal tiles from ``d0``  (TMA, causal mask)
     5. the diagonal's last partial tile (pointer loads, causal + bounds mask)
   Run 5 exists only in a request's last query block when ``q_len`` is not a multiple of
   ``BLOCK_N``; loading it with masks means no key or value row outside the request is ever read
   (rows of ``k_new/v_new`` that belong to no request, e.g. CUDA-graph padding, may hold anything).
-* ``BLOCK_N`` divides ``BLOCK_M``, so runs 3 and 4 cover whole tiles. Softmax is online, in float32,
+* Runs 3 and 4 cover whole key tiles of any power-of-two ``BLOCK_N`` (wider than ``BLOCK_T`` too: the
+  diagonal run then starts before ``m0`` and masks what the block does not see). Softmax is online, in float32,
   in the exp2 domain (``sm_scale * log2(e)`` folded into one multiply-add). Every row sees at least
   one key in the first tile it processes, so the running max is finite from the first tile on.
 * The output is stored with masked pointer stores (a TMA store of a partial block would write into
@@ -84,9 +88,17 @@ class ExtendConfig:
 # the best of ``python bench/bench_extend.py --tune`` on an H100 (2026-11-23, 8192 tokens, 32/8 heads
 # x 128, bf16): 64 x 64 tiles, 4 warps, 3 stages, 526 TFLOP/s; 128 x 128 / 8 warps / 3 stages 486,
 # 128 x 128 / 8 warps / 2 stages 426 (docs/benchmarks.md).
-# Compiled for sm90 (Triton 3.9, bf16, D=128): 253 registers, no spills, 161 KiB shared memory
-# (3 stages: 225 KiB, just under the 227 KiB limit). 4 warps for 128 query rows spill registers.
+# Compiled offline for sm_90a with Triton 3.6 (the H100 image's; bf16, D=128, ptxas -v): 255 registers,
+# ~1 KiB of spill stores (most in the prefix gather runs; the run-3 loop keeps 2-3 words in local
+# memory), 113 KiB of shared memory, so two 4-warp programs can share an SM (2 x (113 + 1 reserved)
+# KiB = the SM's 228 KiB; one warpgroup's softmax can overlap the other's MMAs; the 8-warp 128 x 128
+# tiles take 225 KiB, one program per SM, and its two warpgroups meet at a CTA barrier every
+# iteration). 4 warps for 128 query rows spill registers.
 HOPPER_CONFIG = ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True)
+# From 16384 query tokens on: 128 x 128 tiles, 8 warps, head-major order. ``--tune-shapes`` on an H100
+# (docs/bench/extend_shapes_h100.json, one run, the kernel before GQA packing): 513 TFLOP/s at 16384
+# tokens against 479 for HOPPER_CONFIG in the same run (SDPA 597: 0.86x against 0.80x); at 8192 and at
+# 4 x 4096 it is slower than HOPPER_CONFIG (447 vs 451, 413 vs 436), hence the threshold.
 LONG_CONFIG = ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True, head_major=True)
 # Without tensor descriptors (pre-Hopper GPUs): 64 KiB of shared memory (sm80: 255 registers, a small spill).
 POINTER_CONFIG = ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=False)
@@ -271,8 +283,9 @@ def tma_supported(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> 
 
 def choose_extend_config(q: torch.Tensor, max_q_len: int, tma: bool, batch_size: int = 1) -> ExtendConfig:
     """Tile sizes: ``HOPPER_CONFIG`` (``POINTER_CONFIG`` without descriptors) for 16-bit inputs with
-    head_dim <= 128 and long chunks, smaller tiles for short chunks, float32 and big heads; the
-    interpreter gets small tiles (fast tests)."""
+    head_dim <= 128 and long chunks, ``LONG_CONFIG`` from 16384 query tokens on, smaller tiles for short
+    chunks, float32 and big heads; the interpreter gets small tiles (fast tests). A fixed rule on host
+    ints (no autotuning at serving time); ``batch_size`` is passed for rules that depend on it."""
     d = q.shape[2]
     if not q.is_cuda:
         bm = 32 if max_q_len > 16 else 16
