@@ -130,6 +130,8 @@ class Engine:
             return False
         req.finish_reason = req.finish_reason or "abort"
         req.phase = Phase.FINISHED
+        if self.spec is not None:
+            self.spec.drop_ahead(req)
         self.scheduler.release(req)
         return True
 

@@ -282,6 +282,13 @@ class SpecWorker:
             self.num_batches += 1
         return events
 
+    def drop_ahead(self, req: Request) -> None:
+        """Forget the draft launched ahead if ``req`` is in its batch (aborted between steps): no
+        finished request stays referenced by it; its device work stays ordered before anything later."""
+        if self._ahead is not None and any(r is req for r in self._ahead.reqs):
+            self._ahead = None
+            self.ahead_dropped += 1
+
     @staticmethod
     def _to_host(out: StepOutput, n: int) -> tuple[dict, torch.cuda.Event | None]:
         """Start copying the host's share of ``out`` (first ``n`` rows) to pinned memory; the event

@@ -86,14 +86,32 @@ def test_an_abort_between_steps_drops_the_draft_ahead_and_returns_every_page(ora
     reqs = [engine.add_request(p, params) for p in PROMPTS[:3]]
     while engine.spec._ahead is None:  # prefill, then decode steps until a draft is launched ahead
         engine.step()
-    assert engine.abort(reqs[1].rid)
     dropped = engine.spec.ahead_dropped
+    assert engine.abort(reqs[1].rid)
+    assert engine.spec._ahead is None and engine.spec.ahead_dropped == dropped + 1  # not kept for the next step
     engine.step()
-    assert engine.spec.ahead_dropped == dropped + 1
     while engine.scheduler.has_work():
         engine.step()
     kept = [engine.result(r) for r in (reqs[0], reqs[2])]
     assert_same_greedy(kept, per_request(oracle_models, [PROMPTS[0], PROMPTS[2]], [30, 30]))
+    assert engine.is_idle_and_clean()
+
+
+def test_an_abort_outside_the_batch_keeps_the_draft_ahead(oracle_models):
+    engine = oracle_models.engine("eagle", 1, 3, 4, page_size=4, chunk_size=None, spec_draft_ahead=True,
+                                  max_running=2)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    running = [engine.add_request(p, params) for p in PROMPTS[:2]]
+    waiting = engine.add_request(PROMPTS[2], params)  # no room: waits
+    while engine.spec._ahead is None:
+        engine.step()
+    used = engine.spec.ahead_used
+    assert engine.abort(waiting.rid) and engine.spec._ahead is not None
+    engine.step()
+    assert engine.spec.ahead_used == used + 1
+    while engine.scheduler.has_work():
+        engine.step()
+    assert_same_greedy([engine.result(r) for r in running], per_request(oracle_models, PROMPTS[:2], [20, 20]))
     assert engine.is_idle_and_clean()
 
 
