@@ -13,7 +13,9 @@ tokens per verify, the accepted drafts plus the bonus token, cut where EOS, a st
 max_new_tokens ends a request inside an accepted run (the discarded rest is not counted). Accept
 rate is the drafts verification accepted over the ``steps`` drafts each verify could accept. A
 step's draft time runs to the end of tree drafting, its verify time from there to the end of the
-extend that follows; a request's share of each is the step's time over the step's batch size.
+extend that follows; a request's share of each is the step's time over the step's batch size. A
+draft launched ahead (``decode_step``) is timed where it is launched and counted as the draft time of
+the step that uses it.
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ class DraftAhead:
     states: list[DraftState | None]  # each request's draft state it was drafted from (set at commit)
     inp: DecodeInputs  # padded to the bucket, on the device
     tree: DraftTree
+    seconds: float  # host time of launching it: the draft time of the step that uses it
 
     def matches(self, reqs: list[Request]) -> bool:
         return (len(reqs) == len(self.reqs) and all(a is b for a, b in zip(reqs, self.reqs))
@@ -238,9 +241,11 @@ class SpecWorker:
         bs = self.graphs["draft"].bucket(n) or max(n, 1)
         ahead, self._ahead = self._ahead, None
         t0 = time.perf_counter()
+        ahead_s = 0.0  # time spent here on the draft of the next step (its draft time, not this verify's)
         if ahead is not None and ahead.matches(reqs):
             inp, tree = ahead.inp, ahead.tree
             self.ahead_used += 1
+            t0 -= ahead.seconds
         else:
             self.ahead_dropped += ahead is not None
             inp = tree_map(lambda t: pad_rows(t, bs), self._inputs(reqs))
@@ -255,13 +260,16 @@ class SpecWorker:
         # The per-token outputs the host needs start on their way to it (the one sync of the step) ...
         host, ready = self._to_host(out, n)
         if ahead_next:  # ... and the next step's draft goes to the device behind them
+            ta = time.perf_counter()
             nxt = tree_map(lambda t: pad_rows(t, bs), self._next_inputs(inp, out, n))
-            self._ahead = DraftAhead(list(reqs), [None] * n, nxt, self.graphs["draft"](nxt))
+            tree_next = self.graphs["draft"](nxt)
+            ahead_s = time.perf_counter() - ta
+            self._ahead = DraftAhead(list(reqs), [None] * n, nxt, tree_next, ahead_s)
         if ready is not None:
             ready.synchronize()
         out = dataclasses.replace(tree_map(lambda t: t[:n], out), **host)
         inp = tree_map(lambda t: t[:n], inp)
-        t2 = time.perf_counter()
+        t2 = time.perf_counter() - ahead_s
         verified = out.accept_len.tolist()
         events = self._commit(reqs, inp, out)
         if self._ahead is not None:

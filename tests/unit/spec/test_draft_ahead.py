@@ -54,6 +54,8 @@ def test_drafting_ahead_is_lossless_as_the_batch_changes(oracle_models, kind, to
     assert w.ahead_used > 0, "no step used a draft launched ahead"
     assert w.ahead_dropped > 0, "requests ended and one joined, yet no draft ahead was dropped"
     assert w._ahead is None and engine.is_idle_and_clean()
+    # a draft launched ahead is the draft time of the step that used it, not the verify time of the one before
+    assert all(b.draft_time_s > 0 and b.verify_time_s > 0 for b in w.batches)
 
 
 def test_drafting_ahead_off_launches_none(oracle_models):
@@ -165,3 +167,17 @@ def test_the_page_size_1_host_mirror_follows_the_device_permutation(oracle_model
     assert moved > 0, "no compaction permuted a row: the mirror was not exercised"
     assert_same_greedy([engine.result(r) for r in reqs], per_request(oracle_models, PROMPTS, MAX_NEW))
     assert engine.is_idle_and_clean()
+
+
+def test_a_draft_launched_ahead_counts_as_the_draft_time_of_the_step_that_uses_it(oracle_models):
+    """The same work with and without drafting ahead (on the CPU every draft runs where it is launched):
+    the draft time stays the draft time (it does not vanish into the verify time of the step before)."""
+    params = [SamplingParams(max_new_tokens=24, ignore_eos=True)] * 3
+    totals = {}
+    for ahead in (False, True):
+        engine = oracle_models.engine("eagle", 2, 3, 8, page_size=4, chunk_size=None, spec_draft_ahead=ahead)
+        run(engine, PROMPTS[:3], params)
+        assert engine.spec.ahead_used > (10 if ahead else -1)
+        totals[ahead] = engine.spec.totals
+    draft_share = {a: t.draft_time_s / (t.draft_time_s + t.verify_time_s) for a, t in totals.items()}
+    assert draft_share[True] > 0.4 * draft_share[False], draft_share
