@@ -130,8 +130,6 @@ class Engine:
             return False
         req.finish_reason = req.finish_reason or "abort"
         req.phase = Phase.FINISHED
-        if self.spec is not None:
-            self.spec.drop_ahead(req)
         self.scheduler.release(req)
         return True
 
@@ -139,6 +137,8 @@ class Engine:
     def step(self) -> list[tuple[Request, list[int]]]:
         """Run one scheduling step; returns (request, tokens it committed) for each request touched."""
         plan = self.scheduler.schedule()
+        if self.spec is not None and not plan.decode:
+            self.spec.drop_ahead()  # no decode step now: a draft launched ahead would wait in vain
         events: list[tuple[Request, list[int]]] = []
         if plan.empty:
             return events

@@ -32,7 +32,7 @@ from shared.config import EngineConfig, SpecConfig
 from shared.memory.kv_cache import KVCache
 from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import TargetOutput
-from shared.request import Request, SpecStats
+from shared.request import Phase, Request, SpecStats
 from shared.runner import PhaseGraphs, pad_rows, tree_map
 from shared.scheduler import Chunk
 from shared.spec.phases import DecodeInputs, SpecPhases, StepOutput
@@ -106,10 +106,18 @@ def summarize_batches(batches: list[SpecBatchStats]) -> dict:
             "draft_time_s": round(total.draft_time_s, 6), "verify_time_s": round(total.verify_time_s, 6)}
 
 
+def as_padding(inp: DecodeInputs, rows: list[int]) -> DecodeInputs:
+    """``inp`` with ``rows`` turned into padding rows (request row 0, length 0, zeros): whatever
+    tree they carry, they then read and write only the sink slots."""
+    index = torch.tensor(rows, dtype=torch.int64, device=inp.L.device)
+    return tree_map(lambda t: t.index_fill(0, index, 0), inp)
+
+
 @dataclasses.dataclass
 class DraftAhead:
     """The next step's draft, launched before this step's tokens reached the host. The next step uses
-    it when it runs the same requests, in the same order, from the states this step left them."""
+    it when it runs these requests (or some of them: the rows of those that ended become padding), in
+    this order, from the states this step left them."""
 
     reqs: list[Request]
     states: list[DraftState | None]  # each request's draft state it was drafted from (set at commit)
@@ -117,9 +125,14 @@ class DraftAhead:
     tree: DraftTree
     seconds: float  # host time of launching it: the draft time of the step that uses it
 
-    def matches(self, reqs: list[Request]) -> bool:
-        return (len(reqs) == len(self.reqs) and all(a is b for a, b in zip(reqs, self.reqs))
-                and all(r.draft_state is st for r, st in zip(reqs, self.states)))
+    def rows_for(self, reqs: list[Request]) -> list[int] | None:
+        """Each request's row here when ``reqs`` are some of this draft's requests, in its order, each
+        from the state it was drafted from (the others ended since); otherwise None."""
+        where = {id(r): i for i, r in enumerate(self.reqs)}
+        rows = [where.get(id(r)) for r in reqs]
+        if not reqs or None in rows or rows != sorted(rows):
+            return None
+        return rows if all(r.draft_state is self.states[i] for r, i in zip(reqs, rows)) else None
 
 
 BATCH_LOG = 4096  # verify steps ``SpecWorker.batches`` keeps (a serving engine runs forever)
@@ -155,7 +168,9 @@ class SpecWorker:
         ahead = config.spec_draft_ahead
         self.draft_ahead = engine.device.type == "cuda" if ahead is None else ahead
         self._ahead: DraftAhead | None = None  # the draft launched for the next step, if any
-        self.ahead_used = self.ahead_dropped = 0  # drafts launched ahead that a step used / did not
+        # Drafts launched ahead that a step used (of them, for only some of their requests) / did not use
+        # (of them, because the next batch was not some of its requests: a join nobody foresaw).
+        self.ahead_used = self.ahead_partial = self.ahead_dropped = self.ahead_mismatched = 0
 
     def keep_batches(self, limit: int | None) -> None:
         """Keep the latest ``limit`` verify steps' statistics (None: all, for a bounded run)."""
@@ -234,50 +249,64 @@ class SpecWorker:
         from the states this step left them (``DraftAhead.matches``); otherwise it drafts anew (the
         draft ahead wrote only scratch positions past the committed lengths, which it overwrites).
         """
-        ahead_next = self.draft_ahead and bool(reqs) and self._can_draft_ahead(reqs)
-        self._reserve(reqs, ahead_next)
+        caps = self._ahead_caps(reqs) if self.draft_ahead and reqs and not self._batch_grows(reqs) else None
+        self._reserve(reqs, caps)
         n = len(reqs)
-        # Padded rows: request row 0, length 0. An empty batch runs one such row, the same path.
-        bs = self.graphs["draft"].bucket(n) or max(n, 1)
         ahead, self._ahead = self._ahead, None
+        rows = ahead.rows_for(reqs) if ahead is not None else None
         t0 = time.perf_counter()
         ahead_s = 0.0  # time spent here on the draft of the next step (its draft time, not this verify's)
-        if ahead is not None and ahead.matches(reqs):
+        if rows is not None:  # drafted during the last step
             inp, tree = ahead.inp, ahead.tree
             self.ahead_used += 1
             t0 -= ahead.seconds
+            if len(rows) < len(ahead.reqs):  # the rows of requests that ended since become padding
+                inp = as_padding(inp, [i for i in range(len(ahead.reqs)) if i not in set(rows)])
+                self.ahead_partial += 1
+                index = torch.tensor(rows, dtype=torch.int64).to(inp.L.device, non_blocking=True)
+
+                def take(t: torch.Tensor) -> torch.Tensor:
+                    return t.index_select(0, index)
+            else:
+                def take(t: torch.Tensor) -> torch.Tensor:
+                    return t[:n]
         else:
             self.ahead_dropped += ahead is not None
+            self.ahead_mismatched += ahead is not None
+            # Padded rows: request row 0, length 0. An empty batch runs one such row, the same path.
+            bs = self.graphs["draft"].bucket(n) or max(n, 1)
             inp = tree_map(lambda t: pad_rows(t, bs), self._inputs(reqs))
             tree = self.graphs["draft"](inp)
+
+            def take(t: torch.Tensor) -> torch.Tensor:
+                return t[:n]
         t1 = time.perf_counter()
         if all(r.params.greedy for r in reqs):
             out = self.graphs["verify_extend"](inp, tree)
         else:
             logits, feats = self.graphs["verify"](inp, tree)
-            acc = self.accept(reqs, tree, logits)
+            acc = self.accept(reqs, tree, logits, take)
             out = self.graphs["extend"](inp, tree, acc, logits, feats)
+        out, inp = tree_map(take, out), tree_map(take, inp)
         # The per-token outputs the host needs start on their way to it (the one sync of the step) ...
-        host, ready = self._to_host(out, n)
-        if ahead_next:  # ... and the next step's draft goes to the device behind them
+        host, ready = self._to_host(out)
+        if caps is not None:  # ... and the next step's draft goes to the device behind them
             ta = time.perf_counter()
-            nxt = tree_map(lambda t: pad_rows(t, bs), self._next_inputs(inp, out, n))
+            bs = self.graphs["draft"].bucket(n) or n
+            nxt = tree_map(lambda t: pad_rows(t, bs), self._next_inputs(inp, out, caps))
             tree_next = self.graphs["draft"](nxt)
             ahead_s = time.perf_counter() - ta
             self._ahead = DraftAhead(list(reqs), [None] * n, nxt, tree_next, ahead_s)
         if ready is not None:
             ready.synchronize()
-        out = dataclasses.replace(tree_map(lambda t: t[:n], out), **host)
-        inp = tree_map(lambda t: t[:n], inp)
+        out = dataclasses.replace(out, **host)
         t2 = time.perf_counter() - ahead_s
         verified = out.accept_len.tolist()
         events = self._commit(reqs, inp, out)
-        if self._ahead is not None:
-            if any(r.finish_reason is not None for r in reqs):
-                self._ahead = None  # a request ended: the next step runs another batch
-                self.ahead_dropped += 1
-            else:
-                self._ahead.states = [r.draft_state for r in reqs]
+        if self._ahead is not None:  # the states it drafted from (those of requests that ended are not used)
+            self._ahead.states = [r.draft_state for r in reqs]
+            if all(r.finish_reason is not None for r in reqs):
+                self.drop_ahead()  # every request ended: nothing will use it
         for req in reqs:
             req.stats.draft_time_s += (t1 - t0) / len(reqs)
             req.stats.verify_time_s += (t2 - t1) / len(reqs)
@@ -290,42 +319,55 @@ class SpecWorker:
             self.num_batches += 1
         return events
 
-    def drop_ahead(self, req: Request) -> None:
-        """Forget the draft launched ahead if ``req`` is in its batch (aborted between steps): no
-        finished request stays referenced by it; its device work stays ordered before anything later."""
-        if self._ahead is not None and any(r is req for r in self._ahead.reqs):
+    def drop_ahead(self) -> None:
+        """Forget the draft launched ahead (no decode step is going to use it): it keeps no request
+        alive; its device work is ordered before anything launched later."""
+        if self._ahead is not None:
             self._ahead = None
             self.ahead_dropped += 1
 
     @staticmethod
-    def _to_host(out: StepOutput, n: int) -> tuple[dict, torch.cuda.Event | None]:
-        """Start copying the host's share of ``out`` (first ``n`` rows) to pinned memory; the event
-        marks their arrival (None on the CPU, where they are already there)."""
+    def _to_host(out: StepOutput) -> tuple[dict, torch.cuda.Event | None]:
+        """Start copying the host's share of ``out`` to pinned memory; the event marks their arrival
+        (None on the CPU, where they are already there)."""
         names = ("accept_len", "accept_index", "tokens", "logprobs")
         if not out.accept_len.is_cuda:
-            return {k: getattr(out, k)[:n] for k in names}, None
-        host = {k: getattr(out, k)[:n].to("cpu", non_blocking=True) for k in names}
+            return {k: getattr(out, k) for k in names}, None
+        host = {k: getattr(out, k).to("cpu", non_blocking=True) for k in names}
         ready = torch.cuda.Event()
         ready.record()
         return host, ready
 
-    def _next_inputs(self, inp: DecodeInputs, out: StepOutput, n: int) -> DecodeInputs:
+    def _next_inputs(self, inp: DecodeInputs, out: StepOutput, caps: list[int]) -> DecodeInputs:
         """On the device, the inputs ``_inputs`` will build from the states ``_commit`` leaves (a
-        request that does not finish commits its whole accepted run)."""
-        last = (out.accept_len[:n] - 1).unsqueeze(1)
-        return DecodeInputs(target_rows=inp.target_rows[:n], draft_rows=inp.draft_rows[:n],
-                            L=inp.L[:n] + out.accept_len[:n], bonus=out.tokens[:n].gather(1, last).squeeze(1),
-                            hidden=out.hidden[:n].to(self.dtype), topk_p=out.topk_p[:n].float(),
-                            topk_ids=out.topk_ids[:n])
+        request that does not finish commits its whole accepted run). Committed lengths are clamped
+        to ``caps``, which only a request that finishes in this step can exceed: its row, never used,
+        then stays within the pages reserved for it."""
+        last = (out.accept_len - 1).unsqueeze(1)
+        cap = torch.tensor(caps, dtype=torch.int64).to(inp.L.device, non_blocking=True)
+        L = torch.minimum(inp.L + out.accept_len, cap)
+        return DecodeInputs(target_rows=inp.target_rows, draft_rows=inp.draft_rows, L=L,
+                            bonus=out.tokens.gather(1, last).squeeze(1), hidden=out.hidden.to(self.dtype),
+                            topk_p=out.topk_p.float(), topk_ids=out.topk_ids)
 
-    def _can_draft_ahead(self, reqs: list[Request]) -> bool:
-        """Whether every request can hold the next step's draft scratch after the longest accepted
-        run, within the peak the scheduler budgeted for it (so drafting ahead claims no page that
-        another request may need)."""
-        limit = self.engine.scheduler.peak_positions
-        return all(r.draft_state.committed_len + self.spec.steps + 1 + self._draft_reach(c)
-                   <= min(limit(r), cache.spec.max_context)
-                   for r in reqs for c, cache in enumerate(self.caches))
+    def _batch_grows(self, reqs: list[Request]) -> bool:
+        """Whether the next decode step will run a request this one does not: one whose prompt
+        completed during this step, or a hand-off being received (a draft ahead would be wasted)."""
+        these = {id(r) for r in reqs}
+        return any(r.phase in (Phase.DECODING, Phase.RECEIVING) and id(r) not in these
+                   for r in self.engine.scheduler.running)
+
+    def _ahead_caps(self, reqs: list[Request]) -> list[int] | None:
+        """Per request, the largest committed length after this step with which it still runs the
+        next one: the longest accepted run, or one token short of max_new_tokens (reaching it ends
+        the request). The next step's draft, launched ahead, writes at most ``_draft_reach`` past it,
+        which stays within the peak the scheduler budgeted for the request (prompt + max_new_tokens
+        + headroom), so drafting ahead claims no page another request may need. None when a draft
+        cache's max_context would cut it (drafting ahead is then skipped)."""
+        caps = [min(r.draft_state.committed_len + self.spec.steps + 1, r.prompt_len + r.params.max_new_tokens - 2)
+                for r in reqs]
+        reach = max(self._draft_reach(c) - cache.spec.max_context for c, cache in enumerate(self.caches))
+        return caps if max(caps) + reach <= 0 else None
 
     def _draft_reach(self, c: int) -> int:
         """Positions past the committed length a step writes in draft cache ``c``."""
@@ -351,16 +393,15 @@ class SpecWorker:
                 g["extend"](inp, tree, greedy_accept(tree, logits.argmax(dim=-1), self.spec.steps), logits, feats)
         return sum(len(p.captured_sizes) for p in g.values())
 
-    def _reserve(self, reqs: list[Request], ahead: bool = False) -> None:
+    def _reserve(self, reqs: list[Request], caps: list[int] | None = None) -> None:
         """Pages for every position this step may write: verify nodes, tree scratch, extend; with
-        ``ahead``, also the next step's draft scratch after the longest accepted run."""
+        ``caps`` (drafting ahead), also the next step's draft scratch past each request's cap."""
         s = self.spec
-        extra = s.steps + 1 if ahead else 0
-        for r in reqs:
+        for i, r in enumerate(reqs):
             L = r.draft_state.committed_len
             self.target_cache.reserve(r.handles[0], L + s.num_draft_tokens)
             for c, cache in enumerate(self.caches):
-                cache.reserve(r.handles[1 + c], L + extra + self._draft_reach(c))
+                cache.reserve(r.handles[1 + c], max(L, caps[i] if caps else 0) + self._draft_reach(c))
 
     def _inputs(self, reqs: list[Request]) -> DecodeInputs:
         dev = self.target_cache.spec.device
@@ -387,16 +428,23 @@ class SpecWorker:
             topk_ids=stack([st.topk_ids for st in states], k, torch.int64),
         )
 
-    def accept(self, reqs: list[Request], tree: DraftTree, logits: torch.Tensor) -> Acceptance:
-        """Greedy on the device for the whole (padded) batch; sampling per request on the host."""
+    def accept(self, reqs: list[Request], tree: DraftTree, logits: torch.Tensor, take=None) -> Acceptance:
+        """Greedy on the device for the whole (padded) batch; sampling per request on the host.
+        ``take`` picks the requests' rows out of the batch (default: the first ``len(reqs)``)."""
         if all(r.params.greedy for r in reqs):
             return greedy_accept(tree, logits.argmax(dim=-1), self.spec.steps)
         n, bs = len(reqs), logits.shape[0]
-        sub = tree_map(lambda t: t[:n], tree)
-        acc = sampled_accept(sub, logits[:n], [r.params for r in reqs], [r.generator for r in reqs], self.spec.steps)
-        index = pad_rows(acc.accept_index, bs, -1)
-        index[n:, 0] = 0
-        return Acceptance(index, pad_rows(acc.accept_len, bs, 1), pad_rows(acc.bonus, bs))
+        take = take or (lambda t: t[:n])
+        acc = sampled_accept(tree_map(take, tree), take(logits), [r.params for r in reqs],
+                             [r.generator for r in reqs], self.spec.steps)
+        # Padding rows accept their root only (index 0, length 1); the requests' rows get theirs.
+        index = torch.full((bs, acc.accept_index.shape[1]), -1, dtype=torch.int64, device=logits.device)
+        index[:, 0] = 0
+        accept_len = torch.ones(bs, dtype=torch.int64, device=logits.device)
+        bonus = torch.zeros(bs, dtype=torch.int64, device=logits.device)
+        rows = take(torch.arange(bs, device=logits.device))
+        index[rows], accept_len[rows], bonus[rows] = acc.accept_index, acc.accept_len, acc.bonus
+        return Acceptance(index, accept_len, bonus)
 
     def _commit(self, reqs: list[Request], inp: DecodeInputs, out: StepOutput) -> list[tuple[Request, list[int]]]:
         """Host side: hand tokens to requests, release what they no longer need, keep the state.

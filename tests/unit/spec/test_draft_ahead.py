@@ -45,14 +45,44 @@ def run(engine: Engine, prompts, params, join_after: int | None = None, join=Non
 def test_drafting_ahead_is_lossless_as_the_batch_changes(oracle_models, kind, topk, steps, n, page_size):
     engine = oracle_models.engine(kind, topk, steps, n, page_size=page_size, chunk_size=4, spec_draft_ahead=True)
     assert engine.spec.draft_ahead
+    w = engine.spec
+    next_inputs, decode_step, clamped, current, checked = w._next_inputs, w.decode_step, [], [], [0]
+
+    def recording_decode_step(reqs):
+        current[:] = reqs
+        rows = w._ahead.rows_for(reqs) if w._ahead is not None else None
+        if rows is not None:  # what the draft ahead drafted from == what the committed states give
+            want, got = w._inputs(reqs), w._ahead.inp
+            for name in ("target_rows", "draft_rows", "L", "bonus", "topk_ids"):
+                assert torch.equal(getattr(got, name)[rows], getattr(want, name)), name
+            for name in ("hidden", "topk_p"):
+                assert torch.allclose(getattr(got, name)[rows], getattr(want, name)), name
+            checked[0] += 1
+        return decode_step(reqs)
+    w.decode_step = recording_decode_step
+
+    def checked_next_inputs(inp, out, caps):
+        """The draft ahead writes within every request's reserved pages, even one that ends now."""
+        nxt = next_inputs(inp, out, caps)
+        for i, r in enumerate(current):
+            L = int(nxt.L[i])
+            clamped.append(L < int(inp.L[i] + out.accept_len[i]))
+            for c in range(len(w.caches)):
+                assert L + w._draft_reach(c) <= r.handles[1 + c].reserved, (r.rid, L, c)
+        return nxt
+    w._next_inputs = checked_next_inputs
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
     join = (PROMPTS[2], SamplingParams(max_new_tokens=9, ignore_eos=True))
     got = run(engine, PROMPTS, params, join_after=12, join=join)
     want = per_request(oracle_models, PROMPTS + [join[0]], MAX_NEW + [9])
     assert_same_greedy(got, want, f"{kind} {topk}/{steps}/{n} page {page_size}")
-    w = engine.spec
+    assert any(clamped), "no request ended inside an accepted run longer than its last tokens"
+    assert checked[0] == w.ahead_used > 0
     assert w.ahead_used > 0, "no step used a draft launched ahead"
-    assert w.ahead_dropped > 0, "requests ended and one joined, yet no draft ahead was dropped"
+    assert w.ahead_partial > 0, "requests ended mid-batch, yet no draft ahead was used for the others"
+    # The join was foreseen and the others' rows reused when requests ended: a draft launched ahead
+    # was wasted only when every request of its batch ended.
+    assert w.ahead_mismatched == 0 and w.ahead_dropped > 0
     assert w._ahead is None and engine.is_idle_and_clean()
     # a draft launched ahead is the draft time of the step that used it, not the verify time of the one before
     assert all(b.draft_time_s > 0 and b.verify_time_s > 0 for b in w.batches)
@@ -82,16 +112,16 @@ def test_seeded_sampling_is_the_same_with_and_without_drafting_ahead(oracle_mode
     assert outs[0] == outs[1]
 
 
-def test_an_abort_between_steps_drops_the_draft_ahead_and_returns_every_page(oracle_models):
+def test_an_abort_between_steps_reuses_the_draft_ahead_for_the_others_and_returns_every_page(oracle_models):
     engine = oracle_models.engine("mtp", 2, 3, 8, page_size=4, chunk_size=None, spec_draft_ahead=True)
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in PROMPTS[:3]]
     while engine.spec._ahead is None:  # prefill, then decode steps until a draft is launched ahead
         engine.step()
-    dropped = engine.spec.ahead_dropped
     assert engine.abort(reqs[1].rid)
-    assert engine.spec._ahead is None and engine.spec.ahead_dropped == dropped + 1  # not kept for the next step
-    engine.step()
+    used, partial = engine.spec.ahead_used, engine.spec.ahead_partial
+    engine.step()  # the aborted request's row is padding now; the other two use their drafts
+    assert (engine.spec.ahead_used, engine.spec.ahead_partial) == (used + 1, partial + 1)
     while engine.scheduler.has_work():
         engine.step()
     kept = [engine.result(r) for r in (reqs[0], reqs[2])]
@@ -181,3 +211,40 @@ def test_a_draft_launched_ahead_counts_as_the_draft_time_of_the_step_that_uses_i
         totals[ahead] = engine.spec.totals
     draft_share = {a: t.draft_time_s / (t.draft_time_s + t.verify_time_s) for a, t in totals.items()}
     assert draft_share[True] > 0.4 * draft_share[False], draft_share
+
+
+def test_no_draft_ahead_while_a_hand_off_is_being_received(oracle_models):
+    """A request in RECEIVING joins the decode batch once its K/V has arrived (between steps, when
+    nobody can foresee it): while one is on its way, steps launch no draft ahead."""
+    engine = oracle_models.engine("eagle", 1, 3, 4, page_size=4, chunk_size=None, spec_draft_ahead=True)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    req = engine.add_request(PROMPTS[0], params)
+    while engine.spec._ahead is None:
+        engine.step()
+    incoming = engine.reserve_handoff("incoming", PROMPTS[2], [9], [0.0], params, len(PROMPTS[2]))
+    assert incoming is not None
+    for _ in range(3):
+        engine.step()
+        assert engine.spec._ahead is None
+    assert engine.abort("incoming")
+    engine.step()
+    assert engine.spec._ahead is not None  # nothing on its way any more
+    while engine.scheduler.has_work():
+        engine.step()
+    assert_same_greedy([engine.result(req)], per_request(oracle_models, [PROMPTS[0]], [40]))
+    assert engine.spec.ahead_mismatched == 0 and engine.is_idle_and_clean()
+
+
+@pytest.mark.parametrize("topk,steps,n", [(1, 5, 6), (2, 3, 8)])
+def test_stop_tokens_inside_accepted_runs_under_drafting_ahead(oracle_models, topk, steps, n):
+    """Requests ending on a stop token (which the host sees only after the draft ahead is launched):
+    each one's row in the draft ahead stays within its pages and becomes padding; the others go on."""
+    base = per_request(oracle_models, PROMPTS, [24] * len(PROMPTS))
+    params = [SamplingParams(max_new_tokens=24, ignore_eos=True, stop_token_ids=(r.token_ids[5 + 3 * i],))
+              for i, r in enumerate(base)]
+    want = [oracle_models.reference([p], q)[0] for p, q in zip(PROMPTS, params)]
+    assert len({len(w.token_ids) for w in want}) > 2  # they end at different steps
+    engine = oracle_models.engine("eagle3", topk, steps, n, page_size=4, chunk_size=None, spec_draft_ahead=True)
+    assert_same_greedy(run(engine, PROMPTS, params), want)
+    assert engine.spec.ahead_partial > 0 and engine.spec.ahead_mismatched == 0
+    assert engine.is_idle_and_clean()
