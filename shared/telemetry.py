@@ -44,6 +44,9 @@ class Telemetry:
                                        registry=r)
         self.verify_seconds = Histogram("eyrie_verify_seconds", "Verify time per request", buckets=LATENCY_BUCKETS,
                                         registry=r)
+        self.draft_ahead = Gauge("eyrie_spec_draft_ahead", "Drafts launched ahead of the host's bookkeeping, by "
+                                 "outcome: used (partial: for some of their requests) or dropped (mismatched: "
+                                 "the next batch was not some of its requests)", ["outcome"], registry=r)
         self.requests_total = Counter("eyrie_requests", "Requests ended, by outcome", ["outcome"], registry=r)
         self.errors_total = Counter("eyrie_errors", "Errors by kind", ["kind"], registry=r)
         self._server = ThreadingHTTPServer((host, port), self._handler())
@@ -82,6 +85,9 @@ class Telemetry:
             name = "target" if i == 0 else f"draft{i - 1}"
             self.kv_pages_total.labels(name).set(cache.spec.num_pages)
             self.kv_pages_used.labels(name).set(cache.spec.num_pages - cache.num_free_pages)
+        if engine.spec is not None:
+            for outcome in ("used", "partial", "dropped", "mismatched"):
+                self.draft_ahead.labels(outcome).set(getattr(engine.spec, f"ahead_{outcome}"))
 
     def observe_finished(self, req) -> None:
         """Per-request histograms when a request ends on this instance."""

@@ -137,3 +137,20 @@ def test_service_telemetry_guards_every_path_but_health_with_the_key():
     finally:
         open_.stop()
         keyed.stop()
+
+
+def test_draft_ahead_outcomes_are_exported(telemetry, tiny_model_dir):
+    from shared.config import SpecConfig
+
+    engine = Engine(tiny_model_dir / "target", tiny_model_dir / "eagle",
+                    EngineConfig(page_size=4, spec=SpecConfig(topk=1, steps=2, num_draft_tokens=3),
+                                 spec_draft_ahead=True))
+    engine.generate([list(range(10)), list(range(5, 12))], [SamplingParams(max_new_tokens=n, ignore_eos=True)
+                                                            for n in (12, 4)])
+    telemetry.observe_engine(engine)
+    m = samples(telemetry.address)
+    w = engine.spec
+    got = {o: m[("eyrie_spec_draft_ahead", (("outcome", o),))] for o in ("used", "partial", "dropped", "mismatched")}
+    assert got == {"used": w.ahead_used, "partial": w.ahead_partial, "dropped": w.ahead_dropped,
+                   "mismatched": w.ahead_mismatched}
+    assert got["used"] > 0 and got["partial"] > 0
