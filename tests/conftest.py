@@ -7,9 +7,10 @@ import os
 import pytest
 import torch
 
-# Triton kernels run under the interpreter when there is no GPU; set before any kernel is imported.
+# Triton kernels run under the interpreter when there is no GPU; set before any kernel is imported
+# (forced: without a GPU the kernel tests have no other way to run).
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 LEFT_RUNNING = "engines_left_running"

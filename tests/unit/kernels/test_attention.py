@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_checks import DEVICE, needs_interpreter, no_host_reads
+from kernel_checks import DEVICE, no_host_reads
 
 from kernels.attention import choose_config, paged_attention
 from kernels.attention_ref import AttentionMetadata, paged_attention_ref
@@ -78,7 +78,6 @@ def check(q, k, v, meta, scale=0.37, **kw):
     return out
 
 
-@needs_interpreter
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("heads", [(4, 2), (3, 3)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -89,7 +88,6 @@ def test_extend_ragged_matches_reference(page_size, heads, dtype):
     check(q, k, v, meta)
 
 
-@needs_interpreter
 def test_extend_spans_several_query_blocks():
     """A long chunk (more query blocks than one) with GQA 4 and a non power-of-two head dim."""
     q_lens, prefix = [70, 5], [37, 0]
@@ -99,7 +97,6 @@ def test_extend_spans_several_query_blocks():
     check(q, k, v, meta)
 
 
-@needs_interpreter
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_decode_split_kv_matches_reference(num_splits, page_size):
@@ -109,14 +106,12 @@ def test_decode_split_kv_matches_reference(num_splits, page_size):
     check(q, k, v, meta, num_splits=num_splits)
 
 
-@needs_interpreter
 def test_decode_bfloat16_gqa8():
     prefix = [90, 33]
     q, k, v, meta = make_case([1, 1], prefix, [1, 1], 16, 8, 1, 32, torch.bfloat16, seed=11)
     check(q, k, v, meta, num_splits=2)
 
 
-@needs_interpreter
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tree_verify_matches_reference(page_size, dtype):
@@ -128,7 +123,6 @@ def test_tree_verify_matches_reference(page_size, dtype):
     check(q, k, v, meta, num_splits=2)
 
 
-@needs_interpreter
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_tree_draft_matches_reference(page_size):
     """Draft step: k leaf queries see the prefix and a packed mask over more scratch slots than queries."""
@@ -144,7 +138,6 @@ def test_tree_draft_matches_reference(page_size):
     check(q, k, v, meta, num_splits=3)
 
 
-@needs_interpreter
 def test_static_bounds_from_host_copies_equal_explicit_bounds():
     """The grid bound can come from host copies, from max_q_len, or (worst case) from q's rows."""
     q_lens, prefix = [5, 2], [3, 9]
@@ -158,7 +151,6 @@ def test_static_bounds_from_host_copies_equal_explicit_bounds():
     torch.testing.assert_close(a, c)
 
 
-@needs_interpreter
 def test_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
     """No .item() / .tolist() / nonzero on the kernel path: it can be captured in a CUDA graph."""
     q_lens, prefix = [4, 1], [6, 30]
@@ -196,7 +188,6 @@ def test_cpu_tensors_dispatch_to_the_reference():
                                atol=0, rtol=0)
 
 
-@needs_interpreter
 @pytest.mark.parametrize("masks", [False, True])
 def test_unreferenced_slots_never_leak_into_the_output(masks):
     """NaN in every slot no request owns (the sink page included) and a NaN-filled ``out``: keys past

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_checks import DEVICE, needs_interpreter, no_host_reads
+from kernel_checks import DEVICE, no_host_reads
 
 from kernels.attention_ref import AttentionMetadata, paged_attention_ref
 from kernels.extend_attention import ExtendConfig, choose_extend_config, extend_attention, tma_supported
@@ -80,7 +80,6 @@ def config(block_m, block_n, tma=True):
     return ExtendConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=1, tma=tma)
 
 
-@needs_interpreter
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -92,7 +91,6 @@ def test_ragged_batch_matches_reference(page_size, tma, dtype):
     check(*case, config=config(32, 16, tma))
 
 
-@needs_interpreter
 @pytest.mark.parametrize("tiles", [(16, 16), (32, 16), (64, 32), (128, 64)], ids=lambda t: f"m{t[0]}n{t[1]}")
 def test_tile_shapes(tiles):
     """One or several diagonal tiles per query block, prefixes and chunks on and off the tile grid (MHA)."""
@@ -101,7 +99,6 @@ def test_tile_shapes(tiles):
           config=config(*tiles))
 
 
-@needs_interpreter
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer"])
 def test_head_major_launch_order(tma):
     """The other launch order (every query block of a head, then the next head) computes the same."""
@@ -110,7 +107,6 @@ def test_head_major_launch_order(tma):
     check(*make_case(q_lens, prefix, 4, 4, 2, 16, torch.float16, seed=13, pad_rows=2), config=cfg)
 
 
-@needs_interpreter
 @pytest.mark.parametrize("d", [64, 128])
 def test_real_head_dims(d):
     """Llama head dims, GQA 4, the default (interpreter) launch, both with and without a prefix."""
@@ -118,7 +114,6 @@ def test_real_head_dims(d):
     check(*case)
 
 
-@needs_interpreter
 def test_non_power_of_two_head_dim_uses_pointer_loads():
     q, k_new, v_new, k, v, meta = make_case([30, 7], [5, 0], 1, 4, 2, 24, torch.float32, seed=4)
     assert not tma_supported(q, k_new, v_new)
@@ -128,7 +123,6 @@ def test_non_power_of_two_head_dim_uses_pointer_loads():
         extend_attention(q, k_new, v_new, k, v, meta, 0.5, backend="triton", config=config(16, 16, True))
 
 
-@needs_interpreter
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer"])
 def test_views_of_a_packed_qkv_buffer(tma):
     """q / k_new / v_new as column slices of one [T, Hq + 2 Hkv, D] projection output (row stride > H * D)."""
@@ -139,7 +133,6 @@ def test_views_of_a_packed_qkv_buffer(tma):
     check(q2, k2, v2, k, v, meta, config=config(16, 16, tma))
 
 
-@needs_interpreter
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer"])
 def test_this_steps_keys_come_from_k_new(tma):
     """The kernel reads this step's K/V from k_new / v_new, only the prefix from the caches: NaN in the
@@ -155,7 +148,6 @@ def test_this_steps_keys_come_from_k_new(tma):
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
 
 
-@needs_interpreter
 def test_static_bounds_from_host_copies_equal_explicit_bounds():
     """The grid bound can come from max_q_len, from host copies, or (worst case) from q's rows."""
     q, k_new, v_new, k, v, meta = make_case([5, 40], [3, 9], 1, 2, 1, 16, torch.float32, seed=8, host_copies=True)
@@ -168,7 +160,6 @@ def test_static_bounds_from_host_copies_equal_explicit_bounds():
     torch.testing.assert_close(a, c)
 
 
-@needs_interpreter
 def test_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
     """No .item() / .tolist() / nonzero on the kernel path: it can be captured in a CUDA graph."""
     q, k_new, v_new, k, v, meta = make_case([4, 17], [6, 30], 4, 4, 2, 16, torch.float32, seed=9)

@@ -3,12 +3,11 @@
 
 import pytest
 import torch
-from kernel_checks import DEVICE, needs_interpreter
+from kernel_checks import DEVICE
 
 from kernels.norm_rope import apply_rope, apply_rope_ref, rms_norm, rms_norm_ref
 
 
-@needs_interpreter
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("hidden", [16, 48])
 def test_rms_norm_kernel_matches_reference(with_residual, hidden):
@@ -22,7 +21,6 @@ def test_rms_norm_kernel_matches_reference(with_residual, hidden):
     torch.testing.assert_close(summed, ref_sum)
 
 
-@needs_interpreter
 def test_rope_kernel_matches_reference():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(6, 4, 16, generator=g).to(DEVICE)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from kernel_checks import DEVICE, needs_interpreter
+from kernel_checks import DEVICE
 
 from kernels.spec_kernels import (
     build_tree,
@@ -78,7 +78,6 @@ def test_build_tree_retrieve_indices_enumerate_children():
     assert torch.equal(t.positions, torch.tensor([[5], [11]]) + t.depths)
 
 
-@needs_interpreter
 @pytest.mark.parametrize("k,steps,n,ties", [(1, 3, 4, False), (2, 3, 6, True), (4, 5, 16, True)])
 def test_build_tree_kernel_matches_reference(k, steps, n, ties):
     cand = make_candidates(3, k, steps, 50, seed=n, ties=ties)
@@ -106,7 +105,6 @@ def random_tree_and_argmax(B: int, k: int, steps: int, n: int, vocab: int, seed:
     return tree, argmax
 
 
-@needs_interpreter
 @pytest.mark.parametrize("k,steps,n", [(1, 4, 5), (3, 4, 12)])
 def test_greedy_verify_kernel_matches_reference_and_greedy_accept(k, steps, n):
     tree, argmax = random_tree_and_argmax(6, k, steps, n, 20, seed=k)
@@ -135,7 +133,6 @@ def sampling_case(B, k, steps, n, vocab, seed):
     return tree, probs, coins, bonus_u
 
 
-@needs_interpreter
 @pytest.mark.parametrize("k,steps,n,vocab", [(2, 3, 6, 40), (3, 4, 10, 3000)])
 def test_speculative_sample_kernel_matches_reference(k, steps, n, vocab):
     """vocab 3000 > one 2048-token block: the bonus draw crosses blocks."""
@@ -147,7 +144,6 @@ def test_speculative_sample_kernel_matches_reference(k, steps, n, vocab):
     assert ref.accept_len.max() > 1 and ref.accept_len.min() < steps + 1  # both accepts and rejections
 
 
-@needs_interpreter
 def test_speculative_sample_duplicate_sibling_tokens_and_rejection_residual():
     """Two children with the same token: the second has no residual mass and is never accepted; after
     rejecting all children the bonus is never one of their tokens."""
@@ -163,7 +159,6 @@ def test_speculative_sample_duplicate_sibling_tokens_and_rejection_residual():
         assert torch.equal(out.bonus.cpu(), ref.bonus) and torch.equal(out.accept_index.cpu(), ref.accept_index)
 
 
-@needs_interpreter
 def test_speculative_sample_with_one_hot_target_is_greedy_verify():
     tree, argmax = random_tree_and_argmax(5, 3, 3, 8, 16, seed=9)
     probs = torch.nn.functional.one_hot(argmax, 16).float()
@@ -196,7 +191,6 @@ def test_speculative_sample_reference_commits_the_target_distribution():
 
 
 # ---- KV move -------------------------------------------------------------------------------------
-@needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_move_kv_kernel_matches_reference(dtype):
     """Compaction moves: request 0 keeps path [0, 2, 3] (a slot is read by one move and written by the
@@ -216,7 +210,6 @@ def test_move_kv_kernel_matches_reference(dtype):
 
 
 # ---- accepted-path gather ------------------------------------------------------------------------
-@needs_interpreter
 @pytest.mark.parametrize("vocab,width", [(50, 12), (5000, 40)])
 def test_gather_accepted_kernel_matches_reference(vocab, width):
     steps, n = 3, 8
