@@ -245,9 +245,9 @@ class SpecWorker:
 
         Drafting ahead: the next step's draft needs only device tensors of this step's output, so it
         is launched right after this step's verify and extend, and the host does this step's
-        bookkeeping while the device drafts. The next step uses it when it runs the same requests
-        from the states this step left them (``DraftAhead.matches``); otherwise it drafts anew (the
-        draft ahead wrote only scratch positions past the committed lengths, which it overwrites).
+        bookkeeping while the device drafts. The next step uses it when it runs these requests, or
+        some of them, from the states this step left them (``DraftAhead.rows_for``); otherwise it
+        drafts anew (the draft ahead wrote only scratch positions past the committed lengths).
         """
         caps = self._ahead_caps(reqs) if self.draft_ahead and reqs and not self._batch_grows(reqs) else None
         self._reserve(reqs, caps)
@@ -256,20 +256,15 @@ class SpecWorker:
         rows = ahead.rows_for(reqs) if ahead is not None else None
         t0 = time.perf_counter()
         ahead_s = 0.0  # time spent here on the draft of the next step (its draft time, not this verify's)
+        index = None  # the requests' rows of the batch, when they are not its first n
         if rows is not None:  # drafted during the last step
             inp, tree = ahead.inp, ahead.tree
             self.ahead_used += 1
             t0 -= ahead.seconds
             if len(rows) < len(ahead.reqs):  # the rows of requests that ended since become padding
-                inp = as_padding(inp, [i for i in range(len(ahead.reqs)) if i not in set(rows)])
+                inp = as_padding(inp, sorted(set(range(len(ahead.reqs))) - set(rows)))
+                index = torch.tensor(rows, dtype=torch.int64, device=inp.L.device)
                 self.ahead_partial += 1
-                index = torch.tensor(rows, dtype=torch.int64).to(inp.L.device, non_blocking=True)
-
-                def take(t: torch.Tensor) -> torch.Tensor:
-                    return t.index_select(0, index)
-            else:
-                def take(t: torch.Tensor) -> torch.Tensor:
-                    return t[:n]
         else:
             self.ahead_dropped += ahead is not None
             self.ahead_mismatched += ahead is not None
@@ -278,8 +273,8 @@ class SpecWorker:
             inp = tree_map(lambda t: pad_rows(t, bs), self._inputs(reqs))
             tree = self.graphs["draft"](inp)
 
-            def take(t: torch.Tensor) -> torch.Tensor:
-                return t[:n]
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t[:n] if index is None else t.index_select(0, index)
         t1 = time.perf_counter()
         if all(r.params.greedy for r in reqs):
             out = self.graphs["verify_extend"](inp, tree)
