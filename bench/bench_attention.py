@@ -3,7 +3,9 @@
 * decode (one query per request): batch {1, 8, 64} x context {1024, 4096, 8192}, page sizes 1 and 16;
   time, KV bytes moved per second, and that as a fraction of the device-to-device copy bandwidth
   measured in the same run (the floor: the kernel must at least read every K/V byte once);
-* extend (causal prefill, prefix 0): the paged kernel against
+* extend (causal prefill, prefix 0): the paged kernel (``kernels.attention.paged_attention``, what
+  chunks of fewer than 64 queries run) and the extend kernel (``kernels.extend_attention``, what
+  longer chunks run; ``bench/bench_extend.py`` studies it further) against
   ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` on the same unpaged shapes
   (the faster of SDPA with ``enable_gqa`` and SDPA on K/V expanded to every query head);
 * tree verify: N tree nodes per request under an ancestor mask, against decode at the same batch
@@ -33,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.timing import copy_bandwidth, graph_of, time_cuda, write_json
 from kernels.attention import AttnConfig, choose_config, paged_attention
 from kernels.attention_ref import AttentionMetadata
+from kernels.extend_attention import extend_attention
 
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -115,6 +118,12 @@ def bench_extend(caches: Caches, batch: int, seq: int, gen, config: AttnConfig |
     flops = 4 * batch * HQ * D * seq * (seq + 1) / 2  # causal: half the score matrix, two GEMMs
     row = {"kind": "extend", "page_size": caches.page_size, "batch": batch, "seq": seq, "ms": ms,
            "tflops": flops / (ms / 1e3) / 1e12, "config": cfg.__dict__}
+    out_ext = torch.empty_like(q)
+    if config is None:  # the extend kernel reads this step's K/V densely: here the cache rows of the chunk
+        k_new, v_new = caches.k[kv_indices].contiguous(), caches.v[kv_indices].contiguous()
+        ext_ms = time_cuda(lambda: extend_attention(q, k_new, v_new, caches.k, caches.v, meta, D ** -0.5,
+                                                    out=out_ext), iters=10)
+        row.update(extend_ms=ext_ms, extend_tflops=flops / (ext_ms / 1e3) / 1e12)
     if with_sdpa:
         qs = q.view(batch, seq, HQ, D).transpose(1, 2).contiguous()
         ks = caches.k[kv_indices].view(batch, seq, HKV, D).transpose(1, 2).contiguous()
@@ -132,6 +141,9 @@ def bench_extend(caches: Caches, batch: int, seq: int, gen, config: AttnConfig |
         ref = F.scaled_dot_product_attention(qs, ke, ve, is_causal=True).transpose(1, 2).reshape(-1, HQ, D)
         row.update(sdpa_ms=best, sdpa_variants=sdpa, ratio_vs_sdpa=best / ms,
                    max_abs_err=(out.float() - ref.float()).abs().max().item())
+        if "extend_ms" in row:
+            row.update(extend_ratio_vs_sdpa=best / row["extend_ms"],
+                       extend_max_abs_err=(out_ext.float() - ref.float()).abs().max().item())
     return row
 
 
@@ -206,6 +218,10 @@ def fmt(row: dict) -> str:
              f" {row['tflops']:7.1f} TFLOP/s")
         if "sdpa_ms" in row:
             s += f"  sdpa {row['sdpa_ms']:.3f} ms  ratio {row['ratio_vs_sdpa']:.2f}  err {row['max_abs_err']:.2e}"
+        if "extend_ms" in row:
+            s += f"  | extend kernel {row['extend_ms']:.3f} ms {row['extend_tflops']:.1f} TFLOP/s"
+            if "extend_ratio_vs_sdpa" in row:
+                s += f" ratio {row['extend_ratio_vs_sdpa']:.2f} err {row['extend_max_abs_err']:.2e}"
         return s + f"   {cfg}"
     s = (f"verify  ps{row['page_size']:<3d} bs{row['batch']:<3d} ctx{row['context']:<5d} N{row['nodes']:<3d}"
          f" {row['ms'] * 1e3:9.1f} us {row['kv_GBps']:8.1f} GB/s  (eager {row['eager_ms'] * 1e3:.1f} us)")

@@ -20,6 +20,7 @@ Llama-3-8B attention shape: 32 query heads, 8 KV heads, head dim 128, bfloat16. 
 an H100 with ``--tune``.
 
     python bench/bench_extend.py --out results/extend.json [--tune]
+    python bench/bench_extend.py --tune-shapes --write-table   # time every candidate, record the best per shape
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.timing import time_cuda, write_json
 from kernels.attention import paged_attention
 from kernels.attention_ref import AttentionMetadata
-from kernels.extend_attention import ExtendConfig, choose_extend_config, extend_attention, tma_supported
+from kernels.extend_attention import (
+    TUNED_TABLE,
+    ExtendConfig,
+    choose_extend_config,
+    extend_attention,
+    table_key,
+    tma_supported,
+)
 
 HQ, HKV, D = 32, 8, 128
 G = HQ // HKV
@@ -150,7 +158,9 @@ def sdpa_calls(case: Case) -> dict:
 def bench_sdpa(case: Case) -> tuple[dict, torch.Tensor | None]:
     """Times of every SDPA variant that runs (errors reported), and the output of the fastest."""
     times, best, best_out = {}, None, None
-    for name, call in sdpa_calls(case).items():
+    calls = sdpa_calls(case)
+    case.sdpa_calls = calls
+    for name, call in calls.items():
         try:
             out = call()
             torch.cuda.synchronize()
@@ -181,7 +191,7 @@ def bench_kernel(case: Case, fn, ref_rows: torch.Tensor | None) -> dict:
     return row
 
 
-def shape_row(case: Case, sdpa: bool = True, paged: bool = True) -> dict:
+def shape_row(case: Case, sdpa: bool = True, paged: bool = True, tune: list[ExtendConfig] | None = None) -> dict:
     row = {"batch": case.batch, "seq": case.seq, "prefix": case.prefix, "gflop": case.flops / 1e9}
     ref_rows = None
     if sdpa:
@@ -192,13 +202,16 @@ def shape_row(case: Case, sdpa: bool = True, paged: bool = True) -> dict:
             name = min(ok, key=ok.get)
             row.update(sdpa_best=name, sdpa_ms=ok[name], sdpa_tflops=case.flops / (ok[name] / 1e3) / 1e12)
             ref_rows = case.dense_to_rows(best_out)
-    cfg = choose_extend_config(case.q, case.seq, tma_supported(case.q, case.k_new, case.v_new))
+    cfg = choose_extend_config(case.q, case.seq, tma_supported(case.q, case.k_new, case.v_new), case.batch, G)
     row["config"] = cfg.__dict__
     row["extend"] = bench_kernel(case, case.extend(cfg), ref_rows)
     if "ms" in row["extend"] and "sdpa_ms" in row:
         row["ratio_vs_sdpa"] = row["sdpa_ms"] / row["extend"]["ms"]  # throughput of extend / SDPA's
     if paged:
         row["paged"] = bench_kernel(case, case.paged(), ref_rows)
+    if tune:
+        best_call = case.sdpa_calls[row["sdpa_best"]] if "sdpa_best" in row else None
+        tune_shape(case, row, tune, ref_rows, best_call)
     return row
 
 
@@ -220,8 +233,100 @@ def fmt_shape(row: dict) -> str:
 
 
 def fmt_cfg(c: ExtendConfig) -> str:
-    return (f"bm{c.block_m} bn{c.block_n} w{c.num_warps} s{c.num_stages}"
+    return (f"bm{c.block_m} bn{c.block_n} w{c.num_warps} s{c.num_stages}{f' p{c.pack}' if c.pack > 1 else ''}"
             f"{' ws' if c.warp_specialize else ''}{' hm' if c.head_major else ''}{'' if c.tma else ' pointer'}")
+
+
+def shape_configs() -> list[ExtendConfig]:
+    """The candidates ``--tune-shapes`` times on every shape: tile shapes x GQA packing x launch order.
+    All compile for sm_90a with Triton 3.6 without spilling and within the SM's shared memory
+    (``python bench/compile_extend.py``)."""
+    cands = [  # (block_m, block_n, warps, stages, pack, head_major)
+        (64, 64, 4, 3, 1, False), (64, 64, 4, 3, 2, False), (64, 64, 4, 3, 2, True), (64, 64, 4, 3, 4, False),
+        (64, 64, 4, 2, 2, False), (64, 64, 4, 4, 1, False), (128, 128, 8, 3, 1, True), (128, 128, 8, 2, 1, True),
+        (128, 128, 8, 3, 2, False), (128, 128, 8, 3, 4, False), (128, 64, 8, 3, 1, False), (128, 64, 8, 3, 1, True),
+        (128, 64, 8, 3, 2, False),
+    ]
+    return [ExtendConfig(bm, bn, w, st, True, head_major=hm, pack=pk) for bm, bn, w, st, pk, hm in cands]
+
+
+def table_rows(rows: list[dict]) -> list[dict]:
+    """Rows of the tuned table from ``--tune-shapes`` results: for every shape without a prefix, the
+    candidate with the least mean time among those that matched SDPA, keyed by the shape's longest
+    request and its token count, in ascending order (``kernels.extend_attention.pick_tuned`` takes
+    the last row a call meets)."""
+    out = []
+    for row in rows:
+        timed = [t for t in row.get("tune", []) if "ms" in t]
+        if row.get("prefix", 0) or not timed:
+            continue
+        best = min(timed, key=lambda t: t["ms"])
+        measured = {"ms": round(best["ms"], 4), "tflops": round(best["tflops"], 1)}
+        if "ratio_vs_sdpa" in best:
+            measured["ratio_vs_sdpa"] = round(best["ratio_vs_sdpa"], 3)
+        out.append({"min_max_q_len": row["seq"], "min_tokens": row["batch"] * row["seq"], "config": best["config"],
+                    "measured": measured})
+    return sorted(out, key=lambda r: (r["min_max_q_len"], r["min_tokens"]))
+
+
+def merge_table(table: dict, device: str, key: str, rows: list[dict], provenance: dict) -> dict:
+    """``table`` with this device's rows for ``key`` replaced (other devices and keys kept)."""
+    devices = dict(table.get("devices", {}))
+    entry = dict(devices.get(device, {}))
+    entry[key] = rows
+    entry.setdefault("_provenance", {})[key] = provenance
+    devices[device] = entry
+    return {**table, "devices": devices}
+
+
+def precompile(configs: list[ExtendConfig], workers: int) -> None:
+    """Compile every configuration in parallel processes (Triton's on-disk cache) before timing anything:
+    a tiny case has the same argument specialisation as the benchmark shapes."""
+    import multiprocessing as mp
+    with mp.get_context("spawn").Pool(workers) as pool:
+        for msg in pool.imap_unordered(_compile_one, [c.__dict__ for c in configs]):
+            print(f"    compiled {msg}", flush=True)
+
+
+def _compile_one(cfg: dict) -> str:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t0 = time.time()
+    for prefix in (0, 16):
+        case = Case(1, 256, prefix, 16, gen)
+        case.extend(ExtendConfig(**cfg))()
+    torch.cuda.synchronize()
+    return f"{fmt_cfg(ExtendConfig(**cfg))} ({time.time() - t0:.1f} s)"
+
+
+def tune_shape(case: Case, row: dict, configs: list[ExtendConfig], ref_rows: torch.Tensor, sdpa_call) -> None:
+    """Every candidate on this shape, twice (forward then reverse order, against clock drift), and SDPA's
+    best again at the end; ``row['tune']`` gets each candidate's two times and their mean."""
+    times: dict[int, list] = {i: [] for i in range(len(configs))}
+    errs: dict[int, dict] = {}
+    for order in (range(len(configs)), reversed(range(len(configs)))):
+        for i in order:
+            r = bench_kernel(case, case.extend(configs[i]), ref_rows)
+            if "ms" in r:
+                times[i].append(r["ms"])
+                errs[i] = {"rel_err": r.get("rel_err")}
+            else:
+                errs[i] = r
+    if sdpa_call is not None:
+        row["sdpa_ms_again"] = time_ms(sdpa_call)
+        row["sdpa_ms_mean"] = (row["sdpa_ms"] + row["sdpa_ms_again"]) / 2
+    out = []
+    for i, cfg in enumerate(configs):
+        r = {"config": cfg.__dict__, **errs.get(i, {})}
+        if times[i]:
+            ms = sum(times[i]) / len(times[i])
+            r.update(ms_runs=times[i], ms=ms, tflops=case.flops / (ms / 1e3) / 1e12)
+            if "sdpa_ms_mean" in row:
+                r["ratio_vs_sdpa"] = row["sdpa_ms_mean"] / ms
+        out.append(r)
+        print(f"    {fmt_cfg(cfg):30s} " + (f"{r['ms']:7.3f} ms {r['tflops']:6.1f} TF/s"
+                                            + (f" ratio {r['ratio_vs_sdpa']:.3f}" if "ratio_vs_sdpa" in r else "")
+                                            if "ms" in r else f"ERROR {r.get('error')}"), flush=True)
+    row["tune"] = out
 
 
 def tune_configs(tma: bool) -> list[ExtendConfig]:
@@ -256,7 +361,13 @@ def main() -> None:
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--tune", action="store_true", help="sweep launch configurations at 8192 tokens")
     ap.add_argument("--tune-shapes", action="store_true",
-                    help="the leading configurations, both launch orders, at 16384 tokens, 4 x 4096 and 8192")
+                    help="every candidate of shape_configs() (tiles, GQA packing, launch order) on every shape "
+                         "(the paged kernel's column is left out)")
+    ap.add_argument("--precompile", type=int, default=0, metavar="N",
+                    help="compile the candidates in N parallel processes first")
+    ap.add_argument("--write-table", nargs="?", const=str(TUNED_TABLE), metavar="PATH",
+                    help="with --tune-shapes: write each shape's fastest candidate into the tuned table "
+                         f"(default {TUNED_TABLE.name} beside the kernel), this device's rows replaced")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_extend needs a CUDA device")
@@ -275,33 +386,22 @@ def main() -> None:
         print(fmt_shape(row), flush=True)
         write_json(args.out, results)  # after every row: a cut-off run still leaves its figures
 
+    tune = shape_configs() if args.tune_shapes else None
+    if tune and args.precompile:
+        t0 = time.time()
+        q1 = torch.empty(1, HQ, D, dtype=DTYPE, device="cuda")
+        defaults = {choose_extend_config(q1, n, True, b, G) for b, n in [(1, 2048), (1, 4096), (1, 8192), (1, 16384),
+                                                                       (4, 4096)]}
+        try:
+            precompile(list(dict.fromkeys(tune + sorted(defaults, key=str))), args.precompile)
+            print(f"precompiled in {time.time() - t0:.0f} s", flush=True)
+        except Exception as e:  # noqa: BLE001 - the timing compiles on first use anyway
+            print(f"precompile failed ({type(e).__name__}: {e}); compiling on first use", flush=True)
     for batch, seq in [(1, 2048), (1, 4096), (1, 8192), (1, 16384), (4, 4096)]:
-        emit_row(shape_row(Case(batch, seq, 0, 16, gen)))
+        emit_row(shape_row(Case(batch, seq, 0, 16, gen), paged=not tune, tune=tune))
         torch.cuda.empty_cache()
     prefix_case = Case(1, 4096, 4096, 16, gen)
-    emit_row(shape_row(prefix_case))
-
-    if args.tune_shapes:
-        # The leading configurations in both launch orders at the long and the batched shapes.
-        shortlist = [ExtendConfig(64, 64, 4, 3, True), ExtendConfig(128, 128, 8, 3, True),
-                     ExtendConfig(128, 64, 8, 3, True), ExtendConfig(64, 64, 4, 3, True, True)]
-        shortlist += [ExtendConfig(**{**c.__dict__, "head_major": True}) for c in shortlist]
-        results["tune_shapes"] = {}
-        for batch, seq in [(1, 16384), (4, 4096), (1, 8192)]:
-            case = Case(batch, seq, 0, 16, gen)
-            ref = case.dense_to_rows(F.scaled_dot_product_attention(case.qs, *case.kv["expanded"], is_causal=True,
-                                                                    scale=SCALE))
-            print(f"-- bs{batch} seq{seq}", flush=True)
-            rows = []
-            for cfg in shortlist:
-                r = {"config": cfg.__dict__, **bench_kernel(case, case.extend(cfg), ref)}
-                rows.append(r)
-                print(f"    {fmt_cfg(cfg):28s} " + (f"{r['ms']:7.3f} ms {r['tflops']:6.1f} TF/s" if "ms" in r
-                                                    else f"ERROR {r['error']}"), flush=True)
-            results["tune_shapes"][f"bs{batch}_seq{seq}"] = rows
-            write_json(args.out, results)
-            del case, ref
-            torch.cuda.empty_cache()
+    emit_row(shape_row(prefix_case, paged=not tune, tune=tune))
 
     if args.tune:
         case = Case(1, 8192, 0, 16, gen)
@@ -331,6 +431,16 @@ def main() -> None:
             results["best"] = rows[0]["config"]
             print(f"best at 8192: {fmt_cfg(best)}  {rows[0]['tflops']:.1f} TF/s -> set HOPPER_CONFIG = {best!r}",
                   flush=True)
+    if args.write_table and tune:
+        import json
+        path = Path(args.write_table)
+        old = json.loads(path.read_text()) if path.exists() else {}
+        rows = table_rows(results["rows"])
+        key = table_key(DTYPE, D, G)
+        prov = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "triton": triton.__version__,
+                "command": "python " + " ".join(sys.argv)}
+        path.write_text(json.dumps(merge_table(old, dev, key, rows, prov), indent=1) + "\n")
+        print(f"wrote {len(rows)} rows for {dev} / {key} to {path}", flush=True)
     results["elapsed_s"] = time.time() - t_start
     print(f"elapsed {results['elapsed_s']:.0f} s", flush=True)
     write_json(args.out, results)

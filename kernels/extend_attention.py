@@ -17,23 +17,27 @@ but reads the two parts of the keys differently:
 
 How the kernel is laid out (FlashAttention-2 style):
 
-* One program owns ``BLOCK_M`` consecutive query tokens of one request and ONE query head (no GQA
-  packing: the diagonal stays ``BLOCK_M`` tokens wide and the query tile is a single TMA box). The
-  grid is ``(B * Hq, query blocks)`` with the head fastest, so the ``G`` query heads that share a KV
-  head run side by side and find its tiles in L2.
+* One program owns ``BLOCK_T = BLOCK_M / PACK`` consecutive query tokens of one request and ``PACK``
+  query heads of one KV head (``config.pack``; GQA packing): query row ``r`` of the tile is token
+  ``m0 + r % BLOCK_T`` of head ``h + r // BLOCK_T``, so each K/V tile loaded serves ``PACK`` heads.
+  With ``PACK == 1`` (the default) the query tile is a single TMA box; packed tiles are gathered with
+  pointer loads (once per program). The grid is ``(B * Hq / PACK, query blocks)`` with the head
+  fastest, so the query heads that share a KV head run side by side and find its tiles in L2
+  (``head_major`` swaps the two: every query block of one head before the next head).
 * Causal load balance: program ``(.., j)`` takes the request's ``j``-th query block counted from the
   END, so the blocks with the most keys are dispatched first and the short ones fill the tail.
 * Each program walks its keys in five runs, paying for masks only where needed:
     1. full prefix tiles                (gathered, no mask)
     2. the prefix's last partial tile   (gathered, bounds mask)
-    3. this-step keys ``[0, m0)``       (TMA, no mask; ``m0`` = the block's first query; the bulk;
-                                         optionally warp-specialised)
-    4. full diagonal tiles              (TMA, causal mask)
+    3. this-step keys ``[0, d0)``       (TMA, no mask; ``d0`` = the first query ``m0`` rounded down to
+                                         the key tile grid; the bulk; optionally warp-specialised)
+    4. full diagonal tiles from ``d0``  (TMA, causal mask)
     5. the diagonal's last partial tile (pointer loads, causal + bounds mask)
   Run 5 exists only in a request's last query block when ``q_len`` is not a multiple of
   ``BLOCK_N``; loading it with masks means no key or value row outside the request is ever read
   (rows of ``k_new/v_new`` that belong to no request, e.g. CUDA-graph padding, may hold anything).
-* ``BLOCK_N`` divides ``BLOCK_M``, so runs 3 and 4 cover whole tiles. Softmax is online, in float32,
+* Runs 3 and 4 cover whole key tiles of any power-of-two ``BLOCK_N`` (wider than ``BLOCK_T`` too: the
+  diagonal run then starts before ``m0`` and masks what the block does not see). Softmax is online, in float32,
   in the exp2 domain (``sm_scale * log2(e)`` folded into one multiply-add). Every row sees at least
   one key in the first tile it processes, so the running max is finite from the first tile on.
 * The output is stored with masked pointer stores (a TMA store of a partial block would write into
@@ -46,7 +50,10 @@ copy ``qo_indptr_cpu``, else q's row count), so a call can be captured in a CUDA
 from __future__ import annotations
 
 import functools
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -77,15 +84,25 @@ class ExtendConfig:
     tma: bool  # this step's K/V and the query tile through tensor descriptors (else pointer loads)
     warp_specialize: bool = False  # tl.range(warp_specialize=True) on the main (run 3) loop
     head_major: bool = False  # launch order: every query block of one head before the next head
+    pack: int = 1  # query heads of one KV head per program (GQA packing): block_m = pack * query tokens
 
 
 # Default launch on sm90 for 16-bit inputs with head_dim <= 128 and a chunk of more than 64 tokens:
 # the best of ``python bench/bench_extend.py --tune`` on an H100 (2026-11-23, 8192 tokens, 32/8 heads
 # x 128, bf16): 64 x 64 tiles, 4 warps, 3 stages, 526 TFLOP/s; 128 x 128 / 8 warps / 3 stages 486,
 # 128 x 128 / 8 warps / 2 stages 426 (docs/benchmarks.md).
-# Compiled for sm90 (Triton 3.9, bf16, D=128): 253 registers, no spills, 161 KiB shared memory
-# (3 stages: 225 KiB, just under the 227 KiB limit). 4 warps for 128 query rows spill registers.
+# Compiled offline for sm_90a with Triton 3.6 (the H100 image's; bf16, D=128, ptxas -v): 255 registers,
+# ~1 KiB of spill stores (most in the prefix gather runs; the run-3 loop keeps 2-3 words in local
+# memory), 113 KiB of shared memory, so two 4-warp programs can share an SM (2 x (113 + 1 reserved)
+# KiB = the SM's 228 KiB; one warpgroup's softmax can overlap the other's MMAs; the 8-warp 128 x 128
+# tiles take 225 KiB, one program per SM, and its two warpgroups meet at a CTA barrier every
+# iteration). 4 warps for 128 query rows spill registers.
 HOPPER_CONFIG = ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True)
+# From 16384 query tokens on: 128 x 128 tiles, 8 warps, head-major order. ``--tune-shapes`` on an H100
+# (docs/bench/extend_shapes_h100.json, one run, the kernel before GQA packing): 513 TFLOP/s at 16384
+# tokens against 479 for HOPPER_CONFIG in the same run (SDPA 597: 0.86x against 0.80x); at 8192 and at
+# 4 x 4096 it is slower than HOPPER_CONFIG (447 vs 451, 413 vs 436), hence the threshold.
+LONG_CONFIG = ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True, head_major=True)
 # Without tensor descriptors (pre-Hopper GPUs): 64 KiB of shared memory (sm80: 255 registers, a small spill).
 POINTER_CONFIG = ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=False)
 
@@ -144,38 +161,49 @@ if triton is not None:
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
                        WARP_SPEC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                       HEAD_MAJOR: tl.constexpr):
-        if HEAD_MAJOR:  # grid (query blocks, B * Hq): one head's blocks run together, sharing its K/V in L2
+                       HEAD_MAJOR: tl.constexpr, PACK: tl.constexpr):
+        # PACK query heads (of one KV head) per program: row r is token m0 + r % BLOCK_T of head h + r // BLOCK_T.
+        BLOCK_T: tl.constexpr = BLOCK_M // PACK
+        if HEAD_MAJOR:  # grid (query blocks, B * Hq / PACK): one head's blocks run together, sharing its K/V in L2
             bh = tl.program_id(1)
             j = tl.program_id(0)
-        else:  # grid (B * Hq, query blocks): the longest block of every head first
+        else:  # grid (B * Hq / PACK, query blocks): the longest block of every head first
             bh = tl.program_id(0)
             j = tl.program_id(1)
-        b = bh // num_q_heads
-        h = bh % num_q_heads
+        b = bh // (num_q_heads // PACK)
+        h = (bh % (num_q_heads // PACK)) * PACK
         kvh = h // GROUP
         q_start = tl.load(qo_indptr + b)
         q_len = tl.load(qo_indptr + b + 1) - q_start
-        n_blocks = tl.cdiv(q_len, BLOCK_M)
+        n_blocks = tl.cdiv(q_len, BLOCK_T)
         if j >= n_blocks:  # this request has fewer query blocks than the static grid
             return
-        m0 = (n_blocks - 1 - j) * BLOCK_M  # longest blocks first
+        m0 = (n_blocks - 1 - j) * BLOCK_T  # longest blocks first
         kv_start = tl.load(kv_indptr + b)
         prefix = tl.load(prefix_lens + b)
 
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        tok = m0 + offs_m  # query index inside the request
+        if PACK == 1:  # one head: the verified single-head code, no per-row head arithmetic
+            tok = m0 + offs_m  # query index inside the request
+        else:
+            tok = m0 + offs_m % BLOCK_T  # query index inside the request
+            row_head = h + offs_m // BLOCK_T
         row_ok = tok < q_len
-        if USE_TMA:
+        if USE_TMA and PACK == 1:
             # Rows past the request are other requests' tokens (or TMA's zero fill past T): they only
             # produce output rows that are never stored, since rows never mix.
             q = QD.load([(q_start + m0).to(tl.int32), h * HEAD_DIM])
             if UPCAST:
                 q = q.to(tl.float32)
-        else:
+        elif PACK == 1:
             q = _load_rows(Q, q_start + tok, stride_qt, h * stride_qh, offs_d, row_ok, HEAD_DIM, BLOCK_D, True, UPCAST)
+        else:  # PACK heads: one gather of the query tile per program
+            q_ptrs = Q + (q_start + tok)[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :]
+            q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -198,8 +226,9 @@ if triton is not None:
             v = _load_rows(Vc, slot, stride_vct, kvh * stride_vch, offs_d, n_ok, HEAD_DIM, BLOCK_D, True, UPCAST)
             acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, n_ok[None, :], qk_scale, True, PRECISION)
 
-        # 3. This step's keys before the block's first query: seen by every row, no mask.
-        for start in tl.range(0, m0, BLOCK_N, warp_specialize=WARP_SPEC):
+        # 3. This step's keys before the tile that holds the block's first query: seen by every row, no mask.
+        diag_start = (m0 // BLOCK_N) * BLOCK_N
+        for start in tl.range(0, diag_start, BLOCK_N, warp_specialize=WARP_SPEC):
             k = _load_new(KnD, Kn, q_start + start, offs_n, stride_knt, kvh, stride_knh, offs_d, HEAD_DIM, BLOCK_D,
                           USE_TMA, UPCAST)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
@@ -208,9 +237,9 @@ if triton is not None:
             acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, None, qk_scale, False, PRECISION)
 
         # 4. Full tiles of the diagonal: key j visible to query tok iff j <= tok.
-        q_end = tl.minimum(m0 + BLOCK_M, q_len)
-        diag_full = m0 + ((q_end - m0) // BLOCK_N) * BLOCK_N
-        for start in range(m0, diag_full, BLOCK_N):
+        q_end = tl.minimum(m0 + BLOCK_T, q_len)
+        diag_full = diag_start + ((q_end - diag_start) // BLOCK_N) * BLOCK_N
+        for start in range(diag_start, diag_full, BLOCK_N):
             k = _load_new(KnD, Kn, q_start + start, offs_n, stride_knt, kvh, stride_knh, offs_d, HEAD_DIM, BLOCK_D,
                           USE_TMA, UPCAST)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
@@ -231,9 +260,11 @@ if triton is not None:
             acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, visible, qk_scale, True, PRECISION)
 
         out = acc / l_i[:, None]  # l_i >= 1 on every row: its running max came from a visible key
-        row = q_start + tok
-        tl.store(O + row[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
-                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+        if PACK == 1:
+            o_ptrs = O + (q_start + tok)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+        else:
+            o_ptrs = O + (q_start + tok)[:, None] * stride_ot + row_head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
 @functools.lru_cache(maxsize=8)
@@ -261,21 +292,89 @@ def tma_supported(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> 
     return all(_rows_view_ok(x) for x in (q, k_new, v_new))
 
 
-def choose_extend_config(q: torch.Tensor, max_q_len: int, tma: bool) -> ExtendConfig:
-    """Tile sizes: ``HOPPER_CONFIG`` (``POINTER_CONFIG`` without descriptors) for 16-bit inputs with
-    head_dim <= 128 and long chunks, smaller tiles for short chunks, float32 and big heads; the
-    interpreter gets small tiles (fast tests)."""
-    d = q.shape[2]
+# Launches measured per device: ``python bench/bench_extend.py --tune-shapes --write-table PATH`` writes
+# the fastest candidate of every benchmark shape under the device's name; ``EYRIE_EXTEND_CONFIGS``
+# points at another file. A device or shape key the table lacks falls back to the rules below.
+TUNED_TABLE = Path(__file__).with_name("extend_configs.json")
+
+
+def table_key(dtype: torch.dtype, head_dim: int, group: int) -> str:
+    """The table's shape key: dtype, head dim and GQA group (``bf16_d128_g4`` for Llama-3-8B)."""
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
+    return f"{name}_d{head_dim}_g{group}"
+
+
+@functools.lru_cache(maxsize=4)
+def _load_table(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"extend-attention config table {path} is unreadable: {e}") from e
+
+
+def tuned_entries(device_name: str, key: str, path: str | None = None) -> list[tuple[int, int, ExtendConfig]]:
+    """``(min_max_q_len, min_tokens, config)`` rows of the table for this device and shape key, in file order."""
+    table = _load_table(path or os.environ.get("EYRIE_EXTEND_CONFIGS") or str(TUNED_TABLE))
+    rows = table.get("devices", {}).get(device_name, {}).get(key, [])
+    out = []
+    for row in rows:
+        try:
+            out.append((int(row["min_max_q_len"]), int(row["min_tokens"]), ExtendConfig(**row["config"])))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"extend-attention config table: bad row {row!r} for {device_name} / {key}: {e}") from e
+    return out
+
+
+def pick_tuned(entries: list[tuple[int, int, ExtendConfig]], max_q_len: int, tokens: int, group: int,
+               tma: bool) -> ExtendConfig | None:
+    """The last row whose thresholds this call meets (rows ascend), among those it can launch: the same
+    load path (descriptors or pointers) and a packing that divides the group."""
+    best = None
+    for min_q, min_t, cfg in entries:
+        if max_q_len >= min_q and tokens >= min_t and cfg.tma == tma and group % cfg.pack == 0:
+            best = cfg
+    return best
+
+
+def choose_extend_config(q: torch.Tensor, max_q_len: int, tma: bool, batch_size: int = 1,
+                         group: int = 1) -> ExtendConfig:
+    """The launch for ``q`` (``[T, Hq, D]``): on CUDA, ``choose_cuda_config`` for this device; off CUDA
+    (the interpreter) small tiles, for fast tests. ``batch_size`` is passed for rules that depend on it."""
     if not q.is_cuda:
         bm = 32 if max_q_len > 16 else 16
         return ExtendConfig(block_m=bm, block_n=16, num_warps=4, num_stages=1, tma=tma)
-    if q.dtype == torch.float32:
+    name = _device_name(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    return choose_cuda_config(name, q.dtype, q.shape[2], max_q_len, q.shape[0], tma, group)
+
+
+def choose_cuda_config(device_name: str, dtype: torch.dtype, head_dim: int, max_q_len: int, tokens: int, tma: bool,
+                       group: int = 1, table: str | None = None) -> ExtendConfig:
+    """Tile sizes from host ints only (no autotuning at serving time). For a chunk of more than 64 tokens,
+    the tuned table's row for this device, shape key and size when it has one; otherwise
+    ``HOPPER_CONFIG`` (``POINTER_CONFIG`` without descriptors) for 16-bit inputs with head_dim <= 128
+    and long chunks, ``LONG_CONFIG`` from 16384 query tokens on, smaller tiles for short chunks,
+    float32 and big heads."""
+    if max_q_len > 64:
+        entries = tuned_entries(device_name, table_key(dtype, head_dim, group), table)
+        tuned = pick_tuned(entries, max_q_len, tokens, group, tma)
+        if tuned is not None:
+            return tuned
+    if dtype == torch.float32:
         return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, tma=tma)
-    if d > 128:
+    if head_dim > 128:
         return ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, tma=tma)
     if max_q_len <= 64:
         return ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=3 if tma else 2, tma=tma)
+    if tma and max_q_len >= 16384:
+        return LONG_CONFIG
     return HOPPER_CONFIG if tma else POINTER_CONFIG
+
+
+@functools.lru_cache(maxsize=8)
+def _device_name(device_index: int) -> str:
+    return torch.cuda.get_device_name(device_index)
 
 
 def _use_triton(q: torch.Tensor, backend: str) -> bool:
@@ -323,12 +422,15 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         raise ValueError("q, k_new, v_new and the caches must share one dtype")
     max_q = meta.static_max_q_len(q.shape[0])
     can_tma = tma_supported(q, k_new, v_new)
-    cfg = config or choose_extend_config(q, max_q, can_tma)
+    cfg = config or choose_extend_config(q, max_q, can_tma, meta.batch_size, hq // hkv)
     if cfg.tma and not can_tma:
         raise ValueError("config asks for tensor descriptors, but these tensors / this device cannot use them")
-    if cfg.block_m % cfg.block_n or cfg.block_n < 16:
-        raise ValueError(f"block_n ({cfg.block_n}) must be >= 16 and divide block_m ({cfg.block_m})")
-    n_qblocks = -(-max_q // cfg.block_m)
+    if cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1):
+        raise ValueError(f"block_n ({cfg.block_n}) must be a power of two >= 16")
+    if (hq // hkv) % cfg.pack or cfg.block_m % cfg.pack or (cfg.block_m // cfg.pack) & (cfg.block_m // cfg.pack - 1):
+        raise ValueError(f"pack ({cfg.pack}) must divide the GQA group ({hq // hkv}) and block_m ({cfg.block_m}) "
+                         "into a power of two")
+    n_qblocks = -(-max_q // (cfg.block_m // cfg.pack))
     if n_qblocks == 0:
         return out
     block_d = max(16, triton.next_power_of_2(d))  # tl.dot needs K, N >= 16
@@ -339,7 +441,8 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         qd, knd, vnd = q, k_new, v_new  # unused: the pointer path reads the tensors themselves
     upcast = q.dtype == torch.bfloat16 and not q.is_cuda  # only the interpreter runs off CUDA
     precision = "ieee" if (q.dtype == torch.float32 or upcast) else "tf32"
-    grid = (n_qblocks, meta.batch_size * hq) if cfg.head_major else (meta.batch_size * hq, n_qblocks)
+    n_heads = meta.batch_size * hq // cfg.pack
+    grid = (n_qblocks, n_heads) if cfg.head_major else (n_heads, n_qblocks)
     _extend_kernel[grid](
         q, qd, k_new, knd, v_new, vnd, k_cache, v_cache, out,
         meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.prefix_lens,
@@ -347,11 +450,12 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_TMA=cfg.tma,
-        WARP_SPEC=cfg.warp_specialize, PRECISION=precision, UPCAST=upcast, HEAD_MAJOR=cfg.head_major,
+        WARP_SPEC=cfg.warp_specialize, PRECISION=precision, UPCAST=upcast, HEAD_MAJOR=cfg.head_major, PACK=cfg.pack,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
 
-__all__ = ["ExtendConfig", "HOPPER_CONFIG", "POINTER_CONFIG", "choose_extend_config", "extend_attention",
+__all__ = ["ExtendConfig", "HOPPER_CONFIG", "LONG_CONFIG", "POINTER_CONFIG", "TUNED_TABLE", "choose_cuda_config",
+           "choose_extend_config", "extend_attention", "pick_tuned", "table_key", "tuned_entries",
            "tma_supported"]

@@ -15,8 +15,9 @@ import time
 import pytest
 import torch
 
+from bench.bench_extend import shape_configs
 from kernels.attention_ref import AttentionMetadata, paged_attention_ref
-from kernels.extend_attention import ExtendConfig, extend_attention, tma_supported
+from kernels.extend_attention import LONG_CONFIG, ExtendConfig, choose_extend_config, extend_attention, tma_supported
 
 pytestmark = pytest.mark.gpu
 
@@ -89,9 +90,10 @@ def test_extend_matches_reference(gen, page_size, dtype):
     run_and_check(*extend_case(gen, Q_LENS, PREFIX, page_size, dtype))
 
 
-@pytest.mark.parametrize("variant", ["pointer", "block_n64", "float32"])
+@pytest.mark.parametrize("variant", ["pointer", "block_n64", "float32", "long", "pack2", "pack4", "pack2_pointer"])
 def test_extend_launch_variants_match_reference(gen, variant):
-    """Launches other than the default: pointer loads for this step's K/V, 64-key tiles, float32."""
+    """Launches other than the default: pointer loads for this step's K/V, 64-key tiles, float32, the
+    long-chunk configuration, GQA packing (2 and 4 heads per program; key tiles wider than the block)."""
     dtype = torch.float32 if variant == "float32" else torch.bfloat16
     q, k_new, v_new, k, v, meta = extend_case(gen, Q_LENS, PREFIX, 16, dtype)
     tma = tma_supported(q, k_new, v_new)
@@ -100,7 +102,40 @@ def test_extend_launch_variants_match_reference(gen, variant):
         cfg = ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, tma=False)
     elif variant == "block_n64":
         cfg = ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, tma=tma)
+    elif variant == "long":
+        cfg = LONG_CONFIG if tma else None
+    elif variant == "pack2":
+        cfg = ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=tma, pack=2)
+    elif variant == "pack4":
+        cfg = ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=tma, pack=4)
+    elif variant == "pack2_pointer":
+        cfg = ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=False, pack=2)
     run_and_check(q, k_new, v_new, k, v, meta, config=cfg)
+
+
+@pytest.mark.parametrize("cfg", shape_configs(), ids=lambda c: f"m{c.block_m}n{c.block_n}w{c.num_warps}"
+                         f"s{c.num_stages}p{c.pack}{'hm' if c.head_major else ''}")
+def test_every_tuning_candidate_matches_reference(gen, cfg):
+    """Whatever ``bench_extend --tune-shapes --write-table`` may put in the tuned table is correct."""
+    q, k_new, v_new, k, v, meta = extend_case(gen, Q_LENS, PREFIX, 16, torch.bfloat16)
+    if not tma_supported(q, k_new, v_new):
+        pytest.skip("tensor descriptors need sm90+")
+    run_and_check(q, k_new, v_new, k, v, meta, config=cfg)
+
+
+def test_a_tuned_table_row_is_what_the_kernel_launches(gen, tmp_path, monkeypatch):
+    """A table naming this device: ``choose_extend_config`` returns its row and the launch is correct."""
+    import json
+
+    q, k_new, v_new, k, v, meta = extend_case(gen, Q_LENS, PREFIX, 16, torch.bfloat16)
+    tma = tma_supported(q, k_new, v_new)
+    row = ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=tma, pack=2)
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"devices": {torch.cuda.get_device_name(): {
+        "bf16_d128_g4": [{"min_max_q_len": 128, "min_tokens": 0, "config": row.__dict__}]}}}))
+    monkeypatch.setenv("EYRIE_EXTEND_CONFIGS", str(path))
+    assert choose_extend_config(q, max(Q_LENS), tma, len(Q_LENS), HQ // HKV) == row
+    run_and_check(q, k_new, v_new, k, v, meta)
 
 
 def test_extend_under_cuda_graph_replay(gen):

@@ -99,6 +99,25 @@ def test_tile_shapes(tiles):
           config=config(*tiles))
 
 
+@pytest.mark.parametrize("tiles", [(32, 16, 2), (64, 16, 4), (32, 32, 4), (64, 64, 2), (16, 32, 1)],
+                         ids=lambda t: f"m{t[0]}n{t[1]}p{t[2]}")
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer"])
+def test_packed_heads_and_key_tiles_wider_than_the_query_block(tiles, tma):
+    """GQA packing (``pack`` query heads of one KV head per program, ``block_m / pack`` tokens each) and
+    key tiles wider than a program's query tokens (the diagonal run starts on the key tile grid)."""
+    bm, bn, pack = tiles
+    q_lens, prefix = [70, 5, 33, 1, 48], [37, 0, 16, 3, 0]
+    cfg = ExtendConfig(block_m=bm, block_n=bn, num_warps=4, num_stages=1, tma=tma, pack=pack)
+    check(*make_case(q_lens, prefix, 4, 8, 2, 16, torch.bfloat16, seed=bm + bn + pack, pad_rows=2), config=cfg)
+
+
+def test_pack_must_divide_the_group():
+    q, k_new, v_new, k, v, meta = make_case([5], [0], 1, 4, 2, 16, torch.float32, seed=2)
+    with pytest.raises(ValueError, match="pack"):
+        extend_attention(q, k_new, v_new, k, v, meta, 0.5, backend="triton",
+                         config=ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, tma=False, pack=4))
+
+
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer"])
 def test_head_major_launch_order(tma):
     """The other launch order (every query block of a head, then the next head) computes the same."""

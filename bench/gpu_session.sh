@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements that wait for a device, as stages that each fit one device call
+# (at most 10 minutes). Run from the project root on the GPU machine; every stage writes its log and
+# JSON under $OUT (default ./out/gpu), so a stage cut off by its time limit still leaves what it did.
+#
+#   bench/gpu_session.sh tests      # GPU tests: kernels at real shapes, graphs == eager == CPU, drafting ahead
+#   bench/gpu_session.sh extend     # extend attention: every candidate on every shape, the tuned table written
+#   bench/gpu_session.sh decode     # EAGLE-3 iteration vs a decode step at batch 1, context 1k (drafting ahead)
+#   bench/gpu_session.sh attention  # paged decode / extend / verify attention vs copy bandwidth and SDPA
+#
+# Several stages in one call run in the order given. Python packages the GPU image lacks come from
+# ./.whl (../shared/tools/gpu-wheels.sh on the CPU machine; carry .whl with the call).
+set -uo pipefail
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv > "$OUT/device.csv" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/device.csv"
+
+run() {  # run NAME SECONDS COMMAND...: the command's output in $OUT/NAME.log, its exit status reported
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS
+  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc after $((SECONDS - t0)) s: $*" | tee -a "$OUT/summary.txt"
+  tail -n 3 "$OUT/$name.log"
+}
+
+for stage in "$@"; do
+  case $stage in
+    tests)
+      run gpu_tests 420 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "drafting_ahead or extend"
+      run gpu_tests_rest 160 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not drafting_ahead and not extend"
+      ;;
+    kernels)
+      run kernel_tests 570 python3 -m pytest -q -p no:cacheprovider tests/unit/kernels
+      ;;
+    extend)
+      run extend 570 python3 bench/bench_extend.py --tune-shapes --write-table "$OUT/extend_configs.json" \
+        --out "$OUT/extend_shapes.json"
+      ;;
+    decode)
+      run decode 570 python3 bench/bench_decode.py --batches 1 --contexts 1024 --draft eagle3 --verify-ns 8 \
+        --out "$OUT/spec_eagle3.json"
+      ;;
+    attention)
+      run attention 570 python3 bench/bench_attention.py --quick --out "$OUT/attention.json"
+      ;;
+    *)
+      echo "unknown stage $stage (tests, kernels, extend, decode, attention)" >&2
+      exit 2
+      ;;
+  esac
+done
