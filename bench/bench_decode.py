@@ -4,6 +4,7 @@ Questions answered (one table each, all in one JSON):
   decode   target decode step, batch x context, eager and graph, vs floor = (weights + KV) / copy BW
   verify   verify of N draft tokens at batch 1 vs a single-token decode step
   spec     EAGLE draft loop, verify, extend and the whole iteration at batch 1 (steps=5, topk=1)
+  spec_batches  (--spec-batches) the whole iteration at larger batches, with and without drafting ahead
 The K/V of each request is reserved to the context length and left as it is (timing does not
 depend on its values), so no 8k-token prefill is needed.
 
@@ -83,10 +84,11 @@ def bench_target_decode(target, bw, batches, contexts, rows_out):
             torch.cuda.empty_cache()
 
 
-def spec_engine(target, draft, ctx, topk, steps, n):
+def spec_engine(target, draft, ctx, topk, steps, n, batch=1, room=1024):
+    """An engine with ``batch`` requests holding ``ctx`` positions, each with ``room`` more to generate."""
     spec = SpecConfig(topk=topk, steps=steps, num_draft_tokens=n)
-    engine = Engine(target, draft, engine_config(ctx + 1024, 1, spec=spec))
-    reqs = fake_requests(engine, 1, ctx, max_new=1000)
+    engine = Engine(target, draft, engine_config(ctx + room, batch, spec=spec))
+    reqs = fake_requests(engine, batch, ctx, max_new=room - 24)
     dev = engine.device
     k = topk
     from shared.spec.state import DraftState
@@ -159,6 +161,35 @@ def bench_spec(target, draft, bw, ctx, results, verify_ns=(4, 8, 16, 32, 64)):
     print({k: round(v, 3) for k, v in row.items()}, flush=True)
 
 
+def bench_batched_iterations(target, draft, ctx, batches, results):
+    """The EAGLE iteration (chain, steps=5) at larger batches, with and without drafting ahead: what the
+    overlap of the host's bookkeeping with the next draft is worth when every step carries more rows.
+    Each batch size gets a fresh engine; the steps run back to back as a serving loop runs them."""
+    for bs in batches:
+        engine, reqs = spec_engine(target, draft, ctx, 1, 5, 6, batch=bs, room=2048)
+        w = engine.spec
+
+        def iteration(w=w, reqs=reqs):
+            w.decode_step(reqs)
+
+        row = {"batch": bs, "context": ctx}
+        for ahead in (True, False):
+            w.draft_ahead = ahead
+            ms = time_cuda(iteration, iters=5, warmup=2, calls=10)
+            row["iteration_graph_ms" if ahead else "iteration_graph_no_ahead_ms"] = ms
+        row["ahead_used"], row["ahead_partial"] = w.ahead_used, w.ahead_partial
+        row["ahead_dropped"], row["ahead_mismatched"] = w.ahead_dropped, w.ahead_mismatched
+        row["all_running"] = all(r.finish_reason is None for r in reqs)  # the batch never shrank
+        row["ahead_speedup"] = row["iteration_graph_no_ahead_ms"] / row["iteration_graph_ms"]
+        results["spec_batches"].append(row)
+        print(f"iteration bs={bs:3d} ahead {row['iteration_graph_ms']:7.2f} ms  without "
+              f"{row['iteration_graph_no_ahead_ms']:7.2f} ms  x{row['ahead_speedup']:.3f}  "
+              f"(used {w.ahead_used}, mismatched {w.ahead_mismatched})", flush=True)
+        del engine, reqs, w
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def read_bytes(target) -> int:
     """The weight bytes a decode step actually reads: every weight but the input embedding table, of
     which it reads one row per token (unless the LM head shares it, which the step reads whole)."""
@@ -189,6 +220,8 @@ def main():
     ap.add_argument("--draft", default="eagle", choices=["eagle", "eagle3"])
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--verify-ns", default="4,8,16,32,64", help="draft tokens of the verify-cost sweep")
+    ap.add_argument("--spec-batches", default="", help="also time the EAGLE iteration, with and without drafting "
+                                                         "ahead, at these batch sizes (e.g. 4,16,32)")
     args = ap.parse_args()
     torch.manual_seed(0)
     t0 = time.time()
@@ -197,13 +230,17 @@ def main():
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
     target = build_target()
     print(f"target weights {param_bytes(target) / 1e9:.2f} GB", flush=True)
-    results = {"device": torch.cuda.get_device_name(), "copy_bw_Bps": bw, "decode": [], "verify": [], "spec": []}
+    results = {"device": torch.cuda.get_device_name(), "copy_bw_Bps": bw, "decode": [], "verify": [], "spec": [],
+               "spec_batches": []}
     if not args.skip_decode:
         bench_target_decode(target, bw, [int(x) for x in args.batches.split(",")],
                             [int(x) for x in args.contexts.split(",")], results["decode"])
         write_json(args.out, results)
     draft = build_draft(args.draft, target)
     bench_spec(target, draft, bw, 1024, results, [int(x) for x in args.verify_ns.split(",")])
+    write_json(args.out, results)
+    if args.spec_batches:
+        bench_batched_iterations(target, draft, 1024, [int(x) for x in args.spec_batches.split(",")], results)
     results["wall_s"] = time.time() - t0
     write_json(args.out, results)
 

@@ -43,7 +43,7 @@ for stage in "$@"; do
         --out "$OUT/extend_shapes.json"
       ;;
     decode)
-      run decode 570 python3 bench/bench_decode.py --batches 1 --contexts 1024 --draft eagle3 --verify-ns 8 \
+      run decode 570 python3 bench/bench_decode.py --batches 1 --contexts 1024 --draft eagle3 --verify-ns 8 --spec-batches 4,16 \
         --out "$OUT/spec_eagle3.json"
       ;;
     attention)
