@@ -77,8 +77,8 @@ LOG2E = 1.4426950408889634
 class ExtendConfig:
     """Launch parameters of one call; ``choose_extend_config`` picks them, benchmarks may override them."""
 
-    block_m: int  # query tokens (of one head) per program
-    block_n: int  # keys per inner iteration; must divide block_m
+    block_m: int  # query rows per program: block_m / pack tokens of each of pack heads
+    block_n: int  # keys per inner iteration; a power of two >= 16 (wider than block_m / pack too)
     num_warps: int
     num_stages: int
     tma: bool  # this step's K/V and the query tile through tensor descriptors (else pointer loads)
@@ -91,12 +91,11 @@ class ExtendConfig:
 # the best of ``python bench/bench_extend.py --tune`` on an H100 (2026-11-23, 8192 tokens, 32/8 heads
 # x 128, bf16): 64 x 64 tiles, 4 warps, 3 stages, 526 TFLOP/s; 128 x 128 / 8 warps / 3 stages 486,
 # 128 x 128 / 8 warps / 2 stages 426 (docs/benchmarks.md).
-# Compiled offline for sm_90a with Triton 3.6 (the H100 image's; bf16, D=128, ptxas -v): 255 registers,
-# ~1 KiB of spill stores (most in the prefix gather runs; the run-3 loop keeps 2-3 words in local
-# memory), 113 KiB of shared memory, so two 4-warp programs can share an SM (2 x (113 + 1 reserved)
-# KiB = the SM's 228 KiB; one warpgroup's softmax can overlap the other's MMAs; the 8-warp 128 x 128
-# tiles take 225 KiB, one program per SM, and its two warpgroups meet at a CTA barrier every
-# iteration). 4 warps for 128 query rows spill registers.
+# Compiled offline for sm_90a with Triton 3.6 (the H100 image's; bf16, D=128, GQA 4; ``python
+# bench/compile_extend.py``): 164 registers, no local memory, 113 KiB of shared memory, so two 4-warp
+# programs share an SM (2 x (113 + 1 reserved) KiB = the SM's 228 KiB; one program's softmax overlaps
+# the other's MMAs, which within one program take turns with the softmax); the 8-warp 128 x 128 tiles
+# take 225 KiB and 254 registers, one program per SM.
 HOPPER_CONFIG = ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True)
 # From 16384 query tokens on: 128 x 128 tiles, 8 warps, head-major order. ``--tune-shapes`` on an H100
 # (docs/bench/extend_shapes_h100.json, one run, the kernel before GQA packing): 513 TFLOP/s at 16384
