@@ -4,7 +4,8 @@ Questions answered (one table each, all in one JSON):
   decode   target decode step, batch x context, eager and graph, vs floor = (weights + KV) / copy BW
   verify   verify of N draft tokens at batch 1 vs a single-token decode step
   spec     EAGLE draft loop, verify, extend and the whole iteration at batch 1 (steps=5, topk=1)
-  spec_batches  (--spec-batches) the whole iteration at larger batches, with and without drafting ahead
+  spec_grid  (--spec-grid) draft loop, verify, verify+extend and the whole iteration at --batches x
+           --contexts, graph and eager, the iteration with and without drafting ahead
 The K/V of each request is reserved to the context length and left as it is (timing does not
 depend on its values), so no 8k-token prefill is needed.
 
@@ -161,33 +162,62 @@ def bench_spec(target, draft, bw, ctx, results, verify_ns=(4, 8, 16, 32, 64)):
     print({k: round(v, 3) for k, v in row.items()}, flush=True)
 
 
-def bench_batched_iterations(target, draft, ctx, batches, results):
-    """The EAGLE iteration (chain, steps=5) at larger batches, with and without drafting ahead: what the
-    overlap of the host's bookkeeping with the next draft is worth when every step carries more rows.
-    Each batch size gets a fresh engine; the steps run back to back as a serving loop runs them."""
-    for bs in batches:
-        engine, reqs = spec_engine(target, draft, ctx, 1, 5, 6, batch=bs, room=2048)
-        w = engine.spec
+def bench_spec_grid(target, draft, batches, contexts, results):
+    """Every speculative phase at batch x context, CUDA graph and eager (chain, steps=5, topk=1): the draft
+    loop, verify of 6 tokens, verify + accept + extend, and the whole iteration (graph with and without
+    drafting ahead, eager). A fresh engine per cell; iterations run back to back, as a serving loop runs
+    them; a cell whose KV does not fit beside the weights is recorded as such."""
+    for ctx in contexts:
+        for bs in batches:
+            cell = {"batch": bs, "context": ctx}
+            try:
+                engine, reqs = spec_engine(target, draft, ctx, 1, 5, 6, batch=bs, room=1024)
+                spec_cell(engine.spec, reqs, cell)
+                del engine, reqs
+            except torch.OutOfMemoryError:
+                cell["fits"] = False
+            results["spec_grid"].append(cell)
+            print(fmt_spec_cell(cell), flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
 
-        def iteration(w=w, reqs=reqs):
-            w.decode_step(reqs)
 
-        row = {"batch": bs, "context": ctx}
-        for ahead in (True, False):
-            w.draft_ahead = ahead
-            ms = time_cuda(iteration, iters=5, warmup=2, calls=10)
-            row["iteration_graph_ms" if ahead else "iteration_graph_no_ahead_ms"] = ms
-        row["ahead_used"], row["ahead_partial"] = w.ahead_used, w.ahead_partial
-        row["ahead_dropped"], row["ahead_mismatched"] = w.ahead_dropped, w.ahead_mismatched
-        row["all_running"] = all(r.finish_reason is None for r in reqs)  # the batch never shrank
-        row["ahead_speedup"] = row["iteration_graph_no_ahead_ms"] / row["iteration_graph_ms"]
-        results["spec_batches"].append(row)
-        print(f"iteration bs={bs:3d} ahead {row['iteration_graph_ms']:7.2f} ms  without "
-              f"{row['iteration_graph_no_ahead_ms']:7.2f} ms  x{row['ahead_speedup']:.3f}  "
-              f"(used {w.ahead_used}, mismatched {w.ahead_mismatched})", flush=True)
-        del engine, reqs, w
-        gc.collect()
-        torch.cuda.empty_cache()
+def spec_cell(w, reqs, cell: dict) -> None:
+    w._reserve(reqs)
+    inp = w._inputs(reqs)
+    tree = w.graphs["draft"](inp)
+    phases = {"draft": lambda: w.graphs["draft"](inp), "verify": lambda: w.graphs["verify"](inp, tree),
+              "verify_extend": lambda: w.graphs["verify_extend"](inp, tree)}
+    for graphs in (True, False):
+        for g in w.graphs.values():
+            g.capture = graphs
+        tag = "graph" if graphs else "eager"
+        for name, call in phases.items():
+            cell[f"{name}_{tag}_ms"] = time_cuda(call, iters=10 if graphs else 3)
+
+    def iteration():
+        w.decode_step(reqs)
+
+    for name, graphs, ahead in (("iteration_graph_ms", True, True), ("iteration_graph_no_ahead_ms", True, False),
+                                ("iteration_eager_ms", False, False)):
+        for g in w.graphs.values():
+            g.capture = graphs
+        w.draft_ahead = ahead
+        cell[name] = time_cuda(iteration, iters=3 if graphs else 2, warmup=1, calls=8 if graphs else 2)
+    cell.update(ahead_used=w.ahead_used, ahead_mismatched=w.ahead_mismatched,
+                all_running=all(r.finish_reason is None for r in reqs))  # the batch never shrank
+    cell["draft_graph_speedup"] = cell["draft_eager_ms"] / cell["draft_graph_ms"]
+    cell["ahead_speedup"] = cell["iteration_graph_no_ahead_ms"] / cell["iteration_graph_ms"]
+
+
+def fmt_spec_cell(c: dict) -> str:
+    head = f"spec bs={c['batch']:3d} ctx={c['context']:5d}"
+    if c.get("fits") is False:
+        return f"{head} does not fit beside the weights"
+    pairs = "  ".join(f"{n} {c[n + '_graph_ms']:6.2f}/{c[n + '_eager_ms']:6.2f}"
+                      for n in ("draft", "verify", "verify_extend"))
+    return (f"{head} {pairs}  iteration {c['iteration_graph_ms']:6.2f} (no ahead "
+            f"{c['iteration_graph_no_ahead_ms']:6.2f}, eager {c['iteration_eager_ms']:6.2f}) ms, graph/eager")
 
 
 def read_bytes(target) -> int:
@@ -220,8 +250,9 @@ def main():
     ap.add_argument("--draft", default="eagle", choices=["eagle", "eagle3"])
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--verify-ns", default="4,8,16,32,64", help="draft tokens of the verify-cost sweep")
-    ap.add_argument("--spec-batches", default="", help="also time the EAGLE iteration, with and without drafting "
-                                                         "ahead, at these batch sizes (e.g. 4,16,32)")
+    ap.add_argument("--spec-grid", action="store_true",
+                    help="also time every speculative phase and the whole iteration, graph and eager, at "
+                         "--batches x --contexts")
     args = ap.parse_args()
     torch.manual_seed(0)
     t0 = time.time()
@@ -231,7 +262,7 @@ def main():
     target = build_target()
     print(f"target weights {param_bytes(target) / 1e9:.2f} GB", flush=True)
     results = {"device": torch.cuda.get_device_name(), "copy_bw_Bps": bw, "decode": [], "verify": [], "spec": [],
-               "spec_batches": []}
+               "spec_grid": []}
     if not args.skip_decode:
         bench_target_decode(target, bw, [int(x) for x in args.batches.split(",")],
                             [int(x) for x in args.contexts.split(",")], results["decode"])
@@ -239,8 +270,9 @@ def main():
     draft = build_draft(args.draft, target)
     bench_spec(target, draft, bw, 1024, results, [int(x) for x in args.verify_ns.split(",")])
     write_json(args.out, results)
-    if args.spec_batches:
-        bench_batched_iterations(target, draft, 1024, [int(x) for x in args.spec_batches.split(",")], results)
+    if args.spec_grid:
+        bench_spec_grid(target, draft, [int(x) for x in args.batches.split(",")],
+                        [int(x) for x in args.contexts.split(",")], results)
     results["wall_s"] = time.time() - t0
     write_json(args.out, results)
 

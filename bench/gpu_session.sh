@@ -6,6 +6,7 @@
 #   bench/gpu_session.sh tests      # GPU tests: kernels at real shapes, graphs == eager == CPU, drafting ahead
 #   bench/gpu_session.sh extend     # extend attention: every candidate on every shape, the tuned table written
 #   bench/gpu_session.sh decode     # EAGLE-3 iteration vs a decode step at batch 1, context 1k (drafting ahead)
+#   bench/gpu_session.sh spec-grid  # every speculative phase, graph and eager, batch 1..64 x context 1k..8k
 #   bench/gpu_session.sh attention  # paged decode / extend / verify attention vs copy bandwidth and SDPA
 #
 # Several stages in one call run in the order given. Python packages the GPU image lacks come from
@@ -43,14 +44,18 @@ for stage in "$@"; do
         --out "$OUT/extend_shapes.json"
       ;;
     decode)
-      run decode 570 python3 bench/bench_decode.py --batches 1 --contexts 1024 --draft eagle3 --verify-ns 8 --spec-batches 4,16 \
+      run decode 570 python3 bench/bench_decode.py --batches 1 --contexts 1024 --draft eagle3 --verify-ns 8 \
         --out "$OUT/spec_eagle3.json"
+      ;;
+    spec-grid)
+      run spec_grid 570 python3 bench/bench_decode.py --skip-decode --batches 1,8,32,64 --contexts 1024,4096,8192 \
+        --draft eagle3 --verify-ns 8 --spec-grid --out "$OUT/spec_grid.json"
       ;;
     attention)
       run attention 570 python3 bench/bench_attention.py --quick --out "$OUT/attention.json"
       ;;
     *)
-      echo "unknown stage $stage (tests, kernels, extend, decode, attention)" >&2
+      echo "unknown stage $stage (tests, kernels, extend, decode, spec-grid, attention)" >&2
       exit 2
       ;;
   esac
