@@ -54,6 +54,7 @@ G = HQ // HKV
 DTYPE = torch.bfloat16
 SCALE = D ** -0.5
 MAX_REL_ERR = 1e-2
+PAIRED_ROUNDS = 5
 
 
 def time_ms(fn, reps: int = 7, calls: int = 8, warmup: int = 3) -> float:
@@ -191,6 +192,19 @@ def bench_kernel(case: Case, fn, ref_rows: torch.Tensor | None) -> dict:
     return row
 
 
+def paired_ratio(ours, sdpa, rounds: int = PAIRED_ROUNDS) -> dict:
+    """SDPA's time over ours, timed in alternation (SDPA, ours, SDPA, ours, ...): a clock or power state
+    that drifts during the run moves both sides of each pair alike, so the median of the per-round
+    ratios is steadier than a ratio of two times taken minutes apart (earlier runs saw the same launch
+    move 4-10% between its first and a later timing)."""
+    ratios = []
+    for _ in range(rounds):
+        t_sdpa, t_ours = time_ms(sdpa), time_ms(ours)
+        ratios.append(t_sdpa / t_ours)
+    ratios.sort()
+    return {"ratios": ratios, "median": ratios[len(ratios) // 2], "min": ratios[0], "max": ratios[-1]}
+
+
 def shape_row(case: Case, sdpa: bool = True, paged: bool = True, tune: list[ExtendConfig] | None = None) -> dict:
     row = {"batch": case.batch, "seq": case.seq, "prefix": case.prefix, "gflop": case.flops / 1e9}
     ref_rows = None
@@ -207,6 +221,7 @@ def shape_row(case: Case, sdpa: bool = True, paged: bool = True, tune: list[Exte
     row["extend"] = bench_kernel(case, case.extend(cfg), ref_rows)
     if "ms" in row["extend"] and "sdpa_ms" in row:
         row["ratio_vs_sdpa"] = row["sdpa_ms"] / row["extend"]["ms"]  # throughput of extend / SDPA's
+        row["paired"] = paired_ratio(case.extend(cfg), case.sdpa_calls[row["sdpa_best"]])
     if paged:
         row["paged"] = bench_kernel(case, case.paged(), ref_rows)
     if tune:
@@ -224,6 +239,9 @@ def fmt_shape(row: dict) -> str:
         s += f" | sdpa {row['sdpa_ms']:7.3f} ms {row['sdpa_tflops']:6.1f} TF/s ({row['sdpa_best']})"
     if "ratio_vs_sdpa" in row:
         s += f" | ratio {row['ratio_vs_sdpa']:.2f}"
+    if "paired" in row:
+        pr = row["paired"]
+        s += f" (paired median {pr['median']:.3f}, {pr['min']:.3f}-{pr['max']:.3f})"
     if "rel_err" in e:
         s += f" err {e['rel_err']:.1e}"
     p = row.get("paged", {})

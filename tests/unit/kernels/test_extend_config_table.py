@@ -109,3 +109,15 @@ def test_a_bad_row_names_itself(tmp_path):
 def test_table_key():
     assert table_key(torch.bfloat16, 128, 4) == KEY
     assert table_key(torch.float16, 64, 1) == "fp16_d64_g1"
+
+
+def test_paired_ratio_alternates_and_takes_the_median(monkeypatch):
+    """SDPA and the kernel are timed in alternation, the ratio of each pair kept, their median reported."""
+    import bench.bench_extend as be
+
+    calls, times = [], {"sdpa": iter([2.0, 2.2, 1.8, 2.0, 2.0]), "ours": iter([2.5, 2.0, 2.0, 4.0, 2.5])}
+    monkeypatch.setattr(be, "time_ms", lambda fn: (calls.append(fn()), next(times[calls[-1]]))[1])
+    got = be.paired_ratio(lambda: "ours", lambda: "sdpa", rounds=5)
+    assert calls == ["sdpa", "ours"] * 5
+    assert got["ratios"] == sorted([0.8, 1.1, 0.9, 0.5, 0.8])
+    assert got["median"] == 0.8 and got["min"] == 0.5 and got["max"] == 1.1
