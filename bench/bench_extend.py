@@ -262,8 +262,8 @@ def shape_configs() -> list[ExtendConfig]:
     cands = [  # (block_m, block_n, warps, stages, pack, head_major)
         (64, 64, 4, 3, 1, False), (64, 64, 4, 3, 2, False), (64, 64, 4, 3, 2, True), (64, 64, 4, 3, 4, False),
         (64, 64, 4, 2, 2, False), (64, 64, 4, 4, 1, False), (128, 128, 8, 3, 1, True), (128, 128, 8, 2, 1, True),
-        (128, 128, 8, 3, 2, False), (128, 128, 8, 3, 4, False), (128, 64, 8, 3, 1, False), (128, 64, 8, 3, 1, True),
-        (128, 64, 8, 3, 2, False),
+        (128, 128, 8, 3, 2, False), (128, 128, 8, 3, 2, True), (128, 128, 8, 3, 4, False), (128, 64, 8, 3, 1, False),
+        (128, 64, 8, 3, 1, True), (128, 64, 8, 3, 2, False),
     ]
     return [ExtendConfig(bm, bn, w, st, True, head_major=hm, pack=pk) for bm, bn, w, st, pk, hm in cands]
 
