@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass
@@ -134,8 +135,19 @@ class Engine:
         return True
 
     # ---- stepping --------------------------------------------------------------------------------
+    def on_device(self) -> contextlib.AbstractContextManager:
+        """This engine's GPU as the calling thread's current CUDA device (a no-op off CUDA). Triton
+        launches, CUDA events, streams and graph capture all use the current device, not the device of
+        the tensors they touch: an engine on ``cuda:1`` run from a thread whose current device is 0
+        (every new thread's) would launch its kernels and record its events on the wrong GPU."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def step(self) -> list[tuple[Request, list[int]]]:
         """Run one scheduling step; returns (request, tokens it committed) for each request touched."""
+        with self.on_device():
+            return self._step()
+
+    def _step(self) -> list[tuple[Request, list[int]]]:
         plan = self.scheduler.schedule()
         if self.spec is not None and not plan.decode:
             self.spec.drop_ahead()  # no decode step now: a draft launched ahead would wait in vain
@@ -303,6 +315,10 @@ class Engine:
         exist afterwards; nothing happens off CUDA."""
         if self.device.type != "cuda":
             return 0
+        with self.on_device():
+            return self._capture_graphs()
+
+    def _capture_graphs(self) -> int:
         if self.spec is not None:
             return self.spec.capture_graphs()
         g = self.decode_graphs

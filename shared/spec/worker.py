@@ -330,7 +330,7 @@ class SpecWorker:
             return {k: getattr(out, k) for k in names}, None
         host = {k: getattr(out, k).to("cpu", non_blocking=True) for k in names}
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(out.accept_len.device))  # the copies' stream, on their GPU
         return host, ready
 
     def _next_inputs(self, inp: DecodeInputs, out: StepOutput, caps: list[int]) -> DecodeInputs:

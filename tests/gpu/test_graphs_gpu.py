@@ -120,3 +120,25 @@ def test_drafting_ahead_under_graphs_equals_the_cpu(oracle_model_dir, kind, topk
     assert got == want
     off, w = run("cuda", False)
     assert off == want and w.ahead_used == 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+def test_an_engine_on_the_second_gpu_stepped_from_another_thread(oracle_model_dir, cpu_reference):
+    """An engine on cuda:1 with graphs and drafting ahead, stepped from a fresh thread (current device
+    0): Triton launches, graph capture and the event guarding the tokens' copy all land on cuda:1."""
+    import threading
+
+    out = {}
+
+    def run():
+        cfg = EngineConfig(device="cuda:1", page_size=16, chunk_size=8, cuda_graph=True,
+                           spec=SpecConfig(topk=1, steps=3, num_draft_tokens=4))
+        engine = Engine(oracle_model_dir / "target", oracle_model_dir / "eagle", cfg)
+        engine.capture_graphs()
+        out["tokens"] = [r.token_ids for r in engine.generate(PROMPTS, PARAMS)]
+        out["clean"] = engine.is_idle_and_clean()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(300)
+    assert out.get("tokens") == cpu_reference and out["clean"]
