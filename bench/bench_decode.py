@@ -129,19 +129,9 @@ def bench_spec(target, draft, bw, ctx, results, verify_ns=(4, 8, 16, 32, 64)):
     tree = w.graphs["draft"](inp)
     logits, feats = w.graphs["verify"](inp, tree)
     acc = w.accept(reqs, tree, logits)
-    row = {}
-    for graphs in (True, False):
-        for g in w.graphs.values():
-            g.capture = graphs
-        tag = "graph" if graphs else "eager"
-        row[f"draft_{tag}_ms"] = time_cuda(lambda: w.graphs["draft"](inp), iters=20 if graphs else 5)
-        row[f"verify_{tag}_ms"] = time_cuda(lambda: w.graphs["verify"](inp, tree), iters=20 if graphs else 5)
-        row[f"extend_{tag}_ms"] = time_cuda(lambda: w.graphs["extend"](inp, tree, acc, logits, feats),
-                                            iters=20 if graphs else 5)
-        row[f"verify_extend_{tag}_ms"] = time_cuda(lambda: w.graphs["verify_extend"](inp, tree),
-                                                   iters=20 if graphs else 5)
-    for g in w.graphs.values():
-        g.capture = True
+    row = time_phases(w, {"draft": lambda: w.graphs["draft"](inp), "verify": lambda: w.graphs["verify"](inp, tree),
+                          "extend": lambda: w.graphs["extend"](inp, tree, acc, logits, feats),
+                          "verify_extend": lambda: w.graphs["verify_extend"](inp, tree)}, 20, 5)
 
     def iteration():
         engine.spec.decode_step(reqs)
@@ -182,18 +172,27 @@ def bench_spec_grid(target, draft, batches, contexts, results):
             torch.cuda.empty_cache()
 
 
+def time_phases(w, phases: dict, graph_iters: int, eager_iters: int) -> dict:
+    """``{name}_graph_ms`` and ``{name}_eager_ms`` of each phase call; graphs are left on."""
+    row = {}
+    for graphs in (True, False):
+        for g in w.graphs.values():
+            g.capture = graphs
+        tag = "graph" if graphs else "eager"
+        for name, call in phases.items():
+            row[f"{name}_{tag}_ms"] = time_cuda(call, iters=graph_iters if graphs else eager_iters)
+    for g in w.graphs.values():
+        g.capture = True
+    return row
+
+
 def spec_cell(w, reqs, cell: dict) -> None:
     w._reserve(reqs)
     inp = w._inputs(reqs)
     tree = w.graphs["draft"](inp)
     phases = {"draft": lambda: w.graphs["draft"](inp), "verify": lambda: w.graphs["verify"](inp, tree),
               "verify_extend": lambda: w.graphs["verify_extend"](inp, tree)}
-    for graphs in (True, False):
-        for g in w.graphs.values():
-            g.capture = graphs
-        tag = "graph" if graphs else "eager"
-        for name, call in phases.items():
-            cell[f"{name}_{tag}_ms"] = time_cuda(call, iters=10 if graphs else 3)
+    cell.update(time_phases(w, phases, 10, 3))
 
     def iteration():
         w.decode_step(reqs)

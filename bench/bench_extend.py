@@ -216,7 +216,7 @@ def shape_row(case: Case, sdpa: bool = True, paged: bool = True, tune: list[Exte
             name = min(ok, key=ok.get)
             row.update(sdpa_best=name, sdpa_ms=ok[name], sdpa_tflops=case.flops / (ok[name] / 1e3) / 1e12)
             ref_rows = case.dense_to_rows(best_out)
-    cfg = choose_extend_config(case.q, case.seq, tma_supported(case.q, case.k_new, case.v_new), case.batch, G)
+    cfg = choose_extend_config(case.q, case.seq, tma_supported(case.q, case.k_new, case.v_new), G)
     row["config"] = cfg.__dict__
     row["extend"] = bench_kernel(case, case.extend(cfg), ref_rows)
     if "ms" in row["extend"] and "sdpa_ms" in row:
@@ -297,25 +297,6 @@ def merge_table(table: dict, device: str, key: str, rows: list[dict], provenance
     return {**table, "devices": devices}
 
 
-def precompile(configs: list[ExtendConfig], workers: int) -> None:
-    """Compile every configuration in parallel processes (Triton's on-disk cache) before timing anything:
-    a tiny case has the same argument specialisation as the benchmark shapes."""
-    import multiprocessing as mp
-    with mp.get_context("spawn").Pool(workers) as pool:
-        for msg in pool.imap_unordered(_compile_one, [c.__dict__ for c in configs]):
-            print(f"    compiled {msg}", flush=True)
-
-
-def _compile_one(cfg: dict) -> str:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    t0 = time.time()
-    for prefix in (0, 16):
-        case = Case(1, 256, prefix, 16, gen)
-        case.extend(ExtendConfig(**cfg))()
-    torch.cuda.synchronize()
-    return f"{fmt_cfg(ExtendConfig(**cfg))} ({time.time() - t0:.1f} s)"
-
-
 def tune_shape(case: Case, row: dict, configs: list[ExtendConfig], ref_rows: torch.Tensor, sdpa_call) -> None:
     """Every candidate on this shape, twice (forward then reverse order, against clock drift), and SDPA's
     best again at the end; ``row['tune']`` gets each candidate's two times and their mean."""
@@ -381,8 +362,6 @@ def main() -> None:
     ap.add_argument("--tune-shapes", action="store_true",
                     help="every candidate of shape_configs() (tiles, GQA packing, launch order) on every shape "
                          "(the paged kernel's column is left out)")
-    ap.add_argument("--precompile", type=int, default=0, metavar="N",
-                    help="compile the candidates in N parallel processes first")
     ap.add_argument("--write-table", nargs="?", const=str(TUNED_TABLE), metavar="PATH",
                     help="with --tune-shapes: write each shape's fastest candidate into the tuned table "
                          f"(default {TUNED_TABLE.name} beside the kernel), this device's rows replaced")
@@ -405,16 +384,6 @@ def main() -> None:
         write_json(args.out, results)  # after every row: a cut-off run still leaves its figures
 
     tune = shape_configs() if args.tune_shapes else None
-    if tune and args.precompile:
-        t0 = time.time()
-        q1 = torch.empty(1, HQ, D, dtype=DTYPE, device="cuda")
-        defaults = {choose_extend_config(q1, n, True, b, G) for b, n in [(1, 2048), (1, 4096), (1, 8192), (1, 16384),
-                                                                       (4, 4096)]}
-        try:
-            precompile(list(dict.fromkeys(tune + sorted(defaults, key=str))), args.precompile)
-            print(f"precompiled in {time.time() - t0:.0f} s", flush=True)
-        except Exception as e:  # noqa: BLE001 - the timing compiles on first use anyway
-            print(f"precompile failed ({type(e).__name__}: {e}); compiling on first use", flush=True)
     for batch, seq in [(1, 2048), (1, 4096), (1, 8192), (1, 16384), (4, 4096)]:
         emit_row(shape_row(Case(batch, seq, 0, 16, gen), paged=not tune, tune=tune))
         torch.cuda.empty_cache()

@@ -337,10 +337,9 @@ def pick_tuned(entries: list[tuple[int, int, ExtendConfig]], max_q_len: int, tok
     return best
 
 
-def choose_extend_config(q: torch.Tensor, max_q_len: int, tma: bool, batch_size: int = 1,
-                         group: int = 1) -> ExtendConfig:
+def choose_extend_config(q: torch.Tensor, max_q_len: int, tma: bool, group: int = 1) -> ExtendConfig:
     """The launch for ``q`` (``[T, Hq, D]``): on CUDA, ``choose_cuda_config`` for this device; off CUDA
-    (the interpreter) small tiles, for fast tests. ``batch_size`` is passed for rules that depend on it."""
+    (the interpreter) small tiles, for fast tests."""
     if not q.is_cuda:
         bm = 32 if max_q_len > 16 else 16
         return ExtendConfig(block_m=bm, block_n=16, num_warps=4, num_stages=1, tma=tma)
@@ -421,7 +420,7 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         raise ValueError("q, k_new, v_new and the caches must share one dtype")
     max_q = meta.static_max_q_len(q.shape[0])
     can_tma = tma_supported(q, k_new, v_new)
-    cfg = config or choose_extend_config(q, max_q, can_tma, meta.batch_size, hq // hkv)
+    cfg = config or choose_extend_config(q, max_q, can_tma, hq // hkv)
     if cfg.tma and not can_tma:
         raise ValueError("config asks for tensor descriptors, but these tensors / this device cannot use them")
     if cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1):
