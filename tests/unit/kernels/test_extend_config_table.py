@@ -121,3 +121,37 @@ def test_paired_ratio_alternates_and_takes_the_median(monkeypatch):
     assert calls == ["sdpa", "ours"] * 5
     assert got["ratios"] == sorted([0.8, 1.1, 0.9, 0.5, 0.8])
     assert got["median"] == 0.8 and got["min"] == 0.5 and got["max"] == 1.1
+
+
+def test_race_times_every_launch_right_after_sdpa_in_rotating_order(monkeypatch):
+    import bench.bench_extend as be
+
+    calls = []
+    clock = {"sdpa": 1.0, "a": 2.0, "b": 0.5}
+    drift = iter(range(100))  # every timing 10% slower than the one before: only neighbours compare
+
+    def fake_time(fn):
+        calls.append(fn())
+        return clock[calls[-1]] * 1.1 ** next(drift)
+
+    monkeypatch.setattr(be, "time_ms", fake_time)
+    got = be.race(lambda: "sdpa", {"a": lambda: "a", "b": lambda: "b"}, rounds=3)
+    assert calls == ["sdpa", "a", "sdpa", "b", "sdpa", "b", "sdpa", "a", "sdpa", "a", "sdpa", "b"]
+    assert got["a"]["median"] == pytest.approx(0.5 / 1.1) and got["b"]["median"] == pytest.approx(2 / 1.1)
+    assert got["a"]["min"] == pytest.approx(got["a"]["max"])  # the drift cancels within each pair
+
+
+def raced(cfg: ExtendConfig, median: float) -> dict:
+    return {"config": cfg.__dict__, "ratios": [median], "median": median, "min": median, "max": median}
+
+
+def test_a_finalist_displaces_the_launch_chosen_now_only_by_more_than_the_margin():
+    rows = [
+        {"batch": 1, "seq": 4096, "prefix": 0, "config": HOPPER_CONFIG.__dict__,  # 1% better: noise
+         "race": [raced(WIDE, 0.808), raced(HOPPER_CONFIG, 0.80)]},
+        {"batch": 1, "seq": 8192, "prefix": 0, "config": HOPPER_CONFIG.__dict__,  # 5% better: taken
+         "race": [raced(HOPPER_CONFIG, 0.80), raced(PACK2, 0.84), raced(WIDE, 0.83)]},
+    ]
+    got = table_rows(rows)
+    assert [ExtendConfig(**r["config"]) for r in got] == [HOPPER_CONFIG, PACK2]
+    assert got[0]["measured"]["paired_ratio_vs_sdpa"] == 0.8 and got[1]["measured"]["paired_ratio_vs_sdpa"] == 0.84

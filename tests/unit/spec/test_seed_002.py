@@ -109,7 +109,9 @@ def reference_loop(engine: Engine, ref: Reference, wrong_positions: bool = True)
 
 
 class Recording:
-    """Wraps a phase's graphs: records what each call returned (the draft tree)."""
+    """Wraps a phase's graphs: records the draft tree's tokens each call returned, copied at once (a
+    replayed graph returns its static buffers, which the next replay, e.g. a draft launched ahead,
+    overwrites)."""
 
     def __init__(self, graphs, out: list):
         self._graphs, self._out = graphs, out
@@ -119,7 +121,7 @@ class Recording:
 
     def __call__(self, *args):
         result = self._graphs(*args)
-        self._out.append(result)
+        self._out.append(result.tokens.clone())
         return result
 
 
@@ -152,8 +154,13 @@ def decode_and_compare(engine: Engine, max_steps: int = 3, wrong_positions: bool
         if any(r.finish_reason is not None for r in reqs):
             break
         states = [(r.all_ids[:r.draft_state.committed_len], r.draft_state.bonus_token) for r in reqs]
+        recorded, used_ahead = len(trees), w.ahead_used
         with DraftCalls(engine) as calls:
             got.advances += [len(toks) for _, toks in engine.step()]
+        # The tree this step verified: drafted during the step, or (drafting ahead, on by default on
+        # the GPU) during the last one, from the same committed states; a draft launched ahead for the
+        # next step may follow it.
+        tree = trees[recorded - 1] if w.ahead_used > used_ahead else trees[recorded] if replayed else None
         for r in reqs:  # what the extend left (under replay too): K/V, hidden state, first tree level
             if r.finish_reason is None:
                 assert_matches_reference(engine, r, f"after decode step {step}")
@@ -166,7 +173,7 @@ def decode_and_compare(engine: Engine, max_steps: int = 3, wrong_positions: bool
             ref = reference_extend(engine, committed, bonus)
             by_hand = reference_loop(engine, ref, wrong_positions and not replayed)
             if replayed:  # a chain: its tokens are the argmaxes of the loop's logits
-                assert trees[-1].tokens[b, 1:steps].tolist() == [f[0].path[-1] for f in by_hand], "chain under replay"
+                assert tree[b, 1:steps].tolist() == [f[0].path[-1] for f in by_hand], "chain under replay"
                 got.forwards += len(by_hand)
                 continue
             for i, (call, leaves) in enumerate(zip(loop, by_hand)):
