@@ -272,20 +272,26 @@ def fmt_shape(row: dict) -> str:
 
 def fmt_cfg(c: ExtendConfig) -> str:
     return (f"bm{c.block_m} bn{c.block_n} w{c.num_warps} s{c.num_stages}{f' p{c.pack}' if c.pack > 1 else ''}"
-            f"{' ws' if c.warp_specialize else ''}{' hm' if c.head_major else ''}{'' if c.tma else ' pointer'}")
+            f"{' ws' if c.warp_specialize else ''}{' hm' if c.head_major else ''}{' rm' if c.request_major else ''}"
+            f"{'' if c.tma else ' pointer'}")
 
 
 def shape_configs() -> list[ExtendConfig]:
     """The candidates ``--tune-shapes`` times on every shape: tile shapes x GQA packing x launch order.
     All compile for sm_90a with Triton 3.6 without spilling and within the SM's shared memory
     (``python bench/compile_extend.py``)."""
-    cands = [  # (block_m, block_n, warps, stages, pack, head_major)
-        (64, 64, 4, 3, 1, False), (64, 64, 4, 3, 2, False), (64, 64, 4, 3, 2, True), (64, 64, 4, 3, 4, False),
-        (64, 64, 4, 2, 2, False), (64, 64, 4, 4, 1, False), (128, 128, 8, 3, 1, True), (128, 128, 8, 2, 1, True),
-        (128, 128, 8, 3, 2, False), (128, 128, 8, 3, 2, True), (128, 128, 8, 3, 4, False), (128, 64, 8, 3, 1, False),
-        (128, 64, 8, 3, 1, True), (128, 64, 8, 3, 2, False),
+    cands = [  # (block_m, block_n, warps, stages, pack, head_major, request_major)
+        (64, 64, 4, 3, 1, False, False), (64, 64, 4, 3, 2, False, False), (64, 64, 4, 3, 2, True, False),
+        (64, 64, 4, 3, 4, False, False), (64, 64, 4, 2, 2, False, False), (64, 64, 4, 4, 1, False, False),
+        (128, 128, 8, 3, 1, True, False), (128, 128, 8, 2, 1, True, False), (128, 128, 8, 3, 2, False, False),
+        (128, 128, 8, 3, 2, True, False), (128, 128, 8, 3, 4, False, False), (128, 64, 8, 3, 1, False, False),
+        (128, 64, 8, 3, 1, True, False), (128, 64, 8, 3, 2, False, False),
+        # request by request (the same launches as above in a batch of one)
+        (64, 64, 4, 3, 1, False, True), (64, 64, 4, 3, 1, True, True), (128, 128, 8, 3, 1, True, True),
+        (64, 64, 4, 3, 4, False, True),
     ]
-    return [ExtendConfig(bm, bn, w, st, True, head_major=hm, pack=pk) for bm, bn, w, st, pk, hm in cands]
+    return [ExtendConfig(bm, bn, w, st, True, head_major=hm, pack=pk, request_major=rm)
+            for bm, bn, w, st, pk, hm, rm in cands]
 
 
 def table_rows(rows: list[dict]) -> list[dict]:

@@ -48,7 +48,8 @@ def signature(cfg: ExtendConfig) -> tuple[dict, dict]:
             types[name] = "i32"
     consts = {"GROUP": GROUP, "HEAD_DIM": HEAD_DIM, "BLOCK_D": HEAD_DIM, "BLOCK_M": cfg.block_m,
               "BLOCK_N": cfg.block_n, "USE_TMA": cfg.tma, "WARP_SPEC": cfg.warp_specialize, "PRECISION": "tf32",
-              "UPCAST": False, "HEAD_MAJOR": cfg.head_major, "PACK": cfg.pack}
+              "UPCAST": False, "HEAD_MAJOR": cfg.head_major, "PACK": cfg.pack,
+              "REQUEST_MAJOR": cfg.request_major}
     types.update(dict.fromkeys(consts, "constexpr"))
     return {n: types[n] for n in _extend_kernel.arg_names}, consts
 

@@ -23,7 +23,10 @@ How the kernel is laid out (FlashAttention-2 style):
   With ``PACK == 1`` (the default) the query tile is a single TMA box; packed tiles are gathered with
   pointer loads (once per program). The grid is ``(B * Hq / PACK, query blocks)`` with the head
   fastest, so the query heads that share a KV head run side by side and find its tiles in L2
-  (``head_major`` swaps the two: every query block of one head before the next head).
+  (``head_major`` swaps the two: every query block of one head before the next head;
+  ``request_major`` adds the request as the grid's slowest axis, ``(Hq / PACK, query blocks, B)``, so
+  a batch's programs run request by request and only one request's K/V is streamed through L2 at a
+  time, as in a batch of one).
 * Causal load balance: program ``(.., j)`` takes the request's ``j``-th query block counted from the
   END, so the blocks with the most keys are dispatched first and the short ones fill the tail.
 * Each program walks its keys in five runs, paying for masks only where needed:
@@ -84,6 +87,7 @@ class ExtendConfig:
     tma: bool  # this step's K/V and the query tile through tensor descriptors (else pointer loads)
     warp_specialize: bool = False  # tl.range(warp_specialize=True) on the main (run 3) loop
     head_major: bool = False  # launch order: every query block of one head before the next head
+    request_major: bool = False  # launch order: every program of one request before the next request
     pack: int = 1  # query heads of one KV head per program (GQA packing): block_m = pack * query tokens
 
 
@@ -160,7 +164,7 @@ if triton is not None:
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
                        WARP_SPEC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                       HEAD_MAJOR: tl.constexpr, PACK: tl.constexpr):
+                       HEAD_MAJOR: tl.constexpr, PACK: tl.constexpr, REQUEST_MAJOR: tl.constexpr):
         # PACK query heads (of one KV head) per program: row r is token m0 + r % BLOCK_T of head h + r // BLOCK_T.
         BLOCK_T: tl.constexpr = BLOCK_M // PACK
         if HEAD_MAJOR:  # grid (query blocks, B * Hq / PACK): one head's blocks run together, sharing its K/V in L2
@@ -169,8 +173,12 @@ if triton is not None:
         else:  # grid (B * Hq / PACK, query blocks): the longest block of every head first
             bh = tl.program_id(0)
             j = tl.program_id(1)
-        b = bh // (num_q_heads // PACK)
-        h = (bh % (num_q_heads // PACK)) * PACK
+        if REQUEST_MAJOR:  # a third grid axis for the request: bh is the head group alone
+            b = tl.program_id(2)
+            h = bh * PACK
+        else:
+            b = bh // (num_q_heads // PACK)
+            h = (bh % (num_q_heads // PACK)) * PACK
         kvh = h // GROUP
         q_start = tl.load(qo_indptr + b)
         q_len = tl.load(qo_indptr + b + 1) - q_start
@@ -439,8 +447,9 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         qd, knd, vnd = q, k_new, v_new  # unused: the pointer path reads the tensors themselves
     upcast = q.dtype == torch.bfloat16 and not q.is_cuda  # only the interpreter runs off CUDA
     precision = "ieee" if (q.dtype == torch.float32 or upcast) else "tf32"
-    n_heads = meta.batch_size * hq // cfg.pack
+    n_heads = (1 if cfg.request_major else meta.batch_size) * hq // cfg.pack
     grid = (n_qblocks, n_heads) if cfg.head_major else (n_heads, n_qblocks)
+    grid = (*grid, meta.batch_size if cfg.request_major else 1)
     _extend_kernel[grid](
         q, qd, k_new, knd, v_new, vnd, k_cache, v_cache, out,
         meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.prefix_lens,
@@ -449,6 +458,7 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_TMA=cfg.tma,
         WARP_SPEC=cfg.warp_specialize, PRECISION=precision, UPCAST=upcast, HEAD_MAJOR=cfg.head_major, PACK=cfg.pack,
+        REQUEST_MAJOR=cfg.request_major,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

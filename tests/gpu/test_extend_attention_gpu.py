@@ -115,7 +115,8 @@ def test_extend_launch_variants_match_reference(gen, variant):
 
 
 @pytest.mark.parametrize("cfg", shape_configs(), ids=lambda c: f"m{c.block_m}n{c.block_n}w{c.num_warps}"
-                         f"s{c.num_stages}p{c.pack}{'hm' if c.head_major else ''}")
+                         f"s{c.num_stages}p{c.pack}{'hm' if c.head_major else ''}"
+                         f"{'rm' if c.request_major else ''}")
 def test_every_tuning_candidate_matches_reference(gen, cfg):
     """Whatever ``bench_extend --tune-shapes --write-table`` may put in the tuned table is correct."""
     q, k_new, v_new, k, v, meta = extend_case(gen, Q_LENS, PREFIX, 16, torch.bfloat16)

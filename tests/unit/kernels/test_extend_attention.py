@@ -118,11 +118,16 @@ def test_pack_must_divide_the_group():
                          config=ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, tma=False, pack=4))
 
 
+@pytest.mark.parametrize("order", [(True, False, 1), (False, True, 1), (True, True, 1), (False, True, 2)],
+                         ids=["head_major", "request_major", "both", "request_major_pack2"])
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer"])
-def test_head_major_launch_order(tma):
-    """The other launch order (every query block of a head, then the next head) computes the same."""
+def test_other_launch_orders(tma, order):
+    """The other launch orders (every query block of a head, then the next head; request by request,
+    the request as the grid's third axis) compute the same."""
+    head_major, request_major, pack = order
     q_lens, prefix = [70, 5, 33], [37, 0, 16]
-    cfg = ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, tma=tma, head_major=True)
+    cfg = ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, tma=tma, head_major=head_major,
+                       request_major=request_major, pack=pack)
     check(*make_case(q_lens, prefix, 4, 4, 2, 16, torch.float16, seed=13, pad_rows=2), config=cfg)
 
 

@@ -32,6 +32,7 @@ class DraftCall:
     positions: torch.Tensor
     out_cache_loc: torch.Tensor
     kv_indices: torch.Tensor
+    kv_indptr: torch.Tensor
     features: torch.Tensor
     logits: torch.Tensor
     hidden: torch.Tensor
@@ -52,7 +53,8 @@ class DraftCalls:
             cache_index=c, cache=cache, from_target=kwargs["from_target"], input_ids=batch.input_ids.clone(),
             positions=batch.positions.clone(), out_cache_loc=batch.out_cache_loc.clone(),
             # on CUDA kv_indices is a static buffer: only its first kv_indptr[-1] entries are the batch's
-            kv_indices=batch.attn.kv_indices[:int(batch.attn.kv_indptr[-1])].clone(), features=features.clone(),
+            kv_indices=batch.attn.kv_indices[:int(batch.attn.kv_indptr[-1])].clone(),
+            kv_indptr=batch.attn.kv_indptr.clone(), features=features.clone(),
             logits=out.logits.clone(),
             hidden=out.hidden.clone()))
 

@@ -52,21 +52,27 @@ def close_dummies(dummies) -> None:
 
 def check_accesses(engine, calls) -> int:
     """Every draft forward ran on its step's cache and touched only its own range of pages (the
-    requests' pages there; the rest of the range is NaN, and NaN is checked for). Writes may also go
-    to page 0, which is never handed out: padding rows write there (with drafting ahead on the GPU,
-    the rows of requests that ended since the draft was launched become padding); reads may not."""
+    requests' pages there; the rest of the range is NaN, and NaN is checked for). Padding rows touch
+    page 0, which is never handed out, and only it: with drafting ahead on the GPU, the rows of
+    requests that ended since the draft was launched become padding, and write and read their scratch
+    tokens there. A row that reads page 0 reads nothing else."""
     w = engine.spec
     n = 0
     for call in calls.calls:
         c = call.cache_index
         assert call.cache is w.caches[c], "a draft forward ran on another step's cache"
         j = 1 + c
-        for name, slots in (("wrote", call.out_cache_loc), ("read", call.kv_indices)):
-            pages = slots.cpu() // call.cache.page_size
-            own = (pages > j * PAGES) & (pages <= (j + 1) * PAGES)
-            if name == "wrote":
-                own |= pages == 0
-            assert own.all(), f"draft cache {c} {name} slots outside its own pages (another cache's layout)"
+        wrote = call.out_cache_loc.cpu() // call.cache.page_size
+        assert (((wrote > j * PAGES) & (wrote <= (j + 1) * PAGES)) | (wrote == 0)).all(), \
+            f"draft cache {c} wrote slots outside its own pages (another cache's layout)"
+        read, ptr = call.kv_indices.cpu() // call.cache.page_size, call.kv_indptr.cpu().tolist()
+        for lo, hi in zip(ptr, ptr[1:]):
+            row = read[lo:hi]
+            if (row == 0).any():
+                assert (row == 0).all(), f"draft cache {c}: a row read the padding page and real pages"
+            else:
+                assert ((row > j * PAGES) & (row <= (j + 1) * PAGES)).all(), \
+                    f"draft cache {c} read slots outside its own pages (another cache's layout)"
         assert not torch.isnan(call.logits).any() and not torch.isnan(call.hidden).any(), "read a poisoned slot"
         n += 1
     return n
