@@ -100,7 +100,10 @@ class ExtendConfig:
 # programs share an SM (2 x (113 + 1 reserved) KiB = the SM's 228 KiB; one program's softmax overlaps
 # the other's MMAs, which within one program take turns with the softmax); the 8-warp 128 x 128 tiles
 # take 225 KiB and 254 registers, one program per SM.
-HOPPER_CONFIG = ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True)
+# Request by request: the same launch order in a batch of one; at 4 x 4096 tokens it raced at 0.849x SDPA
+# against 0.747x for the head-fastest order over the whole batch, in the same final (H100, 2026-11-23,
+# ``--tune-shapes``; docs/benchmarks.md).
+HOPPER_CONFIG = ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True, request_major=True)
 # From 16384 query tokens on: 128 x 128 tiles, 8 warps, head-major order. ``--tune-shapes`` on an H100
 # (docs/bench/extend_shapes_h100.json, one run, the kernel before GQA packing): 513 TFLOP/s at 16384
 # tokens against 479 for HOPPER_CONFIG in the same run (SDPA 597: 0.86x against 0.80x); at 8192 and at
