@@ -198,19 +198,14 @@ def paired_ratio(ours, sdpa, rounds: int = PAIRED_ROUNDS) -> dict:
     """SDPA's time over ours, timed in alternation (SDPA, ours, SDPA, ours, ...): a clock or power state
     that drifts during the run moves both sides of each pair alike, so the median of the per-round
     ratios is steadier than a ratio of two times taken minutes apart (earlier runs saw the same launch
-    move 4-10% between its first and a later timing)."""
-    ratios = []
-    for _ in range(rounds):
-        t_sdpa, t_ours = time_ms(sdpa), time_ms(ours)
-        ratios.append(t_sdpa / t_ours)
-    ratios.sort()
-    return {"ratios": ratios, "median": ratios[len(ratios) // 2], "min": ratios[0], "max": ratios[-1]}
+    move 4-10% between its first and a later timing). ``race`` with one launch."""
+    return race(sdpa, {"ours": ours}, rounds)["ours"]
 
 
 def race(sdpa, calls: dict, rounds: int = PAIRED_ROUNDS) -> dict:
-    """``paired_ratio`` for several launches at once: every round times each launch right after SDPA
-    (the launches' order rotated round by round), so each ratio compares two timings taken moments apart;
-    returns each launch's ratios, their median, min and max."""
+    """Several launches against SDPA: every round times each launch right after SDPA (the launches'
+    order rotated round by round), so each ratio compares two timings taken moments apart; returns each
+    launch's ratios (SDPA's time over its), their median, min and max."""
     names = list(calls)
     ratios: dict = {n: [] for n in names}
     for r in range(rounds):
@@ -298,8 +293,8 @@ def table_rows(rows: list[dict]) -> list[dict]:
     """Rows of the tuned table from ``--tune-shapes`` results, one for every shape without a prefix, keyed
     by the shape's longest request and its token count, in ascending order
     (``kernels.extend_attention.pick_tuned`` takes the last row a call meets, so every shape gets a row,
-    even where the launch chosen now stays). With a final (``row['race']``): the finalist with the best median paired
-    ratio to SDPA, where it beats the launch chosen now (``row['config']``: the table's or the rules') by
+    even where the launch chosen now stays). With a final (``row['race']``): the finalist with the best
+    median paired ratio to SDPA, where it beats the launch chosen now (``row['config']``: the table's or the rules') by
     more than ``MARGIN``, else the launch chosen now; without one, the candidate with the least mean time
     among those that matched SDPA."""
     out = []

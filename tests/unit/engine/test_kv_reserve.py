@@ -1,6 +1,6 @@
-"""KVCache.reserve: the small-reservation path (plain ints, a decode step's few positions) gives every
-position exactly the slot the vectorised path gives it, across page sizes, partially filled pages,
-multi-page jumps, shrinks and interleaved requests."""
+"""KVCache.reserve (slots from ints, page by page) gives every position exactly the slot the earlier
+vectorised computation gave it, across page sizes, partially filled pages, multi-page jumps, shrinks and
+interleaved requests."""
 
 from __future__ import annotations
 
@@ -12,17 +12,37 @@ import torch
 from shared.memory.kv_cache import CacheSpec, KVCache
 
 
-def cache(page_size: int, small: int) -> KVCache:
-    c = KVCache(CacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"),
+class VectorisedKVCache(KVCache):
+    """The reference: the earlier reserve, every position's slot from tensor ops."""
+
+    def reserve(self, h, n_positions):
+        if n_positions <= h.reserved:
+            return
+        ps = self.page_size
+        new_pages = self.allocator.alloc(self.pages_needed(h, n_positions))
+        pos = torch.arange(h.reserved, n_positions)
+        first_new_page = self.pages_for(h.reserved)
+        slots = torch.empty(n_positions - h.reserved, dtype=torch.int64)
+        in_old = pos < first_new_page * ps
+        if in_old.any():
+            last_page = int(self.req_to_token.host[h.row, (first_new_page - 1) * ps]) // ps
+            slots[in_old] = last_page * ps + pos[in_old] % ps
+        if new_pages:
+            p = pos[~in_old]
+            slots[~in_old] = torch.tensor(new_pages, dtype=torch.int64)[p // ps - first_new_page] * ps + p % ps
+        self.req_to_token.write(h.row, h.reserved, slots)
+        h.reserved = n_positions
+
+
+def cache(page_size: int, kind=KVCache) -> KVCache:
+    return kind(CacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"),
                           page_size=page_size, num_pages=400, max_reqs=4, max_context=512))
-    c.SMALL_RESERVE = small
-    return c
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_small_and_vectorised_reservations_give_the_same_slots(page_size):
+def test_int_reservations_give_the_vectorised_slots(page_size):
     rng = random.Random(page_size)
-    ints, vec = cache(page_size, 10**9), cache(page_size, -1)  # every call on one path, then the other
+    ints, vec = cache(page_size), cache(page_size, VectorisedKVCache)
     handles = [(ints.open(), vec.open()) for _ in range(3)]
     for _ in range(200):
         hi, hv = rng.choice(handles)
