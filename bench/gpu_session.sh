@@ -3,6 +3,8 @@
 # (at most 10 minutes). Run from the project root on the GPU machine; every stage writes its log and
 # JSON under $OUT (default ./out/gpu), so a stage cut off by its time limit still leaves what it did.
 #
+#   bench/gpu_session.sh suite      # the whole GPU suite, one command: pytest tests/gpu tests/unit -m gpu
+#   bench/gpu_session.sh hazards    # which events invalidate a CUDA graph capture (bench/capture_hazards.py)
 #   bench/gpu_session.sh tests      # GPU tests: kernels at real shapes, graphs == eager == CPU, drafting ahead
 #   bench/gpu_session.sh extend     # extend attention: every candidate on every shape, the tuned table written
 #   bench/gpu_session.sh decode     # EAGLE-3 iteration vs a decode step at batch 1, context 1k (drafting ahead)
@@ -32,6 +34,12 @@ run() {  # run NAME SECONDS COMMAND...: the command's output in $OUT/NAME.log, i
 
 for stage in "$@"; do
   case $stage in
+    suite)
+      run gpu_suite 540 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit -m gpu
+      ;;
+    hazards)
+      run hazards 300 python3 bench/capture_hazards.py --out "$OUT/hazards.json"
+      ;;
     tests)
       run gpu_tests 420 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "drafting_ahead or extend"
       run gpu_tests_rest 160 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not drafting_ahead and not extend"
@@ -55,7 +63,7 @@ for stage in "$@"; do
       run attention 570 python3 bench/bench_attention.py --quick --out "$OUT/attention.json"
       ;;
     *)
-      echo "unknown stage $stage (tests, kernels, extend, decode, spec-grid, attention)" >&2
+      echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention)" >&2
       exit 2
       ;;
   esac

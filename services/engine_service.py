@@ -63,8 +63,12 @@ def capture_graphs(engine: Engine, enabled: bool, telemetry: Telemetry, log: Ser
     telemetry.set_state("capturing")
     log.event("capturing_graphs")
     t0 = time.perf_counter()
-    engine.capture_graphs()
-    log.event("graphs_captured", seconds=round(time.perf_counter() - t0, 3))
+    count = engine.capture_graphs()  # a poisoned CUDA state raises: the service does not start
+    for failure in engine.graph_failures:  # contained: those phases run eagerly
+        log.warning("graph_capture_failed", **failure.as_dict())
+    telemetry.observe_graph_failures(engine.graph_failures)
+    log.event("graphs_captured", seconds=round(time.perf_counter() - t0, 3), graphs=count,
+              failed=len(engine.graph_failures))
 
 
 def start_engine_service(role: str, settings: EngineSettings, engine: Engine | None,

@@ -22,7 +22,7 @@ from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.model.loader import load_target, parse_dtype
 from shared.model.tokenizer import Tokenizer
 from shared.request import Phase, Request, RequestError
-from shared.runner import PhaseGraphs, pad_rows
+from shared.runner import CaptureFailure, PhaseGraphs, pad_rows
 from shared.sampling import SamplingParams, make_generator, sample
 from shared.scheduler import Scheduler, StepPlan
 
@@ -78,6 +78,7 @@ class Engine:
         mc = self.model.config
         self.max_context = min(config.max_context or mc.max_position_embeddings, mc.max_position_embeddings)
         self.cache = make_cache(mc, mc.num_hidden_layers, config, self.max_context)
+        self.graph_failures: list[CaptureFailure] = []  # CUDA graphs that failed to capture (phase eager)
         self.spec = None
         if draft is not None:
             from shared.spec.worker import SpecWorker  # the draft machinery is optional
@@ -87,7 +88,8 @@ class Engine:
         self.scheduler = Scheduler(caches, config.max_running, config.chunk_size, config.headroom,
                                    prefill_only=role == "prefill")
         graphs_on = set(config.cuda_graph_phases) if config.cuda_graph else set()
-        self.decode_graphs = PhaseGraphs("decode", self._decode_phase, "decode" in graphs_on, config.cuda_graph_max_bs)
+        self.decode_graphs = PhaseGraphs("decode", self._decode_phase, "decode" in graphs_on, config.cuda_graph_max_bs,
+                                         self.graph_failures)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 

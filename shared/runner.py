@@ -7,14 +7,29 @@ the sink page), so capturing mutates no request's state. Replay copies the real 
 inputs and resets the padding rows to their harmless values every time (stale padding rows gave
 SGLang illegal memory accesses), then clones the outputs so the next replay cannot overwrite them.
 A batch larger than the largest bucket, or a phase switched off, runs eagerly: same function.
+
+Capture is made safe and contained (a failed capture once poisoned a whole process):
+- every kernel specialization is launched eagerly on the capture stream before capture begins, then
+  the device is synchronized, so nothing else is in flight and no kernel is compiled or loaded inside;
+- the cyclic garbage collector is paused while capturing (a collection could free a dead engine's
+  graphs or tensors mid-capture), and capture runs in ``thread_local`` mode, so another thread's CUDA
+  calls (a service's gRPC or hand-off threads) cannot invalidate it;
+- if capture fails anyway, the phase falls back to eager execution for good (same function, so the same
+  tokens), the failure is logged and recorded (``failures``: served in ``/health`` and counted in
+  ``eyrie_graph_capture_failures``), and the CUDA generator, which a failed capture leaves in capture
+  mode, is released and restored; if it cannot be, ``CudaStatePoisoned`` is raised rather than serving on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import logging
 from typing import Any, Callable
 
 import torch
+
+log = logging.getLogger("eyrie.graphs")
 
 
 def default_buckets(max_bs: int) -> list[int]:
@@ -44,8 +59,25 @@ def pad_rows(x: torch.Tensor, bs: int, value: int | float = 0) -> torch.Tensor:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class CaptureFailure:
+    """A graph that could not be captured: its phase then runs eagerly."""
+
+    phase: str
+    batch_size: int
+    reason: str
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class CudaStatePoisoned(RuntimeError):
+    """A failed capture left the CUDA generator unusable: the process must not serve on."""
+
+
 class PhaseGraphs:
-    def __init__(self, name: str, fn: Callable, enabled: bool, max_bs: int):
+    def __init__(self, name: str, fn: Callable, enabled: bool, max_bs: int,
+                 failures: list[CaptureFailure] | None = None):
         self.name = name
         self.fn = fn
         self.enabled = enabled  # pad to buckets (also on the CPU, where it exercises the padding path)
@@ -53,6 +85,8 @@ class PhaseGraphs:
         self.buckets = default_buckets(max_bs)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple, Any]] = {}
         self._pool = None
+        # Capture failures, shared by every phase of an engine (the engine's list when given).
+        self.failures: list[CaptureFailure] = [] if failures is None else failures
 
     @property
     def captured_sizes(self) -> list[int]:
@@ -68,26 +102,104 @@ class PhaseGraphs:
         if not self.capture or bs not in self.buckets:
             return self.fn(*args)
         if bs not in self._graphs:
-            self._graphs[bs] = self._capture(args)
+            captured = self._capture(args)
+            if captured is None:  # this phase runs eagerly from now on (padded inputs, same function)
+                return self.fn(*args)
+            self._graphs[bs] = captured
         graph, static_args, static_out = self._graphs[bs]
         tree_map(lambda s, a: s.copy_(a), static_args, args)
         graph.replay()
         return tree_map(lambda t: t.clone(), static_out)
 
     def _capture(self, example: tuple):
+        """The graph of ``fn`` at ``example``'s batch size, or None when capture failed (recorded)."""
         # Padding-only inputs: row 0 / length 0 / token 0 everywhere, masks all visible (no NaN rows).
         static_args = tree_map(lambda t: torch.ones_like(t) if t.dtype == torch.bool else torch.zeros_like(t), example)
-        stream = torch.cuda.Stream()
+        stream = capture_stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: Triton autotuning and allocator
+            for _ in range(2):  # every kernel compiled, loaded and autotuned before capture, on its stream
                 self.fn(*static_args)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            static_out = self.fn(*static_args)
+        torch.cuda.synchronize()  # nothing else in flight when capture begins
+        rng = torch.cuda.get_rng_state()
+        try:
+            graph, static_out = self._record(stream, static_args)
+        except Exception as e:  # noqa: BLE001 (any failure inside capture is contained the same way)
+            self._contain(e, _batch_size(example), rng)
+            return None
         self._pool = graph.pool()
         return graph, static_args, static_out
+
+    def _record(self, stream: torch.cuda.Stream, static_args: tuple):
+        """Capture one run of ``fn``; raises whatever went wrong, after ending the capture."""
+        graph = torch.cuda.CUDAGraph()
+        gc.collect()
+        gc_was_on = gc.isenabled()
+        gc.disable()  # no collection (freeing dead graphs or tensors) in the middle of a capture
+        error: BaseException | None = None
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(*((self._pool,) if self._pool is not None else ()),
+                                    capture_error_mode="thread_local")
+                try:
+                    static_out = self.fn(*static_args)
+                except Exception as e:  # noqa: BLE001 (the capture must still be ended)
+                    error = e
+                try:
+                    graph.capture_end()
+                except Exception as e:  # noqa: BLE001
+                    error = error or e
+        finally:
+            if gc_was_on:
+                gc.enable()
+        if error is not None:
+            raise error
+        return graph, static_out
+
+    def _contain(self, error: BaseException, batch_size: int, rng: torch.Tensor) -> None:
+        """After a failed capture: this phase goes eager, the failure is recorded, the CUDA generator
+        is released from capture mode and its state restored."""
+        self.capture = False
+        reason = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+        self.failures.append(CaptureFailure(self.name, batch_size, reason))
+        log.warning("CUDA graph capture of phase %s at batch size %d failed; the phase runs eagerly: %s",
+                    self.name, batch_size, reason)
+        restore_cuda_rng(rng)
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """The current device's capture stream: one per device, used for nothing else."""
+    dev = torch.cuda.current_device()
+    if dev not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[dev] = torch.cuda.Stream()
+    return _CAPTURE_STREAMS[dev]
+
+
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def restore_cuda_rng(state: torch.Tensor) -> None:
+    """Release the current device's default CUDA generator from capture mode and set ``state``.
+
+    A capture whose end failed never ran the generator's capture epilogue, so the generator still
+    believes it is capturing and every later random op fails ("Offset increment outside graph capture").
+    A capture that succeeds runs the epilogue: one tiny capture clears the flag; the generator's eager
+    seed and offset are then set back to what they were before the failed capture."""
+    try:
+        torch.cuda.synchronize()
+        scratch = torch.zeros(1, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(capture_stream()):
+            graph.capture_begin(capture_error_mode="thread_local")
+            scratch.add_(1)
+            graph.capture_end()
+        del graph
+        torch.cuda.set_rng_state(state)
+        torch.rand(1, device="cuda")  # an offset increment outside capture: fails if still poisoned
+        torch.cuda.set_rng_state(state)
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        raise CudaStatePoisoned(f"a failed CUDA graph capture left the CUDA generator unusable: {e}") from e
 
 
 def _batch_size(args: tuple) -> int:

@@ -49,6 +49,10 @@ class Telemetry:
                                  "the next batch was not some of its requests)", ["outcome"], registry=r)
         self.requests_total = Counter("eyrie_requests", "Requests ended, by outcome", ["outcome"], registry=r)
         self.errors_total = Counter("eyrie_errors", "Errors by kind", ["kind"], registry=r)
+        self.graph_capture_failures = Counter("eyrie_graph_capture_failures", "CUDA graphs that failed to "
+                                              "capture, by phase (the phase then runs eagerly)", ["phase"],
+                                              registry=r)
+        self.graph_failures: list[dict] = []  # served in /health's "graphs" details
         self._server = ThreadingHTTPServer((host, port), self._handler())
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
@@ -85,9 +89,16 @@ class Telemetry:
             name = "target" if i == 0 else f"draft{i - 1}"
             self.kv_pages_total.labels(name).set(cache.spec.num_pages)
             self.kv_pages_used.labels(name).set(cache.spec.num_pages - cache.num_free_pages)
+        self.observe_graph_failures(engine.graph_failures)
         if engine.spec is not None:
             for outcome in ("used", "partial", "dropped", "mismatched"):
                 self.draft_ahead.labels(outcome).set(getattr(engine.spec, f"ahead_{outcome}"))
+
+    def observe_graph_failures(self, failures) -> None:
+        """Count and list the engine's capture failures not seen yet (``shared.runner.CaptureFailure``)."""
+        for failure in failures[len(self.graph_failures):]:
+            self.graph_capture_failures.labels(failure.phase).inc()
+            self.graph_failures.append(failure.as_dict())
 
     def observe_finished(self, req) -> None:
         """Per-request histograms when a request ends on this instance."""
@@ -107,7 +118,8 @@ class Telemetry:
                 if path == "/health":
                     ok = telemetry.state == "ready"
                     body = json.dumps({"status": telemetry.state, "service": telemetry.service,
-                                       "instance_id": telemetry.instance_id}).encode()
+                                       "instance_id": telemetry.instance_id,
+                                       "graphs": {"capture_failures": list(telemetry.graph_failures)}}).encode()
                     self._send(200 if ok else 503, body, "application/json")
                 elif path == "/metrics":
                     self._send(200, generate_latest(telemetry.registry), CONTENT_TYPE_LATEST)

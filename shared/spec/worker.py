@@ -160,11 +160,13 @@ class SpecWorker:
         self.batches: deque[SpecBatchStats] = deque(maxlen=BATCH_LOG)  # the latest verify steps
         self.num_batches = 0  # verify steps run so far (``batches_since`` takes a mark of it)
         on = set(config.cuda_graph_phases) if config.cuda_graph else set()
-        self.graphs = {name: PhaseGraphs(name, getattr(self.phases, name), name in on, config.cuda_graph_max_bs)
+        failures = engine.graph_failures  # one list per engine: /health and the metric read it
+        self.graphs = {name: PhaseGraphs(name, getattr(self.phases, name), name in on, config.cuda_graph_max_bs,
+                                         failures)
                        for name in ("draft", "verify", "extend")}
         # All-greedy batches run verify + acceptance + extend as one graph when both phases are on.
         self.graphs["verify_extend"] = PhaseGraphs("verify_extend", self.phases.verify_extend,
-                                                   {"verify", "extend"} <= on, config.cuda_graph_max_bs)
+                                                   {"verify", "extend"} <= on, config.cuda_graph_max_bs, failures)
         ahead = config.spec_draft_ahead
         self.draft_ahead = engine.device.type == "cuda" if ahead is None else ahead
         self._ahead: DraftAhead | None = None  # the draft launched for the next step, if any

@@ -50,7 +50,8 @@ def test_health_follows_the_state(telemetry):
         assert status == 503 and json.loads(body)["status"] == state
     telemetry.set_state("ready")
     status, body = get(f"{base}/health")
-    assert status == 200 and json.loads(body) == {"status": "ready", "service": "decode", "instance_id": "decode-test"}
+    assert status == 200 and json.loads(body) == {"status": "ready", "service": "decode", "instance_id": "decode-test",
+                                                 "graphs": {"capture_failures": []}}
     assert get(f"{base}/nothing")[0] == 404
     with pytest.raises(ValueError):
         telemetry.set_state("sleepy")
