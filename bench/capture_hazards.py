@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 PRELUDE = textwrap.dedent("""
@@ -123,7 +125,10 @@ EPILOGUE = textwrap.dedent("""
 
 def run(name: str, mode: str) -> dict:
     code = PRELUDE + textwrap.dedent(HAZARDS[name]) + EPILOGUE
-    p = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=300)
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:  # Triton's @jit needs a file
+        f.write(code)
+    p = subprocess.run([sys.executable, f.name, mode], capture_output=True, text=True, timeout=300)
+    os.unlink(f.name)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     return json.loads(lines[-1]) if lines else {"crashed": p.returncode, "stderr": p.stderr[-400:]}
 
