@@ -172,17 +172,20 @@ def test_build_tree_matches_reference(gen, k, steps, n):
     poison_allocator()
     out = build_tree(root, tok, par, sc, dep, n, steps, committed_len=L)
     ref = build_tree_ref(root, tok, par, sc, dep, n, steps, committed_len=L)
-    for f in ("tokens", "parents", "depths", "mask", "first_child", "next_sibling", "positions"):
+    for f in ("tokens", "parents", "depths", "mask", "positions"):
         assert torch.equal(getattr(out, f), getattr(ref, f)), f
 
 
 def tree_and_argmax(gen, B, k, steps, n, vocab):
     tok, par, sc, dep = candidates(gen, B, k, steps, vocab)
     tree = build_tree_ref(torch.randint(0, vocab, (B,), device="cuda", generator=gen), tok, par, sc, dep, n, steps)
-    # The target's argmax after a node is one of its children's tokens 3 times in 4.
-    child_tok = torch.where(tree.first_child >= 0, tree.tokens.gather(1, tree.first_child.clamp(min=0)), 0)
+    # The target's argmax after a node is its first child's token 3 times in 4.
+    node = torch.arange(n, device="cuda")
+    is_child = tree.parents.unsqueeze(1) == node.view(1, -1, 1)  # [B, n, m]: m is a child of n
+    first_child = torch.where(is_child, node.view(1, 1, -1), n).amin(2)  # n for a leaf
+    child_tok = torch.where(first_child < n, tree.tokens.gather(1, first_child.clamp(max=n - 1)), 0)
     other = torch.randint(0, vocab, (B, n), device="cuda", generator=gen)
-    follow = (torch.rand(B, n, device="cuda", generator=gen) < 0.75) & (tree.first_child >= 0)
+    follow = (torch.rand(B, n, device="cuda", generator=gen) < 0.75) & (first_child < n)
     return tree, torch.where(follow, child_tok, other)
 
 

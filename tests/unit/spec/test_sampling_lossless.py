@@ -30,12 +30,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from kernels.spec_kernels import tree_speculative_sample_ref
+from kernels.spec_kernels import DraftTree, ancestor_mask, tree_speculative_sample_ref
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
 from shared.sampling import SamplingParams, target_probs
 from shared.spec import verify
-from shared.spec.tree import DraftTree, ancestor_mask
 
 P_MIN = 1e-3
 SETTINGS = {  # the three sampling features, each on its own and in combination
