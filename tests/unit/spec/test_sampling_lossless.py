@@ -240,7 +240,7 @@ def small_vocab(tmp_path_factory):
     sampled tokens after PROMPT under each setting, from ``transformers``."""
     import transformers  # a test dependency: a missing one fails here, never skips
 
-    from shared.model.factory import make_oracle_model
+    from tests.oracle_model import make_oracle_model
 
     root = make_oracle_model(tmp_path_factory.mktemp("v16"), seed=0, vocab_size=16, num_hidden_layers=2)
     hf = transformers.LlamaForCausalLM.from_pretrained(root / "target", torch_dtype=torch.float32).eval()
