@@ -16,6 +16,7 @@ import torch
 from kernels.attention import paged_attention
 from kernels.attention_ref import AttentionMetadata, paged_attention_ref
 from kernels.spec_kernels import (
+    ancestor_mask,
     build_tree,
     build_tree_ref,
     gather_accepted,
@@ -87,17 +88,6 @@ def run_and_check(q, k, v, meta, **kw):
     torch.testing.assert_close(out.float(), ref.float(), **TOL[q.dtype])
 
 
-def ancestor_mask(parents: list[int]) -> torch.Tensor:
-    n = len(parents)
-    m = torch.eye(n, dtype=torch.bool)
-    for i in range(n):
-        j = parents[i]
-        while j >= 0:
-            m[i, j] = True
-            j = parents[j]
-    return m
-
-
 # ---- attention -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -126,7 +116,7 @@ def test_tree_verify_matches_reference(gen, page_size, n):
     masks = []
     for _ in range(B):
         parents = [-1] + [int(torch.randint(0, i, (1,))) for i in range(1, n)]
-        masks.append(ancestor_mask(parents))
+        masks.append(ancestor_mask(torch.tensor([parents]), n)[0])
     prefix = torch.randint(1, 3000, (B,), generator=gen, device="cuda").tolist()
     run_and_check(*paged_case(gen, [n] * B, prefix, [n] * B, page_size, torch.bfloat16, masks))
 
