@@ -55,15 +55,15 @@ class SpecPhases:
     draft (``TargetOutput.features``); ``draft_caches[c]`` is the cache of draft layer c (one for
     EAGLE and EAGLE-3, one per step for a multi-layer draft)."""
 
-    def __init__(self, target: LlamaForCausalLM, target_cache: KVCache, draft: DraftHead, draft_caches: list[KVCache],
-                 spec: SpecConfig, capture_mode: str, aux_layers: tuple[int, ...]):
+    def __init__(self, target: LlamaForCausalLM, target_cache: KVCache, draft_head: DraftHead,
+                 draft_caches: list[KVCache], spec: SpecConfig, capture_mode: str, aux_layers: tuple[int, ...]):
         self.target, self.target_cache = target, target_cache
-        self.draft_head, self.caches = draft, draft_caches
+        self.draft_head, self.caches = draft_head, draft_caches
         self.spec = spec
         self.capture_mode, self.aux_layers = capture_mode, aux_layers
         k, steps = spec.topk, spec.steps
         # Which cache each draft loop forward runs on, and how many scratch slots precede it there.
-        self.step_cache = [draft.cache_for_step(i + 1) for i in range(steps - 1)]
+        self.step_cache = [draft_head.cache_for_step(i + 1) for i in range(steps - 1)]
         self.scratch_before = [k * self.step_cache[:i].count(c) for i, c in enumerate(self.step_cache)]
         # Columns of the scratch-ancestor mask that live in the cache of forward i.
         dev = target_cache.spec.device
