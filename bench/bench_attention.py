@@ -36,6 +36,7 @@ from bench.timing import copy_bandwidth, graph_of, time_cuda, write_json
 from kernels.attention import AttnConfig, choose_config, paged_attention
 from kernels.attention_ref import AttentionMetadata
 from kernels.extend_attention import extend_attention
+from kernels.spec_kernels import ancestor_mask
 
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -150,13 +151,7 @@ def bench_extend(caches: Caches, batch: int, seq: int, gen, config: AttnConfig |
 def bench_verify(caches: Caches, batch: int, ctx: int, n: int, gen, decode_ms: float | None) -> dict:
     kv_indices = paged_layout([ctx + n] * batch, caches.page_size, gen)
     parents = [-1] + [(i - 1) // 2 for i in range(1, n)]  # a binary tree
-    mask = torch.eye(n, dtype=torch.bool)
-    for i in range(n):
-        j = parents[i]
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    masks = mask.to("cuda").expand(batch, n, n).contiguous()
+    masks = ancestor_mask(torch.tensor([parents]), n)[0].to("cuda").expand(batch, n, n).contiguous()
     meta = metadata([n] * batch, [ctx] * batch, [n] * batch, kv_indices, masks)
     q = torch.randn(batch * n, HQ, D, device="cuda", dtype=DTYPE)
     out = torch.empty_like(q)

@@ -2,24 +2,23 @@
 
 Each replaces a chain of small torch ops (tens of launches per decode step) by one launch:
 
-* ``build_tree``: EAGLE-2 tree from the draft candidates' scores: the best ``num_nodes - 1``
-  candidates by score (stable), put back in creation order after the root; node tokens, parents,
-  depths, ancestor-or-self mask, positions, and the retrieve indices (first child, next sibling).
-  Same contract as ``shared.spec.tree.select_tree`` (plus the extra outputs).
-* ``greedy_verify``: the accepted path where every node's token equals the target's argmax after
-  its parent; same contract as ``shared.spec.verify.greedy_accept``.
+* ``build_tree``: EAGLE-2 tree (``DraftTree``) from the draft candidates' scores: the best
+  ``num_nodes - 1`` candidates by score (stable), put back in creation order after the root; node
+  tokens, parents, depths, ancestor-or-self mask and, when asked, positions.
+* ``greedy_verify``: the accepted path (``Acceptance``) where every node's token equals the
+  target's argmax after its parent.
 * ``tree_speculative_sample``: multi-candidate speculative sampling over the tree with the uniform
   randoms passed in (one coin per node, one for the bonus), so it is deterministic, testable and
-  graph-capturable. See its reference for the exact rule.
+  graph-capturable; the same ``Acceptance`` as greedy. See its reference for the exact rule.
 * ``move_kv``: the accepted path's K/V copied to its new positions in every layer at once (page size
   > 1, where compaction moves bytes instead of re-pointing slots).
 * ``gather_accepted``: per accepted-path slot, the committed token (the next path node's token, or
   the bonus token after the last), its target log-probability (log-softmax fused, the gathered logits
-  never materialised) and the path node's feature row; same contract as the gathers in
-  ``shared.spec.phases.SpecPhases.extend``.
+  never materialised) and the path node's feature row.
 
-The wrappers run the kernel on CUDA tensors (or with ``backend="triton"``, as the interpreter tests
-do) and the reference otherwise. None reads a device value on the host.
+Each contract has one torch version, its ``*_ref`` here. The wrappers run the kernel on CUDA tensors
+(or with ``backend="triton"``, as the interpreter tests do) and the reference otherwise, so callers
+(shared/spec) call the wrapper on every device. None reads a device value on the host.
 """
 
 from __future__ import annotations
@@ -49,19 +48,33 @@ def _p2(n: int) -> int:
 # Tree build
 # =================================================================================================
 @dataclass
-class BuiltTree:
+class DraftTree:
     tokens: torch.Tensor  # [B, N] int64, node 0 = root (the bonus token), then creation order
     parents: torch.Tensor  # [B, N] int64, -1 for the root; a parent's index is below its child's
     depths: torch.Tensor  # [B, N] int64, root 0
     mask: torch.Tensor  # [B, N, N] bool, node i sees node j iff j is i or an ancestor of i
-    first_child: torch.Tensor  # [B, N] int64 smallest child index, -1 for a leaf
-    next_sibling: torch.Tensor  # [B, N] int64 next node with the same parent, -1 for the last / root
-    positions: torch.Tensor | None  # [B, N] int64 committed_len + depth, when committed_len was given
+    positions: torch.Tensor | None = None  # [B, N] int64 committed_len + depth, when committed_len was given
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """parents [B, N] (-1 = root) -> [B, N, N] ancestor-or-self, following parent links ``max_depth`` times."""
+    B, N = parents.shape
+    node = torch.arange(N, device=parents.device)
+    mask = torch.eye(N, dtype=torch.bool, device=parents.device).expand(B, -1, -1).clone()
+    cur = node.expand(B, -1)
+    for _ in range(max_depth):
+        cur = torch.where(cur >= 0, parents.gather(1, cur.clamp(min=0)), -1)
+        mask |= cur.unsqueeze(2) == node  # -1 (past the root) matches no node
+    return mask
 
 
 def build_tree_ref(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torch.Tensor,
                    cand_scores: torch.Tensor, cand_depths: torch.Tensor, num_nodes: int, max_depth: int,
-                   committed_len: torch.Tensor | None = None) -> BuiltTree:
+                   committed_len: torch.Tensor | None = None) -> DraftTree:
     """Candidates [B, M] (parents: candidate index, -1 = the root; a parent precedes its children and
     scores never grow along a path) -> the tree of the root plus the ``num_nodes - 1`` best candidates."""
     B, M = cand_tokens.shape
@@ -75,29 +88,15 @@ def build_tree_ref(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: 
     parents = torch.cat([torch.full((B, 1), -1, dtype=torch.int64, device=dev), node_parent], 1)
     tokens = torch.cat([root.view(B, 1).to(torch.int64), cand_tokens.gather(1, sel)], 1)
     depths = torch.cat([torch.zeros(B, 1, dtype=torch.int64, device=dev), cand_depths.gather(1, sel)], 1)
-    # Ancestor-or-self: follow parent links max_depth times.
-    mask = torch.eye(num_nodes, dtype=torch.bool, device=dev).expand(B, -1, -1).clone()
-    cur = torch.arange(num_nodes, device=dev).expand(B, -1)
-    for _ in range(max_depth):
-        cur = torch.where(cur >= 0, parents.gather(1, cur.clamp(min=0)), -1)
-        mask |= (cur.unsqueeze(2) == torch.arange(num_nodes, device=dev)) & (cur >= 0).unsqueeze(2)
-    node = torch.arange(num_nodes, device=dev)
-    is_child = parents.unsqueeze(1) == node.view(1, -1, 1)  # [B, n, m]: m is a child of n
-    first_child = torch.where(is_child, node.view(1, 1, -1), num_nodes).amin(2)
-    same_parent = (parents.unsqueeze(2) == parents.unsqueeze(1)) & (node.view(1, 1, -1) > node.view(1, -1, 1))
-    same_parent &= (parents >= 0).unsqueeze(2)
-    next_sibling = torch.where(same_parent, node.view(1, 1, -1), num_nodes).amin(2)
-    first_child = torch.where(first_child == num_nodes, -1, first_child)
-    next_sibling = torch.where(next_sibling == num_nodes, -1, next_sibling)
     positions = None if committed_len is None else committed_len.view(B, 1) + depths
-    return BuiltTree(tokens=tokens, parents=parents, depths=depths, mask=mask, first_child=first_child,
-                     next_sibling=next_sibling, positions=positions)
+    return DraftTree(tokens=tokens, parents=parents, depths=depths, mask=ancestor_mask(parents, max_depth),
+                     positions=positions)
 
 
 if triton is not None:
     @triton.jit
     def _build_tree_kernel(scores, ctok, cpar, cdep, root, committed, node_of,
-                           tokens, parents, depths, mask, first_child, next_sibling, positions,
+                           tokens, parents, depths, mask, positions,
                            M, max_depth,
                            NUM_NODES: tl.constexpr, M_P2: tl.constexpr, N_P2: tl.constexpr, CHUNK: tl.constexpr,
                            HAS_POS: tl.constexpr):
@@ -140,12 +139,6 @@ if triton is not None:
         grid_ok = n_ok[:, None] & n_ok[None, :]
         tl.store(mask + b * NUM_NODES * NUM_NODES + offs_n[:, None] * NUM_NODES + offs_n[None, :],
                  anc.to(tl.uint8), mask=grid_ok)
-        child = (par[None, :] == offs_n[:, None]) & grid_ok  # [n, m]: m is a child of n
-        fc = tl.min(tl.where(child, offs_n[None, :], N_P2), 1)
-        tl.store(first_child + b * NUM_NODES + offs_n, tl.where(fc == N_P2, -1, fc).to(tl.int64), mask=n_ok)
-        sib = (par[None, :] == par[:, None]) & (offs_n[None, :] > offs_n[:, None]) & (par[:, None] >= 0) & grid_ok
-        ns = tl.min(tl.where(sib, offs_n[None, :], N_P2), 1)
-        tl.store(next_sibling + b * NUM_NODES + offs_n, tl.where(ns == N_P2, -1, ns).to(tl.int64), mask=n_ok)
         if HAS_POS:
             dep = tl.load(depths + b * NUM_NODES + offs_n, mask=n_ok, other=0)
             tl.store(positions + b * NUM_NODES + offs_n, tl.load(committed + b) + dep, mask=n_ok)
@@ -153,7 +146,7 @@ if triton is not None:
 
 def build_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torch.Tensor, cand_scores: torch.Tensor,
                cand_depths: torch.Tensor, num_nodes: int, max_depth: int, committed_len: torch.Tensor | None = None,
-               backend: str = "auto") -> BuiltTree:
+               backend: str = "auto") -> DraftTree:
     """One launch for the whole tree (the two sorts become a rank count in the kernel)."""
     if not _use_triton(cand_scores, backend) or cand_tokens.shape[0] == 0:
         return build_tree_ref(root, cand_tokens, cand_parents, cand_scores, cand_depths, num_nodes, max_depth,
@@ -163,17 +156,16 @@ def build_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torc
         raise ValueError(f"num_nodes {num_nodes} needs 1..{M} candidates")
     dev = cand_tokens.device
     i64 = {"dtype": torch.int64, "device": dev}
-    out = BuiltTree(tokens=torch.empty(B, num_nodes, **i64), parents=torch.empty(B, num_nodes, **i64),
+    out = DraftTree(tokens=torch.empty(B, num_nodes, **i64), parents=torch.empty(B, num_nodes, **i64),
                     depths=torch.empty(B, num_nodes, **i64),
                     mask=torch.empty(B, num_nodes, num_nodes, dtype=torch.bool, device=dev),
-                    first_child=torch.empty(B, num_nodes, **i64), next_sibling=torch.empty(B, num_nodes, **i64),
                     positions=None if committed_len is None else torch.empty(B, num_nodes, **i64))
     node_of = torch.empty(B, M, dtype=torch.int32, device=dev)
     _build_tree_kernel[(B,)](
         cand_scores.float().contiguous(), cand_tokens.contiguous(), cand_parents.contiguous(),
         cand_depths.contiguous(), root.contiguous(), committed_len if committed_len is not None else root,
-        node_of, out.tokens, out.parents, out.depths, out.mask.view(torch.uint8), out.first_child,
-        out.next_sibling, out.positions if out.positions is not None else out.tokens, M, max_depth,
+        node_of, out.tokens, out.parents, out.depths, out.mask.view(torch.uint8),
+        out.positions if out.positions is not None else out.tokens, M, max_depth,
         NUM_NODES=num_nodes, M_P2=_p2(M), N_P2=_p2(num_nodes), CHUNK=min(64, _p2(M)),
         HAS_POS=committed_len is not None, num_warps=4 if M <= 256 else 8,
     )
@@ -184,14 +176,17 @@ def build_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torc
 # Greedy verify
 # =================================================================================================
 @dataclass
-class PathAcceptance:
+class Acceptance:
+    """The accepted path of a tree (greedy or sampled). ``accept_index``'s width (steps + 1) is the
+    stride of every per-token gather that follows (seed 004)."""
+
     accept_index: torch.Tensor  # [B, steps+1] int64 node indices of the accepted path, root first, -1 padded
-    accept_len: torch.Tensor  # [B] int64 accepted nodes including the root
-    bonus: torch.Tensor  # [B] int64 token committed after the last accepted node
+    accept_len: torch.Tensor  # [B] int64 accepted nodes including the root (>= 1)
+    bonus: torch.Tensor  # [B] int64 the target's token committed after the last accepted node
 
 
 def greedy_verify_ref(parents: torch.Tensor, tokens: torch.Tensor, target_argmax: torch.Tensor,
-                      steps: int) -> PathAcceptance:
+                      steps: int) -> Acceptance:
     """From the root, repeatedly follow the first child whose token is the target's argmax after the
     current node; the bonus is the argmax after the last accepted node."""
     B = tokens.shape[0]
@@ -208,7 +203,7 @@ def greedy_verify_ref(parents: torch.Tensor, tokens: torch.Tensor, target_argmax
         index[:, d] = torch.where(found, nxt, -1)
         cur = torch.where(found, nxt, cur)
         alive &= found
-    return PathAcceptance(index, (index >= 0).sum(dim=1), target_argmax.gather(1, cur.unsqueeze(1)).squeeze(1))
+    return Acceptance(index, (index >= 0).sum(dim=1), target_argmax.gather(1, cur.unsqueeze(1)).squeeze(1))
 
 
 if triton is not None:
@@ -238,12 +233,12 @@ if triton is not None:
 
 
 def greedy_verify(parents: torch.Tensor, tokens: torch.Tensor, target_argmax: torch.Tensor, steps: int,
-                  backend: str = "auto") -> PathAcceptance:
+                  backend: str = "auto") -> Acceptance:
     if not _use_triton(tokens, backend) or tokens.shape[0] == 0:
         return greedy_verify_ref(parents, tokens, target_argmax, steps)
     B, N = tokens.shape
     dev = tokens.device
-    out = PathAcceptance(torch.empty(B, steps + 1, dtype=torch.int64, device=dev),
+    out = Acceptance(torch.empty(B, steps + 1, dtype=torch.int64, device=dev),
                          torch.empty(B, dtype=torch.int64, device=dev), torch.empty(B, dtype=torch.int64, device=dev))
     _greedy_verify_kernel[(B,)](parents.contiguous(), tokens.contiguous(), target_argmax.contiguous(),
                                 out.accept_index, out.accept_len, out.bonus, N, STEPS=steps, N_P2=_p2(N), num_warps=1)
@@ -254,7 +249,7 @@ def greedy_verify(parents: torch.Tensor, tokens: torch.Tensor, target_argmax: to
 # Speculative sampling over the tree
 # =================================================================================================
 def tree_speculative_sample_ref(probs: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor,
-                                coins: torch.Tensor, bonus_u: torch.Tensor, steps: int) -> PathAcceptance:
+                                coins: torch.Tensor, bonus_u: torch.Tensor, steps: int) -> Acceptance:
     """Multi-candidate speculative sampling with the draft as a point mass on each child.
 
     ``probs [B, N, V]`` float32: the target's distribution after each node (rows sum to 1);
@@ -297,7 +292,7 @@ def tree_speculative_sample_ref(probs: torch.Tensor, parents: torch.Tensor, toke
         index[b, :len(path)] = torch.tensor(path)
         bonus[b] = _inverse_cdf(P[b, cur].clone(), removed, U[b])
     dev = probs.device
-    return PathAcceptance(index.to(dev), (index >= 0).sum(dim=1).to(dev), bonus.to(dev))
+    return Acceptance(index.to(dev), (index >= 0).sum(dim=1).to(dev), bonus.to(dev))
 
 
 def _inverse_cdf(p: torch.Tensor, removed: list[int], u: torch.Tensor) -> int:
@@ -384,13 +379,13 @@ if triton is not None:
 
 
 def tree_speculative_sample(probs: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, coins: torch.Tensor,
-                            bonus_u: torch.Tensor, steps: int, backend: str = "auto") -> PathAcceptance:
+                            bonus_u: torch.Tensor, steps: int, backend: str = "auto") -> Acceptance:
     """See ``tree_speculative_sample_ref`` for the rule; one program per request."""
     if not _use_triton(probs, backend) or probs.shape[0] == 0:
         return tree_speculative_sample_ref(probs, parents, tokens, coins, bonus_u, steps)
     B, N, V = probs.shape
     dev = probs.device
-    out = PathAcceptance(torch.empty(B, steps + 1, dtype=torch.int64, device=dev),
+    out = Acceptance(torch.empty(B, steps + 1, dtype=torch.int64, device=dev),
                          torch.empty(B, dtype=torch.int64, device=dev), torch.empty(B, dtype=torch.int64, device=dev))
     _spec_sample_kernel[(B,)](probs.float().contiguous(), parents.contiguous(), tokens.contiguous(),
                               coins.float().contiguous(), bonus_u.float().contiguous(),

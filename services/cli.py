@@ -14,10 +14,6 @@ from pathlib import Path
 EXIT_USAGE = 2
 
 
-class UsageError(Exception):
-    pass
-
-
 def _fail(message: str) -> None:
     print(f"eyrie: error: {message}", file=sys.stderr)
     raise SystemExit(EXIT_USAGE)

@@ -66,7 +66,7 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
             raise ValueError("an ApiKeyInterceptor needs a non-empty key")
         self.api_key, self.on_denied = api_key, on_denied
 
-        def deny(request_or_iterator, context):
+        def deny(_request, context):  # the request (or its iterator) goes unread
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (metadata authorization: "
                                                            "Bearer <key>)")
 

@@ -55,10 +55,6 @@ class EngineLoop:
         self._thread.join(timeout)
         self._refuse_pending()
 
-    @property
-    def stopped(self) -> bool:
-        return self._stop.is_set()
-
     def call(self, fn: Callable[[Engine], object]) -> Future:
         """Run ``fn(engine)`` on the loop thread between steps; a stopped loop fails the future at once."""
         fut: Future = Future()

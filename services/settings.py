@@ -122,8 +122,4 @@ def _parse_env_file(text: str) -> dict:
     return values
 
 
-def settings_fields(kind: str) -> dict:
-    return {name: f for name, f in SETTINGS[kind].model_fields.items()}
-
-
 __all__ = ["CommonSettings", "DecodeSettings", "Field", "PrefillSettings", "RouterSettings", "load_settings"]

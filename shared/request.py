@@ -95,10 +95,6 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
-    @property
-    def prefill_done(self) -> bool:
-        return self.kv_len >= self.prompt_len
-
     def commit(self, tokens: list[int], logprobs: list[float]) -> list[int]:
         """Append sampled tokens up to the first stop condition; returns those appended."""
         taken = []

@@ -121,6 +121,6 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def oracle_model_dir(tmp_path_factory):
     """A tiny target whose drafts agree with it often (acceptance well above zero)."""
-    from shared.model.factory import make_oracle_model
+    from tests.oracle_model import make_oracle_model
 
     return make_oracle_model(tmp_path_factory.mktemp("oracle"), seed=0)

@@ -13,8 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
-
-SCHEMA_VERSION = 1  # bump when the wire format (shared/handoff/wire.py) or DraftState's layout changes
+from shared.spec.state import SCHEMA_VERSION
 
 
 class SchemaMismatch(ValueError):

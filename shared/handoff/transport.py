@@ -1,7 +1,7 @@
 """Hand-off transports: how a request's pages get from a prefill instance to a decode instance.
 
-Control and data are separate (DESIGN.md, the hand-off contract). Control (``DecodeClient``: the
-schema handshake, the page reservation, aborts) is always gRPC. Data goes through a ``Transport``:
+Control and data are separate. Control (``DecodeClient``: the schema handshake, the page
+reservation, aborts) is always gRPC. Data goes through a ``Transport``:
 
 - sending side: ``send(address, source, timeout) -> TransferAck`` moves one request's pages and draft
   state (a ``PageSource``) to the decode instance at ``address``;

@@ -16,11 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.spec_kernels import move_kv
-
 
 class OutOfPages(RuntimeError):
-    """Raised only on a scheduler bug: callers check ``can_reserve`` before reserving."""
+    """Raised only on a scheduler bug: it admits a request only when its peak pages are free."""
 
 
 class PageAllocator:
@@ -134,13 +132,6 @@ class KVCache:
         have = self.pages_for(handle.reserved) if handle is not None else 0
         return max(0, self.pages_for(n_positions) - have)
 
-    def can_reserve(self, handle: KVHandle | None, n_positions: int) -> bool:
-        if n_positions > self.spec.max_context:
-            return False
-        if handle is None and self.req_to_token.num_free_rows == 0:
-            return False
-        return self.pages_needed(handle, n_positions) <= self.allocator.num_free
-
     # ---- request lifetime ------------------------------------------------------------------------
     def open(self) -> KVHandle:
         return KVHandle(row=self.req_to_token.alloc_row())
@@ -190,31 +181,3 @@ class KVCache:
 
     def slots(self, h: KVHandle, start: int, end: int) -> torch.Tensor:
         return self.req_to_token.table[h.row, start:end]
-
-    # ---- accepted-path compaction ----------------------------------------------------------------
-    def compact(self, h: KVHandle, start: int, keep: list[int]) -> None:
-        """Move positions ``start + keep[i]`` to ``start + i`` (keep increasing, keep[i] >= i).
-
-        Page size 1 permutes the request's slots (no bytes move: the kept slots go to the front, the
-        others after them, so the request still owns exactly its slots). Larger pages copy K/V of
-        every layer, because a page is shared by neighbouring positions and cannot be re-pointed.
-        """
-        if all(k == i for i, k in enumerate(keep)):
-            return
-        host = self.req_to_token.host[h.row]
-        if self.page_size == 1:
-            end = start + keep[-1] + 1
-            rest = [i for i in range(end - start) if i not in set(keep)]
-            order = torch.tensor(keep + rest, dtype=torch.int64) + start
-            host[start:end] = host[order].clone()
-            self.req_to_token._sync(h.row, start, end)
-            return
-        dev = self.k[0].device
-        src = host[torch.tensor(keep, dtype=torch.int64) + start].to(dev)
-        dst = host[start:start + len(keep)].to(dev)
-        if dst.is_cuda:  # every layer in one Triton launch, same contract (kernels/spec_kernels.py: move_kv)
-            move_kv(self.k, self.v, src.unsqueeze(0), dst.unsqueeze(0))
-            return
-        for layer in range(len(self.k)):
-            self.k[layer][dst] = self.k[layer][src]  # gathers before it scatters
-            self.v[layer][dst] = self.v[layer][src]

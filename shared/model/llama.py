@@ -19,6 +19,10 @@ class TargetOutput:
     hidden: torch.Tensor | None = None  # [T, H] final-norm hidden state (EAGLE feature)
     aux_hidden: torch.Tensor | None = None  # [T, 3H] residual stream at the EAGLE-3 layers
 
+    def features(self) -> torch.Tensor | None:
+        """What the draft is fed: the EAGLE-3 layers' states when captured, else the last hidden state."""
+        return self.aux_hidden if self.aux_hidden is not None else self.hidden
+
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     """EAGLE-3's low/mid/high capture points: the input of layers 2, L//2 and L-3."""
@@ -41,10 +45,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def num_kv_layers(self) -> int:
-        return self.config.num_hidden_layers
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache, capture: str = "none",

@@ -16,11 +16,6 @@ class Tokenizer:
     def __init__(self, path: str | Path):
         path = Path(path)
         self._tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
-        self.chat_template: str | None = None
-        cfg_file = path / "tokenizer_config.json"
-        if cfg_file.exists():
-            with open(cfg_file) as f:
-                self.chat_template = json.load(f).get("chat_template")
 
     @property
     def vocab_size(self) -> int:

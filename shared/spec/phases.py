@@ -14,10 +14,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.spec_kernels import gather_accepted, move_kv
+from kernels.spec_kernels import Acceptance, DraftTree, gather_accepted, move_kv
 from shared.batch import build_uniform_batch
-from shared.spec.tree import Candidates, DraftTree, select_tree
-from shared.spec.verify import Acceptance, greedy_accept
+from shared.config import SpecConfig
+from shared.memory.kv_cache import KVCache
+from shared.model.drafts import DraftHead
+from shared.model.llama import LlamaForCausalLM
+from shared.spec.tree import Candidates, select_tree
+from shared.spec.verify import greedy_accept
 
 
 @dataclass
@@ -45,15 +49,24 @@ class StepOutput:
 
 
 class SpecPhases:
-    def __init__(self, worker):
-        self.w = worker
-        self.spec = worker.spec
-        k, steps = self.spec.topk, self.spec.steps
+    """The phases of one target and its draft head, each running on its own KV cache(s).
+
+    ``capture_mode`` ("last" or "aux") and ``aux_layers`` say which target hidden states feed the
+    draft (``TargetOutput.features``); ``draft_caches[c]`` is the cache of draft layer c (one for
+    EAGLE and EAGLE-3, one per step for a multi-layer draft)."""
+
+    def __init__(self, target: LlamaForCausalLM, target_cache: KVCache, draft_head: DraftHead,
+                 draft_caches: list[KVCache], spec: SpecConfig, capture_mode: str, aux_layers: tuple[int, ...]):
+        self.target, self.target_cache = target, target_cache
+        self.draft_head, self.caches = draft_head, draft_caches
+        self.spec = spec
+        self.capture_mode, self.aux_layers = capture_mode, aux_layers
+        k, steps = spec.topk, spec.steps
         # Which cache each draft loop forward runs on, and how many scratch slots precede it there.
-        self.step_cache = [worker.cache_of_step(i + 1) for i in range(steps - 1)]
+        self.step_cache = [draft_head.cache_for_step(i + 1) for i in range(steps - 1)]
         self.scratch_before = [k * self.step_cache[:i].count(c) for i, c in enumerate(self.step_cache)]
         # Columns of the scratch-ancestor mask that live in the cache of forward i.
-        dev = worker.target_cache.spec.device
+        dev = target_cache.spec.device
         self.visible_cols = [
             torch.tensor([j * k + m for j, sc in enumerate(self.step_cache[:i + 1]) for m in range(k) if sc == c],
                          dtype=torch.int64, device=dev)
@@ -66,7 +79,7 @@ class SpecPhases:
     # ---- draft loop ------------------------------------------------------------------------------
     def draft(self, inp: DecodeInputs) -> DraftTree:
         """``steps - 1`` draft forwards grow the tree below the first level (from the last extend)."""
-        w, k = self.w, self.spec.topk
+        k = self.spec.topk
         B = inp.L.numel()
         dev = inp.L.device
         cand = Candidates.first_level(inp.topk_ids, inp.topk_p)
@@ -77,17 +90,17 @@ class SpecPhases:
         for i, c in enumerate(self.step_cache):
             visible = torch.cat([ancestors, eye], 2).index_select(2, self.visible_cols[i])  # this cache's slots
             base = self.scratch_before[i]
-            cache = w.caches[c]
+            cache = self.caches[c]
             batch = build_uniform_batch(
                 cache, inp.draft_rows[:, c], inp.L, k, base + k, cand.tokens.gather(1, leaf_idx).reshape(-1),
                 (inp.L + i).repeat_interleave(k), (inp.L.unsqueeze(1) + base + torch.arange(k, device=dev)),
                 custom_mask=visible,
             )
-            o = w.draft(batch, cache, c, leaf_hidden.reshape(B * k, -1), from_target=False)
+            o = self.draft_head(batch, cache, c, leaf_hidden.reshape(B * k, -1), from_target=False)
             child_p, child_draft = torch.softmax(o.logits, dim=-1).topk(k, dim=-1)  # [B*k, k]
             scores = (cand.scores.gather(1, leaf_idx).unsqueeze(2) * child_p.view(B, k, k)).view(B, k * k)
             first_child = cand.tokens.shape[1]
-            cand.add(w.draft.to_target_ids(child_draft).view(B, k * k), leaf_idx.repeat_interleave(k, dim=1),
+            cand.add(self.draft_head.to_target_ids(child_draft).view(B, k * k), leaf_idx.repeat_interleave(k, dim=1),
                      scores, depth=i + 2)
             best = scores.topk(k, dim=1).indices  # the next leaves, among this level's children
             parent_slot = best // k  # which current leaf each next leaf hangs from
@@ -100,16 +113,15 @@ class SpecPhases:
     # ---- verify ----------------------------------------------------------------------------------
     def verify(self, inp: DecodeInputs, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
         """One target forward over every tree node: logits [B, N, V] and features [B, N, W]."""
-        w = self.w
         B, N = tree.tokens.shape
         dev = inp.L.device
         batch = build_uniform_batch(
-            w.target_cache, inp.target_rows, inp.L, N, N, tree.tokens.reshape(-1),
+            self.target_cache, inp.target_rows, inp.L, N, N, tree.tokens.reshape(-1),
             (inp.L.unsqueeze(1) + tree.depths).reshape(-1), inp.L.unsqueeze(1) + torch.arange(N, device=dev),
             custom_mask=tree.mask,
         )
-        out = w.target(batch, w.target_cache, capture=w.capture_mode, aux_layers=w.aux_layers)
-        feats = w.features(out)
+        out = self.target(batch, self.target_cache, capture=self.capture_mode, aux_layers=self.aux_layers)
+        feats = out.features()
         return out.logits.view(B, N, -1), feats.view(B, N, feats.shape[-1])
 
     def verify_extend(self, inp: DecodeInputs, tree: DraftTree) -> StepOutput:
@@ -125,32 +137,19 @@ class SpecPhases:
                feats: torch.Tensor) -> StepOutput:
         """Keep the accepted path's K/V at positions L.., gather every per-token output by the one
         accept index, and run the draft over the committed tokens (padded to steps + 1 slots)."""
-        w = self.w
-        stride = acc.accept_index.shape[1]  # steps + 1: the stride of every gather below (seed 004)
-        dev = inp.L.device
-        path = acc.accept_index.clamp(min=0)
-        valid = acc.accept_index >= 0
-        last = acc.accept_len - 1
-        slot = torch.arange(stride, device=dev)
-        if logits.is_cuda:  # one Triton launch, same contract (kernels/spec_kernels.py: gather_accepted)
-            path_out = gather_accepted(acc.accept_index, acc.accept_len, acc.bonus, tree.tokens, logits, feats)
-            tokens, logprobs, path_feats = path_out.tokens, path_out.logprobs, path_out.feats
-        else:
-            # The token committed after path node d: the next path node's token, the bonus after the last.
-            tokens = torch.cat([tree.tokens.gather(1, path[:, 1:]), acc.bonus.unsqueeze(1)], 1)
-            tokens = torch.where(slot == last.unsqueeze(1), acc.bonus.unsqueeze(1), tokens)
-            logprobs = torch.log_softmax(logits.gather(1, path.unsqueeze(2).expand(-1, -1, logits.shape[2])), dim=-1)
-            logprobs = logprobs.gather(2, tokens.unsqueeze(2)).squeeze(2)
-            path_feats = feats.gather(1, path.unsqueeze(2).expand(-1, -1, feats.shape[2]))
-        self._compact_target(inp, acc.accept_index, valid)
-        ext_hidden, ext_logits = self._extend(inp, tokens, path_feats, last)
+        # Per path slot (the stride of every gather is steps + 1, seed 004): the committed token, its
+        # log-probability and the node's feature row.
+        path = gather_accepted(acc.accept_index, acc.accept_len, acc.bonus, tree.tokens, logits, feats)
+        self._compact_target(inp, acc.accept_index, acc.accept_index >= 0)
+        ext_hidden, ext_logits = self._extend(inp, path.tokens, path.feats, acc.accept_len - 1)
         topk_p, topk_draft = torch.softmax(ext_logits, dim=-1).topk(self.spec.topk, dim=-1)
-        return StepOutput(accept_len=acc.accept_len, accept_index=acc.accept_index, tokens=tokens, logprobs=logprobs,
-                          hidden=ext_hidden, topk_p=topk_p, topk_ids=w.draft.to_target_ids(topk_draft))
+        return StepOutput(accept_len=acc.accept_len, accept_index=acc.accept_index, tokens=path.tokens,
+                          logprobs=path.logprobs, hidden=ext_hidden, topk_p=topk_p,
+                          topk_ids=self.draft_head.to_target_ids(topk_draft))
 
     def _compact_target(self, inp: DecodeInputs, accept_index: torch.Tensor, valid: torch.Tensor) -> None:
         """Accepted node n at path depth d moves from position L + n to L + d (n >= d)."""
-        cache = self.w.target_cache
+        cache = self.target_cache
         table = cache.req_to_token.table
         B, stride = accept_index.shape
         N = self.spec.num_draft_tokens
@@ -170,27 +169,20 @@ class SpecPhases:
         dst = table[rows, inp.L.unsqueeze(1) + torch.arange(stride, device=dev)]
         src = torch.where(valid, src, 0)  # padding moves go to the sink slot 0
         dst = torch.where(valid, dst, 0)
-        if src.is_cuda:  # every layer in one Triton launch, same contract (kernels/spec_kernels.py: move_kv)
-            move_kv(cache.k, cache.v, src, dst)
-            return
-        src, dst = src.reshape(-1), dst.reshape(-1)
-        for layer in range(len(cache.k)):
-            cache.k[layer][dst] = cache.k[layer][src]  # gathers before it scatters
-            cache.v[layer][dst] = cache.v[layer][src]
+        move_kv(cache.k, cache.v, src, dst)
 
     def _extend(self, inp: DecodeInputs, tokens: torch.Tensor, feats: torch.Tensor, last: torch.Tensor):
         """Draft positions L .. L+steps over (target feature, committed token); rows past the accepted
         length are padding whose K/V lands beyond the committed length and is never read."""
-        w = self.w
         B, stride = tokens.shape
         dev = tokens.device
         slots = inp.L.unsqueeze(1) + torch.arange(stride, device=dev)
         out_rows = torch.arange(B, device=dev) * stride + last
         hidden = logits = None
-        for c, cache in enumerate(w.caches):
+        for c, cache in enumerate(self.caches):
             batch = build_uniform_batch(cache, inp.draft_rows[:, c], inp.L, stride, stride, tokens.reshape(-1),
                                         slots.reshape(-1), slots, logits_rows=out_rows)
-            o = w.draft(batch, cache, c, feats.reshape(B * stride, -1), from_target=True)
+            o = self.draft_head(batch, cache, c, feats.reshape(B * stride, -1), from_target=True)
             if c == 0:
                 hidden, logits = o.hidden[out_rows], o.logits
         return hidden, logits

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+# The hand-off's version, sent in every draft state and compared at the handshake
+# (shared/handoff/schema.py): bump when the wire format (shared/handoff/wire.py) or this layout changes.
 SCHEMA_VERSION = 1
 
 

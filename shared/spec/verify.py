@@ -12,42 +12,15 @@ distribution ``target_probs`` defines. Greedy is the same rule with p one-hot, r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from kernels.spec_kernels import greedy_verify
+from kernels.spec_kernels import Acceptance, DraftTree, greedy_verify
 from shared.sampling import SamplingParams, target_probs
-from shared.spec.tree import DraftTree
-
-
-@dataclass
-class Acceptance:
-    accept_index: torch.Tensor  # [B, steps+1] int64 node indices of the accepted path, -1 padded
-    accept_len: torch.Tensor  # [B] int64 accepted nodes including the root (>= 1)
-    bonus: torch.Tensor  # [B] int64 the target's token after the last accepted node
 
 
 def greedy_accept(tree: DraftTree, target_argmax: torch.Tensor, steps: int) -> Acceptance:
-    """target_argmax [B, N]: the target's greedy token after each node."""
-    if target_argmax.is_cuda:  # one Triton launch, same contract (kernels/spec_kernels.py: greedy_verify)
-        acc = greedy_verify(tree.parents, tree.tokens, target_argmax, steps)
-        return Acceptance(acc.accept_index, acc.accept_len, acc.bonus)
-    B = target_argmax.shape[0]
-    device = target_argmax.device
-    cur = torch.zeros(B, dtype=torch.int64, device=device)
-    alive = torch.ones(B, dtype=torch.bool, device=device)
-    index = torch.full((B, steps + 1), -1, dtype=torch.int64, device=device)
-    index[:, 0] = 0
-    for d in range(1, steps + 1):
-        want = target_argmax.gather(1, cur.unsqueeze(1))
-        match = (tree.parents == cur.unsqueeze(1)) & (tree.tokens == want) & alive.unsqueeze(1)
-        found = match.any(dim=1)
-        nxt = match.to(torch.int8).argmax(dim=1)
-        index[:, d] = torch.where(found, nxt, -1)
-        cur = torch.where(found, nxt, cur)
-        alive &= found
-    return Acceptance(index, (index >= 0).sum(dim=1), target_argmax.gather(1, cur.unsqueeze(1)).squeeze(1))
+    """target_argmax [B, N]: the target's greedy token after each node (contract: ``greedy_verify_ref``)."""
+    return greedy_verify(tree.parents, tree.tokens, target_argmax, steps)
 
 
 def sampled_accept(tree: DraftTree, logits: torch.Tensor, params: list[SamplingParams],

@@ -155,7 +155,8 @@ class SpecWorker:
                        for _ in range(n_caches)]
         self.capture_mode = "aux" if draft.kind == "eagle3" else "last"
         self.aux_layers = getattr(draft, "aux_layers", ())
-        self.phases = SpecPhases(self)
+        self.phases = SpecPhases(self.target, self.target_cache, draft, self.caches, spec, self.capture_mode,
+                                 self.aux_layers)
         self.totals = SpecStats()  # the whole engine's, batch after batch
         self.batches: deque[SpecBatchStats] = deque(maxlen=BATCH_LOG)  # the latest verify steps
         self.num_batches = 0  # verify steps run so far (``batches_since`` takes a mark of it)
@@ -192,13 +193,9 @@ class SpecWorker:
     def dtype(self) -> torch.dtype:
         return self.target.lm_head.weight.dtype
 
-    def cache_of_step(self, step: int) -> int:
-        """Draft step ``step`` (0 = the extend that produces the first tree level) -> cache index."""
-        return self.draft.cache_for_step(step) if self.draft.kind == "mtp" else 0
-
     # ---- draft extend ----------------------------------------------------------------------------
     def features(self, out: TargetOutput) -> torch.Tensor:
-        return out.aux_hidden if self.capture_mode == "aux" else out.hidden
+        return out.features()
 
     def draft_extend_prefill(self, chunks: list[Chunk], out: TargetOutput) -> None:
         """Run the draft over each prefill chunk; requests whose prompt completed get a DraftState."""

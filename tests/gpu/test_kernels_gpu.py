@@ -16,6 +16,7 @@ import torch
 from kernels.attention import paged_attention
 from kernels.attention_ref import AttentionMetadata, paged_attention_ref
 from kernels.spec_kernels import (
+    ancestor_mask,
     build_tree,
     build_tree_ref,
     gather_accepted,
@@ -87,17 +88,6 @@ def run_and_check(q, k, v, meta, **kw):
     torch.testing.assert_close(out.float(), ref.float(), **TOL[q.dtype])
 
 
-def ancestor_mask(parents: list[int]) -> torch.Tensor:
-    n = len(parents)
-    m = torch.eye(n, dtype=torch.bool)
-    for i in range(n):
-        j = parents[i]
-        while j >= 0:
-            m[i, j] = True
-            j = parents[j]
-    return m
-
-
 # ---- attention -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -126,7 +116,7 @@ def test_tree_verify_matches_reference(gen, page_size, n):
     masks = []
     for _ in range(B):
         parents = [-1] + [int(torch.randint(0, i, (1,))) for i in range(1, n)]
-        masks.append(ancestor_mask(parents))
+        masks.append(ancestor_mask(torch.tensor([parents]), n)[0])
     prefix = torch.randint(1, 3000, (B,), generator=gen, device="cuda").tolist()
     run_and_check(*paged_case(gen, [n] * B, prefix, [n] * B, page_size, torch.bfloat16, masks))
 
@@ -172,17 +162,20 @@ def test_build_tree_matches_reference(gen, k, steps, n):
     poison_allocator()
     out = build_tree(root, tok, par, sc, dep, n, steps, committed_len=L)
     ref = build_tree_ref(root, tok, par, sc, dep, n, steps, committed_len=L)
-    for f in ("tokens", "parents", "depths", "mask", "first_child", "next_sibling", "positions"):
+    for f in ("tokens", "parents", "depths", "mask", "positions"):
         assert torch.equal(getattr(out, f), getattr(ref, f)), f
 
 
 def tree_and_argmax(gen, B, k, steps, n, vocab):
     tok, par, sc, dep = candidates(gen, B, k, steps, vocab)
     tree = build_tree_ref(torch.randint(0, vocab, (B,), device="cuda", generator=gen), tok, par, sc, dep, n, steps)
-    # The target's argmax after a node is one of its children's tokens 3 times in 4.
-    child_tok = torch.where(tree.first_child >= 0, tree.tokens.gather(1, tree.first_child.clamp(min=0)), 0)
+    # The target's argmax after a node is its first child's token 3 times in 4.
+    node = torch.arange(n, device="cuda")
+    is_child = tree.parents.unsqueeze(1) == node.view(1, -1, 1)  # [B, n, m]: m is a child of n
+    first_child = torch.where(is_child, node.view(1, 1, -1), n).amin(2)  # n for a leaf
+    child_tok = torch.where(first_child < n, tree.tokens.gather(1, first_child.clamp(max=n - 1)), 0)
     other = torch.randint(0, vocab, (B, n), device="cuda", generator=gen)
-    follow = (torch.rand(B, n, device="cuda", generator=gen) < 0.75) & (tree.first_child >= 0)
+    follow = (torch.rand(B, n, device="cuda", generator=gen) < 0.75) & (first_child < n)
     return tree, torch.where(follow, child_tok, other)
 
 

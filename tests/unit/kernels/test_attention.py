@@ -15,6 +15,7 @@ from kernel_checks import DEVICE, no_host_reads
 
 from kernels.attention import choose_config, paged_attention
 from kernels.attention_ref import AttentionMetadata, paged_attention_ref
+from kernels.spec_kernels import ancestor_mask
 
 TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.float16: {"atol": 2e-3, "rtol": 2e-3},
        torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
@@ -22,14 +23,7 @@ TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.float16: {"atol": 2e-3
 
 def tree_mask(parents: list[int]) -> torch.Tensor:
     """[N, N] ancestor-or-self mask of a tree given by parent indices (-1 = root)."""
-    n = len(parents)
-    mask = torch.eye(n, dtype=torch.bool)
-    for i in range(n):
-        j = parents[i]
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
+    return ancestor_mask(torch.tensor([parents]), len(parents))[0]
 
 
 def make_case(q_lens, prefix, extra, page_size, hq, hkv, d, dtype, masks=None, seed=0, host_copies=False,

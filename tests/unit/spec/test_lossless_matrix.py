@@ -115,7 +115,7 @@ def test_the_matrix_is_the_full_product():
 
 @pytest.fixture(scope="module")
 def matrix_oracle(tmp_path_factory) -> Models:
-    from shared.model.factory import make_oracle_model
+    from tests.oracle_model import make_oracle_model
 
     root = make_oracle_model(tmp_path_factory.mktemp("matrix-oracle"), seed=0, alpha=ORACLE_ALPHA)
     return add_feature_path(load_models(Path(root)), scale=ORACLE_FEATURE_SCALE)

@@ -30,12 +30,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from kernels.spec_kernels import tree_speculative_sample_ref
+from kernels.spec_kernels import DraftTree, ancestor_mask, tree_speculative_sample_ref
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
 from shared.sampling import SamplingParams, target_probs
 from shared.spec import verify
-from shared.spec.tree import DraftTree, ancestor_mask
 
 P_MIN = 1e-3
 SETTINGS = {  # the three sampling features, each on its own and in combination
@@ -241,7 +240,7 @@ def small_vocab(tmp_path_factory):
     sampled tokens after PROMPT under each setting, from ``transformers``."""
     import transformers  # a test dependency: a missing one fails here, never skips
 
-    from shared.model.factory import make_oracle_model
+    from tests.oracle_model import make_oracle_model
 
     root = make_oracle_model(tmp_path_factory.mktemp("v16"), seed=0, vocab_size=16, num_hidden_layers=2)
     hf = transformers.LlamaForCausalLM.from_pretrained(root / "target", torch_dtype=torch.float32).eval()
