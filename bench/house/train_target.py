@@ -262,8 +262,8 @@ def train(cfg: HouseConfig, model, stream: torch.Tensor, held: torch.Tensor, log
         step += 1
         tokens += ids.numel() - cfg.batch
         if step % cfg.log_every == 0 or step == 1:
-            curve.append({"step": step, "seconds": round(time.perf_counter() - t0, 2), "loss": round(float(loss.detach()), 4),
-                          "lr": round(opt.param_groups[0]["lr"], 7)})
+            curve.append({"step": step, "seconds": round(time.perf_counter() - t0, 2),
+                          "loss": round(float(loss.detach()), 4), "lr": round(opt.param_groups[0]["lr"], 7)})
             log(f"house: step {step} loss {curve[-1]['loss']:.4f} ({curve[-1]['seconds']:.0f} s)")
         if step % cfg.eval_every == 0:
             evals.append({"step": step, "heldout_loss": round(heldout_loss(model, held, cfg, autocast), 4)})
