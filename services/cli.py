@@ -108,6 +108,8 @@ TRAIN_FLAGS = (  # flag, type, default, help: the numeric settings of train-draf
     ("--log-every", int, 10, "steps between loss records"),
     ("--regenerate", int, 0, "replace the last N tokens of every training window by the target's greedy "
                              "continuation (train on what the target itself writes)"),
+    ("--max-windows", int, None, "train on at most N windows of the corpus (a seeded choice; bounds "
+                                 "--regenerate's cost)"),
 )
 
 

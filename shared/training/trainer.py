@@ -80,6 +80,7 @@ class TrainConfig:
     eval_spec_steps: int | None = None  # chain depth of the acceptance measurement (None: min(ttt_steps, 5))
     eval_windows: int = 4  # held-out windows the objective is measured on
     regenerate: int = 0  # the last tokens of every training window replaced by the target's greedy continuation
+    max_windows: int | None = None  # train on at most this many windows (a seeded choice): bounds --regenerate
     log_every: int = 10
     progress: bool = True
 
@@ -99,6 +100,8 @@ class TrainConfig:
             raise TrainError(f"--heldout: must be in (0, 1), got {self.heldout}")
         if self.eval_every < 0:
             raise TrainError(f"--eval-every: must be >= 0, got {self.eval_every}")
+        if self.max_windows is not None and self.max_windows < 1:
+            raise TrainError(f"--max-windows: must be >= 1, got {self.max_windows}")
         if not 0 <= self.regenerate < self.seq_len:
             raise TrainError(f"--regenerate: must be in [0, --seq-len {self.seq_len}), got {self.regenerate}")
         parse_dtype(self.dtype)
@@ -171,12 +174,15 @@ def prepare_data(cfg: TrainConfig, target: LlamaForCausalLM, render_chat: ChatRe
     info = {"train_docs": split.train_docs, "heldout_docs": split.heldout_docs,
             "train_tokens": split.train.numel(), "heldout_tokens": split.heldout.numel()}
     wins = windows(split.train, cfg.seq_len)
+    if cfg.max_windows is not None and wins.shape[0] > cfg.max_windows:
+        keep = torch.randperm(wins.shape[0], generator=torch.Generator().manual_seed(cfg.seed))[:cfg.max_windows]
+        wins = wins[keep.sort().values]
     if cfg.regenerate:
         wins = regenerate(target, wins, cfg.regenerate, cfg)
     return Data(windows=wins, heldout=split.heldout, hot=hot, info=info)
 
 
-REGENERATE_BATCH = 64
+REGENERATE_BATCH = {"cpu": 64, "cuda": 256}
 
 
 def regenerate(target: LlamaForCausalLM, wins: torch.Tensor, n: int, cfg: TrainConfig) -> torch.Tensor:
@@ -187,13 +193,13 @@ def regenerate(target: LlamaForCausalLM, wins: torch.Tensor, n: int, cfg: TrainC
     from shared.sampling import SamplingParams
 
     T = wins.shape[1]
-    config = EngineConfig(device=cfg.device, dtype=cfg.dtype, max_running=REGENERATE_BATCH, max_context=T + 1,
-                          chunk_size=None)
+    rows = REGENERATE_BATCH[target.lm_head.weight.device.type]
+    config = EngineConfig(device=cfg.device, dtype=cfg.dtype, max_running=rows, max_context=T + 1, chunk_size=None)
     engine = Engine(target, config=config)
     params = SamplingParams(max_new_tokens=n, ignore_eos=True)
     out = wins.clone()
-    for start in range(0, wins.shape[0], REGENERATE_BATCH):
-        prompts = wins[start:start + REGENERATE_BATCH, :T - n].tolist()
+    for start in range(0, wins.shape[0], rows):
+        prompts = wins[start:start + rows, :T - n].tolist()
         results = engine.generate(prompts, params)
         out[start:start + len(prompts), T - n:] = torch.tensor([r.token_ids for r in results])
     return out
@@ -294,7 +300,8 @@ class Trainer:
         c = self.cfg
         return {"kind": c.kind, "corpus": [str(p) for p in c.corpus], "seq_len": c.seq_len, "ttt_steps": c.ttt_steps,
                 "batch_tokens": c.batch_tokens, "draft_vocab": c.draft_vocab, "seed": c.seed, "heldout": c.heldout,
-                "lr": c.lr, "warmup": c.warmup, "regenerate": c.regenerate, "steps": c.steps}
+                "lr": c.lr, "warmup": c.warmup, "regenerate": c.regenerate, "max_windows": c.max_windows,
+                "steps": c.steps}
 
     def _load_state(self) -> dict | None:
         file = self.state_dir / "state.pt"

@@ -95,8 +95,9 @@ def test_eagle3_draft_vocabulary_is_the_corpus_most_frequent_tokens(oracle_model
     target = Path(oracle_model_dir) / "target"
     out = tmp_path / "head"
     summary = train_draft(TrainConfig(target=str(target), corpus=[str(small_corpus)], out=str(out),
-                                      draft_vocab=64, **{**SETTINGS, "steps": 3, "regenerate": 0}))
+                                      draft_vocab=64, max_windows=10, **{**SETTINGS, "steps": 3, "regenerate": 0}))
     assert summary["draft_vocab_size"] == 64
+    assert torch.load(out / "train_state" / "data.pt", weights_only=False)["windows"].shape == (10, 32)
     hot = torch.arange(64) + load_file(out / "model.safetensors")["d2t"]
     split = tokenize_split(read_documents([small_corpus]), Tokenizer(target).encode, 1, 512, 0.05)
     counts = torch.bincount(split.train, minlength=512)
