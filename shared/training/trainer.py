@@ -104,6 +104,9 @@ class TrainConfig:
             raise TrainError(f"--max-windows: must be >= 1, got {self.max_windows}")
         if not 0 <= self.regenerate < self.seq_len:
             raise TrainError(f"--regenerate: must be in [0, --seq-len {self.seq_len}), got {self.regenerate}")
+        if self.kind == "mtp" and self.spec_steps > self.ttt_steps:
+            raise TrainError(f"--eval-spec-steps: {self.spec_steps} draft steps need as many layers, and the "
+                             f"multi-layer draft gets one per --ttt-steps ({self.ttt_steps})")
         parse_dtype(self.dtype)
 
     @property

@@ -126,6 +126,7 @@ def test_resuming_with_another_target_is_refused(capsys, tmp_path, target, tiny_
     (("--regenerate", "16"), "--regenerate: must be in [0, --seq-len 16)"),
     (("--dtype", "int8"), "dtype: 'int8' is not one of"),
     (("--max-windows", "0"), "--max-windows: must be >= 1, got 0"),
+    (("--kind", "mtp", "--eval-spec-steps", "3"), "--eval-spec-steps: 3 draft steps need as many layers"),
 ])
 def test_bad_settings_are_one_line(capsys, tmp_path, target, small_corpus, extra, expect):
     assert expect in train_draft_fails(capsys, target, [small_corpus], tmp_path / "out", *extra)
