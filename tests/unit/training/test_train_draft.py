@@ -80,7 +80,7 @@ def test_written_head_is_the_public_eagle3_format(trained, oracle_model_dir):
     assert state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool
     assert torch.equal(torch.arange(vd) + state["d2t"], state["t2d"].nonzero().view(-1))
     assert state["t2d"].numel() == v
-    assert not (out / "train_state" / "state.pt").samefile(out / "model.safetensors")
+    assert (out / "train_state" / "state.pt").exists()  # beside the head, out of the loader's glob:
     assert list(out.glob("*.safetensors")) == [out / "model.safetensors"]  # the loader reads every one
     head = load_draft(out, load_target(Path(oracle_model_dir) / "target"))
     assert isinstance(head, Eagle3Draft) and head.aux_layers == (2, 2, 1)

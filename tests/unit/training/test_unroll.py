@@ -118,11 +118,11 @@ def test_unrolled_steps_equal_the_served_draft_steps(tiny_model_dir, tmp_path, m
     project, attend = unroll_mod.project_kv, unroll_mod.attend
     with monkeypatch.context() as m:
         m.setattr(unroll_mod, "project_kv", lambda attn, x, positions: project(attn, x, positions - positions[0]))
-        assert (unrolled_logits(head, runner(ids))[STEPS - 1][0] - first).abs().max() > 1e-3
+        assert (unrolled_logits(head, runner(ids))[STEPS - 1][0, 0] - first).abs().max() > 1e-3
     if kind != "mtp":  # (a multi-layer draft's step j is its layer's only step: nothing earlier to see)
         with monkeypatch.context() as m:
             m.setattr(unroll_mod, "attend", lambda attn, q, prefix, own: attend(attn, q, prefix, own[-1:]))
-            assert (unrolled_logits(head, runner(ids))[STEPS - 1][0] - first).abs().max() > 1e-3
+            assert (unrolled_logits(head, runner(ids))[STEPS - 1][0, 0] - first).abs().max() > 1e-3
 
 
 @torch.no_grad()
