@@ -1,4 +1,4 @@
-"""The ``eyrie`` command line: generate, make-model, and (with the services) serve / up / client.
+"""The ``eyrie`` command line: generate, make-model, train-draft, and (with the services) serve / up / client.
 
 Bad input exits with status 2 and one line naming the problem.
 """
@@ -61,6 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_make_model)
 
+    t = sub.add_parser("train-draft", help="train an EAGLE-3, EAGLE or multi-layer draft head for a target")
+    t.add_argument("--target", required=True, help="target checkpoint directory (with tokenizer.json)")
+    t.add_argument("--corpus", required=True, nargs="+",
+                   help="text files, directories, JSONL of {\"text\"} or chat {\"messages\"}")
+    t.add_argument("--kind", default="eagle3", choices=["eagle3", "eagle", "mtp"])
+    t.add_argument("--out", required=True, help="the head's directory (load it with --draft)")
+    for flag, kind, default, about in TRAIN_FLAGS:
+        t.add_argument(flag, type=kind, default=default, help=about)
+    t.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    t.add_argument("--device", default="cpu")
+    t.add_argument("--dtype", default="float32", help="the target's and the written head's dtype")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.set_defaults(func=cmd_train_draft)
+
     try:
         from services.launch import add_service_commands
     except ImportError:
@@ -68,6 +82,57 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_service_commands(sub)
     return p
+
+
+TRAIN_FLAGS = (  # flag, type, default, help: the numeric settings of train-draft (TrainConfig's fields)
+    ("--steps", int, 1000, "optimiser steps"),
+    ("--lr", float, 3e-4, "peak learning rate (warm-up, then cosine decay to a tenth)"),
+    ("--batch-tokens", int, 8192, "tokens per step (windows of --seq-len)"),
+    ("--seq-len", int, 512, "tokens per window"),
+    ("--ttt-steps", int, 7, "unrolled draft steps trained (a multi-layer draft gets one layer each)"),
+    ("--eval-every", int, 200, "steps between evaluations of acceptance on held-out text (0: start and end)"),
+    ("--save-every", int, None, "steps between checkpoints (default: with every evaluation)"),
+    ("--draft-vocab", int, None, "EAGLE-3 draft vocabulary size, the most frequent corpus tokens (default "
+                                 "min(32000, target vocabulary))"),
+    ("--seed", int, 0, "initialisation and batch order"),
+    ("--heldout", float, 0.05, "fraction of documents held out for evaluation"),
+    ("--warmup", int, 50, "warm-up steps"),
+    ("--eval-prompts", int, 8, "held-out prompts the acceptance is measured on"),
+    ("--eval-prompt-len", int, 32, "tokens per held-out prompt"),
+    ("--eval-new-tokens", int, 32, "tokens generated per held-out prompt"),
+    ("--eval-spec-steps", int, None, "draft chain depth of the measurement (default min(ttt-steps, 5))"),
+    ("--log-every", int, 10, "steps between loss records"),
+    ("--regenerate", int, 0, "replace the last N tokens of every training window by the target's greedy "
+                             "continuation (train on what the target itself writes)"),
+    ("--max-windows", int, None, "train on at most N windows of the corpus (a seeded choice; bounds "
+                                 "--regenerate's cost)"),
+)
+
+
+def cmd_train_draft(args) -> int:
+    from shared.model.loader import CheckpointError
+    from shared.training.corpus import CorpusError
+    from shared.training.trainer import TrainConfig, TrainError, train_draft
+
+    settings = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, *_ in TRAIN_FLAGS}
+    cfg = TrainConfig(target=args.target, corpus=args.corpus, out=args.out, kind=args.kind, resume=args.resume,
+                      device=args.device, dtype=args.dtype, progress=not args.no_progress, **settings)
+    try:
+        summary = train_draft(cfg, chat_renderer(args.target))
+    except (TrainError, CorpusError, CheckpointError) as e:
+        _fail(str(e))
+    print(json.dumps(summary))
+    return 0
+
+
+def chat_renderer(target: str):
+    """The target's chat template rendering whole conversations, or None when it has none."""
+    from services.router.openai_http import ChatTemplate
+
+    template = ChatTemplate(target) if (Path(target) / "config.json").exists() else None
+    if template is None or template.source is None:
+        return None
+    return lambda messages: template.render(messages, add_generation_prompt=False)
 
 
 def cmd_make_model(args) -> int:

@@ -137,7 +137,9 @@ class ChatTemplate:
             template = named.get("default") or next(iter(named.values()), None)
         self.source = template if isinstance(template, str) and template else None
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt of a chat request (``add_generation_prompt``: the assistant turn opens); without
+        it, a whole conversation as text (what ``eyrie train-draft`` trains on)."""
         if self.source is None:
             raise bad("messages", f"messages: the model '{self.model_name}' has no chat template (neither "
                                   "chat_template.jinja nor a chat_template in tokenizer_config.json): send the "
@@ -150,8 +152,8 @@ class ChatTemplate:
                     raise ApiError(500, f"the chat template of the model '{self.model_name}' does not compile: "
                                         f"{e}", code="bad_chat_template") from e
         try:
-            return self._compiled.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-                                         eos_token=self.eos_token)
+            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token, eos_token=self.eos_token)
         except Exception as e:  # raise_exception() in the template, or a template bug
             raise bad("messages", f"messages: the chat template refused these messages: {e}",
                       code="chat_template_error") from e
