@@ -127,16 +127,17 @@ def cmd_generate(args) -> int:
             _fail(f"{name}: {path} is not a checkpoint directory (no config.json)")
     try:
         engine = Engine(model, draft, config)
-        if engine.spec is not None:
-            engine.spec.keep_batches(None)  # one bounded run: every verify step's statistics
+        stats = engine.spec_stats
+        if stats is not None:
+            stats.keep_batches(None)  # one bounded run: every verify step's statistics
         results = engine.generate(prompts, params)
     except RequestError as e:
         _fail(str(e))
-    batches = engine.spec.batches_since(0) if engine.spec is not None else []
+    batches = stats.batches_since(0) if stats is not None else []
     for r in results:
         if args.json:
             obj = r.as_json()
-            if engine.spec is not None:
+            if stats is not None:
                 obj["spec_batches"] = [b.as_dict() for b in batches if r.rid in b.request_ids]
             print(json.dumps(obj))
         else:
@@ -144,8 +145,8 @@ def cmd_generate(args) -> int:
             if r.spec:
                 print(f"[accept length {r.spec['accept_length']:.2f}, accept rate {r.spec['accept_rate']:.2f}]",
                       file=sys.stderr)
-    if engine.spec is not None and not args.json:
-        from shared.spec.worker import summarize_batches
+    if stats is not None and not args.json:
+        from shared.spec.stats import summarize_batches
 
         s = summarize_batches(batches)
         print(f"[{s['verify_batches']} verify batches, mean batch size {s['mean_batch_size']:.2f}, "
