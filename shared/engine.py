@@ -37,8 +37,6 @@ from shared.spec.state import DraftState
 from shared.spec.stats import SpecRecorder
 from shared.spec.worker import SpecWorker
 
-__all__ = ["Engine", "EngineLoad", "GenerationResult", "make_cache"]
-
 
 @dataclass
 class GenerationResult:
