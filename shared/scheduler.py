@@ -14,6 +14,7 @@ The scheduler is the one owner of the engine's requests: it creates them (``subm
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shared.memory.kv_cache import KVCache
@@ -65,8 +66,8 @@ class Scheduler:
         re-placed under the same id)."""
         return self.requests.get(req.rid) is req
 
-    def _new(self, rid: str, prompt_ids: list[int], params: SamplingParams, output_ids: list[int] = (),
-             output_logprobs: list[float] = ()) -> Request:
+    def _new(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams, output_ids: Sequence[int] = (),
+             output_logprobs: Sequence[float] = ()) -> Request:
         return Request(rid=rid, prompt_ids=list(prompt_ids), params=params, eos_ids=self.eos_ids,
                        generator=make_generator(params.seed), output_ids=list(output_ids),
                        output_logprobs=list(output_logprobs))
