@@ -71,3 +71,9 @@ def test_the_checker_counts_code_lines_and_names_methods_and_nested_functions():
     nested = f"class C:\n    def g(self):\n        def h():\n{body.replace('    ', '            ')}\n" \
              f"            return 1\n        return h\n"
     assert long_functions("m.py", nested) == {"C.g.h": LIMIT + 1, "C.g": LIMIT + 3}
+
+
+def test_the_decode_step_reads_in_one_screen():
+    """reserve -> draft (or take the draft launched ahead) -> verify/extend -> launch ahead -> commit -> record."""
+    long = long_functions("shared/spec/worker.py", (ROOT / "shared/spec/worker.py").read_text(), limit=30)
+    assert "SpecWorker.decode_step" not in long, f"decode_step has {long.get('SpecWorker.decode_step')} lines"
