@@ -30,14 +30,15 @@ from shared.engine import Engine
 from shared.sampling import SamplingParams
 
 
-def fake_requests(engine: Engine, batch: int, ctx: int, max_new: int = 64):
-    """Requests holding ``ctx`` positions of K/V in every cache, ready to decode."""
+def fake_requests(engine: Engine, batch: int, ctx: int, max_new: int = 64, draft_state=None):
+    """Requests holding ``ctx`` positions of K/V in every cache, ready to decode (from ``draft_state()``
+    when given: a fresh draft state per request)."""
     reqs = []
     for i in range(batch):
         params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
         req = engine.reserve_handoff(f"b{i}", [1] * ctx, [2], [0.0], params, ctx)
         assert req is not None, "pool too small for the benchmark"
-        engine.activate_handoff(req, ctx)
+        engine.activate_handoff(req, ctx, draft_state() if draft_state else None)
         reqs.append(req)
     return reqs
 
@@ -89,16 +90,15 @@ def spec_engine(target, draft, ctx, topk, steps, n, batch=1, room=1024):
     """An engine with ``batch`` requests holding ``ctx`` positions, each with ``room`` more to generate."""
     spec = SpecConfig(topk=topk, steps=steps, num_draft_tokens=n)
     engine = Engine(target, draft, engine_config(ctx + room, batch, spec=spec))
-    reqs = fake_requests(engine, batch, ctx, max_new=room - 24)
     dev = engine.device
     k = topk
     from shared.spec.state import DraftState
 
-    for r in reqs:
-        r.draft_state = DraftState(bonus_token=2, committed_len=ctx, hidden=torch.zeros(draft.hidden_width, device=dev,
-                                   dtype=torch.bfloat16), topk_p=torch.full((k,), 1.0 / k, device=dev),
-                                   topk_ids=torch.arange(k, device=dev))
-    return engine, reqs
+    def state():
+        return DraftState(bonus_token=2, committed_len=ctx, hidden=torch.zeros(draft.hidden_width, device=dev,
+                          dtype=torch.bfloat16), topk_p=torch.full((k,), 1.0 / k, device=dev),
+                          topk_ids=torch.arange(k, device=dev))
+    return engine, fake_requests(engine, batch, ctx, max_new=room - 24, draft_state=state)
 
 
 def bench_spec(target, draft, bw, ctx, results, verify_ns=(4, 8, 16, 32, 64)):
@@ -140,12 +140,12 @@ def bench_spec(target, draft, bw, ctx, results, verify_ns=(4, 8, 16, 32, 64)):
     # ahead (the host's bookkeeping overlaps it); then the same without drafting ahead.
     # Iterations back to back as a serving loop runs them (no synchronisation between them but each
     # step's own wait for its tokens), timed ten at a time.
-    w.draft_ahead = True
+    w.ahead.enabled = True
     row["iteration_graph_ms"] = time_cuda(iteration, iters=7, warmup=2, calls=10)
-    row["ahead_used"], row["ahead_dropped"] = w.ahead_used, w.ahead_dropped
-    w.draft_ahead = False
+    row["ahead_used"], row["ahead_dropped"] = w.ahead.used, w.ahead.dropped
+    w.ahead.enabled = False
     row["iteration_graph_no_ahead_ms"] = time_cuda(iteration, iters=7, warmup=2, calls=10)
-    w.draft_ahead = True
+    w.ahead.enabled = True
     row["draft_graph_speedup"] = row["draft_eager_ms"] / row["draft_graph_ms"]
     row["floor_ms"] = floor_ms
     results["spec"].append(row)
@@ -201,9 +201,9 @@ def spec_cell(w, reqs, cell: dict) -> None:
                                 ("iteration_eager_ms", False, False)):
         for g in w.graphs.values():
             g.capture = graphs
-        w.draft_ahead = ahead
+        w.ahead.enabled = ahead
         cell[name] = time_cuda(iteration, iters=3 if graphs else 2, warmup=1, calls=8 if graphs else 2)
-    cell.update(ahead_used=w.ahead_used, ahead_mismatched=w.ahead_mismatched,
+    cell.update(ahead_used=w.ahead.used, ahead_mismatched=w.ahead.mismatched,
                 all_running=all(r.finish_reason is None for r in reqs))  # the batch never shrank
     cell["draft_graph_speedup"] = cell["draft_eager_ms"] / cell["draft_graph_ms"]
     cell["ahead_speedup"] = cell["iteration_graph_no_ahead_ms"] / cell["iteration_graph_ms"]

@@ -147,11 +147,29 @@ def cmd_make_model(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from shared.engine import Engine
+    from shared.request import RequestError
+
+    prompts, config, params = _generate_inputs(args)
+    model, draft = _checkpoints(args)
+    try:
+        engine = Engine(model, draft, config)
+        stats = engine.spec_stats
+        if stats is not None:
+            stats.keep_batches(None)  # one bounded run: every verify step's statistics
+        results = engine.generate(prompts, params)
+    except RequestError as e:
+        _fail(str(e))
+    _print_results(args, results, stats.batches_since(0) if stats is not None else None)
+    return 0
+
+
+def _generate_inputs(args):
+    """The prompts, the engine config and the sampling parameters of ``eyrie generate`` (exit 2 naming
+    the field on bad input)."""
     from pydantic import ValidationError
 
     from shared.config import EngineConfig, SpecConfig
-    from shared.engine import Engine
-    from shared.request import RequestError
     from shared.sampling import SamplingParams
 
     prompts: list = list(args.prompt or [])
@@ -176,6 +194,11 @@ def cmd_generate(args) -> int:
     except ValidationError as e:
         err = e.errors()[0]
         _fail(f"{'.'.join(str(x) for x in err['loc']) or 'config'}: {err['msg']}")
+    return prompts, config, params
+
+
+def _checkpoints(args) -> tuple:
+    """The target and draft directories (without ``--model``, a tiny model made on the fly)."""
     model, draft = args.model, args.draft
     if model is None:
         from shared.model.factory import make_model
@@ -186,18 +209,16 @@ def cmd_generate(args) -> int:
     for name, path in (("--model", model), ("--draft", draft)):
         if path is not None and not (Path(path) / "config.json").exists():
             _fail(f"{name}: {path} is not a checkpoint directory (no config.json)")
-    try:
-        engine = Engine(model, draft, config)
-        if engine.spec is not None:
-            engine.spec.keep_batches(None)  # one bounded run: every verify step's statistics
-        results = engine.generate(prompts, params)
-    except RequestError as e:
-        _fail(str(e))
-    batches = engine.spec.batches_since(0) if engine.spec is not None else []
+    return model, draft
+
+
+def _print_results(args, results: list, batches: list | None) -> None:
+    """One line (``--json``: one object) per prompt; with a draft, the verify batches on stderr (``--json``:
+    each prompt's in its object)."""
     for r in results:
         if args.json:
             obj = r.as_json()
-            if engine.spec is not None:
+            if batches is not None:
                 obj["spec_batches"] = [b.as_dict() for b in batches if r.rid in b.request_ids]
             print(json.dumps(obj))
         else:
@@ -205,14 +226,13 @@ def cmd_generate(args) -> int:
             if r.spec:
                 print(f"[accept length {r.spec['accept_length']:.2f}, accept rate {r.spec['accept_rate']:.2f}]",
                       file=sys.stderr)
-    if engine.spec is not None and not args.json:
-        from shared.spec.worker import summarize_batches
+    if batches is not None and not args.json:
+        from shared.spec.stats import summarize_batches
 
         s = summarize_batches(batches)
         print(f"[{s['verify_batches']} verify batches, mean batch size {s['mean_batch_size']:.2f}, "
               f"accept length {s['accept_length']:.2f}, accept rate {s['accept_rate']:.2f}, "
               f"draft {s['draft_time_s']:.3f}s, verify {s['verify_time_s']:.3f}s]", file=sys.stderr)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,12 @@
 """Drives an Engine on its own thread for a service.
 
 All engine state is touched on the loop thread only: gRPC handlers ask for work through
-``call(fn)`` (run between steps, returns a Future) and read tokens from per-request queues. This
-keeps the engine single-threaded, like the scheduler of nano-vllm, with no locks inside it.
+``call(fn)`` (run between steps, returns a Future; ``fn`` calls the engine's service API: admit,
+reserve / activate a hand-off, read its pages, release or abort) and read tokens from per-request
+queues. What other threads may read without a call is published here: the engine's static facts
+(``schema``, ``device``), fixed at construction, and its load snapshot (``load``), replaced after every
+step and every call. This keeps the engine single-threaded, like the scheduler of nano-vllm, with no
+locks inside it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from services.logs import ServiceLog
-from shared.engine import Engine
+from shared.engine import Engine, EngineLoad
 from shared.request import Request
 
 
@@ -43,6 +47,9 @@ class EngineLoop:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.error: BaseException | None = None
+        self.schema = engine.handoff_schema()  # static: what this engine's hand-offs carry
+        self.device = engine.device
+        self.load: EngineLoad = engine.load()  # replaced (never mutated) after each step and call
         self._thread = threading.Thread(target=self._run, name="eyrie-engine", daemon=True)
 
     def start(self) -> EngineLoop:
@@ -98,27 +105,31 @@ class EngineLoop:
         while not self._stop.is_set():
             if self._drain_calls():
                 self._after_step()  # calls (releases, aborts, admissions) change what the gauges show
-            if not engine.scheduler.has_work_to_step():
+            if not engine.has_work_to_step():
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
             try:
                 events = engine.step()
             except Exception as e:  # a bug: fail every request rather than hang them
-                self.log.exception("engine_error", requests=sorted(engine.requests))
+                self.log.exception("engine_error", requests=sorted(r.rid for r in engine.live_requests()))
                 self.error = e
                 self._fail_all(f"engine error: {e}")
                 continue
-            for req, tokens in events:
-                done = req.finish_reason is not None
-                if done:
-                    self.log.debug("step_done", req.rid, reason=req.finish_reason, output_tokens=len(req.output_ids))
-                if tokens or done:
-                    logprobs = req.output_logprobs[len(req.output_logprobs) - len(tokens):]
-                    self.publish(TokenEvent(req.rid, tokens, logprobs, req.finish_reason, req if done else None))
+            self._publish_events(events)
             self._after_step()
 
+    def _publish_events(self, events: list[tuple[Request, list[int]]]) -> None:
+        for req, tokens in events:
+            done = req.finish_reason is not None
+            if done:
+                self.log.debug("step_done", req.rid, reason=req.finish_reason, output_tokens=len(req.output_ids))
+            if tokens or done:
+                logprobs = req.output_logprobs[len(req.output_logprobs) - len(tokens):]
+                self.publish(TokenEvent(req.rid, tokens, logprobs, req.finish_reason, req if done else None))
+
     def _after_step(self) -> None:
+        self.load = self.engine.load()
         if self.after_step is None:
             return
         try:
@@ -136,16 +147,20 @@ class EngineLoop:
             done += 1
             if fut.set_running_or_notify_cancel():
                 try:
-                    fut.set_result(fn(self.engine))
+                    result, error = fn(self.engine), None
                 except BaseException as e:  # handed to the caller
-                    fut.set_exception(e)
+                    result, error = None, e
+                self.load = self.engine.load()  # the caller may read it as soon as its answer is there
+                if error is None:
+                    fut.set_result(result)
+                else:
+                    fut.set_exception(error)
 
     def _fail_all(self, reason: str) -> None:
-        for rid in list(self.engine.requests):
-            req = self.engine.requests[rid]
+        for req in self.engine.live_requests():
             if self.before_fail is not None:
-                self.before_fail(rid)
-            self.engine.abort(rid)
-            req.finish_reason = "error"
-            self.log.event("failed", rid, logging.ERROR, reason=reason, output_tokens=len(req.output_ids))
-            self.publish(TokenEvent(rid, [], [], "error", req))
+                self.before_fail(req.rid)
+            self.engine.release(req, "error")
+            self.log.event("failed", req.rid, logging.ERROR, reason=reason, output_tokens=len(req.output_ids))
+            self.publish(TokenEvent(req.rid, [], [], "error", req))
+        self.load = self.engine.load()

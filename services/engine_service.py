@@ -23,8 +23,7 @@ from services.common import (
 from services.engine_loop import EngineLoop
 from services.logs import ServiceLog
 from services.settings import EngineSettings
-from shared.engine import Engine
-from shared.handoff import HandoffSchema
+from shared.engine import Engine, EngineLoad
 from shared.metadata import Heartbeat, InstanceInfo, Registry, connect
 from shared.telemetry import Telemetry
 
@@ -34,22 +33,21 @@ class EngineServicer(Protocol):
 
     def after_step(self, engine: Engine) -> None: ...  # on the loop thread, after each step
     def before_fail(self, rid: str) -> None: ...  # on the loop thread, before an engine error aborts rid
-    def load(self, engine: Engine) -> dict: ...  # registry load figures, on the loop thread
     def close(self) -> None: ...  # cancel in-flight work (hand-offs, streams) at shutdown
 
 
-def engine_load(engine: Engine) -> dict:
-    """Load figures for the registry: prompt tokens still to prefill, requests holding pages, free pages."""
-    sched = engine.scheduler
-    outstanding = sum(r.prompt_len - r.kv_len for r in [*sched.running, *sched.waiting])
-    return {"outstanding_tokens": outstanding, "running": len(sched.running),
-            "free_pages": engine.cache.num_free_pages}
+def registry_load(load: EngineLoad, role: str) -> dict:
+    """Load figures for the registry: tokens still to compute (the prompt tokens still to prefill on a
+    prefill instance, the tokens the running requests may still generate on a decode instance),
+    requests holding pages, free target pages."""
+    outstanding = load.decode_tokens if role == "decode" else load.prefill_tokens
+    return {"outstanding_tokens": outstanding, "running": load.running, "free_pages": load.free_pages[0]}
 
 
 def engine_facts(engine: Engine) -> dict:
     """What the registry entry tells the router's GetModelInfo: dtype, page size, context and the
     speculative config (``draft_kind``, ``topk``, ``steps``, ``num_draft_tokens``) of the engine."""
-    schema = HandoffSchema.from_engine(engine)
+    schema = engine.handoff_schema()
     return {"dtype": schema.dtype, "page_size": schema.page_size, "max_context": engine.max_context,
             "spec": {"draft_kind": schema.draft_kind, "topk": schema.topk, "steps": schema.steps,
                      "num_draft_tokens": schema.num_draft_tokens}}
@@ -101,13 +99,12 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
         facts = engine_facts(engine)
         info = InstanceInfo(instance_id=instance_id, role=role, grpc_address=grpc_address,
                             http_address=http_address, started_at=time.time(), model=facts)
-        heartbeat = Heartbeat(registry, info, settings.heartbeat_s,
-                              lambda: loop.call(servicer.load).result(5)).start()
+        heartbeat = Heartbeat(registry, info, settings.heartbeat_s, lambda: registry_load(loop.load, role)).start()
     except BaseException:
         for undo in reversed(started):
             undo()
         raise
-    telemetry.observe_engine(engine)
+    telemetry.observe_load(loop.load)
     set_serving(health, services, True)
     telemetry.set_state("ready")
     log.event("started", grpc=grpc_address, http=http_address, **facts)

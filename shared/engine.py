@@ -1,7 +1,12 @@
 """The single-process engine: continuous batching, chunked prefill, optional EAGLE speculation.
 
-``Engine.generate`` is the Python API; the services drive the same engine through ``add_request``
-/ ``step`` (prefill) or ``admit_handoff`` / ``step`` (decode).
+``Engine.generate`` is the Python API. The services drive the same engine from their engine loop
+(``services/engine_loop.py``) through the narrow API of the last two sections: ``add_request`` and
+``step`` (prefill), ``reserve_handoff`` / ``page_sink`` / ``activate_handoff`` and ``step`` (decode),
+``take_handoffs`` / ``page_source`` / ``release`` (the prefill side of a hand-off), ``release`` with an
+identity check for aborts, and ``load``, the snapshot the loop publishes after each step. The requests
+themselves belong to the scheduler (``shared/scheduler.py``): the engine asks it to create, move and
+retire them.
 """
 
 from __future__ import annotations
@@ -9,22 +14,28 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
 from shared.batch import build_forward_batch, build_uniform_batch
 from shared.config import EngineConfig
-from shared.memory.kv_cache import CacheSpec, KVCache
-from shared.model.config import ModelConfig
+from shared.handoff.schema import HandoffSchema
+from shared.handoff.wire import PageGuard, PageSink, PageSource, encode_draft_state
+from shared.memory.sizing import make_cache
 from shared.model.llama import LlamaForCausalLM, TargetOutput
-from shared.model.loader import load_target, parse_dtype
+from shared.model.loader import load_target
 from shared.model.tokenizer import Tokenizer
 from shared.request import Phase, Request, RequestError
 from shared.runner import CaptureFailure, PhaseGraphs, pad_rows
-from shared.sampling import SamplingParams, make_generator, sample
+from shared.sampling import SamplingParams, sample
 from shared.scheduler import Scheduler, StepPlan
+from shared.spec.state import DraftState
+from shared.spec.stats import SpecRecorder
+from shared.spec.worker import SpecWorker
 
 
 @dataclass
@@ -46,14 +57,19 @@ class GenerationResult:
                 **({"spec": self.spec} if self.spec is not None else {})}
 
 
-def make_cache(config: ModelConfig, num_layers: int, engine: EngineConfig, max_context: int) -> KVCache:
-    max_context += engine.headroom  # a decode step near the end of the context writes past it
-    num_pages = engine.num_pages or engine.max_running * -(-max_context // engine.page_size)
-    return KVCache(CacheSpec(
-        num_layers=num_layers, num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-        dtype=parse_dtype(engine.dtype), device=torch.device(engine.device), page_size=engine.page_size,
-        num_pages=num_pages, max_reqs=engine.max_running, max_context=max_context,
-    ))
+@dataclass(frozen=True)
+class EngineLoad:
+    """What an engine holds: the snapshot its loop publishes after each step and call, read from any
+    thread by health, metrics, the registry's placement figures and the decode service's refusals."""
+
+    running: int  # requests holding pages
+    queued: int  # requests waiting for admission
+    prefill_tokens: int  # prompt tokens still to prefill, running and queued requests
+    decode_tokens: int  # tokens the running requests may still generate (max_new_tokens left)
+    free_pages: tuple[int, ...]  # per cache, target first
+    total_pages: tuple[int, ...]  # per cache, target first
+    draft_ahead: dict[str, int] = field(default_factory=dict)  # drafts launched ahead, by outcome
+    graph_failures: tuple[CaptureFailure, ...] = ()  # CUDA graphs that failed to capture (phase eager)
 
 
 class Engine:
@@ -79,19 +95,25 @@ class Engine:
         self.max_context = min(config.max_context or mc.max_position_embeddings, mc.max_position_embeddings)
         self.cache = make_cache(mc, mc.num_hidden_layers, config, self.max_context)
         self.graph_failures: list[CaptureFailure] = []  # CUDA graphs that failed to capture (phase eager)
-        self.spec = None
-        if draft is not None:
-            from shared.spec.worker import SpecWorker  # the draft machinery is optional
-
-            self.spec = SpecWorker.load(draft, self, config)
+        self.spec = None if draft is None else SpecWorker.load(draft, self.model, self.cache, config, self.max_context,
+                                                               self.graph_failures)
         caches = [self.cache] + (self.spec.caches if self.spec else [])
         self.scheduler = Scheduler(caches, config.max_running, config.chunk_size, config.headroom,
-                                   prefill_only=role == "prefill")
+                                   eos_ids=mc.eos_token_ids, prefill_only=role == "prefill")
         graphs_on = set(config.cuda_graph_phases) if config.cuda_graph else set()
         self.decode_graphs = PhaseGraphs("decode", self._decode_phase, "decode" in graphs_on, config.cuda_graph_max_bs,
                                          self.graph_failures)
-        self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        """Every request of this engine by id, read-only (the scheduler's table)."""
+        return MappingProxyType(self.scheduler.requests)
+
+    @property
+    def spec_stats(self) -> SpecRecorder | None:
+        """The speculative statistics (None without a draft)."""
+        return self.spec.stats if self.spec is not None else None
 
     # ---- requests --------------------------------------------------------------------------------
     def validate_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -119,22 +141,27 @@ class Engine:
             raise RequestError("max_new_tokens", f"prompt ({len(ids)}) + max_new_tokens "
                                f"({params.max_new_tokens}) exceeds the context of {self.max_context}")
         rid = rid or f"req-{next(self._ids)}"
-        if rid in self.requests:
+        if self.scheduler.get(rid) is not None:
             raise RequestError("request_id", f"{rid!r} is already running")
-        req = Request(rid=rid, prompt_ids=ids, params=params, eos_ids=self.model.config.eos_token_ids,
-                      generator=make_generator(params.seed))
-        self.scheduler.submit(req)
-        self.requests[rid] = req
-        return req
+        return self.scheduler.submit(rid, ids, params)
 
-    def abort(self, rid: str) -> bool:
-        req = self.requests.pop(rid, None)
-        if req is None:
+    def abort(self, rid: str, reason: str = "abort") -> bool:
+        """End request ``rid`` now and free its pages; False when no such request runs."""
+        req = self.scheduler.get(rid)
+        return req is not None and self.release(req, reason)
+
+    def release(self, req: Request, reason: str = "handed_off") -> bool:
+        """End ``req`` now and free its pages: after the decode side acknowledged its hand-off, or on an
+        abort or failure (``reason``). False when ``req`` is no longer this engine's: it ended, or a
+        request re-placed under its id took its place."""
+        if not self.scheduler.holds(req):
             return False
-        req.finish_reason = req.finish_reason or "abort"
-        req.phase = Phase.FINISHED
-        self.scheduler.release(req)
+        self.scheduler.retire(req, reason)
         return True
+
+    def live_requests(self) -> list[Request]:
+        """Every request not yet ended, waiting or running."""
+        return list(self.scheduler.requests.values())
 
     # ---- stepping --------------------------------------------------------------------------------
     def on_device(self) -> contextlib.AbstractContextManager:
@@ -143,6 +170,10 @@ class Engine:
         the tensors they touch: an engine on ``cuda:1`` run from a thread whose current device is 0
         (every new thread's) would launch its kernels and record its events on the wrong GPU."""
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    def has_work_to_step(self) -> bool:
+        """Whether a step would run a forward (requests waiting on a transfer need none)."""
+        return self.scheduler.has_work_to_step()
 
     def step(self) -> list[tuple[Request, list[int]]]:
         """Run one scheduling step; returns (request, tokens it committed) for each request touched."""
@@ -164,17 +195,11 @@ class Engine:
             if plan.prefill:
                 events += self._run_target_step(StepPlan(prefill=plan.prefill))
             if plan.decode:
-                events += self.spec.decode_step(plan.decode)
+                events += self.spec.decode_step(plan.decode, self.scheduler.joins_next(plan.decode))
         for req, _ in events:
             if req.finish_reason is not None and req.phase is not Phase.FINISHED:
-                self._finish(req)
+                self.scheduler.retire(req)
         return events
-
-    def _finish(self, req: Request) -> None:
-        req.phase = Phase.FINISHED
-        req.t_finish = time.perf_counter()
-        self.scheduler.release(req)
-        self.requests.pop(req.rid, None)
 
     def _run_target_step(self, plan: StepPlan) -> list[tuple[Request, list[int]]]:
         """One target forward over the decode tokens and prefill chunks of ``plan``."""
@@ -195,15 +220,15 @@ class Engine:
         capture = self.spec.capture_mode if self.spec is not None else "none"
         out = self.model(batch, self.cache, capture=capture, aux_layers=self.spec.aux_layers if self.spec else ())
         for req in plan.decode:
-            req.kv_len += 1
+            req.advance(req.kv_len + 1)
         for ch in plan.prefill:
-            ch.req.kv_len = ch.end
+            ch.req.advance(ch.end)
         events = self._sample_and_commit(out, sampled_reqs)
         if self.spec is not None:
             self.spec.draft_extend_prefill(plan.prefill, out)
         for ch in plan.prefill:
             if ch.completes_prompt:
-                ch.req.phase = Phase.HANDOFF if self.role == "prefill" else Phase.DECODING
+                self.scheduler.prompt_done(ch.req)
             elif not any(r is ch.req for r, _ in events):
                 events.append((ch.req, []))
         return events
@@ -224,7 +249,7 @@ class Engine:
         tokens = pad_rows(torch.tensor([r.all_ids[r.kv_len] for r in reqs], dtype=torch.int64, device=dev), bs)
         logits = self.decode_graphs(rows, lengths, tokens)[:n]
         for req in reqs:
-            req.kv_len += 1
+            req.advance(req.kv_len + 1)
         return self._sample_and_commit(TargetOutput(logits=logits), reqs)
 
     def _sample_and_commit(self, out: TargetOutput, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
@@ -235,47 +260,66 @@ class Engine:
         return [(r, r.commit([t], [lp])) for r, t, lp in zip(reqs, tokens.tolist(), logprobs.tolist())]
 
     # ---- disaggregation: prefill hands requests to a decode instance ------------------------------
+    def handoff_schema(self) -> HandoffSchema:
+        """What this engine's hand-offs carry; the other side of a hand-off must agree on all of it."""
+        w = self.spec
+        return HandoffSchema.build(
+            [c.spec for c in self.scheduler.caches], page_size=self.config.page_size, dtype=self.config.dtype,
+            vocab_size=self.model.config.vocab_size, draft_kind=w.draft.kind if w else "",
+            tree=w.spec if w else None, draft_hidden_width=w.draft.hidden_width if w else 0)
+
     def take_handoffs(self) -> list[Request]:
         """Requests whose prefill completed (prefill role); they keep their pages until released."""
-        return [r for r in self.scheduler.running if r.phase is Phase.HANDOFF and r.finish_reason is None]
+        return self.scheduler.handoffs()
 
     def page_ids(self, req: Request) -> list[list[int]]:
         """Per cache (target first), the request's page ids in position order."""
         return [cache.pages_of(h, 0, cache.pages_for(h.reserved))
                 for cache, h in zip(self.scheduler.caches, req.handles)]
 
-    def release(self, req: Request, reason: str = "handed_off") -> None:
-        """Drop a request and return its pages (after the decode side acknowledged, or on failure)."""
-        req.finish_reason = req.finish_reason or reason
-        self._finish(req)
+    def page_source(self, req: Request) -> PageSource:
+        """Prefill role: the sending side of ``req``'s hand-off, its pages and its draft state (a parked
+        request's pages do not change until it is released, so the transport may read them off this
+        thread until then; an abort cancels its guard first)."""
+        return PageSource(req.rid, self.scheduler.caches, self.page_ids(req), encode_draft_state(req))
 
     def reserve_handoff(self, rid: str, prompt_ids: list[int], output_ids: list[int],
                         output_logprobs: list[float], params: SamplingParams, committed_len: int) -> Request | None:
         """Decode role: claim pages for a request about to arrive; None when it cannot be held now."""
-        if rid in self.requests:
+        if self.scheduler.get(rid) is not None:
             raise RequestError("request_id", f"{rid!r} is already here")
-        req = Request(rid=rid, prompt_ids=list(prompt_ids), params=params,
-                      eos_ids=self.model.config.eos_token_ids, generator=make_generator(params.seed))
-        req.output_ids, req.output_logprobs = list(output_ids), list(output_logprobs)
-        self.scheduler.check_fits(req)
-        if not self.scheduler.can_admit(req):
-            return None
-        req.handles = [cache.open() for cache in self.scheduler.caches]
-        for cache, h in zip(self.scheduler.caches, req.handles):
-            cache.reserve(h, committed_len)
-        req.phase = Phase.RECEIVING
-        self.scheduler.running.append(req)
-        self.requests[rid] = req
-        return req
+        return self.scheduler.admit_handoff(rid, prompt_ids, output_ids, output_logprobs, params, committed_len)
 
-    def activate_handoff(self, req: Request, committed_len: int, draft_state=None) -> None:
-        """The K/V has arrived: the request resumes straight into the decode loop."""
-        req.kv_len = committed_len
-        req.draft_state = draft_state
-        if draft_state is not None and draft_state.rng_state is not None:
-            req.generator.set_state(draft_state.rng_state)
-        req.t_first_token = req.t_first_token or time.perf_counter()
-        req.phase = Phase.DECODING
+    def page_sink(self, req: Request, guard: PageGuard) -> PageSink | None:
+        """Decode role: the receiving side of ``req``'s transfer, writing into its reserved pages; None
+        when ``req`` is no longer this engine's request waiting for its K/V (it was aborted)."""
+        if not self.scheduler.holds(req) or req.phase is not Phase.RECEIVING:
+            return None
+        return PageSink(req.rid, self.scheduler.caches, self.page_ids(req), guard)
+
+    def activate_handoff(self, req: Request, committed_len: int, draft_state: DraftState | None = None) -> bool:
+        """The K/V has arrived: the request resumes straight into the decode loop (no pseudo-forward).
+        False when ``req`` is no longer this engine's request waiting for its K/V (it was aborted)."""
+        if not self.scheduler.holds(req) or req.phase is not Phase.RECEIVING:
+            return False
+        self.scheduler.activate(req, committed_len, draft_state)
+        return True
+
+    # ---- what the engine holds -------------------------------------------------------------------
+    def load(self) -> EngineLoad:
+        """The snapshot the engine loop publishes after each step (computed on the engine's thread)."""
+        s = self.scheduler
+        return EngineLoad(
+            running=len(s.running), queued=len(s.waiting),
+            prefill_tokens=sum(r.prompt_len - r.kv_len for r in [*s.running, *s.waiting]),
+            decode_tokens=sum(max(0, r.params.max_new_tokens - len(r.output_ids)) for r in s.running),
+            free_pages=tuple(c.num_free_pages for c in s.caches), total_pages=tuple(c.spec.num_pages for c in s.caches),
+            draft_ahead=self.spec.ahead.counts() if self.spec is not None else {},
+            graph_failures=tuple(self.graph_failures))
+
+    def is_idle_and_clean(self) -> bool:
+        """True when no request runs and every cache is full again (the no-leak invariant)."""
+        return not self.scheduler.has_work() and all(c.is_full() for c in self.scheduler.caches)
 
     # ---- the Python API --------------------------------------------------------------------------
     def run_until_done(self, max_steps: int | None = None) -> None:
@@ -329,7 +373,3 @@ class Engine:
                 zeros = torch.zeros(bs, dtype=torch.int64, device=self.device)
                 g(zeros, zeros.clone(), zeros.clone())
         return len(g.captured_sizes)
-
-    def is_idle_and_clean(self) -> bool:
-        """True when no request runs and every cache is full again (the no-leak invariant)."""
-        return not self.scheduler.has_work() and all(c.is_full() for c in self.scheduler.caches)

@@ -1,15 +1,24 @@
-"""A request's life in an engine: its tokens, its cache claims and its statistics."""
+"""A request's life in an engine: its tokens, its cache claims and its statistics.
+
+One owner per field. The scheduler (``shared.scheduler``) creates requests, moves them between its
+queues, retires them, and alone writes ``phase`` and ``handles``. Tokens, lengths, the draft state and
+the end of a request change only through the methods below (``commit``, ``advance``, ``resume_from``,
+``receive``, ``end``): every other module reads these fields and never assigns them
+(``tests/unit/engine/test_state_owners.py`` holds it).
+"""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
 
 from shared.memory.kv_cache import KVHandle
 from shared.sampling import SamplingParams
+from shared.spec.state import DraftState
+from shared.spec.stats import SpecStats
 
 
 class RequestError(ValueError):
@@ -30,58 +39,21 @@ class Phase(Enum):
 
 
 @dataclass
-class SpecStats:
-    """Speculative statistics (a request's, or an engine's summed over requests).
-
-    Accept length is committed tokens per verify: the accepted drafts plus the bonus token, cut where
-    EOS, a stop token or max_new_tokens ended the request inside the accepted run (the discarded rest
-    is not counted). Accept rate is the drafts verification accepted (discarded ones included: it
-    measures the draft, not where the request ended) over the drafts it could accept (``steps`` per
-    verify). Without a cut, accept length = (accepted_drafts + verify_steps) / verify_steps.
-    """
-
-    verify_steps: int = 0
-    accepted_drafts: int = 0  # draft tokens verification accepted (bonus tokens not counted)
-    proposed_drafts: int = 0  # draft tokens on the verified path's depth budget (steps per verify)
-    committed_tokens: int = 0  # tokens the verifies committed to the output (bonus included)
-    draft_time_s: float = 0.0
-    verify_time_s: float = 0.0
-
-    @property
-    def accept_length(self) -> float:
-        """Committed tokens per verify."""
-        return self.committed_tokens / self.verify_steps if self.verify_steps else 0.0
-
-    @property
-    def accept_rate(self) -> float:
-        return self.accepted_drafts / self.proposed_drafts if self.proposed_drafts else 0.0
-
-    def add(self, other: SpecStats) -> None:
-        """Sum ``other`` into these statistics (a verify step into a request's, or into the engine's)."""
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-    def as_dict(self) -> dict:
-        return {"verify_steps": self.verify_steps, "accepted_drafts": self.accepted_drafts,
-                "committed_tokens": self.committed_tokens,
-                "accept_length": round(self.accept_length, 4), "accept_rate": round(self.accept_rate, 4),
-                "draft_time_s": round(self.draft_time_s, 6), "verify_time_s": round(self.verify_time_s, 6)}
-
-
-@dataclass
 class Request:
+    """Created by the scheduler; the fields below the parameters are written by their owners only."""
+
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
     eos_ids: tuple[int, ...] = ()
     generator: torch.Generator | None = None
-    phase: Phase = Phase.WAITING
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)  # target log p of each output token
-    handles: list[KVHandle] = field(default_factory=list)  # one per cache, target first
-    kv_len: int = 0  # committed tokens whose target K/V is cached
-    finish_reason: str | None = None
-    draft_state: object | None = None  # shared.spec.state.DraftState while decoding with a draft
+    phase: Phase = Phase.WAITING  # written by the scheduler
+    output_ids: list[int] = field(default_factory=list)  # commit
+    output_logprobs: list[float] = field(default_factory=list)  # commit: target log p of each output token
+    handles: list[KVHandle] = field(default_factory=list)  # written by the scheduler: one per cache, target first
+    kv_len: int = 0  # advance / resume_from: committed tokens whose target K/V is cached
+    finish_reason: str | None = None  # commit (a stop condition) or end
+    draft_state: DraftState | None = None  # resume_from: the state the next decode step drafts from
     stats: SpecStats = field(default_factory=SpecStats)
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
@@ -108,6 +80,31 @@ class Request:
                 self.t_first_token = time.perf_counter()
             self.finish_reason = self._stop_reason(tok)
         return taken
+
+    def advance(self, kv_len: int) -> None:
+        """The target K/V of positions [0, kv_len) is cached (a prefill chunk or a decode token ran)."""
+        self.kv_len = kv_len
+
+    def resume_from(self, state: DraftState) -> None:
+        """The next decode step drafts from ``state``; its committed length is the cached length."""
+        self.kv_len = state.committed_len
+        self.draft_state = state
+
+    def receive(self, committed_len: int, state: DraftState | None) -> None:
+        """A hand-off arrived: ``committed_len`` positions of K/V and, with a draft, its state (whose
+        generator state the request's sampling resumes from)."""
+        self.advance(committed_len)
+        if state is not None:
+            self.resume_from(state)
+            if state.rng_state is not None:
+                self.generator.set_state(state.rng_state)
+        self.t_first_token = self.t_first_token or time.perf_counter()
+
+    def end(self, reason: str | None = None) -> None:
+        """The request ends now: with ``reason`` (abort, handed_off, error) unless a stop condition
+        ended it first."""
+        self.finish_reason = self.finish_reason or reason
+        self.t_finish = time.perf_counter()
 
     def _stop_reason(self, tok: int) -> str | None:
         if tok in self.params.stop_token_ids:

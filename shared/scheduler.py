@@ -4,15 +4,23 @@ The scheduler decides; the caches allocate; the runners run. A request is admitt
 cache can hold its peak footprint (prompt + max_new_tokens + the speculative headroom) on top of
 what running requests may still claim, so no forward ever runs out of pages mid-step. A request
 that could never fit is refused at submission with an error naming the field.
+
+The scheduler is the one owner of the engine's requests: it creates them (``submit``,
+``admit_handoff``), keeps the one table of them by id (``requests``) beside its queues (``waiting``,
+``running``), moves them between phases and retires them (``retire``), and alone writes their
+``phase`` and page ``handles``.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shared.memory.kv_cache import KVCache
 from shared.request import Phase, Request, RequestError
+from shared.sampling import SamplingParams, make_generator
+from shared.spec.state import DraftState
 
 
 @dataclass
@@ -38,14 +46,31 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, caches: list[KVCache], max_running: int, chunk_size: int | None, headroom: int,
-                 prefill_only: bool = False):
+                 eos_ids: tuple[int, ...] = (), prefill_only: bool = False):
         self.caches = caches
         self.prefill_only = prefill_only  # a prefill service never decodes: claims stop at the prompt
         self.max_running = max_running
         self.chunk_size = chunk_size
         self.headroom = headroom  # positions beyond the final length a decode step may touch
+        self.eos_ids = eos_ids  # the model's end-of-sequence tokens, every request's
+        self.requests: dict[str, Request] = {}  # every request not yet retired, by id (waiting or running)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+
+    # ---- the table -------------------------------------------------------------------------------
+    def get(self, rid: str) -> Request | None:
+        return self.requests.get(rid)
+
+    def holds(self, req: Request) -> bool:
+        """Whether ``req`` is still one of these requests (not retired, nor replaced by a request
+        re-placed under the same id)."""
+        return self.requests.get(req.rid) is req
+
+    def _new(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams, output_ids: Sequence[int] = (),
+             output_logprobs: Sequence[float] = ()) -> Request:
+        return Request(rid=rid, prompt_ids=list(prompt_ids), params=params, eos_ids=self.eos_ids,
+                       generator=make_generator(params.seed), output_ids=list(output_ids),
+                       output_logprobs=list(output_logprobs))
 
     def peak_positions(self, req: Request) -> int:
         if self.prefill_only:
@@ -64,9 +89,48 @@ class Scheduler:
                                f"the pool has {have}")
         raise RequestError("max_new_tokens", f"prompt + max_new_tokens needs {need} pages, the pool has {have}")
 
-    def submit(self, req: Request) -> None:
+    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+        """A new request, queued for admission (refused now if it could never fit)."""
+        req = self._new(rid, prompt_ids, params)
         self.check_fits(req)
         self.waiting.append(req)
+        self.requests[rid] = req
+        return req
+
+    def admit_handoff(self, rid: str, prompt_ids: list[int], output_ids: list[int], output_logprobs: list[float],
+                      params: SamplingParams, committed_len: int) -> Request | None:
+        """Decode role: a request about to arrive, holding pages for its ``committed_len`` positions in
+        every cache, RECEIVING until ``activate``; None when it cannot be held now."""
+        req = self._new(rid, prompt_ids, params, output_ids, output_logprobs)
+        self.check_fits(req)
+        if not self.can_admit(req):
+            return None
+        req.handles = [cache.open() for cache in self.caches]
+        for cache, h in zip(self.caches, req.handles):
+            cache.reserve(h, committed_len)
+        req.phase = Phase.RECEIVING
+        self.running.append(req)
+        self.requests[rid] = req
+        return req
+
+    def activate(self, req: Request, committed_len: int, state: DraftState | None) -> None:
+        """A RECEIVING request's K/V arrived: it decodes from the next step on, straight from ``state``."""
+        req.receive(committed_len, state)
+        req.phase = Phase.DECODING
+
+    def prompt_done(self, req: Request) -> None:
+        """The last chunk of ``req``'s prompt ran: it decodes next, or (prefill role) waits for its hand-off."""
+        req.phase = Phase.HANDOFF if self.prefill_only else Phase.DECODING
+
+    def handoffs(self) -> list[Request]:
+        """Requests whose prefill completed (prefill role); they keep their pages until retired."""
+        return [r for r in self.running if r.phase is Phase.HANDOFF and r.finish_reason is None]
+
+    def joins_next(self, batch: list[Request]) -> bool:
+        """Whether the next decode step will run a request ``batch`` does not: one whose prompt
+        completed during this step, or a hand-off being received."""
+        these = {id(r) for r in batch}
+        return any(r.phase in (Phase.DECODING, Phase.RECEIVING) and id(r) not in these for r in self.running)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -121,8 +185,11 @@ class Scheduler:
         return all(cache.num_free_rows > 0 and h >= cache.pages_for(self.peak_positions(req))
                    for h, cache in zip(headroom, self.caches))
 
-    def release(self, req: Request) -> None:
-        """Return every page and request row of ``req`` to its cache."""
+    def retire(self, req: Request, reason: str | None = None) -> None:
+        """End ``req`` (with ``reason`` unless a stop condition ended it first): it leaves the table and
+        its queue, and every page and request row it holds goes back to its cache."""
+        req.end(reason)
+        req.phase = Phase.FINISHED
         for cache, handle in zip(self.caches, req.handles):
             if handle.row:
                 cache.close(handle)
@@ -131,3 +198,5 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if self.holds(req):
+            del self.requests[req.rid]

@@ -80,19 +80,17 @@ class Telemetry:
             raise ValueError(f"state must be one of {STATES}")
         self.state = state
 
-    def observe_engine(self, engine) -> None:
-        """Refresh the gauges from an Engine (call on the engine thread, e.g. after each step)."""
-        sched = engine.scheduler
-        self.requests_running.set(len(sched.running))
-        self.requests_queued.set(len(sched.waiting))
-        for i, cache in enumerate(sched.caches):
+    def observe_load(self, load) -> None:
+        """Refresh the gauges from an engine's load snapshot (``shared.engine.EngineLoad``)."""
+        self.requests_running.set(load.running)
+        self.requests_queued.set(load.queued)
+        for i, (free, total) in enumerate(zip(load.free_pages, load.total_pages)):
             name = "target" if i == 0 else f"draft{i - 1}"
-            self.kv_pages_total.labels(name).set(cache.spec.num_pages)
-            self.kv_pages_used.labels(name).set(cache.spec.num_pages - cache.num_free_pages)
-        self.observe_graph_failures(engine.graph_failures)
-        if engine.spec is not None:
-            for outcome in ("used", "partial", "dropped", "mismatched"):
-                self.draft_ahead.labels(outcome).set(getattr(engine.spec, f"ahead_{outcome}"))
+            self.kv_pages_total.labels(name).set(total)
+            self.kv_pages_used.labels(name).set(total - free)
+        for outcome, count in load.draft_ahead.items():
+            self.draft_ahead.labels(outcome).set(count)
+        self.observe_graph_failures(load.graph_failures)
 
     def observe_graph_failures(self, failures) -> None:
         """Count and list the engine's capture failures not seen yet (``shared.runner.CaptureFailure``)."""

@@ -2,7 +2,7 @@
 
 A request's life here:
 - ``Reserve``: the schema is checked (FAILED_PRECONDITION naming both sides), then pages are claimed in
-  every cache (``Engine.reserve_handoff``), or the request is refused (``accepted=false`` with the
+  every cache (``Engine.reserve_handoff``, on the engine loop), or the request is refused (``accepted=false`` with the
   reason) and the router places it elsewhere. From here on its tokens are buffered for ``Stream``.
 - ``Transfer``: the chunks are written straight into the reserved pages while the request is
   RECEIVING (nothing else touches them; an abort cancels the request's ``PageGuard`` before the pages
@@ -29,7 +29,7 @@ from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.common import ServiceHandle, full_name
 from services.engine_loop import EngineLoop
-from services.engine_service import engine_load, start_engine_service
+from services.engine_service import start_engine_service
 from services.prefill.server import validation_message
 from services.settings import DecodeSettings
 from shared.engine import Engine
@@ -45,7 +45,7 @@ from shared.handoff import (
     decode_draft_state,
     sampling_from_pb,
 )
-from shared.request import Phase, Request, RequestError
+from shared.request import Request, RequestError
 from shared.telemetry import Telemetry
 
 SERVICES = [full_name("Decode")]
@@ -76,7 +76,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.loop, self.settings, self.telemetry = loop, settings, telemetry
         self.log = loop.log
         self.instance_id = instance_id
-        self.schema = HandoffSchema.from_engine(loop.engine)
+        self.schema = loop.schema
         self.transport = transport or GrpcStreamTransport()
         self._lock = threading.Lock()
         self._incoming: dict[str, Incoming] = {}
@@ -136,9 +136,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             return pb.ReserveResponse(accepted=False, reason=str(e))
         if req is None:
             self.loop.unsubscribe(rid, events)
-            free = self.loop.engine.cache.num_free_pages
+            load = self.loop.load  # published right after the refusal
             self.telemetry.errors_total.labels("decode_full").inc()
-            reason = f"no room now ({free} free target pages, {len(self.loop.engine.scheduler.running)} running)"
+            reason = f"no room now ({load.free_pages[0]} free target pages, {load.running} running)"
             self.log.event("refused", rid, reason=reason, kind="decode_full")
             return pb.ReserveResponse(accepted=False, reason=reason)
         inc = Incoming(rid, req, request.committed_len, events,
@@ -161,20 +161,15 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                     raise NoReservation(f"request_id: {rid!r} has no reservation waiting for a transfer here")
                 inc.receiving = True
             opened.append(inc)
-
-            def pages(engine: Engine):
-                ok = engine.requests.get(rid) is inc.req and inc.req.phase is Phase.RECEIVING
-                return engine.page_ids(inc.req) if ok else None
-
-            page_ids = self.loop.call(pages).result()
-            if page_ids is None:
+            sink = self.loop.call(lambda engine: engine.page_sink(inc.req, inc.guard)).result()
+            if sink is None:
                 raise TransferCancelled(f"{rid} was aborted before its transfer")
-            return PageSink(rid, self.loop.engine.scheduler.caches, page_ids, inc.guard)
+            return sink
 
         try:
             received = self.transport.receive(request_iterator, open_sink)
             inc = opened[0]
-            state = decode_draft_state(received.draft_state, self.schema, inc.committed_len, self.loop.engine.device)
+            state = decode_draft_state(received.draft_state, self.schema, inc.committed_len, self.loop.device)
         except NoReservation as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except TransferCancelled as e:
@@ -192,11 +187,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             self._drop(opened, f"transfer failed: {e}")
             context.abort(grpc.StatusCode.INTERNAL, f"transfer failed: {e}")
 
-        def activate(engine: Engine) -> bool:
-            if engine.requests.get(inc.rid) is not inc.req or inc.req.phase is not Phase.RECEIVING:
-                return False
-            engine.activate_handoff(inc.req, inc.committed_len, state)  # straight into draft(): no pseudo-forward
-            return True
+        def activate(engine: Engine) -> bool:  # straight into draft(): no pseudo-forward
+            return engine.activate_handoff(inc.req, inc.committed_len, state)
 
         if not self.loop.call(activate).result():
             context.abort(grpc.StatusCode.ABORTED, f"{inc.rid} was aborted during its transfer")
@@ -279,7 +271,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         inc.guard.cancel()  # a transfer writes its pages no more (waits for a chunk being written)
 
         def abort(engine: Engine) -> bool:
-            return engine.requests.get(inc.rid) is inc.req and engine.abort(inc.rid)
+            return engine.release(inc.req, "abort")
 
         try:
             found = self.loop.call(abort).result(timeout=30)
@@ -315,13 +307,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             inc.guard.cancel()
 
     def after_step(self, engine: Engine) -> None:
-        self.telemetry.observe_engine(engine)
-
-    def load(self, engine: Engine) -> dict:
-        out = engine_load(engine)
-        out["outstanding_tokens"] = sum(max(0, r.params.max_new_tokens - len(r.output_ids))
-                                        for r in engine.scheduler.running)
-        return out
+        self.telemetry.observe_load(self.loop.load)
 
     def close(self) -> None:
         self._stop.set()

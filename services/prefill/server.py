@@ -30,22 +30,20 @@ from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.common import ServiceHandle, auth_channel_pool, full_name
 from services.engine_loop import EngineLoop, TokenEvent
-from services.engine_service import engine_load, start_engine_service
+from services.engine_service import start_engine_service
 from services.settings import PrefillSettings
 from shared.engine import Engine
 from shared.handoff import (
     ChannelPool,
     DecodeClient,
     GrpcStreamTransport,
-    HandoffSchema,
     PageSource,
     TransferCancelled,
     Transport,
-    encode_draft_state,
     sampling_from_pb,
     sampling_to_pb,
 )
-from shared.handoff.wire import pages_per_chunk
+from shared.handoff.wire import chunk_pages
 from shared.request import Request, RequestError
 from shared.telemetry import Telemetry
 
@@ -85,9 +83,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                  transport: Transport | None = None, channels: ChannelPool | None = None):
         self.loop, self.settings, self.telemetry = loop, settings, telemetry
         self.log = loop.log
-        self.schema = HandoffSchema.from_engine(loop.engine)
-        for cache in loop.engine.scheduler.caches:  # a chunk size below one page fails now, not per request
-            pages_per_chunk(cache, settings.handoff_chunk_bytes)
+        self.schema = loop.schema
+        for per_page in self.schema.page_bytes():  # a chunk size below one page fails now, not per request
+            chunk_pages(per_page, settings.handoff_chunk_bytes)
         self.channels = channels or auth_channel_pool(settings.api_key)  # the decode side asks for the key too
         self.client = DecodeClient(self.channels, self.schema)
         self.transport = transport or GrpcStreamTransport(self.channels, settings.handoff_chunk_bytes)
@@ -187,7 +185,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
     # ---- the hand-off ----------------------------------------------------------------------------
     def after_step(self, engine: Engine) -> None:
         """Loop thread: start the hand-off of every request the last step parked in HANDOFF."""
-        self.telemetry.observe_engine(engine)
+        self.telemetry.observe_load(self.loop.load)
         for req in engine.take_handoffs():
             with self._lock:
                 job = self._jobs.get(req.rid)
@@ -196,7 +194,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 continue
             if job.source is not None:
                 continue  # already under way
-            job.source = PageSource(req.rid, engine.scheduler.caches, engine.page_ids(req), encode_draft_state(req))
+            job.source = engine.page_source(req)
             reserve = pb.ReserveRequest(request_id=req.rid, prompt_ids=req.prompt_ids, output_ids=req.output_ids,
                                         output_logprobs=req.output_logprobs, sampling=sampling_to_pb(req.params),
                                         committed_len=req.kv_len)
@@ -251,9 +249,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             job.events.put(outcome)
 
     def _release(self, job: Job, reason: str) -> None:
-        def release(engine: Engine) -> None:
-            if job.req is not None and engine.requests.get(job.rid) is job.req:
-                engine.release(job.req, reason)
+        def release(engine: Engine) -> bool:
+            return job.req is not None and engine.release(job.req, reason)
 
         try:
             self.loop.call(release).result(timeout=30)
@@ -267,11 +264,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             job.source.guard.cancel()  # stop the transfer early (it touches the pages no more)
 
         def abort(engine: Engine) -> bool:
-            if job.req is None or engine.requests.get(job.rid) is not job.req:
-                return False
             if job.source is not None:  # set on this thread: a hand-off that started after the check above
                 job.source.guard.cancel()
-            return engine.abort(job.rid)
+            return job.req is not None and engine.release(job.req, "abort")
 
         try:
             found = self.loop.call(abort).result(timeout=30)
@@ -293,9 +288,6 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             if self._jobs.get(job.rid) is job:
                 del self._jobs[job.rid]
         self.loop.unsubscribe(job.rid, job.events)
-
-    def load(self, engine: Engine) -> dict:
-        return engine_load(engine)
 
     def before_fail(self, rid: str) -> None:
         with self._lock:

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from proto.eyrie.v1 import eyrie_pb2 as pb
+from shared.handoff.wire import kv_page_bytes
 from shared.spec.state import SCHEMA_VERSION
 
 
@@ -44,18 +47,20 @@ class HandoffSchema:
     vocab_size: int
 
     @classmethod
-    def from_engine(cls, engine) -> HandoffSchema:
-        """The schema of hand-offs from or to ``engine`` (a ``shared.engine.Engine``)."""
-        caches = tuple(CacheShape(c.spec.num_layers, c.spec.num_kv_heads, c.spec.head_dim)
-                       for c in engine.scheduler.caches)
-        kind, topk, steps, ndt, hidden = "", 0, 0, 0, 0
-        if engine.spec is not None:
-            sc = engine.spec.spec
-            kind, topk, steps, ndt = engine.spec.draft.kind, sc.topk, sc.steps, sc.num_draft_tokens
-            hidden = engine.spec.draft.hidden_width
-        return cls(version=SCHEMA_VERSION, page_size=engine.config.page_size, dtype=engine.config.dtype,
-                   caches=caches, draft_kind=kind, topk=topk, steps=steps, num_draft_tokens=ndt,
-                   draft_hidden_width=hidden, vocab_size=engine.model.config.vocab_size)
+    def build(cls, caches: list, page_size: int, dtype: str, vocab_size: int, draft_kind: str = "", tree=None,
+              draft_hidden_width: int = 0) -> HandoffSchema:
+        """The schema of an engine's hand-offs: ``caches`` are its caches' ``CacheSpec`` (target first),
+        ``tree`` its ``SpecConfig`` (None without a draft)."""
+        return cls(version=SCHEMA_VERSION, page_size=page_size, dtype=dtype,
+                   caches=tuple(CacheShape(c.num_layers, c.num_kv_heads, c.head_dim) for c in caches),
+                   draft_kind=draft_kind, topk=tree.topk if tree else 0, steps=tree.steps if tree else 0,
+                   num_draft_tokens=tree.num_draft_tokens if tree else 0, draft_hidden_width=draft_hidden_width,
+                   vocab_size=vocab_size)
+
+    def page_bytes(self) -> list[int]:
+        """Per cache (target first), K + V bytes of one page of one layer."""
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return [kv_page_bytes(self.page_size, c.num_kv_heads, c.head_dim, itemsize) for c in self.caches]
 
     # ---- the wire ----------------------------------------------------------------------------
     def to_pb(self) -> pb.HandoffSchema:

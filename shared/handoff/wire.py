@@ -85,14 +85,23 @@ def coalesce(page_ids: list[int]) -> list[PageRun]:
     return runs
 
 
-def page_bytes(cache: KVCache) -> int:
+def kv_page_bytes(page_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
     """K + V bytes of one page of one layer."""
+    return 2 * page_size * num_kv_heads * head_dim * itemsize
+
+
+def page_bytes(cache: KVCache) -> int:
+    """K + V bytes of one page of one layer of ``cache``."""
     s = cache.spec
-    return 2 * s.page_size * s.num_kv_heads * s.head_dim * cache.k[0].element_size()
+    return kv_page_bytes(s.page_size, s.num_kv_heads, s.head_dim, cache.k[0].element_size())
 
 
 def pages_per_chunk(cache: KVCache, chunk_bytes: int) -> int:
-    per_page = page_bytes(cache)
+    return chunk_pages(page_bytes(cache), chunk_bytes)
+
+
+def chunk_pages(per_page: int, chunk_bytes: int) -> int:
+    """Pages of ``per_page`` bytes a chunk of at most ``chunk_bytes`` holds (at least one, or ValueError)."""
     if per_page > chunk_bytes:
         raise ValueError(f"handoff_chunk_bytes {chunk_bytes} is smaller than one page of one layer "
                          f"(K + V: {per_page} bytes); chunks are page-aligned")

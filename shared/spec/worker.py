@@ -7,22 +7,15 @@ position L + depth(n). Every forward batch is built from the cache of the runner
 chunking (seed 000). Every per-token output of verification is gathered by one accept index
 (seed 004). Empty batches run the same code as full ones, with widths from the draft (seed 003).
 
-Statistics (per request in ``Request.stats``, per engine in ``SpecWorker.totals``, per verify step in
-``SpecWorker.batches``; definitions in ``shared.request.SpecStats``): accept length is committed
-tokens per verify, the accepted drafts plus the bonus token, cut where EOS, a stop token or
-max_new_tokens ends a request inside an accepted run (the discarded rest is not counted). Accept
-rate is the drafts verification accepted over the ``steps`` drafts each verify could accept. A
-step's draft time runs to the end of tree drafting, its verify time from there to the end of the
-extend that follows; a request's share of each is the step's time over the step's batch size. A
-draft launched ahead (``decode_step``) is timed where it is launched and counted as the draft time of
-the step that uses it.
+A decode step (``SpecWorker.decode_step``) reads top to bottom: reserve pages, draft (or take the
+draft launched ahead: ``shared/spec/draft_ahead.py``), verify and extend, launch the next step's draft
+ahead, commit, record the statistics (``shared/spec/stats.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
 from pathlib import Path
 
 import torch
@@ -30,13 +23,16 @@ import torch
 from shared.batch import build_forward_batch
 from shared.config import EngineConfig, SpecConfig
 from shared.memory.kv_cache import KVCache
+from shared.memory.sizing import make_cache
 from shared.model.drafts import DraftHead, load_draft
-from shared.model.llama import TargetOutput
-from shared.request import Phase, Request, SpecStats
-from shared.runner import PhaseGraphs, pad_rows, tree_map
+from shared.model.llama import LlamaForCausalLM, TargetOutput
+from shared.request import Request
+from shared.runner import CaptureFailure, PhaseGraphs, pad_rows, tree_map
 from shared.scheduler import Chunk
+from shared.spec.draft_ahead import DraftAhead, Drafted
 from shared.spec.phases import DecodeInputs, SpecPhases, StepOutput
 from shared.spec.state import DraftState
+from shared.spec.stats import SpecRecorder
 from shared.spec.tree import DraftTree
 from shared.spec.verify import Acceptance, greedy_accept, sampled_accept
 
@@ -53,115 +49,25 @@ def shifted_tokens(req: Request, start: int, end: int) -> list[int]:
     return ids[start + 1:end + 1]
 
 
-@dataclasses.dataclass
-class SpecBatchStats:
-    """One verify step of the engine: the requests it verified together and what each committed."""
-
-    step: int  # the engine's verify-step counter (0, 1, ...), kept across generate calls
-    request_ids: list[str]
-    committed: list[int]  # per request: tokens this verify committed (bonus included, cut at a stop)
-    verified: list[int]  # per request: accepted drafts + bonus as verification found them (before a cut)
-    drafts_per_request: int  # spec steps: drafts each request could have accepted
-    draft_time_s: float
-    verify_time_s: float
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.request_ids)
-
-    def totals(self) -> SpecStats:
-        """This step as ``SpecStats`` summed over its requests (the definitions live there)."""
-        n = self.batch_size
-        return SpecStats(verify_steps=n, accepted_drafts=sum(self.verified) - n,
-                         proposed_drafts=self.drafts_per_request * n, committed_tokens=sum(self.committed),
-                         draft_time_s=self.draft_time_s, verify_time_s=self.verify_time_s)
-
-    @property
-    def accept_length(self) -> float:
-        """Committed tokens per verify, averaged over the batch's requests."""
-        return self.totals().accept_length
-
-    @property
-    def accept_rate(self) -> float:
-        """Drafts verification accepted over the drafts the batch's requests could accept."""
-        return self.totals().accept_rate
-
-    def as_dict(self) -> dict:
-        return {"step": self.step, "batch_size": self.batch_size, "request_ids": list(self.request_ids),
-                "committed": list(self.committed), "verified": list(self.verified),
-                "accept_length": round(self.accept_length, 4), "accept_rate": round(self.accept_rate, 4),
-                "draft_time_s": round(self.draft_time_s, 6), "verify_time_s": round(self.verify_time_s, 6)}
-
-
-def summarize_batches(batches: list[SpecBatchStats]) -> dict:
-    """Totals over verify steps (for example those of one prompt batch): the same definitions."""
-    total = SpecStats()
-    for b in batches:
-        total.add(b.totals())
-    steps = total.verify_steps  # request-verifies
-    return {"verify_batches": len(batches), "verify_steps": steps,
-            "mean_batch_size": round(steps / len(batches), 4) if batches else 0.0,
-            "accepted_drafts": total.accepted_drafts, "committed_tokens": total.committed_tokens,
-            "accept_length": round(total.accept_length, 4), "accept_rate": round(total.accept_rate, 4),
-            "draft_time_s": round(total.draft_time_s, 6), "verify_time_s": round(total.verify_time_s, 6)}
-
-
-def as_padding(inp: DecodeInputs, rows: list[int]) -> DecodeInputs:
-    """``inp`` with ``rows`` turned into padding rows (request row 0, length 0, zeros): whatever
-    tree they carry, they then read and write only the sink slots."""
-    index = torch.tensor(rows, dtype=torch.int64, device=inp.L.device)
-    return tree_map(lambda t: t.index_fill(0, index, 0), inp)
-
-
-@dataclasses.dataclass
-class DraftAhead:
-    """The next step's draft, launched before this step's tokens reached the host. The next step uses
-    it when it runs these requests (or some of them: the rows of those that ended become padding), in
-    this order, from the states this step left them."""
-
-    reqs: list[Request]
-    states: list[DraftState | None]  # each request's draft state it was drafted from (set at commit)
-    inp: DecodeInputs  # padded to the bucket, on the device
-    tree: DraftTree
-    seconds: float  # host time of launching it: the draft time of the step that uses it
-
-    def rows_for(self, reqs: list[Request]) -> list[int] | None:
-        """Each request's row here when ``reqs`` are some of this draft's requests, in its order, each
-        from the state it was drafted from (the others ended since); otherwise None."""
-        where = {id(r): i for i, r in enumerate(self.reqs)}
-        rows = [where.get(id(r)) for r in reqs]
-        if not reqs or None in rows or rows != sorted(rows):
-            return None
-        return rows if all(r.draft_state is self.states[i] for r, i in zip(reqs, rows)) else None
-
-
-BATCH_LOG = 4096  # verify steps ``SpecWorker.batches`` keeps (a serving engine runs forever)
-
-
 class SpecWorker:
-    def __init__(self, engine, draft: DraftHead, spec: SpecConfig, config: EngineConfig):
-        from shared.engine import make_cache
-
-        self.engine = engine
-        self.target = engine.model
-        self.target_cache: KVCache = engine.cache
+    def __init__(self, target: LlamaForCausalLM, target_cache: KVCache, draft: DraftHead, spec: SpecConfig,
+                 config: EngineConfig, max_context: int, graph_failures: list[CaptureFailure] | None = None):
+        self.target = target
+        self.target_cache = target_cache
         self.draft = draft
         self.spec = spec
         if draft.kind == "mtp" and draft.num_caches < spec.steps:
             raise ValueError(f"spec steps: the multi-layer draft has {draft.num_caches} layers, "
                              f"steps={spec.steps} needs one per step")
         n_caches = spec.steps if draft.kind == "mtp" else 1
-        self.caches = [make_cache(draft.config, draft.layers_per_cache, config, engine.max_context)
-                       for _ in range(n_caches)]
+        self.caches = [make_cache(draft.config, draft.layers_per_cache, config, max_context) for _ in range(n_caches)]
         self.capture_mode = "aux" if draft.kind == "eagle3" else "last"
         self.aux_layers = getattr(draft, "aux_layers", ())
         self.phases = SpecPhases(self.target, self.target_cache, draft, self.caches, spec, self.capture_mode,
                                  self.aux_layers)
-        self.totals = SpecStats()  # the whole engine's, batch after batch
-        self.batches: deque[SpecBatchStats] = deque(maxlen=BATCH_LOG)  # the latest verify steps
-        self.num_batches = 0  # verify steps run so far (``batches_since`` takes a mark of it)
+        self.stats = SpecRecorder(spec.steps)
         on = set(config.cuda_graph_phases) if config.cuda_graph else set()
-        failures = engine.graph_failures  # one list per engine: /health and the metric read it
+        failures = [] if graph_failures is None else graph_failures  # the engine's: /health reads it
         self.graphs = {name: PhaseGraphs(name, getattr(self.phases, name), name in on, config.cuda_graph_max_bs,
                                          failures)
                        for name in ("draft", "verify", "extend")}
@@ -169,25 +75,17 @@ class SpecWorker:
         self.graphs["verify_extend"] = PhaseGraphs("verify_extend", self.phases.verify_extend,
                                                    {"verify", "extend"} <= on, config.cuda_graph_max_bs, failures)
         ahead = config.spec_draft_ahead
-        self.draft_ahead = engine.device.type == "cuda" if ahead is None else ahead
-        self._ahead: DraftAhead | None = None  # the draft launched for the next step, if any
-        # Drafts launched ahead that a step used (of them, for only some of their requests) / did not use
-        # (of them, because the next batch was not some of its requests: a join nobody foresaw).
-        self.ahead_used = self.ahead_partial = self.ahead_dropped = self.ahead_mismatched = 0
-
-    def keep_batches(self, limit: int | None) -> None:
-        """Keep the latest ``limit`` verify steps' statistics (None: all, for a bounded run)."""
-        self.batches = deque(self.batches, maxlen=limit)
-
-    def batches_since(self, mark: int) -> list[SpecBatchStats]:
-        """The kept verify steps numbered ``mark`` and later (``mark`` = ``num_batches`` read earlier)."""
-        return [b for b in self.batches if b.step >= mark]
+        enabled = target_cache.spec.device.type == "cuda" if ahead is None else ahead
+        room = min(cache.spec.max_context - self._draft_reach(c) for c, cache in enumerate(self.caches))
+        self.ahead = DraftAhead(enabled, spec.steps, room, self.dtype)
 
     @classmethod
-    def load(cls, path: str | Path | DraftHead, engine, config: EngineConfig) -> SpecWorker:
+    def load(cls, path: str | Path | DraftHead, target: LlamaForCausalLM, target_cache: KVCache,
+             config: EngineConfig, max_context: int,
+             graph_failures: list[CaptureFailure] | None = None) -> SpecWorker:
         """``path``: a draft checkpoint directory, or a draft head already built on the target."""
-        draft = path if isinstance(path, DraftHead) else load_draft(path, engine.model, config.dtype, config.device)
-        return cls(engine, draft, config.spec or SpecConfig(), config)
+        draft = path if isinstance(path, DraftHead) else load_draft(path, target, config.dtype, config.device)
+        return cls(target, target_cache, draft, config.spec or SpecConfig(), config, max_context, graph_failures)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -232,93 +130,55 @@ class SpecWorker:
         topk_p, topk_draft = torch.softmax(logits, dim=-1).topk(self.spec.topk, dim=-1)
         topk_ids = self.draft.to_target_ids(topk_draft)
         for i, req in enumerate(reqs):
-            req.draft_state = DraftState(
-                bonus_token=req.all_ids[req.kv_len], committed_len=req.kv_len, hidden=hidden[i],
-                topk_p=topk_p[i], topk_ids=topk_ids[i],
-            )
+            req.resume_from(DraftState(bonus_token=req.all_ids[req.kv_len], committed_len=req.kv_len,
+                                       hidden=hidden[i], topk_p=topk_p[i], topk_ids=topk_ids[i]))
 
     # ---- one decode step -------------------------------------------------------------------------
-    def decode_step(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
-        """Draft, verify, accept, compact and extend for ``reqs``; host bookkeeping around four
-        pure tensor phases (each can be replayed from a CUDA graph).
-
-        Drafting ahead: the next step's draft needs only device tensors of this step's output, so it
-        is launched right after this step's verify and extend, and the host does this step's
-        bookkeeping while the device drafts. The next step uses it when it runs these requests, or
-        some of them, from the states this step left them (``DraftAhead.rows_for``); otherwise it
-        drafts anew (the draft ahead wrote only scratch positions past the committed lengths).
-        """
-        caps = self._ahead_caps(reqs) if self.draft_ahead and reqs and not self._batch_grows(reqs) else None
+    def decode_step(self, reqs: list[Request], next_grows: bool = False) -> list[tuple[Request, list[int]]]:
+        """Draft, verify, accept, compact and extend for ``reqs``: host bookkeeping around four pure
+        tensor phases (each can be replayed from a CUDA graph). ``next_grows``: the next decode step
+        runs a request this one does not (then no draft is launched ahead for it)."""
+        caps = self.ahead.caps(reqs, next_grows)
         self._reserve(reqs, caps)
-        n = len(reqs)
-        ahead, self._ahead = self._ahead, None
-        rows = ahead.rows_for(reqs) if ahead is not None else None
         t0 = time.perf_counter()
-        ahead_s = 0.0  # time spent here on the draft of the next step (its draft time, not this verify's)
-        index = None  # the requests' rows of the batch, when they are not its first n
-        if rows is not None:  # drafted during the last step
-            inp, tree = ahead.inp, ahead.tree
-            self.ahead_used += 1
-            t0 -= ahead.seconds
-            if len(rows) < len(ahead.reqs):  # the rows of requests that ended since become padding
-                inp = as_padding(inp, sorted(set(range(len(ahead.reqs))) - set(rows)))
-                index = torch.tensor(rows, dtype=torch.int64, device=inp.L.device)
-                self.ahead_partial += 1
-        else:
-            self.ahead_dropped += ahead is not None
-            self.ahead_mismatched += ahead is not None
-            # Padded rows: request row 0, length 0. An empty batch runs one such row, the same path.
-            bs = self.graphs["draft"].bucket(n) or max(n, 1)
-            inp = tree_map(lambda t: pad_rows(t, bs), self._inputs(reqs))
-            tree = self.graphs["draft"](inp)
-
-        def take(t: torch.Tensor) -> torch.Tensor:
-            return t[:n] if index is None else t.index_select(0, index)
+        drafted = self.ahead.take(reqs) or self._draft(reqs)
         t1 = time.perf_counter()
-        if all(r.params.greedy for r in reqs):
-            out = self.graphs["verify_extend"](inp, tree)
-        else:
-            logits, feats = self.graphs["verify"](inp, tree)
-            acc = self.accept(reqs, tree, logits, take)
-            out = self.graphs["extend"](inp, tree, acc, logits, feats)
-        out, inp = tree_map(take, out), tree_map(take, inp)
+        out, inp = self._verify(reqs, drafted)
         # The per-token outputs the host needs start on their way to it (the one sync of the step) ...
         host, ready = self._to_host(out)
-        if caps is not None:  # ... and the next step's draft goes to the device behind them
-            ta = time.perf_counter()
-            bs = self.graphs["draft"].bucket(n) or n
-            nxt = tree_map(lambda t: pad_rows(t, bs), self._next_inputs(inp, out, caps))
-            tree_next = self.graphs["draft"](nxt)
-            ahead_s = time.perf_counter() - ta
-            self._ahead = DraftAhead(list(reqs), [None] * n, nxt, tree_next, ahead_s)
+        # ... and the next step's draft goes to the device behind them, timed as that step's draft.
+        ahead_s = self.ahead.launch(reqs, inp, out, caps, self.graphs["draft"]) if caps is not None else 0.0
         if ready is not None:
             ready.synchronize()
         out = dataclasses.replace(out, **host)
         t2 = time.perf_counter() - ahead_s
         verified = out.accept_len.tolist()
         events = self._commit(reqs, inp, out)
-        if self._ahead is not None:  # the states it drafted from (those of requests that ended are not used)
-            self._ahead.states = [r.draft_state for r in reqs]
-            if all(r.finish_reason is not None for r in reqs):
-                self.drop_ahead()  # every request ended: nothing will use it
-        for req in reqs:
-            req.stats.draft_time_s += (t1 - t0) / len(reqs)
-            req.stats.verify_time_s += (t2 - t1) / len(reqs)
-        batch = SpecBatchStats(step=self.num_batches, request_ids=[r.rid for r in reqs],
-                               committed=[len(toks) for _, toks in events], verified=verified,
-                               drafts_per_request=self.spec.steps, draft_time_s=t1 - t0, verify_time_s=t2 - t1)
-        self.totals.add(batch.totals())
-        if reqs:  # an empty step verifies nothing: no batch to report
-            self.batches.append(batch)
-            self.num_batches += 1
+        self.ahead.committed(reqs)
+        self.stats.record(events, verified, draft_s=t1 - t0 + drafted.earlier_s, verify_s=t2 - t1)
         return events
 
     def drop_ahead(self) -> None:
-        """Forget the draft launched ahead (no decode step is going to use it): it keeps no request
-        alive; its device work is ordered before anything launched later."""
-        if self._ahead is not None:
-            self._ahead = None
-            self.ahead_dropped += 1
+        """No decode step is coming: forget the draft launched ahead."""
+        self.ahead.drop()
+
+    def _draft(self, reqs: list[Request]) -> Drafted:
+        """Draft the tree from the requests' committed states. Padded rows: request row 0, length 0; an
+        empty batch runs one such row, the same path."""
+        n = len(reqs)
+        bs = self.graphs["draft"].bucket(n) or max(n, 1)
+        inp = tree_map(lambda t: pad_rows(t, bs), self._inputs(reqs))
+        return Drafted(inp, self.graphs["draft"](inp), n)
+
+    def _verify(self, reqs: list[Request], d: Drafted) -> tuple[StepOutput, DecodeInputs]:
+        """Verify the tree, accept, compact and extend; the requests' rows of the output and inputs."""
+        if all(r.params.greedy for r in reqs):
+            out = self.graphs["verify_extend"](d.inp, d.tree)
+        else:
+            logits, feats = self.graphs["verify"](d.inp, d.tree)
+            acc = self.accept(reqs, d.tree, logits, d.take)
+            out = self.graphs["extend"](d.inp, d.tree, acc, logits, feats)
+        return tree_map(d.take, out), tree_map(d.take, d.inp)
 
     @staticmethod
     def _to_host(out: StepOutput) -> tuple[dict, torch.cuda.Event | None]:
@@ -331,37 +191,6 @@ class SpecWorker:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(out.accept_len.device))  # the copies' stream, on their GPU
         return host, ready
-
-    def _next_inputs(self, inp: DecodeInputs, out: StepOutput, caps: list[int]) -> DecodeInputs:
-        """On the device, the inputs ``_inputs`` will build from the states ``_commit`` leaves (a
-        request that does not finish commits its whole accepted run). Committed lengths are clamped
-        to ``caps``, which only a request that finishes in this step can exceed: its row, never used,
-        then stays within the pages reserved for it."""
-        last = (out.accept_len - 1).unsqueeze(1)
-        cap = torch.tensor(caps, dtype=torch.int64).to(inp.L.device, non_blocking=True)
-        L = torch.minimum(inp.L + out.accept_len, cap)
-        return DecodeInputs(target_rows=inp.target_rows, draft_rows=inp.draft_rows, L=L,
-                            bonus=out.tokens.gather(1, last).squeeze(1), hidden=out.hidden.to(self.dtype),
-                            topk_p=out.topk_p.float(), topk_ids=out.topk_ids)
-
-    def _batch_grows(self, reqs: list[Request]) -> bool:
-        """Whether the next decode step will run a request this one does not: one whose prompt
-        completed during this step, or a hand-off being received (a draft ahead would be wasted)."""
-        these = {id(r) for r in reqs}
-        return any(r.phase in (Phase.DECODING, Phase.RECEIVING) and id(r) not in these
-                   for r in self.engine.scheduler.running)
-
-    def _ahead_caps(self, reqs: list[Request]) -> list[int] | None:
-        """Per request, the largest committed length after this step with which it still runs the
-        next one: the longest accepted run, or one token short of max_new_tokens (reaching it ends
-        the request). The next step's draft, launched ahead, writes at most ``_draft_reach`` past it,
-        which stays within the peak the scheduler budgeted for the request (prompt + max_new_tokens
-        + headroom), so drafting ahead claims no page another request may need. None when a draft
-        cache's max_context would cut it (drafting ahead is then skipped)."""
-        caps = [min(r.draft_state.committed_len + self.spec.steps + 1, r.prompt_len + r.params.max_new_tokens - 2)
-                for r in reqs]
-        reach = max(self._draft_reach(c) - cache.spec.max_context for c, cache in enumerate(self.caches))
-        return caps if max(caps) + reach <= 0 else None
 
     def _draft_reach(self, c: int) -> int:
         """Positions past the committed length a step writes in draft cache ``c``."""
@@ -446,24 +275,19 @@ class SpecWorker:
         lens = out.accept_len.tolist()
         toks, lps = out.tokens.tolist(), out.logprobs.tolist()
         self._sync_host_rows(reqs, out.accept_index.tolist(), lens)
+        scratch = self.ahead.pending is not None  # a draft launched ahead writes its scratch past the length
         events = []
         for b, req in enumerate(reqs):
             n = lens[b]
             L = req.draft_state.committed_len
-            taken = req.commit(toks[b][:n], lps[b][:n])  # a stop inside the run cuts it
-            events.append((req, taken))
-            req.stats.verify_steps += 1
-            req.stats.accepted_drafts += n - 1
-            req.stats.committed_tokens += len(taken)  # a stop inside the run: only up to it
-            req.stats.proposed_drafts += self.spec.steps
+            events.append((req, req.commit(toks[b][:n], lps[b][:n])))  # a stop inside the run cuts it
             if req.finish_reason is not None:
                 continue  # the engine returns all its pages
-            req.kv_len = L + n
             self.target_cache.shrink(req.handles[0], L + n)
-            for c, cache in enumerate(self.caches):  # a draft launched ahead writes its scratch there
-                cache.shrink(req.handles[1 + c], L + n + (self._draft_reach(c) if self._ahead is not None else 0))
-            req.draft_state = DraftState(bonus_token=toks[b][n - 1], committed_len=L + n, hidden=out.hidden[b],
-                                         topk_p=out.topk_p[b], topk_ids=out.topk_ids[b])
+            for c, cache in enumerate(self.caches):
+                cache.shrink(req.handles[1 + c], L + n + (self._draft_reach(c) if scratch else 0))
+            req.resume_from(DraftState(bonus_token=toks[b][n - 1], committed_len=L + n, hidden=out.hidden[b],
+                                       topk_p=out.topk_p[b], topk_ids=out.topk_ids[b]))
         return events
 
     def _sync_host_rows(self, reqs: list[Request], accept_index: list[list[int]], lens: list[int]) -> None:

@@ -46,8 +46,8 @@ class TargetRunner:
             num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
             dtype=weight.dtype, device=weight.device, page_size=PAGE, num_pages=rows * -(-seq_len // PAGE),
             max_reqs=rows, max_context=seq_len))
-        self.handles = [self.cache.open() for _ in range(rows)]
-        for h in self.handles:
+        self.kv_handles = [self.cache.open() for _ in range(rows)]
+        for h in self.kv_handles:
             self.cache.reserve(h, seq_len)
         self.hot = None if hot is None else hot.to(weight.device)
         in_draft = torch.ones(cfg.vocab_size, dtype=torch.bool) if hot is None else torch.zeros(
@@ -58,10 +58,10 @@ class TargetRunner:
         B, T = ids.shape
         dev = self.target.lm_head.weight.device
         pos = torch.arange(T).repeat(B)
-        batch = build_forward_batch(self.cache, [h.row for h in self.handles[:B]], [0] * B, [T] * B,
+        batch = build_forward_batch(self.cache, [h.row for h in self.kv_handles[:B]], [0] * B, [T] * B,
                                     ids.reshape(-1), pos, pos)
         out = self.target(batch, self.cache, capture=self.capture, aux_layers=self.aux_layers)
-        feats = out.aux_hidden if self.capture == "aux" else out.hidden
+        feats = out.features()
         logits = out.logits if self.hot is None else out.logits[:, self.hot]
         target_next = out.logits.argmax(-1)
         # Outside inference mode from here: clones are ordinary tensors autograd may save.

@@ -116,10 +116,10 @@ def test_drafting_ahead_under_graphs_equals_the_cpu(oracle_model_dir, kind, topk
 
     want, _ = run("cpu", False)
     got, w = run("cuda", None)
-    assert w.draft_ahead and w.ahead_used > 0 and w.ahead_partial > 0 and w.ahead_mismatched == 0
+    assert w.ahead.enabled and w.ahead.used > 0 and w.ahead.partial > 0 and w.ahead.mismatched == 0
     assert got == want
     off, w = run("cuda", False)
-    assert off == want and w.ahead_used == 0
+    assert off == want and w.ahead.used == 0
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")

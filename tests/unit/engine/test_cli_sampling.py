@@ -125,7 +125,7 @@ def test_spec_draft_ahead_flag(tiny_model_dir, capsys, monkeypatch, ahead):
 
     def recording_init(self, *a, **kw):
         init(self, *a, **kw)
-        seen.append(self.spec.draft_ahead)
+        seen.append(self.spec.ahead.enabled)
 
     monkeypatch.setattr(Engine, "__init__", recording_init)
     objs = cli(capsys, target, "--draft", str(draft), "--spec-topk", "1", "--spec-steps", "3",

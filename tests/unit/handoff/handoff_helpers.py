@@ -10,7 +10,7 @@ import torch
 
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
-from shared.handoff import HandoffSchema, PageSink, PageSource, decode_draft_state, encode_draft_state, iter_chunks
+from shared.handoff import PageSink, PageSource, decode_draft_state, encode_draft_state, iter_chunks
 from shared.handoff.wire import page_bytes
 from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import LlamaForCausalLM
@@ -103,6 +103,6 @@ def hand_off(prefill: Engine, req: Request, decode: Engine, chunk_bytes: int | N
         sink.write(chunk)
         last = chunk
     received = sink.finish(last)
-    state = decode_draft_state(received.draft_state, HandoffSchema.from_engine(decode), req.kv_len, decode.device)
+    state = decode_draft_state(received.draft_state, decode.handoff_schema(), req.kv_len, decode.device)
     decode.activate_handoff(moved, req.kv_len, state)
     return moved

@@ -21,7 +21,7 @@ def models(oracle_model_dir):
 
 def schema(models, draft, **config) -> HandoffSchema:
     topk = config.pop("topk", 1)
-    return HandoffSchema.from_engine(make_engine(models, draft, engine_config(draft, topk, **config)))
+    return make_engine(models, draft, engine_config(draft, topk, **config)).handoff_schema()
 
 
 def mismatch(decode: HandoffSchema, prefill: HandoffSchema) -> str:
@@ -65,11 +65,11 @@ def test_engine_configurations_that_differ_are_refused_naming_both_sides(models,
 
 def test_dtype_and_steps_differences_are_refused(models, oracle_model_dir):
     bf16 = Engine(oracle_model_dir / "target", config=engine_config(None, dtype="bfloat16"), role="decode")
-    assert "dtype: decode has bfloat16, prefill has float32" in mismatch(HandoffSchema.from_engine(bf16),
+    assert "dtype: decode has bfloat16, prefill has float32" in mismatch(bf16.handoff_schema(),
                                                                         schema(models, None))
     five = make_engine(models, "eagle", engine_config("eagle").model_copy(update={"spec": SpecConfig(steps=5,
                                                                                    num_draft_tokens=6)}))
-    assert "steps=5" in mismatch(HandoffSchema.from_engine(five), schema(models, "eagle"))
+    assert "steps=5" in mismatch(five.handoff_schema(), schema(models, "eagle"))
 
 
 TARGET, DRAFT = CacheShape(2, 2, 16), CacheShape(1, 2, 16)

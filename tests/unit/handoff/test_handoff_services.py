@@ -24,7 +24,7 @@ from services.common import start_grpc_server
 from services.decode.server import start_decode
 from services.prefill.server import start_prefill
 from services.settings import DecodeSettings, PrefillSettings
-from shared.handoff import HandoffSchema, PageSource, iter_chunks, sampling_to_pb
+from shared.handoff import PageSource, iter_chunks, sampling_to_pb
 from shared.handoff.wire import page_bytes
 from shared.metadata import EmbeddedRedis, Registry, connect
 from shared.sampling import SamplingParams
@@ -219,7 +219,7 @@ def test_a_prefill_without_speculation_is_refused_at_the_handshake(models, redis
         assert f"speculative config: decode {s.decode.instance_id} has eagle (topk=4, steps=3, num_draft_tokens=8), " \
                "prefill has none" in details
         with pytest.raises(grpc.RpcError) as err:  # the handshake alone says the same
-            s.dstub.Handshake(HandoffSchema.from_engine(s.prefill_engine).to_pb(), timeout=5)
+            s.dstub.Handshake(s.prefill_engine.handoff_schema().to_pb(), timeout=5)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "prefill has none" in err.value.details()
         assert s.clean()
     finally:
@@ -250,7 +250,7 @@ def reserve_directly(stack, rid):
     """The test plays the prefill side: a valid reservation for LONG's hand-off."""
     reply = stack.dstub.Reserve(pb.ReserveRequest(
         request_id=rid, prompt_ids=LONG, output_ids=[7], output_logprobs=[-1.0], sampling=sampling_to_pb(GREEDY),
-        committed_len=len(LONG), schema=HandoffSchema.from_engine(stack.prefill_engine).to_pb()), timeout=5)
+        committed_len=len(LONG), schema=stack.prefill_engine.handoff_schema().to_pb()), timeout=5)
     assert reply.accepted
     caches = stack.prefill_engine.scheduler.caches
     pages = [list(range(1, c.pages_for(len(LONG)) + 1)) for c in caches]  # sizes right, contents whatever

@@ -36,8 +36,8 @@ def test_a_failed_capture_shows_in_health_metrics_and_log(tiny_model_dir, caplog
         assert any("graph_capture_failed" in r.getMessage() or getattr(r, "event", "") == "graph_capture_failed"
                    for r in caplog.records)
         # Seen failures are counted once, however often the engine is observed.
-        telemetry.observe_engine(engine)
-        telemetry.observe_engine(engine)
+        telemetry.observe_load(engine.load())
+        telemetry.observe_load(engine.load())
         assert samples(telemetry.address)[("eyrie_graph_capture_failures_total", (("phase", "draft"),))] == 1
     finally:
         telemetry.stop()

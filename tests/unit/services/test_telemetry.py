@@ -92,21 +92,21 @@ def test_observe_engine_reports_every_pool(telemetry, tiny_model_dir):
 
     engine = Engine(tiny_model_dir / "target", tiny_model_dir / "mtp",
                     EngineConfig(page_size=4, num_pages=32, spec=SpecConfig(topk=1, steps=2, num_draft_tokens=3)))
-    telemetry.observe_engine(engine)
+    telemetry.observe_load(engine.load())
     m = samples(telemetry.address)
     caches = sorted(dict(k[1])["cache"] for k in m if k[0] == "eyrie_kv_pages_total")
     assert caches == ["draft0", "draft1", "target"]  # the multi-layer draft has one pool per step
     assert m[("eyrie_kv_pages_used", (("cache", "target"),))] == 0
     engine.add_request(list(range(10)), SamplingParams(max_new_tokens=4), rid="r")
     engine.step()
-    telemetry.observe_engine(engine)
+    telemetry.observe_load(engine.load())
     m = samples(telemetry.address)
     total = m[("eyrie_kv_pages_total", (("cache", "target"),))]
     assert total == engine.cache.spec.num_pages
     assert m[("eyrie_kv_pages_used", (("cache", "target"),))] >= 3  # 10+ tokens in pages of 4
     assert m[("eyrie_requests_running", ())] + m[("eyrie_requests_queued", ())] == 1
     engine.abort("r")
-    telemetry.observe_engine(engine)
+    telemetry.observe_load(engine.load())
     assert samples(telemetry.address)[("eyrie_kv_pages_used", (("cache", "target"),))] == 0
 
 
@@ -148,10 +148,10 @@ def test_draft_ahead_outcomes_are_exported(telemetry, tiny_model_dir):
                                  spec_draft_ahead=True))
     engine.generate([list(range(10)), list(range(5, 12))], [SamplingParams(max_new_tokens=n, ignore_eos=True)
                                                             for n in (12, 4)])
-    telemetry.observe_engine(engine)
+    telemetry.observe_load(engine.load())
     m = samples(telemetry.address)
     w = engine.spec
     got = {o: m[("eyrie_spec_draft_ahead", (("outcome", o),))] for o in ("used", "partial", "dropped", "mismatched")}
-    assert got == {"used": w.ahead_used, "partial": w.ahead_partial, "dropped": w.ahead_dropped,
-                   "mismatched": w.ahead_mismatched}
+    assert got == {"used": w.ahead.used, "partial": w.ahead.partial, "dropped": w.ahead.dropped,
+                   "mismatched": w.ahead.mismatched}
     assert got["used"] > 0 and got["partial"] > 0

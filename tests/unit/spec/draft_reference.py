@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.batch import build_forward_batch
-from shared.engine import Engine, make_cache
+from shared.engine import Engine
 from shared.memory.kv_cache import KVCache
+from shared.memory.sizing import make_cache
 from shared.request import Request
 
 

@@ -44,21 +44,21 @@ def run(engine: Engine, prompts, params, join_after: int | None = None, join=Non
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_drafting_ahead_is_lossless_as_the_batch_changes(oracle_models, kind, topk, steps, n, page_size):
     engine = oracle_models.engine(kind, topk, steps, n, page_size=page_size, chunk_size=4, spec_draft_ahead=True)
-    assert engine.spec.draft_ahead
+    assert engine.spec.ahead.enabled
     w = engine.spec
-    next_inputs, decode_step, clamped, current, checked = w._next_inputs, w.decode_step, [], [], [0]
+    next_inputs, decode_step, clamped, current, checked = w.ahead.next_inputs, w.decode_step, [], [], [0]
 
-    def recording_decode_step(reqs):
+    def recording_decode_step(reqs, *rest):
         current[:] = reqs
-        rows = w._ahead.rows_for(reqs) if w._ahead is not None else None
+        rows = w.ahead.pending.rows_for(reqs) if w.ahead.pending is not None else None
         if rows is not None:  # what the draft ahead drafted from == what the committed states give
-            want, got = w._inputs(reqs), w._ahead.inp
+            want, got = w._inputs(reqs), w.ahead.pending.inp
             for name in ("target_rows", "draft_rows", "L", "bonus", "topk_ids"):
                 assert torch.equal(getattr(got, name)[rows], getattr(want, name)), name
             for name in ("hidden", "topk_p"):
                 assert torch.allclose(getattr(got, name)[rows], getattr(want, name)), name
             checked[0] += 1
-        return decode_step(reqs)
+        return decode_step(reqs, *rest)
     w.decode_step = recording_decode_step
 
     def checked_next_inputs(inp, out, caps):
@@ -70,22 +70,22 @@ def test_drafting_ahead_is_lossless_as_the_batch_changes(oracle_models, kind, to
             for c in range(len(w.caches)):
                 assert L + w._draft_reach(c) <= r.handles[1 + c].reserved, (r.rid, L, c)
         return nxt
-    w._next_inputs = checked_next_inputs
+    w.ahead.next_inputs = checked_next_inputs
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
     join = (PROMPTS[2], SamplingParams(max_new_tokens=9, ignore_eos=True))
     got = run(engine, PROMPTS, params, join_after=12, join=join)
     want = per_request(oracle_models, PROMPTS + [join[0]], MAX_NEW + [9])
     assert_same_greedy(got, want, f"{kind} {topk}/{steps}/{n} page {page_size}")
     assert any(clamped), "no request ended inside an accepted run longer than its last tokens"
-    assert checked[0] == w.ahead_used > 0
-    assert w.ahead_used > 0, "no step used a draft launched ahead"
-    assert w.ahead_partial > 0, "requests ended mid-batch, yet no draft ahead was used for the others"
+    assert checked[0] == w.ahead.used > 0
+    assert w.ahead.used > 0, "no step used a draft launched ahead"
+    assert w.ahead.partial > 0, "requests ended mid-batch, yet no draft ahead was used for the others"
     # The join was foreseen and the others' rows reused when requests ended: a draft launched ahead
     # was wasted only when every request of its batch ended.
-    assert w.ahead_mismatched == 0 and w.ahead_dropped > 0
-    assert w._ahead is None and engine.is_idle_and_clean()
+    assert w.ahead.mismatched == 0 and w.ahead.dropped > 0
+    assert w.ahead.pending is None and engine.is_idle_and_clean()
     # a draft launched ahead is the draft time of the step that used it, not the verify time of the one before
-    assert all(b.draft_time_s > 0 and b.verify_time_s > 0 for b in w.batches)
+    assert all(b.draft_time_s > 0 and b.verify_time_s > 0 for b in w.stats.batches)
 
 
 def test_drafting_ahead_off_launches_none(oracle_models):
@@ -93,11 +93,11 @@ def test_drafting_ahead_off_launches_none(oracle_models):
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
     got = run(engine, PROMPTS, params)
     assert_same_greedy(got, per_request(oracle_models, PROMPTS, MAX_NEW))
-    assert engine.spec.ahead_used == engine.spec.ahead_dropped == 0
+    assert engine.spec.ahead.used == engine.spec.ahead.dropped == 0
 
 
 def test_the_default_follows_the_device(oracle_models):
-    assert not oracle_models.engine("eagle", 1, 3, 4).spec.draft_ahead  # CPU: nothing to overlap
+    assert not oracle_models.engine("eagle", 1, 3, 4).spec.ahead.enabled  # CPU: nothing to overlap
 
 
 @pytest.mark.parametrize("topk,steps,n", [(1, 3, 4), (2, 3, 8)])
@@ -116,12 +116,12 @@ def test_an_abort_between_steps_reuses_the_draft_ahead_for_the_others_and_return
     engine = oracle_models.engine("mtp", 2, 3, 8, page_size=4, chunk_size=None, spec_draft_ahead=True)
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in PROMPTS[:3]]
-    while engine.spec._ahead is None:  # prefill, then decode steps until a draft is launched ahead
+    while engine.spec.ahead.pending is None:  # prefill, then decode steps until a draft is launched ahead
         engine.step()
     assert engine.abort(reqs[1].rid)
-    used, partial = engine.spec.ahead_used, engine.spec.ahead_partial
+    used, partial = engine.spec.ahead.used, engine.spec.ahead.partial
     engine.step()  # the aborted request's row is padding now; the other two use their drafts
-    assert (engine.spec.ahead_used, engine.spec.ahead_partial) == (used + 1, partial + 1)
+    assert (engine.spec.ahead.used, engine.spec.ahead.partial) == (used + 1, partial + 1)
     while engine.scheduler.has_work():
         engine.step()
     kept = [engine.result(r) for r in (reqs[0], reqs[2])]
@@ -135,12 +135,12 @@ def test_an_abort_outside_the_batch_keeps_the_draft_ahead(oracle_models):
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     running = [engine.add_request(p, params) for p in PROMPTS[:2]]
     waiting = engine.add_request(PROMPTS[2], params)  # no room: waits
-    while engine.spec._ahead is None:
+    while engine.spec.ahead.pending is None:
         engine.step()
-    used = engine.spec.ahead_used
-    assert engine.abort(waiting.rid) and engine.spec._ahead is not None
+    used = engine.spec.ahead.used
+    assert engine.abort(waiting.rid) and engine.spec.ahead.pending is not None
     engine.step()
-    assert engine.spec.ahead_used == used + 1
+    assert engine.spec.ahead.used == used + 1
     while engine.scheduler.has_work():
         engine.step()
     assert_same_greedy([engine.result(r) for r in running], per_request(oracle_models, PROMPTS[:2], [20, 20]))
@@ -173,7 +173,7 @@ def test_drafting_ahead_claims_no_page_beyond_the_scheduled_peak(oracle_models):
         capped(cache, i)
     got = run(engine, prompts, params)
     assert_same_greedy(got, per_request(oracle_models, prompts, MAX_NEW))
-    assert engine.spec.ahead_used > 0 and caps[0]
+    assert engine.spec.ahead.used > 0 and caps[0]
     assert engine.is_idle_and_clean()
 
 
@@ -207,8 +207,8 @@ def test_a_draft_launched_ahead_counts_as_the_draft_time_of_the_step_that_uses_i
     for ahead in (False, True):
         engine = oracle_models.engine("eagle", 2, 3, 8, page_size=4, chunk_size=None, spec_draft_ahead=ahead)
         run(engine, PROMPTS[:3], params)
-        assert engine.spec.ahead_used > (10 if ahead else -1)
-        totals[ahead] = engine.spec.totals
+        assert engine.spec.ahead.used > (10 if ahead else -1)
+        totals[ahead] = engine.spec.stats.totals
     draft_share = {a: t.draft_time_s / (t.draft_time_s + t.verify_time_s) for a, t in totals.items()}
     assert draft_share[True] > 0.4 * draft_share[False], draft_share
 
@@ -219,20 +219,20 @@ def test_no_draft_ahead_while_a_hand_off_is_being_received(oracle_models):
     engine = oracle_models.engine("eagle", 1, 3, 4, page_size=4, chunk_size=None, spec_draft_ahead=True)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     req = engine.add_request(PROMPTS[0], params)
-    while engine.spec._ahead is None:
+    while engine.spec.ahead.pending is None:
         engine.step()
     incoming = engine.reserve_handoff("incoming", PROMPTS[2], [9], [0.0], params, len(PROMPTS[2]))
     assert incoming is not None
     for _ in range(3):
         engine.step()
-        assert engine.spec._ahead is None
+        assert engine.spec.ahead.pending is None
     assert engine.abort("incoming")
     engine.step()
-    assert engine.spec._ahead is not None  # nothing on its way any more
+    assert engine.spec.ahead.pending is not None  # nothing on its way any more
     while engine.scheduler.has_work():
         engine.step()
     assert_same_greedy([engine.result(req)], per_request(oracle_models, [PROMPTS[0]], [40]))
-    assert engine.spec.ahead_mismatched == 0 and engine.is_idle_and_clean()
+    assert engine.spec.ahead.mismatched == 0 and engine.is_idle_and_clean()
 
 
 @pytest.mark.parametrize("topk,steps,n", [(1, 5, 6), (2, 3, 8)])
@@ -246,5 +246,5 @@ def test_stop_tokens_inside_accepted_runs_under_drafting_ahead(oracle_models, to
     assert len({len(w.token_ids) for w in want}) > 2  # they end at different steps
     engine = oracle_models.engine("eagle3", topk, steps, n, page_size=4, chunk_size=None, spec_draft_ahead=True)
     assert_same_greedy(run(engine, PROMPTS, params), want)
-    assert engine.spec.ahead_partial > 0 and engine.spec.ahead_mismatched == 0
+    assert engine.spec.ahead.partial > 0 and engine.spec.ahead.mismatched == 0
     assert engine.is_idle_and_clean()

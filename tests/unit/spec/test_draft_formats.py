@@ -30,7 +30,8 @@ from safetensors.torch import load_file
 
 from shared.batch import build_forward_batch
 from shared.config import EngineConfig, SpecConfig
-from shared.engine import Engine, make_cache
+from shared.engine import Engine
+from shared.memory.sizing import make_cache
 from shared.model.drafts import DraftHead, load_draft
 from shared.model.loader import load_target
 from shared.sampling import SamplingParams

@@ -19,7 +19,8 @@ from public_formats import TARGET, hf_hidden_states, write_hf_target, write_spec
 
 from shared.batch import build_forward_batch
 from shared.config import EngineConfig, SpecConfig
-from shared.engine import Engine, make_cache
+from shared.engine import Engine
+from shared.memory.sizing import make_cache
 from shared.model.drafts import aux_layers_of, capture_points, load_draft
 from shared.model.factory import eagle3_layer_config, make_model
 from shared.model.llama import default_aux_layers

@@ -154,13 +154,13 @@ def decode_and_compare(engine: Engine, max_steps: int = 3, wrong_positions: bool
         if any(r.finish_reason is not None for r in reqs):
             break
         states = [(r.all_ids[:r.draft_state.committed_len], r.draft_state.bonus_token) for r in reqs]
-        recorded, used_ahead = len(trees), w.ahead_used
+        recorded, used_ahead = len(trees), w.ahead.used
         with DraftCalls(engine) as calls:
             got.advances += [len(toks) for _, toks in engine.step()]
         # The tree this step verified: drafted during the step, or (drafting ahead, on by default on
         # the GPU) during the last one, from the same committed states; a draft launched ahead for the
         # next step may follow it.
-        tree = trees[recorded - 1] if w.ahead_used > used_ahead else trees[recorded] if replayed else None
+        tree = trees[recorded - 1] if w.ahead.used > used_ahead else trees[recorded] if replayed else None
         for r in reqs:  # what the extend left (under replay too): K/V, hidden state, first tree level
             if r.finish_reason is None:
                 assert_matches_reference(engine, r, f"after decode step {step}")

@@ -56,7 +56,7 @@ def test_empty_batch_runs_the_same_path(oracle_models, kind, graphs):
     assert len(calls.calls) - len(loop) == len(w.caches)
     for call in calls.calls:
         assert call.features.shape[-1] == w.draft.feature_width(call.from_target)
-    assert w.totals.verify_steps == 0 and engine.is_idle_and_clean()
+    assert w.stats.totals.verify_steps == 0 and engine.is_idle_and_clean()
     # and the engine still decodes exactly afterwards
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     got = engine.generate([PROMPTS[2]], params)

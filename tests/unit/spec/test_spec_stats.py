@@ -4,7 +4,7 @@ Accept length is committed tokens per verify: the accepted drafts plus the bonus
 stop condition (EOS, a stop token, max_new_tokens) ends a request inside an accepted run, only the
 tokens up to it: the discarded rest does not count. Accept rate is the drafts verification accepted
 (discarded ones included: it measures the draft) over the ``steps`` drafts each verify could accept.
-Draft and verify times are measured per step (``SpecWorker.batches``) and shared out evenly among
+Draft and verify times are measured per step (``SpecRecorder.batches``) and shared out evenly among
 its requests.
 
 The counts are checked against what the engine handed out, recorded outside the statistics code:
@@ -21,7 +21,7 @@ from spec_helpers import PROMPTS
 
 from services.cli import main as eyrie
 from shared.sampling import SamplingParams
-from shared.spec.worker import summarize_batches
+from shared.spec.stats import summarize_batches
 
 STEPS = 3
 
@@ -40,8 +40,8 @@ def run_recorded(models, kind, prompts, params, **spec):
             verified.setdefault(r.rid, []).append(n)
         return commit(reqs, inp, out)
 
-    def recording_decode_step(reqs):
-        events = decode_step(reqs)
+    def recording_decode_step(reqs, *rest):
+        events = decode_step(reqs, *rest)
         sizes.append(len(reqs))
         for r, toks in events:
             committed.setdefault(r.rid, []).append(len(toks))
@@ -84,8 +84,8 @@ def test_per_request_engine_and_batch_statistics(oracle_models, random_models, d
 
     # Per verify step: who was verified together, what each committed, and the step's times.
     w = engine.spec
-    batches = w.batches_since(0)
-    assert [b.step for b in batches] == list(range(len(sizes))) and w.num_batches == len(sizes)
+    batches = w.stats.batches_since(0)
+    assert [b.step for b in batches] == list(range(len(sizes))) and w.stats.num_batches == len(sizes)
     assert [b.batch_size for b in batches] == sizes and max(sizes) == 3 and sizes[-1] == 1
     seen = {r.rid: 0 for r in reqs}
     for b in batches:
@@ -102,7 +102,7 @@ def test_per_request_engine_and_batch_statistics(oracle_models, random_models, d
         assert r.stats.draft_time_s == pytest.approx(sum(b.draft_time_s / b.batch_size for b in mine))
         assert r.stats.verify_time_s == pytest.approx(sum(b.verify_time_s / b.batch_size for b in mine))
 
-    total = w.totals
+    total = w.stats.totals
     assert total.verify_steps == sum(r.stats.verify_steps for r in reqs) == sum(sizes)
     assert total.accepted_drafts == sum(r.stats.accepted_drafts for r in reqs)
     assert total.committed_tokens == sum(r.stats.committed_tokens for r in reqs)
@@ -148,15 +148,15 @@ def test_a_stop_inside_an_accepted_run_counts_committed_tokens_only(oracle_model
     # accept length counts the committed tokens; the accept rate, what verification accepted
     assert r.stats.committed_tokens == sum(c) < sum(v) == r.stats.accepted_drafts + r.stats.verify_steps
     assert r.stats.accept_length < (r.stats.accepted_drafts + r.stats.verify_steps) / r.stats.verify_steps
-    (b,) = engine.spec.batches_since(engine.spec.num_batches - 1)
+    (b,) = engine.spec.stats.batches_since(engine.spec.stats.num_batches - 1)
     assert (b.committed, b.verified) == ([c[-1]], [v[-1]])
 
 
 def test_batch_log_is_bounded(oracle_models):
     engine = oracle_models.engine("eagle", steps=STEPS)
-    engine.spec.keep_batches(2)
+    engine.spec.stats.keep_batches(2)
     engine.generate([PROMPTS[0], PROMPTS[4]], SamplingParams(max_new_tokens=12, ignore_eos=True))
-    w = engine.spec
+    w = engine.spec.stats
     assert w.num_batches > 2 and [b.step for b in w.batches] == [w.num_batches - 2, w.num_batches - 1]
     assert [b.step for b in w.batches_since(w.num_batches - 1)] == [w.num_batches - 1]
 
