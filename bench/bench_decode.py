@@ -44,7 +44,7 @@ def fake_requests(engine: Engine, batch: int, ctx: int, max_new: int = 64, draft
 
 
 def kv_bytes(engine: Engine, tokens: int) -> int:
-    c = engine.cache.spec
+    c = engine.cache.layout
     return 2 * c.num_layers * tokens * c.num_kv_heads * c.head_dim * torch.tensor([], dtype=c.dtype).element_size()
 
 
@@ -111,7 +111,7 @@ def bench_spec(target, draft, bw, ctx, results, verify_ns=(4, 8, 16, 32, 64)):
         if topk > 1 and n > 1 + topk + (steps - 1) * topk * topk:
             continue
         engine, reqs = spec_engine(target, draft, ctx, topk, steps, n)
-        w = engine.spec
+        w = engine.speculator
         w._reserve(reqs)
         inp = w._inputs(reqs)
         tree = w.graphs["draft"](inp)
@@ -123,7 +123,7 @@ def bench_spec(target, draft, bw, ctx, results, verify_ns=(4, 8, 16, 32, 64)):
         torch.cuda.empty_cache()
     # The whole EAGLE iteration, chain steps=5.
     engine, reqs = spec_engine(target, draft, ctx, 1, 5, 6)
-    w = engine.spec
+    w = engine.speculator
     w._reserve(reqs)
     inp = w._inputs(reqs)
     tree = w.graphs["draft"](inp)
@@ -134,7 +134,7 @@ def bench_spec(target, draft, bw, ctx, results, verify_ns=(4, 8, 16, 32, 64)):
                           "verify_extend": lambda: w.graphs["verify_extend"](inp, tree)}, 20, 5)
 
     def iteration():
-        engine.spec.decode_step(reqs)
+        engine.speculator.decode_step(reqs)
 
     # The steady state serves the same batch step after step: the next step's draft is launched
     # ahead (the host's bookkeeping overlaps it); then the same without drafting ahead.
@@ -162,7 +162,7 @@ def bench_spec_grid(target, draft, batches, contexts, results):
             cell = {"batch": bs, "context": ctx}
             try:
                 engine, reqs = spec_engine(target, draft, ctx, 1, 5, 6, batch=bs, room=1024)
-                spec_cell(engine.spec, reqs, cell)
+                spec_cell(engine.speculator, reqs, cell)
                 del engine, reqs
             except torch.OutOfMemoryError:
                 cell["fits"] = False

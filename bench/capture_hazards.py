@@ -1,6 +1,6 @@
 """Which events invalidate a CUDA graph capture? Each hazard runs in a fresh process (a failed
 capture poisons its process), once as torch.cuda.graph captures by default (global capture mode, the
-garbage collector free to run) and once as ``shared.runner.PhaseGraphs`` captures (collector paused,
+garbage collector free to run) and once as ``shared.cuda_graphs.PhaseGraphs`` captures (collector paused,
 ``thread_local`` mode, kernels launched before capture). Prints one JSON object: per hazard and mode,
 whether the capture survived, the error, and whether the CUDA generator was left poisoned.
 

@@ -50,7 +50,7 @@ def main() -> None:
     target = build_target()
     draft = build_draft("eagle3", target)
     engine, reqs = spec_engine(target, draft, args.context, 1, 5, 6, batch=args.batch, room=1024)
-    w = engine.spec
+    w = engine.speculator
     w._reserve(reqs)
     inp = w._inputs(reqs)
     tree = w.graphs["draft"](inp)

@@ -223,8 +223,9 @@ def _print_results(args, results: list, batches: list | None) -> None:
             print(json.dumps(obj))
         else:
             print(r.text)
-            if r.spec:
-                print(f"[accept length {r.spec['accept_length']:.2f}, accept rate {r.spec['accept_rate']:.2f}]",
+            if r.spec_stats:
+                st = r.spec_stats
+                print(f"[accept length {st['accept_length']:.2f}, accept rate {st['accept_rate']:.2f}]",
                       file=sys.stderr)
     if batches is not None and not args.json:
         from shared.spec.stats import summarize_batches

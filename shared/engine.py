@@ -21,16 +21,16 @@ from types import MappingProxyType
 
 import torch
 
-from shared.batch import build_forward_batch, build_uniform_batch
 from shared.config import EngineConfig
+from shared.cuda_graphs import CaptureFailure, PhaseGraphs, pad_rows
+from shared.forward_batch import build_forward_batch, build_uniform_batch
 from shared.handoff.schema import HandoffSchema
 from shared.handoff.wire import PageGuard, PageSink, PageSource, encode_draft_state
 from shared.memory.sizing import make_cache
 from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.model.loader import load_target
 from shared.model.tokenizer import Tokenizer
-from shared.request import Phase, Request, RequestError
-from shared.runner import CaptureFailure, PhaseGraphs, pad_rows
+from shared.request import Request, RequestError, Stage
 from shared.sampling import SamplingParams, sample
 from shared.scheduler import Scheduler, StepPlan
 from shared.spec.state import DraftState
@@ -48,13 +48,13 @@ class GenerationResult:
     finish_reason: str
     ttft_s: float
     latency_s: float
-    spec: dict | None
+    spec_stats: dict | None  # the request's speculative statistics (SpecStats.as_dict), None without a draft
 
     def as_json(self) -> dict:
         return {"request_id": self.rid, "token_ids": self.token_ids, "text": self.text,
                 "finish_reason": self.finish_reason, "prompt_tokens": len(self.prompt_ids),
                 "timing": {"ttft_s": round(self.ttft_s, 6), "latency_s": round(self.latency_s, 6)},
-                **({"spec": self.spec} if self.spec is not None else {})}
+                **({"spec": self.spec_stats} if self.spec_stats is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,9 @@ class Engine:
         self.max_context = min(config.max_context or mc.max_position_embeddings, mc.max_position_embeddings)
         self.cache = make_cache(mc, mc.num_hidden_layers, config, self.max_context)
         self.graph_failures: list[CaptureFailure] = []  # CUDA graphs that failed to capture (phase eager)
-        self.spec = None if draft is None else SpecWorker.load(draft, self.model, self.cache, config, self.max_context,
-                                                               self.graph_failures)
-        caches = [self.cache] + (self.spec.caches if self.spec else [])
+        self.speculator = None if draft is None else SpecWorker.load(
+            draft, self.model, self.cache, config, self.max_context, self.graph_failures)
+        caches = [self.cache] + (self.speculator.caches if self.speculator else [])
         self.scheduler = Scheduler(caches, config.max_running, config.chunk_size, config.headroom,
                                    eos_ids=mc.eos_token_ids, prefill_only=role == "prefill")
         graphs_on = set(config.cuda_graph_phases) if config.cuda_graph else set()
@@ -113,7 +113,7 @@ class Engine:
     @property
     def spec_stats(self) -> SpecRecorder | None:
         """The speculative statistics (None without a draft)."""
-        return self.spec.stats if self.spec is not None else None
+        return self.speculator.stats if self.speculator is not None else None
 
     # ---- requests --------------------------------------------------------------------------------
     def validate_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -182,22 +182,22 @@ class Engine:
 
     def _step(self) -> list[tuple[Request, list[int]]]:
         plan = self.scheduler.schedule()
-        if self.spec is not None and not plan.decode:
-            self.spec.drop_ahead()  # no decode step now: a draft launched ahead would wait in vain
+        if self.speculator is not None and not plan.decode:
+            self.speculator.drop_ahead()  # no decode step now: a draft launched ahead would wait in vain
         events: list[tuple[Request, list[int]]] = []
         if plan.empty:
             return events
-        if self.spec is None and not plan.prefill and self.decode_graphs.enabled:
+        if self.speculator is None and not plan.prefill and self.decode_graphs.enabled:
             events += self._run_decode_step(plan.decode)
-        elif self.spec is None:
+        elif self.speculator is None:
             events += self._run_target_step(plan)
         else:
             if plan.prefill:
                 events += self._run_target_step(StepPlan(prefill=plan.prefill))
             if plan.decode:
-                events += self.spec.decode_step(plan.decode, self.scheduler.joins_next(plan.decode))
+                events += self.speculator.decode_step(plan.decode, self.scheduler.joins_next(plan.decode))
         for req, _ in events:
-            if req.finish_reason is not None and req.phase is not Phase.FINISHED:
+            if req.finish_reason is not None and req.stage is not Stage.FINISHED:
                 self.scheduler.retire(req)
         return events
 
@@ -217,15 +217,16 @@ class Engine:
         positions = torch.tensor(pos, dtype=torch.int64)
         batch = build_forward_batch(self.cache, rows, prefix, q_lens, torch.tensor(ids), positions, positions,
                                     logits_rows=torch.tensor(sample_rows, dtype=torch.int64))
-        capture = self.spec.capture_mode if self.spec is not None else "none"
-        out = self.model(batch, self.cache, capture=capture, aux_layers=self.spec.aux_layers if self.spec else ())
+        capture = self.speculator.capture_mode if self.speculator is not None else "none"
+        aux_layers = self.speculator.aux_layers if self.speculator else ()
+        out = self.model(batch, self.cache, capture=capture, aux_layers=aux_layers)
         for req in plan.decode:
             req.advance(req.kv_len + 1)
         for ch in plan.prefill:
             ch.req.advance(ch.end)
         events = self._sample_and_commit(out, sampled_reqs)
-        if self.spec is not None:
-            self.spec.draft_extend_prefill(plan.prefill, out)
+        if self.speculator is not None:
+            self.speculator.draft_extend_prefill(plan.prefill, out)
         for ch in plan.prefill:
             if ch.completes_prompt:
                 self.scheduler.prompt_done(ch.req)
@@ -262,9 +263,9 @@ class Engine:
     # ---- disaggregation: prefill hands requests to a decode instance ------------------------------
     def handoff_schema(self) -> HandoffSchema:
         """What this engine's hand-offs carry; the other side of a hand-off must agree on all of it."""
-        w = self.spec
+        w = self.speculator
         return HandoffSchema.build(
-            [c.spec for c in self.scheduler.caches], page_size=self.config.page_size, dtype=self.config.dtype,
+            [c.layout for c in self.scheduler.caches], page_size=self.config.page_size, dtype=self.config.dtype,
             vocab_size=self.model.config.vocab_size, draft_kind=w.draft.kind if w else "",
             tree=w.spec if w else None, draft_hidden_width=w.draft.hidden_width if w else 0)
 
@@ -293,14 +294,14 @@ class Engine:
     def page_sink(self, req: Request, guard: PageGuard) -> PageSink | None:
         """Decode role: the receiving side of ``req``'s transfer, writing into its reserved pages; None
         when ``req`` is no longer this engine's request waiting for its K/V (it was aborted)."""
-        if not self.scheduler.holds(req) or req.phase is not Phase.RECEIVING:
+        if not self.scheduler.holds(req) or req.stage is not Stage.RECEIVING:
             return None
         return PageSink(req.rid, self.scheduler.caches, self.page_ids(req), guard)
 
     def activate_handoff(self, req: Request, committed_len: int, draft_state: DraftState | None = None) -> bool:
         """The K/V has arrived: the request resumes straight into the decode loop (no pseudo-forward).
         False when ``req`` is no longer this engine's request waiting for its K/V (it was aborted)."""
-        if not self.scheduler.holds(req) or req.phase is not Phase.RECEIVING:
+        if not self.scheduler.holds(req) or req.stage is not Stage.RECEIVING:
             return False
         self.scheduler.activate(req, committed_len, draft_state)
         return True
@@ -313,8 +314,9 @@ class Engine:
             running=len(s.running), queued=len(s.waiting),
             prefill_tokens=sum(r.prompt_len - r.kv_len for r in [*s.running, *s.waiting]),
             decode_tokens=sum(max(0, r.params.max_new_tokens - len(r.output_ids)) for r in s.running),
-            free_pages=tuple(c.num_free_pages for c in s.caches), total_pages=tuple(c.spec.num_pages for c in s.caches),
-            draft_ahead=self.spec.ahead.counts() if self.spec is not None else {},
+            free_pages=tuple(c.num_free_pages for c in s.caches),
+            total_pages=tuple(c.layout.num_pages for c in s.caches),
+            draft_ahead=self.speculator.ahead.counts() if self.speculator is not None else {},
             graph_failures=tuple(self.graph_failures))
 
     def is_idle_and_clean(self) -> bool:
@@ -351,7 +353,7 @@ class Engine:
             rid=req.rid, prompt_ids=req.prompt_ids, token_ids=list(req.output_ids),
             logprobs=list(req.output_logprobs), text=text, finish_reason=req.finish_reason or "abort",
             ttft_s=(req.t_first_token or end) - req.t_arrival, latency_s=end - req.t_arrival,
-            spec=req.stats.as_dict() if self.spec is not None else None,
+            spec_stats=req.stats.as_dict() if self.speculator is not None else None,
         )
 
     def capture_graphs(self) -> int:
@@ -365,8 +367,8 @@ class Engine:
             return self._capture_graphs()
 
     def _capture_graphs(self) -> int:
-        if self.spec is not None:
-            return self.spec.capture_graphs()
+        if self.speculator is not None:
+            return self.speculator.capture_graphs()
         g = self.decode_graphs
         if g.capture:
             for bs in g.buckets:

@@ -29,7 +29,7 @@ class RequestError(ValueError):
         self.field = field_name
 
 
-class Phase(Enum):
+class Stage(Enum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
     DECODING = "decoding"
@@ -47,7 +47,7 @@ class Request:
     params: SamplingParams
     eos_ids: tuple[int, ...] = ()
     generator: torch.Generator | None = None
-    phase: Phase = Phase.WAITING  # written by the scheduler
+    stage: Stage = Stage.WAITING  # written by the scheduler
     output_ids: list[int] = field(default_factory=list)  # commit
     output_logprobs: list[float] = field(default_factory=list)  # commit: target log p of each output token
     handles: list[KVHandle] = field(default_factory=list)  # written by the scheduler: one per cache, target first

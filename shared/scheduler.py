@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shared.memory.kv_cache import KVCache
-from shared.request import Phase, Request, RequestError
+from shared.request import Request, RequestError, Stage
 from shared.sampling import SamplingParams, make_generator
 from shared.spec.state import DraftState
 
@@ -79,7 +79,7 @@ class Scheduler:
 
     def check_fits(self, req: Request) -> None:
         cache = self.caches[0]
-        need, have = cache.pages_for(self.peak_positions(req)), cache.spec.num_pages
+        need, have = cache.pages_for(self.peak_positions(req)), cache.layout.num_pages
         if need <= have:
             return
         # Name the input the user must change: the prompt when it cannot fit even with one new token.
@@ -108,7 +108,7 @@ class Scheduler:
         req.handles = [cache.open() for cache in self.caches]
         for cache, h in zip(self.caches, req.handles):
             cache.reserve(h, committed_len)
-        req.phase = Phase.RECEIVING
+        req.stage = Stage.RECEIVING
         self.running.append(req)
         self.requests[rid] = req
         return req
@@ -116,48 +116,48 @@ class Scheduler:
     def activate(self, req: Request, committed_len: int, state: DraftState | None) -> None:
         """A RECEIVING request's K/V arrived: it decodes from the next step on, straight from ``state``."""
         req.receive(committed_len, state)
-        req.phase = Phase.DECODING
+        req.stage = Stage.DECODING
 
     def prompt_done(self, req: Request) -> None:
         """The last chunk of ``req``'s prompt ran: it decodes next, or (prefill role) waits for its hand-off."""
-        req.phase = Phase.HANDOFF if self.prefill_only else Phase.DECODING
+        req.stage = Stage.HANDOFF if self.prefill_only else Stage.DECODING
 
     def handoffs(self) -> list[Request]:
         """Requests whose prefill completed (prefill role); they keep their pages until retired."""
-        return [r for r in self.running if r.phase is Phase.HANDOFF and r.finish_reason is None]
+        return [r for r in self.running if r.stage is Stage.HANDOFF and r.finish_reason is None]
 
     def joins_next(self, batch: list[Request]) -> bool:
         """Whether the next decode step will run a request ``batch`` does not: one whose prompt
         completed during this step, or a hand-off being received."""
         these = {id(r) for r in batch}
-        return any(r.phase in (Phase.DECODING, Phase.RECEIVING) and id(r) not in these for r in self.running)
+        return any(r.stage in (Stage.DECODING, Stage.RECEIVING) and id(r) not in these for r in self.running)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def has_work_to_step(self) -> bool:
         """Whether a step would run a forward (requests waiting on a transfer need none)."""
-        if any(r.phase in (Phase.PREFILLING, Phase.DECODING) for r in self.running):
+        if any(r.stage in (Stage.PREFILLING, Stage.DECODING) for r in self.running):
             return True
         return bool(self.waiting) and self.can_admit(self.waiting[0])
 
     def schedule(self) -> StepPlan:
-        plan = StepPlan(decode=[r for r in self.running if r.phase is Phase.DECODING])
+        plan = StepPlan(decode=[r for r in self.running if r.stage is Stage.DECODING])
         budget = self.chunk_size
-        for req in [r for r in self.running if r.phase is Phase.PREFILLING]:
+        for req in [r for r in self.running if r.stage is Stage.PREFILLING]:
             budget = self._add_chunk(plan, req, budget)
             if budget == 0:
                 return plan
-        headroom = self._headroom() if self.waiting else []
-        while self.waiting and len(self.running) < self.max_running and self._admissible(self.waiting[0], headroom):
+        unclaimed = self._unclaimed_pages() if self.waiting else []
+        while self.waiting and len(self.running) < self.max_running and self._admissible(self.waiting[0], unclaimed):
             req = self.waiting.popleft()
             req.handles = [cache.open() for cache in self.caches]
-            req.phase = Phase.PREFILLING
+            req.stage = Stage.PREFILLING
             self.running.append(req)
             budget = self._add_chunk(plan, req, budget)
             # What it reserved left the free pages, the rest of its peak joined the claims: the
-            # headroom shrinks by its whole peak (no rescan of the running requests per admission).
-            headroom = [h - cache.pages_for(self.peak_positions(req)) for h, cache in zip(headroom, self.caches)]
+            # unclaimed shrinks by its whole peak (no rescan of the running requests per admission).
+            unclaimed = [h - cache.pages_for(self.peak_positions(req)) for h, cache in zip(unclaimed, self.caches)]
             if budget == 0:
                 break
         return plan
@@ -174,22 +174,22 @@ class Scheduler:
         """Whether ``req`` (not yet holding pages) fits beside what running requests may claim."""
         return len(self.running) < self.max_running and self._admissible(req)
 
-    def _headroom(self) -> list[int]:
+    def _unclaimed_pages(self) -> list[int]:
         """Per cache, the free pages no running request may still claim (its peak less what it holds)."""
         return [cache.num_free_pages - sum(max(0, cache.pages_for(self.peak_positions(r))
                                                - cache.pages_for(r.handles[i].reserved)) for r in self.running)
                 for i, cache in enumerate(self.caches)]
 
-    def _admissible(self, req: Request, headroom: list[int] | None = None) -> bool:
-        headroom = self._headroom() if headroom is None else headroom
+    def _admissible(self, req: Request, unclaimed: list[int] | None = None) -> bool:
+        unclaimed = self._unclaimed_pages() if unclaimed is None else unclaimed
         return all(cache.num_free_rows > 0 and h >= cache.pages_for(self.peak_positions(req))
-                   for h, cache in zip(headroom, self.caches))
+                   for h, cache in zip(unclaimed, self.caches))
 
     def retire(self, req: Request, reason: str | None = None) -> None:
         """End ``req`` (with ``reason`` unless a stop condition ended it first): it leaves the table and
         its queue, and every page and request row it holds goes back to its cache."""
         req.end(reason)
-        req.phase = Phase.FINISHED
+        req.stage = Stage.FINISHED
         for cache, handle in zip(self.caches, req.handles):
             if handle.row:
                 cache.close(handle)

@@ -93,7 +93,7 @@ class Telemetry:
         self.observe_graph_failures(load.graph_failures)
 
     def observe_graph_failures(self, failures) -> None:
-        """Count and list the engine's capture failures not seen yet (``shared.runner.CaptureFailure``)."""
+        """Count and list the engine's capture failures not seen yet (``shared.cuda_graphs.CaptureFailure``)."""
         for failure in failures[len(self.graph_failures):]:
             self.graph_capture_failures.labels(failure.phase).inc()
             self.graph_failures.append(failure.as_dict())

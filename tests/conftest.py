@@ -94,7 +94,7 @@ def no_unexpected_capture_failure(request, monkeypatch):
     if not torch.cuda.is_available():
         yield
         return
-    from shared.runner import PhaseGraphs
+    from shared.cuda_graphs import PhaseGraphs
 
     seen: list[str] = []
     contain = PhaseGraphs._contain

@@ -57,7 +57,7 @@ def check(small: tuple[Path, Path], wide: tuple[Path, Path], prompts: list[list[
     for name, (target, draft) in (("small", small), ("wide", wide)):
         engine = Engine(target, draft=draft, config=config)
         tokens = [r.token_ids for r in engine.generate(prompts, params)]
-        out[name] = {"tokens": tokens, "accept_length": engine.spec.totals.accept_length}
+        out[name] = {"tokens": tokens, "accept_length": engine.spec_stats.totals.accept_length}
         del engine
     return {"outputs_equal": out["small"]["tokens"] == out["wide"]["tokens"],
             "accept_length_small": out["small"]["accept_length"], "accept_length_wide": out["wide"]["accept_length"]}

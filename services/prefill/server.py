@@ -5,7 +5,7 @@ was sampled, then ``handed_off`` once the decode instance acknowledged the reque
 state. A request that ends at its first token (EOS, stop token, max_new_tokens=1) is never handed off.
 
 The hand-off starts on the engine thread, right after the step that parked the request in
-``Phase.HANDOFF`` (``after_step``: the page ids and the draft state are read there, while nothing else
+``Stage.HANDOFF`` (``after_step``: the page ids and the draft state are read there, while nothing else
 runs), and continues on a hand-off worker: ``Decode.Handshake`` (once per decode address),
 ``Decode.Reserve`` (refused -> RESOURCE_EXHAUSTED, so the router places the request elsewhere), then the
 transport streams the pages (a parked request's pages do not change, so reading them off the engine

@@ -49,7 +49,7 @@ class HandoffSchema:
     @classmethod
     def build(cls, caches: list, page_size: int, dtype: str, vocab_size: int, draft_kind: str = "", tree=None,
               draft_hidden_width: int = 0) -> HandoffSchema:
-        """The schema of an engine's hand-offs: ``caches`` are its caches' ``CacheSpec`` (target first),
+        """The schema of an engine's hand-offs: ``caches`` are its caches' ``CacheLayout`` (target first),
         ``tree`` its ``SpecConfig`` (None without a draft)."""
         return cls(version=SCHEMA_VERSION, page_size=page_size, dtype=dtype,
                    caches=tuple(CacheShape(c.num_layers, c.num_kv_heads, c.head_dim) for c in caches),

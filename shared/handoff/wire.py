@@ -92,7 +92,7 @@ def kv_page_bytes(page_size: int, num_kv_heads: int, head_dim: int, itemsize: in
 
 def page_bytes(cache: KVCache) -> int:
     """K + V bytes of one page of one layer of ``cache``."""
-    s = cache.spec
+    s = cache.layout
     return kv_page_bytes(s.page_size, s.num_kv_heads, s.head_dim, cache.k[0].element_size())
 
 
@@ -124,7 +124,7 @@ def plan_slices(caches: list[KVCache], page_ids: list[list[int]], chunk_bytes: i
     for c, (cache, pages) in enumerate(zip(caches, page_ids)):
         step = pages_per_chunk(cache, chunk_bytes)
         runs = coalesce(pages)
-        for layer in range(cache.spec.num_layers):
+        for layer in range(cache.layout.num_layers):
             for run in runs:
                 for off in range(0, run.count, step):
                     slices.append(Slice(c, layer, run.first + off, run.page + off, min(step, run.count - off)))
@@ -184,7 +184,7 @@ class PageSink:
         self.rid, self.caches, self.page_ids = rid, caches, page_ids
         self.guard = guard or PageGuard()
         # Times each (layer, page) of each cache was written: all ones at the end, never more.
-        self.written = [torch.zeros(c.spec.num_layers, len(p), dtype=torch.int32) for c, p in zip(caches, page_ids)]
+        self.written = [torch.zeros(c.layout.num_layers, len(p), dtype=torch.int32) for c, p in zip(caches, page_ids)]
         self.received = 0
         self.bytes = 0
 
@@ -204,7 +204,7 @@ class PageSink:
             return
         self._check_range(chunk, where)
         cache, pages = self.caches[chunk.cache], self.page_ids[chunk.cache]
-        ps, s = cache.page_size, cache.spec
+        ps, s = cache.page_size, cache.layout
         shape = (chunk.num_pages * ps, s.num_kv_heads, s.head_dim)
         expected = shape[0] * shape[1] * shape[2] * cache.k[0].element_size()
         if len(chunk.k) != expected or len(chunk.v) != expected:
@@ -229,9 +229,9 @@ class PageSink:
         if chunk.cache >= len(self.caches):
             raise TransferError(f"{where} names cache {chunk.cache}; this side has {len(self.caches)} caches")
         cache, pages = self.caches[chunk.cache], self.page_ids[chunk.cache]
-        if chunk.layer >= cache.spec.num_layers:
+        if chunk.layer >= cache.layout.num_layers:
             raise TransferError(f"{where} names layer {chunk.layer}; cache {chunk.cache} has "
-                                f"{cache.spec.num_layers}")
+                                f"{cache.layout.num_layers}")
         if chunk.first_page + chunk.num_pages > len(pages):
             raise TransferError(f"{where} covers pages [{chunk.first_page}, {chunk.first_page + chunk.num_pages}); "
                                 f"the request has {len(pages)} reserved here")

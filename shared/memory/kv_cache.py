@@ -78,7 +78,7 @@ class ReqToTokenMap:
 
 
 @dataclass
-class CacheSpec:
+class CacheLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -99,17 +99,17 @@ class KVHandle:
 
 
 class KVCache:
-    def __init__(self, spec: CacheSpec):
-        if spec.page_size < 1:
+    def __init__(self, layout: CacheLayout):
+        if layout.page_size < 1:
             raise ValueError("page_size must be >= 1")
-        self.spec = spec
-        self.page_size = spec.page_size
-        num_slots = (spec.num_pages + 1) * spec.page_size
-        shape = (num_slots, spec.num_kv_heads, spec.head_dim)
-        self.k = [torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
-        self.v = [torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
-        self.allocator = PageAllocator(spec.num_pages)
-        self.req_to_token = ReqToTokenMap(spec.max_reqs, spec.max_context, spec.device)
+        self.layout = layout
+        self.page_size = layout.page_size
+        num_slots = (layout.num_pages + 1) * layout.page_size
+        shape = (num_slots, layout.num_kv_heads, layout.head_dim)
+        self.k = [torch.zeros(shape, dtype=layout.dtype, device=layout.device) for _ in range(layout.num_layers)]
+        self.v = [torch.zeros(shape, dtype=layout.dtype, device=layout.device) for _ in range(layout.num_layers)]
+        self.allocator = PageAllocator(layout.num_pages)
+        self.req_to_token = ReqToTokenMap(layout.max_reqs, layout.max_context, layout.device)
 
     # ---- counters the scheduler and the tests read -------------------------------------------
     @property
@@ -122,7 +122,7 @@ class KVCache:
 
     def is_full(self) -> bool:
         """True when every page and request row is back in its pool."""
-        return (self.allocator.num_free == self.spec.num_pages
+        return (self.allocator.num_free == self.layout.num_pages
                 and self.req_to_token.num_free_rows == self.req_to_token.num_rows)
 
     def pages_for(self, n_positions: int) -> int:
@@ -140,8 +140,8 @@ class KVCache:
         """Give positions [h.reserved, n_positions) slots, allocating pages as needed."""
         if n_positions <= h.reserved:
             return
-        if n_positions > self.spec.max_context:
-            raise OutOfPages(f"{n_positions} positions exceed max_context {self.spec.max_context}")
+        if n_positions > self.layout.max_context:
+            raise OutOfPages(f"{n_positions} positions exceed max_context {self.layout.max_context}")
         ps = self.page_size
         new_pages = self.allocator.alloc(self.pages_needed(h, n_positions))
         first_new_page = self.pages_for(h.reserved)

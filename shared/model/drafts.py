@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from kernels.gemv import linear
-from shared.batch import ForwardBatch
+from shared.forward_batch import ForwardBatch
 from shared.model.config import ModelConfig
 from shared.model.layers import MLP, Attention, DecoderLayer, RMSNorm, fuse_projections
 from shared.model.llama import LlamaForCausalLM, default_aux_layers

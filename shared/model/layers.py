@@ -12,7 +12,7 @@ from kernels.extend_attention import extend_attention
 from kernels.fused import rope_store, silu_mul
 from kernels.gemv import linear
 from kernels.norm_rope import apply_rope, rms_norm
-from shared.batch import ForwardBatch
+from shared.forward_batch import ForwardBatch
 from shared.model.config import ModelConfig, RopeConfig
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from kernels.gemv import linear
-from shared.batch import ForwardBatch
+from shared.forward_batch import ForwardBatch
 from shared.model.config import ModelConfig
 from shared.model.layers import DecoderLayer, RMSNorm
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.cuda_graphs import PhaseGraphs, pad_rows, tree_map
 from shared.request import Request
-from shared.runner import PhaseGraphs, pad_rows, tree_map
 from shared.spec.phases import DecodeInputs, StepOutput
 from shared.spec.state import DraftState
 from shared.spec.tree import DraftTree

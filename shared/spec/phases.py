@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.spec_kernels import Acceptance, DraftTree, gather_accepted, move_kv
-from shared.batch import build_uniform_batch
 from shared.config import SpecConfig
+from shared.forward_batch import build_uniform_batch
 from shared.memory.kv_cache import KVCache
 from shared.model.drafts import DraftHead
 from shared.model.llama import LlamaForCausalLM
@@ -66,7 +66,7 @@ class SpecPhases:
         self.step_cache = [draft_head.cache_for_step(i + 1) for i in range(steps - 1)]
         self.scratch_before = [k * self.step_cache[:i].count(c) for i, c in enumerate(self.step_cache)]
         # Columns of the scratch-ancestor mask that live in the cache of forward i.
-        dev = target_cache.spec.device
+        dev = target_cache.layout.device
         self.visible_cols = [
             torch.tensor([j * k + m for j, sc in enumerate(self.step_cache[:i + 1]) for m in range(k) if sc == c],
                          dtype=torch.int64, device=dev)

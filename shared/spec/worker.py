@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from shared.batch import build_forward_batch
 from shared.config import EngineConfig, SpecConfig
+from shared.cuda_graphs import CaptureFailure, PhaseGraphs, pad_rows, tree_map
+from shared.forward_batch import build_forward_batch
 from shared.memory.kv_cache import KVCache
 from shared.memory.sizing import make_cache
 from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.request import Request
-from shared.runner import CaptureFailure, PhaseGraphs, pad_rows, tree_map
 from shared.scheduler import Chunk
 from shared.spec.draft_ahead import DraftAhead, Drafted
 from shared.spec.phases import DecodeInputs, SpecPhases, StepOutput
@@ -75,8 +75,8 @@ class SpecWorker:
         self.graphs["verify_extend"] = PhaseGraphs("verify_extend", self.phases.verify_extend,
                                                    {"verify", "extend"} <= on, config.cuda_graph_max_bs, failures)
         ahead = config.spec_draft_ahead
-        enabled = target_cache.spec.device.type == "cuda" if ahead is None else ahead
-        room = min(cache.spec.max_context - self._draft_reach(c) for c, cache in enumerate(self.caches))
+        enabled = target_cache.layout.device.type == "cuda" if ahead is None else ahead
+        room = min(cache.layout.max_context - self._draft_reach(c) for c, cache in enumerate(self.caches))
         self.ahead = DraftAhead(enabled, spec.steps, room, self.dtype)
 
     @classmethod
@@ -199,7 +199,7 @@ class SpecWorker:
     def capture_graphs(self) -> int:
         """Capture each enabled phase at every bucket on padding inputs (rows 0, lengths 0), in the
         order a decode step runs them; returns how many graphs exist afterwards."""
-        dev, k, c = self.target_cache.spec.device, self.spec.topk, len(self.caches)
+        dev, k, c = self.target_cache.layout.device, self.spec.topk, len(self.caches)
         g = self.graphs
         for bs in g["draft"].buckets:
             ints = torch.zeros(bs, dtype=torch.int64, device=dev)
@@ -227,7 +227,7 @@ class SpecWorker:
                 cache.reserve(r.handles[1 + c], max(L, caps[i] if caps else 0) + self._draft_reach(c))
 
     def _inputs(self, reqs: list[Request]) -> DecodeInputs:
-        dev = self.target_cache.spec.device
+        dev = self.target_cache.layout.device
         states = [r.draft_state for r in reqs]
         n, k = len(reqs), self.spec.topk
 

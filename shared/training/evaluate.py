@@ -46,6 +46,6 @@ def measure_acceptance(target: LlamaForCausalLM, head_dir: str | Path, prompts: 
                           chunk_size=None, spec=SpecConfig(topk=1, steps=steps, num_draft_tokens=steps + 1))
     engine = Engine(target, draft=head_dir, config=config)
     results = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
-    totals = engine.spec.totals
+    totals = engine.spec_stats.totals
     return Acceptance(accept_length=totals.accept_length, accept_rate=totals.accept_rate,
                       verify_steps=totals.verify_steps, tokens=[r.token_ids for r in results])

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.batch import build_forward_batch
-from shared.memory.kv_cache import CacheSpec, KVCache
+from shared.forward_batch import build_forward_batch
+from shared.memory.kv_cache import CacheLayout, KVCache
 from shared.model.llama import LlamaForCausalLM
 
 PAGE = 16
@@ -42,7 +42,7 @@ class TargetRunner:
         self.target, self.capture, self.aux_layers = target, capture, aux_layers
         cfg = target.config
         weight = target.lm_head.weight
-        self.cache = KVCache(CacheSpec(
+        self.cache = KVCache(CacheLayout(
             num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
             dtype=weight.dtype, device=weight.device, page_size=PAGE, num_pages=rows * -(-seq_len // PAGE),
             max_reqs=rows, max_context=seq_len))

@@ -374,7 +374,7 @@ class Trainer:
         rec = {"step": self.step, **acc.as_dict(), "spec_steps": cfg.spec_steps, "prompts": len(prompts)}
         if seq >= cfg.ttt_steps + 2:
             wins = windows(held, seq)[:cfg.eval_windows]
-            if self.eval_runner is None or self.eval_runner.cache.spec.max_context != seq:
+            if self.eval_runner is None or self.eval_runner.cache.layout.max_context != seq:
                 self.eval_runner = TargetRunner(self.target, self.runner.capture, self.runner.aux_layers,
                                                 wins.shape[0], seq, self.data.hot)
             with self.autocast():

@@ -1,4 +1,4 @@
-"""On the GPU: a CUDA graph capture that fails is contained (``shared.runner.PhaseGraphs``).
+"""On the GPU: a CUDA graph capture that fails is contained (``shared.cuda_graphs.PhaseGraphs``).
 
 The failure is forced with an illegal call inside capture (a device synchronize). The phase falls back
 to eager execution, the failure is recorded, every other phase is still captured, the CUDA generator
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from shared.config import EngineConfig, SpecConfig
+from shared.cuda_graphs import PhaseGraphs
 from shared.engine import Engine
-from shared.runner import PhaseGraphs
 from shared.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -48,16 +48,16 @@ def test_a_failed_capture_falls_back_to_eager_and_restores_the_generator(oracle_
     eager = [r.token_ids for r in _engine(oracle_model_dir, False).generate(PROMPTS, GREEDY)]
 
     engine = _engine(oracle_model_dir, True)
-    _break_capture(engine.spec.graphs["draft"])
+    _break_capture(engine.speculator.graphs["draft"])
     torch.cuda.manual_seed(1234)
     before = torch.cuda.get_rng_state()
     engine.capture_graphs()
 
     failures = engine.graph_failures
     assert [f.phase for f in failures] == ["draft"] and "captur" in failures[0].reason.lower()
-    assert not engine.spec.graphs["draft"].capture and engine.spec.graphs["draft"].captured_sizes == []
-    buckets = engine.spec.graphs["verify_extend"].buckets
-    assert engine.spec.graphs["verify_extend"].captured_sizes == buckets  # the other phases carry on
+    assert not engine.speculator.graphs["draft"].capture and engine.speculator.graphs["draft"].captured_sizes == []
+    buckets = engine.speculator.graphs["verify_extend"].buckets
+    assert engine.speculator.graphs["verify_extend"].captured_sizes == buckets  # the other phases carry on
     assert torch.equal(torch.cuda.get_rng_state(), before)  # restored, and usable:
     torch.randn(8, device="cuda")
     torch.nn.Embedding(4, 4, device="cuda")  # the init that failed in the poisoned process
@@ -94,7 +94,7 @@ def test_without_containment_a_failed_capture_poisons_the_generator():
 
 @pytest.mark.capture_failure_expected
 def test_restore_after_a_real_failure_in_this_process_leaves_random_ops_working():
-    from shared.runner import restore_cuda_rng
+    from shared.cuda_graphs import restore_cuda_rng
 
     x = torch.zeros(4, device="cuda")
     before = torch.cuda.get_rng_state()

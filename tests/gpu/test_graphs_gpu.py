@@ -23,7 +23,7 @@ def _run(model_dir, draft, device, graphs, spec=None, page_size=16):
     engine = Engine(model_dir / "target", None if draft is None else model_dir / draft, cfg)
     results = engine.generate(PROMPTS, PARAMS)
     assert engine.is_idle_and_clean()
-    return [r.token_ids for r in results], [r.spec for r in results]
+    return [r.token_ids for r in results], [r.spec_stats for r in results]
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +57,9 @@ def test_graph_capture_mutates_no_request_state(oracle_model_dir):
     engine.step()  # prefill only: no decode graph captured yet
     slots = engine.cache.slots(req.handles[0], 0, req.kv_len)
     before = [k[slots].clone() for k in engine.cache.k]
-    for g in engine.spec.graphs.values():
+    for g in engine.speculator.graphs.values():
         assert not g._graphs
-    w = engine.spec
+    w = engine.speculator
     w._reserve([req])
     inp = w._inputs([req])
     w.graphs["draft"]._capture((inp,))
@@ -77,7 +77,7 @@ def test_graphs_captured_ahead_of_serving(oracle_model_dir, cpu_reference, kind)
     cfg = EngineConfig(device="cuda", page_size=16, chunk_size=8, spec=spec, cuda_graph=True, cuda_graph_max_bs=8)
     engine = Engine(oracle_model_dir / "target", None if kind is None else oracle_model_dir / kind, cfg)
     count = engine.capture_graphs()
-    graphs = [engine.decode_graphs] if kind is None else list(engine.spec.graphs.values())
+    graphs = [engine.decode_graphs] if kind is None else list(engine.speculator.graphs.values())
     assert count == sum(len(g.buckets) for g in graphs) > 0
     assert all(g.captured_sizes == g.buckets for g in graphs)
     assert engine.is_idle_and_clean()  # nothing allocated to a request by the capture
@@ -112,7 +112,7 @@ def test_drafting_ahead_under_graphs_equals_the_cpu(oracle_model_dir, kind, topk
             for r in engine.scheduler.running:
                 assert torch.equal(table.host[r.handles[0].row], table.table[r.handles[0].row].cpu())
         assert engine.is_idle_and_clean()
-        return [engine.result(r).token_ids for r in reqs], engine.spec
+        return [engine.result(r).token_ids for r in reqs], engine.speculator
 
     want, _ = run("cpu", False)
     got, w = run("cuda", None)

@@ -35,7 +35,7 @@ def corpus(tmp_path_factory) -> Path:
 def greedy(target: Path, draft: Path | None, device: str = "cuda", spec: SpecConfig | None = None):
     engine = Engine(target, draft, EngineConfig(device=device, chunk_size=8, spec=spec))
     out = [r.token_ids for r in engine.generate(PROMPTS, PARAMS)]
-    return out, (engine.spec.totals.accept_length if engine.spec is not None else None)
+    return out, (engine.spec_stats.totals.accept_length if engine.speculator is not None else None)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle", "mtp"])

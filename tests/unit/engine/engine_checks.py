@@ -14,7 +14,7 @@ def check_pools_full(engine) -> None:
     assert not engine.scheduler.running and not engine.scheduler.waiting, "requests still scheduled"
     assert not engine.requests, f"requests still registered: {sorted(engine.requests)}"
     for i, cache in enumerate(engine.scheduler.caches):
-        n_pages, n_rows = cache.spec.num_pages, cache.req_to_token.num_rows
+        n_pages, n_rows = cache.layout.num_pages, cache.req_to_token.num_rows
         assert cache.num_free_pages == n_pages, f"cache {i}: {cache.num_free_pages} of {n_pages} pages free"
         assert cache.num_free_rows == n_rows, f"cache {i}: {cache.num_free_rows} of {n_rows} request rows free"
         assert sorted(cache.allocator._free) == list(range(1, n_pages + 1)), f"cache {i}: free list corrupted"
@@ -34,7 +34,7 @@ def check_accounting(engine) -> None:
     sched = engine.scheduler
     for i, cache in enumerate(sched.caches):
         held = sum(cache.pages_for(r.handles[i].reserved) for r in sched.running if r.handles)
-        assert cache.num_free_pages + held == cache.spec.num_pages, f"cache {i}: pages unaccounted for"
+        assert cache.num_free_pages + held == cache.layout.num_pages, f"cache {i}: pages unaccounted for"
         rows = sum(1 for r in sched.running if r.handles)
         assert cache.num_free_rows + rows == cache.req_to_token.num_rows, f"cache {i}: rows unaccounted for"
     assert len(sched.running) <= engine.config.max_running

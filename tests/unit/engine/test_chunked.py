@@ -56,7 +56,7 @@ def test_mixed_prefill_and_decode_in_one_forward(tiny_model_dir, solo_reference)
     first = engine.add_request(PROMPTS[1], GREEDY)
     for _ in range(3):
         engine.step()
-    assert first.phase.name == "DECODING" and len(first.output_ids) == 3
+    assert first.stage.name == "DECODING" and len(first.output_ids) == 3
     plans = record_plans(engine)
     seen_before = len(forwards)
     late = engine.add_request(PROMPTS[2], GREEDY)  # 29 tokens: four chunks of at most 8

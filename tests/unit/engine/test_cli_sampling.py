@@ -93,7 +93,7 @@ def test_low_precision_on_cpu_matches_the_python_api(tiny_model_dir, capsys, eng
     same(cli(capsys, target, "--dtype", dtype, "--device", "cpu"), api(target, greedy, dtype=dtype, device="cpu"))
     made = engine_pools_checked[0]  # the CLI's engine (every engine a test builds is recorded)
     assert made.config.dtype == dtype and made.model.lm_head.weight.dtype == getattr(torch, dtype)
-    assert made.cache.k[0].dtype == getattr(torch, dtype) and made.cache.spec.device == torch.device("cpu")
+    assert made.cache.k[0].dtype == getattr(torch, dtype) and made.cache.layout.device == torch.device("cpu")
     sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=9, max_new_tokens=N, ignore_eos=True)
     same(cli(capsys, target, "--dtype", dtype, "--device", "cpu", "--temperature", "0.8", "--top-p", "0.9",
              "--seed", "9"), api(target, sampled, dtype=dtype, device="cpu"))
@@ -125,7 +125,7 @@ def test_spec_draft_ahead_flag(tiny_model_dir, capsys, monkeypatch, ahead):
 
     def recording_init(self, *a, **kw):
         init(self, *a, **kw)
-        seen.append(self.spec.ahead.enabled)
+        seen.append(self.speculator.ahead.enabled)
 
     monkeypatch.setattr(Engine, "__init__", recording_init)
     objs = cli(capsys, target, "--draft", str(draft), "--spec-topk", "1", "--spec-steps", "3",

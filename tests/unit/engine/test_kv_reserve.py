@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from shared.memory.kv_cache import CacheSpec, KVCache
+from shared.memory.kv_cache import CacheLayout, KVCache
 
 
 class VectorisedKVCache(KVCache):
@@ -35,7 +35,7 @@ class VectorisedKVCache(KVCache):
 
 
 def cache(page_size: int, kind=KVCache) -> KVCache:
-    return kind(CacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"),
+    return kind(CacheLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"),
                           page_size=page_size, num_pages=400, max_reqs=4, max_context=512))
 
 

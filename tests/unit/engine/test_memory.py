@@ -25,7 +25,7 @@ def make_engine(model_dir, **cfg) -> Engine:
 def test_counters_move_and_return(tiny_model_dir):
     engine = make_engine(tiny_model_dir, page_size=4, chunk_size=8)
     cache = engine.cache
-    total_pages, total_rows = cache.spec.num_pages, cache.req_to_token.num_rows
+    total_pages, total_rows = cache.layout.num_pages, cache.req_to_token.num_rows
     req = engine.add_request(PROMPTS[0], GREEDY)
     assert (cache.num_free_pages, cache.num_free_rows) == (total_pages, total_rows), "waiting holds nothing"
     engine.step()  # first chunk: 8 positions = 2 pages
@@ -89,7 +89,7 @@ def test_abort_returns_everything(tiny_model_dir, solo_reference, when):
     steps = {"waiting": 0, "mid_prefill": 2, "mid_decode": 6}[when]
     for _ in range(steps):
         engine.step()
-    assert req.phase.name == {"waiting": "WAITING", "mid_prefill": "PREFILLING", "mid_decode": "DECODING"}[when]
+    assert req.stage.name == {"waiting": "WAITING", "mid_prefill": "PREFILLING", "mid_decode": "DECODING"}[when]
     if when == "mid_decode":
         assert 0 < len(req.output_ids) < 8
     assert engine.abort(req.rid)
@@ -139,7 +139,7 @@ def test_random_arrivals_and_aborts_under_a_tiny_pool(tiny_model_dir, page_size,
             holding = [i for i in live if reqs[i].handles]
             if holding or live:
                 i = rng.choice(holding or live)
-                aborted[i] = reqs[i].phase.name
+                aborted[i] = reqs[i].stage.name
                 assert engine.abort(reqs[i].rid)
         engine.step()
         check_accounting(engine)

@@ -19,9 +19,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from shared.batch import build_forward_batch
 from shared.config import EngineConfig
 from shared.engine import Engine
+from shared.forward_batch import build_forward_batch
 from shared.model.loader import CheckpointError, load_target
 from shared.sampling import SamplingParams
 

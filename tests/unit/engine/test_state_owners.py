@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from shared.engine import Engine
-from shared.request import Phase
+from shared.request import Stage
 
 ROOT = Path(__file__).resolve().parents[3]
 SCHEDULER, REQUEST = "shared/scheduler.py", "shared/request.py"
@@ -82,7 +82,7 @@ def test_only_the_owners_write_request_state_and_the_request_table():
 
 
 @pytest.mark.parametrize("line", [
-    "req.kv_len = 3", "req.kv_len += 1", "r.phase = Phase.DECODING", "a, req.draft_state = 1, None",
+    "req.kv_len = 3", "req.kv_len += 1", "r.stage = Stage.DECODING", "a, req.draft_state = 1, None",
     "req.finish_reason = 'error'", "req.output_ids.append(5)", "req.handles = []",
     "self.scheduler.running.append(req)", "engine.scheduler.waiting.popleft()", "self.requests[rid] = req",
     "del sched.requests[rid]",
@@ -93,7 +93,7 @@ def test_the_checker_finds_each_kind_of_write(line):
 
 def test_the_checker_lets_the_owners_write_and_everyone_read():
     assert not violations(REQUEST, "self.kv_len = 3\nself.output_ids.append(4)")
-    assert not violations(SCHEDULER, "req.phase = Phase.FINISHED\nreq.handles = []\nself.running.append(req)")
+    assert not violations(SCHEDULER, "req.stage = Stage.FINISHED\nreq.handles = []\nself.running.append(req)")
     assert not violations("shared/engine.py", "n = req.kv_len + len(req.output_ids)\nx = self.requests.get(rid)")
 
 
@@ -103,7 +103,7 @@ def test_one_registry_the_engine_reads_the_schedulers_table(tiny_model_dir):
     assert engine.requests["a"] is req is engine.scheduler.get("a") and list(engine.requests) == ["a"]
     with pytest.raises(TypeError):
         engine.requests["b"] = req  # read-only: only the scheduler adds requests
-    assert engine.abort("a") and req.phase is Phase.FINISHED and req.finish_reason == "abort"
+    assert engine.abort("a") and req.stage is Stage.FINISHED and req.finish_reason == "abort"
     assert not engine.requests and not engine.scheduler.requests and not engine.abort("a")
 
 
@@ -113,8 +113,8 @@ def test_a_request_replaced_under_its_id_is_not_released_by_the_old_handle(tiny_
     assert engine.release(old, "abort") and not engine.release(old, "abort")
     new = engine.reserve_handoff("r", [1, 2, 3], [4], [0.0], engine_params(), 3)
     assert not engine.release(old, "abort") and not engine.activate_handoff(old, 3)
-    assert engine.requests["r"] is new and new.phase is Phase.RECEIVING
-    assert engine.activate_handoff(new, 3) and new.phase is Phase.DECODING and new.kv_len == 3
+    assert engine.requests["r"] is new and new.stage is Stage.RECEIVING
+    assert engine.activate_handoff(new, 3) and new.stage is Stage.DECODING and new.kv_len == 3
     assert not engine.activate_handoff(new, 3), "activated twice"
     assert engine.release(new, "abort") and engine.is_idle_and_clean()
 

@@ -15,7 +15,7 @@ from shared.handoff.wire import page_bytes
 from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import load_target
-from shared.request import Phase, Request
+from shared.request import Request, Stage
 from shared.sampling import SamplingParams
 
 KINDS = ("eagle", "eagle3", "mtp")
@@ -67,7 +67,7 @@ def prefill_until_handoff(engine: Engine, prompts: list[list[int]], params: Samp
     """Admit every prompt at once (their chunks interleave, so their pages do too) and step until each
     is parked for its hand-off."""
     reqs = [engine.add_request(p, params) for p in prompts]
-    while any(r.phase is not Phase.HANDOFF and r.finish_reason is None for r in reqs):
+    while any(r.stage is not Stage.HANDOFF and r.finish_reason is None for r in reqs):
         engine.step()
     return reqs
 

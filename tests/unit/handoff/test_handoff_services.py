@@ -163,8 +163,8 @@ def test_prefill_then_stream_equals_the_single_process_engine(stack, single, red
         assert tokens == want.token_ids
         assert finish.reason == "length" and finish.usage.completion_tokens == len(want.token_ids)
         assert finish.usage.prompt_tokens == len(prompt)
-        assert (finish.spec.verify_steps, finish.spec.accepted_drafts) == (want.spec["verify_steps"],
-                                                                           want.spec["accepted_drafts"])
+        assert (finish.spec.verify_steps, finish.spec.accepted_drafts) == (want.spec_stats["verify_steps"],
+                                                                           want.spec_stats["accepted_drafts"])
         handed = events[1].handed_off
         assert handed.bytes > 0 and handed.chunks > 2 * 2  # cut into many chunks (the fixture's chunk limit)
     assert stack.clean()
@@ -374,7 +374,7 @@ def held_by(engine, rid: str) -> list[int] | None:
     if req is None:
         return None
     pages = [len(p) for p in engine.page_ids(req)]
-    used = [c.spec.num_pages - c.num_free_pages for c in engine.scheduler.caches]
+    used = [c.layout.num_pages - c.num_free_pages for c in engine.scheduler.caches]
     assert pages == used, (pages, used)
     return pages
 

@@ -24,7 +24,7 @@ from shared.handoff import (
     iter_chunks,
 )
 from shared.handoff.wire import page_bytes
-from shared.memory.kv_cache import CacheSpec, KVCache
+from shared.memory.kv_cache import CacheLayout, KVCache
 from shared.spec.state import DraftState
 
 PS = 4
@@ -32,7 +32,7 @@ PS = 4
 
 def cache(layers: int = 2, heads: int = 2, dim: int = 8, pages: int = 16, seed: int = 0,
           dtype: torch.dtype = torch.float32) -> KVCache:
-    c = KVCache(CacheSpec(num_layers=layers, num_kv_heads=heads, head_dim=dim, dtype=dtype,
+    c = KVCache(CacheLayout(num_layers=layers, num_kv_heads=heads, head_dim=dim, dtype=dtype,
                           device=torch.device("cpu"), page_size=PS, num_pages=pages, max_reqs=4, max_context=64))
     g = torch.Generator().manual_seed(seed)
     for t in [*c.k, *c.v]:
@@ -43,7 +43,7 @@ def cache(layers: int = 2, heads: int = 2, dim: int = 8, pages: int = 16, seed: 
 def pages_kv(c: KVCache, pages: list[int]) -> list[torch.Tensor]:
     """K and V of the given pages, per layer, in page order."""
     idx = torch.tensor([p * PS + i for p in pages for i in range(PS)])
-    return [t[idx] for layer in range(c.spec.num_layers) for t in (c.k[layer], c.v[layer])]
+    return [t[idx] for layer in range(c.layout.num_layers) for t in (c.k[layer], c.v[layer])]
 
 
 def round_trip(src_pages: list[list[int]], dst_pages: list[list[int]], chunk_bytes: int, shapes=((2, 2, 8),)):

@@ -157,11 +157,11 @@ def test_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
 
 
 def test_forward_batch_metadata_carries_static_bounds():
-    """shared/batch.py fills the bounds the kernel sizes its grid with (host path and device path)."""
-    from shared.batch import build_forward_batch, build_uniform_batch
-    from shared.memory.kv_cache import CacheSpec, KVCache
+    """shared/forward_batch.py fills the bounds the kernel sizes its grid with (host path and device path)."""
+    from shared.forward_batch import build_forward_batch, build_uniform_batch
+    from shared.memory.kv_cache import CacheLayout, KVCache
 
-    cache = KVCache(CacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32,
+    cache = KVCache(CacheLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32,
                               device=torch.device("cpu"), page_size=4, num_pages=16, max_reqs=4, max_context=32))
     hs = [cache.open(), cache.open()]
     for h, n in zip(hs, (7, 12)):

@@ -75,7 +75,7 @@ def test_the_worker_and_the_handoff_code_do_not_reach_back_into_the_engine():
 
 
 @pytest.mark.parametrize("line", ["engine.scheduler.running", "self.loop.engine.cache.num_free_pages",
-                                  "engine.spec.spec.topk", "engine.requests.get(rid)", "loop.engine.model"])
+                                  "engine.speculator.spec.topk", "engine.requests.get(rid)", "loop.engine.model"])
 def test_the_boundary_checker_finds_each_reach(line):
     assert boundary_violations("services/decode/server.py", line)
 

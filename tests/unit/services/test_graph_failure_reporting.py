@@ -1,4 +1,4 @@
-"""A contained CUDA graph capture failure (``shared.runner``) is visible to operators: in ``/health``'s
+"""A contained CUDA graph capture failure (``shared.cuda_graphs``) is visible to operators: in ``/health``'s
 details, as ``eyrie_graph_capture_failures{phase}`` and in the log, while the service serves on.
 
 The capture itself is a GPU-only path (tests/gpu/test_graph_capture_failure_gpu.py forces a real
@@ -12,8 +12,8 @@ import json
 from services.engine_service import capture_graphs
 from services.logs import ServiceLog
 from shared.config import EngineConfig
+from shared.cuda_graphs import CaptureFailure, PhaseGraphs
 from shared.engine import Engine
-from shared.runner import CaptureFailure, PhaseGraphs
 from shared.telemetry import Telemetry
 from tests.unit.services.test_telemetry import get, samples
 
@@ -32,13 +32,13 @@ def test_a_failed_capture_shows_in_health_metrics_and_log(tiny_model_dir, caplog
         assert json.loads(body)["graphs"]["capture_failures"] == [
             {"phase": "draft", "batch_size": 4, "reason": "RuntimeError: operation not permitted when stream is "
                                                           "capturing"}]
-        assert samples(telemetry.address)[("eyrie_graph_capture_failures_total", (("phase", "draft"),))] == 1
+        assert samples(telemetry.address)[("eyrie_graph_capture_failures_total", (("stage", "draft"),))] == 1
         assert any("graph_capture_failed" in r.getMessage() or getattr(r, "event", "") == "graph_capture_failed"
                    for r in caplog.records)
         # Seen failures are counted once, however often the engine is observed.
         telemetry.observe_load(engine.load())
         telemetry.observe_load(engine.load())
-        assert samples(telemetry.address)[("eyrie_graph_capture_failures_total", (("phase", "draft"),))] == 1
+        assert samples(telemetry.address)[("eyrie_graph_capture_failures_total", (("stage", "draft"),))] == 1
     finally:
         telemetry.stop()
 
@@ -46,7 +46,7 @@ def test_a_failed_capture_shows_in_health_metrics_and_log(tiny_model_dir, caplog
 def test_every_phase_of_an_engine_records_into_its_one_failure_list(tiny_model_dir):
     cfg = EngineConfig(cuda_graph=True)
     engine = Engine(tiny_model_dir / "target", tiny_model_dir / "eagle3", cfg)
-    phases: list[PhaseGraphs] = [engine.decode_graphs, *engine.spec.graphs.values()]
+    phases: list[PhaseGraphs] = [engine.decode_graphs, *engine.speculator.graphs.values()]
     assert all(g.failures is engine.graph_failures for g in phases)
     other = Engine(tiny_model_dir / "target", None, cfg)
     assert other.decode_graphs.failures is other.graph_failures is not engine.graph_failures

@@ -102,7 +102,7 @@ def test_observe_engine_reports_every_pool(telemetry, tiny_model_dir):
     telemetry.observe_load(engine.load())
     m = samples(telemetry.address)
     total = m[("eyrie_kv_pages_total", (("cache", "target"),))]
-    assert total == engine.cache.spec.num_pages
+    assert total == engine.cache.layout.num_pages
     assert m[("eyrie_kv_pages_used", (("cache", "target"),))] >= 3  # 10+ tokens in pages of 4
     assert m[("eyrie_requests_running", ())] + m[("eyrie_requests_queued", ())] == 1
     engine.abort("r")
@@ -150,7 +150,7 @@ def test_draft_ahead_outcomes_are_exported(telemetry, tiny_model_dir):
                                                             for n in (12, 4)])
     telemetry.observe_load(engine.load())
     m = samples(telemetry.address)
-    w = engine.spec
+    w = engine.speculator
     got = {o: m[("eyrie_spec_draft_ahead", (("outcome", o),))] for o in ("used", "partial", "dropped", "mismatched")}
     assert got == {"used": w.ahead.used, "partial": w.ahead.partial, "dropped": w.ahead.dropped,
                    "mismatched": w.ahead.mismatched}

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.batch import build_forward_batch
 from shared.engine import Engine
+from shared.forward_batch import build_forward_batch
 from shared.memory.kv_cache import KVCache
 from shared.memory.sizing import make_cache
 from shared.request import Request
@@ -43,7 +43,7 @@ class DraftCalls:
     """Context manager: records the draft head's forwards (the head may be shared by engines)."""
 
     def __init__(self, engine: Engine):
-        self.draft = engine.spec.draft
+        self.draft = engine.speculator.draft
         self.calls: list[DraftCall] = []
 
     def _hook(self, module, args, kwargs, out):
@@ -92,7 +92,7 @@ def _fresh(engine: Engine, config, num_layers: int, need: int) -> tuple[KVCache,
 
 
 def reference_extend(engine: Engine, committed: list[int], bonus: int) -> Reference:
-    w = engine.spec
+    w = engine.speculator
     L = len(committed)
     ids = list(committed) + [bonus]
     pos = torch.arange(L)
@@ -134,7 +134,7 @@ def reference_chain(engine: Engine, ref: Reference) -> list[ChainStep]:
     """The ``steps - 1`` draft forwards of a chain (topk = 1) after ``ref``: step i (0-based) feeds the
     token chosen by the previous one at position L + i, with the previous hidden state, on the cache
     of draft step i + 1, where it sees the committed prefix and that cache's own earlier steps."""
-    w = engine.spec
+    w = engine.speculator
     draft = w.draft
     L = ref.L
     token = int(draft.to_target_ids(ref.logits.argmax().view(1)))
@@ -187,8 +187,9 @@ def assert_matches_reference(engine: Engine, req: Request, what: str = "") -> Re
         assert_kv_close(dk[c], ref.draft_k[c], f"{what} draft cache {c} K")
         assert_kv_close(dv[c], ref.draft_v[c], f"{what} draft cache {c} V")
     assert torch.allclose(st.hidden.float(), ref.hidden.float(), atol=1e-4), f"{what}: draft hidden state"
-    k = engine.spec.spec.topk
+    k = engine.speculator.spec.topk
     want_p, want_ids = torch.softmax(ref.logits, -1).topk(k)
     assert torch.allclose(st.topk_p.float(), want_p, atol=1e-4), f"{what}: first tree level probabilities"
-    assert torch.equal(st.topk_ids.cpu(), engine.spec.draft.to_target_ids(want_ids).cpu()), f"{what}: tree level ids"
+    ids = engine.speculator.draft.to_target_ids(want_ids).cpu()
+    assert torch.equal(st.topk_ids.cpu(), ids), f"{what}: tree level ids"
     return ref

@@ -44,8 +44,8 @@ def run(engine: Engine, prompts, params, join_after: int | None = None, join=Non
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_drafting_ahead_is_lossless_as_the_batch_changes(oracle_models, kind, topk, steps, n, page_size):
     engine = oracle_models.engine(kind, topk, steps, n, page_size=page_size, chunk_size=4, spec_draft_ahead=True)
-    assert engine.spec.ahead.enabled
-    w = engine.spec
+    assert engine.speculator.ahead.enabled
+    w = engine.speculator
     next_inputs, decode_step, clamped, current, checked = w.ahead.next_inputs, w.decode_step, [], [], [0]
 
     def recording_decode_step(reqs, *rest):
@@ -93,11 +93,11 @@ def test_drafting_ahead_off_launches_none(oracle_models):
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
     got = run(engine, PROMPTS, params)
     assert_same_greedy(got, per_request(oracle_models, PROMPTS, MAX_NEW))
-    assert engine.spec.ahead.used == engine.spec.ahead.dropped == 0
+    assert engine.speculator.ahead.used == engine.speculator.ahead.dropped == 0
 
 
 def test_the_default_follows_the_device(oracle_models):
-    assert not oracle_models.engine("eagle", 1, 3, 4).spec.ahead.enabled  # CPU: nothing to overlap
+    assert not oracle_models.engine("eagle", 1, 3, 4).speculator.ahead.enabled  # CPU: nothing to overlap
 
 
 @pytest.mark.parametrize("topk,steps,n", [(1, 3, 4), (2, 3, 8)])
@@ -116,12 +116,12 @@ def test_an_abort_between_steps_reuses_the_draft_ahead_for_the_others_and_return
     engine = oracle_models.engine("mtp", 2, 3, 8, page_size=4, chunk_size=None, spec_draft_ahead=True)
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in PROMPTS[:3]]
-    while engine.spec.ahead.pending is None:  # prefill, then decode steps until a draft is launched ahead
+    while engine.speculator.ahead.pending is None:  # prefill, then decode steps until a draft is launched ahead
         engine.step()
     assert engine.abort(reqs[1].rid)
-    used, partial = engine.spec.ahead.used, engine.spec.ahead.partial
+    used, partial = engine.speculator.ahead.used, engine.speculator.ahead.partial
     engine.step()  # the aborted request's row is padding now; the other two use their drafts
-    assert (engine.spec.ahead.used, engine.spec.ahead.partial) == (used + 1, partial + 1)
+    assert (engine.speculator.ahead.used, engine.speculator.ahead.partial) == (used + 1, partial + 1)
     while engine.scheduler.has_work():
         engine.step()
     kept = [engine.result(r) for r in (reqs[0], reqs[2])]
@@ -135,12 +135,12 @@ def test_an_abort_outside_the_batch_keeps_the_draft_ahead(oracle_models):
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     running = [engine.add_request(p, params) for p in PROMPTS[:2]]
     waiting = engine.add_request(PROMPTS[2], params)  # no room: waits
-    while engine.spec.ahead.pending is None:
+    while engine.speculator.ahead.pending is None:
         engine.step()
-    used = engine.spec.ahead.used
-    assert engine.abort(waiting.rid) and engine.spec.ahead.pending is not None
+    used = engine.speculator.ahead.used
+    assert engine.abort(waiting.rid) and engine.speculator.ahead.pending is not None
     engine.step()
-    assert engine.spec.ahead.used == used + 1
+    assert engine.speculator.ahead.used == used + 1
     while engine.scheduler.has_work():
         engine.step()
     assert_same_greedy([engine.result(r) for r in running], per_request(oracle_models, PROMPTS[:2], [20, 20]))
@@ -156,7 +156,7 @@ def test_drafting_ahead_claims_no_page_beyond_the_scheduled_peak(oracle_models):
     prompts = PROMPTS
     peaks = [probe.cache.pages_for(len(p) + q.max_new_tokens + probe.config.headroom) for p, q in zip(prompts, params)]
     engine = oracle_models.engine(*spec_args, page_size=4, chunk_size=4, spec_draft_ahead=True, num_pages=sum(peaks))
-    assert engine.cache.spec.num_pages == sum(peaks)
+    assert engine.cache.layout.num_pages == sum(peaks)
     caps = [], []
 
     def capped(cache, i):
@@ -169,11 +169,11 @@ def test_drafting_ahead_claims_no_page_beyond_the_scheduled_peak(oracle_models):
             reserve(h, n_positions)
         cache.reserve = checked
 
-    for i, cache in enumerate([engine.cache] + engine.spec.caches):
+    for i, cache in enumerate([engine.cache] + engine.speculator.caches):
         capped(cache, i)
     got = run(engine, prompts, params)
     assert_same_greedy(got, per_request(oracle_models, prompts, MAX_NEW))
-    assert engine.spec.ahead.used > 0 and caps[0]
+    assert engine.speculator.ahead.used > 0 and caps[0]
     assert engine.is_idle_and_clean()
 
 
@@ -207,8 +207,8 @@ def test_a_draft_launched_ahead_counts_as_the_draft_time_of_the_step_that_uses_i
     for ahead in (False, True):
         engine = oracle_models.engine("eagle", 2, 3, 8, page_size=4, chunk_size=None, spec_draft_ahead=ahead)
         run(engine, PROMPTS[:3], params)
-        assert engine.spec.ahead.used > (10 if ahead else -1)
-        totals[ahead] = engine.spec.stats.totals
+        assert engine.speculator.ahead.used > (10 if ahead else -1)
+        totals[ahead] = engine.speculator.stats.totals
     draft_share = {a: t.draft_time_s / (t.draft_time_s + t.verify_time_s) for a, t in totals.items()}
     assert draft_share[True] > 0.4 * draft_share[False], draft_share
 
@@ -219,20 +219,20 @@ def test_no_draft_ahead_while_a_hand_off_is_being_received(oracle_models):
     engine = oracle_models.engine("eagle", 1, 3, 4, page_size=4, chunk_size=None, spec_draft_ahead=True)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     req = engine.add_request(PROMPTS[0], params)
-    while engine.spec.ahead.pending is None:
+    while engine.speculator.ahead.pending is None:
         engine.step()
     incoming = engine.reserve_handoff("incoming", PROMPTS[2], [9], [0.0], params, len(PROMPTS[2]))
     assert incoming is not None
     for _ in range(3):
         engine.step()
-        assert engine.spec.ahead.pending is None
+        assert engine.speculator.ahead.pending is None
     assert engine.abort("incoming")
     engine.step()
-    assert engine.spec.ahead.pending is not None  # nothing on its way any more
+    assert engine.speculator.ahead.pending is not None  # nothing on its way any more
     while engine.scheduler.has_work():
         engine.step()
     assert_same_greedy([engine.result(req)], per_request(oracle_models, [PROMPTS[0]], [40]))
-    assert engine.spec.ahead.mismatched == 0 and engine.is_idle_and_clean()
+    assert engine.speculator.ahead.mismatched == 0 and engine.is_idle_and_clean()
 
 
 @pytest.mark.parametrize("topk,steps,n", [(1, 5, 6), (2, 3, 8)])
@@ -246,5 +246,5 @@ def test_stop_tokens_inside_accepted_runs_under_drafting_ahead(oracle_models, to
     assert len({len(w.token_ids) for w in want}) > 2  # they end at different steps
     engine = oracle_models.engine("eagle3", topk, steps, n, page_size=4, chunk_size=None, spec_draft_ahead=True)
     assert_same_greedy(run(engine, PROMPTS, params), want)
-    assert engine.spec.ahead.partial > 0 and engine.spec.ahead.mismatched == 0
+    assert engine.speculator.ahead.partial > 0 and engine.speculator.ahead.mismatched == 0
     assert engine.is_idle_and_clean()

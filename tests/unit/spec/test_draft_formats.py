@@ -28,9 +28,9 @@ from public_formats import (
 )
 from safetensors.torch import load_file
 
-from shared.batch import build_forward_batch
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
+from shared.forward_batch import build_forward_batch
 from shared.memory.sizing import make_cache
 from shared.model.drafts import DraftHead, load_draft
 from shared.model.loader import load_target

@@ -17,9 +17,9 @@ import torch
 from draft_reference import DraftCalls
 from public_formats import TARGET, hf_hidden_states, write_hf_target, write_specforge_eagle3
 
-from shared.batch import build_forward_batch
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
+from shared.forward_batch import build_forward_batch
 from shared.memory.sizing import make_cache
 from shared.model.drafts import aux_layers_of, capture_points, load_draft
 from shared.model.factory import eagle3_layer_config, make_model
@@ -73,7 +73,7 @@ def test_configured_ids_name_layer_outputs_through_the_engine(target, tmp_path, 
     draft_dir = write_specforge_eagle3(tmp_path / "eagle3", TARGET, seed=3, draft_vocab_size=96, layer_ids=ids)
     engine = Engine(model, draft_dir, EngineConfig(max_running=2, max_context=64, page_size=4, chunk_size=None,
                                                    spec=SpecConfig(topk=1, steps=2, num_draft_tokens=3)))
-    assert engine.spec.aux_layers == tuple(k + 1 for k in ids)
+    assert engine.speculator.aux_layers == tuple(k + 1 for k in ids)
     with DraftCalls(engine) as calls:
         engine.generate([PROMPT], SamplingParams(max_new_tokens=4, ignore_eos=True))
     extend = [c for c in calls.calls if c.from_target]  # the prompt's extend, then one after each verify

@@ -183,11 +183,11 @@ def test_greedy_lossless(case, models):
         assert engine.is_idle_and_clean(), f"{what}: pages or rows leaked"
         assert_same_greedy(got, reference(m, prompts, params, page, chunk), what)
         assert all(len(r.token_ids) == params.max_new_tokens for r in got), what
-        assert sum(r.spec["verify_steps"] for r in got) == len(committed), what
+        assert sum(r.spec_stats["verify_steps"] for r in got) == len(committed), what
         assert max(committed) <= case["steps"] + 1, what
         per_verify += committed
-        verifies += sum(r.spec["verify_steps"] for r in got)
-        accepted += sum(r.spec["accepted_drafts"] for r in got)
+        verifies += sum(r.spec_stats["verify_steps"] for r in got)
+        accepted += sum(r.spec_stats["accepted_drafts"] for r in got)
     # accept length over both batches: accepted drafts + the bonus token per verify (a run cut short by
     # max_new_tokens still counts the drafts verification accepted: it measures the drafts)
     accept = (accepted + verifies) / verifies

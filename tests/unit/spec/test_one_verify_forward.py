@@ -46,7 +46,7 @@ def test_one_target_forward_per_verify(oracle_models, monkeypatch, kind, shape):
     s = SHAPES[shape]
     engine = oracle_models.engine(kind, s["topk"], s["steps"], s["ndt"], page_size=4, chunk_size=None)
     target = Counting(engine.model, monkeypatch)
-    draft = Counting(engine.spec.draft, monkeypatch)
+    draft = Counting(engine.speculator.draft, monkeypatch)
     # different lengths: requests leave the batch at different decode steps
     reqs = [engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
             for p, n in zip(BATCH, (6, 11, 16))]
@@ -67,7 +67,7 @@ def test_one_target_forward_per_verify(oracle_models, monkeypatch, kind, shape):
         loop = [c for c in drafted if not c["from_target"]]
         extend = [c for c in drafted if c["from_target"]]
         assert len(loop) == s["steps"] - 1 and all(c["tokens"] == len(running) * s["topk"] for c in loop)
-        assert len(extend) == len(engine.spec.caches)
+        assert len(extend) == len(engine.speculator.caches)
         decode_steps += 1
         sizes.add(len(running))
     assert engine.is_idle_and_clean()

@@ -319,7 +319,7 @@ def test_engine_sampling_matches_the_target(small_vocab, shape):
         rows = runs[name]
         assert len(rows) == PER_SETTING
         pvalues = check_setting(shape, name, rows, laws[name])
-        accepted = [r.spec["accepted_drafts"] for r in rows]
+        accepted = [r.spec_stats["accepted_drafts"] for r in rows]
         print(f"{shape} {name}: chi-square p " + ", ".join(f"{v} {p:.3g}" for v, p in pvalues.items())
               + f"; accepted {sum(accepted)}, two or more in {sum(a >= 2 for a in accepted)} requests")
         view = min(pvalues, key=pvalues.get)

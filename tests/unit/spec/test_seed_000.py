@@ -25,7 +25,7 @@ def prefill_then_decode(engine, prompts):
     reqs = [engine.add_request(p, GREEDY) for p in prompts]
     snap, accepts, spans = {}, {r.rid: [] for r in reqs}, []
     with DraftCalls(engine) as calls:
-        extend = engine.spec.draft_extend
+        extend = engine.speculator.draft_extend
 
         def recording_extend(span_list, features, finals):
             first = len(calls.calls)
@@ -37,7 +37,7 @@ def prefill_then_decode(engine, prompts):
                                   call.positions[offset:offset + e - s].tolist()))
                     offset += e - s
 
-        engine.spec.draft_extend = recording_extend
+        engine.speculator.draft_extend = recording_extend
         while engine.scheduler.has_work():
             events = engine.step()
             for r, toks in events:
@@ -58,7 +58,7 @@ def test_chunked_equals_unchunked(oracle_models, kind):
     chunked = oracle_models.engine(kind, **spec, page_size=4, chunk_size=5)
     reqs_w, snap_w, acc_w, spans_w = prefill_then_decode(whole, PAIR)
     reqs_c, snap_c, acc_c, spans_c = prefill_then_decode(chunked, PAIR)
-    n_caches = len(chunked.spec.caches)
+    n_caches = len(chunked.speculator.caches)
     assert n_caches == (3 if kind == "mtp" else 1)
 
     for rw, rc in zip(reqs_w, reqs_c):

@@ -56,7 +56,7 @@ def check_accesses(engine, calls) -> int:
     page 0, which is never handed out, and only it: with drafting ahead on the GPU, the rows of
     requests that ended since the draft was launched become padding, and write and read their scratch
     tokens there. A row that reads page 0 reads nothing else."""
-    w = engine.spec
+    w = engine.speculator
     n = 0
     for call in calls.calls:
         c = call.cache_index
@@ -136,15 +136,15 @@ def test_negative_control_step_zero_map_is_caught(oracle_models, monkeypatch):
     def step_zero_map(cache, rows, *args, **kwargs):
         first = cache_zero[0]
         if cache is not first and any(cache is c for c in all_caches[0]):
-            proxy = type("Proxy", (), {"req_to_token": first.req_to_token, "spec": cache.spec,
+            proxy = type("Proxy", (), {"req_to_token": first.req_to_token, "spec": cache.layout,
                                        "page_size": cache.page_size})()
             return real(proxy, rows, *args, **kwargs)
         return real(cache, rows, *args, **kwargs)
 
     cache_zero, all_caches = [], []
     engine = oracle_models.engine("mtp", topk=1, steps=4, page_size=4, chunk_size=16, num_pages=6 * PAGES)
-    cache_zero.append(engine.spec.caches[0])
-    all_caches.append(engine.spec.caches)
+    cache_zero.append(engine.speculator.caches[0])
+    all_caches.append(engine.speculator.caches)
     dummies = offset_and_poison(engine)
     monkeypatch.setattr(phases, "build_uniform_batch", step_zero_map)
     reqs = [engine.add_request(p, PARAMS) for p in BATCH]

@@ -36,9 +36,9 @@ from draft_reference import DraftCalls, Reference, assert_matches_reference, ref
 from spec_helpers import KINDS, PROMPTS, SMALL, Models
 
 import shared.spec.phases as phases
-from shared.batch import build_forward_batch
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
+from shared.forward_batch import build_forward_batch
 from shared.sampling import SamplingParams
 
 BATCH = [PROMPTS[2], PROMPTS[4], PROMPTS[3]]  # 7, 18 and 37 tokens
@@ -68,7 +68,7 @@ def path_forward(engine: Engine, ref: Reference, path: list[int], shift: int = 0
     (+ ``shift``) on the cache of draft step j + 1, where it sees the committed prefix and the path's
     earlier forwards on that cache (written after the prefix), starting from the hidden state of
     the last committed position and then its parent's. Returns the last forward's output."""
-    draft = engine.spec.draft
+    draft = engine.speculator.draft
     L = ref.L
     hidden = ref.hidden.view(1, -1)
     written: dict[int, int] = {}
@@ -88,7 +88,7 @@ def reference_loop(engine: Engine, ref: Reference, wrong_positions: bool = True)
     """Per draft-loop forward i (0 .. steps - 2), its ``topk`` leaves in the loop's order: leaves of
     forward 0 are the first tree level (top-k of the extend's logits); the leaves of forward i + 1
     are the best ``topk`` children of forward i's leaves by path probability."""
-    w = engine.spec
+    w = engine.speculator
     draft, k = w.draft, w.spec.topk
     p, ids = torch.softmax(ref.logits.float(), -1).topk(k)
     leaves = [([int(t)], s) for t, s in zip(draft.to_target_ids(ids).tolist(), p)]
@@ -141,7 +141,7 @@ def decode_and_compare(engine: Engine, max_steps: int = 3, wrong_positions: bool
     """Prefill the batch, then compare the draft loop with the by-hand loop on up to ``max_steps``
     decode steps that run every request. Returns what was compared; positions, tokens and caches are
     asserted here, logits errors returned (the negative control needs them)."""
-    w = engine.spec
+    w = engine.speculator
     k, steps = w.spec.topk, w.spec.steps
     reqs = [engine.add_request(p, PARAMS) for p in BATCH]
     while any(r.draft_state is None for r in reqs):
@@ -212,7 +212,7 @@ def forwards_per_step(shape: str) -> int:
 @pytest.mark.parametrize("drafts", ["oracle", "random"])
 def test_every_draft_step_equals_a_direct_forward(models, drafts, kind, shape, graphs):
     engine = make_engine(models[drafts], kind, shape, graphs)
-    assert engine.spec.graphs["draft"].bucket(3) == (4 if graphs else None)
+    assert engine.speculator.graphs["draft"].bucket(3) == (4 if graphs else None)
     got = decode_and_compare(engine)
     assert got.forwards == 3 * forwards_per_step(shape)  # three decode steps
     assert got.depths == set(range(SHAPES[shape]["steps"] - 1)), "every draft step (tree depth) was compared"
@@ -260,4 +260,4 @@ def test_under_cuda_graph_replay(oracle_model_dir, kind):
                           spec=SpecConfig(topk=1, steps=4, num_draft_tokens=5))
     engine = Engine(root / "target", root / kind, config)
     assert decode_and_compare(engine).forwards == 3 * 3 * 3
-    assert engine.spec.graphs["draft"]._graphs, "no graph was captured"
+    assert engine.speculator.graphs["draft"]._graphs, "no graph was captured"

@@ -23,7 +23,7 @@ GRAPHS = pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded"
 @pytest.mark.parametrize("kind", KINDS)
 def test_one_function_gives_the_draft_widths(oracle_models, kind):
     engine = oracle_models.engine(kind, topk=2, steps=3, ndt=6)
-    draft, w = engine.spec.draft, engine.spec
+    draft, w = engine.speculator.draft, engine.speculator
     h = engine.model.config.hidden_size
     assert draft.feature_width(from_target=True) == (3 * h if kind == "eagle3" else h)
     assert draft.feature_width(from_target=False) == draft.hidden_width == draft.config.hidden_size
@@ -46,7 +46,7 @@ def test_one_function_gives_the_draft_widths(oracle_models, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_empty_batch_runs_the_same_path(oracle_models, kind, graphs):
     engine = oracle_models.engine(kind, topk=2, steps=3, ndt=6, cuda_graph=graphs)
-    w = engine.spec
+    w = engine.speculator
     assert engine.step() == []  # no request at all: nothing scheduled
     with DraftCalls(engine) as calls:
         assert w.decode_step([]) == []
@@ -90,4 +90,4 @@ def test_every_request_finishes_at_one_verify(oracle_models, kind, graphs):
             res = engine.result(r)
             assert res.token_ids == w.token_ids[:2]
             assert torch.allclose(torch.tensor(res.logprobs), torch.tensor(w.logprobs[:2]), atol=1e-4)
-            assert res.spec["verify_steps"] == 1
+            assert res.spec_stats["verify_steps"] == 1

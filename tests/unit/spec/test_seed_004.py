@@ -45,7 +45,7 @@ def check_compaction(models, kind, tree, page_size, **cfg):
     oracle_models = models
     spec = TREES[tree]
     engine = oracle_models.engine(kind, **spec, page_size=page_size, chunk_size=None, **cfg)
-    w = engine.spec
+    w = engine.speculator
     accepted_paths = []
     commit = w._commit
 

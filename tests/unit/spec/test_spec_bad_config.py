@@ -90,7 +90,7 @@ def test_multi_layer_draft_needs_a_layer_per_step(tiny_model_dir):
 def test_matching_drafts_load(tiny_model_dir):
     for kind in KINDS:
         engine = load(tiny_model_dir, tiny_model_dir / kind)
-        assert engine.spec.draft.kind == kind
+        assert engine.speculator.draft.kind == kind
         if kind == "eagle3":  # the factory's map: every other target token
-            d2t = engine.spec.draft.d2t
+            d2t = engine.speculator.draft.d2t
             assert torch.equal(torch.arange(d2t.numel()) + d2t, torch.arange(0, 512, 2))

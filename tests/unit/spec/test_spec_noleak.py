@@ -23,7 +23,7 @@ def assert_accounting(engine: Engine) -> None:
     live = [r for r in engine.scheduler.running if r.handles]
     for j, cache in enumerate(engine.scheduler.caches):
         held = sum(cache.pages_for(r.handles[j].reserved) for r in live)
-        assert cache.spec.num_pages - cache.num_free_pages == held, f"cache {j}: pages leaked or double-freed"
+        assert cache.layout.num_pages - cache.num_free_pages == held, f"cache {j}: pages leaked or double-freed"
         assert cache.req_to_token.num_rows - cache.num_free_rows == len(live), f"cache {j}: rows leaked"
 
 
@@ -91,11 +91,11 @@ def test_abort(oracle_models, kind, when):
     victim = {"waiting": reqs[2], "mid_prefill": reqs[0]}.get(when, reqs[1])
     phase = {"waiting": "WAITING", "mid_prefill": "PREFILLING"}.get(when, "DECODING")
     for _ in range(50):
-        if victim.phase.name == phase and (phase != "DECODING" or len(victim.output_ids) >= 5):
+        if victim.stage.name == phase and (phase != "DECODING" or len(victim.output_ids) >= 5):
             break
         engine.step()
         assert_accounting(engine)
-    assert victim.phase.name == phase
+    assert victim.stage.name == phase
     for r in (reqs[:2] if when == "all_mid_decode" else [victim]):
         assert engine.abort(r.rid)
         assert_accounting(engine)

@@ -96,7 +96,7 @@ def test_resuming_from_the_round_tripped_state(oracle_models, kind):
                         st = DraftState(st.bonus_token, st.committed_len, st.hidden, st.topk_p, st.topk_ids,
                                         r.generator.get_state())
                         back = DraftState.from_bytes(st.to_bytes())
-                        assert back.hidden.shape == (engine.spec.draft.hidden_width,)
+                        assert back.hidden.shape == (engine.speculator.draft.hidden_width,)
                         r.draft_state = back
                         r.generator = torch.Generator()
                         r.generator.set_state(back.rng_state)

@@ -33,7 +33,7 @@ def run_recorded(models, kind, prompts, params, **spec):
     verified: dict[str, list[int]] = {}
     committed: dict[str, list[int]] = {}
     sizes: list[int] = []
-    commit, decode_step = engine.spec._commit, engine.spec.decode_step
+    commit, decode_step = engine.speculator._commit, engine.speculator.decode_step
 
     def recording_commit(reqs, inp, out):  # what verification accepted, before any stop cuts it
         for r, n in zip(reqs, out.accept_len.tolist()):
@@ -47,7 +47,7 @@ def run_recorded(models, kind, prompts, params, **spec):
             committed.setdefault(r.rid, []).append(len(toks))
         return events
 
-    engine.spec._commit, engine.spec.decode_step = recording_commit, recording_decode_step
+    engine.speculator._commit, engine.speculator.decode_step = recording_commit, recording_decode_step
     reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     engine.run_until_done()
     assert engine.is_idle_and_clean()
@@ -76,14 +76,14 @@ def test_per_request_engine_and_batch_statistics(oracle_models, random_models, d
     for r in reqs:
         check_request_stats(r, verified[r.rid], committed[r.rid])
         st = r.stats
-        d = engine.result(r).spec
+        d = engine.result(r).spec_stats
         assert d == {"verify_steps": st.verify_steps, "accepted_drafts": st.accepted_drafts,
                      "committed_tokens": st.committed_tokens, "accept_length": round(st.accept_length, 4),
                      "accept_rate": round(st.accept_rate, 4), "draft_time_s": round(st.draft_time_s, 6),
                      "verify_time_s": round(st.verify_time_s, 6)}
 
     # Per verify step: who was verified together, what each committed, and the step's times.
-    w = engine.spec
+    w = engine.speculator
     batches = w.stats.batches_since(0)
     assert [b.step for b in batches] == list(range(len(sizes))) and w.stats.num_batches == len(sizes)
     assert [b.batch_size for b in batches] == sizes and max(sizes) == 3 and sizes[-1] == 1
@@ -148,22 +148,22 @@ def test_a_stop_inside_an_accepted_run_counts_committed_tokens_only(oracle_model
     # accept length counts the committed tokens; the accept rate, what verification accepted
     assert r.stats.committed_tokens == sum(c) < sum(v) == r.stats.accepted_drafts + r.stats.verify_steps
     assert r.stats.accept_length < (r.stats.accepted_drafts + r.stats.verify_steps) / r.stats.verify_steps
-    (b,) = engine.spec.stats.batches_since(engine.spec.stats.num_batches - 1)
+    (b,) = engine.speculator.stats.batches_since(engine.speculator.stats.num_batches - 1)
     assert (b.committed, b.verified) == ([c[-1]], [v[-1]])
 
 
 def test_batch_log_is_bounded(oracle_models):
     engine = oracle_models.engine("eagle", steps=STEPS)
-    engine.spec.stats.keep_batches(2)
+    engine.speculator.stats.keep_batches(2)
     engine.generate([PROMPTS[0], PROMPTS[4]], SamplingParams(max_new_tokens=12, ignore_eos=True))
-    w = engine.spec.stats
+    w = engine.speculator.stats
     assert w.num_batches > 2 and [b.step for b in w.batches] == [w.num_batches - 2, w.num_batches - 1]
     assert [b.step for b in w.batches_since(w.num_batches - 1)] == [w.num_batches - 1]
 
 
 def test_target_only_results_have_no_spec_stats(oracle_models):
     res = oracle_models.engine(None).generate([PROMPTS[0]], SamplingParams(max_new_tokens=3))[0]
-    assert res.spec is None and "spec" not in res.as_json()
+    assert res.spec_stats is None and "spec" not in res.as_json()
 
 
 def test_cli_generate_reports_statistics(oracle_model_dir, oracle_models, capsys):

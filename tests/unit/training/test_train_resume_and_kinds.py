@@ -71,4 +71,4 @@ def test_eagle_and_multi_layer_heads_learn_and_stay_lossless(oracle_model_dir, s
     plain = [r.token_ids for r in Engine(target).generate(prompts, params)]
     engine = Engine(target, draft=out, config=EngineConfig(spec=SpecConfig(topk=2, steps=3, num_draft_tokens=6)))
     assert [r.token_ids for r in engine.generate(prompts, params)] == plain
-    assert engine.spec.draft.kind == kind and engine.spec.totals.accept_length > 1.3
+    assert engine.speculator.draft.kind == kind and engine.spec_stats.totals.accept_length > 1.3

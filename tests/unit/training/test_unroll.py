@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import shared.training.unroll as unroll_mod
-from shared.batch import build_forward_batch
 from shared.config import EngineConfig
 from shared.engine import make_cache
+from shared.forward_batch import build_forward_batch
 from shared.model.drafts import load_draft
 from shared.model.loader import load_target
 from shared.training.corpus import draft_vocabulary, vocab_maps

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.batch import build_forward_batch
 from shared.engine import Engine
+from shared.forward_batch import build_forward_batch
 
 
 def engine_logits(engine: Engine, prompts: list[list[int]]) -> list[torch.Tensor]:

@@ -48,7 +48,7 @@ def build_forward_batch(
     ``extra_lens``: slots after the prefix that the step attends to (default ``q_lens``, causal).
     ``custom_mask``: concatenated ``[q_len, extra]`` bool blocks (tree verify / tree draft).
     """
-    device = cache.spec.device
+    device = cache.layout.device
     extra = q_lens if extra_lens is None else extra_lens
     kv_lens = [p + e for p, e in zip(prefix_lens, extra)]
     table = cache.req_to_token.table
