@@ -33,6 +33,7 @@ BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_la
             initializer_range=0.1)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
+WINDOW = 6  # Mistral's sliding window in the oracle: the prompts of PROMPTS but one are longer
 # name -> (transformers config class, overrides of BASE)
 CONFIGS: dict[str, tuple[str, dict]] = {
     "gqa4to1": ("LlamaConfig", {}),
@@ -45,6 +46,13 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "qwen2_qkv_bias": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=False,
                                            use_sliding_window=False)),
     "sharded": ("LlamaConfig", dict(num_hidden_layers=4, num_key_value_heads=2)),
+    "llama_mlp_bias": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True, num_key_value_heads=2)),
+    "qwen3_qk_norm": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                                          use_sliding_window=False)),
+    "mistral_full": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=None)),
+    # A window shorter than most prompts and every generation: past it, full attention differs.
+    "mistral_window": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=WINDOW)),
+    "gemma": ("GemmaConfig", dict(num_key_value_heads=2, head_dim=24, hidden_act="gelu_pytorch_tanh")),
 }
 PROMPTS = [[5, 17, 33, 2, 9, 100, 200, 7, 8, 9, 10], [3, 4], list(range(40, 77)), [250] * 5]
 
