@@ -81,7 +81,8 @@ class ModelConfig(BaseModel):
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         family = TARGET_ARCHITECTURES.get(archs[0])
         qwen2 = family == "qwen2" or cfg.get("model_type") == "qwen2"
-        bias = cfg.get("attention_bias", qwen2)
+        # Qwen2's q/k/v always carry a bias (HF hard-codes it, whatever attention_bias says).
+        bias = True if family == "qwen2" else cfg.get("attention_bias", qwen2)
         gemma = family == "gemma"
         return cls(
             architecture=archs[0],
