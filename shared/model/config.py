@@ -121,6 +121,13 @@ class ModelConfig(BaseModel):
             return 0
         return self.sliding_window
 
+    def check_tree_depth(self, steps: int) -> None:
+        """A verify tree node at depth d sees its ancestors d positions back: they must lie in the window
+        (the attention kernels apply the window to the prefix and take the tree from its mask)."""
+        if self.sliding_window is not None and steps >= self.sliding_window:
+            raise CheckpointError(f"speculative steps ({steps}) must be fewer than the target's sliding_window "
+                                  f"({self.sliding_window})")
+
     def check_target(self, where: str | Path) -> None:
         """Refuse, in one line, a target whose architecture Eyrie does not implement."""
         if self.architecture not in TARGET_ARCHITECTURES:
