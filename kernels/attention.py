@@ -21,6 +21,9 @@ How the kernel is laid out:
   step's keys up to the block's first query) run an unmasked loop, the rest a masked one.
 * Softmax is online in float32 in the exp2 domain; a row that sees no key in a split contributes
   nothing (weight 0) instead of NaN.
+* Sliding window (``window > 0``): the block's keys start at the first one its earliest query sees
+  (``min(q_pos) - window + 1``; the splits share out the keys from there), and every tile is masked,
+  each row dropping the keys at or before its ``q_pos - window`` (the prefix only, under a custom mask).
 
 No host synchronisation: the grid comes from Python ints only (rows, heads, splits and a static
 ``max_q_len`` bound from the metadata or the tensor shapes), so it can be captured in a CUDA graph.
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention_ref import AttentionMetadata, paged_attention_ref
+from kernels.attention_ref import AttentionMetadata, check_window_args, paged_attention_ref
 
 try:
     import triton
@@ -60,8 +63,8 @@ if triton is not None:
     @triton.jit
     def _attn_tile(acc, m_i, l_i, q, start, end, kv_start, prefix, extra, mask_base, tok, row_ok,
                    kv_indices, K, V, stride_kt, stride_kh, stride_vt, stride_vh, kvh, mask_ptr, offs_d, d_ok,
-                   qk_scale, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   qk_scale, q_pos, window, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr,
+                   PRECISION: tl.constexpr, SLIDING: tl.constexpr):
         """One key tile [start, start + BLOCK_N) of the online softmax; ``end`` bounds the keys."""
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
@@ -78,6 +81,11 @@ if triton is not None:
                 visible = ((col[None, :] < 0) | (bits != 0)) & n_ok[None, :]
             else:
                 visible = (offs_n[None, :] <= prefix + tok[:, None]) & n_ok[None, :]
+            if SLIDING:  # key slot i is at position i: keep (q_pos - window, q_pos]
+                in_window = offs_n[None, :] > q_pos[:, None] - window
+                if HAS_MASK:  # this step's keys (tree ancestors) are the mask's alone
+                    in_window = in_window | (offs_n[None, :] >= prefix)
+                visible = visible & in_window
         else:
             visible = n_ok[None, :] & (tok[:, None] >= 0)
         s = tl.where(visible, s, float("-inf"))
@@ -95,12 +103,13 @@ if triton is not None:
 
     @triton.jit
     def _attn_kernel(Q, K, V, O, Opart, Lse,
-                     qo_indptr, kv_indptr, kv_indices, prefix_lens, mask_ptr, mask_indptr,
-                     qk_scale, num_kv_heads, num_q_heads, num_rows,
+                     qo_indptr, kv_indptr, kv_indices, prefix_lens, mask_ptr, mask_indptr, QPos,
+                     qk_scale, num_kv_heads, num_q_heads, num_rows, window,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                     HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                     HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                     SLIDING: tl.constexpr):
         qb = tl.program_id(0)
         bh = tl.program_id(1)
         split = tl.program_id(2)
@@ -140,12 +149,25 @@ if triton is not None:
             kv_end = tl.minimum(kv_len, prefix + last_tok + 1)
             full_end = prefix + first_tok + 1
         full_end = tl.minimum(full_end, kv_end)
+        first_key = 0
+        q_pos = tok  # unused without a window
+        if SLIDING:
+            if HAS_MASK:
+                q_pos = tl.load(QPos + row, mask=row_ok, other=0)
+            else:
+                q_pos = prefix + tok
+            earliest = tl.min(tl.where(row_ok, q_pos, 2147483647), 0)
+            first_key = tl.maximum(earliest - window + 1, 0)
+            if HAS_MASK:
+                first_key = tl.minimum(first_key, prefix)
+            first_key = tl.minimum(first_key, kv_end)
+            full_end = first_key  # every tile masked: each row has its own window
         if NUM_SPLITS > 1:
-            chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-            lo = split * chunk
+            chunk = tl.cdiv(tl.cdiv(kv_end - first_key, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            lo = first_key + split * chunk
             hi = tl.minimum(lo + chunk, kv_end)
         else:
-            lo = 0
+            lo = first_key
             hi = kv_end
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -155,11 +177,13 @@ if triton is not None:
         for start in range(lo, mid, BLOCK_N):
             acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, start, mid, kv_start, prefix, extra, mask_base, tok, row_ok,
                                        kv_indices, K, V, stride_kt, stride_kh, stride_vt, stride_vh, kvh, mask_ptr,
-                                       offs_d, d_ok, qk_scale, False, HAS_MASK, BLOCK_N, PRECISION)
+                                       offs_d, d_ok, qk_scale, q_pos, window, False, HAS_MASK, BLOCK_N, PRECISION,
+                                       SLIDING)
         for start in range(mid, hi, BLOCK_N):
             acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, start, hi, kv_start, prefix, extra, mask_base, tok, row_ok,
                                        kv_indices, K, V, stride_kt, stride_kh, stride_vt, stride_vh, kvh, mask_ptr,
-                                       offs_d, d_ok, qk_scale, True, HAS_MASK, BLOCK_N, PRECISION)
+                                       offs_d, d_ok, qk_scale, q_pos, window, True, HAS_MASK, BLOCK_N, PRECISION,
+                                       SLIDING)
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         if NUM_SPLITS == 1:
@@ -240,16 +264,18 @@ def _use_triton(q: torch.Tensor, backend: str) -> bool:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    sm_scale: float, *, backend: str = "auto", num_splits: int | None = None,
-                    config: AttnConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    sm_scale: float, window: int = 0, q_positions: torch.Tensor | None = None, *,
+                    backend: str = "auto", num_splits: int | None = None, config: AttnConfig | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """o [T, Hq, D] under the contract of ``paged_attention_ref``; Triton on CUDA, the reference elsewhere.
 
-    ``num_splits`` / ``config`` override the launch choice (tests and benchmarks); ``out`` is an
-    optional contiguous [T, Hq, D] destination of q's dtype. Rows of ``q`` that belong to no request
-    are left unwritten, as in the reference.
+    ``window`` / ``q_positions``: the sliding window, as in the reference. ``num_splits`` / ``config``
+    override the launch choice (tests and benchmarks); ``out`` is an optional contiguous [T, Hq, D]
+    destination of q's dtype. Rows of ``q`` that belong to no request are left unwritten, as in the reference.
     """
+    check_window_args(meta, window, q_positions)
     if not _use_triton(q, backend) or q.shape[0] == 0 or meta.batch_size == 0:
-        ref = paged_attention_ref(q, k_cache, v_cache, meta, sm_scale)
+        ref = paged_attention_ref(q, k_cache, v_cache, meta, sm_scale, window, q_positions)
         return ref if out is None else out.copy_(ref)
     T, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -273,6 +299,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     has_mask = meta.custom_mask is not None
     mask = meta.custom_mask.view(torch.uint8) if has_mask else meta.kv_indices  # any pointer when unused
     mask_indptr = meta.mask_indptr if has_mask else meta.kv_indptr
+    sliding = window > 0
+    q_pos = q_positions if (sliding and has_mask) else meta.qo_indptr  # any pointer when unused
     S = cfg.num_splits
     if S > 1:
         opart = torch.empty((S, T, hq, d), dtype=torch.float32, device=q.device)
@@ -284,12 +312,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     precision = "ieee" if (q.dtype == torch.float32 or upcast) else "tf32"
     _attn_kernel[(n_qblocks, B * hkv, S)](
         q, k_cache, v_cache, out, opart, lse,
-        meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.prefix_lens, mask, mask_indptr,
-        sm_scale * LOG2E, hkv, hq, T,
+        meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.prefix_lens, mask, mask_indptr, q_pos,
+        sm_scale * LOG2E, hkv, hq, T, window,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        NUM_SPLITS=S, HAS_MASK=has_mask, PRECISION=precision, UPCAST=upcast,
+        NUM_SPLITS=S, HAS_MASK=has_mask, PRECISION=precision, UPCAST=upcast, SLIDING=sliding,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if S > 1:

@@ -16,6 +16,14 @@ The remaining ``extra = kv_len - prefix_lens[b]`` slots are the tokens of this s
   request order starting at ``mask_indptr[b]`` (tree verify: ancestors and self; tree draft).
 
 Queries use ``Hq = G * Hkv`` heads (GQA); query head ``h`` reads kv head ``h // G``.
+
+Sliding window (``window > 0``, Mistral): key slot ``i`` of a request sits at position ``i`` (the
+request-to-token row is indexed by position), and a query at position ``p`` sees only keys with
+``i > p - window``, i.e. positions ``(p - window, p]``. A causal query ``j`` is at ``p = prefix + j``;
+under a custom mask the query positions are given (``q_positions [T]``, the RoPE positions: a tree
+node at depth ``d`` is at ``prefix + d``), the window bounds the prefix keys, and this step's keys
+stay as the mask says (they are the node's tree ancestors, fewer than ``window`` positions back
+whenever the tree is shallower than the window, which the engine checks).
 """
 
 from __future__ import annotations
@@ -77,8 +85,12 @@ class AttentionMetadata:
 
 
 def visible_mask(q_len: int, kv_len: int, prefix_len: int, block: torch.Tensor | None,
-                 device: torch.device) -> torch.Tensor:
-    """[q_len, kv_len] bool: which key slots each query of one request may read."""
+                 device: torch.device, window: int = 0, q_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """[q_len, kv_len] bool: which key slots each query of one request may read.
+
+    ``window > 0``: also hide keys at or before ``q_pos - window`` (``q_pos [q_len]``: the queries'
+    positions; default ``prefix_len + j``, the causal ones); under a mask only the prefix is bounded.
+    """
     extra = kv_len - prefix_len
     mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
     if block is None:
@@ -87,12 +99,33 @@ def visible_mask(q_len: int, kv_len: int, prefix_len: int, block: torch.Tensor |
         mask[:, prefix_len:] = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
     else:
         mask[:, prefix_len:] = block.view(q_len, extra)
+    if window > 0:
+        if q_pos is None:
+            q_pos = prefix_len + torch.arange(q_len, device=device)
+        key = torch.arange(kv_len, device=device)
+        in_window = key.unsqueeze(0) > (q_pos.to(device).unsqueeze(1) - window)
+        if block is not None:
+            in_window[:, prefix_len:] = True
+        mask &= in_window
     return mask
 
 
+def check_window_args(meta: AttentionMetadata, window: int, q_positions: torch.Tensor | None) -> None:
+    """A windowed call under a custom mask needs the query positions (the tree depth is not in the metadata)."""
+    if window < 0:
+        raise ValueError(f"window must be >= 0, got {window}")
+    if window > 0 and meta.custom_mask is not None and q_positions is None:
+        raise ValueError("a sliding window under a custom mask needs q_positions")
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
-    """o [T, Hq, D]: softmax(q k^T * sm_scale + mask) v per request, accumulated in float32."""
+                        meta: AttentionMetadata, sm_scale: float, window: int = 0,
+                        q_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """o [T, Hq, D]: softmax(q k^T * sm_scale + mask) v per request, accumulated in float32.
+
+    ``window`` / ``q_positions [T] int64``: the sliding window (module docstring); 0 = none.
+    """
+    check_window_args(meta, window, q_positions)
     T, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
@@ -108,7 +141,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         block = None
         if mi is not None:
             block = meta.custom_mask[mi[b]:mi[b + 1]]
-        mask = visible_mask(qe - qs, ke - ks, pre[b], block, q.device)
+        q_pos = None if block is None or window == 0 else q_positions[qs:qe]
+        mask = visible_mask(qe - qs, ke - ks, pre[b], block, q.device, window, q_pos)
         scores = torch.einsum("qhd,khd->hqk", q[qs:qe].float(), k) * sm_scale
         scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
         probs = torch.softmax(scores, dim=-1)

@@ -43,6 +43,10 @@ How the kernel is laid out (FlashAttention-2 style):
   diagonal run then starts before ``m0`` and masks what the block does not see). Softmax is online, in float32,
   in the exp2 domain (``sm_scale * log2(e)`` folded into one multiply-add). Every row sees at least
   one key in the first tile it processes, so the running max is finite from the first tile on.
+* Sliding window (``window > 0``, Mistral): query ``tok`` (position ``prefix + tok``) sees keys at
+  positions ``(prefix + tok - window, prefix + tok]``. Runs 1 and 3 then start at the key tile that
+  holds the block's first visible key, every run is masked, and the online softmax skips a tile in
+  which a row sees nothing yet (its running max stays -inf instead of turning the row into NaN).
 * The output is stored with masked pointer stores (a TMA store of a partial block would write into
   the next request's rows). Query rows that belong to no request are left unwritten.
 
@@ -143,16 +147,26 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _softmax_step(acc, m_i, l_i, s, v, visible, qk_scale, MASKED: tl.constexpr, PRECISION: tl.constexpr):
-        """Fold one tile of raw scores ``s = q k^T`` [BLOCK_M, BLOCK_N] and its values into the online softmax."""
+    def _softmax_step(acc, m_i, l_i, s, v, visible, qk_scale, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+                      SAFE: tl.constexpr = False):
+        """Fold one tile of raw scores ``s = q k^T`` [BLOCK_M, BLOCK_N] and its values into the online softmax.
+
+        ``SAFE``: a row may see no key of this tile before it has seen any (sliding window): its max
+        stays -inf and it adds nothing, instead of exp2(-inf - -inf) = NaN.
+        """
         if MASKED:
             s = tl.where(visible, s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
+            if SAFE:
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_ref = m_new
+            p = tl.exp2(s - m_ref[:, None])
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_ref = m_new
             p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)  # m_i = -inf on the first tile: alpha = 0
+        alpha = tl.exp2(m_i - m_ref)  # m_i = -inf on the first tile: alpha = 0
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
@@ -161,13 +175,14 @@ if triton is not None:
     @triton.jit
     def _extend_kernel(Q, QD, Kn, KnD, Vn, VnD, Kc, Vc, O,
                        qo_indptr, kv_indptr, kv_indices, prefix_lens,
-                       qk_scale, num_q_heads,
+                       qk_scale, num_q_heads, window,
                        stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
                        stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
                        WARP_SPEC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                       HEAD_MAJOR: tl.constexpr, PACK: tl.constexpr, REQUEST_MAJOR: tl.constexpr):
+                       HEAD_MAJOR: tl.constexpr, PACK: tl.constexpr, REQUEST_MAJOR: tl.constexpr,
+                       SLIDING: tl.constexpr):
         # PACK query heads (of one KV head) per program: row r is token m0 + r % BLOCK_T of head h + r // BLOCK_T.
         BLOCK_T: tl.constexpr = BLOCK_M // PACK
         if HEAD_MAJOR:  # grid (query blocks, B * Hq / PACK): one head's blocks run together, sharing its K/V in L2
@@ -219,14 +234,24 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
+        # Keys are counted from the prefix's start (key i at position i); query tok is at prefix + tok.
+        # With a window, key i is visible to query tok iff i > prefix + tok - window.
+        lowest = prefix + m0 - window  # keys <= lowest are hidden from every row of the block
         # 1. Full prefix tiles, gathered through kv_indices: every query sees every prefix key.
         prefix_full = (prefix // BLOCK_N) * BLOCK_N
-        for start in range(0, prefix_full, BLOCK_N):
+        prefix_lo = 0
+        if SLIDING:
+            prefix_lo = tl.minimum(tl.maximum(lowest + 1, 0) // BLOCK_N * BLOCK_N, prefix_full)
+        for start in range(prefix_lo, prefix_full, BLOCK_N):
             slot = tl.load(kv_indices + kv_start + start + offs_n)
             k = _load_rows(Kc, slot, stride_kct, kvh * stride_kch, offs_d, offs_n, HEAD_DIM, BLOCK_D, False, UPCAST)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             v = _load_rows(Vc, slot, stride_vct, kvh * stride_vch, offs_d, offs_n, HEAD_DIM, BLOCK_D, False, UPCAST)
-            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, None, qk_scale, False, PRECISION)
+            if SLIDING:
+                visible = (start + offs_n)[None, :] > (prefix + tok - window)[:, None]
+                acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, visible, qk_scale, True, PRECISION, True)
+            else:
+                acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, None, qk_scale, False, PRECISION)
         # 2. The prefix's partial last tile; keys past the prefix read nothing (K and V masked to 0).
         if prefix_full < prefix:
             n_ok = prefix_full + offs_n < prefix
@@ -234,17 +259,28 @@ if triton is not None:
             k = _load_rows(Kc, slot, stride_kct, kvh * stride_kch, offs_d, n_ok, HEAD_DIM, BLOCK_D, True, UPCAST)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             v = _load_rows(Vc, slot, stride_vct, kvh * stride_vch, offs_d, n_ok, HEAD_DIM, BLOCK_D, True, UPCAST)
-            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, n_ok[None, :], qk_scale, True, PRECISION)
+            visible = n_ok[None, :]
+            if SLIDING:
+                visible = visible & ((prefix_full + offs_n)[None, :] > (prefix + tok - window)[:, None])
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, visible, qk_scale, True, PRECISION, SLIDING)
 
-        # 3. This step's keys before the tile that holds the block's first query: seen by every row, no mask.
+        # 3. This step's keys before the tile that holds the block's first query: seen by every row, no mask
+        # (with a window: from the tile of the block's first visible key on, masked).
         diag_start = (m0 // BLOCK_N) * BLOCK_N
-        for start in tl.range(0, diag_start, BLOCK_N, warp_specialize=WARP_SPEC):
+        new_lo = 0
+        if SLIDING:
+            new_lo = tl.minimum(tl.maximum(lowest + 1 - prefix, 0) // BLOCK_N * BLOCK_N, diag_start)
+        for start in tl.range(new_lo, diag_start, BLOCK_N, warp_specialize=WARP_SPEC):
             k = _load_new(KnD, Kn, q_start + start, offs_n, stride_knt, kvh, stride_knh, offs_d, HEAD_DIM, BLOCK_D,
                           USE_TMA, UPCAST)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             v = _load_new(VnD, Vn, q_start + start, offs_n, stride_vnt, kvh, stride_vnh, offs_d, HEAD_DIM, BLOCK_D,
                           USE_TMA, UPCAST)
-            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, None, qk_scale, False, PRECISION)
+            if SLIDING:
+                visible = (start + offs_n)[None, :] > (tok - window)[:, None]
+                acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, visible, qk_scale, True, PRECISION, True)
+            else:
+                acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, None, qk_scale, False, PRECISION)
 
         # 4. Full tiles of the diagonal: key j visible to query tok iff j <= tok.
         q_end = tl.minimum(m0 + BLOCK_T, q_len)
@@ -256,7 +292,9 @@ if triton is not None:
             v = _load_new(VnD, Vn, q_start + start, offs_n, stride_vnt, kvh, stride_vnh, offs_d, HEAD_DIM, BLOCK_D,
                           USE_TMA, UPCAST)
             visible = (start + offs_n)[None, :] <= tok[:, None]
-            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, visible, qk_scale, True, PRECISION)
+            if SLIDING:
+                visible = visible & ((start + offs_n)[None, :] > (tok - window)[:, None])
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, visible, qk_scale, True, PRECISION, SLIDING)
         # 5. The diagonal's partial last tile (the request ends inside it): masked pointer loads.
         if diag_full < q_end:
             key = diag_full + offs_n
@@ -267,9 +305,13 @@ if triton is not None:
             v = _load_rows(Vn, q_start + key, stride_vnt, kvh * stride_vnh, offs_d, n_ok, HEAD_DIM, BLOCK_D, True,
                            UPCAST)
             visible = (key[None, :] <= tok[:, None]) & n_ok[None, :]
-            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, visible, qk_scale, True, PRECISION)
+            if SLIDING:
+                visible = visible & (key[None, :] > (tok - window)[:, None])
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, visible, qk_scale, True, PRECISION, SLIDING)
 
-        out = acc / l_i[:, None]  # l_i >= 1 on every row: its running max came from a visible key
+        if SLIDING:  # rows past the request may have seen nothing (never stored): no 0 / 0
+            l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_i[:, None]  # l_i >= 1 on every row: its running max came from a visible key (itself)
         if PACK == 1:
             o_ptrs = O + (q_start + tok)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
         else:
@@ -398,9 +440,11 @@ def _rows_descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
 
 
 def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, meta: AttentionMetadata, sm_scale: float, *, backend: str = "auto",
-                     out: torch.Tensor | None = None, config: ExtendConfig | None = None) -> torch.Tensor:
-    """o [T, Hq, D] equal to ``paged_attention_ref(q, k_cache, v_cache, meta, sm_scale)`` for causal metadata.
+                     v_cache: torch.Tensor, meta: AttentionMetadata, sm_scale: float, window: int = 0, *,
+                     backend: str = "auto", out: torch.Tensor | None = None,
+                     config: ExtendConfig | None = None) -> torch.Tensor:
+    """o [T, Hq, D] equal to ``paged_attention_ref(q, k_cache, v_cache, meta, sm_scale, window)`` for causal
+    metadata (``window > 0``: the sliding window, query ``j`` of a request at position ``prefix + j``).
 
     ``k_new / v_new [T, Hkv, D]`` are this step's keys and values (already rotated), row-aligned with
     ``q`` and equal to what the cache holds at this step's slots; the prefix comes from the caches.
@@ -417,8 +461,10 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         raise ValueError(f"k_new / v_new must be [{T}, {hkv}, {d}], got {tuple(k_new.shape)} / {tuple(v_new.shape)}")
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv heads")
+    if window < 0:
+        raise ValueError(f"window must be >= 0, got {window}")
     if not _use_triton(q, backend) or T == 0 or meta.batch_size == 0:
-        ref = paged_attention_ref(q, k_cache, v_cache, meta, sm_scale)
+        ref = paged_attention_ref(q, k_cache, v_cache, meta, sm_scale, window)
         return ref if out is None else out.copy_(ref)
     if out is None:
         out = torch.empty_like(q)
@@ -456,12 +502,12 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     _extend_kernel[grid](
         q, qd, k_new, knd, v_new, vnd, k_cache, v_cache, out,
         meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.prefix_lens,
-        sm_scale * LOG2E, hq,
+        sm_scale * LOG2E, hq, window,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_TMA=cfg.tma,
         WARP_SPEC=cfg.warp_specialize, PRECISION=precision, UPCAST=upcast, HEAD_MAJOR=cfg.head_major, PACK=cfg.pack,
-        REQUEST_MAJOR=cfg.request_major,
+        REQUEST_MAJOR=cfg.request_major, SLIDING=window > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

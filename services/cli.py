@@ -148,6 +148,7 @@ def cmd_make_model(args) -> int:
 
 def cmd_generate(args) -> int:
     from shared.engine import Engine
+    from shared.model.config import CheckpointError
     from shared.request import RequestError
 
     prompts, config, params = _generate_inputs(args)
@@ -158,7 +159,7 @@ def cmd_generate(args) -> int:
         if stats is not None:
             stats.keep_batches(None)  # one bounded run: every verify step's statistics
         results = engine.generate(prompts, params)
-    except RequestError as e:
+    except (RequestError, CheckpointError) as e:  # a bad request, or a checkpoint Eyrie cannot load
         _fail(str(e))
     _print_results(args, results, stats.batches_since(0) if stats is not None else None)
     return 0

@@ -79,6 +79,7 @@ def cmd_serve(args) -> int:
 
     from services.logs import setup_logging
     from services.settings import SETTINGS, load_settings
+    from shared.model.config import CheckpointError
     from shared.request import RequestError
 
     flags = {k: getattr(args, k) for k in SETTINGS[args.role].model_fields if getattr(args, k, None) is not None}
@@ -99,7 +100,7 @@ def cmd_serve(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         handle = start_role(args.role, settings)
-    except RequestError as e:
+    except (RequestError, CheckpointError) as e:  # a bad setting, or a checkpoint Eyrie cannot load
         _fail(str(e))
     formatter.instance = handle.instance_id  # lines from outside the service's own log (libraries) too
     print(json.dumps({"role": args.role, "instance_id": handle.instance_id, "grpc": handle.grpc_address,

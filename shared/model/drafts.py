@@ -295,7 +295,9 @@ def load_draft(path: str | Path, target: LlamaForCausalLM, dtype="float32", devi
     kind = draft_kind(path, state)
     # The fc bias is what the weights hold: SafeAILab's EAGLE defaults to one (no "bias" key in its
     # configs), "bias": false drops it; SGLang's EAGLE-3 reads config "bias" (default none).
-    config = ModelConfig.from_dir(path).model_copy(update={"fc_bias": "fc.bias" in state})
+    # A draft head attends over the whole context, even under a windowed target: it only proposes
+    # tokens (the target's verify decides, lossless either way), and EAGLE heads are trained so.
+    config = ModelConfig.from_dir(path).model_copy(update={"fc_bias": "fc.bias" in state, "sliding_window": None})
     check_matches_target(path, config, target, state.get("d2t") if kind == "eagle3" else None)
     if kind == "eagle":
         head = build_module(EagleDraft, config, dtype, device, target)

@@ -1,4 +1,5 @@
-"""Llama building blocks: RMSNorm, rotary embedding (incl. llama3 scaling), paged attention, SwiGLU."""
+"""Llama-family building blocks: RMSNorm, rotary embedding (incl. llama3 scaling), paged attention (with
+Qwen3's q/k norm and Mistral's sliding window), the gated MLP (SwiGLU, or Gemma's GeGLU)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias)
+        # Qwen3: each head's q and k RMS-normalised (weights over head_dim) before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.window = config.window_of(cache_layer)  # 0: full causal attention
         self.rotary = RotaryEmbedding(config.rope, self.head_dim)
         self.scale = self.head_dim ** -0.5
         self._attend = attention_fn()
@@ -118,7 +123,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         T = x.shape[0]
         k_cache, v_cache = cache.k[self.cache_layer], cache.v[self.cache_layer]
-        if self.qkv_weight is not None:  # fused: one GEMM, then RoPE + the K/V store in one launch
+        if self.qkv_weight is not None and self.q_norm is None:  # one GEMM, then RoPE + the K/V store in one launch
             if batch.cos_sin is None:
                 batch.cos_sin = self.rotary.cos_sin(batch.positions)
             qkv = linear(x, self.qkv_weight, self.qkv_bias)
@@ -128,34 +133,54 @@ class Attention(nn.Module):
             q, k, v = self._qkv(x)
             q = q.reshape(T, self.num_heads, self.head_dim)
             k = k.reshape(T, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(batch, q, k)
             k_cache[batch.out_cache_loc] = k.to(k_cache.dtype)
             v_cache[batch.out_cache_loc] = v.reshape(T, self.num_kv_heads, self.head_dim).to(v_cache.dtype)
         if _long_extend(q, batch):  # prefill chunks: this step's K/V read densely (TMA), not by slot
             loc = batch.out_cache_loc
-            o = extend_attention(q, k_cache[loc], v_cache[loc], k_cache, v_cache, batch.attn, self.scale)
+            o = extend_attention(q, k_cache[loc], v_cache[loc], k_cache, v_cache, batch.attn, self.scale,
+                                 self.window)
         else:
-            o = self._attend(q, k_cache, v_cache, batch.attn, self.scale)
+            o = self._attend(q, k_cache, v_cache, batch.attn, self.scale, self.window,
+                             batch.positions if self.window else None)
         return linear(o.reshape(T, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
 
 
+def _act(gate: torch.Tensor, act: str) -> torch.Tensor:
+    return F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+
+
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
+    """down(act(gate(x)) * up(x)): SwiGLU (``act="silu"``) or Gemma's GeGLU (``"gelu_tanh"``)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, act: str = "silu"):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = act
         self.gate_up_weight: torch.Tensor | None = None
+        self.gate_up_bias: torch.Tensor | None = None
 
     @torch.no_grad()
     def fuse(self) -> None:
         self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        if self.gate_proj.bias is not None:
+            self.gate_up_bias = torch.cat([self.gate_proj.bias, self.up_proj.bias])
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return linear(silu_mul(linear(x, self.gate_up_weight)), self.down_proj.weight)
+            return self.down_proj(_act(self.gate_proj(x), self.act) * self.up_proj(x))
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
+        if self.act == "silu":
+            h = silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = _act(gate, self.act) * up
+        return linear(h, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -166,7 +191,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps) if input_norm else None
         self.self_attn = Attention(config, cache_layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         h = self.input_layernorm(x) if self.input_layernorm is not None else x

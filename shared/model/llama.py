@@ -51,6 +51,8 @@ class LlamaForCausalLM(nn.Module):
                 aux_layers: tuple[int, ...] = ()) -> TargetOutput:
         """``capture``: "none", "last" (EAGLE feature) or "aux" (EAGLE-3 features at aux_layers)."""
         out, residual = self.model.embed_tokens(batch.input_ids), None
+        if self.config.embed_scale != 1.0:  # Gemma: sqrt(hidden), rounded to the activation dtype as in HF
+            out = out * torch.tensor(self.config.embed_scale, dtype=out.dtype).item()
         layer_inputs = {}
         for i, layer in enumerate(self.model.layers):
             out, residual, x = layer.forward_deferred(out, residual, batch, cache)

@@ -9,15 +9,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from shared.model.config import ModelConfig
+from shared.model.config import CheckpointError, ModelConfig
 from shared.model.layers import fuse_projections
 from shared.model.llama import LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class CheckpointError(ValueError):
-    pass
+__all__ = ["CheckpointError", "load_target", "load_weights", "read_state_dict"]
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -83,10 +82,17 @@ def load_weights(module: nn.Module, state: dict[str, torch.Tensor], optional: tu
 def load_target(path: str | Path, dtype="float32", device="cpu") -> LlamaForCausalLM:
     path = Path(path)
     config = ModelConfig.from_dir(path)
+    config.check_target(path)
     dtype = parse_dtype(dtype)
     model = build_module(LlamaForCausalLM, config, dtype, torch.device(device))
     state = read_state_dict(path)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    if config.norm_weight_offset:  # Gemma's (1 + w): one multiply per norm, as Llama's
+        state = {k: v + config.norm_weight_offset if _is_norm(k) else v for k, v in state.items()}
     load_weights(model, state)
     return fuse_projections(model).eval()
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm.weight")

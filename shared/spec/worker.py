@@ -84,8 +84,10 @@ class SpecWorker:
              config: EngineConfig, max_context: int,
              graph_failures: list[CaptureFailure] | None = None) -> SpecWorker:
         """``path``: a draft checkpoint directory, or a draft head already built on the target."""
+        spec = config.spec or SpecConfig()
+        target.config.check_tree_depth(spec.steps)
         draft = path if isinstance(path, DraftHead) else load_draft(path, target, config.dtype, config.device)
-        return cls(target, target_cache, draft, config.spec or SpecConfig(), config, max_context, graph_failures)
+        return cls(target, target_cache, draft, spec, config, max_context, graph_failures)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -33,6 +33,7 @@ BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_la
             initializer_range=0.1)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
+WINDOW = 6  # Mistral's sliding window in the oracle: the prompts of PROMPTS but one are longer
 # name -> (transformers config class, overrides of BASE)
 CONFIGS: dict[str, tuple[str, dict]] = {
     "gqa4to1": ("LlamaConfig", {}),
@@ -45,6 +46,13 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "qwen2_qkv_bias": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=False,
                                            use_sliding_window=False)),
     "sharded": ("LlamaConfig", dict(num_hidden_layers=4, num_key_value_heads=2)),
+    "llama_mlp_bias": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True, num_key_value_heads=2)),
+    "qwen3_qk_norm": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                                          use_sliding_window=False)),
+    "mistral_full": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=None)),
+    # A window shorter than most prompts and every generation: past it, full attention differs.
+    "mistral_window": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=WINDOW)),
+    "gemma": ("GemmaConfig", dict(num_key_value_heads=2, head_dim=24, hidden_act="gelu_pytorch_tanh")),
 }
 PROMPTS = [[5, 17, 33, 2, 9, 100, 200, 7, 8, 9, 10], [3, 4], list(range(40, 77)), [250] * 5]
 
@@ -214,3 +222,53 @@ def test_missing_weight_is_a_clear_error(tmp_path):
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="up_proj"):
         load_target(tmp_path, "float32", "cpu")
+
+
+def test_sliding_window_is_applied(checkpoints):
+    """Every Mistral layer attends over the window, and full attention would fail the oracle by far."""
+    path, hf = checkpoints("mistral_window")
+    assert json.loads((path / "config.json").read_text())["sliding_window"] == WINDOW
+    engine = Engine(path, config=EngineConfig(chunk_size=None))
+    assert [layer.self_attn.window for layer in engine.model.model.layers] == [WINDOW] * BASE["num_hidden_layers"]
+    full = transformers.AutoModelForCausalLM.from_config(hf_config("mistral_window", sliding_window=None)).eval()
+    full.load_state_dict(hf.state_dict())
+    assert max_diff(eyrie_logits(engine, PROMPTS), full) > 100 * TOL
+    plain, _ = checkpoints("mistral_full")
+    assert all(layer.self_attn.window == 0 for layer in Engine(plain).model.model.layers)
+
+
+def test_qwen3_qk_norm_is_loaded(checkpoints):
+    """Qwen3's per-head q/k norm weights are HF's, and plain (weight 1) norms would fail the oracle."""
+    path, hf = checkpoints("qwen3_qk_norm")
+    engine = Engine(path, config=EngineConfig(chunk_size=None))
+    ours = engine.model.model.layers[1].self_attn
+    theirs = hf.model.layers[1].self_attn
+    assert torch.equal(ours.q_norm.weight, theirs.q_norm.weight) and torch.equal(ours.k_norm.weight,
+                                                                                theirs.k_norm.weight)
+    ablated = transformers.AutoModelForCausalLM.from_config(hf.config).eval()
+    ablated.load_state_dict(hf.state_dict())
+    with torch.no_grad():
+        for n, p in ablated.named_parameters():
+            if n.endswith(("q_norm.weight", "k_norm.weight")):
+                p.fill_(1.0)
+    assert max_diff(eyrie_logits(engine, PROMPTS), ablated) > 100 * TOL
+
+
+def test_llama_mlp_bias_is_loaded(checkpoints):
+    path, hf = checkpoints("llama_mlp_bias")
+    mlp = Engine(path, config=EngineConfig(chunk_size=None)).model.model.layers[0].mlp
+    assert mlp.gate_up_bias is not None and mlp.down_proj.bias is not None
+    assert torch.equal(mlp.down_proj.bias, hf.model.layers[0].mlp.down_proj.bias)
+
+
+def test_gemma_scale_norm_offset_and_geglu(checkpoints):
+    """Gemma: embeddings x sqrt(hidden), norms scale by 1 + w, GeGLU; SwiGLU instead fails the oracle."""
+    path, hf = checkpoints("gemma")
+    engine = Engine(path, config=EngineConfig(chunk_size=None))
+    cfg = engine.model.config
+    assert cfg.embed_scale == BASE["hidden_size"] ** 0.5 and cfg.hidden_act == "gelu_tanh" and cfg.head_dim == 24
+    assert cfg.tie_word_embeddings and engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
+    assert torch.allclose(engine.model.model.norm.weight, 1 + hf.model.norm.weight)
+    swiglu = transformers.AutoModelForCausalLM.from_config(hf_config("gemma", hidden_act="silu")).eval()
+    swiglu.load_state_dict(hf.state_dict())
+    assert max_diff(eyrie_logits(engine, PROMPTS), swiglu) > 100 * TOL
