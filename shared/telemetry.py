@@ -1,26 +1,31 @@
-"""Health and Prometheus metrics of one service instance, on its own small HTTP server.
+"""Health and Prometheus metrics of one service instance, on its own small HTTP server (FastAPI under
+uvicorn: ``shared.http_server``).
 
 ``/health`` answers 200 when the instance is ready and 503 (with the state) while it loads, captures
 CUDA graphs or drains. ``/metrics`` is the Prometheus text format. Each instance has its own
-CollectorRegistry, so several services can live in one process (tests, ``eyrie up``).
+CollectorRegistry, so several services can live in one process (tests, ``eyrie up``). With an API key,
+every path but ``/health`` needs ``Authorization: Bearer <key>`` (refusals count in ``errors_total``).
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+
+from shared.http_server import HttpError, HttpServer, json_response, require_key
+
+OPEN_PATHS = ("/health",)
 
 STATES = ("loading", "capturing", "ready", "draining")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class Telemetry:
-    def __init__(self, service: str, instance_id: str, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, service: str, instance_id: str, host: str = "127.0.0.1", port: int = 0,
+                 api_key: str | None = None):
         self.service, self.instance_id = service, instance_id
         self.state = "loading"
         self.registry = r = CollectorRegistry()
@@ -53,27 +58,22 @@ class Telemetry:
                                               "capture, by phase (the phase then runs eagerly)", ["phase"],
                                               registry=r)
         self.graph_failures: list[dict] = []  # served in /health's "graphs" details
-        self._server = ThreadingHTTPServer((host, port), self._handler())
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name=f"{service}-http", daemon=True)
+        self._server = HttpServer(self._app(api_key), host, port, name=f"{service}-http")
 
     @property
     def address(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"{host}:{port}"
+        return f"{self._server.host}:{self._server.port}"
 
     @property
     def port(self) -> int:
-        return self._server.server_address[1]
+        return self._server.port
 
     def start(self) -> Telemetry:
-        self._thread.start()
+        self._server.start()
         return self
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._server.stop()
 
     def set_state(self, state: str) -> None:
         if state not in STATES:
@@ -107,31 +107,27 @@ class Telemetry:
             self.draft_seconds.observe(req.stats.draft_time_s)
             self.verify_seconds.observe(req.stats.verify_time_s)
 
-    def _handler(self):
-        telemetry = self
+    def health(self) -> tuple[int, dict]:
+        body = {"status": self.state, "service": self.service, "instance_id": self.instance_id,
+                "graphs": {"capture_failures": list(self.graph_failures)}}
+        return (200 if self.state == "ready" else 503), body
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (the stdlib's name)
-                path = self.path.split("?")[0]
-                if path == "/health":
-                    ok = telemetry.state == "ready"
-                    body = json.dumps({"status": telemetry.state, "service": telemetry.service,
-                                       "instance_id": telemetry.instance_id,
-                                       "graphs": {"capture_failures": list(telemetry.graph_failures)}}).encode()
-                    self._send(200 if ok else 503, body, "application/json")
-                elif path == "/metrics":
-                    self._send(200, generate_latest(telemetry.registry), CONTENT_TYPE_LATEST)
-                else:
-                    self._send(404, b'{"error": "not found"}', "application/json")
+    def _app(self, api_key: str | None) -> FastAPI:
+        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+        require_key(app, api_key, OPEN_PATHS, on_denied=lambda: self.errors_total.labels("unauthenticated").inc())
 
-            def _send(self, code: int, body: bytes, ctype: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+        @app.get("/health")
+        def health():
+            status, body = self.health()
+            return json_response(body, status)
 
-            def log_message(self, fmt, *args):  # keep the stdlib's access log out of the service log
-                logging.getLogger("eyrie.http").debug(fmt, *args)
+        @app.get("/metrics")
+        def metrics():
+            return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
-        return Handler
+        @app.exception_handler(HTTPException)
+        async def http_error(_request, e: HTTPException):
+            code = {404: "unknown_route", 405: "method_not_allowed"}.get(e.status_code)
+            return HttpError(e.status_code, str(e.detail), code=code, headers=dict(e.headers or {})).response()
+
+        return app

@@ -664,8 +664,7 @@ def start_router(settings: RouterSettings) -> ServiceHandle:
         telemetry.set_state("draining")
         set_serving(health, SERVICES, False)
         if openai_server is not None:
-            openai_server.shutdown()
-            openai_server.server_close()
+            openai_server.stop()
         server.stop(grace).wait(grace + 1)
         core.close()
         telemetry.stop()
