@@ -81,6 +81,7 @@ class RouterSettings(CommonSettings):
     request_ttl_s: float = 3600  # finished / failed / aborted records expire after this
     max_message_bytes: int = 4 << 20
     openai_port: int | None = None  # OpenAI-compatible HTTP; None = off
+    http_read_timeout_s: float = 10.0  # an HTTP request's head, and then its body, must arrive within this
     placement_timeout_s: float = 10.0
     stream_timeout_s: float = 300.0  # deadline of the prefill + hand-off call (the decode stream has none)
     model_name: str = "eyrie"

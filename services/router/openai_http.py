@@ -256,13 +256,14 @@ class ChatRequest(_Sampling):
 _FIELDS = {name for m in (CompletionRequest, ChatRequest, ChatMessage, StreamOptions) for name in m.model_fields}
 
 
-def _param(loc: tuple) -> str:
-    """pydantic's error location as the client wrote it: ``messages[0].role`` (union tags dropped)."""
+def _param(loc: tuple, unknown: bool = False) -> str:
+    """pydantic's error location as the client wrote it: ``messages[0].role`` (union tags dropped; with
+    ``unknown`` the last part is the client's unknown field, kept)."""
     out = ""
-    for part in loc:
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in _FIELDS or not out:
+        elif part in _FIELDS or not out or (unknown and i == len(loc) - 1):
             out += f".{part}" if out else str(part)
         else:
             break
@@ -285,7 +286,7 @@ def validate(model: type[_Sampling], raw: bytes) -> _Sampling:
         return model.model_validate_json(raw)
     except ValidationError as e:
         err = e.errors()[0]
-        param = _param(err["loc"])
+        param = _param(err["loc"], unknown=err["type"] == "extra_forbidden")
         if err["type"] == "extra_forbidden":
             raise bad(param, f"{param}: unknown parameter", code="unknown_parameter") from None
         if err["type"] == "missing":
@@ -460,7 +461,8 @@ class OpenAIServer:
         self.created = int(time.time())
         self._threads: anyio.CapacityLimiter | None = None  # made in the server's event loop, on first use
         self.app = self._app()
-        self.http = HttpServer(self.app, settings.host, settings.openai_port or 0, name="router-openai-http")
+        self.http = HttpServer(self.app, settings.host, settings.openai_port or 0, name="router-openai-http",
+                               head_timeout_s=settings.http_read_timeout_s)
 
     @property
     def port(self) -> int:
@@ -522,7 +524,8 @@ class OpenAIServer:
         ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
         if ctype != "application/json":
             raise ApiError(415, f"the body must be application/json, not {ctype}", code="unsupported_media_type")
-        body = validate(model, await read_body(request, self.settings.max_message_bytes))
+        body = validate(model, await read_body(request, self.settings.max_message_bytes,
+                                                  self.settings.http_read_timeout_s))
         if body.model is not None and body.model != self.settings.model_name:
             raise ApiError(404, f"the model '{body.model}' does not exist (this server serves "
                                 f"'{self.settings.model_name}')", param="model", code="model_not_found")
