@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from shared.model.tokenizer import Tokenizer
@@ -302,8 +303,8 @@ def test_api_key_guards_every_http_and_grpc_entry_but_not_health(stack):
 # ---- the HTTP surface ----------------------------------------------------------------------------
 def error_count(stack, kind: str) -> float:
     r = httpx.get(f"http://{stack.router.http_address}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=5)
-    line = next((x for x in r.text.splitlines() if x.startswith(f'eyrie_errors_total{{kind="{kind}"}}')), None)
-    return float(line.split()[-1]) if line else 0.0
+    return sum(s.value for f in text_string_to_metric_families(r.text) for s in f.samples
+               if s.name == "eyrie:errors_total" and s.labels.get("kind") == kind)
 
 
 @pytest.mark.parametrize("kind,extra,param", [
