@@ -30,7 +30,8 @@ OPEN_PATHS = ("/health",)
 STATES = ("loading", "capturing", "ready", "draining")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
-PREFIX = "eyrie:"  # vLLM's names under Eyrie's prefix; every series has model_name and role labels
+PREFIX = "eyrie_"  # vLLM's names under Eyrie's prefix (not "eyrie:": promtool refuses colons, kept for recording
+# rules); every series has model_name and role labels
 BASE_LABELS = ("model_name", "role")
 # The router's request stages -> the vLLM-named histogram each also feeds.
 STAGE_HISTOGRAMS = {"placement": "queue", "prefill": "prefill", "decode": "decode", "total": "e2e"}

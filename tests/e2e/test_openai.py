@@ -14,9 +14,14 @@ Content-Length case answered (none hangs), a slow client disconnected.
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import socket
+import subprocess
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -304,7 +309,7 @@ def test_api_key_guards_every_http_and_grpc_entry_but_not_health(stack):
 def error_count(stack, kind: str) -> float:
     r = httpx.get(f"http://{stack.router.http_address}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=5)
     return sum(s.value for f in text_string_to_metric_families(r.text) for s in f.samples
-               if s.name == "eyrie:errors_total" and s.labels.get("kind") == kind)
+               if s.name == "eyrie_errors_total" and s.labels.get("kind") == kind)
 
 
 @pytest.mark.parametrize("kind,extra,param", [
@@ -407,3 +412,59 @@ def test_a_slow_client_is_disconnected(stack, client):
     reply = exchange(stack, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")  # never finishes its head
     assert reply == b"" and 0.9 < time.monotonic() - t0 < 5
     assert client.models.list().data[0].id == "eyrie"  # still serving
+
+
+# ---- metrics: promtool and the dashboard -----------------------------------------------------------
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
+
+
+def metrics_text(handle) -> str:
+    r = httpx.get(f"http://{handle.http_address}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=5)
+    assert r.status_code == 200
+    return r.text
+
+
+def exposed_names(text: str) -> set[str]:
+    """Every series name the exposition declares (``# TYPE``), with the suffixes its type adds."""
+    suffixes = {"counter": ("",), "histogram": ("_bucket", "_sum", "_count", "_created"),
+                "gauge": ("",), "summary": ("_sum", "_count", "_created"), "untyped": ("",), "info": ("_info",)}
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            names |= {name + s for s in suffixes[kind]}  # a counter's TYPE line already ends in _total
+    return names
+
+
+def test_every_service_passes_promtool(stack, client):
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        assert not os.environ.get("CI"), "CI must have promtool (Debian's prometheus package)"
+        pytest.skip("promtool is not installed")
+    client.completions.create(model="eyrie", prompt=PROMPT, max_tokens=3)  # every kind of series has samples
+    for handle in (stack.router, stack.prefills[0], stack.decodes[0]):
+        text = metrics_text(handle)
+        assert 'role="' + handle.role + '"' in text and 'model_name="eyrie"' in text
+        out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, f"{handle.role}: {out.stdout}{out.stderr}"
+
+
+def test_the_dashboard_queries_only_exposed_metrics(stack):
+    exposed = set().union(*(exposed_names(metrics_text(h)) for h in (stack.router, stack.prefills[0],
+                                                                       stack.decodes[0])))
+    for vllm_name in ("eyrie_prompt_tokens_total", "eyrie_generation_tokens_total", "eyrie_request_success_total",
+                      "eyrie_time_to_first_token_seconds_bucket", "eyrie_inter_token_latency_seconds_bucket",
+                      "eyrie_e2e_request_latency_seconds_bucket", "eyrie_request_queue_time_seconds_bucket",
+                      "eyrie_request_prefill_time_seconds_bucket", "eyrie_request_decode_time_seconds_bucket",
+                      "eyrie_request_prompt_tokens_bucket", "eyrie_request_generation_tokens_bucket",
+                      "eyrie_num_requests_running", "eyrie_num_requests_waiting", "eyrie_kv_cache_usage_perc"):
+        assert vllm_name in exposed, vllm_name
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    queries += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    assert len(queries) >= 12
+    for query in queries:
+        names = re.findall(r"eyrie_[a-z0-9_]+", query)
+        assert names, query
+        for name in names:
+            assert name in exposed, f"the dashboard queries {name}, which no service exposes ({query})"

@@ -80,29 +80,29 @@ def test_metrics_parse_and_move(stack):
         return metric(scrape(handle), name, **labels) - metric(before[handle.instance_id], name, **labels)
 
     stack.generate(list(range(5, 25)), max_new_tokens=6, ignore_eos=True)
-    assert moved(router, "eyrie:requests_total", outcome="finished") == 1
-    assert moved(router, "eyrie:time_to_first_token_seconds_count") == 1
+    assert moved(router, "eyrie_requests_total", outcome="finished") == 1
+    assert moved(router, "eyrie_time_to_first_token_seconds_count") == 1
     for stage in ("placement", "prefill", "handoff", "decode", "total"):
-        assert moved(router, "eyrie:request_stage_seconds_count", stage=stage) == 1, stage
-        assert moved(router, "eyrie:request_stage_seconds_sum", stage=stage) > 0, stage
-    for name in ("eyrie:spec_decode_draft_seconds", "eyrie:spec_decode_verify_seconds",
-                 "eyrie:spec_decode_accept_length", "eyrie:spec_decode_accept_rate"):
+        assert moved(router, "eyrie_request_stage_seconds_count", stage=stage) == 1, stage
+        assert moved(router, "eyrie_request_stage_seconds_sum", stage=stage) > 0, stage
+    for name in ("eyrie_spec_decode_draft_seconds", "eyrie_spec_decode_verify_seconds",
+                 "eyrie_spec_decode_accept_length", "eyrie_spec_decode_accept_rate"):
         assert moved(router, f"{name}_count") == 1 and moved(decode, f"{name}_count") == 1, name
-    assert moved(router, "eyrie:spec_decode_draft_seconds_sum") > 0
-    assert moved(decode, "eyrie:spec_decode_verify_seconds_sum") > 0
-    assert moved(prefill, "eyrie:request_stage_seconds_count", stage="prefill") == 1
-    assert moved(prefill, "eyrie:request_stage_seconds_count", stage="handoff") == 1
-    assert moved(prefill, "eyrie:time_to_first_token_seconds_count") == 1
-    assert moved(prefill, "eyrie:handoff_bytes_total") > 0
-    assert moved(prefill, "eyrie:requests_total", outcome="handed_off") == 1
+    assert moved(router, "eyrie_spec_decode_draft_seconds_sum") > 0
+    assert moved(decode, "eyrie_spec_decode_verify_seconds_sum") > 0
+    assert moved(prefill, "eyrie_request_stage_seconds_count", stage="prefill") == 1
+    assert moved(prefill, "eyrie_request_stage_seconds_count", stage="handoff") == 1
+    assert moved(prefill, "eyrie_time_to_first_token_seconds_count") == 1
+    assert moved(prefill, "eyrie_handoff_bytes_total") > 0
+    assert moved(prefill, "eyrie_requests_total", outcome="handed_off") == 1
     for handle in (prefill, decode):  # both ends of the hand-off time it
-        assert moved(handle, "eyrie:handoff_seconds_count") == 1 and moved(handle, "eyrie:handoff_seconds_sum") > 0
-    assert moved(decode, "eyrie:handoff_bytes_total") == moved(prefill, "eyrie:handoff_bytes_total")
-    assert moved(decode, "eyrie:inter_token_latency_seconds_count") >= 1  # per streamed batch after the first
-    assert moved(decode, "eyrie:inter_token_latency_seconds_sum") > 0
-    assert moved(decode, "eyrie:requests_total", outcome="length") == 1
-    assert metric(scrape(decode), "eyrie:kv_pages_capacity", cache="target") > 0
-    assert metric(scrape(decode), "eyrie:kv_pages_used", cache="draft0") == 0  # nothing running now
+        assert moved(handle, "eyrie_handoff_seconds_count") == 1 and moved(handle, "eyrie_handoff_seconds_sum") > 0
+    assert moved(decode, "eyrie_handoff_bytes_total") == moved(prefill, "eyrie_handoff_bytes_total")
+    assert moved(decode, "eyrie_inter_token_latency_seconds_count") >= 1  # per streamed batch after the first
+    assert moved(decode, "eyrie_inter_token_latency_seconds_sum") > 0
+    assert moved(decode, "eyrie_requests_total", outcome="length") == 1
+    assert metric(scrape(decode), "eyrie_kv_pages_capacity", cache="target") > 0
+    assert metric(scrape(decode), "eyrie_kv_pages_used", cache="draft0") == 0  # nothing running now
 
     # Errors by kind: a bad request, a refused duplicate id, an aborted request.
     with pytest.raises(grpc.RpcError):
@@ -112,7 +112,7 @@ def test_metrics_parse_and_move(stack):
     list(stack.stub.Generate(req, timeout=30))
     with pytest.raises(grpc.RpcError):
         list(stack.stub.Generate(req, timeout=30))
-    assert moved(router, "eyrie:errors_total", kind="invalid_argument") == 2
+    assert moved(router, "eyrie_errors_total", kind="invalid_argument") == 2
 
     # Gauges: a long request runs on the decode instance (running 1, pages used), then is aborted.
     long = pb.GenerateRequest(request_id="metrics-long", token_ids=pb.TokenIds(ids=list(range(5, 25))),
@@ -120,14 +120,14 @@ def test_metrics_parse_and_move(stack):
     with pytest.raises(grpc.RpcError) as err:
         for i, _ in enumerate(stack.stub.Generate(long, timeout=60)):
             if i == 2:
-                wait_for(lambda: metric(scrape(decode), "eyrie:num_requests_running") == 1, what="decode running 1")
-                assert metric(scrape(decode), "eyrie:kv_pages_used", cache="target") > 0
+                wait_for(lambda: metric(scrape(decode), "eyrie_num_requests_running") == 1, what="decode running 1")
+                assert metric(scrape(decode), "eyrie_kv_pages_used", cache="target") > 0
                 assert stack.stub.Abort(pb.AbortRequest(request_id="metrics-long"), timeout=10).found
     assert err.value.code() == grpc.StatusCode.ABORTED
-    assert moved(router, "eyrie:errors_total", kind="aborted") == 1
-    assert moved(router, "eyrie:requests_total", outcome="aborted") == 1
-    wait_for(lambda: metric(scrape(decode), "eyrie:num_requests_running") == 0, what="decode running 0")
-    assert metric(scrape(decode), "eyrie:kv_pages_used", cache="target") == 0
+    assert moved(router, "eyrie_errors_total", kind="aborted") == 1
+    assert moved(router, "eyrie_requests_total", outcome="aborted") == 1
+    wait_for(lambda: metric(scrape(decode), "eyrie_num_requests_running") == 0, what="decode running 0")
+    assert metric(scrape(decode), "eyrie_kv_pages_used", cache="target") == 0
 
     # Queued: the decode's engine thread is held, so the first request's hand-off waits for its reservation and
     # keeps the prefill's one running slot; the second waits for admission there.
@@ -138,15 +138,15 @@ def test_metrics_parse_and_move(stack):
     try:
         for t in threads:
             t.start()
-        wait_for(lambda: (metric(scrape(prefill), "eyrie:num_requests_running"),
-                          metric(scrape(prefill), "eyrie:num_requests_waiting")) == (1, 1), what="1 running, 1 queued")
+        wait_for(lambda: (metric(scrape(prefill), "eyrie_num_requests_running"),
+                          metric(scrape(prefill), "eyrie_num_requests_waiting")) == (1, 1), what="1 running, 1 queued")
     finally:
         gate.set()
         for t in threads:
             t.join(60)
     assert results == ["length", "length"]
-    wait_for(lambda: metric(scrape(prefill), "eyrie:num_requests_waiting") == 0 == metric(scrape(prefill),
-                                                                                      "eyrie:num_requests_running"))
+    wait_for(lambda: metric(scrape(prefill), "eyrie_num_requests_waiting") == 0 == metric(scrape(prefill),
+                                                                                      "eyrie_num_requests_running"))
     assert stack.wait_clean()
 
 
@@ -289,14 +289,15 @@ def reflect(channel, metadata) -> set[str]:
     return {svc.name for svc in reply.list_services_response.service}
 
 
-def http(addr: str, path: str, key: str | None = None, method: str = "GET") -> tuple[int, dict, str]:
+def http(addr: str, path: str, key: str | None = None, method: str = "GET") -> tuple[int, object, str]:
+    """(status, headers (case-insensitive, as HTTP's are), body)."""
     req = urllib.request.Request(f"http://{addr}{path}", method=method, data=b"{}" if method == "POST" else None,
                                  headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
         with urllib.request.urlopen(req, timeout=5) as r:
-            return r.status, dict(r.headers), r.read().decode()
+            return r.status, r.headers, r.read().decode()
     except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read().decode()
+        return e.code, e.headers, e.read().decode()
 
 
 def test_api_key_guards_every_grpc_service_and_http_route_of_every_service(redis_url, tiny_model_dir):
@@ -337,7 +338,7 @@ def test_api_key_guards_every_grpc_service_and_http_route_of_every_service(redis
                     assert headers["WWW-Authenticate"].startswith("Bearer")
                     assert json.loads(body)["error"]["code"] == "invalid_api_key"
             code, _, text = http(addr, "/metrics", KEY)
-            assert code == 200 and metric(text, "eyrie:errors_total", kind="unauthenticated") > 0
+            assert code == 200 and metric(text, "eyrie_errors_total", kind="unauthenticated") > 0
             assert http(addr, "/nothing", KEY)[0] == 404 and http(addr, "/metrics", KEY, "POST")[0] == 405
             code, _, body = http(addr, "/health")
             assert code == 200 and json.loads(body)["status"] == "ready"
@@ -447,8 +448,8 @@ def test_kill_9_of_decode_mid_stream(process_stack):
     (failed,) = [x for x in events(stack, "router", "killed-1") if x["event"] == "failed"]
     assert "mid-stream" in failed["fields"]["reason"] and failed["fields"]["code"] == "UNAVAILABLE"
     _, text = http_get(stack.http["prefill"], "/metrics")
-    assert metric(text, "eyrie:kv_pages_used", cache="target") == 0  # the survivor's pool is full
-    assert metric(text, "eyrie:num_requests_running") == 0
+    assert metric(text, "eyrie_kv_pages_used", cache="target") == 0  # the survivor's pool is full
+    assert metric(text, "eyrie_num_requests_running") == 0
 
 
 def test_eyrie_up_demo_within_a_minute(tmp_path):

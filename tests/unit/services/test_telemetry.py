@@ -31,7 +31,7 @@ def samples(address: str) -> dict:
     out = {}
     for family in text_string_to_metric_families(body.decode()):
         for s in family.samples:
-            if not s.name.startswith("eyrie:"):
+            if not s.name.startswith("eyrie_"):
                 continue  # the process collectors'
             labels = dict(s.labels)
             assert labels.pop("model_name") == "eyrie" and labels.pop("role") in ("router", "prefill", "decode")
@@ -67,28 +67,28 @@ def test_metrics_parse_and_move_and_instances_are_independent(telemetry):
     other = Telemetry("prefill", "prefill-test").start()
     try:
         before = samples(telemetry.address)
-        assert before[("eyrie:num_requests_running", ())] == 0
-        assert before[("eyrie:time_to_first_token_seconds_count", ())] == 0
+        assert before[("eyrie_num_requests_running", ())] == 0
+        assert before[("eyrie_time_to_first_token_seconds_count", ())] == 0
         telemetry.requests_total.labels("length").inc()
         telemetry.errors_total.labels("transfer").inc(2)
         telemetry.ttft_seconds.observe(0.02)
         telemetry.handoff_bytes_total.inc(4096)
         telemetry.stage_seconds.labels("prefill").observe(0.5)
         after = samples(telemetry.address)
-        assert after[("eyrie:requests_total", (("outcome", "length"),))] == 1
-        assert after[("eyrie:errors_total", (("kind", "transfer"),))] == 2
-        assert after[("eyrie:time_to_first_token_seconds_count", ())] == 1
-        assert after[("eyrie:time_to_first_token_seconds_bucket", (("le", "0.025"),))] == 1
-        assert after[("eyrie:time_to_first_token_seconds_bucket", (("le", "0.01"),))] == 0
-        assert after[("eyrie:handoff_bytes_total", GRPC)] == 4096
-        assert after[("eyrie:request_stage_seconds_sum", (("stage", "prefill"),))] == 0.5
+        assert after[("eyrie_requests_total", (("outcome", "length"),))] == 1
+        assert after[("eyrie_errors_total", (("kind", "transfer"),))] == 2
+        assert after[("eyrie_time_to_first_token_seconds_count", ())] == 1
+        assert after[("eyrie_time_to_first_token_seconds_bucket", (("le", "0.025"),))] == 1
+        assert after[("eyrie_time_to_first_token_seconds_bucket", (("le", "0.01"),))] == 0
+        assert after[("eyrie_handoff_bytes_total", GRPC)] == 4096
+        assert after[("eyrie_request_stage_seconds_sum", (("stage", "prefill"),))] == 0.5
         untouched = samples(other.address)
-        assert ("eyrie:requests_total", (("outcome", "length"),)) not in untouched
-        assert untouched[("eyrie:handoff_bytes_total", GRPC)] == 0
-        assert (("eyrie:handoff_seconds_count", GRPC)) in untouched
-        for name in ("eyrie:inter_token_latency_seconds_count", "eyrie:spec_decode_accept_length_count",
-                     "eyrie:spec_decode_accept_rate_count", "eyrie:spec_decode_draft_seconds_count",
-                     "eyrie:spec_decode_verify_seconds_count", "eyrie:num_requests_waiting"):
+        assert ("eyrie_requests_total", (("outcome", "length"),)) not in untouched
+        assert untouched[("eyrie_handoff_bytes_total", GRPC)] == 0
+        assert (("eyrie_handoff_seconds_count", GRPC)) in untouched
+        for name in ("eyrie_inter_token_latency_seconds_count", "eyrie_spec_decode_accept_length_count",
+                     "eyrie_spec_decode_accept_rate_count", "eyrie_spec_decode_draft_seconds_count",
+                     "eyrie_spec_decode_verify_seconds_count", "eyrie_num_requests_waiting"):
             assert (name, ()) in untouched, name
     finally:
         other.stop()
@@ -101,20 +101,20 @@ def test_observe_engine_reports_every_pool(telemetry, tiny_model_dir):
                     EngineConfig(page_size=4, num_pages=32, spec=SpecConfig(topk=1, steps=2, num_draft_tokens=3)))
     telemetry.observe_load(engine.load())
     m = samples(telemetry.address)
-    caches = sorted(dict(k[1])["cache"] for k in m if k[0] == "eyrie:kv_pages_capacity")
+    caches = sorted(dict(k[1])["cache"] for k in m if k[0] == "eyrie_kv_pages_capacity")
     assert caches == ["draft0", "draft1", "target"]  # the multi-layer draft has one pool per step
-    assert m[("eyrie:kv_pages_used", (("cache", "target"),))] == 0
+    assert m[("eyrie_kv_pages_used", (("cache", "target"),))] == 0
     engine.add_request(list(range(10)), SamplingParams(max_new_tokens=4), rid="r")
     engine.step()
     telemetry.observe_load(engine.load())
     m = samples(telemetry.address)
-    total = m[("eyrie:kv_pages_capacity", (("cache", "target"),))]
+    total = m[("eyrie_kv_pages_capacity", (("cache", "target"),))]
     assert total == engine.cache.spec.num_pages
-    assert m[("eyrie:kv_pages_used", (("cache", "target"),))] >= 3  # 10+ tokens in pages of 4
-    assert m[("eyrie:num_requests_running", ())] + m[("eyrie:num_requests_waiting", ())] == 1
+    assert m[("eyrie_kv_pages_used", (("cache", "target"),))] >= 3  # 10+ tokens in pages of 4
+    assert m[("eyrie_num_requests_running", ())] + m[("eyrie_num_requests_waiting", ())] == 1
     engine.abort("r")
     telemetry.observe_load(engine.load())
-    assert samples(telemetry.address)[("eyrie:kv_pages_used", (("cache", "target"),))] == 0
+    assert samples(telemetry.address)[("eyrie_kv_pages_used", (("cache", "target"),))] == 0
 
 
 def test_service_telemetry_guards_every_path_but_health_with_the_key():
@@ -140,7 +140,7 @@ def test_service_telemetry_guards_every_path_but_health_with_the_key():
                                     timeout=5) as r:
             text = r.read().decode()
         counted = [s.value for f in text_string_to_metric_families(text) for s in f.samples
-                   if s.name == "eyrie:errors_total"
+                   if s.name == "eyrie_errors_total"
                    and s.labels == {"model_name": "eyrie", "role": "router", "kind": "unauthenticated"}]
         assert counted == [12.0]
     finally:
@@ -159,7 +159,7 @@ def test_draft_ahead_outcomes_are_exported(telemetry, tiny_model_dir):
     telemetry.observe_load(engine.load())
     m = samples(telemetry.address)
     w = engine.spec
-    got = {o: m[("eyrie:spec_decode_draft_ahead_total", (("outcome", o),))]
+    got = {o: m[("eyrie_spec_decode_draft_ahead_total", (("outcome", o),))]
            for o in ("used", "partial", "dropped", "mismatched")}
     assert got == {"used": w.ahead.used, "partial": w.ahead.partial, "dropped": w.ahead.dropped,
                    "mismatched": w.ahead.mismatched}
