@@ -62,6 +62,8 @@ DESCRIPTIONS = {
                "`/health` and `grpc.health.v1` stay open. Give every service of a stack the same key: they call "
                "each other with it",
     "openai_port": "OpenAI-compatible HTTP port (unset = off; 0 = any free port)",
+    "http_read_timeout_s": "an HTTP request's head, then its body, must arrive within this many seconds (else the "
+                           "connection closes, or 408)",
     "placement_timeout_s": "seconds to wait for a prefill and a decode instance that can take a request",
     "stream_timeout_s": "deadline of one request's prefill and decode calls",
     "model_name": "the model's name in the OpenAI API (`model`) and in GetModelInfo",

@@ -5,8 +5,6 @@ service returns (logging: ``services.logs``)."""
 from __future__ import annotations
 
 import collections
-import hmac
-import json
 import uuid
 from collections.abc import Callable
 from concurrent import futures
@@ -18,12 +16,12 @@ from grpc_reflection.v1alpha import reflection
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from shared.handoff.transport import ChannelPool
+from shared.http_server import bearer, key_matches
 from shared.telemetry import Telemetry
 
 # With an API key set, every gRPC method needs it except the standard health service (load balancers,
 # orchestrators and `eyrie up` probe it); server reflection needs it too.
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
-OPEN_HTTP_PATHS = ("/health",)
 
 
 def full_name(service: str) -> str:
@@ -43,15 +41,6 @@ class ServiceHandle:
 
 def new_instance_id(role: str) -> str:
     return f"{role}-{uuid.uuid4().hex[:8]}"
-
-
-def bearer(api_key: str) -> str:
-    return f"Bearer {api_key}"
-
-
-def key_matches(given: str | None, api_key: str) -> bool:
-    """Constant-time comparison of an ``authorization`` value with ``Bearer <api_key>``."""
-    return hmac.compare_digest((given or "").strip().encode(), bearer(api_key).encode())
 
 
 class ApiKeyInterceptor(grpc.ServerInterceptor):
@@ -132,52 +121,8 @@ def auth_channel_pool(api_key: str | None, max_message_bytes: int = 64 << 20) ->
     return ChannelPool(max_message_bytes, lambda address, options: insecure_channel(address, options, api_key))
 
 
-class ServiceTelemetry(Telemetry):
-    """``shared.telemetry.Telemetry`` whose HTTP port, with an API key set, answers every path but ``/health``
-    (``/metrics``, unknown paths, any method) with 401 unless ``Authorization: Bearer <key>`` comes along."""
-
-    def __init__(self, service: str, instance_id: str, host: str = "127.0.0.1", port: int = 0,
-                 api_key: str | None = None):
-        self.api_key = api_key or None
-        super().__init__(service, instance_id, host, port)
-
-    def _handler(self):
-        base = super()._handler()
-        telemetry = self
-
-        class Guarded(base):
-            def _reply(self, status: int, body: bytes, **headers: str) -> None:
-                self.send_response(status)
-                for name, value in headers.items():
-                    self.send_header(name.replace("_", "-"), value)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def _allowed(self) -> bool:
-                if telemetry.api_key is None or self.path.split("?")[0] in OPEN_HTTP_PATHS:
-                    return True
-                if key_matches(self.headers.get("Authorization"), telemetry.api_key):
-                    return True
-                telemetry.errors_total.labels("unauthenticated").inc()
-                body = json.dumps({"error": {"message": "missing or wrong API key (send Authorization: Bearer "
-                                                        "<key>)", "type": "invalid_request_error", "param": None,
-                                             "code": "invalid_api_key"}}).encode()
-                self._reply(401, body, WWW_Authenticate='Bearer realm="eyrie"')
-                return False
-
-            def do_GET(self):  # noqa: N802
-                if self._allowed():
-                    super().do_GET()
-
-            def _not_allowed(self):
-                if self._allowed():
-                    self._reply(405, b'{"error": "method not allowed"}', Allow="GET")
-
-            do_POST = do_PUT = do_DELETE = do_PATCH = _not_allowed  # noqa: N815
-
-        return Guarded
+# The telemetry port takes the same key (every path but /health): one class, one auth middleware.
+ServiceTelemetry = Telemetry
 
 
 def start_grpc_server(host: str, port: int, servicers: list[tuple[Callable, object]], service_names: list[str],

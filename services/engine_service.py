@@ -74,7 +74,8 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
                          add_fn: Callable, services: list[str]) -> ServiceHandle:
     instance_id = settings.instance_id or new_instance_id(role)
     log = ServiceLog(role, instance_id)
-    telemetry = ServiceTelemetry(role, instance_id, settings.host, settings.http_port, settings.api_key).start()
+    telemetry = ServiceTelemetry(role, instance_id, settings.host, settings.http_port, settings.api_key,
+                                 model_name=settings.model_name).start()
     telemetry.set_state("loading")
     started: list[Callable[[], None]] = [telemetry.stop]  # undo list, should start-up fail half-way
     try:

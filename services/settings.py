@@ -26,6 +26,7 @@ class CommonSettings(BaseSettings):
     registry_ttl_s: float = 5.0
     log_level: str = "INFO"
     api_key: str | None = None  # every service of a stack shares it: they call each other with it
+    model_name: str = "eyrie"  # the served model's name: the OpenAI API's `model`, the metrics' model_name label
 
     @property
     def advertised(self) -> str:
@@ -81,9 +82,9 @@ class RouterSettings(CommonSettings):
     request_ttl_s: float = 3600  # finished / failed / aborted records expire after this
     max_message_bytes: int = 4 << 20
     openai_port: int | None = None  # OpenAI-compatible HTTP; None = off
+    http_read_timeout_s: float = 10.0  # an HTTP request's head, and then its body, must arrive within this
     placement_timeout_s: float = 10.0
     stream_timeout_s: float = 300.0  # deadline of the prefill + hand-off call (the decode stream has none)
-    model_name: str = "eyrie"
 
 
 SETTINGS = {"router": RouterSettings, "prefill": PrefillSettings, "decode": DecodeSettings}

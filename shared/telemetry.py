@@ -1,79 +1,155 @@
-"""Health and Prometheus metrics of one service instance, on its own small HTTP server.
+"""Health and Prometheus metrics of one service instance, on its own small HTTP server (FastAPI under
+uvicorn: ``shared.http_server``).
 
 ``/health`` answers 200 when the instance is ready and 503 (with the state) while it loads, captures
 CUDA graphs or drains. ``/metrics`` is the Prometheus text format. Each instance has its own
-CollectorRegistry, so several services can live in one process (tests, ``eyrie up``).
+CollectorRegistry, so several services can live in one process (tests, ``eyrie up``). With an API key,
+every path but ``/health`` needs ``Authorization: Bearer <key>`` (refusals count in ``errors_total``).
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from fastapi import FastAPI
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+
+from shared.http_server import HttpError, HttpServer, json_response, require_key
+
+OPEN_PATHS = ("/health",)
 
 STATES = ("loading", "capturing", "ready", "draining")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+PREFIX = "eyrie_"  # vLLM's names under Eyrie's prefix (not "eyrie:": promtool refuses colons, kept for recording
+# rules); every series has model_name and role labels
+BASE_LABELS = ("model_name", "role")
+# The router's request stages -> the vLLM-named histogram each also feeds.
+STAGE_HISTOGRAMS = {"placement": "queue", "prefill": "prefill", "decode": "decode", "total": "e2e"}
+
+
+class _Bound:
+    """A metric with its ``model_name`` and ``role`` labels filled in: ``.labels(*rest)`` for the other
+    labels, or ``.inc`` / ``.set`` / ``.observe`` directly when there are none."""
+
+    def __init__(self, metric, base: tuple[str, str]):
+        self.metric, self.base = metric, base
+        self._child = metric.labels(*base) if len(metric._labelnames) == len(base) else None
+
+    def labels(self, *values: str):
+        return self.metric.labels(*self.base, *values)
+
+    def __getattr__(self, name: str):  # inc / set / observe on a metric without further labels
+        return getattr(self._child, name)
+
+
+class _Stages:
+    """``stage_seconds.labels(stage).observe(s)``: the stage histogram, and the vLLM-named one it maps to."""
+
+    def __init__(self, stages: _Bound, named: dict[str, _Bound]):
+        self.stages, self.named = stages, named
+
+    def labels(self, stage: str):
+        targets = [self.stages.labels(stage)]
+        if stage in STAGE_HISTOGRAMS:
+            targets.append(self.named[STAGE_HISTOGRAMS[stage]])
+        return _Fanout(targets)
+
+
+class _Fanout:
+    def __init__(self, targets):
+        self.targets = targets
+
+    def observe(self, value: float) -> None:
+        for t in self.targets:
+            t.observe(value)
 
 
 class Telemetry:
-    def __init__(self, service: str, instance_id: str, host: str = "127.0.0.1", port: int = 0):
-        self.service, self.instance_id = service, instance_id
+    def __init__(self, service: str, instance_id: str, host: str = "127.0.0.1", port: int = 0,
+                 api_key: str | None = None, model_name: str = "eyrie"):
+        self.service, self.instance_id, self.model_name = service, instance_id, model_name
         self.state = "loading"
         self.registry = r = CollectorRegistry()
-        self.requests_running = Gauge("eyrie_requests_running", "Requests holding KV pages", registry=r)
-        self.requests_queued = Gauge("eyrie_requests_queued", "Requests waiting for admission", registry=r)
-        self.kv_pages_used = Gauge("eyrie_kv_pages_used", "KV pages in use", ["cache"], registry=r)
-        self.kv_pages_total = Gauge("eyrie_kv_pages_total", "KV pages in the pool", ["cache"], registry=r)
-        self.ttft_seconds = Histogram("eyrie_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
-        self.inter_token_seconds = Histogram("eyrie_inter_token_seconds", "Time between streamed tokens",
-                                             buckets=LATENCY_BUCKETS, registry=r)
-        self.stage_seconds = Histogram("eyrie_stage_seconds", "Request latency by stage", ["stage"],
-                                       buckets=LATENCY_BUCKETS, registry=r)
-        self.handoff_bytes_total = Counter("eyrie_handoff_bytes", "KV + draft-state bytes handed off", registry=r)
-        self.handoff_seconds = Histogram("eyrie_handoff_seconds", "Hand-off duration", buckets=LATENCY_BUCKETS,
-                                         registry=r)
-        self.accept_length = Histogram("eyrie_accept_length", "Committed tokens per verify, per request",
-                                       buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8), registry=r)
-        self.accept_rate = Histogram("eyrie_accept_rate", "Accepted / drafted tokens, per request",
-                                     buckets=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), registry=r)
-        self.draft_seconds = Histogram("eyrie_draft_seconds", "Draft time per request", buckets=LATENCY_BUCKETS,
-                                       registry=r)
-        self.verify_seconds = Histogram("eyrie_verify_seconds", "Verify time per request", buckets=LATENCY_BUCKETS,
-                                        registry=r)
-        self.draft_ahead = Gauge("eyrie_spec_draft_ahead", "Drafts launched ahead of the host's bookkeeping, by "
-                                 "outcome: used (partial: for some of their requests) or dropped (mismatched: "
-                                 "the next batch was not some of its requests)", ["outcome"], registry=r)
-        self.requests_total = Counter("eyrie_requests", "Requests ended, by outcome", ["outcome"], registry=r)
-        self.errors_total = Counter("eyrie_errors", "Errors by kind", ["kind"], registry=r)
-        self.graph_capture_failures = Counter("eyrie_graph_capture_failures", "CUDA graphs that failed to "
-                                              "capture, by phase (the phase then runs eagerly)", ["phase"],
-                                              registry=r)
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        base = (model_name, service)
+
+        def metric(kind, name: str, doc: str, labels=(), **kw) -> _Bound:
+            return _Bound(kind(PREFIX + name, doc, [*BASE_LABELS, *labels], registry=r, **kw), base)
+
+        def seconds(name: str, doc: str, labels=()) -> _Bound:
+            return metric(Histogram, name, doc, labels, buckets=LATENCY_BUCKETS)
+
+        # Load (gauges of the current state).
+        self.requests_running = metric(Gauge, "num_requests_running", "Requests holding KV pages")
+        self.requests_queued = metric(Gauge, "num_requests_waiting", "Requests waiting for admission")
+        self.kv_pages_used = metric(Gauge, "kv_pages_used", "KV pages in use", ["cache"])
+        self.kv_pages_total = metric(Gauge, "kv_pages_capacity", "KV pages in the pool", ["cache"])
+        self.kv_cache_usage = metric(Gauge, "kv_cache_usage_perc", "Fraction of the target KV pages in use (0-1)")
+        # Requests (the router sees every request whole; prefill and decode their part).
+        self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = metric(Counter, "generation_tokens", "Generated tokens of finished requests")
+        self.request_success = metric(Counter, "request_success", "Requests finished, by finish reason",
+                                      ["finished_reason"])
+        self.request_prompt_tokens = metric(Histogram, "request_prompt_tokens", "Prompt length per finished request",
+                                            buckets=TOKEN_BUCKETS)
+        self.request_generation_tokens = metric(Histogram, "request_generation_tokens",
+                                                "Generated tokens per finished request", buckets=TOKEN_BUCKETS)
+        self.requests_total = metric(Counter, "requests", "Requests ended on this instance, by outcome", ["outcome"])
+        self.errors_total = metric(Counter, "errors", "Errors and refusals, by kind", ["kind"])
+        # Latency.
+        self.ttft_seconds = seconds("time_to_first_token_seconds", "Time to first token")
+        self.inter_token_seconds = seconds("inter_token_latency_seconds", "Time between streamed tokens")
+        named = {"queue": seconds("request_queue_time_seconds", "Time from arrival to placement"),
+                 "prefill": seconds("request_prefill_time_seconds", "Prefill time of a request"),
+                 "decode": seconds("request_decode_time_seconds", "Decode time of a request"),
+                 "e2e": seconds("e2e_request_latency_seconds", "Arrival to last token")}
+        self.stage_seconds = _Stages(seconds("request_stage_seconds", "Request latency by stage", ["stage"]), named)
+        # Hand-off.
+        self.handoff_transport = "grpc"  # the label of this instance's hand-off series (set by the service)
+        self._handoff_bytes = metric(Counter, "handoff_bytes", "KV + draft-state bytes handed off", ["transport"])
+        self._handoff_seconds = seconds("handoff_seconds", "Hand-off duration", ["transport"])
+        self.handoff_bytes_total.inc(0), self.handoff_seconds  # the series exist (at 0) before a hand-off
+        # Speculative decoding, per request (the c15 counters spec_decode_num_* share the prefix and labels).
+        self.accept_length = metric(Histogram, "spec_decode_accept_length", "Committed tokens per verify, per request",
+                                    buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8))
+        self.accept_rate = metric(Histogram, "spec_decode_accept_rate", "Accepted / drafted tokens, per request",
+                                  buckets=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0))
+        self.draft_seconds = seconds("spec_decode_draft_seconds", "Draft time per request")
+        self.verify_seconds = seconds("spec_decode_verify_seconds", "Verify time per request")
+        self.draft_ahead = metric(Counter, "spec_decode_draft_ahead", "Drafts launched ahead of the host's "
+                                  "bookkeeping, by outcome: used (partial: for some of their requests) or dropped "
+                                  "(mismatched: the next batch was not some of its requests)", ["outcome"])
+        self._draft_ahead_seen: dict[str, int] = {}
+        self.graph_capture_failures = metric(Counter, "graph_capture_failures", "CUDA graphs that failed to "
+                                             "capture, by phase (the phase then runs eagerly)", ["phase"])
         self.graph_failures: list[dict] = []  # served in /health's "graphs" details
-        self._server = ThreadingHTTPServer((host, port), self._handler())
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name=f"{service}-http", daemon=True)
+        self._server = HttpServer(self._app(api_key), host, port, name=f"{service}-http")
 
     @property
     def address(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"{host}:{port}"
+        return f"{self._server.host}:{self._server.port}"
 
     @property
     def port(self) -> int:
-        return self._server.server_address[1]
+        return self._server.port
 
     def start(self) -> Telemetry:
-        self._thread.start()
+        self._server.start()
         return self
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._server.stop()
 
     def set_state(self, state: str) -> None:
         if state not in STATES:
@@ -88,9 +164,28 @@ class Telemetry:
             name = "target" if i == 0 else f"draft{i - 1}"
             self.kv_pages_total.labels(name).set(total)
             self.kv_pages_used.labels(name).set(total - free)
-        for outcome, count in load.draft_ahead.items():
-            self.draft_ahead.labels(outcome).set(count)
+        for outcome, count in load.draft_ahead.items():  # the engine's running totals -> counter increments
+            self.draft_ahead.labels(outcome).inc(count - self._draft_ahead_seen.get(outcome, 0))
+            self._draft_ahead_seen[outcome] = count
+        used, total = load.total_pages[0] - load.free_pages[0], load.total_pages[0]
+        self.kv_cache_usage.set(used / total if total else 0.0)
         self.observe_graph_failures(load.graph_failures)
+
+    @property
+    def handoff_bytes_total(self):
+        return self._handoff_bytes.labels(self.handoff_transport)
+
+    @property
+    def handoff_seconds(self):
+        return self._handoff_seconds.labels(self.handoff_transport)
+
+    def observe_request_end(self, finished_reason: str, prompt_tokens: int, generation_tokens: int) -> None:
+        """A request that finished (``stop`` / ``length``): the token counters and length histograms."""
+        self.request_success.labels(finished_reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
 
     def observe_graph_failures(self, failures) -> None:
         """Count and list the engine's capture failures not seen yet (``shared.cuda_graphs.CaptureFailure``)."""
@@ -107,31 +202,27 @@ class Telemetry:
             self.draft_seconds.observe(req.stats.draft_time_s)
             self.verify_seconds.observe(req.stats.verify_time_s)
 
-    def _handler(self):
-        telemetry = self
+    def health(self) -> tuple[int, dict]:
+        body = {"status": self.state, "service": self.service, "instance_id": self.instance_id,
+                "graphs": {"capture_failures": list(self.graph_failures)}}
+        return (200 if self.state == "ready" else 503), body
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (the stdlib's name)
-                path = self.path.split("?")[0]
-                if path == "/health":
-                    ok = telemetry.state == "ready"
-                    body = json.dumps({"status": telemetry.state, "service": telemetry.service,
-                                       "instance_id": telemetry.instance_id,
-                                       "graphs": {"capture_failures": list(telemetry.graph_failures)}}).encode()
-                    self._send(200 if ok else 503, body, "application/json")
-                elif path == "/metrics":
-                    self._send(200, generate_latest(telemetry.registry), CONTENT_TYPE_LATEST)
-                else:
-                    self._send(404, b'{"error": "not found"}', "application/json")
+    def _app(self, api_key: str | None) -> FastAPI:
+        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+        require_key(app, api_key, OPEN_PATHS, on_denied=lambda: self.errors_total.labels("unauthenticated").inc())
 
-            def _send(self, code: int, body: bytes, ctype: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+        @app.get("/health")
+        def health():
+            status, body = self.health()
+            return json_response(body, status)
 
-            def log_message(self, fmt, *args):  # keep the stdlib's access log out of the service log
-                logging.getLogger("eyrie.http").debug(fmt, *args)
+        @app.get("/metrics")
+        def metrics():
+            return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
-        return Handler
+        @app.exception_handler(HTTPException)
+        async def http_error(_request, e: HTTPException):
+            code = {404: "unknown_route", 405: "method_not_allowed"}.get(e.status_code)
+            return HttpError(e.status_code, str(e.detail), code=code, headers=dict(e.headers or {})).response()
+
+        return app

@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP on the router: ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health``.
+``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health``, on FastAPI under uvicorn
+(``shared.http_server``: backlog, head/body deadlines, body limit, bearer auth).
 
 A thin translation layer over ``RouterCore``: every request becomes one ``pb.GenerateRequest`` and
 walks the same path as a gRPC ``Generate`` call (validation, Redis records, placement, streaming), so
@@ -7,13 +8,16 @@ greedy output over HTTP equals greedy output over gRPC token for token.
 
 Behaviour worth knowing (docs/deploy.md has the user-facing version):
 
-- Stdlib ``ThreadingHTTPServer`` on its own thread, HTTP/1.1 keep-alive; streams are server-sent events
-  (``data: {...}\\n\\n`` ... ``data: [DONE]\\n\\n``) in chunked transfer encoding.
+- Request bodies are pydantic models that forbid unknown fields: a misspelt ``max_token`` is a 400 naming
+  it, never a silent default. Accepted and ignored: ``user`` (OpenAI's end-user id) only.
+- Streams are server-sent events (``data: {...}\\n\\n`` ... ``data: [DONE]\\n\\n``); a client that hangs up
+  has its request aborted.
 - Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request
   (``param`` names the OpenAI parameter at fault), 401 for a missing or wrong API key, 404 for an unknown
-  route or model, 405 for a wrong method, 411/413 for a missing or oversized body, 503 when no instance
-  can take the request, 500 otherwise. An error after a stream started arrives as one
-  ``data: {"error": ...}`` event before ``[DONE]``.
+  route or model, 405 for a wrong method, 408 for a body that does not arrive in time, 411/413 for a
+  missing or oversized body, 415 for a body that is not JSON, 503 when no instance can take the request,
+  500 otherwise. An error after a stream started arrives as one ``data: {"error": ...}`` event before
+  ``[DONE]``. Refusals are logged (``http_refused``) and counted in ``eyrie_errors_total``.
 - When ``settings.api_key`` is set, every route except ``/health`` needs ``Authorization: Bearer <key>``
   (the same key the gRPC API takes in its ``authorization`` metadata).
 - Chat prompts are rendered with the model's chat template (``chat_template.jinja`` or
@@ -24,31 +28,44 @@ Behaviour worth knowing (docs/deploy.md has the user-facing version):
   up to the router's default for chat). Extensions: ``top_k``, ``stop_token_ids``, ``ignore_eos``,
   ``return_token_ids`` (adds ``token_ids`` to each choice); responses carry an ``eyrie`` object with the
   request id, speculative-decoding statistics and timings. Stop *strings* (``stop``), ``n`` > 1,
-  penalties, ``logit_bias``, ``echo``, ``suffix``, tools and alternative log-probabilities are refused
-  with a 400 naming the parameter rather than silently ignored.
+  penalties, ``logit_bias``, ``echo``, ``suffix``, tools, ``tool_choice``, alternative log-probabilities
+  and vLLM's extras not implemented yet (``NOT_IMPLEMENTED``) are refused with a 400 naming the parameter
+  rather than silently ignored.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
+import anyio
 import grpc
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.responses import Response, StreamingResponse
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
-from services.common import key_matches
 from services.settings import RouterSettings
+from shared.http_server import HttpError, HttpServer, json_response, read_body, require_key
 from shared.request import RequestError
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 UINT32_MAX, INT32_MAX, UINT64_MAX = 2**32 - 1, 2**31 - 1, 2**64 - 1
+THREADS = 1024  # generation threads (one per request in flight: RouterCore's calls block)
+
+# vLLM's sampling extras Eyrie does not implement yet: refused by name rather than silently ignored.
+NOT_IMPLEMENTED = ("min_tokens", "min_p", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                   "structured_outputs", "allowed_token_ids", "bad_words", "prompt_logprobs",
+                   "include_stop_str_in_output", "truncate_prompt_tokens", "length_penalty", "tool_choice",
+                   "parallel_tool_calls", "skip_special_tokens", "spaces_between_special_tokens")
 
 # RouterCore names fields after the gRPC message; clients know OpenAI's names.
 _GRPC_TO_OPENAI = {
@@ -74,18 +91,7 @@ _STATUS = {
     grpc.StatusCode.CANCELLED: (499, "invalid_request_error"),
 }
 
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+ApiError = HttpError  # the name this module's callers know
 
 
 def bad(param: str | None, message: str, code: str | None = "invalid_value") -> ApiError:
@@ -186,6 +192,109 @@ def _token_text(tok) -> str:
     return tok if isinstance(tok, str) else ""
 
 
+# ---- request models ------------------------------------------------------------------------------
+TokenId = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """The parameters both endpoints take. Range checks that need the model (vocabulary, context) are
+    RouterCore's; the ones here are the wire format's."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None  # -1 = off, as vLLM spells it
+    seed: Annotated[int, Field(ge=0, le=UINT64_MAX)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
+    stop_token_ids: list[TokenId] | None = None  # Eyrie's extension: stop on these ids
+    ignore_eos: bool = False
+    return_token_ids: bool = False  # Eyrie's extension: token_ids in each choice
+    user: str | None = None  # OpenAI's end-user id: accepted, not used
+    # Refused unless at their neutral value (_refuse_unsupported): declared so the message can say why.
+    n: int | None = None
+    best_of: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stop: str | list[str] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
+
+
+_FIELDS = {name for m in (CompletionRequest, ChatRequest, ChatMessage, StreamOptions) for name in m.model_fields}
+
+
+def _param(loc: tuple, unknown: bool = False) -> str:
+    """pydantic's error location as the client wrote it: ``messages[0].role`` (union tags dropped; with
+    ``unknown`` the last part is the client's unknown field, kept)."""
+    out = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _FIELDS or not out or (unknown and i == len(loc) - 1):
+            out += f".{part}" if out else str(part)
+        else:
+            break
+    return out
+
+
+def validate(model: type[_Sampling], raw: bytes) -> _Sampling:
+    """The body as ``model``: 400 naming the field for JSON that is not one (unknown fields included)."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    for name in NOT_IMPLEMENTED:
+        if name in body:
+            raise bad(name, f"{name}: not supported by Eyrie yet (refused rather than ignored)",
+                      code="unsupported_parameter")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = _param(err["loc"], unknown=err["type"] == "extra_forbidden")
+        if err["type"] == "extra_forbidden":
+            raise bad(param, f"{param}: unknown parameter", code="unknown_parameter") from None
+        if err["type"] == "missing":
+            raise bad(param, f"{param}: required", code="missing_required_parameter") from None
+        code = "invalid_value" if err["type"].endswith(("_than", "_than_equal", "literal_error")) else "invalid_type"
+        raise bad(param, f"{param}: {err['msg']}", code=code) from None
+
+
 # ---- request parsing -----------------------------------------------------------------------------
 @dataclass
 class Parsed:
@@ -201,188 +310,116 @@ class Parsed:
     max_tokens_param: str = "max_tokens"
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _get_bool(body: dict, name: str, default: bool = False) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad(name, f"{name}: must be a boolean", code="invalid_type")
-    return v
-
-
-def _get_int(body: dict, name: str, lo: int, hi: int) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not _is_int(v):
-        raise bad(name, f"{name}: must be an integer", code="invalid_type")
-    if not lo <= v <= hi:
-        raise bad(name, f"{name}: must be in [{lo}, {hi}], got {v}")
-    return v
-
-
-def _get_number(body: dict, name: str) -> float | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not _is_number(v) or not math.isfinite(v):
-        raise bad(name, f"{name}: must be a finite number", code="invalid_type")
-    return float(v)
-
-
-def _refuse_unsupported(body: dict) -> None:
+def _refuse_unsupported(body: _Sampling) -> None:
     """Parameters Eyrie does not implement: refuse them rather than return something else."""
-    n = body.get("n")
-    if n is not None and n != 1:
+    if body.n not in (None, 1):
         raise bad("n", "n: only n=1 is supported (send one request per completion)", code="unsupported_value")
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != 1:
+    if body.best_of not in (None, 1):
         raise bad("best_of", "best_of: only 1 is supported", code="unsupported_value")
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-        v = body.get(name)
-        if v is not None and v != (1 if name == "repetition_penalty" else 0):
+        if getattr(body, name) not in (None, 1 if name == "repetition_penalty" else 0):
             raise bad(name, f"{name}: penalties are not supported", code="unsupported_parameter")
-    if body.get("logit_bias"):
+    if body.logit_bias:
         raise bad("logit_bias", "logit_bias: not supported", code="unsupported_parameter")
-    if body.get("echo"):
-        raise bad("echo", "echo: not supported", code="unsupported_parameter")
-    if body.get("suffix"):
-        raise bad("suffix", "suffix: not supported", code="unsupported_parameter")
+    for name in ("echo", "suffix"):
+        if getattr(body, name, None):
+            raise bad(name, f"{name}: not supported", code="unsupported_parameter")
     for name in ("tools", "functions"):
-        if body.get(name):
+        if getattr(body, name):
             raise bad(name, f"{name}: tool calling is not supported", code="unsupported_parameter")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type", "text") == "text"):
+    rf = body.response_format
+    if rf is not None and rf.get("type", "text") != "text":
         raise bad("response_format", "response_format: only {\"type\": \"text\"} is supported",
                   code="unsupported_value")
-    stop = body.get("stop")
-    if stop not in (None, "", []):
+    if body.stop not in (None, "", []):
         raise bad("stop", "stop: stop strings are not supported; give token ids in stop_token_ids (an Eyrie "
                           "extension)", code="unsupported_parameter")
+    if body.stream_options is not None and not body.stream:
+        raise bad("stream_options", "stream_options: only allowed with stream=true")
 
 
-def _sampling(body: dict, max_tokens_param: str, default_max_tokens: int) -> pb.SamplingParams:
+def _sampling(body: _Sampling, max_tokens: int | None, default_max_tokens: int) -> pb.SamplingParams:
     s = pb.SamplingParams()
-    temperature = _get_number(body, "temperature")
-    s.temperature = 1.0 if temperature is None else temperature  # the router rejects < 0, naming it
-    top_p = _get_number(body, "top_p")
-    s.top_p = 1.0 if top_p is None else top_p
-    if top_p is not None and top_p == 0:
+    s.temperature = 1.0 if body.temperature is None else body.temperature  # the router rejects < 0, naming it
+    s.top_p = 1.0 if body.top_p is None else body.top_p
+    if body.top_p == 0:
         raise bad("top_p", "top_p: must be in (0, 1]")
-    top_k = _get_int(body, "top_k", -1, INT32_MAX)
-    s.top_k = 0 if top_k in (None, -1) else top_k  # -1 = off, as vLLM spells it
-    seed = _get_int(body, "seed", 0, UINT64_MAX)
-    if seed is not None:
-        s.seed = seed
-    max_tokens = _get_int(body, max_tokens_param, 1, UINT32_MAX)
+    s.top_k = 0 if body.top_k in (None, -1) else body.top_k
+    if body.seed is not None:
+        s.seed = body.seed
     s.max_new_tokens = default_max_tokens if max_tokens is None else max_tokens
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None:
-        if not isinstance(stop_ids, list) or not all(_is_int(t) and -INT32_MAX <= t <= INT32_MAX for t in stop_ids):
-            raise bad("stop_token_ids", "stop_token_ids: must be a list of token ids", code="invalid_type")
-        s.stop_token_ids.extend(stop_ids)
-    s.ignore_eos = _get_bool(body, "ignore_eos")
+    s.stop_token_ids.extend(body.stop_token_ids or [])
+    s.ignore_eos = body.ignore_eos
     return s
 
 
-def _stream_options(body: dict, stream: bool) -> bool:
-    opts = body.get("stream_options")
-    if opts is None:
-        return False
-    if not stream:
-        raise bad("stream_options", "stream_options: only allowed with stream=true")
-    if not isinstance(opts, dict):
-        raise bad("stream_options", "stream_options: must be an object", code="invalid_type")
-    return _get_bool(opts, "include_usage")
+def _include_usage(body: _Sampling) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
 
 
-def parse_completion(body: dict) -> Parsed:
+def parse_completion(body: CompletionRequest) -> Parsed:
     _refuse_unsupported(body)
     req = pb.GenerateRequest()
-    prompt = body.get("prompt")
+    prompt = body.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         if not prompt:
             raise bad("prompt", "prompt: must not be empty")
         req.text = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         if not all(-INT32_MAX <= t <= INT32_MAX for t in prompt):
             raise bad("prompt", "prompt: token id out of range")
         req.token_ids.ids.extend(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+    elif isinstance(prompt, list) and len(prompt) > 1:
         raise bad("prompt", "prompt: batched prompts are not supported; send one prompt per request",
                   code="unsupported_value")
     elif prompt is None:
         raise bad("prompt", "prompt: required", code="missing_required_parameter")
     else:
         raise bad("prompt", "prompt: must be a string or a list of token ids", code="invalid_type")
-    stream = _get_bool(body, "stream")
-    logprobs = _get_int(body, "logprobs", 0, 20)
-    if logprobs:
+    if body.logprobs:
         raise bad("logprobs", "logprobs: only 0 is supported (the sampled token's log-probability, no "
                               "alternatives)", code="unsupported_value")
-    req.sampling.CopyFrom(_sampling(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS))
-    req.return_logprobs = logprobs is not None
-    return Parsed(chat=False, req=req, stream=stream, include_usage=_stream_options(body, stream),
-                  logprobs=req.return_logprobs, return_token_ids=_get_bool(body, "return_token_ids"))
+    req.sampling.CopyFrom(_sampling(body, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS))
+    req.return_logprobs = body.logprobs is not None
+    return Parsed(chat=False, req=req, stream=body.stream, include_usage=_include_usage(body),
+                  logprobs=req.return_logprobs, return_token_ids=body.return_token_ids)
 
 
-def _messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if messages is None:
+def _messages(body: ChatRequest) -> list[dict]:
+    if body.messages is None:
         raise bad("messages", "messages: required", code="missing_required_parameter")
-    if not isinstance(messages, list) or not messages:
+    if not body.messages:
         raise bad("messages", "messages: must be a non-empty list of {role, content} objects", code="invalid_type")
     out = []
-    for i, m in enumerate(messages):
+    for i, m in enumerate(body.messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(where, f"{where}: must be an object", code="invalid_type")
-        role = m.get("role")
-        if role not in ("system", "developer", "user", "assistant", "tool"):
-            raise bad(f"{where}.role", f"{where}.role: must be system, developer, user, assistant or tool")
-        content = m.get("content")
+        content = m.content
         if isinstance(content, list):  # content parts: only text
             texts = []
             for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                if not (part.get("type") == "text" and isinstance(part.get("text"), str)):
                     raise bad(f"{where}.content[{j}]", f"{where}.content[{j}]: only text parts are supported",
                               code="unsupported_value")
                 texts.append(part["text"])
             content = "".join(texts)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise bad(f"{where}.content", f"{where}.content: must be a string or a list of text parts",
-                      code="invalid_type")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
     return out
 
 
-def parse_chat(body: dict, template: ChatTemplate, default_max_tokens: int) -> Parsed:
+def parse_chat(body: ChatRequest, template: ChatTemplate, default_max_tokens: int) -> Parsed:
     _refuse_unsupported(body)
     messages = _messages(body)
-    stream = _get_bool(body, "stream")
-    logprobs = _get_bool(body, "logprobs")
-    top = _get_int(body, "top_logprobs", 0, 20)
-    if top:
+    if body.top_logprobs:
         raise bad("top_logprobs", "top_logprobs: only 0 is supported (the sampled token's log-probability)",
                   code="unsupported_value")
-    max_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    req = pb.GenerateRequest(text=template.render(messages), return_logprobs=logprobs)
-    req.sampling.CopyFrom(_sampling(body, max_param, default_max_tokens))
-    return Parsed(chat=True, req=req, stream=stream, include_usage=_stream_options(body, stream), logprobs=logprobs,
-                  return_token_ids=_get_bool(body, "return_token_ids"), prompt_param="messages",
-                  max_tokens_param=max_param)
+    max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    req = pb.GenerateRequest(text=template.render(messages), return_logprobs=body.logprobs)
+    req.sampling.CopyFrom(_sampling(body, max_tokens, default_max_tokens))
+    return Parsed(chat=True, req=req, stream=body.stream, include_usage=_include_usage(body), logprobs=body.logprobs,
+                  return_token_ids=body.return_token_ids, prompt_param="messages", max_tokens_param=max_param)
 
 
 # ---- responses -----------------------------------------------------------------------------------
@@ -415,163 +452,150 @@ def _finish_reason(finish: pb.Finish | None) -> str | None:
     return finish.reason or "stop"
 
 
-class OpenAIServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
+class OpenAIServer:
+    """The FastAPI app over ``core`` and the uvicorn server that runs it (``start()`` / ``stop()``)."""
 
-    def __init__(self, address, core, settings: RouterSettings):
+    def __init__(self, core, settings: RouterSettings):
         self.core, self.settings = core, settings
         self.template = ChatTemplate(settings.model, settings.model_name)
         self.created = int(time.time())
-        super().__init__(address, OpenAIHandler)
+        self._threads: anyio.CapacityLimiter | None = None  # made in the server's event loop, on first use
+        self.app = self._app()
+        self.http = HttpServer(self.app, settings.host, settings.openai_port or 0, name="router-openai-http",
+                               head_timeout_s=settings.http_read_timeout_s)
+
+    @property
+    def port(self) -> int:
+        return self.http.port
+
+    def start(self) -> OpenAIServer:
+        self.http.start()
+        return self
+
+    def stop(self) -> None:
+        self.http.stop()
 
     # The logprob of each token as text, for the logprobs blocks.
     def token_text(self, token_id: int) -> str:
         tok = self.core.tokenizer
         return tok.decode([token_id]) if tok is not None else ""
 
+    # ---- routes ----
+    def _app(self) -> FastAPI:
+        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+        require_key(app, self.settings.api_key, ("/health",))  # the gRPC interceptor counts its own refusals
+        app.add_api_route("/health", self._health, methods=["GET"])
+        app.add_api_route("/v1/models", self._models, methods=["GET"])
+        app.add_api_route("/v1/models/{model_id:path}", self._model, methods=["GET"])
+        app.add_api_route("/v1/completions", self._completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self._chat, methods=["POST"])
+        app.add_exception_handler(HttpError, self._on_error)
+        app.add_exception_handler(HTTPException, self._on_routing_error)
+        app.add_exception_handler(Exception, self._on_bug)
+        return app
 
-ROUTES = {"/v1/completions": ("POST",), "/v1/chat/completions": ("POST",), "/v1/models": ("GET",),
-          "/health": ("GET",)}
+    async def _health(self) -> Response:
+        return json_response({"status": "ready"})
 
+    async def _models(self) -> Response:
+        return json_response({"object": "list", "data": [self._model_card()]})
 
-class OpenAIHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: OpenAIServer
-    server_version = "eyrie"
-
-    def log_message(self, format, *args):  # noqa: A002 - the base class's signature
-        self.server.core.log.debug("http_access", peer=self.address_string(), line=format % args)
-
-    # ---- dispatch ----
-    def do_GET(self):  # noqa: N802
-        self._dispatch("GET")
-
-    def do_POST(self):  # noqa: N802
-        self._dispatch("POST")
-
-    def do_PUT(self):  # noqa: N802
-        self._dispatch("PUT")
-
-    def do_DELETE(self):  # noqa: N802
-        self._dispatch("DELETE")
-
-    def do_PATCH(self):  # noqa: N802
-        self._dispatch("PATCH")
-
-    def _dispatch(self, method: str) -> None:
-        self._body_read = False
-        path = self.path.split("?", 1)[0].rstrip("/") or "/"
-        try:
-            if path == "/health":  # always open, like the telemetry /health and gRPC health
-                self._check_method(method, ROUTES[path])
-                self._send_json(200, {"status": "ready"})
-                return
-            self._authenticate()
-            if path.startswith("/v1/models/"):
-                self._check_method(method, ("GET",))
-                self._model(path[len("/v1/models/"):])
-                return
-            if path not in ROUTES:
-                raise ApiError(404, f"unknown route {method} {path}", code="unknown_route")
-            self._check_method(method, ROUTES[path])
-            if path == "/v1/models":
-                self._send_json(200, {"object": "list", "data": [self._model_card()]})
-                return
-            body = self._read_json()
-            self._check_model(body.get("model"))
-            if path == "/v1/completions":
-                self._generate(parse_completion(body))
-            else:
-                default = 0  # 0 = the router's default (capped by the room left in the context)
-                self._generate(parse_chat(body, self.server.template, default))
-        except ApiError as e:
-            self._send_error(e)
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
-        except Exception as e:  # a bug here must not take the server thread down
-            self.server.core.log.exception("http_error", method=method, path=path)
-            self._send_error(ApiError(500, f"internal error: {e}", code="internal"))
-
-    def _check_method(self, method: str, allowed: tuple[str, ...]) -> None:
-        if method not in allowed:
-            self._allow = ", ".join(allowed)
-            raise ApiError(405, f"method {method} not allowed here (allowed: {self._allow})",
-                           code="method_not_allowed")
-
-    def _authenticate(self) -> None:
-        api_key = self.server.settings.api_key
-        if api_key and not key_matches(self.headers.get("Authorization"), api_key):
-            raise ApiError(401, "missing or wrong API key (send Authorization: Bearer <key>)",
-                           code="invalid_api_key")
-
-    def _check_model(self, model) -> None:
-        if model is None:
-            return
-        if not isinstance(model, str):
-            raise bad("model", "model: must be a string", code="invalid_type")
-        name = self.server.settings.model_name
-        if model != name:
-            raise ApiError(404, f"the model '{model}' does not exist (this server serves '{name}')", param="model",
-                           code="model_not_found")
-
-    def _model_card(self) -> dict:
-        info = self.server.core.model_info()
-        return {"id": info.model, "object": "model", "created": self.server.created, "owned_by": "eyrie",
-                "max_model_len": info.max_context}
-
-    def _model(self, model_id: str) -> None:
+    async def _model(self, model_id: str) -> Response:
         card = self._model_card()
         if model_id != card["id"]:
             raise ApiError(404, f"the model '{model_id}' does not exist", param="model", code="model_not_found")
-        self._send_json(200, card)
+        return json_response(card)
 
-    def _read_json(self) -> dict:
-        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-            raise ApiError(411, "send the body with a Content-Length (chunked bodies are not accepted)",
-                           code="length_required")
-        length = self.headers.get("Content-Length")
-        if length is None:
-            raise ApiError(411, "a JSON body with a Content-Length is required", code="length_required")
-        try:
-            n = int(length)
-        except ValueError:
-            raise ApiError(400, "bad Content-Length", code="invalid_body") from None
-        limit = self.server.settings.max_message_bytes
-        if n > limit:
-            raise ApiError(413, f"the body's {n} bytes exceed the limit of {limit}", code="body_too_large")
-        raw = self.rfile.read(n)
-        self._body_read = True
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    async def _completions(self, request: Request) -> Response:
+        body = await self._body(request, CompletionRequest)
+        return await self._generate(parse_completion(body))
+
+    async def _chat(self, request: Request) -> Response:
+        body = await self._body(request, ChatRequest)
+        default = 0  # 0 = the router's default (capped by the room left in the context)
+        return await self._generate(parse_chat(body, self.template, default))
+
+    def _model_card(self) -> dict:
+        info = self.core.model_info()
+        return {"id": info.model, "object": "model", "created": self.created, "owned_by": "eyrie",
+                "max_model_len": info.max_context}
+
+    async def _body(self, request: Request, model: type[_Sampling]) -> _Sampling:
+        ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            raise ApiError(415, f"the body must be application/json, not {ctype}", code="unsupported_media_type")
+        body = validate(model, await read_body(request, self.settings.max_message_bytes,
+                                                  self.settings.http_read_timeout_s))
+        if body.model is not None and body.model != self.settings.model_name:
+            raise ApiError(404, f"the model '{body.model}' does not exist (this server serves "
+                                f"'{self.settings.model_name}')", param="model", code="model_not_found")
         return body
 
+    # ---- errors ----
+    async def _on_error(self, request: Request, e: HttpError) -> Response:
+        if not e.counted:  # RouterCore logged and counted its own refusals
+            self._count(e.code or "http_error")
+            fields = dict(status=e.status, code=e.code, param=e.param, path=request.url.path)
+            if e.status >= 500:
+                self.core.log.warning("http_error", message=e.message, **fields)
+            else:
+                self.core.log.event("http_refused", message=e.message, **fields)
+        return e.response()
+
+    async def _on_routing_error(self, request: Request, e: HTTPException) -> Response:
+        if e.status_code == 404:
+            err = ApiError(404, f"unknown route {request.method} {request.url.path}", code="unknown_route")
+        elif e.status_code == 405:
+            err = ApiError(405, f"method {request.method} not allowed here (allowed: {(e.headers or {}).get('Allow')})",
+                           code="method_not_allowed", headers=dict(e.headers or {}))
+        else:
+            err = ApiError(e.status_code, str(e.detail), code="http_error", headers=dict(e.headers or {}))
+        return await self._on_error(request, err)
+
+    async def _on_bug(self, request: Request, e: Exception) -> Response:
+        self.core.log.exception("http_error", method=request.method, path=request.url.path)
+        return await self._on_error(request, ApiError(500, f"internal error: {e}", code="internal"))
+
+    def _count(self, kind: str) -> None:
+        if self.core.telemetry is not None:
+            self.core.telemetry.errors_total.labels(kind).inc()
+
     # ---- generation ----
-    def _generate(self, parsed: Parsed) -> None:
+    async def _run(self, fn, *args):
+        """``fn(*args)`` on a worker thread (RouterCore blocks); as many as there are requests in flight."""
+        if self._threads is None:
+            self._threads = anyio.CapacityLimiter(THREADS)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._threads)
+
+    async def _generate(self, parsed: Parsed) -> Response:
         rid = uuid.uuid4().hex
         parsed.req.request_id = rid
-        core = self.server.core
         cancelled = threading.Event()
-        gen = core.generate(parsed.req, cancelled)
+        gen = self.core.generate(parsed.req, cancelled)
+        ended = {"finished": False}
         try:
             # Validation runs at the generator's first step: a bad request fails here, before any header.
-            first = self._next(gen, parsed)
-            if parsed.stream:
-                self._stream(rid, parsed, gen, first)
-            else:
-                self._complete(rid, parsed, gen, first)
-        except (BrokenPipeError, ConnectionResetError):
-            core.log.event("client_gone", rid)
-            self.close_connection = True
-            core.abort(rid)
+            first = await self._run(self._next, gen, parsed)
+            if not parsed.stream:
+                body = await self._run(self._complete, rid, parsed, gen, first)
+                ended["finished"] = True
+        except BaseException:
+            await self._run(self._close, rid, gen, cancelled, ended)
             raise
-        finally:
-            cancelled.set()
-            gen.close()  # a generator left suspended is aborted (and recorded so) by RouterCore
+        if parsed.stream:
+            headers = {"Cache-Control": "no-cache", "X-Request-Id": rid}
+            return StreamingResponse(self._events(rid, parsed, gen, first, ended), headers=headers,
+                                     media_type="text/event-stream; charset=utf-8",
+                                     background=BackgroundTask(self._run, self._close, rid, gen, cancelled, ended))
+        await self._run(self._close, rid, gen, cancelled, ended)
+        return json_response(body)
+
+    def _close(self, rid: str, gen, cancelled: threading.Event, ended: dict) -> None:
+        """After the response: a request whose client went away is aborted (and recorded so)."""
+        if not ended["finished"] and self.core.abort(rid, "client went away"):
+            self.core.log.event("client_gone", rid)
+        cancelled.set()
+        gen.close()  # a generator left suspended is aborted (and recorded so) by RouterCore
 
     def _next(self, gen: Iterator[pb.GenerateResponse], parsed: Parsed) -> pb.GenerateResponse | None:
         from services.router.server import RouterError
@@ -581,11 +605,13 @@ class OpenAIHandler(BaseHTTPRequestHandler):
         except StopIteration:
             return None
         except RequestError as e:
-            raise from_request_error(e, parsed.prompt_param, parsed.max_tokens_param) from None
+            err = from_request_error(e, parsed.prompt_param, parsed.max_tokens_param)
         except RouterError as e:
-            raise from_router_error(e) from None
+            err = from_router_error(e)
+        err.counted = True
+        raise err
 
-    def _complete(self, rid: str, parsed: Parsed, gen, first) -> None:
+    def _complete(self, rid: str, parsed: Parsed, gen, first) -> dict:
         acc = Accumulated()
         msg = first
         while msg is not None:
@@ -608,66 +634,54 @@ class OpenAIHandler(BaseHTTPRequestHandler):
                 if parsed.logprobs else None
         if parsed.return_token_ids:
             choice["token_ids"] = acc.token_ids
-        body = {"id": ("chatcmpl-" if parsed.chat else "cmpl-") + rid,
+        return {"id": ("chatcmpl-" if parsed.chat else "cmpl-") + rid,
                 "object": "chat.completion" if parsed.chat else "text_completion",
-                "created": int(time.time()), "model": self.server.settings.model_name, "choices": [choice],
+                "created": int(time.time()), "model": self.settings.model_name, "choices": [choice],
                 "usage": _usage(acc.finish), "eyrie": _extension(rid, acc.finish)}
-        self._send_json(200, body)
 
-    def _stream(self, rid: str, parsed: Parsed, gen, first) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.send_header("X-Request-Id", rid)
-        self.end_headers()
+    async def _events(self, rid: str, parsed: Parsed, gen, first, ended: dict):
+        """The stream's server-sent events, ``[DONE]`` last."""
         base = {"id": ("chatcmpl-" if parsed.chat else "cmpl-") + rid,
                 "object": "chat.completion.chunk" if parsed.chat else "text_completion",
-                "created": int(time.time()), "model": self.server.settings.model_name}
+                "created": int(time.time()), "model": self.settings.model_name}
         if parsed.chat:  # OpenAI opens a chat stream with the role
-            self._event({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None}]}, parsed)
+            yield _event({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                               "logprobs": None, "finish_reason": None}]}, parsed)
         offset = 0
         msg, finish = first, None
         try:
             while msg is not None:
-                ids, lps = list(msg.token_ids), list(msg.logprobs)
                 if msg.HasField("finish"):
                     finish = msg.finish
                 if msg.text or finish is not None or parsed.logprobs or parsed.return_token_ids:
-                    choice: dict = {"index": 0, "finish_reason": _finish_reason(finish)}
-                    if parsed.chat:
-                        choice["delta"] = {"content": msg.text} if msg.text or finish is None else {}
-                        choice["logprobs"] = self._chat_logprobs(ids, lps) if parsed.logprobs else None
-                    else:
-                        choice["text"] = msg.text
-                        choice["logprobs"] = self._completion_logprobs(ids, lps, offset) if parsed.logprobs else None
-                    if parsed.return_token_ids:
-                        choice["token_ids"] = ids
-                    chunk = {**base, "choices": [choice]}
-                    if finish is not None:
-                        chunk["eyrie"] = _extension(rid, finish)
-                    self._event(chunk, parsed)
+                    yield _event(self._chunk(base, parsed, msg, finish, offset, rid), parsed)
                 offset += len(msg.text)
-                msg = self._next(gen, parsed)
+                msg = await self._run(self._next, gen, parsed)
             if finish is not None and parsed.include_usage:
-                self._event({**base, "choices": [], "usage": _usage(finish)}, parsed)
+                yield _event({**base, "choices": [], "usage": _usage(finish)}, parsed)
         except ApiError as e:  # the headers are gone: report in the stream, as OpenAI-style servers do
-            self._write_chunk(b"data: " + json.dumps(e.body()).encode() + b"\n\n")
-        self._write_chunk(b"data: [DONE]\n\n")
-        self._write_chunk(b"")
+            yield b"data: " + json.dumps(e.body()).encode() + b"\n\n"
+        ended["finished"] = True
+        yield b"data: [DONE]\n\n"
 
-    def _event(self, payload: dict, parsed: Parsed) -> None:
-        if parsed.include_usage:
-            payload.setdefault("usage", None)
-        self._write_chunk(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
-
-    def _write_chunk(self, data: bytes) -> None:
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        self.wfile.flush()
+    def _chunk(self, base: dict, parsed: Parsed, msg: pb.GenerateResponse, finish, offset: int, rid: str) -> dict:
+        ids, lps = list(msg.token_ids), list(msg.logprobs)
+        choice: dict = {"index": 0, "finish_reason": _finish_reason(finish)}
+        if parsed.chat:
+            choice["delta"] = {"content": msg.text} if msg.text or finish is None else {}
+            choice["logprobs"] = self._chat_logprobs(ids, lps) if parsed.logprobs else None
+        else:
+            choice["text"] = msg.text
+            choice["logprobs"] = self._completion_logprobs(ids, lps, offset) if parsed.logprobs else None
+        if parsed.return_token_ids:
+            choice["token_ids"] = ids
+        chunk = {**base, "choices": [choice]}
+        if finish is not None:
+            chunk["eyrie"] = _extension(rid, finish)
+        return chunk
 
     def _completion_logprobs(self, ids: list[int], lps: list[float], offset: int) -> dict:
-        tokens = [self.server.token_text(t) for t in ids]
+        tokens = [self.token_text(t) for t in ids]
         offsets = []
         for t in tokens:
             offsets.append(offset)
@@ -678,49 +692,24 @@ class OpenAIHandler(BaseHTTPRequestHandler):
     def _chat_logprobs(self, ids: list[int], lps: list[float]) -> dict:
         content = []
         for t, lp in zip(ids, lps):
-            text = self.server.token_text(t)
+            text = self.token_text(t)
             content.append({"token": text, "logprob": float(lp), "bytes": list(text.encode()), "top_logprobs": []})
         return {"content": content}
 
-    # ---- output ----
-    def _send_json(self, status: int, body: dict, extra_headers: dict | None = None) -> None:
-        data = json.dumps(body, ensure_ascii=False).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for k, v in (extra_headers or {}).items():
-            self.send_header(k, v)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
 
-    def _send_error(self, e: ApiError) -> None:
-        if e.status >= 500:
-            self.server.core.log.warning("http_error", status=e.status, message=e.message,
-                                         path=self.path.split("?", 1)[0])
-        headers = {}
-        if e.status == 401:
-            headers["WWW-Authenticate"] = 'Bearer realm="eyrie"'
-        if e.status == 405:
-            headers["Allow"] = getattr(self, "_allow", "")
-        if not self._body_read and self.command in ("POST", "PUT", "PATCH"):
-            # The body was never read: the connection cannot be reused for another request.
-            self.close_connection = True
-        try:
-            self._send_json(e.status, e.body(), headers)
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
+def _event(payload: dict, parsed: Parsed) -> bytes:
+    if parsed.include_usage:
+        payload.setdefault("usage", None)
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
 
 def start_openai_server(core, settings: RouterSettings) -> tuple[OpenAIServer, int]:
     """Serve OpenAI-compatible HTTP for ``core`` on ``settings.host:settings.openai_port`` (0 = any free
-    port), on a daemon thread. Stop with ``server.shutdown(); server.server_close()``."""
-    server = OpenAIServer((settings.host, settings.openai_port or 0), core, settings)
-    port = server.server_address[1]
-    threading.Thread(target=server.serve_forever, name="router-openai-http", daemon=True).start()
-    core.log.event("openai_http_started", address=f"{settings.host}:{port}")
-    return server, port
+    port), on a daemon thread. Stop with ``server.stop()``."""
+    server = OpenAIServer(core, settings).start()
+    core.log.event("openai_http_started", address=f"{settings.host}:{server.port}")
+    return server, server.port
 
 
-__all__ = ["ApiError", "ChatTemplate", "OpenAIServer", "parse_chat", "parse_completion", "start_openai_server"]
+__all__ = ["ApiError", "ChatRequest", "ChatTemplate", "CompletionRequest", "OpenAIServer", "parse_chat",
+           "parse_completion", "start_openai_server", "validate"]

@@ -516,6 +516,8 @@ class RouterCore:
                               latency_s=round(finish.latency_s, 6))
         if self.telemetry:
             self.telemetry.stage_seconds.labels("total").observe(finish.latency_s)
+            self.telemetry.observe_request_end(finish.reason or "stop", finish.usage.prompt_tokens,
+                                               finish.usage.completion_tokens)
             if finish.spec.verify_steps:
                 self.telemetry.accept_length.observe(finish.spec.accept_length)
                 self.telemetry.accept_rate.observe(finish.spec.accept_rate)
@@ -634,7 +636,8 @@ def load_model_files(model: str | None) -> tuple[ModelConfig, Tokenizer | None]:
 def start_router(settings: RouterSettings) -> ServiceHandle:
     instance_id = settings.instance_id or new_instance_id("router")
     model_config, tokenizer = load_model_files(settings.model)
-    telemetry = ServiceTelemetry("router", instance_id, settings.host, settings.http_port, settings.api_key).start()
+    telemetry = ServiceTelemetry("router", instance_id, settings.host, settings.http_port, settings.api_key,
+                                 model_name=settings.model_name).start()
     client = connect(settings.redis_url)
     core = RouterCore(settings, RequestStore(client, settings.request_ttl_s), Registry(client, settings.registry_ttl_s),
                       tokenizer, model_config, telemetry, instance_id)
@@ -664,8 +667,7 @@ def start_router(settings: RouterSettings) -> ServiceHandle:
         telemetry.set_state("draining")
         set_serving(health, SERVICES, False)
         if openai_server is not None:
-            openai_server.shutdown()
-            openai_server.server_close()
+            openai_server.stop()
         server.stop(grace).wait(grace + 1)
         core.close()
         telemetry.stop()

@@ -6,19 +6,29 @@ What is proved: completions and chat completions (stream and not) give exactly t
 gives for the same prompt and sampling; chat prompts are the model's chat template rendered; errors come
 in OpenAI's shape with the right status and ``param``; with a key set, every HTTP route (``/metrics`` too) and
 every gRPC Generation method refuses a request without it while health stays open; a client that hangs up
-mid-stream gets its request aborted and every KV page back.
+mid-stream gets its request aborted and every KV page back. The server itself: unknown and unimplemented
+parameters refused by name, non-JSON bodies refused, 128 simultaneous connections all served, every
+Content-Length case answered (none hangs), a slow client disconnected.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import threading
 import time
+from pathlib import Path
 
 import grpc
 import httpx
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from shared.model.tokenizer import Tokenizer
@@ -33,7 +43,8 @@ PROMPT = "def fibonacci(n):"
 def stack(redis_url, oracle_model_dir):
     # The oracle model's drafts are accepted often, so "equal to gRPC" covers multi-token verify steps.
     s = start_stack(redis_url, oracle_model_dir, "eagle3", page_size=4, chunk_size=8, spec_topk=2, spec_steps=3,
-                    spec_draft_tokens=6, api_key=KEY, router_extra=dict(api_key=KEY, openai_port=0))
+                    spec_draft_tokens=6, api_key=KEY,
+                    router_extra=dict(api_key=KEY, openai_port=0, http_read_timeout_s=1.0))
     s.tokenizer = Tokenizer(oracle_model_dir / "target")
     s.base_url = f"http://{s.router.extra['openai_address']}/v1"
     yield s
@@ -292,3 +303,168 @@ def test_api_key_guards_every_http_and_grpc_entry_but_not_health(stack):
     assert httpx.get(f"{telemetry}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=5).status_code == 200
     health = health_pb2_grpc.HealthStub(channel)
     assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+
+
+# ---- the HTTP surface ----------------------------------------------------------------------------
+def error_count(stack, kind: str) -> float:
+    r = httpx.get(f"http://{stack.router.http_address}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=5)
+    return sum(s.value for f in text_string_to_metric_families(r.text) for s in f.samples
+               if s.name == "eyrie_errors_total" and s.labels.get("kind") == kind)
+
+
+@pytest.mark.parametrize("kind,extra,param", [
+    ("completion", {"max_token": 5}, "max_token"),  # misspelt: must not fall back to the default
+    ("completion", {"stream_options": {"include_usage": True, "colour": 1}}, "stream_options.colour"),
+    ("chat", {"messages": [{"role": "user", "content": "hi", "mood": "x"}]}, "messages[0].mood"),
+    ("chat", {"tool_choice": "auto"}, "tool_choice"),
+    *[("completion", {name: value}, name) for name, value in [
+        ("min_tokens", 3), ("min_p", 0.1), ("guided_json", {"type": "object"}), ("structured_outputs", {"json": {}}),
+        ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("prompt_logprobs", 1),
+        ("include_stop_str_in_output", True), ("truncate_prompt_tokens", 4), ("length_penalty", 1.2)]],
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_unknown_and_unimplemented_parameters_are_refused_by_name(stack, client, kind, extra, param):
+    before = error_count(stack, "unknown_parameter") + error_count(stack, "unsupported_parameter")
+    with pytest.raises(openai.BadRequestError) as err:
+        if kind == "completion":
+            client.completions.create(model="eyrie", prompt=PROMPT, max_tokens=2, extra_body=extra)
+        else:
+            client.chat.completions.create(model="eyrie", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=2, extra_body=extra)
+    assert err.value.body["param"] == param and param in err.value.body["message"]
+    assert err.value.body["code"] in ("unknown_parameter", "unsupported_parameter")
+    after = error_count(stack, "unknown_parameter") + error_count(stack, "unsupported_parameter")
+    assert after == before + 1  # the refusal is counted
+
+
+def test_a_body_that_is_not_json_is_415(stack):
+    r = raw(stack, "POST", "/v1/completions", content=b"prompt=hi", headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+
+
+def test_streaming_with_usage_counts_every_token(stack, client):
+    chunks = list(client.chat.completions.create(model="eyrie", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=6, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True, "return_token_ids": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert sum(len(c.choices[0].token_ids or []) for c in chunks if c.choices and hasattr(c.choices[0], "token_ids")) \
+        == 6
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_128_simultaneous_connections_are_all_served(stack):
+    n, results = 128, []
+    gate = threading.Barrier(n)
+
+    def one(i: int) -> None:
+        with openai.OpenAI(base_url=stack.base_url, api_key=KEY, max_retries=0, timeout=120) as c:
+            gate.wait(timeout=30)
+            if i % 4 == 0:
+                results.append(c.completions.create(model="eyrie", prompt=PROMPT, max_tokens=1).usage.completion_tokens)
+            else:
+                results.append(len(c.models.list().data))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert len(results) == n and all(r == 1 for r in results)
+
+
+def exchange(stack, head: bytes, body: bytes = b"", wait_s: float = 10.0) -> bytes:
+    """Send raw bytes to the OpenAI port; whatever comes back before the server closes (or ``wait_s``)."""
+    host, port = stack.router.extra["openai_address"].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=wait_s) as s:
+        s.sendall(head + body)
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass
+        return out
+
+
+def post_head(length: str) -> bytes:
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {length}\r\nConnection: close\r\n\r\n").encode()
+
+
+def test_every_content_length_case_is_answered(stack):
+    body = json.dumps({"model": "eyrie", "prompt": PROMPT, "max_tokens": 2}).encode()
+    assert exchange(stack, post_head(str(len(body))), body).startswith(b"HTTP/1.1 200")
+    t0 = time.monotonic()
+    # The heads alone: each is answered at once (the connection left open, nothing read to EOF).
+    assert exchange(stack, post_head("-1")).startswith(b"HTTP/1.1 400")
+    assert exchange(stack, post_head("12abc")).startswith(b"HTTP/1.1 400")
+    reply = exchange(stack, post_head(str(5 << 20)))  # larger than the limit: refused before reading
+    assert reply.startswith(b"HTTP/1.1 413") and b"body_too_large" in reply
+    assert time.monotonic() - t0 < 5
+    t0 = time.monotonic()
+    reply = exchange(stack, post_head(str(len(body) + 100)), body)  # promises more than it sends
+    assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply
+    assert 0.9 < time.monotonic() - t0 < 5  # http_read_timeout_s=1: answered, not hung
+
+
+def test_a_slow_client_is_disconnected(stack, client):
+    t0 = time.monotonic()
+    reply = exchange(stack, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")  # never finishes its head
+    assert reply == b"" and 0.9 < time.monotonic() - t0 < 5
+    assert client.models.list().data[0].id == "eyrie"  # still serving
+
+
+# ---- metrics: promtool and the dashboard -----------------------------------------------------------
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
+
+
+def metrics_text(handle) -> str:
+    r = httpx.get(f"http://{handle.http_address}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=5)
+    assert r.status_code == 200
+    return r.text
+
+
+def exposed_names(text: str) -> set[str]:
+    """Every series name the exposition declares (``# TYPE``), with the suffixes its type adds."""
+    suffixes = {"counter": ("",), "histogram": ("_bucket", "_sum", "_count", "_created"),
+                "gauge": ("",), "summary": ("_sum", "_count", "_created"), "untyped": ("",), "info": ("_info",)}
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            names |= {name + s for s in suffixes[kind]}  # a counter's TYPE line already ends in _total
+    return names
+
+
+def test_every_service_passes_promtool(stack, client):
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        assert not os.environ.get("CI"), "CI must have promtool (Debian's prometheus package)"
+        pytest.skip("promtool is not installed")
+    client.completions.create(model="eyrie", prompt=PROMPT, max_tokens=3)  # every kind of series has samples
+    for handle in (stack.router, stack.prefills[0], stack.decodes[0]):
+        text = metrics_text(handle)
+        assert 'role="' + handle.role + '"' in text and 'model_name="eyrie"' in text
+        out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, f"{handle.role}: {out.stdout}{out.stderr}"
+
+
+def test_the_dashboard_queries_only_exposed_metrics(stack):
+    exposed = set().union(*(exposed_names(metrics_text(h)) for h in (stack.router, stack.prefills[0],
+                                                                       stack.decodes[0])))
+    for vllm_name in ("eyrie_prompt_tokens_total", "eyrie_generation_tokens_total", "eyrie_request_success_total",
+                      "eyrie_time_to_first_token_seconds_bucket", "eyrie_inter_token_latency_seconds_bucket",
+                      "eyrie_e2e_request_latency_seconds_bucket", "eyrie_request_queue_time_seconds_bucket",
+                      "eyrie_request_prefill_time_seconds_bucket", "eyrie_request_decode_time_seconds_bucket",
+                      "eyrie_request_prompt_tokens_bucket", "eyrie_request_generation_tokens_bucket",
+                      "eyrie_num_requests_running", "eyrie_num_requests_waiting", "eyrie_kv_cache_usage_perc"):
+        assert vllm_name in exposed, vllm_name
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    queries += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    assert len(queries) >= 12
+    for query in queries:
+        names = re.findall(r"eyrie_[a-z0-9_]+", query)
+        assert names, query
+        for name in names:
+            assert name in exposed, f"the dashboard queries {name}, which no service exposes ({query})"

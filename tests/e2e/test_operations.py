@@ -81,24 +81,27 @@ def test_metrics_parse_and_move(stack):
 
     stack.generate(list(range(5, 25)), max_new_tokens=6, ignore_eos=True)
     assert moved(router, "eyrie_requests_total", outcome="finished") == 1
-    assert moved(router, "eyrie_ttft_seconds_count") == 1
+    assert moved(router, "eyrie_time_to_first_token_seconds_count") == 1
     for stage in ("placement", "prefill", "handoff", "decode", "total"):
-        assert moved(router, "eyrie_stage_seconds_count", stage=stage) == 1, stage
-        assert moved(router, "eyrie_stage_seconds_sum", stage=stage) > 0, stage
-    for name in ("eyrie_draft_seconds", "eyrie_verify_seconds", "eyrie_accept_length", "eyrie_accept_rate"):
+        assert moved(router, "eyrie_request_stage_seconds_count", stage=stage) == 1, stage
+        assert moved(router, "eyrie_request_stage_seconds_sum", stage=stage) > 0, stage
+    for name in ("eyrie_spec_decode_draft_seconds", "eyrie_spec_decode_verify_seconds",
+                 "eyrie_spec_decode_accept_length", "eyrie_spec_decode_accept_rate"):
         assert moved(router, f"{name}_count") == 1 and moved(decode, f"{name}_count") == 1, name
-    assert moved(router, "eyrie_draft_seconds_sum") > 0 and moved(decode, "eyrie_verify_seconds_sum") > 0
-    assert moved(prefill, "eyrie_stage_seconds_count", stage="prefill") == 1
-    assert moved(prefill, "eyrie_stage_seconds_count", stage="handoff") == 1
-    assert moved(prefill, "eyrie_ttft_seconds_count") == 1 and moved(prefill, "eyrie_handoff_bytes_total") > 0
+    assert moved(router, "eyrie_spec_decode_draft_seconds_sum") > 0
+    assert moved(decode, "eyrie_spec_decode_verify_seconds_sum") > 0
+    assert moved(prefill, "eyrie_request_stage_seconds_count", stage="prefill") == 1
+    assert moved(prefill, "eyrie_request_stage_seconds_count", stage="handoff") == 1
+    assert moved(prefill, "eyrie_time_to_first_token_seconds_count") == 1
+    assert moved(prefill, "eyrie_handoff_bytes_total") > 0
     assert moved(prefill, "eyrie_requests_total", outcome="handed_off") == 1
     for handle in (prefill, decode):  # both ends of the hand-off time it
         assert moved(handle, "eyrie_handoff_seconds_count") == 1 and moved(handle, "eyrie_handoff_seconds_sum") > 0
     assert moved(decode, "eyrie_handoff_bytes_total") == moved(prefill, "eyrie_handoff_bytes_total")
-    assert moved(decode, "eyrie_inter_token_seconds_count") >= 1  # one per streamed batch of tokens after the first
-    assert moved(decode, "eyrie_inter_token_seconds_sum") > 0
+    assert moved(decode, "eyrie_inter_token_latency_seconds_count") >= 1  # per streamed batch after the first
+    assert moved(decode, "eyrie_inter_token_latency_seconds_sum") > 0
     assert moved(decode, "eyrie_requests_total", outcome="length") == 1
-    assert metric(scrape(decode), "eyrie_kv_pages_total", cache="target") > 0
+    assert metric(scrape(decode), "eyrie_kv_pages_capacity", cache="target") > 0
     assert metric(scrape(decode), "eyrie_kv_pages_used", cache="draft0") == 0  # nothing running now
 
     # Errors by kind: a bad request, a refused duplicate id, an aborted request.
@@ -117,13 +120,13 @@ def test_metrics_parse_and_move(stack):
     with pytest.raises(grpc.RpcError) as err:
         for i, _ in enumerate(stack.stub.Generate(long, timeout=60)):
             if i == 2:
-                wait_for(lambda: metric(scrape(decode), "eyrie_requests_running") == 1, what="decode running 1")
+                wait_for(lambda: metric(scrape(decode), "eyrie_num_requests_running") == 1, what="decode running 1")
                 assert metric(scrape(decode), "eyrie_kv_pages_used", cache="target") > 0
                 assert stack.stub.Abort(pb.AbortRequest(request_id="metrics-long"), timeout=10).found
     assert err.value.code() == grpc.StatusCode.ABORTED
     assert moved(router, "eyrie_errors_total", kind="aborted") == 1
     assert moved(router, "eyrie_requests_total", outcome="aborted") == 1
-    wait_for(lambda: metric(scrape(decode), "eyrie_requests_running") == 0, what="decode running 0")
+    wait_for(lambda: metric(scrape(decode), "eyrie_num_requests_running") == 0, what="decode running 0")
     assert metric(scrape(decode), "eyrie_kv_pages_used", cache="target") == 0
 
     # Queued: the decode's engine thread is held, so the first request's hand-off waits for its reservation and
@@ -135,15 +138,15 @@ def test_metrics_parse_and_move(stack):
     try:
         for t in threads:
             t.start()
-        wait_for(lambda: (metric(scrape(prefill), "eyrie_requests_running"),
-                          metric(scrape(prefill), "eyrie_requests_queued")) == (1, 1), what="1 running, 1 queued")
+        wait_for(lambda: (metric(scrape(prefill), "eyrie_num_requests_running"),
+                          metric(scrape(prefill), "eyrie_num_requests_waiting")) == (1, 1), what="1 running, 1 queued")
     finally:
         gate.set()
         for t in threads:
             t.join(60)
     assert results == ["length", "length"]
-    wait_for(lambda: metric(scrape(prefill), "eyrie_requests_queued") == 0 == metric(scrape(prefill),
-                                                                                      "eyrie_requests_running"))
+    wait_for(lambda: metric(scrape(prefill), "eyrie_num_requests_waiting") == 0 == metric(scrape(prefill),
+                                                                                      "eyrie_num_requests_running"))
     assert stack.wait_clean()
 
 
@@ -286,14 +289,15 @@ def reflect(channel, metadata) -> set[str]:
     return {svc.name for svc in reply.list_services_response.service}
 
 
-def http(addr: str, path: str, key: str | None = None, method: str = "GET") -> tuple[int, dict, str]:
+def http(addr: str, path: str, key: str | None = None, method: str = "GET") -> tuple[int, object, str]:
+    """(status, headers (case-insensitive, as HTTP's are), body)."""
     req = urllib.request.Request(f"http://{addr}{path}", method=method, data=b"{}" if method == "POST" else None,
                                  headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
         with urllib.request.urlopen(req, timeout=5) as r:
-            return r.status, dict(r.headers), r.read().decode()
+            return r.status, r.headers, r.read().decode()
     except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read().decode()
+        return e.code, e.headers, e.read().decode()
 
 
 def test_api_key_guards_every_grpc_service_and_http_route_of_every_service(redis_url, tiny_model_dir):
@@ -445,7 +449,7 @@ def test_kill_9_of_decode_mid_stream(process_stack):
     assert "mid-stream" in failed["fields"]["reason"] and failed["fields"]["code"] == "UNAVAILABLE"
     _, text = http_get(stack.http["prefill"], "/metrics")
     assert metric(text, "eyrie_kv_pages_used", cache="target") == 0  # the survivor's pool is full
-    assert metric(text, "eyrie_requests_running") == 0
+    assert metric(text, "eyrie_num_requests_running") == 0
 
 
 def test_eyrie_up_demo_within_a_minute(tmp_path):

@@ -14,6 +14,8 @@ from shared.engine import Engine
 from shared.sampling import SamplingParams
 from shared.telemetry import Telemetry
 
+GRPC = (("transport", "grpc"),)  # the hand-off series' label
+
 
 def get(url: str) -> tuple[int, bytes]:
     try:
@@ -29,7 +31,11 @@ def samples(address: str) -> dict:
     out = {}
     for family in text_string_to_metric_families(body.decode()):
         for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            if not s.name.startswith("eyrie_"):
+                continue  # the process collectors'
+            labels = dict(s.labels)
+            assert labels.pop("model_name") == "eyrie" and labels.pop("role") in ("router", "prefill", "decode")
+            out[(s.name, tuple(sorted(labels.items())))] = s.value
     return out
 
 
@@ -61,8 +67,8 @@ def test_metrics_parse_and_move_and_instances_are_independent(telemetry):
     other = Telemetry("prefill", "prefill-test").start()
     try:
         before = samples(telemetry.address)
-        assert before[("eyrie_requests_running", ())] == 0
-        assert before[("eyrie_ttft_seconds_count", ())] == 0
+        assert before[("eyrie_num_requests_running", ())] == 0
+        assert before[("eyrie_time_to_first_token_seconds_count", ())] == 0
         telemetry.requests_total.labels("length").inc()
         telemetry.errors_total.labels("transfer").inc(2)
         telemetry.ttft_seconds.observe(0.02)
@@ -71,17 +77,18 @@ def test_metrics_parse_and_move_and_instances_are_independent(telemetry):
         after = samples(telemetry.address)
         assert after[("eyrie_requests_total", (("outcome", "length"),))] == 1
         assert after[("eyrie_errors_total", (("kind", "transfer"),))] == 2
-        assert after[("eyrie_ttft_seconds_count", ())] == 1
-        assert after[("eyrie_ttft_seconds_bucket", (("le", "0.025"),))] == 1
-        assert after[("eyrie_ttft_seconds_bucket", (("le", "0.01"),))] == 0
-        assert after[("eyrie_handoff_bytes_total", ())] == 4096
-        assert after[("eyrie_stage_seconds_sum", (("stage", "prefill"),))] == 0.5
+        assert after[("eyrie_time_to_first_token_seconds_count", ())] == 1
+        assert after[("eyrie_time_to_first_token_seconds_bucket", (("le", "0.025"),))] == 1
+        assert after[("eyrie_time_to_first_token_seconds_bucket", (("le", "0.01"),))] == 0
+        assert after[("eyrie_handoff_bytes_total", GRPC)] == 4096
+        assert after[("eyrie_request_stage_seconds_sum", (("stage", "prefill"),))] == 0.5
         untouched = samples(other.address)
         assert ("eyrie_requests_total", (("outcome", "length"),)) not in untouched
-        assert untouched[("eyrie_handoff_bytes_total", ())] == 0
-        for name in ("eyrie_inter_token_seconds_count", "eyrie_handoff_seconds_count", "eyrie_accept_length_count",
-                     "eyrie_accept_rate_count", "eyrie_draft_seconds_count", "eyrie_verify_seconds_count",
-                     "eyrie_requests_queued"):
+        assert untouched[("eyrie_handoff_bytes_total", GRPC)] == 0
+        assert (("eyrie_handoff_seconds_count", GRPC)) in untouched
+        for name in ("eyrie_inter_token_latency_seconds_count", "eyrie_spec_decode_accept_length_count",
+                     "eyrie_spec_decode_accept_rate_count", "eyrie_spec_decode_draft_seconds_count",
+                     "eyrie_spec_decode_verify_seconds_count", "eyrie_num_requests_waiting"):
             assert (name, ()) in untouched, name
     finally:
         other.stop()
@@ -94,17 +101,17 @@ def test_observe_engine_reports_every_pool(telemetry, tiny_model_dir):
                     EngineConfig(page_size=4, num_pages=32, spec=SpecConfig(topk=1, steps=2, num_draft_tokens=3)))
     telemetry.observe_load(engine.load())
     m = samples(telemetry.address)
-    caches = sorted(dict(k[1])["cache"] for k in m if k[0] == "eyrie_kv_pages_total")
+    caches = sorted(dict(k[1])["cache"] for k in m if k[0] == "eyrie_kv_pages_capacity")
     assert caches == ["draft0", "draft1", "target"]  # the multi-layer draft has one pool per step
     assert m[("eyrie_kv_pages_used", (("cache", "target"),))] == 0
     engine.add_request(list(range(10)), SamplingParams(max_new_tokens=4), rid="r")
     engine.step()
     telemetry.observe_load(engine.load())
     m = samples(telemetry.address)
-    total = m[("eyrie_kv_pages_total", (("cache", "target"),))]
+    total = m[("eyrie_kv_pages_capacity", (("cache", "target"),))]
     assert total == engine.cache.layout.num_pages
     assert m[("eyrie_kv_pages_used", (("cache", "target"),))] >= 3  # 10+ tokens in pages of 4
-    assert m[("eyrie_requests_running", ())] + m[("eyrie_requests_queued", ())] == 1
+    assert m[("eyrie_num_requests_running", ())] + m[("eyrie_num_requests_waiting", ())] == 1
     engine.abort("r")
     telemetry.observe_load(engine.load())
     assert samples(telemetry.address)[("eyrie_kv_pages_used", (("cache", "target"),))] == 0
@@ -133,7 +140,8 @@ def test_service_telemetry_guards_every_path_but_health_with_the_key():
                                     timeout=5) as r:
             text = r.read().decode()
         counted = [s.value for f in text_string_to_metric_families(text) for s in f.samples
-                   if s.name == "eyrie_errors_total" and s.labels == {"kind": "unauthenticated"}]
+                   if s.name == "eyrie_errors_total"
+                   and s.labels == {"model_name": "eyrie", "role": "router", "kind": "unauthenticated"}]
         assert counted == [12.0]
     finally:
         open_.stop()
@@ -151,7 +159,8 @@ def test_draft_ahead_outcomes_are_exported(telemetry, tiny_model_dir):
     telemetry.observe_load(engine.load())
     m = samples(telemetry.address)
     w = engine.speculator
-    got = {o: m[("eyrie_spec_draft_ahead", (("outcome", o),))] for o in ("used", "partial", "dropped", "mismatched")}
+    got = {o: m[("eyrie_spec_decode_draft_ahead_total", (("outcome", o),))]
+           for o in ("used", "partial", "dropped", "mismatched")}
     assert got == {"used": w.ahead.used, "partial": w.ahead.partial, "dropped": w.ahead.dropped,
                    "mismatched": w.ahead.mismatched}
     assert got["used"] > 0 and got["partial"] > 0
