@@ -1,7 +1,7 @@
 """A request's life in an engine: its tokens, its cache claims and its statistics.
 
 One owner per field. The scheduler (``shared.scheduler``) creates requests, moves them between its
-queues, retires them, and alone writes ``phase`` and ``handles``. Tokens, lengths, the draft state and
+queues, retires them, and alone writes ``stage`` and ``handles``. Tokens, lengths, the draft state and
 the end of a request change only through the methods below (``commit``, ``advance``, ``resume_from``,
 ``receive``, ``end``): every other module reads these fields and never assigns them
 (``tests/unit/engine/test_state_owners.py`` holds it).

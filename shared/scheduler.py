@@ -7,8 +7,8 @@ that could never fit is refused at submission with an error naming the field.
 
 The scheduler is the one owner of the engine's requests: it creates them (``submit``,
 ``admit_handoff``), keeps the one table of them by id (``requests``) beside its queues (``waiting``,
-``running``), moves them between phases and retires them (``retire``), and alone writes their
-``phase`` and page ``handles``.
+``running``), moves them between stages and retires them (``retire``), and alone writes their
+``stage`` and page ``handles``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One owner per piece of request state, held by reading the source.
 
-The scheduler (shared/scheduler.py) alone writes a request's ``phase`` and page ``handles`` and moves
+The scheduler (shared/scheduler.py) alone writes a request's ``stage`` and page ``handles`` and moves
 requests between its table and queues; tokens, lengths, the draft state and the end of a request change
 only through the request's own methods (shared/request.py). Any other module of shared/ or services/
 that assigns one of these fields, mutates one of these lists, or edits the scheduler's table or queues
@@ -20,7 +20,7 @@ from shared.request import Stage
 ROOT = Path(__file__).resolve().parents[3]
 SCHEDULER, REQUEST = "shared/scheduler.py", "shared/request.py"
 OWNERS = {  # request field -> the one module that writes it
-    "phase": SCHEDULER, "handles": SCHEDULER,
+    "stage": SCHEDULER, "handles": SCHEDULER,
     "kv_len": REQUEST, "draft_state": REQUEST, "output_ids": REQUEST, "output_logprobs": REQUEST,
     "finish_reason": REQUEST, "t_first_token": REQUEST, "t_finish": REQUEST,
 }

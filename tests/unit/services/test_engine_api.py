@@ -21,7 +21,7 @@ from shared.request import Request
 from shared.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[3]
-INTERNALS = {"scheduler", "cache", "caches", "spec", "requests", "model", "decode_graphs", "tokenizer"}
+INTERNALS = {"scheduler", "cache", "caches", "speculator", "requests", "model", "decode_graphs", "tokenizer"}
 HOLD_THE_ENGINE = {"services/engine_loop.py": "drives it on its thread",
                    "services/engine_service.py": "builds it, captures its graphs, hands it to the loop"}
 

@@ -32,13 +32,13 @@ def test_a_failed_capture_shows_in_health_metrics_and_log(tiny_model_dir, caplog
         assert json.loads(body)["graphs"]["capture_failures"] == [
             {"phase": "draft", "batch_size": 4, "reason": "RuntimeError: operation not permitted when stream is "
                                                           "capturing"}]
-        assert samples(telemetry.address)[("eyrie_graph_capture_failures_total", (("stage", "draft"),))] == 1
+        assert samples(telemetry.address)[("eyrie_graph_capture_failures_total", (("phase", "draft"),))] == 1
         assert any("graph_capture_failed" in r.getMessage() or getattr(r, "event", "") == "graph_capture_failed"
                    for r in caplog.records)
         # Seen failures are counted once, however often the engine is observed.
         telemetry.observe_load(engine.load())
         telemetry.observe_load(engine.load())
-        assert samples(telemetry.address)[("eyrie_graph_capture_failures_total", (("stage", "draft"),))] == 1
+        assert samples(telemetry.address)[("eyrie_graph_capture_failures_total", (("phase", "draft"),))] == 1
     finally:
         telemetry.stop()
 
