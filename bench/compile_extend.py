@@ -42,14 +42,15 @@ def signature(cfg: ExtendConfig) -> tuple[dict, dict]:
     desc_kv = f"tensordesc<{dt}[{cfg.block_n}, {HEAD_DIM}]>" if cfg.tma else f"*{dt}"
     types = {"Q": f"*{dt}", "QD": desc_q, "Kn": f"*{dt}", "KnD": desc_kv, "Vn": f"*{dt}", "VnD": desc_kv,
              "Kc": f"*{dt}", "Vc": f"*{dt}", "O": f"*{dt}", "qo_indptr": "*i32", "kv_indptr": "*i32",
-             "kv_indices": "*i32", "prefix_lens": "*i32", "qk_scale": "fp32", "num_q_heads": "i32"}
+             "kv_indices": "*i32", "prefix_lens": "*i32", "qk_scale": "fp32", "num_q_heads": "i32",
+             "window": "i32"}
     for name in _extend_kernel.arg_names:
         if name.startswith("stride_"):
             types[name] = "i32"
     consts = {"GROUP": GROUP, "HEAD_DIM": HEAD_DIM, "BLOCK_D": HEAD_DIM, "BLOCK_M": cfg.block_m,
               "BLOCK_N": cfg.block_n, "USE_TMA": cfg.tma, "WARP_SPEC": cfg.warp_specialize, "PRECISION": "tf32",
               "UPCAST": False, "HEAD_MAJOR": cfg.head_major, "PACK": cfg.pack,
-              "REQUEST_MAJOR": cfg.request_major}
+              "REQUEST_MAJOR": cfg.request_major, "SLIDING": False}
     types.update(dict.fromkeys(consts, "constexpr"))
     return {n: types[n] for n in _extend_kernel.arg_names}, consts
 

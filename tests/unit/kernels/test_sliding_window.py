@@ -43,8 +43,10 @@ def test_reference_is_the_windowed_causal_attention(window):
     for b, (n, p) in enumerate(zip(q_lens, prefix)):
         kb, vb = request_kv(k, v, meta, b)
         qs = int(meta.qo_indptr[b])
-        want = dense_window_attention(q[qs:qs + n], kb, vb, torch.arange(p, p + n), torch.arange(p + n),
-                                      torch.ones(n, p + n, dtype=torch.bool), window, 0.4)
+        dev = q.device
+        want = dense_window_attention(q[qs:qs + n], kb, vb, torch.arange(p, p + n, device=dev),
+                                      torch.arange(p + n, device=dev),
+                                      torch.ones(n, p + n, dtype=torch.bool, device=dev), window, 0.4)
         torch.testing.assert_close(out[qs:qs + n], want, atol=1e-5, rtol=1e-5)
     assert (out - full).abs().max() > 0.1  # the window changes the output: the comparison has teeth
 
@@ -56,11 +58,12 @@ def test_reference_tree_node_sees_its_window_and_its_ancestors():
     prefix, window = 25, 6
     mask = tree_mask(parents)
     q, k, v, meta = make_case([5], [prefix], [5], 4, 4, 2, 8, torch.float32, masks=[mask], seed=3)
-    pos = torch.tensor([prefix + d for d in depth])
+    dev = q.device
+    pos = torch.tensor([prefix + d for d in depth], device=dev)
     out = paged_attention_ref(q, k, v, meta, 0.5, window, pos)
     kb, vb = request_kv(k, v, meta, 0)
-    k_pos = torch.cat([torch.arange(prefix), pos])
-    allowed = torch.cat([torch.ones(5, prefix, dtype=torch.bool), mask], 1)
+    k_pos = torch.cat([torch.arange(prefix, device=dev), pos])
+    allowed = torch.cat([torch.ones(5, prefix, dtype=torch.bool, device=dev), mask.to(dev)], 1)
     torch.testing.assert_close(out, dense_window_attention(q, kb, vb, pos, k_pos, allowed, window, 0.5),
                                atol=1e-5, rtol=1e-5)
 
@@ -103,7 +106,7 @@ def test_paged_kernel_tree_verify_past_the_window(num_splits):
     prefix, window = [33, 12], 8
     mask = tree_mask(parents)
     q, k, v, meta = make_case([6, 6], prefix, [6, 6], 4, 4, 2, 16, torch.float32, masks=[mask, mask], seed=7)
-    pos = torch.cat([p + depth for p in prefix])
+    pos = torch.cat([p + depth for p in prefix]).to(q.device)
     ref = paged_attention_ref(q, k, v, meta, 0.5, window, pos)
     out = paged_attention(q, k, v, meta, 0.5, window, pos, backend="triton", num_splits=num_splits)
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
