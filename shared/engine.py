@@ -23,7 +23,7 @@ from shared.model.loader import load_target, parse_dtype
 from shared.model.tokenizer import Tokenizer
 from shared.request import Phase, Request, RequestError
 from shared.runner import PhaseGraphs, pad_rows
-from shared.sampling import SamplingParams, make_generator, sample
+from shared.sampling import SamplingParams, make_generator, request_seed, sample
 from shared.scheduler import Scheduler, StepPlan
 
 
@@ -119,8 +119,9 @@ class Engine:
         rid = rid or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestError("request_id", f"{rid!r} is already running")
+        seed = request_seed(params)
         req = Request(rid=rid, prompt_ids=ids, params=params, eos_ids=self.model.config.eos_token_ids,
-                      generator=make_generator(params.seed))
+                      generator=make_generator(seed), seed=seed)
         self.scheduler.submit(req)
         self.requests[rid] = req
         return req
@@ -252,8 +253,9 @@ class Engine:
         """Decode role: claim pages for a request about to arrive; None when it cannot be held now."""
         if rid in self.requests:
             raise RequestError("request_id", f"{rid!r} is already here")
+        seed = request_seed(params)
         req = Request(rid=rid, prompt_ids=list(prompt_ids), params=params,
-                      eos_ids=self.model.config.eos_token_ids, generator=make_generator(params.seed))
+                      eos_ids=self.model.config.eos_token_ids, generator=make_generator(seed), seed=seed)
         req.output_ids, req.output_logprobs = list(output_ids), list(output_logprobs)
         self.scheduler.check_fits(req)
         if not self.scheduler.can_admit(req):
@@ -272,6 +274,8 @@ class Engine:
         req.draft_state = draft_state
         if draft_state is not None and draft_state.rng_state is not None:
             req.generator.set_state(draft_state.rng_state)
+        if draft_state is not None and draft_state.seed is not None:
+            req.seed = draft_state.seed  # the prefill side's: an unseeded request keeps its random one
         req.t_first_token = req.t_first_token or time.perf_counter()
         req.phase = Phase.DECODING
 

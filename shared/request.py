@@ -75,6 +75,7 @@ class Request:
     params: SamplingParams
     eos_ids: tuple[int, ...] = ()
     generator: torch.Generator | None = None
+    seed: int = 0  # the seed its speculative draws hash with the committed length (set at admission)
     phase: Phase = Phase.WAITING
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)  # target log p of each output token

@@ -30,10 +30,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from kernels.spec_kernels import tree_speculative_sample_ref
+from kernels import spec_sampling
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
-from shared.sampling import SamplingParams, target_probs
+from shared.runner import tree_map
+from shared.sampling import SamplingParams, sampling_rows, target_probs
 from shared.spec import verify
 from shared.spec.tree import DraftTree, ancestor_mask
 
@@ -159,64 +160,47 @@ def test_reference_distribution_is_the_engine_one():
 
 
 TRIALS = 3000
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # the reference here, the Triton kernels there
 
 
-def run_rule(rule: str, name: str, setting: dict, seed: int) -> Counter:
-    tree = make_tree(name, TRIALS)
-    logits = node_logits(name).expand(TRIALS, -1, -1)
-    params = SamplingParams(**setting)
-    if rule == "sampled_accept":
-        gens = [torch.Generator().manual_seed(seed * 100_003 + b) for b in range(TRIALS)]
-        acc = verify.sampled_accept(tree, logits, [params] * TRIALS, gens, STEPS)
-        assert torch.equal(acc.accept_len, (acc.accept_index >= 0).sum(1))
-        return committed(tree, acc.accept_index, acc.bonus)
-    g = torch.Generator().manual_seed(seed)
-    probs = target_probs(node_logits(name), [params] * tree.num_nodes).expand(TRIALS, -1, -1)
-    coins = torch.rand(TRIALS, tree.num_nodes, generator=g)
-    out = tree_speculative_sample_ref(probs, tree.parents, tree.tokens, coins, torch.rand(TRIALS, generator=g), STEPS)
-    return committed(tree, out.accept_index, out.bonus)
+def run_rule(name: str, setting: dict, seed: int, device: str = "cpu") -> Counter:
+    """The engine's acceptance (``verify.sampled_accept``: target weights and tree walk on the device)
+    over TRIALS copies of the tree, each with its own seed."""
+    tree = tree_map(lambda t: t.to(device), make_tree(name, TRIALS))
+    logits = node_logits(name).expand(TRIALS, -1, -1).to(device)
+    rows = sampling_rows([SamplingParams(**setting)] * TRIALS, [seed * 100_003 + b for b in range(TRIALS)], device)
+    committed_len = torch.full((TRIALS,), 17, device=device)
+    acc = verify.sampled_accept(tree, logits, rows, committed_len, STEPS)
+    assert torch.equal(acc.accept_len, (acc.accept_index >= 0).sum(1))
+    return committed(make_tree(name, TRIALS), acc.accept_index.cpu(), acc.bonus.cpu())
 
 
-@pytest.mark.parametrize("rule", ["sampled_accept", "kernel_contract"])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(TREES))
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_acceptance_rule_keeps_the_target_distribution(rule, name, setting):
+def test_acceptance_rule_keeps_the_target_distribution(device, name, setting):
     seed = list(SETTINGS).index(setting) * 10 + list(TREES).index(name)
-    observed = run_rule(rule, name, SETTINGS[setting], seed)
+    observed = run_rule(name, SETTINGS[setting], seed, device)
     probs = reference_probs(node_logits(name), **SETTINGS[setting])
     expected = expected_sequences(name, probs)
     p = chi_square_p(observed, expected)
-    assert p > P_MIN, f"{rule} {name} {setting}: chi-square p = {p:.2e}"
+    assert p > P_MIN, f"{device} {name} {setting}: chi-square p = {p:.2e}"
     # the runs were really speculative: drafts were accepted, sometimes two in a row where possible
     assert sum(c for k, c in observed.items() if len(k) >= 2) > TRIALS / 10
     if sum(p for k, p in expected.items() if len(k) == 3) > 0.02:
         assert sum(c for k, c in observed.items() if len(k) == 3) > 0
 
 
-def _walk_unnormalised(parents, tokens, probs, gen, steps):
+def unnormalised(total: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     """A subtle bug: a rejected child's mass is removed but the rest is not renormalised, so later
-    siblings are accepted too rarely (the bonus, drawn by inverse CDF over the total, stays right)."""
-    path, cur = [0], 0
-    while len(path) <= steps:
-        p = probs[cur].double().clone()
-        nxt = None
-        for c in (parents == cur).nonzero().flatten().tolist():
-            x = int(tokens[c])
-            if float(p[x]) > 0 and torch.rand(1, generator=gen, dtype=torch.float64).item() < float(p[x]):
-                nxt = c
-                break
-            p[x] = 0.0
-        if nxt is None:
-            return path, p
-        path.append(nxt)
-        cur = nxt
-    return path, probs[cur].double()
+    siblings are accepted too rarely (the bonus, drawn from what is left, stays right)."""
+    return total
 
 
 def test_negative_control_the_test_rejects_a_biased_rule(monkeypatch):
     """The same test, on a rule that never produces an impossible token, still fails."""
-    monkeypatch.setattr(verify, "_walk", _walk_unnormalised)
-    observed = run_rule("sampled_accept", "tree", SETTINGS["temperature"], seed=1)
+    monkeypatch.setattr(spec_sampling, "_after_rejections", unnormalised)
+    observed = run_rule("tree", SETTINGS["temperature"], seed=1)
     expected = expected_sequences("tree", reference_probs(node_logits("tree"), **SETTINGS["temperature"]))
     assert all(k in expected for k in observed)
     assert chi_square_p(observed, expected) < P_MIN
@@ -335,7 +319,7 @@ def test_engine_negative_control_a_biased_rule_is_rejected(small_vocab, monkeypa
     """The engine-level test, with verification's walk swapped for the unnormalised one (a rejected
     sibling's mass removed but the rest not renormalised), rejects the result."""
     root, laws = small_vocab
-    monkeypatch.setattr(verify, "_walk", _walk_unnormalised)
+    monkeypatch.setattr(spec_sampling, "_after_rejections", unnormalised)
     rows = engine_runs(root, "tree", ("temperature",), PER_SETTING)["temperature"]
     pvalues = check_setting("tree", "temperature", rows, laws["temperature"])
     print(f"biased tree temperature: chi-square p {pvalues}")
