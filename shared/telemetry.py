@@ -7,6 +7,7 @@ CollectorRegistry, so several services can live in one process (tests, ``eyrie u
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -14,6 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from shared.spec.token_counts import SpecTokenCounts
 
 STATES = ("loading", "capturing", "ready", "draining")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -47,6 +50,17 @@ class Telemetry:
         self.draft_ahead = Gauge("eyrie_spec_draft_ahead", "Drafts launched ahead of the host's bookkeeping, by "
                                  "outcome: used (partial: for some of their requests) or dropped (mismatched: "
                                  "the next batch was not some of its requests)", ["outcome"], registry=r)
+        # Token-level speculation counters, named and shaped as vLLM's (shared/spec/token_counts.py).
+        self.spec_drafts = Counter("eyrie:spec_decode_num_drafts", "Drafts verified (one per request per verify)",
+                                   registry=r)
+        self.spec_draft_tokens = Counter("eyrie:spec_decode_num_draft_tokens",
+                                         "Draft tokens verification could accept (spec steps per draft)", registry=r)
+        self.spec_accepted_tokens = Counter("eyrie:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                            registry=r)
+        self.spec_accepted_per_pos = Counter("eyrie:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted at each draft position (0 = the first)",
+                                             ["position"], registry=r)
+        self._spec_counted: SpecTokenCounts | None = None  # what the counters above have counted so far
         self.requests_total = Counter("eyrie_requests", "Requests ended, by outcome", ["outcome"], registry=r)
         self.errors_total = Counter("eyrie_errors", "Errors by kind", ["kind"], registry=r)
         self._server = ThreadingHTTPServer((host, port), self._handler())
@@ -88,6 +102,17 @@ class Telemetry:
         if engine.spec is not None:
             for outcome in ("used", "partial", "dropped", "mismatched"):
                 self.draft_ahead.labels(outcome).set(getattr(engine.spec, f"ahead_{outcome}"))
+            self._count_spec_tokens(engine.spec.token_counts)
+
+    def _count_spec_tokens(self, now: SpecTokenCounts) -> None:
+        """Advance the token-level counters by what the engine counted since the last call."""
+        seen = self._spec_counted or SpecTokenCounts(now.steps)
+        self.spec_drafts.inc(now.drafts - seen.drafts)
+        self.spec_draft_tokens.inc(now.draft_tokens - seen.draft_tokens)
+        self.spec_accepted_tokens.inc(now.accepted_tokens - seen.accepted_tokens)
+        for pos, (n, before) in enumerate(zip(now.accepted_per_pos, seen.accepted_per_pos)):
+            self.spec_accepted_per_pos.labels(str(pos)).inc(n - before)
+        self._spec_counted = dataclasses.replace(now, accepted_per_pos=list(now.accepted_per_pos))
 
     def observe_finished(self, req) -> None:
         """Per-request histograms when a request ends on this instance."""

@@ -39,6 +39,7 @@ from shared.sampling import sampling_rows
 from shared.scheduler import Chunk
 from shared.spec.phases import DecodeInputs, SpecPhases, StepOutput
 from shared.spec.state import DraftState
+from shared.spec.token_counts import SpecTokenCounts
 from shared.spec.tree import DraftTree
 
 
@@ -160,6 +161,7 @@ class SpecWorker:
         self.totals = SpecStats()  # the whole engine's, batch after batch
         self.batches: deque[SpecBatchStats] = deque(maxlen=BATCH_LOG)  # the latest verify steps
         self.num_batches = 0  # verify steps run so far (``batches_since`` takes a mark of it)
+        self.token_counts = SpecTokenCounts(spec.steps)  # drafts, draft / accepted tokens (the /metrics counters)
         on = set(config.cuda_graph_phases) if config.cuda_graph else set()
         self.graphs = {name: PhaseGraphs(name, getattr(self.phases, name), name in on, config.cuda_graph_max_bs)
                        for name in ("draft", "verify", "extend")}
@@ -305,6 +307,7 @@ class SpecWorker:
                                committed=[len(toks) for _, toks in events], verified=verified,
                                drafts_per_request=self.spec.steps, draft_time_s=t1 - t0, verify_time_s=t2 - t1)
         self.totals.add(batch.totals())
+        self.token_counts.record(verified)
         if reqs:  # an empty step verifies nothing: no batch to report
             self.batches.append(batch)
             self.num_batches += 1
