@@ -22,8 +22,8 @@ with ``w < 2**-40`` times the top weight is never drawn.
 Top-k and top-p keep the tokens with ``W >= t`` for one threshold per node: ``t_k`` is the k-th
 largest W (ties at it all kept), then ``t`` is the largest value with ``sum(W >= t) >= top_p * R_k``
 (float64), where ``R_k`` is the mass kept by top-k: the smallest most-likely prefix that reaches
-top_p, ties included. The reference sorts; the kernel bisects on the integer value; both find the
-same number.
+top_p, ties included. The reference sorts; the kernel searches the integer values (16-ary: 11
+passes over the row, and none for a row without top-k or top-p); both find the same number.
 
 Randomness is counter-based: every draw is a hash of (request seed, committed length L, node index,
 word), the same integer hash in the kernel and the reference. So a request draws the same numbers
@@ -49,7 +49,8 @@ except ImportError:  # pragma: no cover - triton is a dependency, but keep the r
     triton = None
 
 QUANT_BITS = 40  # W = floor(w * 2**40); w <= 1, so W <= 2**40
-BISECT_ITERS = QUANT_BITS + 1  # halvings of [0, 2**40 + 1) down to one value
+SEARCH_WAYS = 16  # the kernel finds a threshold in [0, 2**40 + 1) by 16-ary search: 11 passes over the row
+SEARCH_ROUNDS = 11
 MAX_VOCAB = 1 << 20  # totals stay below 2**60, the range of the exact uniform draw
 _M30 = (1 << 30) - 1
 _M32 = (1 << 32) - 1
@@ -153,16 +154,13 @@ def thresholds_ref(weights: torch.Tensor, rows: SamplingRows) -> TargetWeights:
     k = rows.top_k.to(torch.int64).repeat_interleave(N)
     p = rows.top_p.float().repeat_interleave(N)
     k = torch.where((k > 0) & (k < V), k, 0)
-    t = torch.zeros(B * N, dtype=torch.int64, device=weights.device)
-    if bool((sampled & ((k > 0) | (p < 1))).any()):  # the reference only: the kernel decides per row
-        ranked = W.sort(dim=1, descending=True).values
-        t_k = torch.where(k > 0, ranked.gather(1, (k - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0)
-        kept = torch.where(ranked >= t_k.unsqueeze(1), ranked, 0)
-        cum = kept.cumsum(1)
-        reach = p.double() * cum[:, -1].double()
-        first = (cum.double() >= reach.unsqueeze(1)).to(torch.int8).argmax(1)  # cum[-1] >= reach always
-        t_p = kept.gather(1, first.unsqueeze(1)).squeeze(1)
-        t = torch.where(p < 1, t_p, t_k)
+    ranked = W.sort(dim=1, descending=True).values  # the kernel searches instead, only where it must
+    t_k = torch.where(k > 0, ranked.gather(1, (k - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0)
+    kept = torch.where(ranked >= t_k.unsqueeze(1), ranked, 0)
+    cum = kept.cumsum(1)
+    reach = p.double() * cum[:, -1].double()
+    first = (cum.double() >= reach.unsqueeze(1)).to(torch.int8).argmax(1)  # cum[-1] >= reach always
+    t = torch.where(p < 1, kept.gather(1, first.unsqueeze(1)).squeeze(1), t_k)
     total = torch.where(W >= t.unsqueeze(1), W, 0).sum(1)
     t, total = torch.where(sampled, t, 0), torch.where(sampled, total, 0)
     return TargetWeights(weights=weights, thresh=t.view(B, N), total=total.view(B, N))
@@ -174,21 +172,31 @@ if triton is not None:
         return (w * 1099511627776.0).to(tl.int64)  # 2**40: exact scaling, truncation = floor
 
     @triton.jit
-    def _mass_at_least(w_row, V, t, BLOCK_V: tl.constexpr):
-        """(count, sum) of the quantised weights >= t in one row."""
-        count = tl.zeros([], tl.int64)
-        mass = tl.zeros([], tl.int64)
+    def _mass_at_least(w_row, V, cand, BLOCK_V: tl.constexpr):
+        """For each candidate threshold t of ``cand [WAYS]``: count and sum of the quantised weights >= t."""
+        count = tl.zeros(cand.shape, tl.int64)
+        mass = tl.zeros(cand.shape, tl.int64)
         for lo in range(0, V, BLOCK_V):
             offs = lo + tl.arange(0, BLOCK_V)
             q = _quant(tl.load(w_row + offs, mask=offs < V, other=0.0))
-            keep = (q >= t) & (offs < V)
+            keep = (q[:, None] >= cand[None, :]) & (offs < V)[:, None]
             count += tl.sum(keep.to(tl.int64), 0)
-            mass += tl.sum(tl.where(keep, q, 0), 0)
+            mass += tl.sum(tl.where(keep, q[:, None], 0), 0)
         return count, mass
 
     @triton.jit
+    def _narrow(lo, hi, ok, cand, step, WAYS: tl.constexpr):
+        """One round of a WAYS-ary search for the largest t in [lo, hi) with ok(t): ``cand`` are
+        lo, lo + step, ... and ``ok`` holds (monotone) up to some of them; the range shrinks to one step."""
+        i = tl.arange(0, WAYS)
+        best = tl.max(tl.where(ok, i, 0), 0)
+        new_lo = tl.sum(tl.where(i == best, cand, 0), 0)
+        return new_lo, tl.minimum(new_lo + step, hi)
+
+    @triton.jit
     def _target_weights_kernel(logits, temperature, top_k, top_p, weights, thresh, total, N, V,
-                               BLOCK_V: tl.constexpr, ITERS: tl.constexpr):
+                               BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr, ROUNDS: tl.constexpr,
+                               WAYS: tl.constexpr):
         row = tl.program_id(0)  # b * N + node
         b = row // N
         temp = tl.load(temperature + b)
@@ -211,30 +219,31 @@ if triton is not None:
             tl.debug_barrier()  # the weights are read back below by other threads of this program
             k = tl.load(top_k + b)
             p = tl.load(top_p + b)
+            ways = tl.arange(0, WAYS).to(tl.int64)
             top = tl.full([], 1099511627777, tl.int64)  # 2**40 + 1: nothing weighs that much
-            if (k > 0) & (k < V):  # largest t with count(W >= t) >= k
+            if (k > 0) & (k < V):  # the largest t with count(W >= t) >= k
                 lo_t = t
                 hi_t = top
-                for _ in range(ITERS):
-                    mid = (lo_t + hi_t) >> 1
-                    count, _m = _mass_at_least(dst, V, mid, BLOCK_V)
-                    ok = count >= k
-                    lo_t = tl.where(ok, mid, lo_t)
-                    hi_t = tl.where(ok, hi_t, mid)
+                for _ in range(ROUNDS):
+                    step = (hi_t - lo_t + WAYS - 1) // WAYS
+                    cand = lo_t + ways * step
+                    count, _m = _mass_at_least(dst, V, cand, SEARCH_BLOCK)
+                    lo_t, hi_t = _narrow(lo_t, hi_t, (count >= k) & (cand < hi_t), cand, step, WAYS)
                 t = lo_t
-                _c, mass = _mass_at_least(dst, V, t, BLOCK_V)
-            if p < 1.0:  # largest t with sum(W >= t) >= top_p * (mass kept by top-k)
+                _c, kept = _mass_at_least(dst, V, t + ways * 0, SEARCH_BLOCK)
+                mass = tl.max(kept, 0)
+            if p < 1.0:  # the largest t with sum(W >= t) >= top_p * (the mass top-k kept)
                 reach = p.to(tl.float64) * mass.to(tl.float64)
                 lo_t = t
                 hi_t = top
-                for _ in range(ITERS):
-                    mid = (lo_t + hi_t) >> 1
-                    _c, got = _mass_at_least(dst, V, mid, BLOCK_V)
-                    ok = got.to(tl.float64) >= reach
-                    lo_t = tl.where(ok, mid, lo_t)
-                    hi_t = tl.where(ok, hi_t, mid)
+                for _ in range(ROUNDS):
+                    step = (hi_t - lo_t + WAYS - 1) // WAYS
+                    cand = lo_t + ways * step
+                    _c, got = _mass_at_least(dst, V, cand, SEARCH_BLOCK)
+                    lo_t, hi_t = _narrow(lo_t, hi_t, (got.to(tl.float64) >= reach) & (cand < hi_t), cand, step, WAYS)
                 t = lo_t
-                _c, mass = _mass_at_least(dst, V, t, BLOCK_V)
+                _c, kept = _mass_at_least(dst, V, t + ways * 0, SEARCH_BLOCK)
+                mass = tl.max(kept, 0)
         tl.store(thresh + row, t)
         tl.store(total + row, mass)
 
@@ -253,8 +262,9 @@ def target_weights(logits: torch.Tensor, rows: SamplingRows, backend: str = "aut
                         total=torch.empty(B, N, dtype=torch.int64, device=dev))
     _target_weights_kernel[(B * N,)](logits.contiguous(), rows.temperature.float().contiguous(),
                                      rows.top_k.to(torch.int64).contiguous(), rows.top_p.float().contiguous(),
-                                     out.weights, out.thresh, out.total, N, V,
-                                     BLOCK_V=min(2048, _p2(V)), ITERS=BISECT_ITERS, num_warps=8 if V >= 4096 else 4)
+                                     out.weights, out.thresh, out.total, N, V, BLOCK_V=min(2048, _p2(V)),
+                                     SEARCH_BLOCK=min(256, _p2(V)), ROUNDS=SEARCH_ROUNDS, WAYS=SEARCH_WAYS,
+                                     num_warps=8 if V >= 4096 else 4)
     return out
 
 
