@@ -93,3 +93,24 @@ def test_an_unseeded_request_draws_with_a_seed_of_its_own(oracle_models):
     torch.manual_seed(0)
     assert engine.add_request(PROMPTS[0], unseeded).seed != a
     engine.run_until_done()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,topk,steps,ndt", [("eagle3", 2, 3, 6), ("mtp", 1, 3, 4)])
+def test_a_seed_gives_one_output_with_and_without_cuda_graphs_on_the_gpu(oracle_models_cuda, kind, topk, steps,
+                                                                          ndt):
+    """Real graphs: a mixed greedy + sampled batch runs its verify, acceptance and extend in the captured
+    verify_extend graph (sampled rows need no host branch), and every seed draws what it draws eagerly
+    (and with drafting ahead, the CUDA default, on or off)."""
+    prompts, params = PROMPTS[:4] + [PROMPTS[4]], SAMPLED + [GREEDY]
+    runs = {}
+    for graphs in (False, True):
+        for ahead in (False, True):
+            engine = oracle_models_cuda.engine(kind, topk, steps, ndt, page_size=4, chunk_size=8, cuda_graph=graphs,
+                                               spec_draft_ahead=ahead)
+            runs[graphs, ahead] = outputs(engine, prompts, params)
+            if graphs:
+                assert engine.spec.graphs["verify_extend"].captured_sizes, "the sampled batch ran no graph"
+    first = runs[False, False]
+    assert all(run == first for run in runs.values()), {k: v == first for k, v in runs.items()}
+    assert first[-1][0] == oracle_models_cuda.reference([prompts[-1]], GREEDY)[0].token_ids

@@ -3,11 +3,12 @@
 Two levels, each a chi-square goodness-of-fit test at p > 0.001 against probabilities computed
 exactly (never estimated), for chain and tree, with temperature, top-k and top-p:
 
-* the acceptance rule alone (``sampled_accept``, and the GPU kernel's contract
-  ``tree_speculative_sample_ref``): a fixed hand-built tree and fixed target logits, 3000 seeded trials
-  per case; the committed sequence (up to 3 tokens) must follow the target's autoregressive
-  distribution along the tree. A negative control shows the test rejects a classic bug (no residual
-  renormalisation after a rejection).
+* the acceptance rule alone (``verify.sampled_accept``, what the decode step runs on the device: the
+  torch references of kernels/spec_sampling.py here, its Triton kernels in the ``gpu`` variants): a
+  fixed hand-built tree and fixed target logits, 3000 trials per case, each with its own seed; the
+  committed sequence (up to 3 tokens) must follow the target's autoregressive distribution along the
+  tree. A negative control shows the test rejects a classic bug (no residual renormalisation after a
+  rejection).
 * the whole engine: a 16-token-vocabulary target with oracle drafts (accepted often), for a chain
   (EAGLE) and a tree (EAGLE-3, topk 3), 3000 seeded requests for each of temperature, top-k, top-p
   and all three combined (12000 per shape, in batches of 600 that mix the settings and a few greedy
@@ -15,8 +16,8 @@ exactly (never estimated), for chain and tree, with temperature, top-k and top-p
   chain of three accepted drafts covers them all) must follow the exact law computed with
   ``transformers`` on the same checkpoint, jointly, token by token and pair by pair (one test at
   p > 0.001, Bonferroni over those views). A good share of the requests accept two drafts or more,
-  so the second and third speculative tokens are really drafts. An engine-level negative control
-  (the unnormalised rule inside the engine, tree) must be rejected.
+  so the second and third speculative tokens are really drafts. The same on the GPU (``gpu``). An
+  engine-level negative control (the unnormalised rule inside the engine, tree) must be rejected.
 
 Every configuration and seed is fixed, so each test is deterministic.
 """
@@ -269,12 +270,13 @@ VIEWS = {"joint": tuple(range(DEPTH)), **{f"token {i + 1}": (i,) for i in range(
          **{f"tokens {i + 1},{i + 2}": (i, i + 1) for i in range(1, DEPTH - 1)}}
 
 
-def engine_runs(root, shape: str, settings: tuple[str, ...], per_setting: int) -> dict[str, list]:
+def engine_runs(root, shape: str, settings: tuple[str, ...], per_setting: int, device: str = "cpu") -> dict[str, list]:
     """``per_setting`` seeded requests per setting (different seeds), in batches that mix the settings
     and a few greedy requests; returns each setting's results (and the greedy ones under "greedy")."""
     kind, spec = SPECS[shape]
     engine = Engine(root / "target", root / kind, EngineConfig(page_size=4, max_running=BATCH + GREEDY_ROWS,
-                                                               max_context=32, chunk_size=None, spec=spec))
+                                                               max_context=32, chunk_size=None, spec=spec,
+                                                               device=device))
     greedy = SamplingParams(max_new_tokens=DEPTH, ignore_eos=True)
     todo = [(name, SamplingParams(**SETTINGS[name], seed=100_000 * j + i, max_new_tokens=DEPTH, ignore_eos=True))
             for i in range(per_setting) for j, name in enumerate(settings)]  # interleaved: every batch mixes them
@@ -293,10 +295,11 @@ def check_setting(shape: str, name: str, rows: list, law: dict[tuple, float]) ->
     return {view: chi_square_p(project(observed, pos), marginal(law, pos)) for view, pos in VIEWS.items()}
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", list(SPECS))
-def test_engine_sampling_matches_the_target(small_vocab, shape):
+def test_engine_sampling_matches_the_target(small_vocab, shape, device):
     root, laws = small_vocab
-    runs = engine_runs(root, shape, ENGINE_SETTINGS, PER_SETTING)
+    runs = engine_runs(root, shape, ENGINE_SETTINGS, PER_SETTING, device)
     target_only = Engine(root / "target", None, EngineConfig(page_size=4, max_context=32))
     want = target_only.generate(PROMPT, SamplingParams(max_new_tokens=DEPTH, ignore_eos=True))[0].token_ids
     assert runs["greedy"] and all(r.token_ids == want for r in runs["greedy"])
