@@ -206,3 +206,28 @@ def test_sampled_acceptance_reads_nothing_on_the_host(monkeypatch):
     with no_host_reads(monkeypatch):
         acc = sampled_accept(tree, logits, rows, L, 3)
     assert acc.accept_index.shape == (B, 4) and acc.bonus.shape == (B,)
+
+
+def test_a_repeated_sibling_is_never_accepted_and_rejected_tokens_are_never_the_bonus():
+    """Children 1 and 2 of the root carry the same token: the second has no mass left once the first
+    was tried, so it is never accepted; when every child of the root is rejected, the bonus is none of
+    their tokens. 4000 seeds through the reference, 8 of them through the kernel as well."""
+    B, V = 4000, 6
+    parents = torch.tensor([-1, 0, 0, 0]).expand(B, -1).contiguous()
+    tokens = torch.tensor([0, 2, 2, 3]).expand(B, -1).contiguous()
+    logits = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.05, 0.15]).log().expand(B, 4, V).contiguous()
+    rows = SamplingRows(temperature=torch.ones(B), top_k=torch.zeros(B, dtype=torch.int64), top_p=torch.ones(B),
+                        seed=torch.arange(B) * 7919)
+    L = torch.full((B,), 3)
+    tw = target_weights_ref(logits, rows)
+    acc = tree_verify_ref(tw, logits.argmax(-1), parents, tokens, rows, L, 1)
+    first = acc.accept_index[:, 1]
+    assert not bool((first == 2).any())
+    assert bool((first == 1).any() and (first == 3).any() and (first == -1).any())
+    assert not bool(torch.isin(acc.bonus[first == -1], torch.tensor([2, 3])).any())
+    few = slice(0, 8)
+    sub = SamplingRows(*(getattr(rows, f)[few].to(DEVICE) for f in ("temperature", "top_k", "top_p", "seed")))
+    out = tree_verify(TargetWeights(*(t[few].to(DEVICE) for t in (tw.weights, tw.thresh, tw.total))),
+                      logits.argmax(-1)[few].to(DEVICE), parents[few].to(DEVICE), tokens[few].to(DEVICE), sub,
+                      L[few].to(DEVICE), 1, backend="triton")
+    assert torch.equal(out.accept_index.cpu(), acc.accept_index[few]) and torch.equal(out.bonus.cpu(), acc.bonus[few])
