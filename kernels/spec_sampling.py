@@ -174,8 +174,8 @@ if triton is not None:
     @triton.jit
     def _mass_at_least(w_row, V, cand, BLOCK_V: tl.constexpr):
         """For each candidate threshold t of ``cand [WAYS]``: count and sum of the quantised weights >= t."""
-        count = tl.zeros(cand.shape, tl.int64)
-        mass = tl.zeros(cand.shape, tl.int64)
+        count = tl.zeros_like(cand)  # int64, like the candidates
+        mass = tl.zeros_like(cand)
         for lo in range(0, V, BLOCK_V):
             offs = lo + tl.arange(0, BLOCK_V)
             q = _quant(tl.load(w_row + offs, mask=offs < V, other=0.0))
