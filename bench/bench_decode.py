@@ -128,7 +128,7 @@ def bench_spec(target, draft, bw, ctx, results, verify_ns=(4, 8, 16, 32, 64)):
     inp = w._inputs(reqs)
     tree = w.graphs["draft"](inp)
     logits, feats = w.graphs["verify"](inp, tree)
-    acc = w.accept(reqs, tree, logits)
+    acc = w.phases.accept(inp, tree, logits)
     row = time_phases(w, {"draft": lambda: w.graphs["draft"](inp), "verify": lambda: w.graphs["verify"](inp, tree),
                           "extend": lambda: w.graphs["extend"](inp, tree, acc, logits, feats),
                           "verify_extend": lambda: w.graphs["verify_extend"](inp, tree)}, 20, 5)

@@ -24,20 +24,22 @@ def random_init_(module: torch.nn.Module, std: float = 0.02) -> None:
         p.normal_(0, std) if p.dim() > 1 else p.fill_(1.0)
 
 
-def build_target(device="cuda", dtype=torch.bfloat16) -> LlamaForCausalLM:
-    """Llama-3.1-8B's shape with random weights, built on the device (no disk)."""
-    model = build_module(LlamaForCausalLM, ModelConfig.from_hf_dict(llama8b_config()), dtype, torch.device(device))
+def build_target(device="cuda", dtype=torch.bfloat16, tcfg: dict | None = None) -> LlamaForCausalLM:
+    """Llama-3.1-8B's shape (or ``tcfg``'s) with random weights, built on the device (no disk)."""
+    model = build_module(LlamaForCausalLM, ModelConfig.from_hf_dict(tcfg or llama8b_config()), dtype,
+                         torch.device(device))
     random_init_(model)
     return fuse_projections(model).eval()
 
 
-def build_draft(kind: str, target: LlamaForCausalLM, device="cuda", dtype=torch.bfloat16):
-    tcfg = llama8b_config()
+def build_draft(kind: str, target: LlamaForCausalLM, device="cuda", dtype=torch.bfloat16, tcfg: dict | None = None):
+    tcfg = tcfg or llama8b_config()
     if kind == "eagle":
         cfg = ModelConfig.from_hf_dict(draft_config(tcfg, "LlamaForCausalLMEagle", 1))
         head = build_module(EagleDraft, cfg, dtype, torch.device(device), target)
     else:
-        cfg = ModelConfig.from_hf_dict(draft_config(tcfg, "LlamaForCausalLMEagle3", 1, draft_vocab_size=32000))
+        draft_vocab = min(32000, tcfg["vocab_size"])
+        cfg = ModelConfig.from_hf_dict(draft_config(tcfg, "LlamaForCausalLMEagle3", 1, draft_vocab_size=draft_vocab))
         aux = default_aux_layers(target.config.num_hidden_layers)
         head = build_module(Eagle3Draft, cfg, dtype, torch.device(device), target, aux)
     random_init_(head)
@@ -45,9 +47,9 @@ def build_draft(kind: str, target: LlamaForCausalLM, device="cuda", dtype=torch.
 
 
 def engine_config(max_context: int, batch: int, page_size: int = 16, spec: SpecConfig | None = None,
-                  cuda_graph: bool = True) -> EngineConfig:
+                  cuda_graph: bool = True, device: str = "cuda", dtype: str = "bfloat16") -> EngineConfig:
     pages = batch * (-(-(max_context + 128) // page_size)) + 8
-    return EngineConfig(device="cuda", dtype="bfloat16", page_size=page_size, num_pages=pages,
+    return EngineConfig(device=device, dtype=dtype, page_size=page_size, num_pages=pages,
                         max_running=batch, max_context=max_context + 128, chunk_size=None, spec=spec,
                         cuda_graph=cuda_graph, cuda_graph_max_bs=max(batch, 1))
 

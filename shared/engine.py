@@ -35,6 +35,7 @@ from shared.sampling import SamplingParams, sample
 from shared.scheduler import Scheduler, StepPlan
 from shared.spec.state import DraftState
 from shared.spec.stats import SpecRecorder
+from shared.spec.token_counts import SpecTokenCounts
 from shared.spec.worker import SpecWorker
 
 
@@ -70,6 +71,7 @@ class EngineLoad:
     total_pages: tuple[int, ...]  # per cache, target first
     draft_ahead: dict[str, int] = field(default_factory=dict)  # drafts launched ahead, by outcome
     graph_failures: tuple[CaptureFailure, ...] = ()  # CUDA graphs that failed to capture (phase eager)
+    spec_tokens: SpecTokenCounts | None = None  # token-level speculation counts so far (None without a draft)
 
 
 class Engine:
@@ -317,7 +319,8 @@ class Engine:
             free_pages=tuple(c.num_free_pages for c in s.caches),
             total_pages=tuple(c.layout.num_pages for c in s.caches),
             draft_ahead=self.speculator.ahead.counts() if self.speculator is not None else {},
-            graph_failures=tuple(self.graph_failures))
+            graph_failures=tuple(self.graph_failures),
+            spec_tokens=self.speculator.stats.tokens.copy() if self.speculator is not None else None)
 
     def is_idle_and_clean(self) -> bool:
         """True when no request runs and every cache is full again (the no-leak invariant)."""

@@ -47,6 +47,7 @@ class Request:
     params: SamplingParams
     eos_ids: tuple[int, ...] = ()
     generator: torch.Generator | None = None
+    seed: int = 0  # the seed its speculative draws hash with the committed length (set at admission)
     stage: Stage = Stage.WAITING  # written by the scheduler
     output_ids: list[int] = field(default_factory=list)  # commit
     output_logprobs: list[float] = field(default_factory=list)  # commit: target log p of each output token
@@ -98,6 +99,8 @@ class Request:
             self.resume_from(state)
             if state.rng_state is not None:
                 self.generator.set_state(state.rng_state)
+            if state.seed is not None:  # the prefill side's: an unseeded request keeps its random one
+                self.seed = state.seed
         self.t_first_token = self.t_first_token or time.perf_counter()
 
     def end(self, reason: str | None = None) -> None:

@@ -1,15 +1,20 @@
 """Sampling parameters, the target distribution they define, and seeded per-request draws.
 
-``target_probs`` is the one definition of "the distribution a request samples from"; target-only
-sampling and speculative verification both use it, which is what makes verification lossless.
+The distribution a request samples from is defined once, by ``kernels.spec_sampling.target_weights``
+(temperature, then top-k and top-p as one threshold on integer weights); ``target_probs`` normalises
+it for target-only sampling, and speculative verification draws from the same weights, which is
+what makes verification lossless.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kernels.spec_sampling import SamplingRows, kept_weights, target_weights
 
 
 class SamplingParams(BaseModel):
@@ -55,32 +60,30 @@ class SamplingParams(BaseModel):
         return self.temperature == 0.0
 
 
+def request_seed(params: SamplingParams) -> int:
+    """The seed a request draws with: its own, or a random one chosen at admission."""
+    return params.seed if params.seed is not None else secrets.randbits(64)
+
+
+def sampling_rows(params: list[SamplingParams], seeds: list[int], device: torch.device | str) -> SamplingRows:
+    """The batch's sampling parameters as device tensors (two host-to-device copies)."""
+    floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32)
+    ints = torch.tensor([[p.top_k for p in params], [s - (1 << 64) if s >= 1 << 63 else s for s in seeds]],
+                        dtype=torch.int64)
+    floats, ints = floats.to(device), ints.to(device)
+    return SamplingRows(temperature=floats[0], top_k=ints[0], top_p=floats[1], seed=ints[1])
+
+
 def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """[R, V] float32 probabilities after temperature, top-k and top-p, row r under params[r].
 
     Greedy rows get a one-hot on the argmax, so greedy is the temperature -> 0 limit of sampling.
     """
-    logits = logits.float()
-    device = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=device)
-    greedy = temps == 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
-    top_ks = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[1] for p in params], device=device)
-    top_ps = torch.tensor([p.top_p for p in params], device=device)
-    sorted_logits, order = scaled.sort(dim=1, descending=True)
-    rank = torch.arange(logits.shape[1], device=device).unsqueeze(0)
-    drop = rank >= top_ks.unsqueeze(1)
-    sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=1)
-    # top-p keeps the smallest prefix whose mass reaches p (the first token always stays).
-    mass_before = sorted_probs.cumsum(dim=1) - sorted_probs
-    drop |= mass_before >= top_ps.unsqueeze(1)
-    drop[:, 0] = False
-    sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=1)
-    probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
-    if greedy.any():
-        onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=1, keepdim=True), 1.0)
-        probs = torch.where(greedy.unsqueeze(1), onehot, probs)
-    return probs
+    rows = sampling_rows(params, [0] * len(params), logits.device)
+    tw = target_weights(logits.unsqueeze(1), rows)
+    probs = (kept_weights(tw).squeeze(1).double() / tw.total.double().clamp(min=1)).float()
+    onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=1, keepdim=True), 1.0)
+    return torch.where((rows.temperature == 0).unsqueeze(1), onehot, probs)
 
 
 def draw_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from shared.memory.kv_cache import KVCache
 from shared.request import Request, RequestError, Stage
-from shared.sampling import SamplingParams, make_generator
+from shared.sampling import SamplingParams, make_generator, request_seed
 from shared.spec.state import DraftState
 
 
@@ -68,8 +68,9 @@ class Scheduler:
 
     def _new(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams, output_ids: Sequence[int] = (),
              output_logprobs: Sequence[float] = ()) -> Request:
+        seed = request_seed(params)  # the request's own, also when it gave none: its draws hash it
         return Request(rid=rid, prompt_ids=list(prompt_ids), params=params, eos_ids=self.eos_ids,
-                       generator=make_generator(params.seed), output_ids=list(output_ids),
+                       generator=make_generator(seed), seed=seed, output_ids=list(output_ids),
                        output_logprobs=list(output_logprobs))
 
     def peak_positions(self, req: Request) -> int:

@@ -9,6 +9,8 @@ every path but ``/health`` needs ``Authorization: Bearer <key>`` (refusals count
 
 from __future__ import annotations
 
+import dataclasses
+
 from fastapi import FastAPI
 from prometheus_client import (
     CollectorRegistry,
@@ -24,8 +26,10 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from shared.http_server import HttpError, HttpServer, json_response, require_key
+from shared.spec.token_counts import SpecTokenCounts
 
 OPEN_PATHS = ("/health",)
+
 
 STATES = ("loading", "capturing", "ready", "draining")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -131,6 +135,15 @@ class Telemetry:
                                   "bookkeeping, by outcome: used (partial: for some of their requests) or dropped "
                                   "(mismatched: the next batch was not some of its requests)", ["outcome"])
         self._draft_ahead_seen: dict[str, int] = {}
+        # Token-level speculation counters, named and shaped as vLLM's (shared/spec/token_counts.py).
+        self.spec_drafts = metric(Counter, "spec_decode_num_drafts", "Drafts verified (one per request per verify)")
+        self.spec_draft_tokens = metric(Counter, "spec_decode_num_draft_tokens",
+                                        "Draft tokens verification could accept (spec steps per draft)")
+        self.spec_accepted_tokens = metric(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.spec_accepted_per_pos = metric(Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                            "Draft tokens accepted at each draft position (0 = the first)",
+                                            ["position"])
+        self._spec_counted: SpecTokenCounts | None = None  # what the counters above have counted so far
         self.graph_capture_failures = metric(Counter, "graph_capture_failures", "CUDA graphs that failed to "
                                              "capture, by phase (the phase then runs eagerly)", ["phase"])
         self.graph_failures: list[dict] = []  # served in /health's "graphs" details
@@ -170,6 +183,8 @@ class Telemetry:
         used, total = load.total_pages[0] - load.free_pages[0], load.total_pages[0]
         self.kv_cache_usage.set(used / total if total else 0.0)
         self.observe_graph_failures(load.graph_failures)
+        if load.spec_tokens is not None:
+            self._count_spec_tokens(load.spec_tokens)
 
     @property
     def handoff_bytes_total(self):
@@ -192,6 +207,16 @@ class Telemetry:
         for failure in failures[len(self.graph_failures):]:
             self.graph_capture_failures.labels(failure.phase).inc()
             self.graph_failures.append(failure.as_dict())
+
+    def _count_spec_tokens(self, now: SpecTokenCounts) -> None:
+        """Advance the token-level counters by what the engine counted since the last call."""
+        seen = self._spec_counted or SpecTokenCounts(now.steps)
+        self.spec_drafts.inc(now.drafts - seen.drafts)
+        self.spec_draft_tokens.inc(now.draft_tokens - seen.draft_tokens)
+        self.spec_accepted_tokens.inc(now.accepted_tokens - seen.accepted_tokens)
+        for pos, (n, before) in enumerate(zip(now.accepted_per_pos, seen.accepted_per_pos)):
+            self.spec_accepted_per_pos.labels(str(pos)).inc(n - before)
+        self._spec_counted = dataclasses.replace(now, accepted_per_pos=list(now.accepted_per_pos))
 
     def observe_finished(self, req) -> None:
         """Per-request histograms when a request ends on this instance."""

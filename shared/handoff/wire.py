@@ -251,14 +251,16 @@ class PageSink:
 
 
 def encode_draft_state(req) -> bytes:
-    """The request's DraftState, with its sampling generator's state, as bytes (b"" without a draft).
+    """The request's DraftState, with its sampling generator's state and seed, as bytes (b"" without a
+    draft).
 
-    The generator state travels so that a seeded sampled request draws on the decode side exactly what
-    it would have drawn in one process.
+    The generator state and the seed travel so that a sampled request draws on the decode side exactly
+    what it would have drawn in one process (an unseeded one too: its seed was chosen at admission).
     """
     state = req.draft_state
     if state is None:
         return b""
+    state = dataclasses.replace(state, seed=req.seed)
     if req.generator is not None:
         state = dataclasses.replace(state, rng_state=req.generator.get_state())
     return state.to_bytes()

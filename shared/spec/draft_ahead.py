@@ -139,7 +139,7 @@ class DraftAhead:
         L = torch.minimum(inp.L + out.accept_len, cap)
         return DecodeInputs(target_rows=inp.target_rows, draft_rows=inp.draft_rows, L=L,
                             bonus=out.tokens.gather(1, last).squeeze(1), hidden=out.hidden.to(self.dtype),
-                            topk_p=out.topk_p.float(), topk_ids=out.topk_ids)
+                            topk_p=out.topk_p.float(), topk_ids=out.topk_ids, sampling=inp.sampling)
 
     def committed(self, reqs: list[Request]) -> None:
         """After the step's commit: the states the pending draft was drafted from (those of requests

@@ -15,13 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels.spec_kernels import Acceptance, DraftTree, gather_accepted, move_kv
+from kernels.spec_sampling import SamplingRows
 from shared.config import SpecConfig
 from shared.forward_batch import build_uniform_batch
 from shared.memory.kv_cache import KVCache
 from shared.model.drafts import DraftHead
 from shared.model.llama import LlamaForCausalLM
 from shared.spec.tree import Candidates, select_tree
-from shared.spec.verify import greedy_accept
+from shared.spec.verify import sampled_accept
 
 
 @dataclass
@@ -35,6 +36,7 @@ class DecodeInputs:
     hidden: torch.Tensor  # [B, Hd] draft recurrent hidden state
     topk_p: torch.Tensor  # [B, k] float32 first tree level probabilities
     topk_ids: torch.Tensor  # [B, k] int64 first tree level target token ids
+    sampling: SamplingRows  # [B] each request's temperature, top-k, top-p, seed (padding: greedy)
 
 
 @dataclass
@@ -124,13 +126,16 @@ class SpecPhases:
         feats = out.features()
         return out.logits.view(B, N, -1), feats.view(B, N, feats.shape[-1])
 
+    def accept(self, inp: DecodeInputs, tree: DraftTree, logits: torch.Tensor) -> Acceptance:
+        """Every row by its own rule (greedy or sampled with its parameters and seed), on the device."""
+        return sampled_accept(tree, logits, inp.sampling, inp.L, self.spec.steps)
+
     def verify_extend(self, inp: DecodeInputs, tree: DraftTree) -> StepOutput:
-        """Verify, greedy acceptance on the device, compaction and draft extend in one function: for
-        an all-greedy batch the three run as one graph (no logits copied between graphs, no eager
-        launches between them)."""
+        """Verify, acceptance on the device, compaction and draft extend in one function: greedy,
+        sampled and mixed batches run the three as one graph (no logits copied between graphs, no eager
+        launches between them, nothing read back by the host)."""
         logits, feats = self.verify(inp, tree)
-        acc = greedy_accept(tree, logits.argmax(dim=-1), self.spec.steps)
-        return self.extend(inp, tree, acc, logits, feats)
+        return self.extend(inp, tree, self.accept(inp, tree, logits), logits, feats)
 
     # ---- compaction and draft extend -------------------------------------------------------------
     def extend(self, inp: DecodeInputs, tree: DraftTree, acc: Acceptance, logits: torch.Tensor,

@@ -26,10 +26,11 @@ class DraftState:
     topk_p: torch.Tensor  # [topk] float32 draft probabilities of the first tree level
     topk_ids: torch.Tensor  # [topk] int64 their target token ids
     rng_state: torch.Tensor | None = None  # the request generator's state (sampling resumes exactly)
+    seed: int | None = None  # the request's seed: with committed_len, all its speculative draws' state
 
     def to_bytes(self) -> bytes:
         header = {"version": SCHEMA_VERSION, "bonus_token": self.bonus_token,
-                  "committed_len": self.committed_len}
+                  "committed_len": self.committed_len, "seed": self.seed}
         buf = io.BytesIO()
         tensors = {"hidden": self.hidden.detach().cpu(), "topk_p": self.topk_p.detach().cpu(),
                    "topk_ids": self.topk_ids.detach().cpu()}
@@ -49,5 +50,5 @@ class DraftState:
         return cls(
             bonus_token=header["bonus_token"], committed_len=header["committed_len"],
             hidden=tensors["hidden"].to(device), topk_p=tensors["topk_p"].to(device),
-            topk_ids=tensors["topk_ids"].to(device), rng_state=tensors.get("rng_state"),
+            topk_ids=tensors["topk_ids"].to(device), rng_state=tensors.get("rng_state"), seed=header.get("seed"),
         )

@@ -16,6 +16,8 @@ from collections import deque
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from shared.spec.token_counts import SpecTokenCounts
+
 if TYPE_CHECKING:
     from shared.request import Request
 
@@ -118,6 +120,7 @@ class SpecRecorder:
         self.totals = SpecStats()  # the whole engine's, batch after batch
         self.batches: deque[SpecBatchStats] = deque(maxlen=BATCH_LOG)  # the latest verify steps
         self.num_batches = 0  # verify steps run so far (``batches_since`` takes a mark of it)
+        self.tokens = SpecTokenCounts(steps)  # drafts, draft / accepted tokens (the /metrics counters)
 
     def keep_batches(self, limit: int | None) -> None:
         """Keep the latest ``limit`` verify steps' statistics (None: all, for a bounded run)."""
@@ -131,6 +134,7 @@ class SpecRecorder:
                verify_s: float) -> None:
         """One verify step, after its commit: ``events`` are (request, tokens it committed), ``verified``
         the accepted drafts + bonus of each as verification found them (before a stop cut them)."""
+        self.tokens.record(verified)
         n = len(events)
         for (req, taken), accepted in zip(events, verified):
             req.stats.add(SpecStats(verify_steps=1, accepted_drafts=accepted - 1, proposed_drafts=self.steps,

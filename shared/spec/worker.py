@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.spec_sampling import SamplingRows
 from shared.config import EngineConfig, SpecConfig
 from shared.cuda_graphs import CaptureFailure, PhaseGraphs, pad_rows, tree_map
 from shared.forward_batch import build_forward_batch
@@ -28,13 +29,13 @@ from shared.memory.sizing import make_cache
 from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.request import Request
+from shared.sampling import sampling_rows
 from shared.scheduler import Chunk
 from shared.spec.draft_ahead import DraftAhead, Drafted
 from shared.spec.phases import DecodeInputs, SpecPhases, StepOutput
 from shared.spec.state import DraftState
 from shared.spec.stats import SpecRecorder
 from shared.spec.tree import DraftTree
-from shared.spec.verify import Acceptance, greedy_accept, sampled_accept
 
 
 def shifted_tokens(req: Request, start: int, end: int) -> list[int]:
@@ -71,7 +72,7 @@ class SpecWorker:
         self.graphs = {name: PhaseGraphs(name, getattr(self.phases, name), name in on, config.cuda_graph_max_bs,
                                          failures)
                        for name in ("draft", "verify", "extend")}
-        # All-greedy batches run verify + acceptance + extend as one graph when both phases are on.
+        # Verify + acceptance + extend run as one graph when both phases are on, whatever the batch samples.
         self.graphs["verify_extend"] = PhaseGraphs("verify_extend", self.phases.verify_extend,
                                                    {"verify", "extend"} <= on, config.cuda_graph_max_bs, failures)
         ahead = config.spec_draft_ahead
@@ -145,7 +146,7 @@ class SpecWorker:
         t0 = time.perf_counter()
         drafted = self.ahead.take(reqs) or self._draft(reqs)
         t1 = time.perf_counter()
-        out, inp = self._verify(reqs, drafted)
+        out, inp = self._verify(drafted)
         # The per-token outputs the host needs start on their way to it (the one sync of the step) ...
         host, ready = self._to_host(out)
         # ... and the next step's draft goes to the device behind them, timed as that step's draft.
@@ -160,6 +161,15 @@ class SpecWorker:
         self.stats.record(events, verified, draft_s=t1 - t0 + drafted.earlier_s, verify_s=t2 - t1)
         return events
 
+    def _verify_extend(self, inp: DecodeInputs, tree: DraftTree) -> StepOutput:
+        """Verify, accept and extend: one graph, or two with the acceptance between them when only one of
+        the verify and extend phases is captured."""
+        g = self.graphs
+        if g["verify_extend"].enabled or not (g["verify"].enabled or g["extend"].enabled):
+            return g["verify_extend"](inp, tree)
+        logits, feats = g["verify"](inp, tree)
+        return g["extend"](inp, tree, self.phases.accept(inp, tree, logits), logits, feats)
+
     def drop_ahead(self) -> None:
         """No decode step is coming: forget the draft launched ahead."""
         self.ahead.drop()
@@ -172,14 +182,10 @@ class SpecWorker:
         inp = tree_map(lambda t: pad_rows(t, bs), self._inputs(reqs))
         return Drafted(inp, self.graphs["draft"](inp), n)
 
-    def _verify(self, reqs: list[Request], d: Drafted) -> tuple[StepOutput, DecodeInputs]:
-        """Verify the tree, accept, compact and extend; the requests' rows of the output and inputs."""
-        if all(r.params.greedy for r in reqs):
-            out = self.graphs["verify_extend"](d.inp, d.tree)
-        else:
-            logits, feats = self.graphs["verify"](d.inp, d.tree)
-            acc = self.accept(reqs, d.tree, logits, d.take)
-            out = self.graphs["extend"](d.inp, d.tree, acc, logits, feats)
+    def _verify(self, d: Drafted) -> tuple[StepOutput, DecodeInputs]:
+        """Verify the tree, accept (every row by its own rule, on the device), compact and extend; the
+        requests' rows of the output and inputs."""
+        out = self._verify_extend(d.inp, d.tree)
         return tree_map(d.take, out), tree_map(d.take, d.inp)
 
     @staticmethod
@@ -209,13 +215,15 @@ class SpecWorker:
                                L=ints.clone(), bonus=ints.clone(),
                                hidden=torch.zeros(bs, self.draft.hidden_width, dtype=self.dtype, device=dev),
                                topk_p=torch.zeros(bs, k, device=dev), topk_ids=torch.zeros(bs, k, dtype=torch.int64,
-                                                                                          device=dev))
+                                                                                          device=dev),
+                               sampling=SamplingRows(temperature=torch.zeros(bs, device=dev), top_k=ints.clone(),
+                                                     top_p=torch.zeros(bs, device=dev), seed=ints.clone()))
             tree = g["draft"](inp)
             if g["verify_extend"].capture:
                 g["verify_extend"](inp, tree)
             if g["verify"].capture or g["extend"].capture:
                 logits, feats = g["verify"](inp, tree)
-                g["extend"](inp, tree, greedy_accept(tree, logits.argmax(dim=-1), self.spec.steps), logits, feats)
+                g["extend"](inp, tree, self.phases.accept(inp, tree, logits), logits, feats)
         return sum(len(p.captured_sizes) for p in g.values())
 
     def _reserve(self, reqs: list[Request], caps: list[int] | None = None) -> None:
@@ -251,25 +259,8 @@ class SpecWorker:
             hidden=stack([st.hidden for st in states], self.draft.hidden_width, self.dtype),
             topk_p=stack([st.topk_p for st in states], k, torch.float32),
             topk_ids=stack([st.topk_ids for st in states], k, torch.int64),
+            sampling=sampling_rows([r.params for r in reqs], [r.seed for r in reqs], dev),
         )
-
-    def accept(self, reqs: list[Request], tree: DraftTree, logits: torch.Tensor, take=None) -> Acceptance:
-        """Greedy on the device for the whole (padded) batch; sampling per request on the host.
-        ``take`` picks the requests' rows out of the batch (default: the first ``len(reqs)``)."""
-        if all(r.params.greedy for r in reqs):
-            return greedy_accept(tree, logits.argmax(dim=-1), self.spec.steps)
-        n, bs = len(reqs), logits.shape[0]
-        take = take or (lambda t: t[:n])
-        acc = sampled_accept(tree_map(take, tree), take(logits), [r.params for r in reqs],
-                             [r.generator for r in reqs], self.spec.steps)
-        # Padding rows accept their root only (index 0, length 1); the requests' rows get theirs.
-        index = torch.full((bs, acc.accept_index.shape[1]), -1, dtype=torch.int64, device=logits.device)
-        index[:, 0] = 0
-        accept_len = torch.ones(bs, dtype=torch.int64, device=logits.device)
-        bonus = torch.zeros(bs, dtype=torch.int64, device=logits.device)
-        rows = take(torch.arange(bs, device=logits.device))
-        index[rows], accept_len[rows], bonus[rows] = acc.accept_index, acc.accept_len, acc.bonus
-        return Acceptance(index, accept_len, bonus)
 
     def _commit(self, reqs: list[Request], inp: DecodeInputs, out: StepOutput) -> list[tuple[Request, list[int]]]:
         """Host side: hand tokens to requests, release what they no longer need, keep the state.

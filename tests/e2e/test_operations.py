@@ -70,6 +70,23 @@ def hold(loop, timeout: float = 30.0) -> threading.Event:
     return gate
 
 
+def test_the_decode_service_counts_speculation_by_token(stack):
+    """The vLLM-shaped counters on the decode service's /metrics move with a request's verify steps
+    (each draft offers the same number of positions; accepted tokens are the per-position counts
+    summed); nothing verifies on the router or the prefill side."""
+    router, prefill, decode = stack.router, stack.prefills[0], stack.decodes[0]
+    names = ("eyrie_spec_decode_num_drafts_total", "eyrie_spec_decode_num_draft_tokens_total",
+             "eyrie_spec_decode_num_accepted_tokens_total", "eyrie_spec_decode_num_accepted_tokens_per_pos_total")
+    before = [metric(scrape(decode), n) for n in names]
+    stack.generate(list(range(30, 50)), max_new_tokens=12, ignore_eos=True)
+    drafts, draft_tokens, accepted, per_pos = (a - b for a, b in zip([metric(scrape(decode), n) for n in names],
+                                                                     before))
+    assert drafts >= 1 and draft_tokens >= drafts and draft_tokens % drafts == 0
+    assert accepted == per_pos and 0 <= accepted <= draft_tokens
+    for handle in (router, prefill):
+        assert metric(scrape(handle), "eyrie_spec_decode_num_drafts_total") == 0
+
+
 def test_metrics_parse_and_move(stack):
     """Under real traffic every family moves where it should: requests and errors by kind, TTFT, inter-token
     latency, latency by stage, hand-off bytes and seconds, accept length, draft and verify time."""

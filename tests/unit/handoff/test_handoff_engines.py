@@ -92,17 +92,34 @@ def test_two_engines_equal_one_engine_and_the_target(models, target_only, draft,
         assert max(r.spec_stats["accept_length"] for r in results) > 1.2, "drafts should be accepted often here"
 
 
-def test_seeded_sampling_resumes_the_same_generator(models):
-    """The request's generator state travels: a sampled request draws on the decode side exactly what it
-    draws in one process. Restarting the generator from the seed instead draws something else."""
+def test_seeded_sampling_resumes_the_same_draws(models):
+    """The request's sampling state travels: a sampled request draws on the decode side exactly what it
+    draws in one process. Its speculative draws hash its seed with the committed length, so the seed the
+    draft state carries is that state: handing over another one draws something else."""
     config = engine_config("eagle", 1, 16, max_context=512)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, seed=11)
     single = make_engine(models, "eagle", config).generate(PROMPTS, params)
     results, _ = run_disaggregated(models, "eagle", config, params)
     assert [r.token_ids for r in results] == [r.token_ids for r in single]
 
-    def fresh_generator(req):
-        return dataclasses.replace(req.draft_state, rng_state=None).to_bytes()
+    def another_seed(req):
+        return dataclasses.replace(req.draft_state, seed=req.seed + 1, rng_state=req.generator.get_state()).to_bytes()
 
-    restarted, _ = run_disaggregated(models, "eagle", config, params, tamper=fresh_generator)
-    assert [r.token_ids for r in restarted] != [r.token_ids for r in single]
+    reseeded, _ = run_disaggregated(models, "eagle", config, params, tamper=another_seed)
+    assert [r.token_ids for r in reseeded] != [r.token_ids for r in single]
+
+
+def test_an_unseeded_request_keeps_its_seed_across_the_hand_off(models):
+    """A request without a seed gets a random one at admission on the prefill side; the decode side
+    draws with that one, not with a random one of its own."""
+    config = engine_config("eagle", 1, 16, max_context=512)
+    prefill = make_engine(models, "eagle", config, role="prefill")
+    decode = make_engine(models, "eagle", config, role="decode")
+    reqs = prefill_until_handoff(prefill, PROMPTS, SamplingParams(max_new_tokens=6, temperature=1.0))
+    for req in reqs:
+        moved = hand_off(prefill, req, decode)
+        assert moved.seed == req.seed
+        prefill.release(req)
+    assert len({r.seed for r in reqs}) == len(reqs)
+    decode.run_until_done()
+    assert decode.is_idle_and_clean() and prefill.is_idle_and_clean()

@@ -3,8 +3,6 @@ shared/spec functions that call them (``select_tree``, ``greedy_accept``) keep t
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from kernel_checks import DEVICE
@@ -19,8 +17,6 @@ from kernels.spec_kernels import (
     greedy_verify_ref,
     move_kv,
     move_kv_ref,
-    tree_speculative_sample,
-    tree_speculative_sample_ref,
 )
 from shared.spec.tree import Candidates, select_tree
 from shared.spec.verify import greedy_accept
@@ -125,78 +121,6 @@ def test_greedy_verify_kernel_matches_reference_and_greedy_accept(k, steps, n):
 
 
 # ---- speculative sampling ------------------------------------------------------------------------
-def sampling_case(B, k, steps, n, vocab, seed):
-    tree, _ = random_tree_and_argmax(B, k, steps, n, vocab, seed)
-    g = torch.Generator().manual_seed(seed + 2)
-    logits = torch.randn(B, n, vocab, generator=g) * 2
-    # Put mass on the tree's own children so that accepting is common.
-    boost = math.log(vocab) + 1.0
-    for b in range(B):
-        for m in range(1, n):
-            logits[b, tree.parents[b, m], tree.tokens[b, m]] += boost
-    probs = torch.softmax(logits, dim=-1)
-    coins = torch.rand(B, n, generator=g)
-    bonus_u = torch.rand(B, generator=g)
-    return tree, probs, coins, bonus_u
-
-
-@pytest.mark.parametrize("k,steps,n,vocab", [(2, 3, 6, 40), (3, 4, 10, 3000)])
-def test_speculative_sample_kernel_matches_reference(k, steps, n, vocab):
-    """vocab 3000 > one 2048-token block: the bonus draw crosses blocks."""
-    tree, probs, coins, bonus_u = sampling_case(8, k, steps, n, vocab, seed=vocab)
-    ref = tree_speculative_sample_ref(probs, tree.parents, tree.tokens, coins, bonus_u, steps)
-    out = tree_speculative_sample(*to_dev(probs, tree.parents, tree.tokens, coins, bonus_u), steps, backend="triton")
-    for f in ("accept_index", "accept_len", "bonus"):
-        assert torch.equal(getattr(out, f).cpu(), getattr(ref, f)), f
-    assert ref.accept_len.max() > 1 and ref.accept_len.min() < steps + 1  # both accepts and rejections
-
-
-def test_speculative_sample_duplicate_sibling_tokens_and_rejection_residual():
-    """Two children with the same token: the second has no residual mass and is never accepted; after
-    rejecting all children the bonus is never one of their tokens."""
-    parents = torch.tensor([[-1, 0, 0, 0]])
-    tokens = torch.tensor([[0, 2, 2, 3]])
-    probs = torch.tensor([[0.1, 0.2, 0.3, 0.4]]).expand(1, 4, 4).contiguous()
-    coins = torch.tensor([[0.0, 0.99, 0.0, 0.99]])  # child 1 (p=.3) and child 3 (p=.4/.7) rejected
-    for u in (0.0, 0.5, 0.999):
-        bu = torch.tensor([u])
-        ref = tree_speculative_sample_ref(probs, parents, tokens, coins, bu, 1)
-        out = tree_speculative_sample(*to_dev(probs, parents, tokens, coins, bu), 1, backend="triton")
-        assert ref.accept_len.item() == 1 and ref.bonus.item() in (0, 1)
-        assert torch.equal(out.bonus.cpu(), ref.bonus) and torch.equal(out.accept_index.cpu(), ref.accept_index)
-
-
-def test_speculative_sample_with_one_hot_target_is_greedy_verify():
-    tree, argmax = random_tree_and_argmax(5, 3, 3, 8, 16, seed=9)
-    probs = torch.nn.functional.one_hot(argmax, 16).float()
-    g = torch.Generator().manual_seed(0)
-    coins, bonus_u = torch.rand(5, 8, generator=g), torch.rand(5, generator=g)
-    out = tree_speculative_sample(*to_dev(probs, tree.parents, tree.tokens, coins, bonus_u), 3, backend="triton")
-    ref = greedy_verify_ref(tree.parents, tree.tokens, argmax, 3)
-    for f in ("accept_index", "accept_len", "bonus"):
-        assert torch.equal(getattr(out, f).cpu(), getattr(ref, f)), f
-
-
-def test_speculative_sample_reference_commits_the_target_distribution():
-    """Lossless: the first committed token is distributed as the target's p, whatever the draft tree
-    (three children of the root, 3000 independent draws, chi-square)."""
-    from scipy.stats import chisquare
-
-    n_draws, V = 3000, 6
-    p = torch.tensor([0.05, 0.3, 0.1, 0.25, 0.2, 0.1])
-    probs = p.expand(n_draws, 4, V).contiguous()
-    parents = torch.tensor([-1, 0, 0, 0]).expand(n_draws, 4)
-    tokens = torch.tensor([0, 1, 3, 5]).expand(n_draws, 4)
-    g = torch.Generator().manual_seed(1)
-    acc = tree_speculative_sample_ref(probs, parents, tokens, torch.rand(n_draws, 4, generator=g),
-                                      torch.rand(n_draws, generator=g), 1)
-    first = torch.where(acc.accept_len > 1, tokens.gather(1, acc.accept_index[:, 1:].clamp(min=0)).squeeze(1),
-                        acc.bonus)
-    counts = torch.bincount(first, minlength=V).double().numpy()
-    expected = p.double().numpy() * counts.sum() / p.double().sum().item()
-    assert chisquare(counts, expected).pvalue > 1e-3
-
-
 # ---- KV move -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_move_kv_kernel_matches_reference(dtype):

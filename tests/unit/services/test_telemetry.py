@@ -164,3 +164,69 @@ def test_draft_ahead_outcomes_are_exported(telemetry, tiny_model_dir):
     assert got == {"used": w.ahead.used, "partial": w.ahead.partial, "dropped": w.ahead.dropped,
                    "mismatched": w.ahead.mismatched}
     assert got["used"] > 0 and got["partial"] > 0
+
+
+SPEC_COUNTERS = ("eyrie_spec_decode_num_drafts_total", "eyrie_spec_decode_num_draft_tokens_total",
+                 "eyrie_spec_decode_num_accepted_tokens_total")
+
+
+def spec_counters(m: dict, steps: int) -> tuple:
+    per_pos = [m[("eyrie_spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))]
+               for i in range(steps)]
+    return (*(m[(name, ())] for name in SPEC_COUNTERS), per_pos)
+
+
+def test_token_level_spec_metrics_move_as_requests_run(telemetry, oracle_model_dir):
+    """The vLLM-shaped counters follow the engine's verify steps: drafts, their ``steps`` draft tokens,
+    accepted tokens (the accepted runs' lengths), and per position the drafts accepted that far; a
+    second batch adds to them (counters never go back)."""
+    from shared.config import SpecConfig
+
+    steps = 3
+    engine = Engine(oracle_model_dir / "target", oracle_model_dir / "eagle",
+                    EngineConfig(page_size=4, spec=SpecConfig(topk=2, steps=steps, num_draft_tokens=6)))
+    telemetry.observe_load(engine.load())
+    assert spec_counters(samples(telemetry.address), steps) == (0, 0, 0, [0] * steps)
+    seen, verifies = [], []
+    for batch in range(2):
+        mark = engine.spec_stats.num_batches
+        engine.generate([list(range(3 + batch, 12)), list(range(20, 26))],
+                        [SamplingParams(max_new_tokens=20, ignore_eos=True),
+                         SamplingParams(max_new_tokens=14, ignore_eos=True, temperature=0.8, seed=batch)])
+        telemetry.observe_load(engine.load())
+        verifies += [n for b in engine.spec_stats.batches_since(mark) for n in b.verified]
+        drafts, draft_tokens, accepted, per_pos = spec_counters(samples(telemetry.address), steps)
+        assert drafts == len(verifies) and draft_tokens == steps * len(verifies)
+        assert accepted == sum(n - 1 for n in verifies) == sum(per_pos)
+        assert per_pos == [sum(n - 1 > i for n in verifies) for i in range(steps)]
+        seen.append(accepted)
+    assert 0 < seen[0] < seen[1], "drafts were accepted, and the second batch added to the counters"
+    assert engine.spec_stats.totals.accepted_drafts == seen[1]  # the same count as the per-request statistics
+
+
+def test_the_exposition_passes_promtool(telemetry, oracle_model_dir):
+    """``promtool check metrics`` (Debian's ``prometheus`` package) finds nothing to remark in /metrics with
+    the speculation counters in it (named as vLLM's under the ``eyrie_`` prefix: promtool refuses colons),
+    and does reject a text that does not parse."""
+    import os
+    import shutil
+    import subprocess
+
+    from shared.config import SpecConfig
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool is missing on CI (.ci/run installs Debian's prometheus package)")
+        pytest.skip("promtool is not installed (apt-get install prometheus)")
+    engine = Engine(oracle_model_dir / "target", oracle_model_dir / "eagle",
+                    EngineConfig(page_size=4, spec=SpecConfig(topk=1, steps=3, num_draft_tokens=4)))
+    engine.generate(list(range(3, 12)), SamplingParams(max_new_tokens=12, ignore_eos=True))
+    telemetry.observe_load(engine.load())
+    status, body = get(f"http://{telemetry.address}/metrics")
+    assert status == 200 and b"eyrie_spec_decode_num_accepted_tokens_per_pos_total" in body
+    done = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, timeout=60)
+    assert done.returncode == 0, (done.stdout + done.stderr).decode()
+    broken = subprocess.run([promtool, "check", "metrics"], input=body.replace(b"{", b"{{", 1), capture_output=True,
+                            timeout=60)
+    assert broken.returncode == 1

@@ -3,11 +3,12 @@
 Two levels, each a chi-square goodness-of-fit test at p > 0.001 against probabilities computed
 exactly (never estimated), for chain and tree, with temperature, top-k and top-p:
 
-* the acceptance rule alone (``sampled_accept``, and the GPU kernel's contract
-  ``tree_speculative_sample_ref``): a fixed hand-built tree and fixed target logits, 3000 seeded trials
-  per case; the committed sequence (up to 3 tokens) must follow the target's autoregressive
-  distribution along the tree. A negative control shows the test rejects a classic bug (no residual
-  renormalisation after a rejection).
+* the acceptance rule alone (``verify.sampled_accept``, what the decode step runs on the device: the
+  torch references of kernels/spec_sampling.py here, its Triton kernels in the ``gpu`` variants): a
+  fixed hand-built tree and fixed target logits, 3000 trials per case, each with its own seed; the
+  committed sequence (up to 3 tokens) must follow the target's autoregressive distribution along the
+  tree. A negative control shows the test rejects a classic bug (no residual renormalisation after a
+  rejection).
 * the whole engine: a 16-token-vocabulary target with oracle drafts (accepted often), for a chain
   (EAGLE) and a tree (EAGLE-3, topk 3), 3000 seeded requests for each of temperature, top-k, top-p
   and all three combined (12000 per shape, in batches of 600 that mix the settings and a few greedy
@@ -15,8 +16,8 @@ exactly (never estimated), for chain and tree, with temperature, top-k and top-p
   chain of three accepted drafts covers them all) must follow the exact law computed with
   ``transformers`` on the same checkpoint, jointly, token by token and pair by pair (one test at
   p > 0.001, Bonferroni over those views). A good share of the requests accept two drafts or more,
-  so the second and third speculative tokens are really drafts. An engine-level negative control
-  (the unnormalised rule inside the engine, tree) must be rejected.
+  so the second and third speculative tokens are really drafts. The same on the GPU (``gpu``). An
+  engine-level negative control (the unnormalised rule inside the engine, tree) must be rejected.
 
 Every configuration and seed is fixed, so each test is deterministic.
 """
@@ -30,10 +31,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from kernels.spec_kernels import DraftTree, ancestor_mask, tree_speculative_sample_ref
+from kernels import spec_sampling
+from kernels.spec_kernels import DraftTree, ancestor_mask
 from shared.config import EngineConfig, SpecConfig
+from shared.cuda_graphs import tree_map
 from shared.engine import Engine
-from shared.sampling import SamplingParams, target_probs
+from shared.sampling import SamplingParams, sampling_rows, target_probs
 from shared.spec import verify
 
 P_MIN = 1e-3
@@ -158,64 +161,47 @@ def test_reference_distribution_is_the_engine_one():
 
 
 TRIALS = 3000
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # the reference here, the Triton kernels there
 
 
-def run_rule(rule: str, name: str, setting: dict, seed: int) -> Counter:
-    tree = make_tree(name, TRIALS)
-    logits = node_logits(name).expand(TRIALS, -1, -1)
-    params = SamplingParams(**setting)
-    if rule == "sampled_accept":
-        gens = [torch.Generator().manual_seed(seed * 100_003 + b) for b in range(TRIALS)]
-        acc = verify.sampled_accept(tree, logits, [params] * TRIALS, gens, STEPS)
-        assert torch.equal(acc.accept_len, (acc.accept_index >= 0).sum(1))
-        return committed(tree, acc.accept_index, acc.bonus)
-    g = torch.Generator().manual_seed(seed)
-    probs = target_probs(node_logits(name), [params] * tree.num_nodes).expand(TRIALS, -1, -1)
-    coins = torch.rand(TRIALS, tree.num_nodes, generator=g)
-    out = tree_speculative_sample_ref(probs, tree.parents, tree.tokens, coins, torch.rand(TRIALS, generator=g), STEPS)
-    return committed(tree, out.accept_index, out.bonus)
+def run_rule(name: str, setting: dict, seed: int, device: str = "cpu") -> Counter:
+    """The engine's acceptance (``verify.sampled_accept``: target weights and tree walk on the device)
+    over TRIALS copies of the tree, each with its own seed."""
+    tree = tree_map(lambda t: t.to(device), make_tree(name, TRIALS))
+    logits = node_logits(name).expand(TRIALS, -1, -1).to(device)
+    rows = sampling_rows([SamplingParams(**setting)] * TRIALS, [seed * 100_003 + b for b in range(TRIALS)], device)
+    committed_len = torch.full((TRIALS,), 17, device=device)
+    acc = verify.sampled_accept(tree, logits, rows, committed_len, STEPS)
+    assert torch.equal(acc.accept_len, (acc.accept_index >= 0).sum(1))
+    return committed(make_tree(name, TRIALS), acc.accept_index.cpu(), acc.bonus.cpu())
 
 
-@pytest.mark.parametrize("rule", ["sampled_accept", "kernel_contract"])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(TREES))
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_acceptance_rule_keeps_the_target_distribution(rule, name, setting):
+def test_acceptance_rule_keeps_the_target_distribution(device, name, setting):
     seed = list(SETTINGS).index(setting) * 10 + list(TREES).index(name)
-    observed = run_rule(rule, name, SETTINGS[setting], seed)
+    observed = run_rule(name, SETTINGS[setting], seed, device)
     probs = reference_probs(node_logits(name), **SETTINGS[setting])
     expected = expected_sequences(name, probs)
     p = chi_square_p(observed, expected)
-    assert p > P_MIN, f"{rule} {name} {setting}: chi-square p = {p:.2e}"
+    assert p > P_MIN, f"{device} {name} {setting}: chi-square p = {p:.2e}"
     # the runs were really speculative: drafts were accepted, sometimes two in a row where possible
     assert sum(c for k, c in observed.items() if len(k) >= 2) > TRIALS / 10
     if sum(p for k, p in expected.items() if len(k) == 3) > 0.02:
         assert sum(c for k, c in observed.items() if len(k) == 3) > 0
 
 
-def _walk_unnormalised(parents, tokens, probs, gen, steps):
+def unnormalised(total: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     """A subtle bug: a rejected child's mass is removed but the rest is not renormalised, so later
-    siblings are accepted too rarely (the bonus, drawn by inverse CDF over the total, stays right)."""
-    path, cur = [0], 0
-    while len(path) <= steps:
-        p = probs[cur].double().clone()
-        nxt = None
-        for c in (parents == cur).nonzero().flatten().tolist():
-            x = int(tokens[c])
-            if float(p[x]) > 0 and torch.rand(1, generator=gen, dtype=torch.float64).item() < float(p[x]):
-                nxt = c
-                break
-            p[x] = 0.0
-        if nxt is None:
-            return path, p
-        path.append(nxt)
-        cur = nxt
-    return path, probs[cur].double()
+    siblings are accepted too rarely (the bonus, drawn from what is left, stays right)."""
+    return total
 
 
 def test_negative_control_the_test_rejects_a_biased_rule(monkeypatch):
     """The same test, on a rule that never produces an impossible token, still fails."""
-    monkeypatch.setattr(verify, "_walk", _walk_unnormalised)
-    observed = run_rule("sampled_accept", "tree", SETTINGS["temperature"], seed=1)
+    monkeypatch.setattr(spec_sampling, "_after_rejections", unnormalised)
+    observed = run_rule("tree", SETTINGS["temperature"], seed=1)
     expected = expected_sequences("tree", reference_probs(node_logits("tree"), **SETTINGS["temperature"]))
     assert all(k in expected for k in observed)
     assert chi_square_p(observed, expected) < P_MIN
@@ -284,12 +270,13 @@ VIEWS = {"joint": tuple(range(DEPTH)), **{f"token {i + 1}": (i,) for i in range(
          **{f"tokens {i + 1},{i + 2}": (i, i + 1) for i in range(1, DEPTH - 1)}}
 
 
-def engine_runs(root, shape: str, settings: tuple[str, ...], per_setting: int) -> dict[str, list]:
+def engine_runs(root, shape: str, settings: tuple[str, ...], per_setting: int, device: str = "cpu") -> dict[str, list]:
     """``per_setting`` seeded requests per setting (different seeds), in batches that mix the settings
     and a few greedy requests; returns each setting's results (and the greedy ones under "greedy")."""
     kind, spec = SPECS[shape]
     engine = Engine(root / "target", root / kind, EngineConfig(page_size=4, max_running=BATCH + GREEDY_ROWS,
-                                                               max_context=32, chunk_size=None, spec=spec))
+                                                               max_context=32, chunk_size=None, spec=spec,
+                                                               device=device))
     greedy = SamplingParams(max_new_tokens=DEPTH, ignore_eos=True)
     todo = [(name, SamplingParams(**SETTINGS[name], seed=100_000 * j + i, max_new_tokens=DEPTH, ignore_eos=True))
             for i in range(per_setting) for j, name in enumerate(settings)]  # interleaved: every batch mixes them
@@ -308,10 +295,11 @@ def check_setting(shape: str, name: str, rows: list, law: dict[tuple, float]) ->
     return {view: chi_square_p(project(observed, pos), marginal(law, pos)) for view, pos in VIEWS.items()}
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", list(SPECS))
-def test_engine_sampling_matches_the_target(small_vocab, shape):
+def test_engine_sampling_matches_the_target(small_vocab, shape, device):
     root, laws = small_vocab
-    runs = engine_runs(root, shape, ENGINE_SETTINGS, PER_SETTING)
+    runs = engine_runs(root, shape, ENGINE_SETTINGS, PER_SETTING, device)
     target_only = Engine(root / "target", None, EngineConfig(page_size=4, max_context=32))
     want = target_only.generate(PROMPT, SamplingParams(max_new_tokens=DEPTH, ignore_eos=True))[0].token_ids
     assert runs["greedy"] and all(r.token_ids == want for r in runs["greedy"])
@@ -334,7 +322,7 @@ def test_engine_negative_control_a_biased_rule_is_rejected(small_vocab, monkeypa
     """The engine-level test, with verification's walk swapped for the unnormalised one (a rejected
     sibling's mass removed but the rest not renormalised), rejects the result."""
     root, laws = small_vocab
-    monkeypatch.setattr(verify, "_walk", _walk_unnormalised)
+    monkeypatch.setattr(spec_sampling, "_after_rejections", unnormalised)
     rows = engine_runs(root, "tree", ("temperature",), PER_SETTING)["temperature"]
     pvalues = check_setting("tree", "temperature", rows, laws["temperature"])
     print(f"biased tree temperature: chi-square p {pvalues}")

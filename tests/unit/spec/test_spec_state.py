@@ -21,11 +21,11 @@ def example(dtype=torch.float32, rng: bool = True) -> DraftState:
     torch.rand(5, generator=gen)  # advance it: the state is mid-stream
     return DraftState(bonus_token=321, committed_len=45, hidden=torch.randn(64, generator=g).to(dtype),
                       topk_p=torch.rand(4, generator=g), topk_ids=torch.tensor([9, 200, 3, 511]),
-                      rng_state=gen.get_state() if rng else None)
+                      rng_state=gen.get_state() if rng else None, seed=2 ** 64 - 1 if rng else None)
 
 
 def assert_same(a: DraftState, b: DraftState) -> None:
-    assert (a.bonus_token, a.committed_len) == (b.bonus_token, b.committed_len)
+    assert (a.bonus_token, a.committed_len, a.seed) == (b.bonus_token, b.committed_len, b.seed)
     for name in ("hidden", "topk_p", "topk_ids", "rng_state"):
         x, y = getattr(a, name), getattr(b, name)
         if x is None or y is None:
@@ -54,7 +54,7 @@ def test_every_field_is_carried():
     """Changing any field changes the bytes, and the change comes back."""
     base = example()
     changes = {"bonus_token": 322, "committed_len": 46, "hidden": base.hidden + 1, "topk_p": base.topk_p / 2,
-               "topk_ids": base.topk_ids.flip(0), "rng_state": make_generator(78).get_state()}
+               "topk_ids": base.topk_ids.flip(0), "rng_state": make_generator(78).get_state(), "seed": (1 << 63) + 5}
     assert set(changes) == set(DraftState.__dataclass_fields__)
     for name, value in changes.items():
         other = DraftState(**{**base.__dict__, name: value})
