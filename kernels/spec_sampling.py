@@ -205,15 +205,18 @@ if triton is not None:
         if temp > 0:  # greedy rows read only the argmax
             src = logits + row.to(tl.int64) * V
             dst = weights + row.to(tl.int64) * V
+            # One scaling for both passes (two divisions may round apart: the GPU's fp32 division is not
+            # exact), and weights clamped to 1: the largest quantises to 2**40, below the searches' top.
+            inv = 1.0 / temp
             m = tl.full([], float("-inf"), tl.float32)
             for lo in range(0, V, BLOCK_V):
                 offs = lo + tl.arange(0, BLOCK_V)
                 x = tl.load(src + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-                m = tl.maximum(m, tl.max(x / temp, 0))
+                m = tl.maximum(m, tl.max(x * inv, 0))
             for lo in range(0, V, BLOCK_V):
                 offs = lo + tl.arange(0, BLOCK_V)
                 x = tl.load(src + offs, mask=offs < V, other=0.0).to(tl.float32)
-                w = tl.exp(x / temp - m)
+                w = tl.minimum(tl.exp(x * inv - m), 1.0)
                 tl.store(dst + offs, w, mask=offs < V)
                 mass += tl.sum(tl.where(offs < V, _quant(w), 0), 0)
             tl.debug_barrier()  # the weights are read back below by other threads of this program

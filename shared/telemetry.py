@@ -124,7 +124,16 @@ class Telemetry:
         self._handoff_bytes = metric(Counter, "handoff_bytes", "KV + draft-state bytes handed off", ["transport"])
         self._handoff_seconds = seconds("handoff_seconds", "Hand-off duration", ["transport"])
         self.handoff_bytes_total.inc(0), self.handoff_seconds  # the series exist (at 0) before a hand-off
-        # Speculative decoding, per request (the c15 counters spec_decode_num_* share the prefix and labels).
+        self._speculation_metrics(metric, seconds)
+        self.graph_capture_failures = metric(Counter, "graph_capture_failures", "CUDA graphs that failed to "
+                                             "capture, by phase (the phase then runs eagerly)", ["phase"])
+        self.graph_failures: list[dict] = []  # served in /health's "graphs" details
+        self._server = HttpServer(self._app(api_key), host, port, name=f"{service}-http")
+
+
+    def _speculation_metrics(self, metric, seconds) -> None:
+        """Speculative decoding: per request (histograms) and per token (vLLM-shaped counters)."""
+        # Per request.
         self.accept_length = metric(Histogram, "spec_decode_accept_length", "Committed tokens per verify, per request",
                                     buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8))
         self.accept_rate = metric(Histogram, "spec_decode_accept_rate", "Accepted / drafted tokens, per request",
@@ -144,10 +153,6 @@ class Telemetry:
                                             "Draft tokens accepted at each draft position (0 = the first)",
                                             ["position"])
         self._spec_counted: SpecTokenCounts | None = None  # what the counters above have counted so far
-        self.graph_capture_failures = metric(Counter, "graph_capture_failures", "CUDA graphs that failed to "
-                                             "capture, by phase (the phase then runs eagerly)", ["phase"])
-        self.graph_failures: list[dict] = []  # served in /health's "graphs" details
-        self._server = HttpServer(self._app(api_key), host, port, name=f"{service}-http")
 
     @property
     def address(self) -> str:
