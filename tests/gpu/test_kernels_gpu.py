@@ -8,8 +8,6 @@ Llama-3-8B attention heads (32 query / 8 kv, head dim 128) and vocabulary (12825
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -26,6 +24,7 @@ from kernels.spec_kernels import (
     move_kv,
     move_kv_ref,
 )
+from tests.gpu.gpu_checks import poison_allocator, seeded_generator
 
 pytestmark = pytest.mark.gpu
 
@@ -36,15 +35,7 @@ TOL = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.float16: {"atol": 3e-3
 
 @pytest.fixture
 def gen():
-    seed = time.time_ns() % (2**31)
-    print(f"seed {seed}")  # shown by pytest on failure, to replay the case
-    return torch.Generator(device="cuda").manual_seed(seed)
-
-
-def poison_allocator(nbytes: int = 1 << 30) -> None:
-    """Fill free blocks of the caching allocator with NaN so an unwritten buffer shows up."""
-    junk = torch.full((nbytes // 4,), float("nan"), device="cuda")
-    del junk
+    return seeded_generator()
 
 
 def paged_case(gen, q_lens, prefix, extra, page_size, dtype, masks=None):

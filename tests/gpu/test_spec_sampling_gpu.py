@@ -8,12 +8,11 @@ sides). Fresh inputs every run (seeded from the clock, printed on failure), dest
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from kernels.spec_sampling import SamplingRows, target_weights, thresholds_ref, tree_verify, tree_verify_ref
+from tests.gpu.gpu_checks import poison_allocator, seeded_generator
 
 pytestmark = pytest.mark.gpu
 
@@ -24,14 +23,7 @@ SETTINGS = [(0.0, 0, 1.0), (0.8, 0, 1.0), (1.0, 50, 1.0), (1.0, 0, 0.9), (0.7, 4
 
 @pytest.fixture
 def gen():
-    seed = time.time_ns() % (2**31)
-    print(f"seed {seed}")  # shown by pytest on failure, to replay the case
-    return torch.Generator(device="cuda").manual_seed(seed)
-
-
-def poison_allocator(nbytes: int = 1 << 30) -> None:
-    junk = torch.full((nbytes // 4,), float("nan"), device="cuda")
-    del junk
+    return seeded_generator()
 
 
 def random_rows(gen, B: int) -> SamplingRows:

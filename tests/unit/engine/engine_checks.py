@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import torch
+
+from shared.forward_batch import build_forward_batch
 from shared.sampling import SamplingParams
 
 
@@ -67,3 +70,21 @@ def record_plans(engine) -> list[tuple[int, list[int], int]]:
 
     engine.scheduler.schedule = spy
     return plans
+
+
+def eyrie_logits(engine, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Every position's logits for each prompt, all prompts in one batched prefill forward."""
+    cache = engine.cache
+    handles = [cache.open() for _ in prompts]
+    try:
+        for h, p in zip(handles, prompts):
+            cache.reserve(h, len(p))
+        ids = torch.tensor([t for p in prompts for t in p])
+        pos = torch.cat([torch.arange(len(p)) for p in prompts])
+        batch = build_forward_batch(cache, [h.row for h in handles], [0] * len(prompts), [len(p) for p in prompts],
+                                    ids, pos, pos)
+        logits = engine.model(batch, cache).logits
+    finally:
+        for h in handles:
+            cache.close(h)
+    return list(logits.split([len(p) for p in prompts]))

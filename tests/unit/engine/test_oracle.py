@@ -21,9 +21,9 @@ transformers = pytest.importorskip("transformers")
 
 from shared.config import EngineConfig
 from shared.engine import Engine
-from shared.forward_batch import build_forward_batch
 from shared.model.loader import CheckpointError, load_target
 from shared.sampling import SamplingParams
+from tests.unit.engine.engine_checks import eyrie_logits
 
 TOL = 1e-4
 # initializer_range 0.1 (HF's default is 0.02) makes attention peaked and logits O(1), so a wrong
@@ -95,24 +95,6 @@ class Checkpoints:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, tiny_model_dir) -> Checkpoints:
     return Checkpoints(tmp_path_factory.mktemp("hf"), tiny_model_dir / "target" / "tokenizer.json")
-
-
-def eyrie_logits(engine: Engine, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Every position's logits for each prompt, all prompts in one batched prefill forward."""
-    cache = engine.cache
-    handles = [cache.open() for _ in prompts]
-    try:
-        for h, p in zip(handles, prompts):
-            cache.reserve(h, len(p))
-        ids = torch.tensor([t for p in prompts for t in p])
-        pos = torch.cat([torch.arange(len(p)) for p in prompts])
-        batch = build_forward_batch(cache, [h.row for h in handles], [0] * len(prompts), [len(p) for p in prompts],
-                                    ids, pos, pos)
-        logits = engine.model(batch, cache).logits
-    finally:
-        for h in handles:
-            cache.close(h)
-    return list(logits.split([len(p) for p in prompts]))
 
 
 def hf_logits(hf: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
