@@ -67,11 +67,21 @@ def request_seed(params: SamplingParams) -> int:
 
 def sampling_rows(params: list[SamplingParams], seeds: list[int], device: torch.device | str) -> SamplingRows:
     """The batch's sampling parameters as device tensors (two host-to-device copies)."""
-    floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32)
-    ints = torch.tensor([[p.top_k for p in params], [s - (1 << 64) if s >= 1 << 63 else s for s in seeds]],
-                        dtype=torch.int64)
-    floats, ints = floats.to(device), ints.to(device)
-    return SamplingRows(temperature=floats[0], top_k=ints[0], top_p=floats[1], seed=ints[1])
+    ints = torch.tensor(sampling_ints(params, seeds), dtype=torch.int64).view(2, len(params)).to(device)
+    return sampling_rows_from(params, ints[0], ints[1], device)
+
+
+def sampling_ints(params: list[SamplingParams], seeds: list[int]) -> list[list[int]]:
+    """The integer rows of the batch's sampling parameters: top-k, and each seed as a signed int64."""
+    return [[p.top_k for p in params], [s - (1 << 64) if s >= 1 << 63 else s for s in seeds]]
+
+
+def sampling_rows_from(params: list[SamplingParams], top_k: torch.Tensor, seed: torch.Tensor,
+                       device: torch.device | str) -> SamplingRows:
+    """``SamplingRows`` from integer rows already on the device and the float rows of ``params``."""
+    floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]],
+                          dtype=torch.float32).view(2, len(params)).to(device)
+    return SamplingRows(temperature=floats[0], top_k=top_k, top_p=floats[1], seed=seed)
 
 
 def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -15,13 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.spec_kernels import Acceptance, DraftTree, greedy_verify
+from kernels.spec_kernels import Acceptance, DraftTree
 from kernels.spec_sampling import SamplingRows, target_weights, tree_verify
-
-
-def greedy_accept(tree: DraftTree, target_argmax: torch.Tensor, steps: int) -> Acceptance:
-    """target_argmax [B, N]: the target's greedy token after each node (contract: ``greedy_verify_ref``)."""
-    return greedy_verify(tree.parents, tree.tokens, target_argmax, steps)
 
 
 def sampled_accept(tree: DraftTree, logits: torch.Tensor, rows: SamplingRows, committed_len: torch.Tensor,

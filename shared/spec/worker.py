@@ -29,7 +29,7 @@ from shared.memory.sizing import make_cache
 from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.request import Request
-from shared.sampling import sampling_rows
+from shared.sampling import sampling_ints, sampling_rows_from
 from shared.scheduler import Chunk
 from shared.spec.draft_ahead import DraftAhead, Drafted
 from shared.spec.phases import DecodeInputs, SpecPhases, StepOutput
@@ -247,19 +247,21 @@ class SpecWorker:
                 0, width, dtype=dtype, device=dev)
 
         # The host integers of the batch travel in one copy, one row per field (each row contiguous):
-        # target rows, committed lengths, bonus tokens, then each draft cache's rows.
+        # target rows, committed lengths, bonus tokens, each draft cache's rows, then top-k and seeds.
         c = len(self.caches)
+        params = [r.params for r in reqs]
         ints = torch.tensor([[r.handles[0].row for r in reqs], [st.committed_len for st in states],
                              [st.bonus_token for st in states], *([r.handles[1 + i].row for r in reqs]
-                                                                 for i in range(c))],
-                            dtype=torch.int64).view(3 + c, n).to(dev)
+                                                                 for i in range(c)),
+                             *sampling_ints(params, [r.seed for r in reqs])],
+                            dtype=torch.int64).view(5 + c, n).to(dev)
         return DecodeInputs(
             target_rows=ints[0], L=ints[1], bonus=ints[2],
-            draft_rows=ints[3:].t(),  # [B, C]: column c (what a draft step reads) is row 3 + c, contiguous
+            draft_rows=ints[3:3 + c].t(),  # [B, C]: column c (what a draft step reads) is row 3 + c, contiguous
             hidden=stack([st.hidden for st in states], self.draft.hidden_width, self.dtype),
             topk_p=stack([st.topk_p for st in states], k, torch.float32),
             topk_ids=stack([st.topk_ids for st in states], k, torch.int64),
-            sampling=sampling_rows([r.params for r in reqs], [r.seed for r in reqs], dev),
+            sampling=sampling_rows_from(params, ints[3 + c], ints[4 + c], dev),
         )
 
     def _commit(self, reqs: list[Request], inp: DecodeInputs, out: StepOutput) -> list[tuple[Request, list[int]]]:

@@ -8,7 +8,6 @@ import torch
 from kernel_checks import DEVICE
 
 from kernels.spec_kernels import (
-    DraftTree,
     build_tree,
     build_tree_ref,
     gather_accepted,
@@ -19,7 +18,6 @@ from kernels.spec_kernels import (
     move_kv_ref,
 )
 from shared.spec.tree import Candidates, select_tree
-from shared.spec.verify import greedy_accept
 
 
 def make_candidates(B: int, k: int, steps: int, vocab: int, seed: int, ties: bool = False) -> Candidates:
@@ -109,14 +107,12 @@ def random_tree_and_argmax(B: int, k: int, steps: int, n: int, vocab: int, seed:
 
 
 @pytest.mark.parametrize("k,steps,n", [(1, 4, 5), (3, 4, 12)])
-def test_greedy_verify_kernel_matches_reference_and_greedy_accept(k, steps, n):
+def test_greedy_verify_kernel_matches_reference(k, steps, n):
     tree, argmax = random_tree_and_argmax(6, k, steps, n, 20, seed=k)
     ref = greedy_verify_ref(tree.parents, tree.tokens, argmax, steps)
     out = greedy_verify(*to_dev(tree.parents, tree.tokens, argmax), steps, backend="triton")
-    shared = greedy_accept(DraftTree(tree.tokens, tree.parents, tree.depths, tree.mask), argmax, steps)
     for f in ("accept_index", "accept_len", "bonus"):
         assert torch.equal(getattr(out, f).cpu(), getattr(ref, f)), f
-        assert torch.equal(getattr(shared, f), getattr(ref, f)), f
     assert ref.accept_len.max() > 1  # some drafts accepted: the walk itself was exercised
 
 
