@@ -139,6 +139,15 @@ def checksum(k: bytes, v: bytes) -> int:
     return zlib.crc32(v, zlib.crc32(k))
 
 
+@dataclass(frozen=True)
+class InPlaceTarget:
+    """Where an in-place (ipc) hand-off writes: the decode side's reservation."""
+
+    exported: bytes  # the decode instance's exported pools (its handshake reply)
+    page_ids: list[list[int]]  # per cache (target first), the reserved pages in position order
+    deadline: float  # the host's CLOCK_MONOTONIC time after which no page may be written
+
+
 @dataclass
 class PageSource:
     """The sending side of one request's hand-off (its pages stay put until the acknowledgement)."""
@@ -148,6 +157,7 @@ class PageSource:
     page_ids: list[list[int]]  # per cache, the request's pages in position order
     draft_state: bytes  # DraftState.to_bytes(), or b"" without a draft
     guard: PageGuard = field(default_factory=PageGuard)
+    in_place: InPlaceTarget | None = None  # set (by a copy sharing the guard) once an ipc reservation is made
 
 
 def iter_chunks(source: PageSource, chunk_bytes: int = 4 << 20) -> Iterator[pb.KVChunk]:
@@ -180,9 +190,11 @@ class Received:
 class PageSink:
     """Writes one request's chunks into the pages reserved for it, checking each one."""
 
-    def __init__(self, rid: str, caches: list[KVCache], page_ids: list[list[int]], guard: PageGuard | None = None):
+    def __init__(self, rid: str, caches: list[KVCache], page_ids: list[list[int]], guard: PageGuard | None = None,
+                 in_place: bool = False):
         self.rid, self.caches, self.page_ids = rid, caches, page_ids
         self.guard = guard or PageGuard()
+        self.in_place = in_place  # reserved for a sender that writes the pages itself (ipc)
         # Times each (layer, page) of each cache was written: all ones at the end, never more.
         self.written = [torch.zeros(c.spec.num_layers, len(p), dtype=torch.int32) for c, p in zip(caches, page_ids)]
         self.received = 0
@@ -196,6 +208,8 @@ class PageSink:
             raise TransferError(f"{where} arrived as chunk {self.received}: chunks lost or out of order")
         if checksum(chunk.k, chunk.v) != chunk.crc32:
             raise TransferError(f"{where} failed its CRC32 check")
+        if chunk.in_place or self.in_place:
+            return self._written_in_place(chunk, where)
         self.received += 1
         self.bytes += len(chunk.k) + len(chunk.v) + len(chunk.draft_state)
         if chunk.num_pages == 0:
@@ -224,6 +238,19 @@ class PageSink:
                 cache.k[chunk.layer][dst].copy_(k[lo:lo + n])
                 cache.v[chunk.layer][dst].copy_(v[lo:lo + n])
         done += 1
+
+    def _written_in_place(self, chunk: pb.KVChunk, where: str) -> None:
+        """The sender wrote every page of every cache itself: one message, then the end."""
+        if not (chunk.in_place and self.in_place):
+            mode = "in place (ipc)" if self.in_place else "as bytes (grpc-stream)"
+            raise TransferError(f"{where}: the reservation was made for pages sent {mode}, the chunk does not match")
+        if chunk.k or chunk.v or not chunk.last:
+            raise TransferError(f"{where}: an in-place message carries no bytes and is the transfer's only one")
+        with self.guard.access():  # aborted meanwhile: TransferCancelled
+            self.received += 1
+            self.bytes += chunk.in_place_bytes + len(chunk.draft_state)
+            for w in self.written:
+                w += 1
 
     def _check_range(self, chunk: pb.KVChunk, where: str) -> None:
         if chunk.cache >= len(self.caches):
