@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -135,6 +136,42 @@ def _raw(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
 
+def _view(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A read-only tensor over a message's bytes (only ever copied from)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable": it is never written
+        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape)
+
+
+class Staging:
+    """Device -> host reads of a transfer's slices, one ahead: slice i+1 is copied into pinned memory on a
+    side stream while slice i is checksummed and sent (on the CPU a slice's bytes are read directly)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.default_stream(device))  # the pages' writes were queued there
+
+    def start(self, k: torch.Tensor, v: torch.Tensor):
+        """Begin reading one slice; ``finish`` of what this returns gives its bytes."""
+        if not self.cuda:
+            return k, v, None
+        with torch.cuda.stream(self.stream):
+            hk = torch.empty(k.shape, dtype=k.dtype, pin_memory=True).copy_(k, non_blocking=True)
+            hv = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return hk, hv, done
+
+    @staticmethod
+    def finish(pending) -> tuple[bytes, bytes]:
+        k, v, done = pending
+        if done is not None:
+            done.synchronize()
+        return _raw(k), _raw(v)
+
+
 def checksum(k: bytes, v: bytes) -> int:
     return zlib.crc32(v, zlib.crc32(k))
 
@@ -164,11 +201,13 @@ def iter_chunks(source: PageSource, chunk_bytes: int = 4 << 20) -> Iterator[pb.K
     """The request's pages as KVChunk messages, each read when it is asked for."""
     slices = plan_slices(source.caches, source.page_ids, chunk_bytes)
     total = max(1, len(slices))
+    staging = Staging(source.caches[0].pool.device) if source.caches else None
+    pending = None
     for seq, s in enumerate(slices):
-        cache = source.caches[s.cache]
-        lo, hi = s.page * cache.page_size, (s.page + s.count) * cache.page_size
-        with source.guard.access():
-            k, v = _raw(cache.k[s.layer][lo:hi]), _raw(cache.v[s.layer][lo:hi])
+        with source.guard.access():  # the slice's read (and the next one's start) happen under the guard
+            pending = pending or _start(staging, source, s)
+            k, v = staging.finish(pending)
+            pending = _start(staging, source, slices[seq + 1]) if seq + 1 < len(slices) else None
         chunk = pb.KVChunk(request_id=source.rid, seq=seq, cache=s.cache, layer=s.layer, first_page=s.first,
                            num_pages=s.count, k=k, v=v, crc32=checksum(k, v))
         if seq == total - 1:
@@ -177,6 +216,12 @@ def iter_chunks(source: PageSource, chunk_bytes: int = 4 << 20) -> Iterator[pb.K
     if not slices:  # a request without pages (never happens for a non-empty prompt): state only
         yield pb.KVChunk(request_id=source.rid, seq=0, crc32=checksum(b"", b""), last=True, total_chunks=1,
                          draft_state=source.draft_state)
+
+
+def _start(staging: Staging, source: PageSource, s: Slice):
+    cache = source.caches[s.cache]
+    lo, hi = s.page * cache.page_size, (s.page + s.count) * cache.page_size
+    return staging.start(cache.k[s.layer][lo:hi], cache.v[s.layer][lo:hi])
 
 
 @dataclass
@@ -229,8 +274,7 @@ class PageSink:
         if bool((done > 0).any()):
             raise TransferError(f"{where} writes pages [{span.start}, {span.stop}) a second time")
         dtype = cache.k[0].dtype
-        k = torch.frombuffer(bytearray(chunk.k), dtype=torch.uint8).view(dtype).view(shape)
-        v = torch.frombuffer(bytearray(chunk.v), dtype=torch.uint8).view(dtype).view(shape)
+        k, v = _view(chunk.k, dtype, shape), _view(chunk.v, dtype, shape)  # no copy: read once, into the pages
         with self.guard.access():
             for run in coalesce(pages[span]):  # the destination pages, coalesced in their turn
                 lo, n = (run.first) * ps, run.count * ps
