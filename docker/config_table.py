@@ -52,6 +52,7 @@ DESCRIPTIONS = {
                         "host's bookkeeping (unset = on with `cuda`)",
     "handoff_chunk_bytes": "largest KV chunk of the prefill -> decode hand-off",
     "handoff_timeout_s": "seconds a hand-off may take",
+    "handoff_transport": "hand-off data transport: `auto` (ipc on one host, else grpc-stream), `ipc` or `grpc-stream`",
     "stream_attach_timeout_s": "a handed-off request nobody streams is aborted after this",
     "stream_idle_timeout_s": "a request that produces no token for this long is aborted",
     "default_max_new_tokens": "output length when a request gives none",

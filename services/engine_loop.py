@@ -49,6 +49,7 @@ class EngineLoop:
         self.error: BaseException | None = None
         self.schema = engine.handoff_schema()  # static: what this engine's hand-offs carry
         self.device = engine.device
+        self.kv_pools = engine.kv_pools()  # static: exported for same-host hand-offs, never read by the services
         self.load: EngineLoad = engine.load()  # replaced (never mutated) after each step and call
         self._thread = threading.Thread(target=self._run, name="eyrie-engine", daemon=True)
 

@@ -48,6 +48,16 @@ class EngineSettings(CommonSettings):
     spec_draft_tokens: int | None = None
     cuda_graph: bool = False
     spec_draft_ahead: bool | None = None
+    # The hand-off's data transport: auto (ipc on the same host when the pools are reachable, else the gRPC
+    # stream), or forced: ipc | grpc-stream. On a decode instance, grpc-stream stops it exporting its pools.
+    handoff_transport: str = "auto"
+
+    @field_validator("handoff_transport")
+    @classmethod
+    def _transport(cls, v: str) -> str:
+        if v not in ("auto", "ipc", "grpc-stream"):
+            raise ValueError(f"handoff_transport must be auto, ipc or grpc-stream, got {v!r}")
+        return v
 
     @field_validator("draft", mode="before")
     @classmethod

@@ -54,6 +54,7 @@ class EngineConfig(BaseModel):
     # Launch the next step's draft before this step's tokens reach the host, so the host's bookkeeping
     # overlaps the draft on the device (used when the next step runs the same requests). None: on CUDA.
     spec_draft_ahead: bool | None = None
+    shareable_kv: bool = False  # pools another process may map (a decode engine's, for same-host hand-offs)
 
     @property
     def headroom(self) -> int:

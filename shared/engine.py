@@ -82,6 +82,8 @@ class Engine:
             raise ValueError(f"role must be both, prefill or decode, got {role!r}")
         self.role = role
         config = config or EngineConfig()
+        if role == "decode" and not config.shareable_kv:  # a same-host prefill writes into its pools
+            config = config.model_copy(update={"shareable_kv": True})
         self.config = config
         self.device = torch.device(config.device)
         if config.device.startswith("cuda") and not torch.cuda.is_available():
@@ -293,12 +295,18 @@ class Engine:
             raise RequestError("request_id", f"{rid!r} is already here")
         return self.scheduler.admit_handoff(rid, prompt_ids, output_ids, output_logprobs, params, committed_len)
 
-    def page_sink(self, req: Request, guard: PageGuard) -> PageSink | None:
-        """Decode role: the receiving side of ``req``'s transfer, writing into its reserved pages; None
-        when ``req`` is no longer this engine's request waiting for its K/V (it was aborted)."""
+    def page_sink(self, req: Request, guard: PageGuard, in_place: bool = False) -> PageSink | None:
+        """Decode role: the receiving side of ``req``'s transfer, writing into its reserved pages (or, with
+        ``in_place``, checking that the sender wrote them itself); None when ``req`` is no longer this
+        engine's request waiting for its K/V (it was aborted)."""
         if not self.scheduler.holds(req) or req.stage is not Stage.RECEIVING:
             return None
-        return PageSink(req.rid, self.scheduler.caches, self.page_ids(req), guard)
+        return PageSink(req.rid, self.scheduler.caches, self.page_ids(req), guard, in_place)
+
+    def kv_pools(self) -> list[torch.Tensor]:
+        """Per cache (target first), its whole K/V pool: what a decode engine exports to a same-host
+        prefill (``shared.handoff.ipc``), fixed for the engine's life."""
+        return [c.pool for c in self.scheduler.caches]
 
     def activate_handoff(self, req: Request, committed_len: int, draft_state: DraftState | None = None) -> bool:
         """The K/V has arrived: the request resumes straight into the decode loop (no pseudo-forward).

@@ -45,6 +45,7 @@ from shared.handoff import (
     decode_draft_state,
     sampling_from_pb,
 )
+from shared.handoff.ipc import export_pools, host_id
 from shared.request import Request, RequestError
 from shared.telemetry import Telemetry
 
@@ -56,7 +57,7 @@ class NoReservation(LookupError):
     pass
 
 
-@dataclass
+@dataclass(eq=False)
 class Incoming:
     """One handed-off request on this instance, from Reserve to the end of its stream."""
 
@@ -68,6 +69,9 @@ class Incoming:
     guard: PageGuard = field(default_factory=PageGuard)
     receiving: bool = False  # a Transfer has opened
     streaming: bool = False  # a Stream has attached
+    in_place: bool = False  # the sender writes the pages itself (ipc): they stay reserved while it may write
+    writer_done: bool = False  # in_place: the sender writes no page any more (its Transfer opened, or it said so)
+    deferred: str | None = None  # in_place: aborted while the sender might still write; released at the deadline
 
 
 class DecodeServicer(pb_grpc.DecodeServicer):
@@ -77,10 +81,14 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.log = loop.log
         self.instance_id = instance_id
         self.schema = loop.schema
-        self.transport = transport or GrpcStreamTransport()
+        self.transport = transport or GrpcStreamTransport()  # receives both transports' transfers
+        forced = settings.handoff_transport
+        self.exported = export_pools(loop.kv_pools) if forced != "grpc-stream" else b""  # once, for every prefill
+        self.offered = [t for t in ("ipc", "grpc-stream") if forced in ("auto", t) and (t != "ipc" or self.exported)]
         self._lock = threading.Lock()
         self._incoming: dict[str, Incoming] = {}
         self._reserving: set[str] = set()  # request ids between Reserve's checks and its reply
+        self._deferred: set[Incoming] = set()  # in-place reservations aborted while their sender may still write
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="decode-reaper", daemon=True)
         self._reaper.start()
@@ -96,7 +104,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
     def Handshake(self, request: pb.HandoffSchema, context):  # noqa: N802
         self._check_schema(request, context)
-        return pb.HandshakeResponse(instance_id=self.instance_id)
+        return pb.HandshakeResponse(instance_id=self.instance_id, host_id=host_id(), transports=self.offered,
+                                    pools=self.exported if "ipc" in self.offered else b"")
 
     def Reserve(self, request: pb.ReserveRequest, context):  # noqa: N802
         rid = request.request_id
@@ -115,6 +124,10 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             if rid in self._incoming or rid in self._reserving:
                 return pb.ReserveResponse(accepted=False, reason=f"request_id: {rid!r} is already here")
             self._reserving.add(rid)
+        if request.in_place and "ipc" not in self.offered:
+            with self._lock:
+                self._reserving.discard(rid)
+            return pb.ReserveResponse(accepted=False, reason=f"this decode instance offers {self.offered}, not ipc")
         try:
             return self._reserve(rid, request, params)
         finally:
@@ -125,11 +138,12 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         events = self.loop.subscribe(rid)
 
         def reserve(engine: Engine):
-            return engine.reserve_handoff(rid, list(request.prompt_ids), list(request.output_ids),
-                                          list(request.output_logprobs), params, request.committed_len)
+            req = engine.reserve_handoff(rid, list(request.prompt_ids), list(request.output_ids),
+                                         list(request.output_logprobs), params, request.committed_len)
+            return req, engine.page_ids(req) if req is not None and request.in_place else []
 
         try:
-            req = self.loop.call(reserve).result()
+            req, page_ids = self.loop.call(reserve).result()
         except RequestError as e:  # this instance can never hold it (or already has it): place elsewhere
             self.loop.unsubscribe(rid, events)
             self.log.event("refused", rid, reason=str(e))
@@ -141,13 +155,15 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             reason = f"no room now ({load.free_pages[0]} free target pages, {load.running} running)"
             self.log.event("refused", rid, reason=reason, kind="decode_full")
             return pb.ReserveResponse(accepted=False, reason=reason)
-        inc = Incoming(rid, req, request.committed_len, events,
+        inc = Incoming(rid, req, request.committed_len, events, in_place=request.in_place,
                        attach_deadline=time.monotonic() + self.settings.stream_attach_timeout_s)
         with self._lock:
             self._incoming[rid] = inc
         self.log.event("reserved", rid, prompt_tokens=len(request.prompt_ids), committed_len=request.committed_len,
-                       max_new_tokens=params.max_new_tokens)
-        return pb.ReserveResponse(accepted=True)
+                       max_new_tokens=params.max_new_tokens, in_place=request.in_place)
+        # In place, the sender writes until the attach deadline at the latest (the same host, the same clock).
+        return pb.ReserveResponse(accepted=True, pages=[pb.PageList(ids=p) for p in page_ids],
+                                  write_deadline=inc.attach_deadline if request.in_place else 0.0)
 
     # ---- the transfer ----------------------------------------------------------------------------
     def Transfer(self, request_iterator, context):  # noqa: N802
@@ -161,7 +177,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                     raise NoReservation(f"request_id: {rid!r} has no reservation waiting for a transfer here")
                 inc.receiving = True
             opened.append(inc)
-            sink = self.loop.call(lambda engine: engine.page_sink(inc.req, inc.guard)).result()
+            if inc.in_place:  # the sender opens the call only after its last write
+                self._writer_done(inc)
+            sink = self.loop.call(lambda engine: engine.page_sink(inc.req, inc.guard, inc.in_place)).result()
             if sink is None:
                 raise TransferCancelled(f"{rid} was aborted before its transfer")
             return sink
@@ -264,12 +282,35 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     def Abort(self, request: pb.AbortRequest, context):  # noqa: N802
         with self._lock:
             inc = self._incoming.get(request.request_id)
+        if inc is not None and request.sender_stopped and inc.in_place:
+            self._writer_done(inc)
         return pb.AbortResponse(found=inc is not None and self._abort(inc, "aborted by request"))
 
     def _abort(self, inc: Incoming, reason: str) -> bool:
         """Abort ``inc`` wherever it is (reserved, receiving, decoding); True if it was still running."""
         inc.guard.cancel()  # a transfer writes its pages no more (waits for a chunk being written)
+        with self._lock:
+            defer = inc.in_place and not inc.writer_done and time.monotonic() < inc.attach_deadline
+            if defer and inc.deferred is None:
+                inc.deferred = reason
+                self._deferred.add(inc)
+        if defer:  # another process may still be writing these pages: they go back at its deadline
+            self.log.event("abort_deferred", inc.rid, reason=reason, seconds_left=round(
+                inc.attach_deadline - time.monotonic(), 3))
+            inc.events.put(reason)
+            return True
+        return self._release(inc, reason)
 
+    def _writer_done(self, inc: Incoming) -> None:
+        """The in-place sender writes no page any more: an abort deferred for it completes now."""
+        with self._lock:
+            inc.writer_done = True
+            reason, inc.deferred = inc.deferred, None
+            self._deferred.discard(inc)
+        if reason is not None:
+            self._release(inc, reason)
+
+    def _release(self, inc: Incoming, reason: str) -> bool:
         def abort(engine: Engine) -> bool:
             return engine.release(inc.req, "abort")
 
@@ -295,7 +336,11 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         while not self._stop.wait(POLL_S):
             now = time.monotonic()
             with self._lock:
-                late = [i for i in self._incoming.values() if not i.streaming and i.attach_deadline < now]
+                late = [i for i in self._incoming.values()
+                        if not i.streaming and i.deferred is None and i.attach_deadline < now]
+                expired = [i for i in self._deferred if i.attach_deadline < now]
+            for inc in expired:  # the in-place sender's lease is over: it writes no page any more
+                self._writer_done(inc)
             for inc in late:
                 self.telemetry.errors_total.labels("stream_not_attached").inc()
                 self._abort(inc, f"no stream attached within {self.settings.stream_attach_timeout_s}s")

@@ -16,6 +16,7 @@ side. A client that goes away, or ``Prefill.Abort``, aborts the request wherever
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -37,9 +38,13 @@ from shared.handoff import (
     ChannelPool,
     DecodeClient,
     GrpcStreamTransport,
+    InPlaceTarget,
+    IpcTransport,
     PageSource,
     TransferCancelled,
+    TransferError,
     Transport,
+    negotiate,
     sampling_from_pb,
     sampling_to_pb,
 )
@@ -64,6 +69,7 @@ class HandoffOutcome:
     ack: pb.TransferAck | None = None
     seconds: float = 0.0
     code: grpc.StatusCode | None = None  # set on failure
+    transport: str = ""  # the transport that carried it
     message: str = ""
 
 
@@ -88,7 +94,12 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             chunk_pages(per_page, settings.handoff_chunk_bytes)
         self.channels = channels or auth_channel_pool(settings.api_key)  # the decode side asks for the key too
         self.client = DecodeClient(self.channels, self.schema)
-        self.transport = transport or GrpcStreamTransport(self.channels, settings.handoff_chunk_bytes)
+        # The transports, one chosen per decode instance at its handshake (``transport``: always that one).
+        self.transports: dict[str, Transport] = {
+            "grpc-stream": GrpcStreamTransport(self.channels, settings.handoff_chunk_bytes),
+            "ipc": IpcTransport(self.channels)}
+        self.fixed_transport = transport
+        self._chosen: dict[str, str] = {}  # decode address -> the transport logged for it
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
         self._workers = ThreadPoolExecutor(max_workers=settings.handoff_workers, thread_name_prefix="handoff")
@@ -211,7 +222,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         try:
             if job.source.guard.cancelled:
                 raise TransferCancelled(job.rid)
-            self.client.handshake(address, timeout)
+            transport = self._transport_to(address, self.client.handshake(address, timeout))
+            reserve.in_place = transport.name == "ipc"
             reply = self.client.reserve(address, reserve, timeout)
             if not reply.accepted:
                 self.telemetry.errors_total.labels("decode_full").inc()
@@ -220,14 +232,26 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                          message=f"decode {address} cannot hold the request now: {reply.reason}")
                 return
             reserved = True
-            ack = self.transport.send(address, job.source, timeout)
+            source = job.source
+            if reserve.in_place:  # a copy sharing the guard: an abort still stops the writes
+                target = InPlaceTarget(self.client.handshake(address, timeout).pools,
+                                       [list(p.ids) for p in reply.pages], reply.write_deadline)
+                source = dataclasses.replace(source, in_place=target)
+            ack = transport.send(address, source, timeout)
             self._release(job, "handed_off")  # only now: the decode side has every byte
-            outcome = HandoffOutcome(ack=ack, seconds=time.perf_counter() - t0)
+            outcome = HandoffOutcome(ack=ack, seconds=time.perf_counter() - t0, transport=transport.name)
             self.log.event("handoff_sent", job.rid, decode=address, bytes=ack.bytes, chunks=ack.chunks,
-                           seconds=round(outcome.seconds, 6))
+                           transport=transport.name, seconds=round(outcome.seconds, 6))
         except TransferCancelled:
             outcome = HandoffOutcome(code=grpc.StatusCode.ABORTED, message=f"{job.rid} was aborted during its hand-off")
+        except TransferError as e:  # a forced transport the two sides cannot use, or the in-place lease ran out
+            self.telemetry.errors_total.labels("handoff").inc()
+            outcome = HandoffOutcome(code=grpc.StatusCode.FAILED_PRECONDITION,
+                                     message=f"hand-off to decode {address} failed: {e}")
+            self.log.event("handoff_failed", job.rid, logging.WARNING, decode=address, reason=outcome.message)
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self.client.forget(address)  # it may come back restarted, with other pools
             kind = "schema_mismatch" if e.code() == grpc.StatusCode.FAILED_PRECONDITION else "handoff"
             self.telemetry.errors_total.labels(kind).inc()
             code = e.code() if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -247,6 +271,15 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                     self.client.abort(address, job.rid)
                 self._release(job, "abort")
             job.events.put(outcome)
+
+    def _transport_to(self, address: str, reply: pb.HandshakeResponse) -> Transport:
+        if self.fixed_transport is not None:
+            return self.fixed_transport
+        name, why = negotiate(self.settings.handoff_transport, reply, self.loop.device)
+        if address not in self._chosen:
+            self._chosen[address] = name
+            self.log.event("transport_chosen", decode=address, transport=name, reason=why)
+        return self.transports[name]
 
     def _release(self, job: Job, reason: str) -> None:
         def release(engine: Engine) -> bool:
@@ -304,7 +337,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             if job.source is not None:
                 job.source.guard.cancel()
         self._workers.shutdown(wait=False, cancel_futures=True)
-        self.transport.close()
+        for transport in self.transports.values():
+            transport.close()
         self.channels.close()
 
 

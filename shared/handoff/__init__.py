@@ -1,6 +1,7 @@
 """The prefill -> decode hand-off: the schema both sides agree on (``schema``), the KV wire format
 (``wire``: page-aligned, checksummed, coalesced chunks), and the transports that carry it
-(``transport``: the ``Transport`` interface and its gRPC-stream implementation).
+(``transport``: the ``Transport`` interface, the same-host ``ipc`` transport over ``ipc``'s mapped pools,
+and the gRPC stream for any network, chosen per decode instance at the handshake).
 
 A request's hand-off carries its target KV pages (all layers), its draft KV pages (every draft cache,
 all layers) and its ``shared.spec.state.DraftState``; the decode side reserves the pages first and
@@ -11,8 +12,17 @@ from __future__ import annotations
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from shared.handoff.schema import SCHEMA_VERSION, CacheShape, HandoffSchema, SchemaMismatch
-from shared.handoff.transport import ChannelPool, DecodeClient, GrpcStreamTransport, Transport
+from shared.handoff.transport import (
+    TRANSPORTS,
+    ChannelPool,
+    DecodeClient,
+    GrpcStreamTransport,
+    IpcTransport,
+    Transport,
+    negotiate,
+)
 from shared.handoff.wire import (
+    InPlaceTarget,
     PageGuard,
     PageRun,
     PageSink,
@@ -51,8 +61,9 @@ def sampling_from_pb(msg: pb.SamplingParams, default_max_new_tokens: int = 16):
 
 
 __all__ = [
-    "SCHEMA_VERSION", "CacheShape", "ChannelPool", "DecodeClient", "GrpcStreamTransport", "HandoffSchema",
-    "PageGuard", "PageRun", "PageSink", "PageSource", "Received", "SchemaMismatch", "TransferCancelled",
+    "SCHEMA_VERSION", "TRANSPORTS", "CacheShape", "ChannelPool", "DecodeClient", "GrpcStreamTransport",
+    "HandoffSchema", "InPlaceTarget", "IpcTransport", "PageGuard", "PageRun", "PageSink", "PageSource", "Received",
+    "SchemaMismatch", "TransferCancelled",
     "TransferError", "Transport", "coalesce", "decode_draft_state", "encode_draft_state", "iter_chunks",
-    "plan_slices", "sampling_from_pb", "sampling_to_pb",
+    "negotiate", "plan_slices", "sampling_from_pb", "sampling_to_pb",
 ]

@@ -8,11 +8,18 @@ reservation, aborts) is always gRPC. Data goes through a ``Transport``:
 - receiving side: ``receive(messages, open_sink) -> Received`` writes them into the pages the decode
   side reserved (``open_sink(rid)`` returns the request's ``PageSink``).
 
-``GrpcStreamTransport`` streams page-aligned chunks over the ``Decode.Transfer`` client stream (works
-on the CPU and across hosts; gRPC flow control bounds the bytes in flight). An NCCL transport between
-GPUs implements the same two calls: ``send`` would post the request's page slices as NCCL sends and
-use a control message for the count and the draft state, ``receive`` the matching receives straight
-into the sink's pages.
+Two transports, chosen per decode address at the handshake (``negotiate``):
+
+- ``IpcTransport`` ("ipc"): same host. The decode side exported its pools in its handshake reply; the
+  prefill side writes the pages straight into the reserved ones (``shared.handoff.ipc``: CUDA IPC on
+  the same or a peer GPU, shared memory on the CPU), then sends one ``in_place`` message with the
+  draft state over ``Decode.Transfer`` and waits for the acknowledgement.
+- ``GrpcStreamTransport`` ("grpc-stream"): any network. Page-aligned chunks over the
+  ``Decode.Transfer`` client stream (gRPC flow control bounds the bytes in flight).
+
+The receiving side is one code path for both (``receive``): an in-place message marks every page
+written, a byte chunk is copied into its pages. NIXL (RDMA/UCX across hosts) would be a third
+``Transport``; it is not built here (it needs GPUs and NICs to measure against the gRPC path).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import grpc
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
+from shared.handoff.ipc import host_id, open_pools, reachable, write_in_place
 from shared.handoff.schema import HandoffSchema
 from shared.handoff.wire import PageSink, PageSource, Received, TransferCancelled, TransferError, iter_chunks
 
@@ -61,23 +69,35 @@ class DecodeClient:
 
     def __init__(self, channels: ChannelPool, schema: HandoffSchema):
         self.channels, self.schema = channels, schema
-        self._agreed: set[str] = set()  # addresses whose handshake passed
+        self._agreed: dict[str, pb.HandshakeResponse] = {}  # addresses whose handshake passed, their replies
+        self._lock = threading.Lock()
 
-    def handshake(self, address: str, timeout: float) -> None:
-        """Check schemas once per address; raises grpc.RpcError (FAILED_PRECONDITION naming both sides)."""
-        if address in self._agreed:
-            return
-        self.channels.decode_stub(address).Handshake(self.schema.to_pb(), timeout=timeout)
-        self._agreed.add(address)
+    def handshake(self, address: str, timeout: float) -> pb.HandshakeResponse:
+        """Check schemas once per address (raises grpc.RpcError: FAILED_PRECONDITION naming both sides);
+        returns the decode instance's reply (its host, the transports it accepts, its exported pools)."""
+        with self._lock:
+            reply = self._agreed.get(address)
+        if reply is None:
+            reply = self.channels.decode_stub(address).Handshake(self.schema.to_pb(), timeout=timeout)
+            with self._lock:
+                self._agreed[address] = reply
+        return reply
+
+    def forget(self, address: str) -> None:
+        """Handshake again next time (the instance may have restarted with other pools)."""
+        with self._lock:
+            self._agreed.pop(address, None)
 
     def reserve(self, address: str, request: pb.ReserveRequest, timeout: float) -> pb.ReserveResponse:
         request.schema.CopyFrom(self.schema.to_pb())  # checked again: the instance may have restarted
         return self.channels.decode_stub(address).Reserve(request, timeout=timeout)
 
     def abort(self, address: str, rid: str, timeout: float = 2.0) -> bool:
-        """Best effort (the decode side also frees reservations nobody streams)."""
+        """Best effort (the decode side also frees reservations nobody streams). The sender calls it once
+        it writes no page any more, so an in-place reservation is freed at once."""
         try:
-            return self.channels.decode_stub(address).Abort(pb.AbortRequest(request_id=rid), timeout=timeout).found
+            msg = pb.AbortRequest(request_id=rid, sender_stopped=True)
+            return self.channels.decode_stub(address).Abort(msg, timeout=timeout).found
         except grpc.RpcError:
             return False
 
@@ -111,15 +131,7 @@ class GrpcStreamTransport(Transport):
 
     def send(self, address: str, source: PageSource, timeout: float) -> pb.TransferAck:
         call = self.channels.decode_stub(address).Transfer.future(self._messages(source), timeout=timeout)
-        while True:
-            try:
-                return call.result(timeout=0.05)
-            except grpc.FutureTimeoutError:
-                if source.guard.cancelled:
-                    call.cancel()
-                    raise TransferCancelled(f"{source.rid}: released during its transfer") from None
-            except grpc.FutureCancelledError:
-                raise TransferCancelled(f"{source.rid}: transfer cancelled") from None
+        return await_ack(call, source)
 
     def _messages(self, source: PageSource) -> Iterator[pb.KVChunk]:
         # A cancelled transfer just stops sending: the receiver sees an incomplete transfer and frees
@@ -146,3 +158,81 @@ class GrpcStreamTransport(Transport):
 
     def close(self) -> None:
         self.channels.close()
+
+
+def await_ack(call, source: PageSource) -> pb.TransferAck:
+    """The Transfer call's acknowledgement; a cancelled guard cancels the call (TransferCancelled)."""
+    while True:
+        try:
+            return call.result(timeout=0.05)
+        except grpc.FutureTimeoutError:
+            if source.guard.cancelled:
+                call.cancel()
+                raise TransferCancelled(f"{source.rid}: released during its transfer") from None
+        except grpc.FutureCancelledError:
+            raise TransferCancelled(f"{source.rid}: transfer cancelled") from None
+
+
+class IpcTransport(GrpcStreamTransport):
+    """Same host: pages written straight into the decode pools; control (the in-place message carrying
+    the draft state, and the acknowledgement) over ``Decode.Transfer``. Receives like the gRPC stream."""
+
+    name = "ipc"
+
+    def __init__(self, channels: ChannelPool | None = None):
+        super().__init__(channels)
+        self._pools: dict[str, tuple[bytes, list]] = {}  # address -> (its export, the mapped pools)
+        self._lock = threading.Lock()
+
+    def pools(self, address: str, exported: bytes) -> list:
+        """The decode instance's pools, mapped once per export (a restarted instance exports new ones)."""
+        with self._lock:
+            known = self._pools.get(address)
+        if known is not None and known[0] == exported:
+            return known[1]
+        pools = open_pools(exported)
+        with self._lock:
+            self._pools[address] = (exported, pools)
+        return pools
+
+    def send(self, address: str, source: PageSource, timeout: float) -> pb.TransferAck:
+        target = source.in_place
+        if target is None:
+            raise TransferError(f"{source.rid}: the ipc transport needs the decode side's reserved pages")
+        written = write_in_place(source, self.pools(address, target.exported), target.page_ids, target.deadline)
+        msg = pb.KVChunk(request_id=source.rid, seq=0, last=True, total_chunks=1, in_place=True,
+                         in_place_bytes=written, draft_state=source.draft_state)
+        call = self.channels.decode_stub(address).Transfer.future(iter([msg]), timeout=timeout)
+        return await_ack(call, source)
+
+    def close(self) -> None:
+        with self._lock:
+            self._pools.clear()
+        super().close()
+
+
+TRANSPORTS = ("ipc", "grpc-stream")
+
+
+def negotiate(forced: str, reply: pb.HandshakeResponse, device) -> tuple[str, str]:
+    """The transport to a decode instance from its handshake reply: (name, why). ``forced`` is "auto" or
+    a name; a forced transport the two sides cannot use raises TransferError naming why."""
+    if forced not in ("auto", *TRANSPORTS):
+        raise TransferError(f"handoff_transport: {forced!r} is not one of auto, {', '.join(TRANSPORTS)}")
+    offered = list(reply.transports) or ["grpc-stream"]  # an older decode instance offers only the stream
+    why_not_ipc = None
+    if "ipc" not in offered:
+        why_not_ipc = "the decode instance does not offer ipc"
+    elif reply.host_id != host_id():
+        why_not_ipc = "the decode instance runs on another host"
+    else:
+        why_not_ipc = reachable(reply.pools, device)
+    if forced == "ipc" and why_not_ipc:
+        raise TransferError(f"handoff_transport ipc was forced, but {why_not_ipc}")
+    if forced == "grpc-stream" and "grpc-stream" not in offered:
+        raise TransferError("handoff_transport grpc-stream was forced, but the decode instance does not offer it")
+    if forced != "auto":
+        return forced, "forced"
+    if why_not_ipc is None:
+        return "ipc", "same host, pools reachable"
+    return "grpc-stream", why_not_ipc

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -135,8 +136,53 @@ def _raw(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
 
+def _view(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A read-only tensor over a message's bytes (only ever copied from)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable": it is never written
+        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape)
+
+
+class Staging:
+    """Device -> host reads of a transfer's slices, one ahead: slice i+1 is copied into pinned memory on a
+    side stream while slice i is checksummed and sent (on the CPU a slice's bytes are read directly)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.default_stream(device))  # the pages' writes were queued there
+
+    def start(self, k: torch.Tensor, v: torch.Tensor):
+        """Begin reading one slice; ``finish`` of what this returns gives its bytes."""
+        if not self.cuda:
+            return k, v, None
+        with torch.cuda.stream(self.stream):
+            hk = torch.empty(k.shape, dtype=k.dtype, pin_memory=True).copy_(k, non_blocking=True)
+            hv = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return hk, hv, done
+
+    @staticmethod
+    def finish(pending) -> tuple[bytes, bytes]:
+        k, v, done = pending
+        if done is not None:
+            done.synchronize()
+        return _raw(k), _raw(v)
+
+
 def checksum(k: bytes, v: bytes) -> int:
     return zlib.crc32(v, zlib.crc32(k))
+
+
+@dataclass(frozen=True)
+class InPlaceTarget:
+    """Where an in-place (ipc) hand-off writes: the decode side's reservation."""
+
+    exported: bytes  # the decode instance's exported pools (its handshake reply)
+    page_ids: list[list[int]]  # per cache (target first), the reserved pages in position order
+    deadline: float  # the host's CLOCK_MONOTONIC time after which no page may be written
 
 
 @dataclass
@@ -148,17 +194,20 @@ class PageSource:
     page_ids: list[list[int]]  # per cache, the request's pages in position order
     draft_state: bytes  # DraftState.to_bytes(), or b"" without a draft
     guard: PageGuard = field(default_factory=PageGuard)
+    in_place: InPlaceTarget | None = None  # set (by a copy sharing the guard) once an ipc reservation is made
 
 
 def iter_chunks(source: PageSource, chunk_bytes: int = 4 << 20) -> Iterator[pb.KVChunk]:
     """The request's pages as KVChunk messages, each read when it is asked for."""
     slices = plan_slices(source.caches, source.page_ids, chunk_bytes)
     total = max(1, len(slices))
+    staging = Staging(source.caches[0].pool.device) if source.caches else None
+    pending = None
     for seq, s in enumerate(slices):
-        cache = source.caches[s.cache]
-        lo, hi = s.page * cache.page_size, (s.page + s.count) * cache.page_size
-        with source.guard.access():
-            k, v = _raw(cache.k[s.layer][lo:hi]), _raw(cache.v[s.layer][lo:hi])
+        with source.guard.access():  # the slice's read (and the next one's start) happen under the guard
+            pending = pending or _start(staging, source, s)
+            k, v = staging.finish(pending)
+            pending = _start(staging, source, slices[seq + 1]) if seq + 1 < len(slices) else None
         chunk = pb.KVChunk(request_id=source.rid, seq=seq, cache=s.cache, layer=s.layer, first_page=s.first,
                            num_pages=s.count, k=k, v=v, crc32=checksum(k, v))
         if seq == total - 1:
@@ -167,6 +216,12 @@ def iter_chunks(source: PageSource, chunk_bytes: int = 4 << 20) -> Iterator[pb.K
     if not slices:  # a request without pages (never happens for a non-empty prompt): state only
         yield pb.KVChunk(request_id=source.rid, seq=0, crc32=checksum(b"", b""), last=True, total_chunks=1,
                          draft_state=source.draft_state)
+
+
+def _start(staging: Staging, source: PageSource, s: Slice):
+    cache = source.caches[s.cache]
+    lo, hi = s.page * cache.page_size, (s.page + s.count) * cache.page_size
+    return staging.start(cache.k[s.layer][lo:hi], cache.v[s.layer][lo:hi])
 
 
 @dataclass
@@ -180,9 +235,11 @@ class Received:
 class PageSink:
     """Writes one request's chunks into the pages reserved for it, checking each one."""
 
-    def __init__(self, rid: str, caches: list[KVCache], page_ids: list[list[int]], guard: PageGuard | None = None):
+    def __init__(self, rid: str, caches: list[KVCache], page_ids: list[list[int]], guard: PageGuard | None = None,
+                 in_place: bool = False):
         self.rid, self.caches, self.page_ids = rid, caches, page_ids
         self.guard = guard or PageGuard()
+        self.in_place = in_place  # reserved for a sender that writes the pages itself (ipc)
         # Times each (layer, page) of each cache was written: all ones at the end, never more.
         self.written = [torch.zeros(c.layout.num_layers, len(p), dtype=torch.int32) for c, p in zip(caches, page_ids)]
         self.received = 0
@@ -196,6 +253,8 @@ class PageSink:
             raise TransferError(f"{where} arrived as chunk {self.received}: chunks lost or out of order")
         if checksum(chunk.k, chunk.v) != chunk.crc32:
             raise TransferError(f"{where} failed its CRC32 check")
+        if chunk.in_place or self.in_place:
+            return self._written_in_place(chunk, where)
         self.received += 1
         self.bytes += len(chunk.k) + len(chunk.v) + len(chunk.draft_state)
         if chunk.num_pages == 0:
@@ -215,8 +274,7 @@ class PageSink:
         if bool((done > 0).any()):
             raise TransferError(f"{where} writes pages [{span.start}, {span.stop}) a second time")
         dtype = cache.k[0].dtype
-        k = torch.frombuffer(bytearray(chunk.k), dtype=torch.uint8).view(dtype).view(shape)
-        v = torch.frombuffer(bytearray(chunk.v), dtype=torch.uint8).view(dtype).view(shape)
+        k, v = _view(chunk.k, dtype, shape), _view(chunk.v, dtype, shape)  # no copy: read once, into the pages
         with self.guard.access():
             for run in coalesce(pages[span]):  # the destination pages, coalesced in their turn
                 lo, n = (run.first) * ps, run.count * ps
@@ -224,6 +282,19 @@ class PageSink:
                 cache.k[chunk.layer][dst].copy_(k[lo:lo + n])
                 cache.v[chunk.layer][dst].copy_(v[lo:lo + n])
         done += 1
+
+    def _written_in_place(self, chunk: pb.KVChunk, where: str) -> None:
+        """The sender wrote every page of every cache itself: one message, then the end."""
+        if not (chunk.in_place and self.in_place):
+            mode = "in place (ipc)" if self.in_place else "as bytes (grpc-stream)"
+            raise TransferError(f"{where}: the reservation was made for pages sent {mode}, the chunk does not match")
+        if chunk.k or chunk.v or not chunk.last:
+            raise TransferError(f"{where}: an in-place message carries no bytes and is the transfer's only one")
+        with self.guard.access():  # aborted meanwhile: TransferCancelled
+            self.received += 1
+            self.bytes += chunk.in_place_bytes + len(chunk.draft_state)
+            for w in self.written:
+                w += 1
 
     def _check_range(self, chunk: pb.KVChunk, where: str) -> None:
         if chunk.cache >= len(self.caches):

@@ -88,6 +88,7 @@ class CacheLayout:
     num_pages: int
     max_reqs: int
     max_context: int
+    shareable: bool = False  # another process may map the pools (the decode side of a same-host hand-off)
 
 
 @dataclass
@@ -98,6 +99,16 @@ class KVHandle:
     reserved: int = 0  # positions [0, reserved) have slots
 
 
+def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, shareable: bool) -> torch.Tensor:
+    """A zeroed pool. ``shareable`` on the CPU: in named shared memory from the start (torch's file_system
+    sharing, so an unrelated process can map it by name: ``shared.handoff.ipc``); CUDA memory is always
+    shareable through CUDA IPC handles."""
+    pool = torch.zeros(shape, dtype=dtype, device=device)
+    if shareable and pool.device.type == "cpu":
+        pool.untyped_storage()._share_filename_cpu_()
+    return pool
+
+
 class KVCache:
     def __init__(self, layout: CacheLayout):
         if layout.page_size < 1:
@@ -105,9 +116,11 @@ class KVCache:
         self.layout = layout
         self.page_size = layout.page_size
         num_slots = (layout.num_pages + 1) * layout.page_size
-        shape = (num_slots, layout.num_kv_heads, layout.head_dim)
-        self.k = [torch.zeros(shape, dtype=layout.dtype, device=layout.device) for _ in range(layout.num_layers)]
-        self.v = [torch.zeros(shape, dtype=layout.dtype, device=layout.device) for _ in range(layout.num_layers)]
+        # One allocation per cache, [K/V, layer, slot, kv head, head dim]: one handle shares it all.
+        self.pool = allocate_pool((2, layout.num_layers, num_slots, layout.num_kv_heads, layout.head_dim), layout.dtype,
+                                  layout.device, layout.shareable)
+        self.k = list(self.pool[0])  # per layer [slots, kv heads, head dim], views of the pool
+        self.v = list(self.pool[1])
         self.allocator = PageAllocator(layout.num_pages)
         self.req_to_token = ReqToTokenMap(layout.max_reqs, layout.max_context, layout.device)
 

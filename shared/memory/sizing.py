@@ -18,5 +18,5 @@ def make_cache(config: ModelConfig, num_layers: int, engine: EngineConfig, max_c
     return KVCache(CacheLayout(
         num_layers=num_layers, num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
         dtype=parse_dtype(engine.dtype), device=torch.device(engine.device), page_size=engine.page_size,
-        num_pages=num_pages, max_reqs=engine.max_running, max_context=max_context,
+        num_pages=num_pages, max_reqs=engine.max_running, max_context=max_context, shareable=engine.shareable_kv,
     ))

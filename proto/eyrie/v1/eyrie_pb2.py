@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65yrie/v1/eyrie.proto\x12\x08\x65yrie.v1\"\xa3\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xad\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.eyrie.v1.TokenIdsH\x00\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.eyrie.v1.SamplingParams\x12\x17\n\x0freturn_logprobs\x18\x05 \x01(\x08\x42\x08\n\x06prompt\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x93\x01\n\tSpecStats\x12\x14\n\x0cverify_steps\x18\x01 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_drafts\x18\x02 \x01(\r\x12\x15\n\raccept_length\x18\x03 \x01(\x01\x12\x13\n\x0b\x61\x63\x63\x65pt_rate\x18\x04 \x01(\x01\x12\x14\n\x0c\x64raft_time_s\x18\x05 \x01(\x01\x12\x15\n\rverify_time_s\x18\x06 \x01(\x01\"~\n\x06\x46inish\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.eyrie.v1.Usage\x12!\n\x04spec\x18\x03 \x01(\x0b\x32\x13.eyrie.v1.SpecStats\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\"{\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12 \n\x06\x66inish\x18\x05 \x01(\x0b\x32\x10.eyrie.v1.Finish\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"W\n\nSpecConfig\x12\x12\n\ndraft_kind\x18\x01 \x01(\t\x12\x0c\n\x04topk\x18\x02 \x01(\r\x12\r\n\x05steps\x18\x03 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\r\"\xa0\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\"\n\x04spec\x18\x06 \x01(\x0b\x32\x14.eyrie.v1.SpecConfig\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\"H\n\nCacheShape\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\"\xbc\x01\n\rHandoffSchema\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12$\n\x06\x63\x61\x63hes\x18\x04 \x03(\x0b\x32\x14.eyrie.v1.CacheShape\x12\"\n\x04spec\x18\x05 \x01(\x0b\x32\x14.eyrie.v1.SpecConfig\x12\x1a\n\x12\x64raft_hidden_width\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\"|\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.eyrie.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\"F\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\";\n\tHandedOff\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0e\n\x06\x63hunks\x18\x03 \x01(\r\"o\n\x0cPrefillEvent\x12+\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x14.eyrie.v1.FirstTokenH\x00\x12)\n\nhanded_off\x18\x02 \x01(\x0b\x32\x13.eyrie.v1.HandedOffH\x00\x42\x07\n\x05\x65vent\"(\n\x11HandshakeResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\xd1\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\noutput_ids\x18\x03 \x03(\x05\x12\x17\n\x0foutput_logprobs\x18\x04 \x03(\x02\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.eyrie.v1.SamplingParams\x12\x15\n\rcommitted_len\x18\x06 \x01(\r\x12\'\n\x06schema\x18\x07 \x01(\x0b\x32\x17.eyrie.v1.HandoffSchema\"3\n\x0fReserveResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xcd\x01\n\x07KVChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x63\x61\x63he\x18\x02 \x01(\r\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x12\n\nfirst_page\x18\x04 \x01(\r\x12\x11\n\tnum_pages\x18\x05 \x01(\r\x12\t\n\x01k\x18\x06 \x01(\x0c\x12\t\n\x01v\x18\x07 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x08 \x01(\r\x12\x13\n\x0b\x64raft_state\x18\t \x01(\x0c\x12\x0c\n\x04last\x18\n \x01(\x08\x12\x14\n\x0ctotal_chunks\x18\x0b \x01(\r\x12\x0b\n\x03seq\x18\x0c \x01(\r\",\n\x0bTransferAck\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\r\"#\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t2\xcc\x01\n\nGeneration\x12\x43\n\x08Generate\x12\x19.eyrie.v1.GenerateRequest\x1a\x1a.eyrie.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.eyrie.v1.AbortRequest\x1a\x17.eyrie.v1.AbortResponse\x12?\n\x0cGetModelInfo\x12\x1a.eyrie.v1.ModelInfoRequest\x1a\x13.eyrie.v1.ModelInfo2\x82\x01\n\x07Prefill\x12=\n\x07Prefill\x12\x18.eyrie.v1.PrefillRequest\x1a\x16.eyrie.v1.PrefillEvent0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.eyrie.v1.AbortRequest\x1a\x17.eyrie.v1.AbortResponse2\xbe\x02\n\x06\x44\x65\x63ode\x12\x41\n\tHandshake\x12\x17.eyrie.v1.HandoffSchema\x1a\x1b.eyrie.v1.HandshakeResponse\x12>\n\x07Reserve\x12\x18.eyrie.v1.ReserveRequest\x1a\x19.eyrie.v1.ReserveResponse\x12\x36\n\x08Transfer\x12\x11.eyrie.v1.KVChunk\x1a\x15.eyrie.v1.TransferAck(\x01\x12?\n\x06Stream\x12\x17.eyrie.v1.StreamRequest\x1a\x1a.eyrie.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.eyrie.v1.AbortRequest\x1a\x17.eyrie.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65yrie/v1/eyrie.proto\x12\x08\x65yrie.v1\"\xa3\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xad\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.eyrie.v1.TokenIdsH\x00\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.eyrie.v1.SamplingParams\x12\x17\n\x0freturn_logprobs\x18\x05 \x01(\x08\x42\x08\n\x06prompt\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x93\x01\n\tSpecStats\x12\x14\n\x0cverify_steps\x18\x01 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_drafts\x18\x02 \x01(\r\x12\x15\n\raccept_length\x18\x03 \x01(\x01\x12\x13\n\x0b\x61\x63\x63\x65pt_rate\x18\x04 \x01(\x01\x12\x14\n\x0c\x64raft_time_s\x18\x05 \x01(\x01\x12\x15\n\rverify_time_s\x18\x06 \x01(\x01\"~\n\x06\x46inish\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.eyrie.v1.Usage\x12!\n\x04spec\x18\x03 \x01(\x0b\x32\x13.eyrie.v1.SpecStats\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\"{\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12 \n\x06\x66inish\x18\x05 \x01(\x0b\x32\x10.eyrie.v1.Finish\":\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0esender_stopped\x18\x02 \x01(\x08\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"W\n\nSpecConfig\x12\x12\n\ndraft_kind\x18\x01 \x01(\t\x12\x0c\n\x04topk\x18\x02 \x01(\r\x12\r\n\x05steps\x18\x03 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\r\"\xa0\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\"\n\x04spec\x18\x06 \x01(\x0b\x32\x14.eyrie.v1.SpecConfig\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\"H\n\nCacheShape\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\"\xbc\x01\n\rHandoffSchema\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12$\n\x06\x63\x61\x63hes\x18\x04 \x03(\x0b\x32\x14.eyrie.v1.CacheShape\x12\"\n\x04spec\x18\x05 \x01(\x0b\x32\x14.eyrie.v1.SpecConfig\x12\x1a\n\x12\x64raft_hidden_width\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\"|\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.eyrie.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\"F\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\";\n\tHandedOff\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0e\n\x06\x63hunks\x18\x03 \x01(\r\"o\n\x0cPrefillEvent\x12+\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x14.eyrie.v1.FirstTokenH\x00\x12)\n\nhanded_off\x18\x02 \x01(\x0b\x32\x13.eyrie.v1.HandedOffH\x00\x42\x07\n\x05\x65vent\"\\\n\x11HandshakeResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x12\n\ntransports\x18\x03 \x03(\t\x12\r\n\x05pools\x18\x04 \x01(\x0c\"\xe3\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\noutput_ids\x18\x03 \x03(\x05\x12\x17\n\x0foutput_logprobs\x18\x04 \x03(\x02\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.eyrie.v1.SamplingParams\x12\x15\n\rcommitted_len\x18\x06 \x01(\r\x12\'\n\x06schema\x18\x07 \x01(\x0b\x32\x17.eyrie.v1.HandoffSchema\x12\x10\n\x08in_place\x18\x08 \x01(\x08\"\x17\n\x08PageList\x12\x0b\n\x03ids\x18\x01 \x03(\r\"n\n\x0fReserveResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12!\n\x05pages\x18\x03 \x03(\x0b\x32\x12.eyrie.v1.PageList\x12\x16\n\x0ewrite_deadline\x18\x04 \x01(\x01\"\xf7\x01\n\x07KVChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x63\x61\x63he\x18\x02 \x01(\r\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x12\n\nfirst_page\x18\x04 \x01(\r\x12\x11\n\tnum_pages\x18\x05 \x01(\r\x12\t\n\x01k\x18\x06 \x01(\x0c\x12\t\n\x01v\x18\x07 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x08 \x01(\r\x12\x13\n\x0b\x64raft_state\x18\t \x01(\x0c\x12\x0c\n\x04last\x18\n \x01(\x08\x12\x14\n\x0ctotal_chunks\x18\x0b \x01(\r\x12\x0b\n\x03seq\x18\x0c \x01(\r\x12\x10\n\x08in_place\x18\r \x01(\x08\x12\x16\n\x0ein_place_bytes\x18\x0e \x01(\x04\",\n\x0bTransferAck\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\r\"#\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t2\xcc\x01\n\nGeneration\x12\x43\n\x08Generate\x12\x19.eyrie.v1.GenerateRequest\x1a\x1a.eyrie.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.eyrie.v1.AbortRequest\x1a\x17.eyrie.v1.AbortResponse\x12?\n\x0cGetModelInfo\x12\x1a.eyrie.v1.ModelInfoRequest\x1a\x13.eyrie.v1.ModelInfo2\x82\x01\n\x07Prefill\x12=\n\x07Prefill\x12\x18.eyrie.v1.PrefillRequest\x1a\x16.eyrie.v1.PrefillEvent0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.eyrie.v1.AbortRequest\x1a\x17.eyrie.v1.AbortResponse2\xbe\x02\n\x06\x44\x65\x63ode\x12\x41\n\tHandshake\x12\x17.eyrie.v1.HandoffSchema\x1a\x1b.eyrie.v1.HandshakeResponse\x12>\n\x07Reserve\x12\x18.eyrie.v1.ReserveRequest\x1a\x19.eyrie.v1.ReserveResponse\x12\x36\n\x08Transfer\x12\x11.eyrie.v1.KVChunk\x1a\x15.eyrie.v1.TransferAck(\x01\x12?\n\x06Stream\x12\x17.eyrie.v1.StreamRequest\x1a\x1a.eyrie.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.eyrie.v1.AbortRequest\x1a\x17.eyrie.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,43 +46,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_start=738
   _globals['_GENERATERESPONSE']._serialized_end=861
   _globals['_ABORTREQUEST']._serialized_start=863
-  _globals['_ABORTREQUEST']._serialized_end=897
-  _globals['_ABORTRESPONSE']._serialized_start=899
-  _globals['_ABORTRESPONSE']._serialized_end=929
-  _globals['_MODELINFOREQUEST']._serialized_start=931
-  _globals['_MODELINFOREQUEST']._serialized_end=949
-  _globals['_SPECCONFIG']._serialized_start=951
-  _globals['_SPECCONFIG']._serialized_end=1038
-  _globals['_MODELINFO']._serialized_start=1041
-  _globals['_MODELINFO']._serialized_end=1201
-  _globals['_CACHESHAPE']._serialized_start=1203
-  _globals['_CACHESHAPE']._serialized_end=1275
-  _globals['_HANDOFFSCHEMA']._serialized_start=1278
-  _globals['_HANDOFFSCHEMA']._serialized_end=1466
-  _globals['_PREFILLREQUEST']._serialized_start=1468
-  _globals['_PREFILLREQUEST']._serialized_end=1592
-  _globals['_FIRSTTOKEN']._serialized_start=1594
-  _globals['_FIRSTTOKEN']._serialized_end=1664
-  _globals['_HANDEDOFF']._serialized_start=1666
-  _globals['_HANDEDOFF']._serialized_end=1725
-  _globals['_PREFILLEVENT']._serialized_start=1727
-  _globals['_PREFILLEVENT']._serialized_end=1838
-  _globals['_HANDSHAKERESPONSE']._serialized_start=1840
-  _globals['_HANDSHAKERESPONSE']._serialized_end=1880
-  _globals['_RESERVEREQUEST']._serialized_start=1883
-  _globals['_RESERVEREQUEST']._serialized_end=2092
-  _globals['_RESERVERESPONSE']._serialized_start=2094
-  _globals['_RESERVERESPONSE']._serialized_end=2145
-  _globals['_KVCHUNK']._serialized_start=2148
-  _globals['_KVCHUNK']._serialized_end=2353
-  _globals['_TRANSFERACK']._serialized_start=2355
-  _globals['_TRANSFERACK']._serialized_end=2399
-  _globals['_STREAMREQUEST']._serialized_start=2401
-  _globals['_STREAMREQUEST']._serialized_end=2436
-  _globals['_GENERATION']._serialized_start=2439
-  _globals['_GENERATION']._serialized_end=2643
-  _globals['_PREFILL']._serialized_start=2646
-  _globals['_PREFILL']._serialized_end=2776
-  _globals['_DECODE']._serialized_start=2779
-  _globals['_DECODE']._serialized_end=3097
+  _globals['_ABORTREQUEST']._serialized_end=921
+  _globals['_ABORTRESPONSE']._serialized_start=923
+  _globals['_ABORTRESPONSE']._serialized_end=953
+  _globals['_MODELINFOREQUEST']._serialized_start=955
+  _globals['_MODELINFOREQUEST']._serialized_end=973
+  _globals['_SPECCONFIG']._serialized_start=975
+  _globals['_SPECCONFIG']._serialized_end=1062
+  _globals['_MODELINFO']._serialized_start=1065
+  _globals['_MODELINFO']._serialized_end=1225
+  _globals['_CACHESHAPE']._serialized_start=1227
+  _globals['_CACHESHAPE']._serialized_end=1299
+  _globals['_HANDOFFSCHEMA']._serialized_start=1302
+  _globals['_HANDOFFSCHEMA']._serialized_end=1490
+  _globals['_PREFILLREQUEST']._serialized_start=1492
+  _globals['_PREFILLREQUEST']._serialized_end=1616
+  _globals['_FIRSTTOKEN']._serialized_start=1618
+  _globals['_FIRSTTOKEN']._serialized_end=1688
+  _globals['_HANDEDOFF']._serialized_start=1690
+  _globals['_HANDEDOFF']._serialized_end=1749
+  _globals['_PREFILLEVENT']._serialized_start=1751
+  _globals['_PREFILLEVENT']._serialized_end=1862
+  _globals['_HANDSHAKERESPONSE']._serialized_start=1864
+  _globals['_HANDSHAKERESPONSE']._serialized_end=1956
+  _globals['_RESERVEREQUEST']._serialized_start=1959
+  _globals['_RESERVEREQUEST']._serialized_end=2186
+  _globals['_PAGELIST']._serialized_start=2188
+  _globals['_PAGELIST']._serialized_end=2211
+  _globals['_RESERVERESPONSE']._serialized_start=2213
+  _globals['_RESERVERESPONSE']._serialized_end=2323
+  _globals['_KVCHUNK']._serialized_start=2326
+  _globals['_KVCHUNK']._serialized_end=2573
+  _globals['_TRANSFERACK']._serialized_start=2575
+  _globals['_TRANSFERACK']._serialized_end=2619
+  _globals['_STREAMREQUEST']._serialized_start=2621
+  _globals['_STREAMREQUEST']._serialized_end=2656
+  _globals['_GENERATION']._serialized_start=2659
+  _globals['_GENERATION']._serialized_end=2863
+  _globals['_PREFILL']._serialized_start=2866
+  _globals['_PREFILL']._serialized_end=2996
+  _globals['_DECODE']._serialized_start=2999
+  _globals['_DECODE']._serialized_end=3317
 # @@protoc_insertion_point(module_scope)

@@ -97,10 +97,12 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "sender_stopped")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_STOPPED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    sender_stopped: bool
+    def __init__(self, request_id: _Optional[str] = ..., sender_stopped: _Optional[bool] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
@@ -211,13 +213,19 @@ class PrefillEvent(_message.Message):
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., handed_off: _Optional[_Union[HandedOff, _Mapping]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("instance_id",)
+    __slots__ = ("instance_id", "host_id", "transports", "pools")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
-    def __init__(self, instance_id: _Optional[str] = ...) -> None: ...
+    host_id: str
+    transports: _containers.RepeatedScalarFieldContainer[str]
+    pools: bytes
+    def __init__(self, instance_id: _Optional[str] = ..., host_id: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., pools: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "output_ids", "output_logprobs", "sampling", "committed_len", "schema")
+    __slots__ = ("request_id", "prompt_ids", "output_ids", "output_logprobs", "sampling", "committed_len", "schema", "in_place")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +233,7 @@ class ReserveRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     output_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -232,18 +241,29 @@ class ReserveRequest(_message.Message):
     sampling: SamplingParams
     committed_len: int
     schema: HandoffSchema
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., output_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., committed_len: _Optional[int] = ..., schema: _Optional[_Union[HandoffSchema, _Mapping]] = ...) -> None: ...
+    in_place: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., output_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., committed_len: _Optional[int] = ..., schema: _Optional[_Union[HandoffSchema, _Mapping]] = ..., in_place: _Optional[bool] = ...) -> None: ...
+
+class PageList(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("accepted", "reason")
+    __slots__ = ("accepted", "reason", "pages", "write_deadline")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    pages: _containers.RepeatedCompositeFieldContainer[PageList]
+    write_deadline: float
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., pages: _Optional[_Iterable[_Union[PageList, _Mapping]]] = ..., write_deadline: _Optional[float] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("request_id", "cache", "layer", "first_page", "num_pages", "k", "v", "crc32", "draft_state", "last", "total_chunks", "seq")
+    __slots__ = ("request_id", "cache", "layer", "first_page", "num_pages", "k", "v", "crc32", "draft_state", "last", "total_chunks", "seq", "in_place", "in_place_bytes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +276,8 @@ class KVChunk(_message.Message):
     LAST_FIELD_NUMBER: _ClassVar[int]
     TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    IN_PLACE_FIELD_NUMBER: _ClassVar[int]
+    IN_PLACE_BYTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cache: int
     layer: int
@@ -268,7 +290,9 @@ class KVChunk(_message.Message):
     last: bool
     total_chunks: int
     seq: int
-    def __init__(self, request_id: _Optional[str] = ..., cache: _Optional[int] = ..., layer: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ..., crc32: _Optional[int] = ..., draft_state: _Optional[bytes] = ..., last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+    in_place: bool
+    in_place_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., cache: _Optional[int] = ..., layer: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ..., crc32: _Optional[int] = ..., draft_state: _Optional[bytes] = ..., last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., seq: _Optional[int] = ..., in_place: _Optional[bool] = ..., in_place_bytes: _Optional[int] = ...) -> None: ...
 
 class TransferAck(_message.Message):
     __slots__ = ("bytes", "chunks")

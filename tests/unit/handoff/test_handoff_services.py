@@ -54,15 +54,16 @@ def config(draft=DRAFT, **kw):
 class Stack:
     """One prefill and one decode instance (engines built in memory), and a driver for them."""
 
-    def __init__(self, models, redis_url, prefill_draft=DRAFT, **decode_settings):
+    def __init__(self, models, redis_url, prefill_draft=DRAFT, transport="grpc-stream", **decode_settings):
+        self.transport = transport  # the hand-off's data transport, forced on the prefill side
         self.prefill_engine = make_engine(models, prefill_draft, config(prefill_draft), role="prefill")
         decode_engine = make_engine(models, DRAFT, config(), role="decode")
         smallest = 2 * max(page_bytes(c) for c in self.prefill_engine.scheduler.caches)  # many chunks per request
         # No heartbeat during the tests (it registers at start): its load query would queue engine-loop calls
         # that the abort tests count.
         common = dict(redis_url=redis_url, heartbeat_s=60, registry_ttl_s=120)
-        self.prefill = start_prefill(PrefillSettings(**common, handoff_chunk_bytes=smallest, handoff_timeout_s=20),
-                                     self.prefill_engine)
+        self.prefill = start_prefill(PrefillSettings(**common, handoff_chunk_bytes=smallest, handoff_timeout_s=20,
+                                                     handoff_transport=transport), self.prefill_engine)
         try:
             self.decode = start_decode(DecodeSettings(**common, **decode_settings), decode_engine)
         except BaseException:
@@ -113,10 +114,25 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(models, redis_url):
-    s = Stack(models, redis_url)
-    yield s
-    s.stop()
+def stacks(models, redis_url):
+    """One stack per transport, built when first asked for."""
+    built: dict[str, Stack] = {}
+    yield lambda transport: built.get(transport) or built.setdefault(transport, Stack(models, redis_url,
+                                                                                        transport=transport))
+    for s in built.values():
+        s.stop()
+
+
+@pytest.fixture(params=["grpc-stream", "ipc"])
+def stack(stacks, request):
+    """The stack over each transport that runs on the CPU (ipc: shared-memory pools)."""
+    return stacks(request.param)
+
+
+@pytest.fixture
+def stream_stack(stacks):
+    """The stack over the gRPC stream (the fake decode instances below offer nothing else)."""
+    return stacks("grpc-stream")
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +182,10 @@ def test_prefill_then_stream_equals_the_single_process_engine(stack, single, red
         assert (finish.spec.verify_steps, finish.spec.accepted_drafts) == (want.spec_stats["verify_steps"],
                                                                            want.spec_stats["accepted_drafts"])
         handed = events[1].handed_off
-        assert handed.bytes > 0 and handed.chunks > 2 * 2  # cut into many chunks (the fixture's chunk limit)
+        if stack.transport == "grpc-stream":
+            assert handed.bytes > 0 and handed.chunks > 2 * 2  # cut into many chunks (the fixture's chunk limit)
+        else:  # written in place, then one message with the draft state
+            assert handed.bytes > 0 and handed.chunks == 1
     assert stack.clean()
     registry = Registry(connect(redis_url))
     assert {i.instance_id for i in registry.instances()} >= {stack.prefill.instance_id, stack.decode.instance_id}
@@ -358,14 +377,14 @@ def breaking_decode():
         server.stop(0)
 
 
-def test_a_transfer_failing_on_the_decode_side_frees_the_prefill_pages(stack, breaking_decode):
+def test_a_transfer_failing_on_the_decode_side_frees_the_prefill_pages(stream_stack, breaking_decode):
     fake, address = breaking_decode(stall=False)
-    rid = stack.rid()
+    rid = stream_stack.rid()
     with pytest.raises(grpc.RpcError) as err:
-        list(stack.prefill_call(rid, LONG, address=address))
+        list(stream_stack.prefill_call(rid, LONG, address=address))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "disk on fire" in err.value.details()
     assert fake.chunks == 1 and fake.aborted == [rid]  # the reservation there is released too
-    assert stack.clean()
+    assert stream_stack.clean()
 
 
 def held_by(engine, rid: str) -> list[int] | None:
@@ -379,13 +398,13 @@ def held_by(engine, rid: str) -> list[int] | None:
     return pages
 
 
-def test_the_prefill_frees_the_pages_only_after_the_decode_acknowledges(stack, breaking_decode):
+def test_the_prefill_frees_the_pages_only_after_the_decode_acknowledges(stream_stack, breaking_decode):
     """Every chunk has reached the decode side but its acknowledgement is pending: the prefill still holds the
     request's pages in every cache; once the acknowledgement arrives it frees them and reports the hand-off."""
     fake, address = breaking_decode(stall=True, drain=True)
-    rid = stack.rid()
-    loop = stack.prefill.engine_loop
-    call = stack.prefill_call(rid, LONG, address=address)
+    rid = stream_stack.rid()
+    loop = stream_stack.prefill.engine_loop
+    call = stream_stack.prefill_call(rid, LONG, address=address)
     assert next(call).HasField("first_token")
     assert fake.receiving.wait(10) and fake.chunks > 2  # the last chunk arrived
     for _ in range(3):  # and stays held while the acknowledgement waits
@@ -397,22 +416,22 @@ def test_the_prefill_frees_the_pages_only_after_the_decode_acknowledges(stack, b
     event = next(call)
     assert event.HasField("handed_off") and (event.handed_off.bytes, event.handed_off.chunks) == (1234, fake.chunks)
     assert loop.call(lambda e: held_by(e, rid)).result(5) is None  # released by the time the router hears
-    assert stack.clean()
+    assert stream_stack.clean()
     assert fake.aborted == []
 
 
 # ---- aborts and clients that go away ---------------------------------------------------------------
-def test_prefill_abort_during_the_hand_off_stops_the_transfer_and_frees_the_pages(stack, breaking_decode):
+def test_prefill_abort_during_the_hand_off_stops_the_transfer_and_frees_the_pages(stream_stack, breaking_decode):
     fake, address = breaking_decode(stall=True)
-    rid = stack.rid()
-    call = stack.prefill_call(rid, LONG, address=address)
+    rid = stream_stack.rid()
+    call = stream_stack.prefill_call(rid, LONG, address=address)
     assert next(call).HasField("first_token")
     assert fake.receiving.wait(10)
-    assert stack.pstub.Abort(pb.AbortRequest(request_id=rid), timeout=5).found
+    assert stream_stack.pstub.Abort(pb.AbortRequest(request_id=rid), timeout=5).found
     with pytest.raises(grpc.RpcError) as err:
         next(call)
     assert err.value.code() == grpc.StatusCode.ABORTED
-    assert stack.clean()
+    assert stream_stack.clean()
 
 
 def test_prefill_abort_before_the_prompt_ran(stack):
@@ -512,3 +531,67 @@ def test_a_hand_off_nobody_streams_is_aborted_after_the_attach_timeout(models, r
         assert time.monotonic() - t0 < 5
     assert not [i for i in Registry(connect(redis_url)).instances()
                 if i.instance_id in (s.prefill.instance_id, s.decode.instance_id)], "stop deregisters"
+
+
+# ---- the in-place (ipc) transport: a sender the decode side cannot stop ----------------------------
+@pytest.fixture(scope="module")
+def short_lease_stack(models, redis_url):
+    """An ipc stack whose decode side frees an unattached reservation after 1.5 s."""
+    s = Stack(models, redis_url, transport="ipc", stream_attach_timeout_s=1.5)
+    yield s
+    s.stop()
+
+
+def reserve_in_place(stack, rid) -> pb.ReserveResponse:
+    reply = stack.dstub.Reserve(pb.ReserveRequest(
+        request_id=rid, prompt_ids=LONG, output_ids=[7], output_logprobs=[-1.0], sampling=sampling_to_pb(GREEDY),
+        committed_len=len(LONG), schema=stack.prefill_engine.handoff_schema().to_pb(), in_place=True), timeout=5)
+    assert reply.accepted and len(reply.pages) == 2  # target + draft cache: where the sender writes
+    assert reply.write_deadline > time.monotonic()  # the same host's clock
+    return reply
+
+
+def test_an_in_place_sender_that_dies_mid_transfer_leaves_its_reservation_held_until_the_deadline(
+        short_lease_stack):
+    """The sender reserved in place and vanished (killed between writes): someone aborts the request, but the
+    pages stay reserved while a write could still land, and go back to the pool at the write deadline."""
+    stack, rid = short_lease_stack, short_lease_stack.rid()
+    reply = reserve_in_place(stack, rid)
+    assert stack.dstub.Abort(pb.AbortRequest(request_id=rid), timeout=5).found  # not from the sender
+    time.sleep(0.3)
+    assert not stack.decode.engine_loop.call(lambda e: e.is_idle_and_clean()).result(5)  # still held
+    assert reply.write_deadline - time.monotonic() < 1.5
+    assert stack.clean(timeout=5)  # freed once the deadline passed
+
+
+def test_an_in_place_sender_that_stopped_frees_the_reservation_at_once(short_lease_stack):
+    stack, rid = short_lease_stack, short_lease_stack.rid()
+    reserve_in_place(stack, rid)
+    assert stack.dstub.Abort(pb.AbortRequest(request_id=rid, sender_stopped=True), timeout=5).found
+    assert stack.clean(timeout=0.5)  # well before the 1.5 s deadline
+
+
+def test_a_byte_chunk_for_an_in_place_reservation_is_refused_with_data_loss(short_lease_stack):
+    stack, rid = short_lease_stack, short_lease_stack.rid()
+    reserve_in_place(stack, rid)
+    caches = stack.prefill_engine.scheduler.caches
+    pages = [list(range(1, c.pages_for(len(LONG)) + 1)) for c in caches]
+    with pytest.raises(grpc.RpcError) as err:
+        stack.dstub.Transfer(iter_chunks(PageSource(rid, caches, pages, b""), 1 << 20), timeout=5)
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS and "in place" in err.value.details()
+    assert stack.clean(timeout=5)  # the sender opened its Transfer: it writes no more, freed at once
+
+
+def test_the_decode_side_killed_mid_transfer_fails_the_request_and_frees_the_prefill_pages(models, redis_url):
+    """The ipc peer is gone after the handshake (its pools stay mapped here): the in-place hand-off fails
+    with a reason and the prefill side gets its pages back."""
+    s = Stack(models, redis_url, transport="ipc")
+    try:
+        list(s.prefill_call(s.rid(), SHORT))  # a hand-off: the handshake is done, the pools mapped
+        s.decode.stop(0)
+        with pytest.raises(grpc.RpcError) as err:
+            list(s.prefill_call(s.rid(), LONG, timeout=30))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "hand-off to decode" in err.value.details()
+        assert s.prefill.engine_loop.call(lambda e: e.is_idle_and_clean()).result(5)
+    finally:
+        s.prefill.stop(0.2)

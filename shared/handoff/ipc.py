@@ -1,0 +1,196 @@
+"""Same-host hand-offs: the decode instance's KV pools mapped into the prefill process.
+
+The decode side exports each of its pools (one tensor per cache, ``[K/V, layer, slot, kv head, head
+dim]``, target first) once, in its handshake reply: on CUDA as CUDA IPC handles (the same GPU, or a
+peer GPU of the host), on the CPU as named shared memory (torch's file_system sharing). The prefill
+side maps them (``open_pools``) and writes a request's pages straight into the pages the decode side
+reserved (``write_in_place``: per cache, one copy of all layers per run of pages contiguous on both
+sides; on CUDA on a side stream, synchronised before the acknowledgement is asked for). Nothing in
+the handles is code: they are JSON, never pickle.
+
+The decode side cannot stop a write from another process, so the writer keeps to a lease: it writes
+no page after ``write_deadline`` (the host's CLOCK_MONOTONIC, the reservation's attach deadline), and
+the decode side frees an aborted in-place reservation only once the writer says it stopped or the
+deadline has passed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shared.handoff.wire import PageSource, TransferCancelled, TransferError
+
+WRITE_MARGIN_S = 1.0  # a copy starts only this long before the lease ends (a run's copy takes far less)
+_EXPORTED: dict[int, torch.Tensor] = {}  # this process's exported pools: a same-process import takes them back
+
+
+def host_id() -> str:
+    """Equal for two processes exactly when they share a host (and its CLOCK_MONOTONIC)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def device_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else "cpu"
+
+
+@dataclass(frozen=True)
+class PoolHandle:
+    """How another process on this host maps one pool."""
+
+    kind: str  # cpu | cuda
+    pid: int
+    key: int  # the pool's id in the exporting process
+    shape: tuple[int, ...]
+    dtype: str
+    device_uuid: str  # "cpu", or the GPU's UUID
+    cpu: tuple = ()  # (torch_shm_manager socket, shared memory name, bytes)
+    cuda: dict | None = None  # the fields of torch's CUDA IPC reduction (bytes as hex)
+
+
+def export_pools(pools: list[torch.Tensor]) -> bytes:
+    """The handles of ``pools`` (b"" when one of them cannot be shared: a CPU pool not in shared memory)."""
+    handles = []
+    for pool in pools:
+        handle = _export(pool)
+        if handle is None:
+            return b""
+        handles.append(handle.__dict__)
+    return json.dumps(handles).encode()
+
+
+def _export(pool: torch.Tensor) -> PoolHandle | None:
+    key = id(pool)
+    _EXPORTED[key] = pool
+    common = dict(pid=os.getpid(), key=key, shape=tuple(pool.shape), dtype=str(pool.dtype).removeprefix("torch."),
+                  device_uuid=device_uuid(pool.device))
+    if pool.device.type == "cpu":
+        storage = pool.untyped_storage()
+        if not storage.is_shared():
+            return None
+        manager, name, size = storage._share_filename_cpu_()
+        return PoolHandle(kind="cpu", cpu=(manager.decode(), name.decode(), size), **common)
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(pool)
+    (_, size, stride, offset, _, _, device, handle, storage_bytes, storage_offset, _, ref_handle, ref_offset,
+     event_handle, event_sync) = args
+    cuda = dict(size=list(size), stride=list(stride), offset=offset, device=device, handle=handle.hex(),
+                storage_bytes=storage_bytes, storage_offset=storage_offset, ref_handle=ref_handle.hex(),
+                ref_offset=ref_offset, event_handle=event_handle.hex() if event_handle else "",
+                event_sync=event_sync)
+    return PoolHandle(kind="cuda", cuda=cuda, **common)
+
+
+def pool_handles(blob: bytes) -> list[PoolHandle]:
+    return [PoolHandle(**{**h, "shape": tuple(h["shape"]), "cpu": tuple(h["cpu"])}) for h in json.loads(blob)]
+
+
+def reachable(blob: bytes, device: torch.device) -> str | None:
+    """Why a process whose pools live on ``device`` cannot write into the exported pools (None: it can)."""
+    if not blob:
+        return "the decode instance exports no pools"
+    for h in pool_handles(blob):
+        if h.kind == "cpu":
+            if device.type != "cpu":
+                return "the decode pools are in host memory, this side's on " + str(device)
+            continue
+        if device.type != "cuda":
+            return "the decode pools are on a GPU, this side's in host memory"
+        if h.device_uuid == device_uuid(device):
+            continue
+        peers = [i for i in range(torch.cuda.device_count()) if device_uuid(torch.device("cuda", i)) == h.device_uuid]
+        if not peers or not torch.cuda.can_device_access_peer(device.index or 0, peers[0]):
+            return f"the decode GPU {h.device_uuid} is neither this GPU nor a peer of it"
+    return None
+
+
+def open_pools(blob: bytes) -> list[torch.Tensor]:
+    """Map the exported pools into this process (the same tensors when they were exported here)."""
+    return [_open(h) for h in pool_handles(blob)]
+
+
+def _open(h: PoolHandle) -> torch.Tensor:
+    if h.pid == os.getpid() and h.key in _EXPORTED:
+        return _EXPORTED[h.key]
+    dtype = getattr(torch, h.dtype)
+    if h.kind == "cpu":
+        manager, name, size = h.cpu
+        storage = torch.UntypedStorage._new_shared_filename_cpu(manager.encode(), name.encode(), size)
+        return torch.empty(0, dtype=dtype).set_(storage, 0, h.shape)
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    c = h.cuda
+    return rebuild_cuda_tensor(
+        torch.Tensor, torch.Size(c["size"]), tuple(c["stride"]), c["offset"], torch.UntypedStorage, dtype,
+        c["device"], bytes.fromhex(c["handle"]), c["storage_bytes"], c["storage_offset"], False,
+        bytes.fromhex(c["ref_handle"]), c["ref_offset"], bytes.fromhex(c["event_handle"]) or None, c["event_sync"])
+
+
+@dataclass
+class PagePairRun:
+    first: int  # index among the request's pages
+    src: int  # first source page id
+    dst: int  # first destination page id
+    count: int
+
+
+def pair_runs(src: list[int], dst: list[int]) -> list[PagePairRun]:
+    """Runs of pages contiguous on both sides (one copy each)."""
+    if len(src) != len(dst):
+        raise TransferError(f"{len(src)} pages to send, {len(dst)} reserved")
+    runs: list[PagePairRun] = []
+    for i, (s, d) in enumerate(zip(src, dst)):
+        r = runs[-1] if runs else None
+        if r is not None and r.src + r.count == s and r.dst + r.count == d:
+            r.count += 1
+        else:
+            runs.append(PagePairRun(i, s, d, 1))
+    return runs
+
+
+def write_in_place(source: PageSource, pools: list[torch.Tensor], dest_page_ids: list[list[int]],
+                   deadline: float) -> int:
+    """Copy the request's pages (every cache, every layer) into ``pools`` at ``dest_page_ids``; returns the
+    bytes written. Raises TransferCancelled when the guard was cancelled, TransferError past the lease."""
+    if len(pools) != len(source.caches) or len(dest_page_ids) != len(source.caches):
+        raise TransferError(f"{len(source.caches)} caches here, {len(pools)} pools and {len(dest_page_ids)} "
+                            "page lists on the decode side")
+    device = source.caches[0].pool.device
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    if side is not None:
+        side.wait_stream(torch.cuda.default_stream(device))  # the prefill's writes of these pages are queued there
+    written = 0
+    for cache, pool, src, dst in zip(source.caches, pools, source.page_ids, dest_page_ids):
+        ps = cache.page_size
+        for run in pair_runs(src, dst):
+            if time.monotonic() > deadline - WRITE_MARGIN_S:
+                raise TransferError("the decode side's write deadline passed before the pages were written")
+            s, d, n = run.src * ps, run.dst * ps, run.count * ps
+            with source.guard.access():  # an abort waits for this copy, then no other starts
+                _copy(pool[:, :, d:d + n], cache.pool[:, :, s:s + n], side)
+            written += cache.pool[:, :, s:s + n].numel() * cache.pool.element_size()
+    return written
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, side) -> None:
+    if side is None:
+        dst.copy_(src)
+        return
+    with torch.cuda.stream(side):
+        dst.copy_(src, non_blocking=True)
+    side.synchronize()  # done before the guard is let go: an abort then finds no copy in flight
+
+
+__all__ = ["PoolHandle", "TransferCancelled", "export_pools", "host_id", "open_pools", "pair_runs", "reachable",
+           "write_in_place"]
