@@ -72,14 +72,19 @@ class InProcessStack:
             h.stop(0.5)
 
 
+# The hand-off transports that run on the CPU: the stack tests run over each (ipc: shared-memory pools).
+CPU_TRANSPORTS = ("ipc", "grpc-stream")
+
+
 def start_stack(redis_url: str, model_dir, draft: str | None, *, prefill_extra=None, decode_extra=None,
-                router_extra=None, num_decodes: int = 1, **engine) -> InProcessStack:
-    """One router + prefill + decode(s) on ``model_dir``; each stack gets its own Redis database."""
+                router_extra=None, num_decodes: int = 1, transport: str = "auto", **engine) -> InProcessStack:
+    """One router + prefill + decode(s) on ``model_dir``; each stack gets its own Redis database. ``transport``
+    forces the hand-off's data transport on both services (auto: what the handshake negotiates)."""
     db = start_stack.counter = getattr(start_stack, "counter", 0) + 1
     url = redis_url.replace("db=0", f"db={db % 16}")
     connect(url).flushdb()
     base = dict(model=str(model_dir / "target"), draft=str(model_dir / draft) if draft else None, redis_url=url,
-                heartbeat_s=0.2, **engine)
+                heartbeat_s=0.2, handoff_transport=transport, **engine)
     prefill = start_prefill(PrefillSettings(**{**base, **(prefill_extra or {})}))
     decodes = [start_decode(DecodeSettings(**{**base, **(decode_extra or {})})) for _ in range(num_decodes)]
     router = start_router(RouterSettings(model=base["model"], redis_url=url, placement_timeout_s=5,

@@ -19,7 +19,7 @@ from proto.eyrie.v1 import eyrie_pb2 as pb
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
 from shared.sampling import SamplingParams
-from tests.e2e.conftest import start_stack
+from tests.e2e.conftest import CPU_TRANSPORTS, start_stack
 
 SHORT = [5, 17, 33, 2, 9]  # shorter than the chunk (8)
 LONG = [(i * 37 + 11) % 500 for i in range(30)]  # several chunks
@@ -45,9 +45,10 @@ def test_the_matrix_is_complete():
     assert len(LONG) > 3 * CHUNK > CHUNK > len(SHORT)
 
 
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
 @pytest.mark.parametrize("draft, topk, page_size", CASES, ids=[f"{d}-topk{k}-page{p}" for d, k, p in CASES])
 def test_greedy_through_the_stack_equals_engine_and_target(redis_url, oracle_model_dir, target_only, draft, topk,
-                                                           page_size):
+                                                           page_size, transport):
     spec = spec_config(topk)
     engine = Engine(oracle_model_dir / "target", oracle_model_dir / draft,
                     EngineConfig(page_size=page_size, chunk_size=CHUNK, spec=spec, max_context=MAX_CONTEXT,
@@ -56,7 +57,7 @@ def test_greedy_through_the_stack_equals_engine_and_target(redis_url, oracle_mod
     assert single == target_only
     stack = start_stack(redis_url, oracle_model_dir, draft, page_size=page_size, chunk_size=CHUNK, spec_topk=topk,
                         spec_steps=spec.steps, spec_draft_tokens=spec.num_draft_tokens, max_context=MAX_CONTEXT,
-                        max_running=4)
+                        max_running=4, transport=transport)
     try:
         accept = []
         for prompt, want in zip([SHORT, LONG], target_only):
@@ -72,10 +73,10 @@ def test_greedy_through_the_stack_equals_engine_and_target(redis_url, oracle_mod
         stack.stop()
 
 
-@pytest.fixture(scope="module")
-def stack(redis_url, oracle_model_dir):
+@pytest.fixture(scope="module", params=CPU_TRANSPORTS)
+def stack(redis_url, oracle_model_dir, request):
     s = start_stack(redis_url, oracle_model_dir, "eagle3", page_size=4, chunk_size=8, spec_topk=4, spec_steps=3,
-                    spec_draft_tokens=8, max_running=32)
+                    spec_draft_tokens=8, max_running=32, transport=request.param)
     yield s
     s.stop()
 
