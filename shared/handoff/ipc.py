@@ -5,7 +5,8 @@ dim]``, target first) once, in its handshake reply: on CUDA as CUDA IPC handles 
 peer GPU of the host), on the CPU as named shared memory (torch's file_system sharing). The prefill
 side maps them (``open_pools``) and writes a request's pages straight into the pages the decode side
 reserved (``write_in_place``: per cache, one copy of all layers per run of pages contiguous on both
-sides; on CUDA on a side stream, synchronised before the acknowledgement is asked for). Nothing in
+sides in the torch reference; on CUDA all of a cache's pages in one kernel, ``kernels.page_copy``, on a
+side stream, synchronised before the acknowledgement is asked for). Nothing in
 the handles is code: they are JSON, never pickle.
 
 The decode side cannot stop a write from another process, so the writer keeps to a lease: it writes
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.page_copy import copy_pages
 from shared.handoff.wire import PageSource, TransferCancelled, TransferError
 
 WRITE_MARGIN_S = 1.0  # a copy starts only this long before the lease ends (a run's copy takes far less)
@@ -137,28 +139,6 @@ def _open(h: PoolHandle) -> torch.Tensor:
         bytes.fromhex(c["ref_handle"]), c["ref_offset"], bytes.fromhex(c["event_handle"]) or None, c["event_sync"])
 
 
-@dataclass
-class PagePairRun:
-    first: int  # index among the request's pages
-    src: int  # first source page id
-    dst: int  # first destination page id
-    count: int
-
-
-def pair_runs(src: list[int], dst: list[int]) -> list[PagePairRun]:
-    """Runs of pages contiguous on both sides (one copy each)."""
-    if len(src) != len(dst):
-        raise TransferError(f"{len(src)} pages to send, {len(dst)} reserved")
-    runs: list[PagePairRun] = []
-    for i, (s, d) in enumerate(zip(src, dst)):
-        r = runs[-1] if runs else None
-        if r is not None and r.src + r.count == s and r.dst + r.count == d:
-            r.count += 1
-        else:
-            runs.append(PagePairRun(i, s, d, 1))
-    return runs
-
-
 def write_in_place(source: PageSource, pools: list[torch.Tensor], dest_page_ids: list[list[int]],
                    deadline: float) -> int:
     """Copy the request's pages (every cache, every layer) into ``pools`` at ``dest_page_ids``; returns the
@@ -172,25 +152,25 @@ def write_in_place(source: PageSource, pools: list[torch.Tensor], dest_page_ids:
         side.wait_stream(torch.cuda.default_stream(device))  # the prefill's writes of these pages are queued there
     written = 0
     for cache, pool, src, dst in zip(source.caches, pools, source.page_ids, dest_page_ids):
-        ps = cache.page_size
-        for run in pair_runs(src, dst):
-            if time.monotonic() > deadline - WRITE_MARGIN_S:
-                raise TransferError("the decode side's write deadline passed before the pages were written")
-            s, d, n = run.src * ps, run.dst * ps, run.count * ps
-            with source.guard.access():  # an abort waits for this copy, then no other starts
-                _copy(pool[:, :, d:d + n], cache.pool[:, :, s:s + n], side)
-            written += cache.pool[:, :, s:s + n].numel() * cache.pool.element_size()
+        if len(src) != len(dst):
+            raise TransferError(f"{len(src)} pages to send, {len(dst)} reserved")
+        if time.monotonic() > deadline - WRITE_MARGIN_S:
+            raise TransferError("the decode side's write deadline passed before the pages were written")
+        with source.guard.access():  # an abort waits for this cache's copy, then no other starts
+            _copy(pool, cache, src, dst, side)
+        written += len(src) * cache.page_size * cache.pool[:, :, 0].numel() * cache.pool.element_size()
     return written
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, side) -> None:
+def _copy(pool: torch.Tensor, cache, src: list[int], dst: list[int], side) -> None:
+    """Every plane of the pages, one launch on CUDA (``kernels.page_copy``), finished before returning."""
     if side is None:
-        dst.copy_(src)
+        copy_pages(pool, cache.pool, src, dst, cache.page_size)
         return
     with torch.cuda.stream(side):
-        dst.copy_(src, non_blocking=True)
+        copy_pages(pool, cache.pool, src, dst, cache.page_size)
     side.synchronize()  # done before the guard is let go: an abort then finds no copy in flight
 
 
-__all__ = ["PoolHandle", "TransferCancelled", "export_pools", "host_id", "open_pools", "pair_runs", "reachable",
+__all__ = ["PoolHandle", "TransferCancelled", "export_pools", "host_id", "open_pools", "reachable",
            "write_in_place"]
