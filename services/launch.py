@@ -103,8 +103,11 @@ def cmd_serve(args) -> int:
     except (RequestError, CheckpointError) as e:  # a bad setting, or a checkpoint Eyrie cannot load
         _fail(str(e))
     formatter.instance = handle.instance_id  # lines from outside the service's own log (libraries) too
-    print(json.dumps({"role": args.role, "instance_id": handle.instance_id, "grpc": handle.grpc_address,
-                      "http": handle.http_address}), flush=True)
+    ready = {"role": args.role, "instance_id": handle.instance_id, "grpc": handle.grpc_address,
+             "http": handle.http_address}
+    if "openai_address" in handle.extra:  # a router's OpenAI API (its port may have been 0)
+        ready["openai"] = handle.extra["openai_address"]
+    print(json.dumps(ready), flush=True)
     _watch_parent(stop)
     stop.wait()
     handle.stop(2.0)
