@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -55,11 +56,11 @@ from bench.timing import write_json  # noqa: E402
 GPU_DEFAULTS = dict(preset="llama3-8b-shape", device="cuda", dtype="bfloat16", cuda_graph=True, sweep="1,8,32,64",
                     fixed="512:256", mixed_prompt="64:1024", mixed_output="16:512", probe="4096:8", num_pages=4096,
                     max_running=64, max_context=8192, chunk_size=512, point_seconds=30.0, deadline_s=540.0,
-                    start_timeout_s=300.0, waves=2, min_requests=4, probe_requests=3)
+                    start_timeout_s=300.0, waves=2, min_requests=4, probe_requests=3, engine_budget_s=200.0)
 SMOKE_DEFAULTS = dict(preset="tiny", device="cpu", dtype="float32", cuda_graph=False, sweep="1,2", fixed="32:8",
                       mixed_prompt="8:48", mixed_output="2:12", probe="200:4", num_pages=None, max_running=4,
                       max_context=512, chunk_size=64, point_seconds=10.0, deadline_s=150.0, start_timeout_s=120.0,
-                      waves=1, min_requests=2, probe_requests=1)
+                      waves=1, min_requests=2, probe_requests=1, engine_budget_s=100.0)
 # The smoke run's processes use one CPU thread each: on a small shared machine torch's default (a thread per
 # core, spinning at every barrier) makes a tiny model's step ten times slower.
 SMOKE_ENV = {"OMP_NUM_THREADS": "1"}
@@ -89,7 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--point-seconds", type=float, help="no new request of a point after this many seconds")
     ap.add_argument("--request-timeout-s", type=float, default=300.0)
     ap.add_argument("--deadline-s", type=float, help="the whole run's budget: later points are skipped")
-    ap.add_argument("--start-timeout-s", type=float, help="the stack's (and the engine's) start-up deadline")
+    ap.add_argument("--start-timeout-s", type=float, help="the stack's start-up deadline")
+    ap.add_argument("--engine-budget-s", type=float, help="the engine phase's share of --deadline-s (the stack "
+                                                          "gets the rest)")
     ap.add_argument("--num-pages", type=int, help="KV pages per pool, each engine")
     ap.add_argument("--max-running", type=int)
     ap.add_argument("--max-context", type=int)
@@ -185,6 +188,9 @@ class Run:
         return False
 
     def save(self) -> None:
+        engine_points = self.report.get("engine", {}).get("points", [])
+        for stack in self.report.get("stacks", []):
+            stack["ratios"] = ratios(engine_points, stack["points"])
         self.report["wall_s"] = round(time.monotonic() - self.t0, 1)
         write_json(self.args.out, self.report)
 
@@ -193,7 +199,8 @@ class Run:
 def run_engine_phase(run: Run, model: str, draft: str | None, points: list[Point], workdir: Path) -> dict:
     plan = {"model": model, "draft": draft, "flags": engine_flags(run.args), "vocab": prompt_vocab(model),
             "points": [p.__dict__ for p in points], "warmup": [p.__dict__ for p in warmup_points(run.args)],
-            "point_seconds": run.args.point_seconds, "deadline": time.time() + run.left() - 5}
+            "point_seconds": run.args.point_seconds,
+            "deadline": time.time() + min(run.left() - 5, run.args.engine_budget_s)}
     plan_path, result_path = workdir / "engine_plan.json", workdir / "engine_result.json"
     plan_path.write_text(json.dumps(plan))
     cmd = [sys.executable, __file__, "--engine-worker", str(plan_path), str(result_path)]
@@ -201,10 +208,13 @@ def run_engine_phase(run: Run, model: str, draft: str | None, points: list[Point
         proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True,
                                 env={**os.environ, **run.child_env()})
         try:
-            proc.wait(max(10.0, run.left() - 2))
+            proc.wait(max(10.0, min(run.left() - 2, run.args.engine_budget_s + 30)))
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+            pass
+        finally:  # past its time, or this run is stopping
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
     result = json.loads(result_path.read_text()) if result_path.exists() else {"points": []}
     result["exit_code"] = proc.returncode
     if proc.returncode != 0:
@@ -286,6 +296,7 @@ def run_stack_phase(run: Run, model: str, draft: str | None, points: list[Point]
     stack = ServingStack(model, draft, engine_flags(args), workdir / f"logs-{transport}",
                          env={"EYRIE_HANDOFF_TRANSPORT": transport, **run.child_env()})
     out: dict = {"transport": transport, "points": [], "log_dir": str(stack.log_dir)}
+    run.report["stacks"].append(out)  # saved with every point from now on
     try:
         stack.start(min(args.start_timeout_s, max(10.0, run.left() - 10)))
         drivers = {"grpc": GrpcDriver(stack.grpc_address, args.request_timeout_s),
@@ -401,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.engine_worker:
         return engine_worker(*args.engine_worker)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: stop the services, keep the JSON
     run = Run(args)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="eyrie-serving-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -412,9 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     run.report["stacks"] = []
     if not args.skip_stack:
         for transport in args.transports.split(","):
-            stack = run_stack_phase(run, model, draft, points, transport, workdir)
-            stack["ratios"] = ratios(run.report.get("engine", {}).get("points", []), stack["points"])
-            run.report["stacks"].append(stack)
+            run_stack_phase(run, model, draft, points, transport, workdir)
             run.save()
     run.save()
     print_summary(run.report)

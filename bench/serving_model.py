@@ -11,6 +11,7 @@ tokens by re-tokenising text sees each one.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -58,25 +59,33 @@ def random_tensor(shape: tuple[int, ...], device: str, dtype: torch.dtype, gen: 
     return (torch.randn(shape, device=device, generator=gen, dtype=dtype) / shape[1] ** 0.5).to(dtype)
 
 
-def write_sharded(out: Path, cfg: dict, device: str, dtype: torch.dtype, shard_bytes: int, seed: int) -> int:
-    """Random weights of ``cfg`` made on ``device``, written as ``model-0000k-of-0000n.safetensors`` shards
-    plus ``model.safetensors.index.json``; returns the bytes written."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = total = 0
-    for name, shape in weight_shapes(cfg).items():
-        t = random_tensor(shape, device, dtype, gen).cpu()
-        nbytes = t.numel() * t.element_size()
+def plan_shards(shapes: dict[str, tuple[int, ...]], element_size: int, shard_bytes: int) -> list[list[str]]:
+    """Tensor names per shard, in order, each shard at most ``shard_bytes`` (or one tensor larger than that)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * element_size
         if size and size + nbytes > shard_bytes:
-            shards.append({})
+            shards.append([])
             size = 0
-        shards[-1][name] = t
-        size, total = size + nbytes, total + nbytes
-    weight_map = {}
-    for k, shard in enumerate(shards, 1):
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def write_sharded(out: Path, cfg: dict, device: str, dtype: torch.dtype, shard_bytes: int, seed: int) -> int:
+    """Random weights of ``cfg`` made on ``device``, written shard by shard as
+    ``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``; returns the bytes written."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shapes = weight_shapes(cfg)
+    shards = plan_shards(shapes, torch.empty((), dtype=dtype).element_size(), shard_bytes)
+    weight_map, total = {}, 0
+    for k, names in enumerate(shards, 1):
         file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
+        tensors = {name: random_tensor(shapes[name], device, dtype, gen).cpu() for name in names}
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(names, file))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     return total
@@ -116,6 +125,8 @@ def write_serving_model(out_dir: str | Path, preset: str = "llama3-8b-shape", de
     target.mkdir(parents=True, exist_ok=True)
     (target / "config.json").write_text(json.dumps(cfg, indent=1))
     nbytes = write_sharded(target, cfg, device, dtype, shard_bytes, seed)
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the services and the engine that follow need the device's memory
     write_padded_tokenizer(target, cfg["vocab_size"])
     written = {"target": str(target), "bytes": nbytes, "shards": len(list(target.glob("model-*.safetensors")))}
     if draft:
