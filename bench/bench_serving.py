@@ -18,7 +18,8 @@ the stack/engine ratios; per transport, the hand-off bandwidth from the prefill 
 (``eyrie_handoff_bytes_total`` / ``eyrie_handoff_seconds_sum``: whole hand-offs, reserve and acknowledgement
 included) beside the device-to-device copy bandwidth. The JSON (``--out``) is rewritten after every point, so a
 run cut off by its time limit keeps what it measured; points that no longer fit ``--deadline-s`` are skipped
-and listed. ``--guidellm`` also drives the OpenAI endpoint with guidellm (see bench/README.md).
+and listed. An outside load generator (guidellm) as a cross-check: bench/README.md says why it cannot drive
+Eyrie's OpenAI endpoint yet, and bench/fetch_wheels.sh fetches its wheels.
 
     python bench/bench_serving.py --out out/serving.json                  # H100: the 8B shape, ~9 min
     python bench/bench_serving.py --smoke --out /tmp/smoke.json           # tiny model on the CPU, < 1 min
@@ -105,8 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                          "grpc-stream (EYRIE_HANDOFF_TRANSPORT)")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-stack", action="store_true")
-    ap.add_argument("--guidellm", action="store_true", help="also drive the OpenAI endpoint with guidellm")
-    ap.add_argument("--guidellm-path", help="a directory holding guidellm and its dependencies (PYTHONPATH)")
+    ap.add_argument("--gpu-memory-fraction", type=float, help="each engine's share of the GPU (EYRIE_GPU_MEMORY_"
+                                                             "FRACTION; with it, leave --num-pages 0 to size pools)")
     ap.add_argument("--engine-worker", nargs=2, metavar=("PLAN", "RESULT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for k, v in (SMOKE_DEFAULTS if args.smoke else GPU_DEFAULTS).items():
@@ -153,7 +154,8 @@ def warmup_points(args) -> list[Point]:
 def engine_flags(args) -> dict:
     """The settings prefill, decode and the single-process engine share (``eyrie serve`` flags)."""
     return {"device": args.device, "dtype": args.dtype, "cuda_graph": args.cuda_graph, "page_size": args.page_size,
-            "num_pages": args.num_pages, "max_running": args.max_running, "max_context": args.max_context,
+            "num_pages": args.num_pages or None, "max_running": args.max_running, "max_context": args.max_context,
+            "gpu_memory_fraction": args.gpu_memory_fraction,
             "chunk_size": args.chunk_size, "spec_topk": args.spec_topk, "spec_steps": args.spec_steps,
             "spec_draft_tokens": args.spec_draft_tokens}
 
@@ -317,10 +319,6 @@ def run_stack_phase(run: Run, model: str, draft: str | None, points: list[Point]
             print(format_point(f"stack[{transport}] {api}", result), flush=True)
             run.save()
         out["handoff"] = handoff_delta(first, handoff_totals(stack.metrics("prefill")))
-        if args.guidellm:
-            from bench.serving_guidellm import run_guidellm
-
-            out["guidellm"] = run_guidellm(args, stack.openai_address, model, run.left(), workdir)
     except (RuntimeError, TimeoutError, OSError) as e:
         out["error"] = f"{type(e).__name__}: {e}"
         print(f"stack[{transport}]: {out['error']}", file=sys.stderr, flush=True)
