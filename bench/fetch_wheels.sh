@@ -4,7 +4,7 @@
 # out on purpose: guidellm requires it unpinned and the GPU image's CUDA build satisfies it. So are the GPU
 # image's own transformers, tokenizers, safetensors, numpy, protobuf (../shared/tools/gpu-wheels.sh lists them).
 # The set was read off `pip install guidellm` into a venv over this machine's torch (no CUDA torch pulled).
-# Size: ~70 MiB (pyarrow alone ~40 MiB): carry it in a device call of its own, or with nothing else in .whl.
+# Size (estimated, not measured): ~70 MiB (pyarrow alone ~40 MiB): carry it in a device call of its own, or with nothing else in .whl.
 # On the GPU machine:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/guidellm .whl/guidellm/*.whl
 #   PYTHONPATH=/tmp/guidellm python3 -m guidellm run --help
