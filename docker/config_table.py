@@ -53,6 +53,9 @@ DESCRIPTIONS = {
     "handoff_chunk_bytes": "largest KV chunk of the prefill -> decode hand-off",
     "handoff_timeout_s": "seconds a hand-off may take",
     "handoff_transport": "hand-off data transport: `auto` (ipc on one host, else grpc-stream), `ipc` or `grpc-stream`",
+    "gpu_memory_fraction": "on a GPU without `num_pages`: the most of the device's total memory the engine takes "
+                           "(weights, activation and graph reserve, KV pools), as vLLM's `gpu_memory_utilization`; "
+                           "unset = 0.9 (`eyrie up` on a GPU: 0.45 for prefill and for decode)",
     "stream_attach_timeout_s": "a handed-off request nobody streams is aborted after this",
     "stream_idle_timeout_s": "a request that produces no token for this long is aborted",
     "default_max_new_tokens": "output length when a request gives none",

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 EXIT_USAGE = 2
+UP_GPU_MEMORY_FRACTION = 0.45  # prefill and decode share the GPU under `eyrie up`: 0.9 of it together
 
 
 def _fail(message: str) -> None:
@@ -49,6 +50,9 @@ def add_service_commands(sub) -> None:
     u.add_argument("--api-key", help="require 'authorization: Bearer KEY' on every service's gRPC and HTTP "
                                      "(health stays open)")
     u.add_argument("--device", default="cpu")
+    u.add_argument("--gpu-memory-fraction", type=float,
+                   help=f"each engine's share of the GPU (default on cuda: {UP_GPU_MEMORY_FRACTION}, prefill and "
+                        "decode fit together on one device)")
     u.add_argument("--page-size", type=int, default=16)
     u.add_argument("--chunk-size", type=int, default=64)
     u.add_argument("--spec-topk", type=int, default=1)
@@ -103,8 +107,11 @@ def cmd_serve(args) -> int:
     except (RequestError, CheckpointError) as e:  # a bad setting, or a checkpoint Eyrie cannot load
         _fail(str(e))
     formatter.instance = handle.instance_id  # lines from outside the service's own log (libraries) too
-    print(json.dumps({"role": args.role, "instance_id": handle.instance_id, "grpc": handle.grpc_address,
-                      "http": handle.http_address}), flush=True)
+    ready = {"role": args.role, "instance_id": handle.instance_id, "grpc": handle.grpc_address,
+             "http": handle.http_address}
+    if "openai_address" in handle.extra:  # a router's OpenAI API (its port may have been 0)
+        ready["openai"] = handle.extra["openai_address"]
+    print(json.dumps(ready), flush=True)
     _watch_parent(stop)
     stop.wait()
     handle.stop(2.0)
@@ -252,7 +259,9 @@ def cmd_up(args) -> int:
         if path is not None and not (Path(path) / "config.json").exists():
             _fail(f"{name}: {path} is not a checkpoint directory (no config.json)")
     port = args.grpc_port or free_port()
-    extra = {"device": args.device, "page_size": args.page_size, "chunk_size": args.chunk_size,
+    fraction = args.gpu_memory_fraction or (UP_GPU_MEMORY_FRACTION if args.device.startswith("cuda") else None)
+    extra = {"device": args.device, "gpu_memory_fraction": fraction, "page_size": args.page_size,
+             "chunk_size": args.chunk_size,
              "spec_topk": args.spec_topk, "spec_steps": args.spec_steps, "spec_draft_tokens": args.spec_draft_tokens}
     t0 = time.time()
     # Every service gets the key (they call each other with it), through the environment rather than argv.

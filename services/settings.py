@@ -51,6 +51,9 @@ class EngineSettings(CommonSettings):
     # The hand-off's data transport: auto (ipc on the same host when the pools are reachable, else the gRPC
     # stream), or forced: ipc | grpc-stream. On a decode instance, grpc-stream stops it exporting its pools.
     handoff_transport: str = "auto"
+    # On a GPU without num_pages: the most of the device's memory this engine takes (weights, activation reserve,
+    # KV pools), as vLLM's gpu_memory_utilization; unset = 0.9. Two engines on one GPU: 0.45 each (eyrie up's).
+    gpu_memory_fraction: float | None = None
 
     @field_validator("handoff_transport")
     @classmethod
@@ -71,7 +74,8 @@ class EngineSettings(CommonSettings):
             spec = SpecConfig(topk=self.spec_topk, steps=self.spec_steps, num_draft_tokens=n)
         return EngineConfig(device=self.device, dtype=self.dtype, page_size=self.page_size, num_pages=self.num_pages,
                             max_running=self.max_running, max_context=self.max_context, chunk_size=self.chunk_size,
-                            spec=spec, cuda_graph=self.cuda_graph, spec_draft_ahead=self.spec_draft_ahead)
+                            spec=spec, cuda_graph=self.cuda_graph, spec_draft_ahead=self.spec_draft_ahead,
+                            gpu_memory_fraction=self.gpu_memory_fraction)
 
 
 class PrefillSettings(EngineSettings):

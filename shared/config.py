@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 DEVICES = ("cpu", "cuda")
+DEFAULT_GPU_MEMORY_FRACTION = 0.9  # one engine alone on its GPU (two sharing one: 0.45 each, as `eyrie up`)
 
 
 class SpecConfig(BaseModel):
@@ -55,6 +56,16 @@ class EngineConfig(BaseModel):
     # overlaps the draft on the device (used when the next step runs the same requests). None: on CUDA.
     spec_draft_ahead: bool | None = None
     shareable_kv: bool = False  # pools another process may map (a decode engine's, for same-host hand-offs)
+    # On a GPU, without num_pages: the most of the device's total memory this engine takes, weights, activation
+    # reserve and KV pools together (vLLM's gpu_memory_utilization). None: DEFAULT_GPU_MEMORY_FRACTION.
+    gpu_memory_fraction: float | None = None
+
+    @field_validator("gpu_memory_fraction")
+    @classmethod
+    def _fraction(cls, v: float | None) -> float | None:
+        if v is not None and not 0 < v <= 1:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {v}")
+        return v
 
     @property
     def headroom(self) -> int:

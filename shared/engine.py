@@ -21,12 +21,20 @@ from types import MappingProxyType
 
 import torch
 
-from shared.config import EngineConfig
+from shared.config import DEFAULT_GPU_MEMORY_FRACTION, EngineConfig, SpecConfig
 from shared.cuda_graphs import CaptureFailure, PhaseGraphs, pad_rows
 from shared.forward_batch import build_forward_batch, build_uniform_batch
 from shared.handoff.schema import HandoffSchema
 from shared.handoff.wire import PageGuard, PageSink, PageSource, encode_draft_state
-from shared.memory.sizing import make_cache
+from shared.memory.sizing import (
+    activation_reserve,
+    default_pages,
+    device_memory,
+    make_cache,
+    page_bytes,
+    pages_within_budget,
+)
+from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.model.loader import load_target
 from shared.model.tokenizer import Tokenizer
@@ -88,6 +96,7 @@ class Engine:
         self.device = torch.device(config.device)
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise RequestError("device", "cuda was asked for but no CUDA device is available")
+        allocated = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         if isinstance(model, LlamaForCausalLM):
             self.model = model
         else:
@@ -97,10 +106,13 @@ class Engine:
         self.tokenizer = tokenizer
         mc = self.model.config
         self.max_context = min(config.max_context or mc.max_position_embeddings, mc.max_position_embeddings)
+        head = draft if draft is None or isinstance(draft, DraftHead) else load_draft(
+            draft, self.model, config.dtype, config.device)  # before the pools: they are sized after the weights
+        self.config = config = self._fit_pools(config, head, allocated)
         self.cache = make_cache(mc, mc.num_hidden_layers, config, self.max_context)
         self.graph_failures: list[CaptureFailure] = []  # CUDA graphs that failed to capture (phase eager)
-        self.speculator = None if draft is None else SpecWorker.load(
-            draft, self.model, self.cache, config, self.max_context, self.graph_failures)
+        self.speculator = None if head is None else SpecWorker.load(
+            head, self.model, self.cache, config, self.max_context, self.graph_failures)
         caches = [self.cache] + (self.speculator.caches if self.speculator else [])
         self.scheduler = Scheduler(caches, config.max_running, config.chunk_size, config.headroom,
                                    eos_ids=mc.eos_token_ids, prefill_only=role == "prefill")
@@ -108,6 +120,22 @@ class Engine:
         self.decode_graphs = PhaseGraphs("decode", self._decode_phase, "decode" in graphs_on, config.cuda_graph_max_bs,
                                          self.graph_failures)
         self._ids = itertools.count()
+
+    def _fit_pools(self, config: EngineConfig, head: DraftHead | None, allocated_before: int) -> EngineConfig:
+        """On a GPU without ``num_pages``: the page count that keeps this engine, weights (loaded since
+        ``allocated_before``), reserve and every pool, within ``gpu_memory_fraction`` of the device."""
+        if self.device.type != "cuda" or config.num_pages is not None:
+            return config
+        mc, positions = self.model.config, self.max_context + config.headroom
+        per_page = page_bytes(mc, mc.num_hidden_layers, config)
+        if head is not None:
+            per_page += (SpecWorker.cache_count(head, config.spec or SpecConfig())
+                         * page_bytes(head.config, head.layers_per_cache, config))
+        pages = pages_within_budget(
+            config.gpu_memory_fraction or DEFAULT_GPU_MEMORY_FRACTION, device_memory(self.device, allocated_before),
+            activation_reserve(mc, config, self.max_context), per_page,
+            request_pages=-(-positions // config.page_size), most_pages=default_pages(config, positions))
+        return config.model_copy(update={"num_pages": pages})
 
     @property
     def requests(self) -> Mapping[str, Request]:

@@ -60,8 +60,8 @@ class SpecWorker:
         if draft.kind == "mtp" and draft.num_caches < spec.steps:
             raise ValueError(f"spec steps: the multi-layer draft has {draft.num_caches} layers, "
                              f"steps={spec.steps} needs one per step")
-        n_caches = spec.steps if draft.kind == "mtp" else 1
-        self.caches = [make_cache(draft.config, draft.layers_per_cache, config, max_context) for _ in range(n_caches)]
+        self.caches = [make_cache(draft.config, draft.layers_per_cache, config, max_context)
+                       for _ in range(self.cache_count(draft, spec))]
         self.capture_mode = "aux" if draft.kind == "eagle3" else "last"
         self.aux_layers = getattr(draft, "aux_layers", ())
         self.phases = SpecPhases(self.target, self.target_cache, draft, self.caches, spec, self.capture_mode,
@@ -79,6 +79,11 @@ class SpecWorker:
         enabled = target_cache.layout.device.type == "cuda" if ahead is None else ahead
         room = min(cache.layout.max_context - self._draft_reach(c) for c, cache in enumerate(self.caches))
         self.ahead = DraftAhead(enabled, spec.steps, room, self.dtype)
+
+    @staticmethod
+    def cache_count(draft: DraftHead, spec: SpecConfig) -> int:
+        """The draft's KV pools: one per step for a multi-layer draft (step i runs layer i), else one."""
+        return spec.steps if draft.kind == "mtp" else 1
 
     @classmethod
     def load(cls, path: str | Path | DraftHead, target: LlamaForCausalLM, target_cache: KVCache,
