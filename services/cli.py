@@ -6,6 +6,7 @@ Bad input exits with status 2 and one line naming the problem.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -25,7 +26,7 @@ class _Help(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if not action.option_strings or action.default is argparse.SUPPRESS or "(default" in text:
+        if not action.option_strings or action.default is argparse.SUPPRESS or "(default:" in text:
             return text
         if action.required:
             return f"{text} (required)"
@@ -102,7 +103,7 @@ TRAIN_FLAGS = (  # flag, type, default, help: the numeric settings of train-draf
     ("--ttt-steps", int, 7, "unrolled draft steps trained (a multi-layer draft gets one layer each)"),
     ("--eval-every", int, 200, "steps between evaluations of acceptance on held-out text (0: start and end)"),
     ("--save-every", int, None, "steps between checkpoints (default: with every evaluation)"),
-    ("--draft-vocab", int, None, "EAGLE-3 draft vocabulary size, the most frequent corpus tokens (default "
+    ("--draft-vocab", int, None, "EAGLE-3 draft vocabulary size, the most frequent corpus tokens (default: "
                                  "min(32000, target vocabulary))"),
     ("--seed", int, 0, "initialisation and batch order"),
     ("--heldout", float, 0.05, "fraction of documents held out for evaluation"),
@@ -110,7 +111,7 @@ TRAIN_FLAGS = (  # flag, type, default, help: the numeric settings of train-draf
     ("--eval-prompts", int, 8, "held-out prompts the acceptance is measured on"),
     ("--eval-prompt-len", int, 32, "tokens per held-out prompt"),
     ("--eval-new-tokens", int, 32, "tokens generated per held-out prompt"),
-    ("--eval-spec-steps", int, None, "draft chain depth of the measurement (default min(ttt-steps, 5))"),
+    ("--eval-spec-steps", int, None, "draft chain depth of the measurement (default: min(ttt-steps, 5))"),
     ("--log-every", int, 10, "steps between loss records"),
     ("--regenerate", int, 0, "replace the last N tokens of every training window by the target's greedy "
                              "continuation (train on what the target itself writes)"),
@@ -189,8 +190,8 @@ def cmd_generate(args) -> int:
     from shared.engine import Engine
 
     prompts, settings, config, params = _generate_inputs(args)
-    with tempfile.TemporaryDirectory(prefix="eyrie-tiny-") as tmp:
-        model, draft = _checkpoints(settings, Path(tmp))
+    with contextlib.ExitStack() as cleanup:  # the tiny model, when one is made, is removed on exit
+        model, draft = _checkpoints(settings, cleanup)
         try:
             engine = Engine(model, draft, config)
             stats = engine.spec_stats
@@ -233,14 +234,15 @@ def _generate_inputs(args):
     return prompts, settings, config, params
 
 
-def _checkpoints(settings, tmp: Path) -> tuple:
-    """The target and draft directories (without a model, a tiny one made in ``tmp``)."""
+def _checkpoints(settings, cleanup: contextlib.ExitStack) -> tuple:
+    """The target and draft directories (without a model, a tiny one made in a temporary directory that
+    ``cleanup`` removes)."""
     model, draft = settings.model, settings.draft
     if model is None:
         from shared.model.factory import make_model
 
-        make_model("tiny", tmp)
-        model = tmp / "target"
+        tmp = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="eyrie-tiny-")))
+        model = make_model("tiny", tmp) / "target"
     check_checkpoints(model, draft)
     return model, draft
 
@@ -248,10 +250,9 @@ def _checkpoints(settings, tmp: Path) -> tuple:
 def check_checkpoints(model, draft) -> None:
     """Exit 2 naming the flag when ``model`` or ``draft`` is not a checkpoint directory."""
     for name, path in (("--model", model), ("--draft", draft)):
-        if path is not None and not Path(path).is_dir():
-            _fail(f"{name}: {path} is not a directory")
         if path is not None and not (Path(path) / "config.json").exists():
-            _fail(f"{name}: {path} is not a checkpoint directory (no config.json)")
+            why = "no config.json" if Path(path).is_dir() else "no such directory"
+            _fail(f"{name}: {path} is not a checkpoint directory ({why})")
 
 
 def _print_results(args, results: list, batches: list | None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -394,12 +395,11 @@ def _echo_warnings(role: str, stream) -> None:
 
 
 def cmd_up(args) -> int:
-    with tempfile.TemporaryDirectory(prefix="eyrie-tiny-") as tmp:  # the tiny model, when made: removed on exit
-        stack = _up_stack(args, Path(tmp))
-        return _run_up(args, stack)
+    with contextlib.ExitStack() as cleanup:  # the tiny model, when one is made, is removed on exit
+        return _run_up(args, _up_stack(args, cleanup))
 
 
-def _up_stack(args, tmp: Path) -> Stack:
+def _up_stack(args, cleanup: contextlib.ExitStack) -> Stack:
     """The stack ``eyrie up``'s flags describe (exit 2 naming the problem before anything starts)."""
     from pydantic import ValidationError
 
@@ -421,7 +421,7 @@ def _up_stack(args, tmp: Path) -> Stack:
     if model is None:
         from shared.model.factory import make_model
 
-        out = make_model("tiny", tmp)
+        out = make_model("tiny", cleanup.enter_context(tempfile.TemporaryDirectory(prefix="eyrie-tiny-")))
         model = str(out / "target")
         draft = draft if "draft" in decode.model_fields_set else str(out / "eagle3")
     check_checkpoints(model, draft)
