@@ -129,9 +129,7 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
     log.event("started", grpc=grpc_address, http=http_address, **facts)
 
     def stop(drain_s: float = 2.0) -> None:
-        """Drain, then stop: 503 and NOT_SERVING, out of the registry (no new request is placed here), the
-        requests in flight finish (up to ``drain_s``) and their last messages go out; whatever is left then is
-        cancelled."""
+        """Drain (503, out of the registry, in-flight requests finish up to ``drain_s``), then stop."""
         log.event("stopping", drain_s=drain_s)
         t0 = time.monotonic()
         telemetry.set_state("draining")
