@@ -31,6 +31,11 @@ def health(addr: str) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+def draining(addr: str) -> bool:
+    code, body = health(addr)
+    return code == 503 and body["status"] == "draining"
+
+
 def log_events(stack: Stack, role: str, event: str) -> list[dict]:
     lines = (stack.log_dir / f"{role}.log").read_text().splitlines()
     return [obj for obj in map(json.loads, lines) if obj["event"] == event]
@@ -48,8 +53,10 @@ def test_sigterm_drains_the_stream_in_flight_then_every_service_exits_0(tmp_path
             if not tokens:  # the first tokens are out: every service is told to stop
                 for proc in stack.procs.values():
                     proc.send_signal(signal.SIGTERM)
-                code, body = health(stack.http["router"])
-                assert code == 503 and body["status"] == "draining"
+                deadline = time.monotonic() + 10  # the signal is handled in a moment
+                while not draining(stack.http["router"]):
+                    assert time.monotonic() < deadline, health(stack.http["router"])
+                    time.sleep(0.02)
                 with pytest.raises(grpc.RpcError) as refused:
                     generate(stack.router_address, "after-sigterm")
                 assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
