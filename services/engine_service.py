@@ -63,8 +63,7 @@ def capture_graphs(engine: Engine, enabled: bool, telemetry: Telemetry, log: Ser
     telemetry.set_state("capturing")
     log.event("capturing_graphs")
     t0 = time.perf_counter()
-    graphs = engine.speculator.graphs.values() if engine.speculator is not None else [engine.decode_graphs]
-    with capture_progress(graphs):
+    with capture_progress(engine.phase_graphs()):
         count = engine.capture_graphs()  # a poisoned CUDA state raises: the service does not start
     for failure in engine.graph_failures:  # contained: those phases run eagerly
         log.warning("graph_capture_failed", **failure.as_dict())

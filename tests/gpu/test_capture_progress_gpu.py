@@ -17,7 +17,7 @@ def test_capture_progress_counts_each_graph_captured(tiny_model_dir, draft, monk
     engine = Engine(tiny_model_dir / "target", tiny_model_dir / draft if draft else None,
                     EngineConfig(device="cuda", page_size=4, chunk_size=8, spec=spec, cuda_graph=True,
                                  cuda_graph_max_bs=8))
-    graphs = list(engine.speculator.graphs.values()) if draft else [engine.decode_graphs]
+    graphs = engine.phase_graphs()
     monkeypatch.setattr("sys.stderr", io.StringIO())  # not a terminal: the bar counts, prints nothing
     with capture_progress(graphs) as bar:
         count = engine.capture_graphs()
