@@ -427,6 +427,9 @@ def _up_stack(args, cleanup: contextlib.ExitStack) -> Stack:
     check_checkpoints(model, draft)
     port = int(router.pop("grpc_port", UP_GRPC_PORT)) or free_port()
     openai_port = router.pop("openai_port", None)
+    for name, value in (("grpc_port", port), ("openai_port", openai_port)):
+        if value and not port_free("127.0.0.1", int(value)):
+            _fail(f"{name}: port {value} on 127.0.0.1 is in use (give --{name.replace('_', '-')} 0 for any free port)")
     extra = {k: v for k, v in engine.items() if k not in ("model", "draft")}
     router_extra = {"max_context": engine["max_context"]} if "max_context" in engine else {}
     # Every service gets the key (they call each other with it), through the environment rather than argv.

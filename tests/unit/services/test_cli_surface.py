@@ -160,6 +160,14 @@ def test_a_busy_port_exits_2_with_the_hint_to_use_port_0(capsys, model, which):
     assert str(port) in lines[0] and "in use" in lines[0] and f"{which} 0" in lines[0], lines[0]
 
 
+def test_up_refuses_a_busy_router_port_before_starting_anything(capsys, model):
+    with busy_port() as s:
+        port = s.getsockname()[1]
+        code, out, err = run(capsys, "up", "--model", model, "--grpc-port", str(port))
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"port {port}" in err and "in use" in err and "--grpc-port 0" in err
+
+
 def test_settings_json_file_still_reads(tmp_path):
     cfg = tmp_path / "eyrie.json"
     cfg.write_text(json.dumps({"page_size": 2}))
