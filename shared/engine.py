@@ -405,6 +405,10 @@ class Engine:
         with self.on_device():
             return self._capture_graphs()
 
+    def phase_graphs(self) -> list[PhaseGraphs]:
+        """The CUDA graph phases ``capture_graphs`` captures (the speculator's, else the target decode's)."""
+        return list(self.speculator.graphs.values()) if self.speculator is not None else [self.decode_graphs]
+
     def _capture_graphs(self) -> int:
         if self.speculator is not None:
             return self.speculator.capture_graphs()

@@ -194,6 +194,7 @@ class RouterCore:
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._facts: dict = {}  # the engines' dtype / page size / speculative config, as last seen
+        self.draining = threading.Event()  # set when the router stops: new requests are refused
 
     # ---- validation ------------------------------------------------------------------------------
     def validate(self, req: pb.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
@@ -277,6 +278,11 @@ class RouterCore:
             self.log.event("refused", req.request_id if RID_PATTERN.match(req.request_id) else None,
                            field=e.field, message=str(e))
             raise
+        if self.draining.is_set():
+            self._count_error("unavailable")
+            self.log.event("refused", rid, message="draining")
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "the router is shutting down (draining): send the "
+                                                           "request to another router")
         active = Active(rid, cancelled or threading.Event())
         with self._lock:
             duplicate = rid in self._active
@@ -565,6 +571,11 @@ class RouterCore:
             except grpc.RpcError:
                 pass  # that instance is gone; its pages went with it
 
+    def in_flight(self) -> int:
+        """Requests under way (accepted, not yet ended)."""
+        with self._lock:
+            return len(self._active)
+
     def engine_facts(self) -> dict:
         """dtype, page size and speculative config of the engines serving this model, from the registry: a live
         decode instance's (the one that generates), else a prefill instance's, else the last ones seen ({} until
@@ -662,15 +673,23 @@ def start_router(settings: RouterSettings) -> ServiceHandle:
     grpc_address = f"{settings.advertised}:{port}"
     core.log.event("started", grpc=grpc_address, http=telemetry.address, openai=extra.get("openai_address"))
 
-    def stop(grace: float = 2.0) -> None:
-        core.log.event("stopping")
+    def stop(drain_s: float = 2.0) -> None:
+        """Drain, then stop: 503 and NOT_SERVING, new requests refused, those in flight finish (up to
+        ``drain_s``)."""
+        core.log.event("stopping", drain_s=drain_s)
+        deadline = time.monotonic() + drain_s
         telemetry.set_state("draining")
         set_serving(health, SERVICES, False)
+        core.draining.set()
+        stopped = server.stop(drain_s)  # gRPC: new calls refused now, those in flight have until the deadline
+        while core.in_flight() and time.monotonic() < deadline:  # the OpenAI API's streams too
+            time.sleep(0.05)
         if openai_server is not None:
             openai_server.stop()
-        server.stop(grace).wait(grace + 1)
+        stopped.wait(max(0.0, deadline - time.monotonic()) + 1)
         core.close()
         telemetry.stop()
+        core.log.event("stopped", drained=not core.in_flight())
 
     return ServiceHandle(role="router", instance_id=instance_id, grpc_address=grpc_address,
                          http_address=f"{settings.advertised}:{telemetry.port}", stop=stop, extra=extra)
