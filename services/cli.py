@@ -106,6 +106,7 @@ TRAIN_FLAGS = (  # flag, type, default, help: the numeric settings of train-draf
                              "continuation (train on what the target itself writes)"),
     ("--max-windows", int, None, "train on at most N windows of the corpus (a seeded choice; bounds "
                                  "--regenerate's cost)"),
+    ("--time-budget-s", float, None, "stop training (evaluate and save) after this many seconds"),
 )
 
 
