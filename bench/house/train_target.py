@@ -348,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-packages", nargs="+")
     p.add_argument("--heldout-packages", nargs="+")
     for name, kind in (("steps", int), ("time_budget_s", float), ("batch", int), ("seq_len", int), ("lr", float),
-                       ("device", str), ("dtype", str), ("seed", int), ("max_package_bytes", int)):
+                       ("device", str), ("dtype", str), ("seed", int), ("max_package_bytes", int),
+                       ("num_hidden_layers", int)):
         p.add_argument("--" + name.replace("_", "-"), type=kind)
     args = p.parse_args(argv)
     fields = {**(TINY if args.tiny else {})}

@@ -72,3 +72,38 @@ def test_tiny_pair_from_the_tar_is_lossless_and_accepts_as_recorded(tiny_pair, t
     demo = again.generate(prompt, SamplingParams(max_new_tokens=8))[0]
     assert demo.text == record["demo"]["completion"]
     assert round(again.spec_stats.totals.accept_length, 4) == record["demo"]["accept_length"]
+
+
+@pytest.mark.slow
+def test_house_scripts_cpu_forms_train_measure_and_retime(tmp_path):
+    """gpu_house.sh --smoke: target, head, acceptance grid, widening exactness, batch-1 speed; then
+    gpu_house_speed.sh re-times a random pair and reads the first run's accept lengths (~1 min here)."""
+    out = tmp_path / "house"
+    done = run_script("gpu_house.sh", out, "--smoke")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["head.json", "head.log", "house.json", "measure.json", "measure.log", "summary.txt",
+                     "target.log"]  # at most 8 files come back from a device call
+    assert json.loads((out / "house.json").read_text())["train"]["steps"] > 0
+    assert json.loads((out / "head.json").read_text())["evals"]
+    m = json.loads((out / "measure.json").read_text())
+    assert m["skipped"] == []
+    grid = {(r["config"], r["temperature"]) for r in m["acceptance"]}
+    assert grid == {(c, t) for c in ("chain3", "chain5", "chain7", "tree_topk4_n8", "tree_topk4_n16")
+                    for t in (0.0, 0.8)}
+    assert all(r["accept_length"] >= 1 for r in m["acceptance"])
+    assert m["exactness"]["outputs_equal"] is True  # float32: the widened pair decodes the same tokens
+    assert m["exactness"]["accept_length_small"] == m["exactness"]["accept_length_wide"]
+    rows = {r["config"]: r for r in m["speed"]["rows"]}
+    assert set(rows) == {"plain", "chain3", "chain5", "chain7", "tree_topk4_n8", "tree_topk4_n16"}
+    for s in m["speed"]["speedups"]:
+        r = rows[s["config"]]
+        assert s["formula"] == pytest.approx(r["accept_length"] * rows["plain"]["decode_step_s"] / r["iteration_s"],
+                                             rel=1e-2)
+    speed_out = tmp_path / "speed"
+    done = run_script("gpu_house_speed.sh", speed_out, str(out / "measure.json"), "--smoke")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    s = json.loads((speed_out / "speed.json").read_text())
+    greedy = {r["config"]: r["accept_length"] for r in m["acceptance"] if r["temperature"] == 0.0}
+    assert {x["config"]: x["accept_length"] for x in s["speed"]["speedups"]} == greedy
+    assert "acceptance" not in s and "exactness" not in s  # nothing trained, nothing to compare
