@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 EXIT_USAGE = 2
@@ -200,14 +199,17 @@ def _generate_inputs(args):
 
 
 def _checkpoints(args) -> tuple:
-    """The target and draft directories (without ``--model``, a tiny model made on the fly)."""
+    """The target and draft directories. Without ``--model``: the tiny trained pair, its EAGLE-3 head
+    included unless ``--draft none`` (``shared/model/default_pair.py``), or a random tiny target."""
     model, draft = args.model, args.draft
     if model is None:
-        from shared.model.factory import make_model
+        from shared.model.default_pair import default_pair, trained_tiny_pair
 
-        tmp = Path(tempfile.mkdtemp(prefix="eyrie-tiny-"))
-        make_model("tiny", tmp)
-        model = tmp / "target"
+        trained = trained_tiny_pair()
+        model = (trained or default_pair()).target
+        draft = draft or (trained.eagle3 if trained else None)
+    if draft == "none":
+        draft = None
     for name, path in (("--model", model), ("--draft", draft)):
         if path is not None and not (Path(path) / "config.json").exists():
             _fail(f"{name}: {path} is not a checkpoint directory (no config.json)")

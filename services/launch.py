@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -240,12 +239,12 @@ class Stack:
 
 def cmd_up(args) -> int:
     model, draft = args.model, args.draft
-    if model is None:
-        from shared.model.factory import make_model
+    if model is None:  # the tiny trained pair when present, else a random tiny model
+        from shared.model.default_pair import default_pair
 
-        out = make_model("tiny", Path(tempfile.mkdtemp(prefix="eyrie-tiny-")))
-        model = str(out / "target")
-        draft = draft or str(out / "eagle3")
+        pair = default_pair()
+        model = str(pair.target)
+        draft = draft or str(pair.eagle3)
     if draft == "none":
         draft = None
     for name, path in (("--model", model), ("--draft", draft)):
