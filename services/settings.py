@@ -48,6 +48,7 @@ class EngineSettings(CommonSettings):
     spec_draft_tokens: int | None = None
     cuda_graph: bool = False
     spec_draft_ahead: bool | None = None
+    spec_policy: str = "fixed"  # EYRIE_SPEC_POLICY=fixed|adaptive (shared/spec/policy.py)
 
     @field_validator("draft", mode="before")
     @classmethod
@@ -61,7 +62,8 @@ class EngineSettings(CommonSettings):
             spec = SpecConfig(topk=self.spec_topk, steps=self.spec_steps, num_draft_tokens=n)
         return EngineConfig(device=self.device, dtype=self.dtype, page_size=self.page_size, num_pages=self.num_pages,
                             max_running=self.max_running, max_context=self.max_context, chunk_size=self.chunk_size,
-                            spec=spec, cuda_graph=self.cuda_graph, spec_draft_ahead=self.spec_draft_ahead)
+                            spec=spec, cuda_graph=self.cuda_graph, spec_draft_ahead=self.spec_draft_ahead,
+                            spec_policy=self.spec_policy)
 
 
 class PrefillSettings(EngineSettings):
