@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 import tempfile
+import sys
 from pathlib import Path
 
 EXIT_USAGE = 2
@@ -117,6 +117,7 @@ TRAIN_FLAGS = (  # flag, type, default, help: the numeric settings of train-draf
                              "continuation (train on what the target itself writes)"),
     ("--max-windows", int, None, "train on at most N windows of the corpus (a seeded choice; bounds "
                                  "--regenerate's cost)"),
+    ("--time-budget-s", float, None, "stop training (evaluate and save) after this many seconds"),
 )
 
 
@@ -236,14 +237,21 @@ def _generate_inputs(args):
 
 
 def _checkpoints(settings, cleanup: contextlib.ExitStack) -> tuple:
-    """The target and draft directories (without a model, a tiny one made in a temporary directory that
-    ``cleanup`` removes)."""
+    """The target and draft directories. Without a model: the tiny trained pair, its EAGLE-3 head included
+    unless ``--draft none`` (``shared/model/default_pair.py``), or a random tiny target made in a temporary
+    directory that ``cleanup`` removes."""
     model, draft = settings.model, settings.draft
     if model is None:
+        from shared.model.default_pair import trained_tiny_pair
         from shared.model.factory import make_model
 
-        tmp = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="eyrie-tiny-")))
-        model = make_model("tiny", tmp) / "target"
+        trained = trained_tiny_pair()
+        if trained is not None:
+            model = trained.target
+            draft = draft if "draft" in settings.model_fields_set else trained.eagle3
+        else:
+            tmp = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="eyrie-tiny-")))
+            model = make_model("tiny", tmp) / "target"
     check_checkpoints(model, draft)
     return model, draft
 

@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -423,10 +422,13 @@ def _up_stack(args, cleanup: contextlib.ExitStack) -> Stack:
     except SettingsFileError as e:
         _fail(f"--config: {e}")
     model, draft = decode.model, decode.draft
-    if model is None:
+    if model is None:  # the tiny trained pair when present (shared/model/default_pair.py), else a random one
+        from shared.model.default_pair import trained_tiny_pair
         from shared.model.factory import make_model
 
-        out = make_model("tiny", cleanup.enter_context(tempfile.TemporaryDirectory(prefix="eyrie-tiny-")))
+        pair = trained_tiny_pair()
+        out = pair.target.parent if pair else make_model(
+            "tiny", cleanup.enter_context(tempfile.TemporaryDirectory(prefix="eyrie-tiny-")))
         model = str(out / "target")
         draft = draft if "draft" in decode.model_fields_set else str(out / "eagle3")
     check_checkpoints(model, draft)

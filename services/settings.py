@@ -90,6 +90,8 @@ class EngineOptions(BaseSettings):
     spec_draft_ahead: bool | None = Field(_engine("spec_draft_ahead"), description="launch the next step's draft "
                                           "before this step's tokens reach the host, overlapping the host's "
                                           "bookkeeping (unset or `auto` = on with `cuda`)")
+    spec_policy: str = Field(_engine("spec_policy"), description="per decode step: `fixed` always speculates; "
+                             "`adaptive` runs a plain step where it expects more tokens per second from one")
     handoff_transport: str = Field("auto", description="the hand-off's data transport: `auto` (ipc on one host when "
                                    "the decode pools are reachable, else the gRPC stream), `ipc` or `grpc-stream` "
                                    "(on a decode instance, `grpc-stream` stops it exporting its pools)")
@@ -123,7 +125,7 @@ class EngineOptions(BaseSettings):
         return EngineConfig(device=self.device, dtype=self.dtype, page_size=self.page_size, num_pages=self.num_pages,
                             max_running=self.max_running, max_context=self.max_context, chunk_size=self.chunk_size,
                             spec=spec, cuda_graph=self.cuda_graph, spec_draft_ahead=self.spec_draft_ahead,
-                            gpu_memory_fraction=self.gpu_memory_fraction)
+                            gpu_memory_fraction=self.gpu_memory_fraction, spec_policy=self.spec_policy)
 
 
 class EngineSettings(EngineOptions, CommonSettings):

@@ -41,6 +41,7 @@ from shared.model.tokenizer import Tokenizer
 from shared.request import Request, RequestError, Stage
 from shared.sampling import SamplingParams, sample
 from shared.scheduler import Scheduler, StepPlan
+from shared.spec.policy import Acceptance, MeasuredCost, SpecPolicy
 from shared.spec.state import DraftState
 from shared.spec.stats import SpecRecorder
 from shared.spec.token_counts import SpecTokenCounts
@@ -113,6 +114,8 @@ class Engine:
         self.graph_failures: list[CaptureFailure] = []  # CUDA graphs that failed to capture (phase eager)
         self.speculator = None if head is None else SpecWorker.load(
             head, self.model, self.cache, config, self.max_context, self.graph_failures)
+        self.spec_policy = None if head is None else SpecPolicy(config.spec_policy, Acceptance(config.spec.steps),
+                                                                MeasuredCost())
         caches = [self.cache] + (self.speculator.caches if self.speculator else [])
         self.scheduler = Scheduler(caches, config.max_running, config.chunk_size, config.headroom,
                                    eos_ids=mc.eos_token_ids, prefill_only=role == "prefill")
@@ -227,14 +230,36 @@ class Engine:
             if plan.prefill:
                 events += self._run_target_step(StepPlan(prefill=plan.prefill))
             if plan.decode:
-                events += self.speculator.decode_step(plan.decode, self.scheduler.joins_next(plan.decode))
+                events += self._run_spec_or_plain(plan.decode)
         for req, _ in events:
             if req.finish_reason is not None and req.stage is not Stage.FINISHED:
                 self.scheduler.retire(req)
         return events
 
+    def _run_spec_or_plain(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
+        """A speculative step, or a plain one where the policy expects more tokens per second from it
+        (``shared/spec/policy.py``); each is timed for the policy's costs, and a speculative step's
+        acceptance counted."""
+        policy, counts = self.spec_policy, self.speculator.stats.tokens
+        t0 = time.perf_counter()
+        if policy.speculate(len(reqs)):
+            drafts, reached = counts.drafts, list(counts.accepted_per_pos)
+            events = self.speculator.decode_step(reqs, self.scheduler.joins_next(reqs))
+            policy.acceptance.observe_counts(counts.drafts - drafts,
+                                             [a - b for a, b in zip(counts.accepted_per_pos, reached)])
+            kind = "spec"
+        else:
+            self.speculator.drop_ahead()  # a draft launched ahead is stale after a plain step
+            events = self._run_target_step(StepPlan(decode=reqs))
+            kind = "plain"
+        if isinstance(policy.cost, MeasuredCost):
+            policy.cost.record(kind, len(reqs), time.perf_counter() - t0)
+        return events
+
     def _run_target_step(self, plan: StepPlan) -> list[tuple[Request, list[int]]]:
-        """One target forward over the decode tokens and prefill chunks of ``plan``."""
+        """One target forward over the decode tokens and prefill chunks of ``plan``. With a draft, its
+        features extend the draft over every row (a decode row: the one position it wrote)."""
+        starts = [req.kv_len for req in plan.decode]
         rows, prefix, q_lens, ids, pos, sample_rows, sampled_reqs = [], [], [], [], [], [], []
         for req in plan.decode:
             self.cache.reserve(req.handles[0], req.kv_len + 1)
@@ -258,7 +283,7 @@ class Engine:
             ch.req.advance(ch.end)
         events = self._sample_and_commit(out, sampled_reqs)
         if self.speculator is not None:
-            self.speculator.draft_extend_prefill(plan.prefill, out)
+            self.speculator.draft_extend_rows(plan.decode, starts, plan.prefill, out)
         for ch in plan.prefill:
             if ch.completes_prompt:
                 self.scheduler.prompt_done(ch.req)

@@ -105,9 +105,18 @@ class SpecWorker:
 
     def draft_extend_prefill(self, chunks: list[Chunk], out: TargetOutput) -> None:
         """Run the draft over each prefill chunk; requests whose prompt completed get a DraftState."""
-        spans = [(c.req, c.start, c.end) for c in chunks]
-        finals = [c.completes_prompt and c.req.finish_reason is None for c in chunks]
-        self.draft_extend(spans, self.features(out), finals)
+        self.draft_extend_rows([], [], chunks, out)
+
+    def draft_extend_rows(self, decoded: list[Request], starts: list[int], chunks: list[Chunk],
+                          out: TargetOutput) -> None:
+        """Run the draft over a target step's rows in order: each plain-decoded request's one position
+        (``starts``: where it wrote), then each prefill chunk. A decoded request still running, and one
+        whose prompt completed, get a DraftState (the next speculative step resumes from it)."""
+        spans = [(r, s, s + 1) for r, s in zip(decoded, starts)] + [(c.req, c.start, c.end) for c in chunks]
+        finals = [r.finish_reason is None for r in decoded] + [
+            c.completes_prompt and c.req.finish_reason is None for c in chunks]
+        if spans:
+            self.draft_extend(spans, self.features(out), finals)
 
     def draft_extend(self, spans: list[tuple[Request, int, int]], features: torch.Tensor,
                      finals: list[bool]) -> None:
