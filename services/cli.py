@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import tempfile
 import sys
+import tempfile
 from pathlib import Path
 
 EXIT_USAGE = 2
