@@ -47,13 +47,14 @@ class GenerationResult:
     logprobs: list[float]
     text: str | None
     finish_reason: str
+    stop_str: str | None  # the stop string that ended the generation, if one did
     ttft_s: float
     latency_s: float
     spec_stats: dict | None  # the request's speculative statistics (SpecStats.as_dict), None without a draft
 
     def as_json(self) -> dict:
         return {"request_id": self.rid, "token_ids": self.token_ids, "text": self.text,
-                "finish_reason": self.finish_reason, "prompt_tokens": len(self.prompt_ids),
+                "finish_reason": self.finish_reason, "stop_str": self.stop_str, "prompt_tokens": len(self.prompt_ids),
                 "timing": {"ttft_s": round(self.ttft_s, 6), "latency_s": round(self.latency_s, 6)},
                 **({"spec": self.spec_stats} if self.spec_stats is not None else {})}
 
@@ -101,7 +102,7 @@ class Engine:
             draft, self.model, self.cache, config, self.max_context, self.graph_failures)
         caches = [self.cache] + (self.speculator.caches if self.speculator else [])
         self.scheduler = Scheduler(caches, config.max_running, config.chunk_size, config.headroom,
-                                   eos_ids=mc.eos_token_ids, prefill_only=role == "prefill")
+                                   eos_ids=mc.eos_token_ids, prefill_only=role == "prefill", tokenizer=tokenizer)
         graphs_on = set(config.cuda_graph_phases) if config.cuda_graph else set()
         self.decode_graphs = PhaseGraphs("decode", self._decode_phase, "decode" in graphs_on, config.cuda_graph_max_bs,
                                          self.graph_failures)
@@ -351,10 +352,14 @@ class Engine:
 
     def result(self, req: Request) -> GenerationResult:
         text = self.tokenizer.decode(req.output_ids) if self.tokenizer else None
+        if req.text is not None:  # cut at its stop string
+            req.text.push([], final=True)
+            text = req.text.text
         end = req.t_finish or time.perf_counter()
         return GenerationResult(
             rid=req.rid, prompt_ids=req.prompt_ids, token_ids=list(req.output_ids),
             logprobs=list(req.output_logprobs), text=text, finish_reason=req.finish_reason or "abort",
+            stop_str=req.stop_str,
             ttft_s=(req.t_first_token or end) - req.t_arrival, latency_s=end - req.t_arrival,
             spec_stats=req.stats.as_dict() if self.speculator is not None else None,
         )

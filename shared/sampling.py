@@ -26,6 +26,15 @@ class SamplingParams(BaseModel):
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = Field(default_factory=tuple)
     ignore_eos: bool = False
+    stop: tuple[str, ...] = Field(default_factory=tuple)  # stop strings, matched on the output text
+    include_stop_str_in_output: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not s for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
 
     @field_validator("temperature")
     @classmethod

@@ -26,8 +26,10 @@ Behaviour worth knowing (docs/deploy.md has the user-facing version):
   template refuses chat requests.
 - Sampling follows OpenAI's defaults (``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for completions,
   up to the router's default for chat). Extensions: ``top_k``, ``stop_token_ids``, ``ignore_eos``,
-  ``return_token_ids`` (adds ``token_ids`` to each choice); responses carry an ``eyrie`` object with the
-  request id, speculative-decoding statistics and timings. Stop *strings* (``stop``), ``n`` > 1,
+  ``return_token_ids`` (adds ``token_ids`` to each choice), vLLM's ``include_stop_str_in_output``;
+  responses carry an ``eyrie`` object with the request id, speculative-decoding statistics and timings.
+  Stop strings (``stop``) cut the text before the first one to appear (the choice's ``stop_reason``
+  names it) and nothing past it is streamed. ``n`` > 1,
   penalties, ``logit_bias``, ``echo``, ``suffix``, tools, ``tool_choice``, alternative log-probabilities
   and vLLM's extras not implemented yet (``NOT_IMPLEMENTED``) are refused with a 400 naming the parameter
   rather than silently ignored.
@@ -64,7 +66,7 @@ THREADS = 1024  # generation threads (one per request in flight: RouterCore's ca
 # vLLM's sampling extras Eyrie does not implement yet: refused by name rather than silently ignored.
 NOT_IMPLEMENTED = ("min_tokens", "min_p", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                    "structured_outputs", "allowed_token_ids", "bad_words", "prompt_logprobs",
-                   "include_stop_str_in_output", "truncate_prompt_tokens", "length_penalty", "tool_choice",
+                   "truncate_prompt_tokens", "length_penalty", "tool_choice",
                    "parallel_tool_calls", "skip_special_tokens", "spaces_between_special_tokens")
 
 # RouterCore names fields after the gRPC message; clients know OpenAI's names.
@@ -75,6 +77,7 @@ _GRPC_TO_OPENAI = {
     "sampling.max_new_tokens": "max_tokens",
     "sampling.stop_token_ids": "stop_token_ids",
     "sampling.seed": "seed",
+    "sampling.stop": "stop",
     "request": None,
     "request_id": None,
 }
@@ -217,6 +220,8 @@ class _Sampling(_Strict):
     seed: Annotated[int, Field(ge=0, le=UINT64_MAX)] | None = None
     max_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
     stop_token_ids: list[TokenId] | None = None  # Eyrie's extension: stop on these ids
+    stop: str | list[str] | None = None  # stop strings: the text ends before the first to appear
+    include_stop_str_in_output: bool = False  # vLLM's: keep the stop string at the end of the text
     ignore_eos: bool = False
     return_token_ids: bool = False  # Eyrie's extension: token_ids in each choice
     user: str | None = None  # OpenAI's end-user id: accepted, not used
@@ -227,7 +232,6 @@ class _Sampling(_Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    stop: str | list[str] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
@@ -331,9 +335,6 @@ def _refuse_unsupported(body: _Sampling) -> None:
     if rf is not None and rf.get("type", "text") != "text":
         raise bad("response_format", "response_format: only {\"type\": \"text\"} is supported",
                   code="unsupported_value")
-    if body.stop not in (None, "", []):
-        raise bad("stop", "stop: stop strings are not supported; give token ids in stop_token_ids (an Eyrie "
-                          "extension)", code="unsupported_parameter")
     if body.stream_options is not None and not body.stream:
         raise bad("stream_options", "stream_options: only allowed with stream=true")
 
@@ -350,6 +351,8 @@ def _sampling(body: _Sampling, max_tokens: int | None, default_max_tokens: int) 
     s.max_new_tokens = default_max_tokens if max_tokens is None else max_tokens
     s.stop_token_ids.extend(body.stop_token_ids or [])
     s.ignore_eos = body.ignore_eos
+    s.stop.extend(x for x in ([body.stop] if isinstance(body.stop, str) else body.stop or []) if x)
+    s.include_stop_str_in_output = body.include_stop_str_in_output
     return s
 
 
@@ -450,6 +453,11 @@ def _finish_reason(finish: pb.Finish | None) -> str | None:
     if finish is None:
         return None
     return finish.reason or "stop"
+
+
+def _stop_reason(finish: pb.Finish | None) -> str | None:
+    """vLLM's ``stop_reason``: the stop string that ended the text (None otherwise)."""
+    return finish.stop_str or None if finish is not None else None
 
 
 class OpenAIServer:
@@ -624,7 +632,8 @@ class OpenAIServer:
         if acc.finish is None:
             raise ApiError(500, "the request ended without finishing", code="internal")
         text = "".join(acc.text)
-        choice: dict = {"index": 0, "finish_reason": _finish_reason(acc.finish)}
+        choice: dict = {"index": 0, "finish_reason": _finish_reason(acc.finish),
+                        "stop_reason": _stop_reason(acc.finish)}
         if parsed.chat:
             choice["message"] = {"role": "assistant", "content": text}
             choice["logprobs"] = self._chat_logprobs(acc.token_ids, acc.logprobs) if parsed.logprobs else None
@@ -666,7 +675,7 @@ class OpenAIServer:
 
     def _chunk(self, base: dict, parsed: Parsed, msg: pb.GenerateResponse, finish, offset: int, rid: str) -> dict:
         ids, lps = list(msg.token_ids), list(msg.logprobs)
-        choice: dict = {"index": 0, "finish_reason": _finish_reason(finish)}
+        choice: dict = {"index": 0, "finish_reason": _finish_reason(finish), "stop_reason": _stop_reason(finish)}
         if parsed.chat:
             choice["delta"] = {"content": msg.text} if msg.text or finish is None else {}
             choice["logprobs"] = self._chat_logprobs(ids, lps) if parsed.logprobs else None

@@ -32,7 +32,8 @@ def sampling_to_pb(params) -> pb.SamplingParams:
     """``shared.sampling.SamplingParams`` -> the wire message."""
     msg = pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                             max_new_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
-                            ignore_eos=params.ignore_eos)
+                            ignore_eos=params.ignore_eos, stop=list(params.stop),
+                            include_stop_str_in_output=params.include_stop_str_in_output)
     if params.seed is not None:
         msg.seed = params.seed
     return msg
@@ -46,7 +47,8 @@ def sampling_from_pb(msg: pb.SamplingParams, default_max_new_tokens: int = 16):
         temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p if msg.top_p != 0 else 1.0,
         seed=msg.seed if msg.HasField("seed") else None,
         max_new_tokens=msg.max_new_tokens or default_max_new_tokens,
-        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, stop=tuple(msg.stop),
+        include_stop_str_in_output=msg.include_stop_str_in_output,
     )
 
 
