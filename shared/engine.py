@@ -26,6 +26,7 @@ from shared.cuda_graphs import CaptureFailure, PhaseGraphs, pad_rows
 from shared.forward_batch import build_forward_batch, build_uniform_batch
 from shared.handoff.schema import HandoffSchema
 from shared.handoff.wire import PageGuard, PageSink, PageSource, encode_draft_state
+from shared.logits_process import process_logits, requests_rows
 from shared.memory.sizing import make_cache
 from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.model.loader import load_target
@@ -143,6 +144,9 @@ class Engine:
         if len(ids) + params.max_new_tokens > self.max_context:
             raise RequestError("max_new_tokens", f"prompt ({len(ids)}) + max_new_tokens "
                                f"({params.max_new_tokens}) exceeds the context of {self.max_context}")
+        bad = next((t for t in params.token_ids_used() if not 0 <= t < self.model.config.vocab_size), None)
+        if bad is not None:
+            raise RequestError("sampling", f"token id {bad} is outside the vocabulary")
         rid = rid or f"req-{next(self._ids)}"
         if self.scheduler.get(rid) is not None:
             raise RequestError("request_id", f"{rid!r} is already running")
@@ -259,7 +263,9 @@ class Engine:
     def _sample_and_commit(self, out: TargetOutput, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
         if not reqs:
             return []
-        tokens = sample(out.logits, [r.params for r in reqs], [r.generator for r in reqs])
+        rows = requests_rows(reqs, out.logits.shape[-1], len(reqs), out.logits.device)
+        logits = out.logits if rows is None else process_logits(out.logits.unsqueeze(1), rows).squeeze(1)
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         logprobs = torch.log_softmax(out.logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
         return [(r, r.commit([t], [lp])) for r, t, lp in zip(reqs, tokens.tolist(), logprobs.tolist())]
 

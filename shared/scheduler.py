@@ -82,7 +82,7 @@ class Scheduler:
             return None
         if self.tokenizer is None:
             raise RequestError("stop", "stop strings need the model's tokenizer.json beside the weights")
-        text = TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        text = TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens)
         text.push(list(output_ids))
         return text
 

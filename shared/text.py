@@ -79,10 +79,14 @@ class StopStrings:
         self.held = ""  # released later, or dropped by a match
         self.matched: str | None = None  # the stop string that ended the text
 
-    def feed(self, delta: str, final: bool = False) -> str:
+    def feed(self, delta: str, final: bool = False, match: bool = True) -> str:
+        """The text ``delta`` releases; with ``match`` off (before min_tokens) nothing is matched or held."""
         if self.matched is not None:
             return ""
         text = self.held + delta
+        if not match:
+            self.held = ""
+            return text
         hit = first_stop(text, self.stops)
         if hit is not None:
             at, self.matched = hit
@@ -98,9 +102,11 @@ class TextStream:
     one token at a time (the token that completes a stop string ends the request), the router the
     tokens of each message it relays; both see the same text."""
 
-    def __init__(self, tokenizer: Tokenizer | None, stops: tuple[str, ...] = (), include: bool = False):
+    def __init__(self, tokenizer: Tokenizer | None, stops: tuple[str, ...] = (), include: bool = False,
+                 min_tokens: int = 0):
         self.detok = Detokenizer(tokenizer)
         self.stops = StopStrings(stops, include)
+        self.min_tokens = min_tokens  # stop strings count from the output's min_tokens-th token on
         self.text = ""  # everything released so far
 
     @property
@@ -109,7 +115,13 @@ class TextStream:
         return self.stops.matched
 
     def push(self, ids: list[int], final: bool = False) -> str:
-        """The text ``ids`` release (a final push flushes whatever was held back)."""
-        delta = self.stops.feed(self.detok.push(ids, final), final)
-        self.text += delta
-        return delta
+        """The text ``ids`` release (a final push flushes whatever was held back). Token by token, so
+        the engine (one token at a time) and the router (a message's run) match at the same token."""
+        out = ""
+        for i, tok in enumerate(ids or [None]):
+            n = len(self.detok.ids) + (tok is not None)
+            last = final and i == max(len(ids), 1) - 1
+            delta = self.detok.push([] if tok is None else [tok], last)
+            out += self.stops.feed(delta, last, n >= self.min_tokens)
+        self.text += out
+        return out

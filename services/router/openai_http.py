@@ -29,8 +29,10 @@ Behaviour worth knowing (docs/deploy.md has the user-facing version):
   ``return_token_ids`` (adds ``token_ids`` to each choice), vLLM's ``include_stop_str_in_output``;
   responses carry an ``eyrie`` object with the request id, speculative-decoding statistics and timings.
   Stop strings (``stop``) cut the text before the first one to appear (the choice's ``stop_reason``
-  names it) and nothing past it is streamed. ``n`` > 1,
-  penalties, ``logit_bias``, ``echo``, ``suffix``, tools, ``tool_choice``, alternative log-probabilities
+  names it) and nothing past it is streamed. Penalties and filters (``presence_penalty``,
+  ``frequency_penalty``, ``logit_bias``, vLLM's ``repetition_penalty``, ``min_p``, ``min_tokens``,
+  ``allowed_token_ids``) apply at every speculative tree node. ``n`` > 1,
+  ``echo``, ``suffix``, tools, ``tool_choice``, alternative log-probabilities
   and vLLM's extras not implemented yet (``NOT_IMPLEMENTED``) are refused with a 400 naming the parameter
   rather than silently ignored.
 """
@@ -64,8 +66,8 @@ UINT32_MAX, INT32_MAX, UINT64_MAX = 2**32 - 1, 2**31 - 1, 2**64 - 1
 THREADS = 1024  # generation threads (one per request in flight: RouterCore's calls block)
 
 # vLLM's sampling extras Eyrie does not implement yet: refused by name rather than silently ignored.
-NOT_IMPLEMENTED = ("min_tokens", "min_p", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                   "structured_outputs", "allowed_token_ids", "bad_words", "prompt_logprobs",
+NOT_IMPLEMENTED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                   "structured_outputs", "bad_words", "prompt_logprobs",
                    "truncate_prompt_tokens", "length_penalty", "tool_choice",
                    "parallel_tool_calls", "skip_special_tokens", "spaces_between_special_tokens")
 
@@ -78,6 +80,9 @@ _GRPC_TO_OPENAI = {
     "sampling.stop_token_ids": "stop_token_ids",
     "sampling.seed": "seed",
     "sampling.stop": "stop",
+    "sampling.min_tokens": "min_tokens",
+    "sampling.logit_bias": "logit_bias",
+    "sampling.allowed_token_ids": "allowed_token_ids",
     "request": None,
     "request_id": None,
 }
@@ -222,16 +227,19 @@ class _Sampling(_Strict):
     stop_token_ids: list[TokenId] | None = None  # Eyrie's extension: stop on these ids
     stop: str | list[str] | None = None  # stop strings: the text ends before the first to appear
     include_stop_str_in_output: bool = False  # vLLM's: keep the stop string at the end of the text
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's
+    min_p: float | None = None  # vLLM's
+    min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None  # vLLM's
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[TokenId] | None = None  # vLLM's
     ignore_eos: bool = False
     return_token_ids: bool = False  # Eyrie's extension: token_ids in each choice
     user: str | None = None  # OpenAI's end-user id: accepted, not used
     # Refused unless at their neutral value (_refuse_unsupported): declared so the message can say why.
     n: int | None = None
     best_of: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
@@ -320,11 +328,6 @@ def _refuse_unsupported(body: _Sampling) -> None:
         raise bad("n", "n: only n=1 is supported (send one request per completion)", code="unsupported_value")
     if body.best_of not in (None, 1):
         raise bad("best_of", "best_of: only 1 is supported", code="unsupported_value")
-    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if getattr(body, name) not in (None, 1 if name == "repetition_penalty" else 0):
-            raise bad(name, f"{name}: penalties are not supported", code="unsupported_parameter")
-    if body.logit_bias:
-        raise bad("logit_bias", "logit_bias: not supported", code="unsupported_parameter")
     for name in ("echo", "suffix"):
         if getattr(body, name, None):
             raise bad(name, f"{name}: not supported", code="unsupported_parameter")
@@ -353,7 +356,28 @@ def _sampling(body: _Sampling, max_tokens: int | None, default_max_tokens: int) 
     s.ignore_eos = body.ignore_eos
     s.stop.extend(x for x in ([body.stop] if isinstance(body.stop, str) else body.stop or []) if x)
     s.include_stop_str_in_output = body.include_stop_str_in_output
+    _penalties(body, s)
     return s
+
+
+def _penalties(body: _Sampling, s: pb.SamplingParams) -> None:
+    """Penalties and filters (RouterCore checks the token ids against the vocabulary)."""
+    for name, lo, hi in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2), ("min_p", 0, 1)):
+        value = getattr(body, name)
+        if value is not None and not lo <= value <= hi:
+            raise bad(name, f"{name}: must be in [{lo}, {hi}]")
+        setattr(s, name, value or 0.0)
+    if body.repetition_penalty is not None and not 0 < body.repetition_penalty <= 10:
+        raise bad("repetition_penalty", "repetition_penalty: must be in (0, 10]")
+    s.repetition_penalty = body.repetition_penalty or 1.0
+    s.min_tokens = body.min_tokens or 0
+    for key, value in (body.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit() or not -INT32_MAX <= int(key) <= INT32_MAX:
+            raise bad("logit_bias", f"logit_bias: {key!r} is not a token id")
+        if not -100 <= value <= 100:
+            raise bad("logit_bias", f"logit_bias: the bias of {key} must be in [-100, 100]")
+        s.logit_bias[int(key)] = value
+    s.allowed_token_ids.extend(body.allowed_token_ids or [])
 
 
 def _include_usage(body: _Sampling) -> bool:

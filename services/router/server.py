@@ -213,9 +213,13 @@ class RouterCore:
                                f"of {self.max_context}")
         if s.stop and self.tokenizer is None:
             raise RequestError("sampling.stop", "this router has no tokenizer to match stop strings with")
-        bad = next((t for t in s.stop_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError("sampling.stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        for name, named in (("stop_token_ids", s.stop_token_ids), ("logit_bias", s.logit_bias),
+                            ("allowed_token_ids", s.allowed_token_ids)):
+            bad = next((t for t in named if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(f"sampling.{name}", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if s.min_tokens > (s.max_new_tokens or self.settings.default_max_new_tokens):
+            raise RequestError("sampling.min_tokens", f"{s.min_tokens} exceeds the output length")
         try:
             params = sampling_from_pb(s, default_max_new_tokens=min(self.settings.default_max_new_tokens, room))
         except ValidationError as e:  # anything the checks above missed still names its field
@@ -307,7 +311,7 @@ class RouterCore:
         if self.telemetry:
             self.telemetry.ttft_seconds.observe(ttft)
         self.log.event("first_token", rid, ttft_s=round(ttft, 6))
-        detok = TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        detok = TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens)
         out = pb.GenerateResponse(request_id=rid, token_ids=[token], text=detok.push([token], bool(finish_reason)))
         if return_logprobs:
             out.logprobs.append(logprob)
