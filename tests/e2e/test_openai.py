@@ -184,6 +184,32 @@ def test_stop_strings_cut_the_text_streamed_or_not_on_both_endpoints(stack, clie
         assert client.completions.create(prompt=PROMPT, **kw).choices[0].text == want + stop
 
 
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=1.0)
+PENALTY_EXTRAS = dict(repetition_penalty=1.4, min_tokens=3, min_p=0.05, logit_bias={"7": 2.0},
+                      allowed_token_ids=list(range(300)))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_penalties_and_filters_equal_grpc_on_both_endpoints(stack, client, stream):
+    messages = [{"role": "user", "content": "fibonacci"}]
+    want = {}
+    for chat, prompt in ((False, PROMPT), (True, tiny_template(messages))):
+        want[chat], *_ = grpc_generate(stack, text=prompt, temperature=0, max_new_tokens=12, ignore_eos=True,
+                                       logit_bias={7: 2.0}, allowed_token_ids=list(range(300)),
+                                       **PENALTIES, **{k: v for k, v in PENALTY_EXTRAS.items()
+                                                       if k not in ("logit_bias", "allowed_token_ids")})
+    plain, *_ = grpc_generate(stack, text=PROMPT, temperature=0, max_new_tokens=12, ignore_eos=True)
+    assert want[False] != plain and all(t < 300 for t in want[False])  # the parameters are applied
+    kw = dict(model="eyrie", max_tokens=12, temperature=0, stream=stream, **PENALTIES,
+              extra_body={"ignore_eos": True, "return_token_ids": True, **PENALTY_EXTRAS})
+    got = {False: client.completions.create(prompt=PROMPT, **kw),
+           True: client.chat.completions.create(messages=messages, **kw)}
+    for chat, resp in got.items():
+        chunks = list(resp) if stream else [resp]
+        ids = [t for c in chunks if c.choices for t in (getattr(c.choices[0], "token_ids", None) or [])]
+        assert ids == want[chat], chat
+
+
 # ---- chat ----------------------------------------------------------------------------------------
 def tiny_template(messages) -> str:
     """The tiny tokenizer's chat template, written out by hand (independent of the server's renderer)."""
@@ -356,8 +382,8 @@ def error_count(stack, kind: str) -> float:
     ("chat", {"messages": [{"role": "user", "content": "hi", "mood": "x"}]}, "messages[0].mood"),
     ("chat", {"tool_choice": "auto"}, "tool_choice"),
     *[("completion", {name: value}, name) for name, value in [
-        ("min_tokens", 3), ("min_p", 0.1), ("guided_json", {"type": "object"}), ("structured_outputs", {"json": {}}),
-        ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("prompt_logprobs", 1),
+        ("guided_json", {"type": "object"}), ("structured_outputs", {"json": {}}),
+        ("bad_words", ["x"]), ("prompt_logprobs", 1),
         ("truncate_prompt_tokens", 4), ("length_penalty", 1.2)]],
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_unknown_and_unimplemented_parameters_are_refused_by_name(stack, client, kind, extra, param):

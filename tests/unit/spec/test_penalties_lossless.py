@@ -111,3 +111,18 @@ def test_negative_control_counting_only_the_committed_tokens_is_caught(oracle_mo
     monkeypatch.setattr(lp, "_tree_prefix", lambda out, *args: out)
     got = oracle_models.engine("eagle3", topk=2, steps=3, ndt=6, page_size=1).generate(prompts, params)
     assert [g.token_ids for g in got] != [w.token_ids for w in want]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("feature", ["frequency_on_repeats", "repetition", "logit_bias_allowed", "min_tokens"])
+def test_greedy_with_the_feature_equals_target_only_on_the_gpu_with_graphs(oracle_models_cuda: Models, feature):
+    """The device path on CUDA: graphs on for the batches without the feature (mixed in), eager verify for
+    the penalised ones; greedy output equals the target alone's with the same feature."""
+    prompts = [REPEATS, *PROMPTS[:2]] if feature == "frequency_on_repeats" else PROMPTS[:3]
+    params = [params_for(feature), params_for(None), params_for(feature)]
+    want = oracle_models_cuda.engine(page_size=16, chunk_size=None).generate(prompts, params)
+    engine = oracle_models_cuda.engine("eagle3", topk=2, steps=3, ndt=6, page_size=16, cuda_graph=True)
+    got = engine.generate(prompts, params)
+    for g, w in zip(got, want, strict=True):
+        assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason)
+    assert engine.is_idle_and_clean()
