@@ -26,6 +26,7 @@ from shared.cuda_graphs import CaptureFailure, PhaseGraphs, pad_rows
 from shared.forward_batch import build_forward_batch, build_uniform_batch
 from shared.handoff.schema import HandoffSchema
 from shared.handoff.wire import PageGuard, PageSink, PageSource, encode_draft_state
+from shared.logits_process import process_logits, requests_rows
 from shared.memory.sizing import (
     activation_reserve,
     default_pages,
@@ -56,13 +57,14 @@ class GenerationResult:
     logprobs: list[float]
     text: str | None
     finish_reason: str
+    stop_str: str | None  # the stop string that ended the generation, if one did
     ttft_s: float
     latency_s: float
     spec_stats: dict | None  # the request's speculative statistics (SpecStats.as_dict), None without a draft
 
     def as_json(self) -> dict:
         return {"request_id": self.rid, "token_ids": self.token_ids, "text": self.text,
-                "finish_reason": self.finish_reason, "prompt_tokens": len(self.prompt_ids),
+                "finish_reason": self.finish_reason, "stop_str": self.stop_str, "prompt_tokens": len(self.prompt_ids),
                 "timing": {"ttft_s": round(self.ttft_s, 6), "latency_s": round(self.latency_s, 6)},
                 **({"spec": self.spec_stats} if self.spec_stats is not None else {})}
 
@@ -118,7 +120,7 @@ class Engine:
                                                                 MeasuredCost())
         caches = [self.cache] + (self.speculator.caches if self.speculator else [])
         self.scheduler = Scheduler(caches, config.max_running, config.chunk_size, config.headroom,
-                                   eos_ids=mc.eos_token_ids, prefill_only=role == "prefill")
+                                   eos_ids=mc.eos_token_ids, prefill_only=role == "prefill", tokenizer=tokenizer)
         graphs_on = set(config.cuda_graph_phases) if config.cuda_graph else set()
         self.decode_graphs = PhaseGraphs("decode", self._decode_phase, "decode" in graphs_on, config.cuda_graph_max_bs,
                                          self.graph_failures)
@@ -175,6 +177,9 @@ class Engine:
         if len(ids) + params.max_new_tokens > self.max_context:
             raise RequestError("max_new_tokens", f"prompt ({len(ids)}) + max_new_tokens "
                                f"({params.max_new_tokens}) exceeds the context of {self.max_context}")
+        bad = next((t for t in params.token_ids_used() if not 0 <= t < self.model.config.vocab_size), None)
+        if bad is not None:
+            raise RequestError("sampling", f"token id {bad} is outside the vocabulary")
         rid = rid or f"req-{next(self._ids)}"
         if self.scheduler.get(rid) is not None:
             raise RequestError("request_id", f"{rid!r} is already running")
@@ -313,7 +318,9 @@ class Engine:
     def _sample_and_commit(self, out: TargetOutput, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
         if not reqs:
             return []
-        tokens = sample(out.logits, [r.params for r in reqs], [r.generator for r in reqs])
+        rows = requests_rows(reqs, out.logits.shape[-1], len(reqs), out.logits.device)
+        logits = out.logits if rows is None else process_logits(out.logits.unsqueeze(1), rows).squeeze(1)
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         logprobs = torch.log_softmax(out.logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
         return [(r, r.commit([t], [lp])) for r, t, lp in zip(reqs, tokens.tolist(), logprobs.tolist())]
 
@@ -412,10 +419,14 @@ class Engine:
 
     def result(self, req: Request) -> GenerationResult:
         text = self.tokenizer.decode(req.output_ids) if self.tokenizer else None
+        if req.text is not None:  # cut at its stop string
+            req.text.push([], final=True)
+            text = req.text.text
         end = req.t_finish or time.perf_counter()
         return GenerationResult(
             rid=req.rid, prompt_ids=req.prompt_ids, token_ids=list(req.output_ids),
             logprobs=list(req.output_logprobs), text=text, finish_reason=req.finish_reason or "abort",
+            stop_str=req.stop_str,
             ttft_s=(req.t_first_token or end) - req.t_arrival, latency_s=end - req.t_arrival,
             spec_stats=req.stats.as_dict() if self.speculator is not None else None,
         )

@@ -24,6 +24,7 @@ from kernels.spec_sampling import SamplingRows
 from shared.config import EngineConfig, SpecConfig
 from shared.cuda_graphs import CaptureFailure, PhaseGraphs, pad_rows, tree_map
 from shared.forward_batch import build_forward_batch
+from shared.logits_process import LogitsRows, requests_rows, uses_processing
 from shared.memory.kv_cache import KVCache
 from shared.memory.sizing import make_cache
 from shared.model.drafts import DraftHead, load_draft
@@ -155,12 +156,16 @@ class SpecWorker:
         """Draft, verify, accept, compact and extend for ``reqs``: host bookkeeping around four pure
         tensor phases (each can be replayed from a CUDA graph). ``next_grows``: the next decode step
         runs a request this one does not (then no draft is launched ahead for it)."""
-        caps = self.ahead.caps(reqs, next_grows)
+        # Penalties and filters read the committed tokens, so a batch using them drafts in its own step.
+        processed = any(uses_processing(r.params) for r in reqs)
+        if processed:
+            self.ahead.drop()
+        caps = None if processed else self.ahead.caps(reqs, next_grows)
         self._reserve(reqs, caps)
         t0 = time.perf_counter()
-        drafted = self.ahead.take(reqs) or self._draft(reqs)
+        drafted = (None if processed else self.ahead.take(reqs)) or self._draft(reqs)
         t1 = time.perf_counter()
-        out, inp = self._verify(drafted)
+        out, inp = self._verify(drafted, reqs if processed else None)
         # The per-token outputs the host needs start on their way to it (the one sync of the step) ...
         host, ready = self._to_host(out)
         # ... and the next step's draft goes to the device behind them, timed as that step's draft.
@@ -175,9 +180,12 @@ class SpecWorker:
         self.stats.record(events, verified, draft_s=t1 - t0 + drafted.earlier_s, verify_s=t2 - t1)
         return events
 
-    def _verify_extend(self, inp: DecodeInputs, tree: DraftTree) -> StepOutput:
+    def _verify_extend(self, inp: DecodeInputs, tree: DraftTree, processing: LogitsRows | None = None) -> StepOutput:
         """Verify, accept and extend: one graph, or two with the acceptance between them when only one of
-        the verify and extend phases is captured."""
+        the verify and extend phases is captured. A batch with penalties or filters (``processing``)
+        runs them eagerly (the graphs hold no processing buffers: batches without pay nothing)."""
+        if processing is not None:
+            return self.phases.verify_extend(inp, tree, processing)
         g = self.graphs
         if g["verify_extend"].enabled or not (g["verify"].enabled or g["extend"].enabled):
             return g["verify_extend"](inp, tree)
@@ -196,10 +204,13 @@ class SpecWorker:
         inp = tree_map(lambda t: pad_rows(t, bs), self._inputs(reqs))
         return Drafted(inp, self.graphs["draft"](inp), n)
 
-    def _verify(self, d: Drafted) -> tuple[StepOutput, DecodeInputs]:
+    def _verify(self, d: Drafted, processed: list[Request] | None = None) -> tuple[StepOutput, DecodeInputs]:
         """Verify the tree, accept (every row by its own rule, on the device), compact and extend; the
-        requests' rows of the output and inputs."""
-        out = self._verify_extend(d.inp, d.tree)
+        requests' rows of the output and inputs. ``processed``: the requests (drafted in this step, the
+        batch's first rows) whose penalties and filters apply."""
+        rows = None if processed is None else requests_rows(
+            processed, self.target.config.vocab_size, d.inp.L.shape[0], d.inp.L.device)
+        out = self._verify_extend(d.inp, d.tree, rows)
         return tree_map(d.take, out), tree_map(d.take, d.inp)
 
     @staticmethod
