@@ -116,8 +116,8 @@ class Engine:
         self.graph_failures: list[CaptureFailure] = []  # CUDA graphs that failed to capture (phase eager)
         self.speculator = None if head is None else SpecWorker.load(
             head, self.model, self.cache, config, self.max_context, self.graph_failures)
-        self.spec_policy = None if head is None else SpecPolicy(config.spec_policy, Acceptance(config.spec.steps),
-                                                                MeasuredCost())
+        self.spec_policy = None if head is None else SpecPolicy(
+            config.spec_policy, Acceptance(self.speculator.spec.steps), MeasuredCost())
         caches = [self.cache] + (self.speculator.caches if self.speculator else [])
         self.scheduler = Scheduler(caches, config.max_running, config.chunk_size, config.headroom,
                                    eos_ids=mc.eos_token_ids, prefill_only=role == "prefill", tokenizer=tokenizer)

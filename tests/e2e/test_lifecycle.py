@@ -53,7 +53,7 @@ def test_sigterm_drains_the_stream_in_flight_then_every_service_exits_0(tmp_path
             if not tokens:  # the first tokens are out: every service is told to stop
                 for proc in stack.procs.values():
                     proc.send_signal(signal.SIGTERM)
-                deadline = time.monotonic() + 10  # the signal is handled in a moment
+                deadline = time.monotonic() + 30  # the signal is handled in a moment (a loaded CI machine: slower)
                 while not draining(stack.http["router"]):
                     assert time.monotonic() < deadline, health(stack.http["router"])
                     time.sleep(0.02)
