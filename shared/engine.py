@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -22,7 +22,7 @@ from types import MappingProxyType
 import torch
 
 from shared.config import DEFAULT_GPU_MEMORY_FRACTION, EngineConfig, SpecConfig
-from shared.cuda_graphs import CaptureFailure, PhaseGraphs, pad_rows
+from shared.cuda_graphs import CaptureFailure, PhaseGraphs
 from shared.forward_batch import build_forward_batch, build_uniform_batch
 from shared.handoff.schema import HandoffSchema
 from shared.handoff.wire import PageGuard, PageSink, PageSource, encode_draft_state
@@ -116,6 +116,10 @@ class Engine:
         self.graph_failures: list[CaptureFailure] = []  # CUDA graphs that failed to capture (phase eager)
         self.speculator = None if head is None else SpecWorker.load(
             head, self.model, self.cache, config, self.max_context, self.graph_failures)
+        # Called once per step when its device work is queued and the host is about to wait for it: the
+        # engine loop of a service publishes the previous step's tokens then, so the stream threads' work
+        # (and their hold on the GIL) overlaps the device instead of delaying this thread's next step.
+        self.before_host_wait: Callable[[], None] | None = None
         self.spec_policy = None if head is None else SpecPolicy(
             config.spec_policy, Acceptance(self.speculator.spec.steps), MeasuredCost())
         caches = [self.cache] + (self.speculator.caches if self.speculator else [])
@@ -210,6 +214,12 @@ class Engine:
         the tensors they touch: an engine on ``cuda:1`` run from a thread whose current device is 0
         (every new thread's) would launch its kernels and record its events on the wrong GPU."""
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    def set_host_wait_hook(self, fn: Callable[[], None] | None) -> None:
+        """``fn`` runs once per step when the step's device work is queued, before the host waits for it."""
+        self.before_host_wait = fn
+        if self.speculator is not None:
+            self.speculator.before_host_wait = fn
 
     def has_work_to_step(self) -> bool:
         """Whether a step would run a forward (requests waiting on a transfer need none)."""
@@ -306,10 +316,12 @@ class Engine:
         bs = self.decode_graphs.bucket(n) or n
         for req in reqs:
             self.cache.reserve(req.handles[0], req.kv_len + 1)
-        dev = self.device
-        rows = pad_rows(torch.tensor([r.handles[0].row for r in reqs], dtype=torch.int64, device=dev), bs)
-        lengths = pad_rows(torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=dev), bs)
-        tokens = pad_rows(torch.tensor([r.all_ids[r.kv_len] for r in reqs], dtype=torch.int64, device=dev), bs)
+        # One host-to-device copy for the step's inputs (rows, lengths, tokens; padding rows are row 0,
+        # length 0, token 0).
+        host = torch.zeros(3, bs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        host[:, :n] = torch.tensor([[r.handles[0].row for r in reqs], [r.kv_len for r in reqs],
+                                    [r.all_ids[r.kv_len] for r in reqs]], dtype=torch.int64)
+        rows, lengths, tokens = host.to(self.device, non_blocking=True)
         logits = self.decode_graphs(rows, lengths, tokens)[:n]
         for req in reqs:
             req.advance(req.kv_len + 1)
@@ -322,6 +334,8 @@ class Engine:
         logits = out.logits if rows is None else process_logits(out.logits.unsqueeze(1), rows).squeeze(1)
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         logprobs = torch.log_softmax(out.logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+        if self.before_host_wait is not None:
+            self.before_host_wait()
         return [(r, r.commit([t], [lp])) for r, t, lp in zip(reqs, tokens.tolist(), logprobs.tolist())]
 
     # ---- disaggregation: prefill hands requests to a decode instance ------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -68,6 +69,9 @@ class SpecWorker:
         self.phases = SpecPhases(self.target, self.target_cache, draft, self.caches, spec, self.capture_mode,
                                  self.aux_layers)
         self.stats = SpecRecorder(spec.steps)
+        # Called once a step's device work is queued, just before the host waits for it (the engine's
+        # ``before_host_wait``: a service publishes the previous step's tokens in that time).
+        self.before_host_wait: Callable[[], None] | None = None
         on = set(config.cuda_graph_phases) if config.cuda_graph else set()
         failures = [] if graph_failures is None else graph_failures  # the engine's: /health reads it
         self.graphs = {name: PhaseGraphs(name, getattr(self.phases, name), name in on, config.cuda_graph_max_bs,
@@ -170,6 +174,8 @@ class SpecWorker:
         host, ready = self._to_host(out)
         # ... and the next step's draft goes to the device behind them, timed as that step's draft.
         ahead_s = self.ahead.launch(reqs, inp, out, caps, self.graphs["draft"]) if caps is not None else 0.0
+        if self.before_host_wait is not None:
+            self.before_host_wait()
         if ready is not None:
             ready.synchronize()
         out = dataclasses.replace(out, **host)
