@@ -80,9 +80,10 @@ class CudaStatePoisoned(RuntimeError):
 
 class PhaseGraphs:
     def __init__(self, name: str, fn: Callable, enabled: bool, max_bs: int,
-                 failures: list[CaptureFailure] | None = None):
+                 failures: list[CaptureFailure] | None = None, before_replay: Callable[[], None] | None = None):
         self.name = name
         self.fn = fn
+        self.before_replay = before_replay  # runs before each replay (state the graph reads, made current)
         self.enabled = enabled  # pad to buckets (also on the CPU, where it exercises the padding path)
         self.capture = enabled and torch.cuda.is_available()
         self.buckets = default_buckets(max_bs)
@@ -105,6 +106,8 @@ class PhaseGraphs:
         bs = _batch_size(args)
         if not self.capture or bs not in self.buckets:
             return self.fn(*args)
+        if self.before_replay is not None:
+            self.before_replay()  # e.g. the request-to-token tables' pending writes: the graph reads the device's
         if bs not in self._graphs:
             captured = self._capture(args)
             if captured is None:  # this phase runs eagerly from now on (padded inputs, same function)

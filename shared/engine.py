@@ -27,6 +27,7 @@ from shared.forward_batch import build_forward_batch, build_uniform_batch
 from shared.handoff.schema import HandoffSchema
 from shared.handoff.wire import PageGuard, PageSink, PageSource, encode_draft_state
 from shared.logits_process import process_logits, requests_rows
+from shared.memory.kv_cache import flush_tables
 from shared.memory.sizing import (
     activation_reserve,
     default_pages,
@@ -127,7 +128,7 @@ class Engine:
                                    eos_ids=mc.eos_token_ids, prefill_only=role == "prefill", tokenizer=tokenizer)
         graphs_on = set(config.cuda_graph_phases) if config.cuda_graph else set()
         self.decode_graphs = PhaseGraphs("decode", self._decode_phase, "decode" in graphs_on, config.cuda_graph_max_bs,
-                                         self.graph_failures)
+                                         self.graph_failures, before_replay=lambda: flush_tables([self.cache]))
         self._ids = itertools.count()
 
     def _fit_pools(self, config: EngineConfig, head: DraftHead | None, allocated_before: int) -> EngineConfig:

@@ -42,6 +42,13 @@ class PageAllocator:
         self._free.extend(pages)
 
 
+def flush_tables(caches: list[KVCache]) -> None:
+    """Bring the caches' device tables up to date with their host writes: what runs before a CUDA graph
+    replays (a graph reads the tables without Python running; eager code reads ``table``, which flushes)."""
+    for cache in caches:
+        cache.req_to_token.flush()
+
+
 class ReqToTokenMap:
     """Rows of slots per request; row 0 is the padding row (all slots 0).
 
@@ -62,8 +69,7 @@ class ReqToTokenMap:
     @property
     def table(self) -> torch.Tensor:
         """[max_reqs + 1, max_context] int64 on the device, up to date with every write."""
-        if self._pending_rows:
-            self._flush()
+        self.flush()
         return self._table
 
     @property
@@ -92,7 +98,10 @@ class ReqToTokenMap:
             self._pending_rows.extend([row] * n)
             self._pending_cols.extend(range(start, start + n))
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """One copy of the writes the device table lacks (nothing when none)."""
+        if not self._pending_rows:
+            return
         rows, cols = self._pending_rows, self._pending_cols
         self._pending_rows, self._pending_cols = [], []
         entries = np.empty((3, len(rows)), dtype=np.int64)

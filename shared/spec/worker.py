@@ -26,7 +26,7 @@ from shared.config import EngineConfig, SpecConfig
 from shared.cuda_graphs import CaptureFailure, PhaseGraphs, pad_rows, tree_map
 from shared.forward_batch import build_forward_batch
 from shared.logits_process import LogitsRows, requests_rows, uses_processing
-from shared.memory.kv_cache import KVCache
+from shared.memory.kv_cache import KVCache, flush_tables
 from shared.memory.sizing import make_cache
 from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import LlamaForCausalLM, TargetOutput
@@ -74,12 +74,16 @@ class SpecWorker:
         self.before_host_wait: Callable[[], None] | None = None
         on = set(config.cuda_graph_phases) if config.cuda_graph else set()
         failures = [] if graph_failures is None else graph_failures  # the engine's: /health reads it
+        def flush() -> None:  # the step's slot reservations, on the device before a graph reads them
+            flush_tables([target_cache, *self.caches])
+
         self.graphs = {name: PhaseGraphs(name, getattr(self.phases, name), name in on, config.cuda_graph_max_bs,
-                                         failures)
+                                         failures, before_replay=flush)
                        for name in ("draft", "verify", "extend")}
         # Verify + acceptance + extend run as one graph when both phases are on, whatever the batch samples.
         self.graphs["verify_extend"] = PhaseGraphs("verify_extend", self.phases.verify_extend,
-                                                   {"verify", "extend"} <= on, config.cuda_graph_max_bs, failures)
+                                                   {"verify", "extend"} <= on, config.cuda_graph_max_bs, failures,
+                                                   before_replay=flush)
         ahead = config.spec_draft_ahead
         enabled = target_cache.layout.device.type == "cuda" if ahead is None else ahead
         room = min(cache.layout.max_context - self._draft_reach(c) for c, cache in enumerate(self.caches))

@@ -69,8 +69,8 @@ def test_a_device_table_takes_every_write_in_one_copy_when_read():
     m = ReqToTokenMap(max_reqs=3, max_context=16, device=torch.device("cpu"))
     m._table = m.host.clone()  # a mirror, as on a GPU
     copies = []
-    real_flush = m._flush
-    m._flush = lambda: (copies.append(len(m._pending_rows)), real_flush())
+    real_flush = m.flush
+    m.flush = lambda: (copies.append(len(m._pending_rows)) if m._pending_rows else None, real_flush())
     a, b = m.alloc_row(), m.alloc_row()
     m.write(a, 0, [5, 6, 7])
     m.write(b, 0, torch.tensor([9, 10], dtype=torch.int64))
