@@ -132,4 +132,13 @@ def test_up_demo_prints_text_on_stdout_no_log_lines_and_removes_its_model(tmp_pa
     assert out[0].startswith("eyrie up: router on ") and len(out) >= 2  # the ready line, then the demo's text
     assert not any(line.lstrip().startswith("{") for line in proc.stdout.splitlines() + proc.stderr.splitlines())
     assert "finish_reason length" in proc.stderr
-    assert list(tmp_path.iterdir()) == [], "eyrie up left its temporary model behind"
+    assert emptied(tmp_path), "eyrie up left its temporary model behind"
+
+
+def emptied(directory, timeout: float = 10.0) -> bool:
+    """``directory`` is empty, or soon is: torch's shared-memory manager (started for the decode service's
+    shareable pools) removes its own socket directory a moment after its last client exits."""
+    deadline = time.monotonic() + timeout
+    while list(directory.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not list(directory.iterdir())
