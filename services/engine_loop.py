@@ -38,6 +38,7 @@ class TokenEvent:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     request: Request | None = None  # set on the final event (stats, lengths)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when asked for
 
 
 class EngineLoop:
@@ -145,7 +146,9 @@ class EngineLoop:
                 self.log.debug("step_done", req.rid, reason=req.finish_reason, output_tokens=len(req.output_ids))
             if tokens or done:
                 logprobs = req.output_logprobs[len(req.output_logprobs) - len(tokens):]
-                self.publish(TokenEvent(req.rid, tokens, logprobs, req.finish_reason, req if done else None))
+                tops = req.output_top_logprobs[len(req.output_top_logprobs) - len(tokens):] \
+                    if req.params.top_logprobs else []
+                self.publish(TokenEvent(req.rid, tokens, logprobs, req.finish_reason, req if done else None, tops))
 
     def _after_step(self) -> None:
         self.load = self.engine.load()

@@ -41,7 +41,7 @@ from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.model.loader import load_target
 from shared.model.tokenizer import Tokenizer
 from shared.request import Request, RequestError, Stage
-from shared.sampling import SamplingParams, sample
+from shared.sampling import SamplingParams, sample, top_logprobs, top_pairs
 from shared.scheduler import Scheduler, StepPlan
 from shared.spec.policy import Acceptance, MeasuredCost, SpecPolicy
 from shared.spec.state import DraftState
@@ -56,6 +56,7 @@ class GenerationResult:
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]  # with params.top_logprobs: each token's alternatives
     text: str | None
     finish_reason: str
     stop_str: str | None  # the stop string that ended the generation, if one did
@@ -334,10 +335,16 @@ class Engine:
         rows = requests_rows(reqs, out.logits.shape[-1], len(reqs), out.logits.device)
         logits = out.logits if rows is None else process_logits(out.logits.unsqueeze(1), rows).squeeze(1)
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        logprobs = torch.log_softmax(out.logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+        logp = torch.log_softmax(logits.float(), dim=-1)  # the distribution the tokens were drawn from
+        logprobs = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        top_n = max(r.params.top_logprobs for r in reqs)
+        top = top_logprobs(logp, top_n) if top_n else None
         if self.before_host_wait is not None:
             self.before_host_wait()
-        return [(r, r.commit([t], [lp])) for r, t, lp in zip(reqs, tokens.tolist(), logprobs.tolist())]
+        tops = [None] * len(reqs) if top is None else [
+            top_pairs(v, i, r.params.top_logprobs) if r.params.top_logprobs else None
+            for r, v, i in zip(reqs, top[0].unsqueeze(1).tolist(), top[1].unsqueeze(1).tolist())]
+        return [(r, r.commit([t], [lp], tp)) for r, t, lp, tp in zip(reqs, tokens.tolist(), logprobs.tolist(), tops)]
 
     # ---- disaggregation: prefill hands requests to a decode instance ------------------------------
     def handoff_schema(self) -> HandoffSchema:
@@ -440,7 +447,8 @@ class Engine:
         end = req.t_finish or time.perf_counter()
         return GenerationResult(
             rid=req.rid, prompt_ids=req.prompt_ids, token_ids=list(req.output_ids),
-            logprobs=list(req.output_logprobs), text=text, finish_reason=req.finish_reason or "abort",
+            logprobs=list(req.output_logprobs), top_logprobs=list(req.output_top_logprobs),
+            text=text, finish_reason=req.finish_reason or "abort",
             stop_str=req.stop_str,
             ttft_s=(req.t_first_token or end) - req.t_arrival, latency_s=end - req.t_arrival,
             spec_stats=req.stats.as_dict() if self.speculator is not None else None,

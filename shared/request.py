@@ -52,6 +52,8 @@ class Request:
     stage: Stage = Stage.WAITING  # written by the scheduler
     output_ids: list[int] = field(default_factory=list)  # commit
     output_logprobs: list[float] = field(default_factory=list)  # commit: target log p of each output token
+    # commit: with params.top_logprobs, each output token's most likely alternatives (token id, log p)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     handles: list[KVHandle] = field(default_factory=list)  # written by the scheduler: one per cache, target first
     kv_len: int = 0  # advance / resume_from: committed tokens whose target K/V is cached
     finish_reason: str | None = None  # commit (a stop condition) or end
@@ -70,14 +72,18 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
-    def commit(self, tokens: list[int], logprobs: list[float]) -> list[int]:
-        """Append sampled tokens up to the first stop condition; returns those appended."""
+    def commit(self, tokens: list[int], logprobs: list[float],
+               tops: list[list[tuple[int, float]]] | None = None) -> list[int]:
+        """Append sampled tokens up to the first stop condition; returns those appended. ``tops``: each
+        token's top log-probabilities (given when the request asked for them)."""
         taken = []
-        for tok, lp in zip(tokens, logprobs):
+        for i, (tok, lp) in enumerate(zip(tokens, logprobs)):
             if self.finish_reason is not None:
                 break
             self.output_ids.append(tok)
             self.output_logprobs.append(lp)
+            if tops is not None:
+                self.output_top_logprobs.append(tops[i])
             taken.append(tok)
             if self.t_first_token is None:
                 self.t_first_token = time.perf_counter()

@@ -36,6 +36,8 @@ class SamplingParams(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     logit_bias: tuple[tuple[int, float], ...] = Field(default_factory=tuple)  # (token id, bias in [-100, 100])
     allowed_token_ids: tuple[int, ...] = Field(default_factory=tuple)  # empty = every token
+    # The most likely tokens returned with each output token, with their log-probabilities (OpenAI's limit).
+    top_logprobs: int = Field(default=0, ge=0, le=20)
 
     @field_validator("logit_bias")
     @classmethod
@@ -136,6 +138,18 @@ def draw_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     u = uniforms.to(probs.device, torch.float64).unsqueeze(1) * cdf[:, -1:]
     idx = torch.searchsorted(cdf, u, right=True).squeeze(1)
     return idx.clamp_(max=probs.shape[1] - 1)
+
+
+def top_logprobs(logprobs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``n`` largest of [..., V] log-probabilities: values [..., n] float32 and token ids [..., n] int64,
+    most likely first."""
+    values, ids = logprobs.float().topk(n, dim=-1)
+    return values, ids
+
+
+def top_pairs(values: list[list[float]], ids: list[list[int]], n: int) -> list[list[tuple[int, float]]]:
+    """Host rows of ``top_logprobs`` as (token id, logprob) pairs, the first ``n`` of each row."""
+    return [list(zip(i[:n], v[:n])) for v, i in zip(values, ids)]
 
 
 def make_generator(seed: int | None) -> torch.Generator:

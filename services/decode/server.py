@@ -44,6 +44,7 @@ from shared.handoff import (
     Transport,
     decode_draft_state,
     sampling_from_pb,
+    top_logprobs_pb,
 )
 from shared.handoff.ipc import export_pools, host_id
 from shared.request import Request, RequestError
@@ -257,7 +258,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                         self.log.event("first_token", rid, tokens=len(ev.token_ids))
                         first = False
                 last = now
-                msg = pb.GenerateResponse(request_id=rid, token_ids=ev.token_ids, logprobs=ev.logprobs)
+                msg = pb.GenerateResponse(request_id=rid, token_ids=ev.token_ids, logprobs=ev.logprobs,
+                                          top_logprobs=[top_logprobs_pb(t) for t in ev.top_logprobs])
                 if ev.finish_reason is not None:
                     if ev.request is not None:
                         self.telemetry.observe_finished(ev.request)

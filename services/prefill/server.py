@@ -47,6 +47,7 @@ from shared.handoff import (
     negotiate,
     sampling_from_pb,
     sampling_to_pb,
+    top_logprobs_pb,
 )
 from shared.handoff.wire import chunk_pages
 from shared.request import Request, RequestError
@@ -158,8 +159,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.telemetry.ttft_seconds.observe(time.perf_counter() - job.req.t_arrival)
         self.log.event("prefill_done", job.rid, seconds=round(seconds, 6), first_token=ev.token_ids[0],
                        finish_reason=ev.finish_reason)
-        yield pb.PrefillEvent(first_token=pb.FirstToken(token_id=ev.token_ids[0], logprob=ev.logprobs[0],
-                                                        finish_reason=ev.finish_reason or ""))
+        first = pb.FirstToken(token_id=ev.token_ids[0], logprob=ev.logprobs[0], finish_reason=ev.finish_reason or "")
+        if ev.top_logprobs:
+            first.top_logprobs.CopyFrom(top_logprobs_pb(ev.top_logprobs[0]))
+        yield pb.PrefillEvent(first_token=first)
         if ev.finish_reason is not None:  # ended at its first token: nothing to hand off
             self.telemetry.requests_total.labels(ev.finish_reason).inc()
             self.log.event("finished", job.rid, reason=ev.finish_reason, output_tokens=1)

@@ -405,10 +405,8 @@ def parse_completion(body: CompletionRequest) -> Parsed:
         raise bad("prompt", "prompt: required", code="missing_required_parameter")
     else:
         raise bad("prompt", "prompt: must be a string or a list of token ids", code="invalid_type")
-    if body.logprobs:
-        raise bad("logprobs", "logprobs: only 0 is supported (the sampled token's log-probability, no "
-                              "alternatives)", code="unsupported_value")
     req.sampling.CopyFrom(_sampling(body, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS))
+    req.sampling.top_logprobs = body.logprobs or 0
     req.return_logprobs = body.logprobs is not None
     return Parsed(chat=False, req=req, stream=body.stream, include_usage=_include_usage(body),
                   logprobs=req.return_logprobs, return_token_ids=body.return_token_ids)
@@ -438,13 +436,13 @@ def _messages(body: ChatRequest) -> list[dict]:
 def parse_chat(body: ChatRequest, template: ChatTemplate, default_max_tokens: int) -> Parsed:
     _refuse_unsupported(body)
     messages = _messages(body)
-    if body.top_logprobs:
-        raise bad("top_logprobs", "top_logprobs: only 0 is supported (the sampled token's log-probability)",
-                  code="unsupported_value")
+    if body.top_logprobs and not body.logprobs:
+        raise bad("top_logprobs", "top_logprobs: needs logprobs set to true", code="invalid_value")
     max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     req = pb.GenerateRequest(text=template.render(messages), return_logprobs=body.logprobs)
     req.sampling.CopyFrom(_sampling(body, max_tokens, default_max_tokens))
+    req.sampling.top_logprobs = body.top_logprobs or 0
     return Parsed(chat=True, req=req, stream=body.stream, include_usage=_include_usage(body), logprobs=body.logprobs,
                   return_token_ids=body.return_token_ids, prompt_param="messages", max_tokens_param=max_param)
 
@@ -455,6 +453,7 @@ class Accumulated:
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[pb.TopLogprobs] = field(default_factory=list)  # per token, when asked for
     finish: pb.Finish | None = None
 
 
@@ -650,6 +649,7 @@ class OpenAIServer:
             acc.token_ids += msg.token_ids
             acc.text.append(msg.text)
             acc.logprobs += msg.logprobs
+            acc.top_logprobs += msg.top_logprobs
             if msg.HasField("finish"):
                 acc.finish = msg.finish
             msg = self._next(gen, parsed)
@@ -660,10 +660,11 @@ class OpenAIServer:
                         "stop_reason": _stop_reason(acc.finish)}
         if parsed.chat:
             choice["message"] = {"role": "assistant", "content": text}
-            choice["logprobs"] = self._chat_logprobs(acc.token_ids, acc.logprobs) if parsed.logprobs else None
+            choice["logprobs"] = self._chat_logprobs(acc.token_ids, acc.logprobs, acc.top_logprobs) \
+                if parsed.logprobs else None
         else:
             choice["text"] = text
-            choice["logprobs"] = self._completion_logprobs(acc.token_ids, acc.logprobs, 0) \
+            choice["logprobs"] = self._completion_logprobs(acc.token_ids, acc.logprobs, 0, acc.top_logprobs) \
                 if parsed.logprobs else None
         if parsed.return_token_ids:
             choice["token_ids"] = acc.token_ids
@@ -698,14 +699,14 @@ class OpenAIServer:
         yield b"data: [DONE]\n\n"
 
     def _chunk(self, base: dict, parsed: Parsed, msg: pb.GenerateResponse, finish, offset: int, rid: str) -> dict:
-        ids, lps = list(msg.token_ids), list(msg.logprobs)
+        ids, lps, tops = list(msg.token_ids), list(msg.logprobs), list(msg.top_logprobs)
         choice: dict = {"index": 0, "finish_reason": _finish_reason(finish), "stop_reason": _stop_reason(finish)}
         if parsed.chat:
             choice["delta"] = {"content": msg.text} if msg.text or finish is None else {}
-            choice["logprobs"] = self._chat_logprobs(ids, lps) if parsed.logprobs else None
+            choice["logprobs"] = self._chat_logprobs(ids, lps, tops) if parsed.logprobs else None
         else:
             choice["text"] = msg.text
-            choice["logprobs"] = self._completion_logprobs(ids, lps, offset) if parsed.logprobs else None
+            choice["logprobs"] = self._completion_logprobs(ids, lps, offset, tops) if parsed.logprobs else None
         if parsed.return_token_ids:
             choice["token_ids"] = ids
         chunk = {**base, "choices": [choice]}
@@ -713,21 +714,32 @@ class OpenAIServer:
             chunk["eyrie"] = _extension(rid, finish)
         return chunk
 
-    def _completion_logprobs(self, ids: list[int], lps: list[float], offset: int) -> dict:
+    def _completion_logprobs(self, ids: list[int], lps: list[float], offset: int,
+                             tops: list[pb.TopLogprobs]) -> dict:
+        """The completions shape: per token its text, logprob, offset and (with ``logprobs`` > 0) a
+        {text: logprob} map of the most likely tokens."""
         tokens = [self.token_text(t) for t in ids]
         offsets = []
         for t in tokens:
             offsets.append(offset)
             offset += len(t)
-        return {"tokens": tokens, "token_logprobs": [float(x) for x in lps], "top_logprobs": None,
+        top = [{self.token_text(t): float(lp) for t, lp in zip(m.token_ids, m.logprobs)} for m in tops] or None
+        return {"tokens": tokens, "token_logprobs": [float(x) for x in lps], "top_logprobs": top,
                 "text_offset": offsets}
 
-    def _chat_logprobs(self, ids: list[int], lps: list[float]) -> dict:
+    def _chat_logprobs(self, ids: list[int], lps: list[float], tops: list[pb.TopLogprobs]) -> dict:
+        """The chat shape: per token its text, logprob, bytes and (with ``top_logprobs``) the most likely
+        tokens, each as {token, logprob, bytes}."""
         content = []
-        for t, lp in zip(ids, lps):
-            text = self.token_text(t)
-            content.append({"token": text, "logprob": float(lp), "bytes": list(text.encode()), "top_logprobs": []})
+        for i, (t, lp) in enumerate(zip(ids, lps)):
+            alts = [self._chat_entry(a, alp) for a, alp in zip(tops[i].token_ids, tops[i].logprobs)] \
+                if i < len(tops) else []
+            content.append({**self._chat_entry(t, lp), "top_logprobs": alts})
         return {"content": content}
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": float(logprob), "bytes": list(text.encode())}
 
 
 def _event(payload: dict, parsed: Parsed) -> bytes:

@@ -207,6 +207,8 @@ class RouterCore:
             raise RequestError("sampling.top_p", f"{s.top_p} is not in (0, 1] (0 means unset)")
         if s.top_k < 0:
             raise RequestError("sampling.top_k", f"{s.top_k} is negative (0 disables it)")
+        if s.top_logprobs > 20:
+            raise RequestError("sampling.top_logprobs", f"{s.top_logprobs} is above 20 (OpenAI's limit)")
         room = self.max_context - len(ids)
         if s.max_new_tokens > room:
             raise RequestError("sampling.max_new_tokens",
@@ -312,7 +314,7 @@ class RouterCore:
 
     def _walk(self, active: Active, ids: list[int], params: SamplingParams, return_logprobs: bool, t0: float):
         rid = active.rid
-        token, logprob, finish_reason = self._place(active, ids, params, t0)
+        token, logprob, finish_reason, top = self._place(active, ids, params, t0)
         ttft = time.perf_counter() - t0
         if self.telemetry:
             self.telemetry.ttft_seconds.observe(ttft)
@@ -321,6 +323,8 @@ class RouterCore:
         out = pb.GenerateResponse(request_id=rid, token_ids=[token], text=detok.push([token], bool(finish_reason)))
         if return_logprobs:
             out.logprobs.append(logprob)
+        if params.top_logprobs:
+            out.top_logprobs.append(top)
         active.output_tokens = 1
         if finish_reason:  # ended at its first token: the prefill instance kept (and freed) it
             out.finish.CopyFrom(pb.Finish(reason=finish_reason, usage=pb.Usage(prompt_tokens=len(ids),
@@ -385,7 +389,8 @@ class RouterCore:
                 self.ledger.done(decode.instance_id, d_key)
 
     def _prefill(self, active: Active, ids: list[int], params: SamplingParams, p_key: int, d_key: int):
-        """Run the prefill + hand-off; returns (first token, logprob, finish reason) or raises _Replace.
+        """Run the prefill + hand-off; returns (first token, logprob, finish reason, its top logprobs) or
+        raises _Replace.
 
         ``p_key`` / ``d_key``: this placement's ledger entries; the caller releases them (the prefill's is
         released here already at the first token: the prompt is done there)."""
@@ -401,7 +406,7 @@ class RouterCore:
                 if ev.HasField("first_token"):
                     self.ledger.done(prefill.instance_id, p_key)
                     ft = ev.first_token
-                    first = (ft.token_id, ft.logprob, ft.finish_reason)
+                    first = (ft.token_id, ft.logprob, ft.finish_reason, ft.top_logprobs)
                     if self.telemetry:
                         self.telemetry.stage_seconds.labels("prefill").observe(time.perf_counter() - t1)
                     self.log.event("prefill_done", rid, prefill=prefill.instance_id,
@@ -463,6 +468,7 @@ class RouterCore:
                                           text=detok.push(list(msg.token_ids), final))
                 if return_logprobs:
                     out.logprobs.extend(msg.logprobs)
+                out.top_logprobs.extend(msg.top_logprobs)
                 if final:
                     if msg.finish.reason in ("abort", "error"):
                         raise RouterError(grpc.StatusCode.ABORTED if msg.finish.reason == "abort"

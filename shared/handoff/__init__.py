@@ -38,6 +38,11 @@ from shared.handoff.wire import (
 )
 
 
+def top_logprobs_pb(pairs: list[tuple[int, float]]) -> pb.TopLogprobs:
+    """One token's (token id, log p) alternatives -> the wire message."""
+    return pb.TopLogprobs(token_ids=[t for t, _ in pairs], logprobs=[lp for _, lp in pairs])
+
+
 def sampling_to_pb(params) -> pb.SamplingParams:
     """``shared.sampling.SamplingParams`` -> the wire message."""
     msg = pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
@@ -47,7 +52,7 @@ def sampling_to_pb(params) -> pb.SamplingParams:
                             presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
                             repetition_penalty=params.repetition_penalty, min_p=params.min_p,
                             min_tokens=params.min_tokens, logit_bias=dict(params.logit_bias),
-                            allowed_token_ids=list(params.allowed_token_ids))
+                            allowed_token_ids=list(params.allowed_token_ids), top_logprobs=params.top_logprobs)
     if params.seed is not None:
         msg.seed = params.seed
     return msg
@@ -66,6 +71,7 @@ def sampling_from_pb(msg: pb.SamplingParams, default_max_new_tokens: int = 16):
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty or 1.0, min_p=msg.min_p, min_tokens=msg.min_tokens,
         logit_bias=tuple(sorted(msg.logit_bias.items())), allowed_token_ids=tuple(msg.allowed_token_ids),
+        top_logprobs=msg.top_logprobs,
     )
 
 
@@ -74,5 +80,5 @@ __all__ = [
     "HandoffSchema", "InPlaceTarget", "IpcTransport", "PageGuard", "PageRun", "PageSink", "PageSource", "Received",
     "SchemaMismatch", "TransferCancelled",
     "TransferError", "Transport", "coalesce", "decode_draft_state", "encode_draft_state", "iter_chunks",
-    "negotiate", "plan_slices", "sampling_from_pb", "sampling_to_pb",
+    "negotiate", "plan_slices", "sampling_from_pb", "sampling_to_pb", "top_logprobs_pb",
 ]

@@ -9,6 +9,7 @@ request with committed length L runs at L + i, tree node n at L + depth(n), exte
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from shared.logits_process import LogitsRows, process_logits
 from shared.memory.kv_cache import KVCache
 from shared.model.drafts import DraftHead
 from shared.model.llama import LlamaForCausalLM
+from shared.sampling import top_logprobs
 from shared.spec.tree import Candidates, select_tree
 from shared.spec.verify import sampled_accept
 
@@ -49,6 +51,9 @@ class StepOutput:
     hidden: torch.Tensor  # [B, Hd] next draft state: recurrent hidden
     topk_p: torch.Tensor  # [B, k] next draft state: first tree level
     topk_ids: torch.Tensor  # [B, k]
+    # With top logprobs asked for (eager steps only): each committed token's distribution's n best
+    top_logprobs: torch.Tensor | None = None  # [B, steps+1, n] float32 log p, most likely first
+    top_ids: torch.Tensor | None = None  # [B, steps+1, n] int64 their token ids
 
 
 class SpecPhases:
@@ -127,20 +132,33 @@ class SpecPhases:
         feats = out.features()
         return out.logits.view(B, N, -1), feats.view(B, N, feats.shape[-1])
 
-    def accept(self, inp: DecodeInputs, tree: DraftTree, logits: torch.Tensor,
-               processing: LogitsRows | None = None) -> Acceptance:
-        """Every row by its own rule (greedy or sampled with its parameters and seed), on the device;
-        with ``processing``, from the logits its penalties and filters leave at each node."""
-        if processing is not None:
-            logits = process_logits(logits, processing, tree.tokens, tree.mask, tree.depths)
+    def accept(self, inp: DecodeInputs, tree: DraftTree, logits: torch.Tensor) -> Acceptance:
+        """Every row by its own rule (greedy or sampled with its parameters and seed), on the device,
+        from ``logits`` (after any penalties and filters)."""
         return sampled_accept(tree, logits, inp.sampling, inp.L, self.spec.steps)
 
-    def verify_extend(self, inp: DecodeInputs, tree: DraftTree, processing: LogitsRows | None = None) -> StepOutput:
+    def verify_extend(self, inp: DecodeInputs, tree: DraftTree, processing: LogitsRows | None = None,
+                      top_n: int = 0) -> StepOutput:
         """Verify, acceptance on the device, compaction and draft extend in one function: greedy,
         sampled and mixed batches run the three as one graph (no logits copied between graphs, no eager
-        launches between them, nothing read back by the host)."""
+        launches between them, nothing read back by the host). With ``processing``, the committed
+        tokens' logprobs are those of the processed logits (the distribution they were accepted from);
+        with ``top_n``, each committed token's ``top_n`` best alternatives come along."""
         logits, feats = self.verify(inp, tree)
-        return self.extend(inp, tree, self.accept(inp, tree, logits, processing), logits, feats)
+        if processing is not None:
+            logits = process_logits(logits, processing, tree.tokens, tree.mask, tree.depths)
+        out = self.extend(inp, tree, self.accept(inp, tree, logits), logits, feats)
+        return out if top_n == 0 else self.with_top_logprobs(out, logits, top_n)
+
+    @staticmethod
+    def with_top_logprobs(out: StepOutput, logits: torch.Tensor, top_n: int) -> StepOutput:
+        """``out`` with the ``top_n`` best log-probabilities at each accepted path slot: slot d's token
+        was drawn from the logits of path node d (-1 past the path: read as the root, ignored)."""
+        B, N, V = logits.shape
+        path = out.accept_index.clamp(min=0)
+        rows = logits.gather(1, path.unsqueeze(2).expand(-1, -1, V))  # [B, steps+1, V]
+        values, ids = top_logprobs(torch.log_softmax(rows.float(), dim=-1), top_n)
+        return dataclasses.replace(out, top_logprobs=values, top_ids=ids)
 
     # ---- compaction and draft extend -------------------------------------------------------------
     def extend(self, inp: DecodeInputs, tree: DraftTree, acc: Acceptance, logits: torch.Tensor,

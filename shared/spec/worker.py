@@ -31,7 +31,7 @@ from shared.memory.sizing import make_cache
 from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.request import Request
-from shared.sampling import sampling_ints, sampling_rows_from
+from shared.sampling import sampling_ints, sampling_rows_from, top_pairs
 from shared.scheduler import Chunk
 from shared.spec.draft_ahead import DraftAhead, Drafted
 from shared.spec.phases import DecodeInputs, SpecPhases, StepOutput
@@ -173,7 +173,7 @@ class SpecWorker:
         t0 = time.perf_counter()
         drafted = (None if processed else self.ahead.take(reqs)) or self._draft(reqs)
         t1 = time.perf_counter()
-        out, inp = self._verify(drafted, reqs if processed else None)
+        out, inp = self._verify(drafted, reqs if processed else None, max(r.params.top_logprobs for r in reqs))
         # The per-token outputs the host needs start on their way to it (the one sync of the step) ...
         host, ready = self._to_host(out)
         # ... and the next step's draft goes to the device behind them, timed as that step's draft.
@@ -190,12 +190,14 @@ class SpecWorker:
         self.stats.record(events, verified, draft_s=t1 - t0 + drafted.earlier_s, verify_s=t2 - t1)
         return events
 
-    def _verify_extend(self, inp: DecodeInputs, tree: DraftTree, processing: LogitsRows | None = None) -> StepOutput:
+    def _verify_extend(self, inp: DecodeInputs, tree: DraftTree, processing: LogitsRows | None = None,
+                       top_n: int = 0) -> StepOutput:
         """Verify, accept and extend: one graph, or two with the acceptance between them when only one of
-        the verify and extend phases is captured. A batch with penalties or filters (``processing``)
-        runs them eagerly (the graphs hold no processing buffers: batches without pay nothing)."""
-        if processing is not None:
-            return self.phases.verify_extend(inp, tree, processing)
+        the verify and extend phases is captured. A batch with penalties or filters (``processing``) or
+        asking for ``top_n`` log-probabilities runs them eagerly (the graphs hold no buffers for them:
+        batches without pay nothing)."""
+        if processing is not None or top_n:
+            return self.phases.verify_extend(inp, tree, processing, top_n)
         g = self.graphs
         if g["verify_extend"].enabled or not (g["verify"].enabled or g["extend"].enabled):
             return g["verify_extend"](inp, tree)
@@ -214,20 +216,23 @@ class SpecWorker:
         inp = tree_map(lambda t: pad_rows(t, bs), self._inputs(reqs))
         return Drafted(inp, self.graphs["draft"](inp), n)
 
-    def _verify(self, d: Drafted, processed: list[Request] | None = None) -> tuple[StepOutput, DecodeInputs]:
+    def _verify(self, d: Drafted, processed: list[Request] | None = None,
+                top_n: int = 0) -> tuple[StepOutput, DecodeInputs]:
         """Verify the tree, accept (every row by its own rule, on the device), compact and extend; the
         requests' rows of the output and inputs. ``processed``: the requests (drafted in this step, the
-        batch's first rows) whose penalties and filters apply."""
+        batch's first rows) whose penalties and filters apply; ``top_n``: the top log-probabilities the
+        batch asks for."""
         rows = None if processed is None else requests_rows(
             processed, self.target.config.vocab_size, d.inp.L.shape[0], d.inp.L.device)
-        out = self._verify_extend(d.inp, d.tree, rows)
+        out = self._verify_extend(d.inp, d.tree, rows, top_n)
         return tree_map(d.take, out), tree_map(d.take, d.inp)
 
     @staticmethod
     def _to_host(out: StepOutput) -> tuple[dict, torch.cuda.Event | None]:
         """Start copying the host's share of ``out`` to pinned memory; the event marks their arrival
         (None on the CPU, where they are already there)."""
-        names = ("accept_len", "accept_index", "tokens", "logprobs")
+        names = ("accept_len", "accept_index", "tokens", "logprobs") + (
+            ("top_logprobs", "top_ids") if out.top_logprobs is not None else ())
         if not out.accept_len.is_cuda:
             return {k: getattr(out, k) for k in names}, None
         host = {k: getattr(out, k).to("cpu", non_blocking=True) for k in names}
@@ -304,13 +309,14 @@ class SpecWorker:
         ``out``'s accept lengths, accept index, tokens and logprobs are on the host."""
         lens = out.accept_len.tolist()
         toks, lps = out.tokens.tolist(), out.logprobs.tolist()
+        tops = self._top_pairs(reqs, out)
         self._sync_host_rows(reqs, out.accept_index.tolist(), lens)
         scratch = self.ahead.pending is not None  # a draft launched ahead writes its scratch past the length
         events = []
         for b, req in enumerate(reqs):
             n = lens[b]
             L = req.draft_state.committed_len
-            events.append((req, req.commit(toks[b][:n], lps[b][:n])))  # a stop inside the run cuts it
+            events.append((req, req.commit(toks[b][:n], lps[b][:n], tops[b])))  # a stop inside the run cuts it
             if req.finish_reason is not None:
                 continue  # the engine returns all its pages
             self.target_cache.shrink(req.handles[0], L + n)
@@ -319,6 +325,16 @@ class SpecWorker:
             req.resume_from(DraftState(bonus_token=toks[b][n - 1], committed_len=L + n, hidden=out.hidden[b],
                                        topk_p=out.topk_p[b], topk_ids=out.topk_ids[b]))
         return events
+
+    @staticmethod
+    def _top_pairs(reqs: list[Request], out: StepOutput) -> list[list[list[tuple[int, float]]] | None]:
+        """Per request, its committed slots' top log-probabilities as (token id, log p) pairs, the first
+        ``top_logprobs`` of each; None for a request that did not ask."""
+        if out.top_logprobs is None:
+            return [None] * len(reqs)
+        values, ids = out.top_logprobs.tolist(), out.top_ids.tolist()
+        return [top_pairs(values[b], ids[b], r.params.top_logprobs) if r.params.top_logprobs else None
+                for b, r in enumerate(reqs)]
 
     def _sync_host_rows(self, reqs: list[Request], accept_index: list[list[int]], lens: list[int]) -> None:
         """Page size 1 compacts by permuting the device table (``SpecPhases._compact_target``); the

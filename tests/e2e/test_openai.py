@@ -74,6 +74,17 @@ def grpc_generate(stack, *, text=None, ids=None, logprobs=False, **sampling) -> 
     return tokens, "".join(texts), lps, finish
 
 
+def grpc_top_logprobs(stack, text: str, n: int, **sampling) -> tuple[list[int], list[float], list[dict]]:
+    """The gRPC API's tokens, logprobs and per-token {token id: logprob} top lists."""
+    req = pb.GenerateRequest(text=text, return_logprobs=True, sampling=pb.SamplingParams(top_logprobs=n, **sampling))
+    tokens, lps, tops = [], [], []
+    for msg in stack.stub.Generate(req, timeout=60, metadata=AUTH):
+        tokens += msg.token_ids
+        lps += msg.logprobs
+        tops += [dict(zip(t.token_ids, t.logprobs)) for t in msg.top_logprobs]
+    return tokens, lps, tops
+
+
 def raw(stack, method: str, path: str, body=None, key: str | None = KEY, headers=None, content=None):
     hdrs = {**({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
     url = stack.base_url.removesuffix("/v1") + path
@@ -263,7 +274,9 @@ def test_models(client):
     ("chat", dict(messages=[]), "messages"),
     ("chat", dict(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role"),
     ("chat", dict(max_completion_tokens=10**6), "max_completion_tokens"),
-    ("chat", dict(top_logprobs=3, logprobs=True), "top_logprobs"),
+    ("chat", dict(top_logprobs=3), "top_logprobs"),  # top_logprobs without logprobs
+    ("chat", dict(top_logprobs=21, logprobs=True), "top_logprobs"),
+    ("completion", dict(logprobs=21), "logprobs"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_request_is_400_naming_the_param(stack, client, kind, kwargs, param):
     if kind == "completion":
@@ -532,3 +545,36 @@ def test_the_dashboard_queries_only_exposed_metrics(stack):
         assert names, query
         for name in names:
             assert name in exposed, f"the dashboard queries {name}, which no service exposes ({query})"
+
+
+# ---- top logprobs --------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_completion_top_logprobs_equal_grpc(stack, client, stream):
+    ids, lps, tops = grpc_top_logprobs(stack, PROMPT, 3, temperature=0, max_new_tokens=8, ignore_eos=True)
+    assert len(tops) == len(ids) == 8 and all(len(t) == 3 and max(t, key=t.get) == i for t, i in zip(tops, ids))
+    got = client.completions.create(model="eyrie", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3,
+                                    stream=stream, extra_body={"ignore_eos": True})
+    chunks = list(got) if stream else [got]
+    blocks = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs is not None]
+    got_tops = [t for b in blocks for t in (b.top_logprobs or [])]
+    assert [x for b in blocks for x in b.token_logprobs] == pytest.approx(lps, abs=1e-5)
+    want = [{stack.tokenizer.decode([i]): lp for i, lp in t.items()} for t in tops]
+    assert [sorted(t) for t in got_tops] == [sorted(t) for t in want]
+    assert all(g[k] == pytest.approx(w[k], abs=1e-5) for g, w in zip(got_tops, want) for k in w)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_chat_top_logprobs_equal_grpc(stack, client, stream):
+    messages = [{"role": "user", "content": "fibonacci"}]
+    ids, lps, tops = grpc_top_logprobs(stack, tiny_template(messages), 2, temperature=0, max_new_tokens=6,
+                                       ignore_eos=True)
+    got = client.chat.completions.create(model="eyrie", messages=messages, max_tokens=6, temperature=0,
+                                         logprobs=True, top_logprobs=2, stream=stream, extra_body={"ignore_eos": True})
+    chunks = list(got) if stream else [got]
+    content = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.logprob for e in content] == pytest.approx(lps, abs=1e-5)
+    for entry, want, tok in zip(content, tops, ids, strict=True):
+        assert entry.token == stack.tokenizer.decode([tok])
+        assert [a.token for a in entry.top_logprobs] == [stack.tokenizer.decode([i]) for i in want]
+        assert [a.logprob for a in entry.top_logprobs] == pytest.approx(list(want.values()), abs=1e-5)
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)  # greedy: the top one

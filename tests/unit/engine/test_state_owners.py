@@ -22,6 +22,7 @@ SCHEDULER, REQUEST = "shared/scheduler.py", "shared/request.py"
 OWNERS = {  # request field -> the one module that writes it
     "stage": SCHEDULER, "handles": SCHEDULER,
     "kv_len": REQUEST, "draft_state": REQUEST, "output_ids": REQUEST, "output_logprobs": REQUEST,
+    "output_top_logprobs": REQUEST,
     "finish_reason": REQUEST, "t_first_token": REQUEST, "t_finish": REQUEST,
 }
 QUEUES = {"requests": SCHEDULER, "running": SCHEDULER, "waiting": SCHEDULER}  # the scheduler's table and queues
