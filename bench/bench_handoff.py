@@ -27,14 +27,14 @@ from proto.eyrie.v1 import eyrie_pb2 as pb  # noqa: E402
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc  # noqa: E402
 from shared.handoff import GrpcStreamTransport, PageSink, PageSource  # noqa: E402
 from shared.handoff.ipc import export_pools, open_pools, write_in_place  # noqa: E402
-from shared.memory.kv_cache import CacheSpec, KVCache  # noqa: E402
+from shared.memory.kv_cache import CacheLayout, KVCache  # noqa: E402
 
 GRPC_FLOOR_GBPS = 1.5
 
 
 def make_cache(args, shareable: bool) -> KVCache:
     pages = -(-args.tokens // args.page_size)
-    return KVCache(CacheSpec(num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+    return KVCache(CacheLayout(num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
                              dtype=getattr(torch, args.dtype), device=torch.device(args.device),
                              page_size=args.page_size, num_pages=pages + 1, max_reqs=1, max_context=args.tokens + 16,
                              shareable=shareable))

@@ -12,10 +12,15 @@ Two transports, chosen per decode address at the handshake (``negotiate``):
 
 - ``IpcTransport`` ("ipc"): same host. The decode side exported its pools in its handshake reply; the
   prefill side writes the pages straight into the reserved ones (``shared.handoff.ipc``: CUDA IPC on
-  the same or a peer GPU, shared memory on the CPU), then sends one ``in_place`` message with the
-  draft state over ``Decode.Transfer`` and waits for the acknowledgement.
+  the same or a peer GPU, shared memory on the CPU), each prefill step's pages as the step ends, then
+  sends one ``in_place`` message with the draft state and the first token over ``Decode.Transfer``
+  and waits for the acknowledgement.
 - ``GrpcStreamTransport`` ("grpc-stream"): any network. Page-aligned chunks over the
-  ``Decode.Transfer`` client stream (gRPC flow control bounds the bytes in flight).
+  ``Decode.Transfer`` client stream, opened as the prefill starts: each prefill step's pages are sent
+  while the next step computes (gRPC flow control bounds the bytes in flight).
+
+Both send from a ``PageSource``'s increments (``shared.handoff.wire``): one per prefill step of the
+request, the last with the draft state; a source built after the prompt ran has one increment.
 
 The receiving side is one code path for both (``receive``): an in-place message marks every page
 written, a byte chunk is copied into its pages. NIXL (RDMA/UCX across hosts) would be a third
@@ -201,7 +206,8 @@ class IpcTransport(GrpcStreamTransport):
             raise TransferError(f"{source.rid}: the ipc transport needs the decode side's reserved pages")
         written = write_in_place(source, self.pools(address, target.exported), target.page_ids, target.deadline)
         msg = pb.KVChunk(request_id=source.rid, seq=0, last=True, total_chunks=1, in_place=True,
-                         in_place_bytes=written, draft_state=source.draft_state)
+                         in_place_bytes=written.bytes, draft_state=written.last.draft_state,
+                         output_ids=written.last.output_ids, output_logprobs=written.last.output_logprobs)
         call = self.channels.decode_stub(address).Transfer.future(iter([msg]), timeout=timeout)
         return await_ack(call, source)
 

@@ -1,10 +1,16 @@
 """The KV wire format: a request's pages as page-aligned, checksummed chunks, and their receiver.
 
-Order: per cache (target first, then each draft cache), per layer, the request's pages in position
-order. Runs of contiguous page ids are coalesced into one slice (one tensor slice read, one message),
-and a slice is cut so that a message holds at most ``chunk_bytes`` of K + V. Every chunk carries its
-index (``seq``) and a CRC32 of its K bytes followed by its V bytes; the last chunk carries the number
-of chunks sent and the request's draft state (``shared.spec.state.DraftState.to_bytes``).
+A hand-off starts with the prefill: the sending side (``PageSource``) yields ``Increment``s, one per
+prefill step of the request (the pages that step completed, in every cache), and the last one also
+carries what the decode side resumes from (``Prefilled``: the draft state and the first token). A
+source built after the prompt ran yields one increment with everything.
+
+Order: per increment, per cache (target first, then each draft cache), per layer, the increment's
+pages in position order. Runs of contiguous page ids are coalesced into one slice (one tensor slice
+read, one message), and a slice is cut so that a message holds at most ``chunk_bytes`` of K + V.
+Every chunk carries its index (``seq``) and a CRC32 of its K bytes followed by its V bytes; the last
+chunk carries the number of chunks sent, the request's draft state
+(``shared.spec.state.DraftState.to_bytes``) and, when the reservation named none, its first token.
 
 Memory in flight stays bounded: ``iter_chunks`` is a lazy generator that reads one slice when the
 transport asks for the next message (gRPC pulls the next request message only after the previous one
@@ -21,6 +27,7 @@ read or write pages that were handed to another request.
 from __future__ import annotations
 
 import dataclasses
+import queue
 import threading
 import warnings
 import zlib
@@ -120,15 +127,19 @@ class Slice:
     count: int
 
 
-def plan_slices(caches: list[KVCache], page_ids: list[list[int]], chunk_bytes: int) -> list[Slice]:
+def plan_slices(caches: list[KVCache], page_ids: list[list[int]], chunk_bytes: int,
+                start: list[int] | None = None) -> list[Slice]:
+    """The slices of each cache's pages from index ``start[c]`` on (default: all of them)."""
     slices = []
     for c, (cache, pages) in enumerate(zip(caches, page_ids)):
+        first = start[c] if start is not None else 0
         step = pages_per_chunk(cache, chunk_bytes)
-        runs = coalesce(pages)
+        runs = coalesce(pages[first:])
         for layer in range(cache.layout.num_layers):
             for run in runs:
                 for off in range(0, run.count, step):
-                    slices.append(Slice(c, layer, run.first + off, run.page + off, min(step, run.count - off)))
+                    slices.append(Slice(c, layer, first + run.first + off, run.page + off,
+                                        min(step, run.count - off)))
     return slices
 
 
@@ -152,6 +163,11 @@ class Staging:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         if self.cuda:
             self.stream.wait_stream(torch.cuda.default_stream(device))  # the pages' writes were queued there
+
+    def after(self, written) -> None:
+        """Later reads wait for ``written`` (the CUDA event of the step that wrote their pages)."""
+        if written is not None and self.cuda:
+            self.stream.wait_event(written)
 
     def start(self, k: torch.Tensor, v: torch.Tensor):
         """Begin reading one slice; ``finish`` of what this returns gives its bytes."""
@@ -185,37 +201,109 @@ class InPlaceTarget:
     deadline: float  # the host's CLOCK_MONOTONIC time after which no page may be written
 
 
+@dataclass(frozen=True)
+class Prefilled:
+    """What the decode side resumes from, sent with the prompt's last chunk."""
+
+    draft_state: bytes  # DraftState.to_bytes(), or b"" without a draft
+    output_ids: tuple[int, ...] = ()  # the first token, unless the reservation named it
+    output_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Increment:
+    """One prefill step's part of a request's hand-off: the pages whose K/V is now final."""
+
+    page_ids: list[list[int]]  # per cache (target first), the request's pages so far, in position order
+    done: list[int]  # per cache, how many of those (from the first) hold their final K/V in every layer
+    written: object | None = None  # CUDA event recorded after the step that wrote them (None: already visible)
+    last: Prefilled | None = None  # with the prompt's last chunk
+
+
+FEED_POLL_S = 0.05  # how often a transport waiting for the next increment checks for an abort
+
+
+class PageFeed:
+    """The increments of one request's hand-off: put by the engine loop after each prefill step of the
+    request, taken by the transport on its own thread (the prefill runs on while the pages travel)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Increment] = queue.Queue()
+
+    def put(self, increment: Increment) -> None:
+        self._queue.put(increment)
+
+    def take(self, guard: PageGuard) -> Iterator[Increment]:
+        """Each increment as it comes, up to the last; TransferCancelled once ``guard`` is cancelled."""
+        while True:
+            try:
+                inc = self._queue.get(timeout=FEED_POLL_S)
+            except queue.Empty:
+                if guard.cancelled:
+                    raise TransferCancelled("the request was released during its prefill") from None
+                continue
+            yield inc
+            if inc.last is not None:
+                return
+
+
 @dataclass
 class PageSource:
     """The sending side of one request's hand-off (its pages stay put until the acknowledgement)."""
 
     rid: str
     caches: list[KVCache]
-    page_ids: list[list[int]]  # per cache, the request's pages in position order
-    draft_state: bytes  # DraftState.to_bytes(), or b"" without a draft
+    page_ids: list[list[int]]  # per cache, the request's pages in position order (without a feed)
+    draft_state: bytes  # DraftState.to_bytes(), or b"" without a draft (without a feed)
     guard: PageGuard = field(default_factory=PageGuard)
     in_place: InPlaceTarget | None = None  # set (by a copy sharing the guard) once an ipc reservation is made
+    feed: PageFeed | None = None  # increments while the prompt is being prefilled (None: every page is written)
+
+    def increments(self) -> Iterator[Increment]:
+        """The hand-off's increments in order, the last one carrying ``Prefilled``."""
+        if self.feed is not None:
+            yield from self.feed.take(self.guard)
+            return
+        yield Increment(self.page_ids, [len(p) for p in self.page_ids], None, Prefilled(self.draft_state))
 
 
 def iter_chunks(source: PageSource, chunk_bytes: int = 4 << 20) -> Iterator[pb.KVChunk]:
-    """The request's pages as KVChunk messages, each read when it is asked for."""
-    slices = plan_slices(source.caches, source.page_ids, chunk_bytes)
-    total = max(1, len(slices))
+    """The request's pages as KVChunk messages, each increment's as soon as it comes, each slice read when
+    it is asked for."""
     staging = Staging(source.caches[0].pool.device) if source.caches else None
+    sent, seq = [0] * len(source.caches), 0
+    for inc in source.increments():
+        staging.after(inc.written)
+        done_pages = [pages[:n] for pages, n in zip(inc.page_ids, inc.done)]
+        slices = plan_slices(source.caches, done_pages, chunk_bytes, sent)
+        sent = list(inc.done)
+        for i, chunk in enumerate(_read_slices(source, staging, slices, seq)):
+            if inc.last is not None and i == len(slices) - 1:
+                _close(chunk, inc.last, seq + i + 1)
+            yield chunk
+        seq += len(slices)
+        if inc.last is not None and not slices:  # nothing left to send but the state
+            chunk = pb.KVChunk(request_id=source.rid, seq=seq, crc32=checksum(b"", b""))
+            yield _close(chunk, inc.last, seq + 1)
+
+
+def _close(chunk: pb.KVChunk, last: Prefilled, total: int) -> pb.KVChunk:
+    """Make ``chunk`` the transfer's last: the count, the draft state, the first token."""
+    chunk.MergeFrom(pb.KVChunk(last=True, total_chunks=total, draft_state=last.draft_state,
+                               output_ids=last.output_ids, output_logprobs=last.output_logprobs))
+    return chunk
+
+
+def _read_slices(source: PageSource, staging: Staging, slices: list[Slice], seq: int) -> Iterator[pb.KVChunk]:
+    """The slices as chunks numbered from ``seq``, the next slice's read started while one is sent."""
     pending = None
-    for seq, s in enumerate(slices):
+    for i, s in enumerate(slices):
         with source.guard.access():  # the slice's read (and the next one's start) happen under the guard
             pending = pending or _start(staging, source, s)
             k, v = staging.finish(pending)
-            pending = _start(staging, source, slices[seq + 1]) if seq + 1 < len(slices) else None
-        chunk = pb.KVChunk(request_id=source.rid, seq=seq, cache=s.cache, layer=s.layer, first_page=s.first,
-                           num_pages=s.count, k=k, v=v, crc32=checksum(k, v))
-        if seq == total - 1:
-            chunk.last, chunk.total_chunks, chunk.draft_state = True, total, source.draft_state
-        yield chunk
-    if not slices:  # a request without pages (never happens for a non-empty prompt): state only
-        yield pb.KVChunk(request_id=source.rid, seq=0, crc32=checksum(b"", b""), last=True, total_chunks=1,
-                         draft_state=source.draft_state)
+            pending = _start(staging, source, slices[i + 1]) if i + 1 < len(slices) else None
+        yield pb.KVChunk(request_id=source.rid, seq=seq + i, cache=s.cache, layer=s.layer, first_page=s.first,
+                         num_pages=s.count, k=k, v=v, crc32=checksum(k, v))
 
 
 def _start(staging: Staging, source: PageSource, s: Slice):
@@ -230,6 +318,8 @@ class Received:
     draft_state: bytes
     bytes: int  # K/V + draft-state bytes received
     chunks: int
+    output_ids: list[int] = field(default_factory=list)  # the first token, when the reservation named none
+    output_logprobs: list[float] = field(default_factory=list)
 
 
 class PageSink:
@@ -318,7 +408,8 @@ class PageSink:
             if w.numel() and not bool((w == 1).all()):
                 missing = int((w == 0).sum())
                 raise TransferError(f"cache {c}: {missing} (layer, page) pairs of {w.numel()} never arrived")
-        return Received(self.rid, last.draft_state, self.bytes, self.received)
+        return Received(self.rid, last.draft_state, self.bytes, self.received, list(last.output_ids),
+                        list(last.output_logprobs))
 
 
 def encode_draft_state(req) -> bytes:
