@@ -176,6 +176,10 @@ def await_ack(call, source: PageSource) -> pb.TransferAck:
                 raise TransferCancelled(f"{source.rid}: released during its transfer") from None
         except grpc.FutureCancelledError:
             raise TransferCancelled(f"{source.rid}: transfer cancelled") from None
+        except grpc.RpcError:  # the receiver's answer to a transfer that stopped short because it was cancelled
+            if source.guard.cancelled:
+                raise TransferCancelled(f"{source.rid}: released during its transfer") from None
+            raise
 
 
 class IpcTransport(GrpcStreamTransport):
