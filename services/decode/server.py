@@ -49,6 +49,7 @@ from shared.handoff import (
     sampling_from_pb,
 )
 from shared.handoff.ipc import export_pools, host_id
+from shared.handoff.transport import add_decode_servicer
 from shared.request import Request, RequestError
 from shared.telemetry import Telemetry
 
@@ -401,4 +402,4 @@ def start_decode(settings: DecodeSettings, engine: Engine | None = None) -> Serv
     def make(loop: EngineLoop, telemetry: Telemetry, instance_id: str) -> DecodeServicer:
         return DecodeServicer(loop, settings, telemetry, instance_id)
 
-    return start_engine_service("decode", settings, engine, make, pb_grpc.add_DecodeServicer_to_server, SERVICES)
+    return start_engine_service("decode", settings, engine, make, add_decode_servicer, SERVICES)

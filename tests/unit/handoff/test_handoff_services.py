@@ -759,7 +759,7 @@ def test_receiving_never_stalls_decoding_and_the_request_joins_at_the_next_step(
             if i == 1:  # the decode side opened the transfer with the first chunk
                 during["opened"] = streamed["n"]
                 during["kept_decoding"] = wait_for(lambda: streamed["n"] >= during["opened"] + 8, 30)
-            if msg.last:
+            if pb.KVChunk.FromString(msg).last:  # (the transport sends them serialized)
                 during["closed"] = streamed["n"]
             yield msg
 
