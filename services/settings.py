@@ -77,7 +77,7 @@ class EngineSettings(CommonSettings):
 class PrefillSettings(EngineSettings):
     handoff_chunk_bytes: int = 4 << 20  # K + V bytes per hand-off message (page-aligned; >= one page of one layer)
     handoff_timeout_s: float = 60.0
-    handoff_workers: int = 8  # hand-offs under way at once (each streams one request's pages)
+    handoff_workers: int = 32  # hand-offs under way at once (each holds one request from its first chunk to its ack)
 
 
 class DecodeSettings(EngineSettings):
