@@ -650,6 +650,21 @@ def test_the_first_chunk_reaches_the_decode_side_before_the_last_chunk_is_comput
     assert stack.clean()
 
 
+def test_a_request_stopping_at_its_first_token_frees_the_reservation_its_prefill_made(stack, single, monkeypatch):
+    """Its hand-off began with its first chunk (the engine waits after it until the decode side holds the
+    reservation), then its first token is a stop token: it ends there, the hand-off stops, and both
+    services get every page back."""
+    first, rid = single[1].token_ids[0], stack.rid()
+    incoming = stack.decode.extra["servicer"]._incoming
+    seen = prefill_holds_before(stack, monkeypatch, rid, lambda req: rid in incoming)
+    reserved_before = stack.decode.extra["telemetry"].requests_total.labels("abort")._value.get()
+    tokens, finish, events = stack.generate(LONG, SamplingParams(max_new_tokens=8, stop_token_ids=(first,)), rid=rid)
+    assert tokens == [first] and finish.reason == "stop" and len(events) == 1 and seen == {"met": True}
+    assert stack.clean()
+    wait_until(lambda: stack.decode.extra["telemetry"].requests_total.labels("abort")._value.get()
+               == reserved_before + 1)  # there was a reservation, and it was aborted
+
+
 def test_prefill_abort_mid_prefill_frees_both_sides(stack, monkeypatch):
     """Aborted while its prompt is half prefilled (the engine waits after its first chunk until the abort
     began) and its first pages are on their way: the Prefill call ends ABORTED, and both services get every
