@@ -10,6 +10,7 @@
 #   bench/gpu_session.sh decode     # EAGLE-3 iteration vs a decode step at batch 1, context 1k (drafting ahead)
 #   bench/gpu_session.sh spec-grid  # every speculative phase, graph and eager, batch 1..64 x context 1k..8k
 #   bench/gpu_session.sh attention  # paged decode / extend / verify attention vs copy bandwidth and SDPA
+#   bench/gpu_session.sh serving    # the stack vs the single-process engine, 8B shape (bench/bench_serving.py)
 #
 # Several stages in one call run in the order given. Python packages the GPU image lacks come from
 # ./.whl (../shared/tools/gpu-wheels.sh on the CPU machine; carry .whl with the call).
@@ -62,8 +63,12 @@ for stage in "$@"; do
     attention)
       run attention 570 python3 bench/bench_attention.py --quick --out "$OUT/attention.json"
       ;;
+    serving)
+      run serving 575 python3 bench/bench_serving.py --workdir /tmp/serving --out "$OUT/serving.json"
+      cp -r /tmp/serving/logs-* /tmp/serving/engine.log "$OUT/" 2>/dev/null
+      ;;
     *)
-      echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention)" >&2
+      echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention, serving)" >&2
       exit 2
       ;;
   esac

@@ -6,12 +6,14 @@ Bad input exits with status 2 and one line naming the problem.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
 from pathlib import Path
 
 EXIT_USAGE = 2
+PACKAGE = "eyrie-serve"
 
 
 def _fail(message: str) -> None:
@@ -19,58 +21,67 @@ def _fail(message: str) -> None:
     raise SystemExit(EXIT_USAGE)
 
 
+class _Help(argparse.HelpFormatter):
+    """Every option's help ends with its default (the settings-derived flags write theirs themselves)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS or "(default:" in text:
+            return text
+        if action.required:
+            return f"{text} (required)"
+        if isinstance(action, argparse._StoreTrueAction):
+            return f"{text} (default: off)"
+        return f"{text} (default: {'unset' if action.default is None else '%(default)s'})"
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # one line, exit 2
         _fail(message)
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    def of(package: str) -> str:
+        try:
+            return installed(package)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"eyrie {of(PACKAGE)} (torch {of('torch')}, Python {sys.version.split()[0]})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="eyrie", description="LLM serving with lossless EAGLE speculative decoding")
+    p.add_argument("--version", action="version", version=version())
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="generate text with the single-process engine")
-    g.add_argument("--model", help="target checkpoint directory (default: a tiny model made on the fly)")
-    g.add_argument("--draft", help="draft head directory (EAGLE, EAGLE-3 or multi-layer)")
-    g.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
-    g.add_argument("--prompt-ids", action="append", help="prompt as comma-separated token ids (repeatable)")
-    g.add_argument("--stop-token-ids", help="comma-separated token ids that end generation")
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--chunk-size", type=int, default=512)
-    g.add_argument("--page-size", type=int, default=16)
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", default="float32")
-    g.add_argument("--spec-topk", type=int, default=1)
-    g.add_argument("--spec-steps", type=int, default=3)
-    g.add_argument("--spec-draft-tokens", type=int)
-    g.add_argument("--cuda-graph", choices=["on", "off"], default="off")
-    g.add_argument("--spec-draft-ahead", choices=["auto", "on", "off"], default="auto",
-                   help="launch the next step's draft before this step's tokens reach the host (auto: on CUDA)")
-    g.add_argument("--json", action="store_true",
-                   help="one JSON object per prompt (with a draft: its statistics, 'spec', and those of "
-                        "each verify step it took part in, 'spec_batches')")
+    add_generate_flags(g)
     g.set_defaults(func=cmd_generate)
 
     m = sub.add_parser("make-model", help="write a random-weight checkpoint (target + draft heads)")
-    m.add_argument("--preset", default="tiny")
-    m.add_argument("out_dir")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--preset", default="tiny", help="model shape (shared/model/factory.py PRESETS)")
+    m.add_argument("out_dir", help="directory to write: target/, eagle/, eagle3/ and mtp/ under it")
+    m.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     m.set_defaults(func=cmd_make_model)
 
     t = sub.add_parser("train-draft", help="train an EAGLE-3, EAGLE or multi-layer draft head for a target")
     t.add_argument("--target", required=True, help="target checkpoint directory (with tokenizer.json)")
     t.add_argument("--corpus", required=True, nargs="+",
                    help="text files, directories, JSONL of {\"text\"} or chat {\"messages\"}")
-    t.add_argument("--kind", default="eagle3", choices=["eagle3", "eagle", "mtp"])
+    t.add_argument("--kind", default="eagle3", choices=["eagle3", "eagle", "mtp"], help="the head to train")
     t.add_argument("--out", required=True, help="the head's directory (load it with --draft)")
     for flag, kind, default, about in TRAIN_FLAGS:
         t.add_argument(flag, type=kind, default=default, help=about)
     t.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    t.add_argument("--device", default="cpu")
+    t.add_argument("--device", default="cpu", help="`cpu` or `cuda` (`cuda:N`)")
     t.add_argument("--dtype", default="float32", help="the target's and the written head's dtype")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_train_draft)
@@ -92,7 +103,7 @@ TRAIN_FLAGS = (  # flag, type, default, help: the numeric settings of train-draf
     ("--ttt-steps", int, 7, "unrolled draft steps trained (a multi-layer draft gets one layer each)"),
     ("--eval-every", int, 200, "steps between evaluations of acceptance on held-out text (0: start and end)"),
     ("--save-every", int, None, "steps between checkpoints (default: with every evaluation)"),
-    ("--draft-vocab", int, None, "EAGLE-3 draft vocabulary size, the most frequent corpus tokens (default "
+    ("--draft-vocab", int, None, "EAGLE-3 draft vocabulary size, the most frequent corpus tokens (default: "
                                  "min(32000, target vocabulary))"),
     ("--seed", int, 0, "initialisation and batch order"),
     ("--heldout", float, 0.05, "fraction of documents held out for evaluation"),
@@ -100,12 +111,13 @@ TRAIN_FLAGS = (  # flag, type, default, help: the numeric settings of train-draf
     ("--eval-prompts", int, 8, "held-out prompts the acceptance is measured on"),
     ("--eval-prompt-len", int, 32, "tokens per held-out prompt"),
     ("--eval-new-tokens", int, 32, "tokens generated per held-out prompt"),
-    ("--eval-spec-steps", int, None, "draft chain depth of the measurement (default min(ttt-steps, 5))"),
+    ("--eval-spec-steps", int, None, "draft chain depth of the measurement (default: min(ttt-steps, 5))"),
     ("--log-every", int, 10, "steps between loss records"),
     ("--regenerate", int, 0, "replace the last N tokens of every training window by the target's greedy "
                              "continuation (train on what the target itself writes)"),
     ("--max-windows", int, None, "train on at most N windows of the corpus (a seeded choice; bounds "
                                  "--regenerate's cost)"),
+    ("--time-budget-s", float, None, "stop training (evaluate and save) after this many seconds"),
 )
 
 
@@ -146,31 +158,60 @@ def cmd_make_model(args) -> int:
     return 0
 
 
+GENERATE_ABOUT = {"model": "target checkpoint directory", "spec_topk": "draft tree: top-k per step (1 = chain; "
+                  "with --draft)"}
+
+
+def add_generate_flags(g: argparse.ArgumentParser) -> None:
+    """The engine's flags (from the settings model, as ``eyrie serve`` has them), the prompts and sampling."""
+    from services.settings import EngineOptions, add_flags
+    from shared.sampling import SamplingParams
+
+    add_flags(g, EngineOptions, defaults={"model": "a tiny model made on the fly, removed on exit"},
+              about=GENERATE_ABOUT)
+    g.add_argument("--config", metavar="FILE",
+                   help="a YAML, JSON or KEY=VALUE file of the engine's settings (flags win over the "
+                        "environment, the environment over the file)")
+    g.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    g.add_argument("--prompt-ids", action="append", help="prompt as comma-separated token ids (repeatable)")
+    g.add_argument("--stop-token-ids", help="comma-separated token ids that end generation")
+    sampling = SamplingParams.model_fields
+    g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt at most")
+    g.add_argument("--temperature", type=float, default=sampling["temperature"].default, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=sampling["top_k"].default, help="sample among the k likeliest "
+                                                                                 "tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=sampling["top_p"].default, help="nucleus sampling threshold")
+    g.add_argument("--seed", type=int, help="seed of the request's draws (unset: one chosen at admission)")
+    g.add_argument("--ignore-eos", action="store_true", help="generate past the end-of-sequence token")
+    g.add_argument("--json", action="store_true",
+                   help="one JSON object per prompt (with a draft: its statistics, 'spec', and those of "
+                        "each verify step it took part in, 'spec_batches')")
+
+
 def cmd_generate(args) -> int:
     from shared.engine import Engine
-    from shared.model.config import CheckpointError
-    from shared.request import RequestError
 
-    prompts, config, params = _generate_inputs(args)
-    model, draft = _checkpoints(args)
-    try:
-        engine = Engine(model, draft, config)
-        stats = engine.spec_stats
-        if stats is not None:
-            stats.keep_batches(None)  # one bounded run: every verify step's statistics
-        results = engine.generate(prompts, params)
-    except (RequestError, CheckpointError) as e:  # a bad request, or a checkpoint Eyrie cannot load
-        _fail(str(e))
+    prompts, settings, config, params = _generate_inputs(args)
+    with contextlib.ExitStack() as cleanup:  # the tiny model, when one is made, is removed on exit
+        model, draft = _checkpoints(settings, cleanup)
+        try:
+            engine = Engine(model, draft, config)
+            stats = engine.spec_stats
+            if stats is not None:
+                stats.keep_batches(None)  # one bounded run: every verify step's statistics
+            results = engine.generate(prompts, params)
+        except (ValueError, OSError) as e:  # a bad request or setting (RequestError), a checkpoint Eyrie cannot
+            _fail(str(e))  # load (CheckpointError) or read: one line naming it
     _print_results(args, results, stats.batches_since(0) if stats is not None else None)
     return 0
 
 
 def _generate_inputs(args):
-    """The prompts, the engine config and the sampling parameters of ``eyrie generate`` (exit 2 naming
-    the field on bad input)."""
+    """The prompts, the engine settings and config, and the sampling parameters of ``eyrie generate`` (exit 2
+    naming the field on bad input)."""
     from pydantic import ValidationError
 
-    from shared.config import EngineConfig, SpecConfig
+    from services.settings import EngineOptions, SettingsFileError, describe_error, given_flags, load_settings
     from shared.sampling import SamplingParams
 
     prompts: list = list(args.prompt or [])
@@ -181,36 +222,46 @@ def _generate_inputs(args):
         _fail("--prompt-ids / --stop-token-ids: expected comma-separated integers")
     if not prompts:
         _fail("prompt: give --prompt TEXT or --prompt-ids IDS")
+    flags = given_flags(args, EngineOptions.model_fields)
     try:
-        spec = None
-        if args.draft:
-            n = args.spec_draft_tokens or (args.spec_steps + 1 if args.spec_topk == 1 else 8)
-            spec = SpecConfig(topk=args.spec_topk, steps=args.spec_steps, num_draft_tokens=n)
-        config = EngineConfig(device=args.device, dtype=args.dtype, page_size=args.page_size,
-                              chunk_size=args.chunk_size, spec=spec, cuda_graph=args.cuda_graph == "on",
-                              spec_draft_ahead={"auto": None, "on": True, "off": False}[args.spec_draft_ahead])
+        settings = load_settings(EngineOptions, args.config, **flags)
+        config = settings.engine_config()
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 seed=args.seed, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos,
                                 stop_token_ids=stop_ids)
     except ValidationError as e:
-        err = e.errors()[0]
-        _fail(f"{'.'.join(str(x) for x in err['loc']) or 'config'}: {err['msg']}")
-    return prompts, config, params
+        _fail(describe_error(e, flags))
+    except SettingsFileError as e:
+        _fail(f"--config: {e}")
+    return prompts, settings, config, params
 
 
-def _checkpoints(args) -> tuple:
-    """The target and draft directories (without ``--model``, a tiny model made on the fly)."""
-    model, draft = args.model, args.draft
+def _checkpoints(settings, cleanup: contextlib.ExitStack) -> tuple:
+    """The target and draft directories. Without a model: the tiny trained pair, its EAGLE-3 head included
+    unless ``--draft none`` (``shared/model/default_pair.py``), or a random tiny target made in a temporary
+    directory that ``cleanup`` removes."""
+    model, draft = settings.model, settings.draft
     if model is None:
+        from shared.model.default_pair import trained_tiny_pair
         from shared.model.factory import make_model
 
-        tmp = Path(tempfile.mkdtemp(prefix="eyrie-tiny-"))
-        make_model("tiny", tmp)
-        model = tmp / "target"
+        trained = trained_tiny_pair()
+        if trained is not None:
+            model = trained.target
+            draft = draft if "draft" in settings.model_fields_set else trained.eagle3
+        else:
+            tmp = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="eyrie-tiny-")))
+            model = make_model("tiny", tmp) / "target"
+    check_checkpoints(model, draft)
+    return model, draft
+
+
+def check_checkpoints(model, draft) -> None:
+    """Exit 2 naming the flag when ``model`` or ``draft`` is not a checkpoint directory."""
     for name, path in (("--model", model), ("--draft", draft)):
         if path is not None and not (Path(path) / "config.json").exists():
-            _fail(f"{name}: {path} is not a checkpoint directory (no config.json)")
-    return model, draft
+            why = "no config.json" if Path(path).is_dir() else "no such directory"
+            _fail(f"{name}: {path} is not a checkpoint directory ({why})")
 
 
 def _print_results(args, results: list, batches: list | None) -> None:

@@ -12,7 +12,9 @@ locks inside it.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -21,6 +23,12 @@ from dataclasses import dataclass, field
 from services.logs import ServiceLog
 from shared.engine import Engine, EngineLoad
 from shared.request import Request
+
+# The engine thread gives up the GIL at every device synchronisation and must get it back at once: with
+# Python's default 5 ms switch interval it can wait that long behind the gRPC threads (one per stream,
+# the hand-off workers), which stretched every decode step of a busy service. The interval is how long a
+# thread that wants the GIL waits before it asks the holder to let go.
+SWITCH_INTERVAL_S = float(os.environ.get("EYRIE_GIL_SWITCH_INTERVAL_S", "0.0005"))
 
 
 @dataclass
@@ -52,8 +60,13 @@ class EngineLoop:
         self.kv_pools = engine.kv_pools()  # static: exported for same-host hand-offs, never read by the services
         self.load: EngineLoad = engine.load()  # replaced (never mutated) after each step and call
         self._thread = threading.Thread(target=self._run, name="eyrie-engine", daemon=True)
+        # A step's tokens go to the streams while the next step's device work runs (``_publish_held``, from
+        # the engine's host-wait hook), or at once when no step follows.
+        self._held: list[tuple[Request, list[int]]] = []
+        engine.set_host_wait_hook(self._publish_held)
 
     def start(self) -> EngineLoop:
+        sys.setswitchinterval(SWITCH_INTERVAL_S)  # process-wide: a service process runs one engine loop
         self._thread.start()
         return self
 
@@ -107,20 +120,25 @@ class EngineLoop:
             if self._drain_calls():
                 self._after_step()  # calls (releases, aborts, admissions) change what the gauges show
             if not engine.has_work_to_step():
+                self._publish_held()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
             try:
                 events = engine.step()
             except Exception as e:  # a bug: fail every request rather than hang them
+                self._publish_held()  # the tokens before the failure go first
                 self.log.exception("engine_error", requests=sorted(r.rid for r in engine.live_requests()))
                 self.error = e
                 self._fail_all(f"engine error: {e}")
                 continue
-            self._publish_events(events)
+            self._publish_held()  # a step that never waited on the device (none to publish behind)
+            self._held = events
             self._after_step()
+        self._publish_held()
 
-    def _publish_events(self, events: list[tuple[Request, list[int]]]) -> None:
+    def _publish_held(self) -> None:
+        events, self._held = self._held, []
         for req, tokens in events:
             done = req.finish_reason is not None
             if done:
@@ -139,6 +157,9 @@ class EngineLoop:
             self.log.exception("after_step_failed")
 
     def _drain_calls(self) -> int:
+        if self._calls.empty():
+            return 0
+        self._publish_held()  # a call (an abort, a release) sees the state the streams were told
         done = 0
         while True:
             try:

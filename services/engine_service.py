@@ -4,7 +4,8 @@ Order matters for health: telemetry answers 503 ("loading") from the first momen
 CUDA graphs are captured (503 "capturing", when on and the engine can capture ahead), its loop starts,
 gRPC starts with every health status NOT_SERVING, the instance registers in Redis, and only then do
 gRPC health and ``/health`` turn to SERVING / 200. ``stop`` reverses it: draining
-(503, NOT_SERVING), deregistered, in-flight work cancelled, gRPC stopped, loop stopped.
+(503, NOT_SERVING), deregistered, the requests in flight finish (up to the drain deadline), what is left
+cancelled, gRPC stopped, loop stopped.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from services.common import (
 from services.engine_loop import EngineLoop
 from services.logs import ServiceLog
 from services.settings import EngineSettings
+from shared.cuda_graphs import capture_progress
 from shared.engine import Engine, EngineLoad
 from shared.metadata import Heartbeat, InstanceInfo, Registry, connect
 from shared.telemetry import Telemetry
@@ -61,12 +63,27 @@ def capture_graphs(engine: Engine, enabled: bool, telemetry: Telemetry, log: Ser
     telemetry.set_state("capturing")
     log.event("capturing_graphs")
     t0 = time.perf_counter()
-    count = engine.capture_graphs()  # a poisoned CUDA state raises: the service does not start
+    with capture_progress(engine.phase_graphs()):
+        count = engine.capture_graphs()  # a poisoned CUDA state raises: the service does not start
     for failure in engine.graph_failures:  # contained: those phases run eagerly
         log.warning("graph_capture_failed", **failure.as_dict())
     telemetry.observe_graph_failures(engine.graph_failures)
     log.event("graphs_captured", seconds=round(time.perf_counter() - t0, 3), graphs=count,
               failed=len(engine.graph_failures))
+
+
+def idle(load: EngineLoad) -> bool:
+    """No request holds pages or waits for admission."""
+    return load.running == 0 and load.queued == 0
+
+
+def wait_until(condition: Callable[[], bool], deadline: float, poll_s: float = 0.05) -> bool:
+    """Poll ``condition`` until it holds (True) or ``deadline`` (``time.monotonic()``) passes (False)."""
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 def start_engine_service(role: str, settings: EngineSettings, engine: Engine | None,
@@ -110,15 +127,21 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
     telemetry.set_state("ready")
     log.event("started", grpc=grpc_address, http=http_address, **facts)
 
-    def stop(grace: float = 2.0) -> None:
-        log.event("stopping")
+    def stop(drain_s: float = 2.0) -> None:
+        """Drain (503, out of the registry, in-flight requests finish up to ``drain_s``), then stop."""
+        log.event("stopping", drain_s=drain_s)
+        t0 = time.monotonic()
         telemetry.set_state("draining")
         set_serving(health, services, False)
         heartbeat.stop()
+        drained = wait_until(lambda: idle(loop.load), t0 + drain_s)
+        if drained:  # in-flight calls (a stream's last message) complete; new ones are refused
+            server.stop(max(0.5, t0 + drain_s - time.monotonic())).wait(drain_s + 1)
         servicer.close()
-        server.stop(grace).wait(grace + 1)
+        server.stop(0).wait(1)
         loop.stop()
         telemetry.stop()
+        log.event("stopped", drained=drained, seconds=round(time.monotonic() - t0, 3))
 
     return ServiceHandle(role=role, instance_id=instance_id, grpc_address=grpc_address, http_address=http_address,
                          stop=stop, engine_loop=loop, extra={"servicer": servicer, "telemetry": telemetry})

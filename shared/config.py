@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 DEVICES = ("cpu", "cuda")
+DEFAULT_GPU_MEMORY_FRACTION = 0.9  # one engine alone on its GPU (two sharing one: 0.45 each, as `eyrie up`)
 
 
 class SpecConfig(BaseModel):
@@ -55,6 +56,20 @@ class EngineConfig(BaseModel):
     # overlaps the draft on the device (used when the next step runs the same requests). None: on CUDA.
     spec_draft_ahead: bool | None = None
     shareable_kv: bool = False  # pools another process may map (a decode engine's, for same-host hand-offs)
+    # On a GPU, without num_pages: the most of the device's total memory this engine takes, weights, activation
+    # reserve and KV pools together (vLLM's gpu_memory_utilization). None: DEFAULT_GPU_MEMORY_FRACTION.
+    gpu_memory_fraction: float | None = None
+
+    @field_validator("gpu_memory_fraction")
+    @classmethod
+    def _fraction(cls, v: float | None) -> float | None:
+        if v is not None and not 0 < v <= 1:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {v}")
+        return v
+    # Per decode step: "fixed" always speculates; "adaptive" runs a plain step where it expects more tokens
+    # per second from one (shared/spec/policy.py). Fixed by default until the adaptive one is measured on
+    # an H100 at every concurrency (issue 16); adaptive then, as it never loses by design.
+    spec_policy: str = "fixed"
 
     @property
     def headroom(self) -> int:
@@ -73,6 +88,13 @@ class EngineConfig(BaseModel):
     def _dtype(cls, v: str) -> str:
         if v not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {v!r}")
+        return v
+
+    @field_validator("spec_policy")
+    @classmethod
+    def _spec_policy(cls, v: str) -> str:
+        if v not in ("fixed", "adaptive"):
+            raise ValueError(f"spec_policy must be fixed or adaptive, got {v!r}")
         return v
 
     @field_validator("page_size", "max_running")

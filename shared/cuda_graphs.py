@@ -22,12 +22,15 @@ Capture is made safe and contained (a failed capture once poisoned a whole proce
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
+from collections.abc import Iterable, Iterator
 from typing import Any, Callable
 
 import torch
+from tqdm import tqdm
 
 log = logging.getLogger("eyrie.graphs")
 
@@ -77,9 +80,10 @@ class CudaStatePoisoned(RuntimeError):
 
 class PhaseGraphs:
     def __init__(self, name: str, fn: Callable, enabled: bool, max_bs: int,
-                 failures: list[CaptureFailure] | None = None):
+                 failures: list[CaptureFailure] | None = None, before_replay: Callable[[], None] | None = None):
         self.name = name
         self.fn = fn
+        self.before_replay = before_replay  # runs before each replay (state the graph reads, made current)
         self.enabled = enabled  # pad to buckets (also on the CPU, where it exercises the padding path)
         self.capture = enabled and torch.cuda.is_available()
         self.buckets = default_buckets(max_bs)
@@ -87,6 +91,7 @@ class PhaseGraphs:
         self._pool = None
         # Capture failures, shared by every phase of an engine (the engine's list when given).
         self.failures: list[CaptureFailure] = [] if failures is None else failures
+        self.progress: tqdm | None = None  # ticked once per capture, while ``capture_progress`` holds it
 
     @property
     def captured_sizes(self) -> list[int]:
@@ -101,6 +106,8 @@ class PhaseGraphs:
         bs = _batch_size(args)
         if not self.capture or bs not in self.buckets:
             return self.fn(*args)
+        if self.before_replay is not None:
+            self.before_replay()  # e.g. the request-to-token tables' pending writes: the graph reads the device's
         if bs not in self._graphs:
             captured = self._capture(args)
             if captured is None:  # this phase runs eagerly from now on (padded inputs, same function)
@@ -126,9 +133,15 @@ class PhaseGraphs:
             graph, static_out = self._record(stream, static_args)
         except Exception as e:  # noqa: BLE001 (any failure inside capture is contained the same way)
             self._contain(e, _batch_size(example), rng)
+            self._tick()
             return None
         self._pool = graph.pool()
+        self._tick()
         return graph, static_args, static_out
+
+    def _tick(self) -> None:
+        if self.progress is not None:
+            self.progress.update(1)
 
     def _record(self, stream: torch.cuda.Stream, static_args: tuple):
         """Capture one run of ``fn``; raises whatever went wrong, after ending the capture."""
@@ -165,6 +178,21 @@ class PhaseGraphs:
         log.warning("CUDA graph capture of phase %s at batch size %d failed; the phase runs eagerly: %s",
                     self.name, batch_size, reason)
         restore_cuda_rng(rng)
+
+
+@contextlib.contextmanager
+def capture_progress(graphs: Iterable[PhaseGraphs], desc: str = "capturing CUDA graphs") -> Iterator[tqdm]:
+    """A progress bar on stderr (off when it is not a terminal) over the captures of ``graphs`` made inside
+    the block: one step per phase and batch-size bucket to capture."""
+    graphs = [g for g in graphs if g.capture]
+    with tqdm(total=sum(len(g.buckets) for g in graphs), unit="graph", desc=desc, leave=False, disable=None) as bar:
+        for g in graphs:
+            g.progress = bar
+        try:
+            yield bar
+        finally:
+            for g in graphs:
+                g.progress = None
 
 
 def capture_stream() -> torch.cuda.Stream:

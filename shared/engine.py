@@ -15,25 +15,36 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
 import torch
 
-from shared.config import EngineConfig
-from shared.cuda_graphs import CaptureFailure, PhaseGraphs, pad_rows
+from shared.config import DEFAULT_GPU_MEMORY_FRACTION, EngineConfig, SpecConfig
+from shared.cuda_graphs import CaptureFailure, PhaseGraphs
 from shared.forward_batch import build_forward_batch, build_uniform_batch
 from shared.handoff.schema import HandoffSchema
 from shared.handoff.wire import Increment, PageFeed, PageGuard, PageSink, PageSource, Prefilled, encode_draft_state
-from shared.memory.sizing import make_cache
+from shared.logits_process import process_logits, requests_rows
+from shared.memory.kv_cache import flush_tables
+from shared.memory.sizing import (
+    activation_reserve,
+    default_pages,
+    device_memory,
+    make_cache,
+    page_bytes,
+    pages_within_budget,
+)
+from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.model.loader import load_target
 from shared.model.tokenizer import Tokenizer
 from shared.request import Request, RequestError, Stage
 from shared.sampling import SamplingParams, sample
 from shared.scheduler import Scheduler, StepPlan
+from shared.spec.policy import Acceptance, MeasuredCost, SpecPolicy
 from shared.spec.state import DraftState
 from shared.spec.stats import SpecRecorder
 from shared.spec.token_counts import SpecTokenCounts
@@ -48,13 +59,14 @@ class GenerationResult:
     logprobs: list[float]
     text: str | None
     finish_reason: str
+    stop_str: str | None  # the stop string that ended the generation, if one did
     ttft_s: float
     latency_s: float
     spec_stats: dict | None  # the request's speculative statistics (SpecStats.as_dict), None without a draft
 
     def as_json(self) -> dict:
         return {"request_id": self.rid, "token_ids": self.token_ids, "text": self.text,
-                "finish_reason": self.finish_reason, "prompt_tokens": len(self.prompt_ids),
+                "finish_reason": self.finish_reason, "stop_str": self.stop_str, "prompt_tokens": len(self.prompt_ids),
                 "timing": {"ttft_s": round(self.ttft_s, 6), "latency_s": round(self.latency_s, 6)},
                 **({"spec": self.spec_stats} if self.spec_stats is not None else {})}
 
@@ -89,6 +101,7 @@ class Engine:
         self.device = torch.device(config.device)
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise RequestError("device", "cuda was asked for but no CUDA device is available")
+        allocated = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         if isinstance(model, LlamaForCausalLM):
             self.model = model
         else:
@@ -98,17 +111,42 @@ class Engine:
         self.tokenizer = tokenizer
         mc = self.model.config
         self.max_context = min(config.max_context or mc.max_position_embeddings, mc.max_position_embeddings)
+        head = draft if draft is None or isinstance(draft, DraftHead) else load_draft(
+            draft, self.model, config.dtype, config.device)  # before the pools: they are sized after the weights
+        self.config = config = self._fit_pools(config, head, allocated)
         self.cache = make_cache(mc, mc.num_hidden_layers, config, self.max_context)
         self.graph_failures: list[CaptureFailure] = []  # CUDA graphs that failed to capture (phase eager)
-        self.speculator = None if draft is None else SpecWorker.load(
-            draft, self.model, self.cache, config, self.max_context, self.graph_failures)
+        self.speculator = None if head is None else SpecWorker.load(
+            head, self.model, self.cache, config, self.max_context, self.graph_failures)
+        # Called once per step when its device work is queued and the host is about to wait for it: the
+        # engine loop of a service publishes the previous step's tokens then, so the stream threads' work
+        # (and their hold on the GIL) overlaps the device instead of delaying this thread's next step.
+        self.before_host_wait: Callable[[], None] | None = None
+        self.spec_policy = None if head is None else SpecPolicy(
+            config.spec_policy, Acceptance(self.speculator.spec.steps), MeasuredCost())
         caches = [self.cache] + (self.speculator.caches if self.speculator else [])
         self.scheduler = Scheduler(caches, config.max_running, config.chunk_size, config.headroom,
-                                   eos_ids=mc.eos_token_ids, prefill_only=role == "prefill")
+                                   eos_ids=mc.eos_token_ids, prefill_only=role == "prefill", tokenizer=tokenizer)
         graphs_on = set(config.cuda_graph_phases) if config.cuda_graph else set()
         self.decode_graphs = PhaseGraphs("decode", self._decode_phase, "decode" in graphs_on, config.cuda_graph_max_bs,
-                                         self.graph_failures)
+                                         self.graph_failures, before_replay=lambda: flush_tables([self.cache]))
         self._ids = itertools.count()
+
+    def _fit_pools(self, config: EngineConfig, head: DraftHead | None, allocated_before: int) -> EngineConfig:
+        """On a GPU without ``num_pages``: the page count that keeps this engine, weights (loaded since
+        ``allocated_before``), reserve and every pool, within ``gpu_memory_fraction`` of the device."""
+        if self.device.type != "cuda" or config.num_pages is not None:
+            return config
+        mc, positions = self.model.config, self.max_context + config.headroom
+        per_page = page_bytes(mc, mc.num_hidden_layers, config)
+        if head is not None:
+            per_page += (SpecWorker.cache_count(head, config.spec or SpecConfig())
+                         * page_bytes(head.config, head.layers_per_cache, config))
+        pages = pages_within_budget(
+            config.gpu_memory_fraction or DEFAULT_GPU_MEMORY_FRACTION, device_memory(self.device, allocated_before),
+            activation_reserve(mc, config, self.max_context), per_page,
+            request_pages=-(-positions // config.page_size), most_pages=default_pages(config, positions))
+        return config.model_copy(update={"num_pages": pages})
 
     @property
     def requests(self) -> Mapping[str, Request]:
@@ -145,6 +183,9 @@ class Engine:
         if len(ids) + params.max_new_tokens > self.max_context:
             raise RequestError("max_new_tokens", f"prompt ({len(ids)}) + max_new_tokens "
                                f"({params.max_new_tokens}) exceeds the context of {self.max_context}")
+        bad = next((t for t in params.token_ids_used() if not 0 <= t < self.model.config.vocab_size), None)
+        if bad is not None:
+            raise RequestError("sampling", f"token id {bad} is outside the vocabulary")
         rid = rid or f"req-{next(self._ids)}"
         if self.scheduler.get(rid) is not None:
             raise RequestError("request_id", f"{rid!r} is already running")
@@ -176,6 +217,12 @@ class Engine:
         (every new thread's) would launch its kernels and record its events on the wrong GPU."""
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
+    def set_host_wait_hook(self, fn: Callable[[], None] | None) -> None:
+        """``fn`` runs once per step when the step's device work is queued, before the host waits for it."""
+        self.before_host_wait = fn
+        if self.speculator is not None:
+            self.speculator.before_host_wait = fn
+
     def has_work_to_step(self) -> bool:
         """Whether a step would run a forward (requests waiting on a transfer need none)."""
         return self.scheduler.has_work_to_step()
@@ -200,14 +247,36 @@ class Engine:
             if plan.prefill:
                 events += self._run_target_step(StepPlan(prefill=plan.prefill))
             if plan.decode:
-                events += self.speculator.decode_step(plan.decode, self.scheduler.joins_next(plan.decode))
+                events += self._run_spec_or_plain(plan.decode)
         for req, _ in events:
             if req.finish_reason is not None and req.stage is not Stage.FINISHED:
                 self.scheduler.retire(req)
         return events
 
+    def _run_spec_or_plain(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
+        """A speculative step, or a plain one where the policy expects more tokens per second from it
+        (``shared/spec/policy.py``); each is timed for the policy's costs, and a speculative step's
+        acceptance counted."""
+        policy, counts = self.spec_policy, self.speculator.stats.tokens
+        t0 = time.perf_counter()
+        if policy.speculate(len(reqs)):
+            drafts, reached = counts.drafts, list(counts.accepted_per_pos)
+            events = self.speculator.decode_step(reqs, self.scheduler.joins_next(reqs))
+            policy.acceptance.observe_counts(counts.drafts - drafts,
+                                             [a - b for a, b in zip(counts.accepted_per_pos, reached)])
+            kind = "spec"
+        else:
+            self.speculator.drop_ahead()  # a draft launched ahead is stale after a plain step
+            events = self._run_target_step(StepPlan(decode=reqs))
+            kind = "plain"
+        if isinstance(policy.cost, MeasuredCost):
+            policy.cost.record(kind, len(reqs), time.perf_counter() - t0)
+        return events
+
     def _run_target_step(self, plan: StepPlan) -> list[tuple[Request, list[int]]]:
-        """One target forward over the decode tokens and prefill chunks of ``plan``."""
+        """One target forward over the decode tokens and prefill chunks of ``plan``. With a draft, its
+        features extend the draft over every row (a decode row: the one position it wrote)."""
+        starts = [req.kv_len for req in plan.decode]
         rows, prefix, q_lens, ids, pos, sample_rows, sampled_reqs = [], [], [], [], [], [], []
         for req in plan.decode:
             self.cache.reserve(req.handles[0], req.kv_len + 1)
@@ -231,7 +300,7 @@ class Engine:
             ch.req.advance(ch.end)
         events = self._sample_and_commit(out, sampled_reqs)
         if self.speculator is not None:
-            self.speculator.draft_extend_prefill(plan.prefill, out)
+            self.speculator.draft_extend_rows(plan.decode, starts, plan.prefill, out)
         for ch in plan.prefill:
             if ch.completes_prompt:
                 self.scheduler.prompt_done(ch.req)
@@ -249,10 +318,12 @@ class Engine:
         bs = self.decode_graphs.bucket(n) or n
         for req in reqs:
             self.cache.reserve(req.handles[0], req.kv_len + 1)
-        dev = self.device
-        rows = pad_rows(torch.tensor([r.handles[0].row for r in reqs], dtype=torch.int64, device=dev), bs)
-        lengths = pad_rows(torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=dev), bs)
-        tokens = pad_rows(torch.tensor([r.all_ids[r.kv_len] for r in reqs], dtype=torch.int64, device=dev), bs)
+        # One host-to-device copy for the step's inputs (rows, lengths, tokens; padding rows are row 0,
+        # length 0, token 0).
+        host = torch.zeros(3, bs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        host[:, :n] = torch.tensor([[r.handles[0].row for r in reqs], [r.kv_len for r in reqs],
+                                    [r.all_ids[r.kv_len] for r in reqs]], dtype=torch.int64)
+        rows, lengths, tokens = host.to(self.device, non_blocking=True)
         logits = self.decode_graphs(rows, lengths, tokens)[:n]
         for req in reqs:
             req.advance(req.kv_len + 1)
@@ -261,8 +332,12 @@ class Engine:
     def _sample_and_commit(self, out: TargetOutput, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
         if not reqs:
             return []
-        tokens = sample(out.logits, [r.params for r in reqs], [r.generator for r in reqs])
+        rows = requests_rows(reqs, out.logits.shape[-1], len(reqs), out.logits.device)
+        logits = out.logits if rows is None else process_logits(out.logits.unsqueeze(1), rows).squeeze(1)
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         logprobs = torch.log_softmax(out.logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+        if self.before_host_wait is not None:
+            self.before_host_wait()
         return [(r, r.commit([t], [lp])) for r, t, lp in zip(reqs, tokens.tolist(), logprobs.tolist())]
 
     # ---- disaggregation: prefill hands requests to a decode instance ------------------------------
@@ -385,10 +460,14 @@ class Engine:
 
     def result(self, req: Request) -> GenerationResult:
         text = self.tokenizer.decode(req.output_ids) if self.tokenizer else None
+        if req.text is not None:  # cut at its stop string
+            req.text.push([], final=True)
+            text = req.text.text
         end = req.t_finish or time.perf_counter()
         return GenerationResult(
             rid=req.rid, prompt_ids=req.prompt_ids, token_ids=list(req.output_ids),
             logprobs=list(req.output_logprobs), text=text, finish_reason=req.finish_reason or "abort",
+            stop_str=req.stop_str,
             ttft_s=(req.t_first_token or end) - req.t_arrival, latency_s=end - req.t_arrival,
             spec_stats=req.stats.as_dict() if self.speculator is not None else None,
         )
@@ -402,6 +481,10 @@ class Engine:
             return 0
         with self.on_device():
             return self._capture_graphs()
+
+    def phase_graphs(self) -> list[PhaseGraphs]:
+        """The CUDA graph phases ``capture_graphs`` captures (the speculator's, else the target decode's)."""
+        return list(self.speculator.graphs.values()) if self.speculator is not None else [self.decode_graphs]
 
     def _capture_graphs(self) -> int:
         if self.speculator is not None:

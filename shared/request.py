@@ -19,6 +19,7 @@ from shared.memory.kv_cache import KVHandle
 from shared.sampling import SamplingParams
 from shared.spec.state import DraftState
 from shared.spec.stats import SpecStats
+from shared.text import TextStream
 
 
 class RequestError(ValueError):
@@ -56,6 +57,7 @@ class Request:
     finish_reason: str | None = None  # commit (a stop condition) or end
     draft_state: DraftState | None = None  # resume_from: the state the next decode step drafts from
     stats: SpecStats = field(default_factory=SpecStats)
+    text: TextStream | None = None  # the output text, with stop strings only (commit feeds it)
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
     t_finish: float | None = None
@@ -79,7 +81,7 @@ class Request:
             taken.append(tok)
             if self.t_first_token is None:
                 self.t_first_token = time.perf_counter()
-            self.finish_reason = self._stop_reason(tok)
+            self.finish_reason = self._stop_string(tok) or self._stop_reason(tok)
         return taken
 
     def advance(self, kv_len: int) -> None:
@@ -112,6 +114,18 @@ class Request:
         ended it first."""
         self.finish_reason = self.finish_reason or reason
         self.t_finish = time.perf_counter()
+
+    @property
+    def stop_str(self) -> str | None:
+        """The stop string that ended the request, if one did."""
+        return self.text.matched if self.text is not None else None
+
+    def _stop_string(self, tok: int) -> str | None:
+        """``stop`` when ``tok`` completes a stop string in the output text."""
+        if self.text is None:
+            return None
+        self.text.push([tok])
+        return "stop" if self.text.matched is not None else None
 
     def _stop_reason(self, tok: int) -> str | None:
         if tok in self.params.stop_token_ids:

@@ -12,7 +12,7 @@ import math
 import secrets
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kernels.spec_sampling import SamplingRows, kept_weights, target_weights
 
@@ -26,6 +26,40 @@ class SamplingParams(BaseModel):
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = Field(default_factory=tuple)
     ignore_eos: bool = False
+    stop: tuple[str, ...] = Field(default_factory=tuple)  # stop strings, matched on the output text
+    include_stop_str_in_output: bool = False
+    # Penalties and filters (shared/logits_process.py), vLLM's meanings; the defaults are neutral.
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0)
+    logit_bias: tuple[tuple[int, float], ...] = Field(default_factory=tuple)  # (token id, bias in [-100, 100])
+    allowed_token_ids: tuple[int, ...] = Field(default_factory=tuple)  # empty = every token
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        if any(not (math.isfinite(b) and -100 <= b <= 100) for _, b in v):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        return v
+
+    @model_validator(mode="after")
+    def _min_tokens(self) -> SamplingParams:
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_new_tokens ({self.max_new_tokens})")
+        return self
+
+    def token_ids_used(self) -> list[int]:
+        """Every token id the parameters name (the engine and the router check them against the vocabulary)."""
+        return [*self.stop_token_ids, *(t for t, _ in self.logit_bias), *self.allowed_token_ids]
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not s for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
 
     @field_validator("temperature")
     @classmethod

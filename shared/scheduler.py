@@ -18,9 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shared.memory.kv_cache import KVCache
+from shared.model.tokenizer import Tokenizer
 from shared.request import Request, RequestError, Stage
 from shared.sampling import SamplingParams, make_generator, request_seed
 from shared.spec.state import DraftState
+from shared.text import TextStream
 
 
 @dataclass
@@ -46,13 +48,14 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, caches: list[KVCache], max_running: int, chunk_size: int | None, headroom: int,
-                 eos_ids: tuple[int, ...] = (), prefill_only: bool = False):
+                 eos_ids: tuple[int, ...] = (), prefill_only: bool = False, tokenizer: Tokenizer | None = None):
         self.caches = caches
         self.prefill_only = prefill_only  # a prefill service never decodes: claims stop at the prompt
         self.max_running = max_running
         self.chunk_size = chunk_size
         self.headroom = headroom  # positions beyond the final length a decode step may touch
         self.eos_ids = eos_ids  # the model's end-of-sequence tokens, every request's
+        self.tokenizer = tokenizer  # detokenizes the outputs of requests with stop strings
         self.requests: dict[str, Request] = {}  # every request not yet retired, by id (waiting or running)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -71,7 +74,17 @@ class Scheduler:
         seed = request_seed(params)  # the request's own, also when it gave none: its draws hash it
         return Request(rid=rid, prompt_ids=list(prompt_ids), params=params, eos_ids=self.eos_ids,
                        generator=make_generator(seed), seed=seed, output_ids=list(output_ids),
-                       output_logprobs=list(output_logprobs))
+                       output_logprobs=list(output_logprobs), text=self._text(params, output_ids))
+
+    def _text(self, params: SamplingParams, output_ids: Sequence[int]) -> TextStream | None:
+        """The stop-string watch of a request with stop strings, fed the output it arrives with."""
+        if not params.stop:
+            return None
+        if self.tokenizer is None:
+            raise RequestError("stop", "stop strings need the model's tokenizer.json beside the weights")
+        text = TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens)
+        text.push(list(output_ids))
+        return text
 
     def peak_positions(self, req: Request) -> int:
         if self.prefill_only:

@@ -199,6 +199,12 @@ class Telemetry:
     def handoff_seconds(self):
         return self._handoff_seconds.labels(self.handoff_transport)
 
+    def observe_handoff(self, transport: str, nbytes: int, seconds: float) -> None:
+        """One hand-off that ``transport`` carried (its name as negotiated: ipc, grpc-stream): bytes and
+        duration in that transport's series, so each transport's bandwidth reads off /metrics."""
+        self._handoff_bytes.labels(transport).inc(nbytes)
+        self._handoff_seconds.labels(transport).observe(seconds)
+
     def observe_request_end(self, finished_reason: str, prompt_tokens: int, generation_tokens: int) -> None:
         """A request that finished (``stop`` / ``length``): the token counters and length histograms."""
         self.request_success.labels(finished_reason).inc()

@@ -63,6 +63,7 @@ class HouseConfig:
     num_hidden_layers: int = 8
     num_attention_heads: int = 8  # head_dim 128, as Llama-3.1-8B's
     num_key_value_heads: int = 2
+    max_position_embeddings: int = 131072  # Llama-3.1's (what widening keeps)
     seq_len: int = 1024
     batch: int = 16  # windows per step
     steps: int = 3000  # the schedule's length; the time budget may stop (and decay) it sooner
@@ -203,8 +204,8 @@ def model_config(cfg: HouseConfig) -> dict:
     return llama_hf_config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                            intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
                            num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-                           max_position_embeddings=131072, rope_theta=500000.0, rope_scaling=LLAMA31_ROPE,
-                           rms_norm_eps=1e-5)
+                           max_position_embeddings=cfg.max_position_embeddings, rope_theta=500000.0,
+                           rope_scaling=LLAMA31_ROPE, rms_norm_eps=1e-5)
 
 
 def learning_rate(cfg: HouseConfig, step: int, progress: float) -> float:
@@ -347,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-packages", nargs="+")
     p.add_argument("--heldout-packages", nargs="+")
     for name, kind in (("steps", int), ("time_budget_s", float), ("batch", int), ("seq_len", int), ("lr", float),
-                       ("device", str), ("dtype", str), ("seed", int), ("max_package_bytes", int)):
+                       ("device", str), ("dtype", str), ("seed", int), ("max_package_bytes", int),
+                       ("num_hidden_layers", int)):
         p.add_argument("--" + name.replace("_", "-"), type=kind)
     args = p.parse_args(argv)
     fields = {**(TINY if args.tiny else {})}

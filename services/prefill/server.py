@@ -70,7 +70,7 @@ class HandoffOutcome:
     """What the hand-off worker reports to the Prefill RPC."""
 
     ack: pb.TransferAck | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # what the hand-off added after the prompt's last chunk (it overlaps the prefill)
     code: grpc.StatusCode | None = None  # set on failure
     transport: str = ""  # the transport that carried it
     message: str = ""
@@ -181,8 +181,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             context.abort(code, f"request {job.rid} ended before its hand-off ({outcome.finish_reason})")
         if outcome.code is not None:
             context.abort(outcome.code, outcome.message)
-        self.telemetry.handoff_bytes_total.inc(outcome.ack.bytes)
-        self.telemetry.handoff_seconds.observe(outcome.seconds)
+        self.telemetry.observe_handoff(outcome.transport, outcome.ack.bytes, outcome.seconds)
         self.telemetry.stage_seconds.labels("handoff").observe(outcome.seconds)
         self.telemetry.requests_total.labels("handed_off").inc()
         yield pb.PrefillEvent(handed_off=pb.HandedOff(bytes=outcome.ack.bytes, seconds=outcome.seconds,

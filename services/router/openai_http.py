@@ -26,9 +26,13 @@ Behaviour worth knowing (docs/deploy.md has the user-facing version):
   template refuses chat requests.
 - Sampling follows OpenAI's defaults (``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for completions,
   up to the router's default for chat). Extensions: ``top_k``, ``stop_token_ids``, ``ignore_eos``,
-  ``return_token_ids`` (adds ``token_ids`` to each choice); responses carry an ``eyrie`` object with the
-  request id, speculative-decoding statistics and timings. Stop *strings* (``stop``), ``n`` > 1,
-  penalties, ``logit_bias``, ``echo``, ``suffix``, tools, ``tool_choice``, alternative log-probabilities
+  ``return_token_ids`` (adds ``token_ids`` to each choice), vLLM's ``include_stop_str_in_output``;
+  responses carry an ``eyrie`` object with the request id, speculative-decoding statistics and timings.
+  Stop strings (``stop``) cut the text before the first one to appear (the choice's ``stop_reason``
+  names it) and nothing past it is streamed. Penalties and filters (``presence_penalty``,
+  ``frequency_penalty``, ``logit_bias``, vLLM's ``repetition_penalty``, ``min_p``, ``min_tokens``,
+  ``allowed_token_ids``) apply at every speculative tree node. ``n`` > 1,
+  ``echo``, ``suffix``, tools, ``tool_choice``, alternative log-probabilities
   and vLLM's extras not implemented yet (``NOT_IMPLEMENTED``) are refused with a 400 naming the parameter
   rather than silently ignored.
 """
@@ -62,9 +66,9 @@ UINT32_MAX, INT32_MAX, UINT64_MAX = 2**32 - 1, 2**31 - 1, 2**64 - 1
 THREADS = 1024  # generation threads (one per request in flight: RouterCore's calls block)
 
 # vLLM's sampling extras Eyrie does not implement yet: refused by name rather than silently ignored.
-NOT_IMPLEMENTED = ("min_tokens", "min_p", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                   "structured_outputs", "allowed_token_ids", "bad_words", "prompt_logprobs",
-                   "include_stop_str_in_output", "truncate_prompt_tokens", "length_penalty", "tool_choice",
+NOT_IMPLEMENTED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                   "structured_outputs", "bad_words", "prompt_logprobs",
+                   "truncate_prompt_tokens", "length_penalty", "tool_choice",
                    "parallel_tool_calls", "skip_special_tokens", "spaces_between_special_tokens")
 
 # RouterCore names fields after the gRPC message; clients know OpenAI's names.
@@ -75,6 +79,10 @@ _GRPC_TO_OPENAI = {
     "sampling.max_new_tokens": "max_tokens",
     "sampling.stop_token_ids": "stop_token_ids",
     "sampling.seed": "seed",
+    "sampling.stop": "stop",
+    "sampling.min_tokens": "min_tokens",
+    "sampling.logit_bias": "logit_bias",
+    "sampling.allowed_token_ids": "allowed_token_ids",
     "request": None,
     "request_id": None,
 }
@@ -217,17 +225,21 @@ class _Sampling(_Strict):
     seed: Annotated[int, Field(ge=0, le=UINT64_MAX)] | None = None
     max_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
     stop_token_ids: list[TokenId] | None = None  # Eyrie's extension: stop on these ids
+    stop: str | list[str] | None = None  # stop strings: the text ends before the first to appear
+    include_stop_str_in_output: bool = False  # vLLM's: keep the stop string at the end of the text
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's
+    min_p: float | None = None  # vLLM's
+    min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None  # vLLM's
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[TokenId] | None = None  # vLLM's
     ignore_eos: bool = False
     return_token_ids: bool = False  # Eyrie's extension: token_ids in each choice
     user: str | None = None  # OpenAI's end-user id: accepted, not used
     # Refused unless at their neutral value (_refuse_unsupported): declared so the message can say why.
     n: int | None = None
     best_of: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    stop: str | list[str] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
@@ -316,11 +328,6 @@ def _refuse_unsupported(body: _Sampling) -> None:
         raise bad("n", "n: only n=1 is supported (send one request per completion)", code="unsupported_value")
     if body.best_of not in (None, 1):
         raise bad("best_of", "best_of: only 1 is supported", code="unsupported_value")
-    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if getattr(body, name) not in (None, 1 if name == "repetition_penalty" else 0):
-            raise bad(name, f"{name}: penalties are not supported", code="unsupported_parameter")
-    if body.logit_bias:
-        raise bad("logit_bias", "logit_bias: not supported", code="unsupported_parameter")
     for name in ("echo", "suffix"):
         if getattr(body, name, None):
             raise bad(name, f"{name}: not supported", code="unsupported_parameter")
@@ -331,9 +338,6 @@ def _refuse_unsupported(body: _Sampling) -> None:
     if rf is not None and rf.get("type", "text") != "text":
         raise bad("response_format", "response_format: only {\"type\": \"text\"} is supported",
                   code="unsupported_value")
-    if body.stop not in (None, "", []):
-        raise bad("stop", "stop: stop strings are not supported; give token ids in stop_token_ids (an Eyrie "
-                          "extension)", code="unsupported_parameter")
     if body.stream_options is not None and not body.stream:
         raise bad("stream_options", "stream_options: only allowed with stream=true")
 
@@ -350,7 +354,30 @@ def _sampling(body: _Sampling, max_tokens: int | None, default_max_tokens: int) 
     s.max_new_tokens = default_max_tokens if max_tokens is None else max_tokens
     s.stop_token_ids.extend(body.stop_token_ids or [])
     s.ignore_eos = body.ignore_eos
+    s.stop.extend(x for x in ([body.stop] if isinstance(body.stop, str) else body.stop or []) if x)
+    s.include_stop_str_in_output = body.include_stop_str_in_output
+    _penalties(body, s)
     return s
+
+
+def _penalties(body: _Sampling, s: pb.SamplingParams) -> None:
+    """Penalties and filters (RouterCore checks the token ids against the vocabulary)."""
+    for name, lo, hi in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2), ("min_p", 0, 1)):
+        value = getattr(body, name)
+        if value is not None and not lo <= value <= hi:
+            raise bad(name, f"{name}: must be in [{lo}, {hi}]")
+        setattr(s, name, value or 0.0)
+    if body.repetition_penalty is not None and not 0 < body.repetition_penalty <= 10:
+        raise bad("repetition_penalty", "repetition_penalty: must be in (0, 10]")
+    s.repetition_penalty = body.repetition_penalty or 1.0
+    s.min_tokens = body.min_tokens or 0
+    for key, value in (body.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit() or not -INT32_MAX <= int(key) <= INT32_MAX:
+            raise bad("logit_bias", f"logit_bias: {key!r} is not a token id")
+        if not -100 <= value <= 100:
+            raise bad("logit_bias", f"logit_bias: the bias of {key} must be in [-100, 100]")
+        s.logit_bias[int(key)] = value
+    s.allowed_token_ids.extend(body.allowed_token_ids or [])
 
 
 def _include_usage(body: _Sampling) -> bool:
@@ -450,6 +477,11 @@ def _finish_reason(finish: pb.Finish | None) -> str | None:
     if finish is None:
         return None
     return finish.reason or "stop"
+
+
+def _stop_reason(finish: pb.Finish | None) -> str | None:
+    """vLLM's ``stop_reason``: the stop string that ended the text (None otherwise)."""
+    return finish.stop_str or None if finish is not None else None
 
 
 class OpenAIServer:
@@ -624,7 +656,8 @@ class OpenAIServer:
         if acc.finish is None:
             raise ApiError(500, "the request ended without finishing", code="internal")
         text = "".join(acc.text)
-        choice: dict = {"index": 0, "finish_reason": _finish_reason(acc.finish)}
+        choice: dict = {"index": 0, "finish_reason": _finish_reason(acc.finish),
+                        "stop_reason": _stop_reason(acc.finish)}
         if parsed.chat:
             choice["message"] = {"role": "assistant", "content": text}
             choice["logprobs"] = self._chat_logprobs(acc.token_ids, acc.logprobs) if parsed.logprobs else None
@@ -666,7 +699,7 @@ class OpenAIServer:
 
     def _chunk(self, base: dict, parsed: Parsed, msg: pb.GenerateResponse, finish, offset: int, rid: str) -> dict:
         ids, lps = list(msg.token_ids), list(msg.logprobs)
-        choice: dict = {"index": 0, "finish_reason": _finish_reason(finish)}
+        choice: dict = {"index": 0, "finish_reason": _finish_reason(finish), "stop_reason": _stop_reason(finish)}
         if parsed.chat:
             choice["delta"] = {"content": msg.text} if msg.text or finish is None else {}
             choice["logprobs"] = self._chat_logprobs(ids, lps) if parsed.logprobs else None

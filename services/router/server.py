@@ -45,6 +45,7 @@ from shared.model.tokenizer import Tokenizer
 from shared.request import RequestError
 from shared.sampling import SamplingParams
 from shared.telemetry import Telemetry
+from shared.text import TextStream
 
 SERVICES = [full_name("Generation")]
 RID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -59,34 +60,6 @@ class RouterError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code, self.message = code, message
-
-
-class Detokenizer:
-    """Incremental text deltas that never split a UTF-8 character.
-
-    Decodes only a short window: ``ids[prefix:read]`` is text already sent, ``ids[prefix:]`` the window
-    with the new tokens; the delta is their difference. A window ending in U+FFFD (an incomplete byte
-    sequence) is held back until the next token completes it, or flushed as is on the final push.
-    Decoding from ``prefix`` rather than from the new tokens alone keeps tokenizers that strip a leading
-    space (SentencePiece) right.
-    """
-
-    def __init__(self, tokenizer: Tokenizer | None):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix = self.read = 0
-
-    def push(self, ids: list[int], final: bool = False) -> str:
-        if self.tokenizer is None:
-            return ""
-        self.ids += ids
-        sent = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        window = self.tokenizer.decode(self.ids[self.prefix:])
-        if not final and (window.endswith("\ufffd") or len(window) <= len(sent)):
-            return ""
-        delta = window[len(sent):]
-        self.prefix, self.read = self.read, len(self.ids)
-        return delta
 
 
 @dataclass
@@ -194,6 +167,7 @@ class RouterCore:
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._facts: dict = {}  # the engines' dtype / page size / speculative config, as last seen
+        self.draining = threading.Event()  # set when the router stops: new requests are refused
 
     # ---- validation ------------------------------------------------------------------------------
     def validate(self, req: pb.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
@@ -238,9 +212,15 @@ class RouterCore:
             raise RequestError("sampling.max_new_tokens",
                                f"{s.max_new_tokens} new tokens after a {len(ids)}-token prompt exceed the context "
                                f"of {self.max_context}")
-        bad = next((t for t in s.stop_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError("sampling.stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if s.stop and self.tokenizer is None:
+            raise RequestError("sampling.stop", "this router has no tokenizer to match stop strings with")
+        for name, named in (("stop_token_ids", s.stop_token_ids), ("logit_bias", s.logit_bias),
+                            ("allowed_token_ids", s.allowed_token_ids)):
+            bad = next((t for t in named if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(f"sampling.{name}", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if s.min_tokens > (s.max_new_tokens or self.settings.default_max_new_tokens):
+            raise RequestError("sampling.min_tokens", f"{s.min_tokens} exceeds the output length")
         try:
             params = sampling_from_pb(s, default_max_new_tokens=min(self.settings.default_max_new_tokens, room))
         except ValidationError as e:  # anything the checks above missed still names its field
@@ -277,6 +257,11 @@ class RouterCore:
             self.log.event("refused", req.request_id if RID_PATTERN.match(req.request_id) else None,
                            field=e.field, message=str(e))
             raise
+        if self.draining.is_set():
+            self._count_error("unavailable")
+            self.log.event("refused", rid, message="draining")
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "the router is shutting down (draining): send the "
+                                                           "request to another router")
         active = Active(rid, cancelled or threading.Event())
         with self._lock:
             duplicate = rid in self._active
@@ -332,14 +317,15 @@ class RouterCore:
         if self.telemetry:
             self.telemetry.ttft_seconds.observe(ttft)
         self.log.event("first_token", rid, ttft_s=round(ttft, 6))
-        detok = Detokenizer(self.tokenizer)
+        detok = TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens)
         out = pb.GenerateResponse(request_id=rid, token_ids=[token], text=detok.push([token], bool(finish_reason)))
         if return_logprobs:
             out.logprobs.append(logprob)
         active.output_tokens = 1
         if finish_reason:  # ended at its first token: the prefill instance kept (and freed) it
             out.finish.CopyFrom(pb.Finish(reason=finish_reason, usage=pb.Usage(prompt_tokens=len(ids),
-                                          completion_tokens=1), ttft_s=ttft, latency_s=ttft))
+                                          completion_tokens=1), ttft_s=ttft, latency_s=ttft,
+                                          stop_str=detok.matched or ""))
             self._finished(rid, out.finish)
             yield out
             return
@@ -459,7 +445,7 @@ class RouterCore:
         return RouterError(grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.UNKNOWN else code,
                            f"prefill instance {prefill.instance_id}: {msg}")
 
-    def _stream(self, active: Active, ids, params: SamplingParams, return_logprobs: bool, detok: Detokenizer,
+    def _stream(self, active: Active, ids, params: SamplingParams, return_logprobs: bool, detok: TextStream,
                 t0: float, ttft: float):
         rid, decode = active.rid, active.decode
         d_key = self.ledger.place(decode.instance_id, params.max_new_tokens - 1, arrived=True)
@@ -484,6 +470,7 @@ class RouterCore:
                                           f"decode instance {decode.instance_id} ended the request: "
                                           f"{msg.finish.reason}")
                     out.finish.CopyFrom(msg.finish)
+                    out.finish.stop_str = detok.matched or ""
                     out.finish.ttft_s, out.finish.latency_s = ttft, time.perf_counter() - t0
                     out.finish.usage.prompt_tokens = len(ids)
                     out.finish.usage.completion_tokens = active.output_tokens
@@ -564,6 +551,11 @@ class RouterCore:
                 self._stub(cls, inst.grpc_address).Abort(pb.AbortRequest(request_id=active.rid), timeout=2)
             except grpc.RpcError:
                 pass  # that instance is gone; its pages went with it
+
+    def in_flight(self) -> int:
+        """Requests under way (accepted, not yet ended)."""
+        with self._lock:
+            return len(self._active)
 
     def engine_facts(self) -> dict:
         """dtype, page size and speculative config of the engines serving this model, from the registry: a live
@@ -662,15 +654,23 @@ def start_router(settings: RouterSettings) -> ServiceHandle:
     grpc_address = f"{settings.advertised}:{port}"
     core.log.event("started", grpc=grpc_address, http=telemetry.address, openai=extra.get("openai_address"))
 
-    def stop(grace: float = 2.0) -> None:
-        core.log.event("stopping")
+    def stop(drain_s: float = 2.0) -> None:
+        """Drain, then stop: 503 and NOT_SERVING, new requests refused, those in flight finish (up to
+        ``drain_s``)."""
+        core.log.event("stopping", drain_s=drain_s)
+        deadline = time.monotonic() + drain_s
         telemetry.set_state("draining")
         set_serving(health, SERVICES, False)
+        core.draining.set()
+        stopped = server.stop(drain_s)  # gRPC: new calls refused now, those in flight have until the deadline
+        while core.in_flight() and time.monotonic() < deadline:  # the OpenAI API's streams too
+            time.sleep(0.05)
         if openai_server is not None:
             openai_server.stop()
-        server.stop(grace).wait(grace + 1)
+        stopped.wait(max(0.0, deadline - time.monotonic()) + 1)
         core.close()
         telemetry.stop()
+        core.log.event("stopped", drained=not core.in_flight())
 
     return ServiceHandle(role="router", instance_id=instance_id, grpc_address=grpc_address,
                          http_address=f"{settings.advertised}:{telemetry.port}", stop=stop, extra=extra)

@@ -45,7 +45,12 @@ def sampling_to_pb(params) -> pb.SamplingParams:
     """``shared.sampling.SamplingParams`` -> the wire message."""
     msg = pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                             max_new_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
-                            ignore_eos=params.ignore_eos)
+                            ignore_eos=params.ignore_eos, stop=list(params.stop),
+                            include_stop_str_in_output=params.include_stop_str_in_output,
+                            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+                            repetition_penalty=params.repetition_penalty, min_p=params.min_p,
+                            min_tokens=params.min_tokens, logit_bias=dict(params.logit_bias),
+                            allowed_token_ids=list(params.allowed_token_ids))
     if params.seed is not None:
         msg.seed = params.seed
     return msg
@@ -59,7 +64,11 @@ def sampling_from_pb(msg: pb.SamplingParams, default_max_new_tokens: int = 16):
         temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p if msg.top_p != 0 else 1.0,
         seed=msg.seed if msg.HasField("seed") else None,
         max_new_tokens=msg.max_new_tokens or default_max_new_tokens,
-        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, stop=tuple(msg.stop),
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0, min_p=msg.min_p, min_tokens=msg.min_tokens,
+        logit_bias=tuple(sorted(msg.logit_bias.items())), allowed_token_ids=tuple(msg.allowed_token_ids),
     )
 
 

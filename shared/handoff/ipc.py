@@ -5,8 +5,9 @@ dim]``, target first) once, in its handshake reply: on CUDA as CUDA IPC handles 
 peer GPU of the host), on the CPU as named shared memory (torch's file_system sharing). The prefill
 side maps them (``open_pools``) and writes a request's pages straight into the pages the decode side
 reserved (``write_in_place``: each prefill step's pages as soon as the step ran, while the next one
-computes; per cache, one copy of all layers per run of pages contiguous on both sides; on CUDA on a
-side stream that waits for the step's event, synchronised per increment off the engine's thread). Nothing in
+computes; per cache, one copy of all layers per run of pages contiguous on both sides in the torch
+reference; on CUDA all of a cache's new pages in one kernel, ``kernels.page_copy``, on a side stream that
+waits for the step's event, synchronised per increment off the engine's thread). Nothing in
 the handles is code: they are JSON, never pickle.
 
 The decode side cannot stop a write from another process, so the writer keeps to a lease: it writes
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.page_copy import copy_pages
 from shared.handoff.wire import Increment, PageSource, Prefilled, TransferCancelled, TransferError
 
 WRITE_MARGIN_S = 1.0  # a copy starts only this long before the lease ends (a run's copy takes far less)
@@ -139,28 +141,6 @@ def _open(h: PoolHandle) -> torch.Tensor:
 
 
 @dataclass
-class PagePairRun:
-    first: int  # index among the request's pages
-    src: int  # first source page id
-    dst: int  # first destination page id
-    count: int
-
-
-def pair_runs(src: list[int], dst: list[int]) -> list[PagePairRun]:
-    """Runs of pages contiguous on both sides (one copy each)."""
-    if len(src) != len(dst):
-        raise TransferError(f"{len(src)} pages to send, {len(dst)} reserved")
-    runs: list[PagePairRun] = []
-    for i, (s, d) in enumerate(zip(src, dst)):
-        r = runs[-1] if runs else None
-        if r is not None and r.src + r.count == s and r.dst + r.count == d:
-            r.count += 1
-        else:
-            runs.append(PagePairRun(i, s, d, 1))
-    return runs
-
-
-@dataclass
 class Written:
     bytes: int  # K + V bytes written
     last: Prefilled  # what the last increment carried (the draft state, the first token)
@@ -192,29 +172,28 @@ def write_in_place(source: PageSource, pools: list[torch.Tensor], dest_page_ids:
 
 def _write_increment(source: PageSource, pools: list[torch.Tensor], dest_page_ids: list[list[int]],
                      inc: Increment, sent: list[int], side) -> int:
-    """Copy pages [sent[c], inc.done[c]) of each cache: one copy of all layers per run contiguous on both
-    sides, then (CUDA) wait for them, so that no copy is in flight once the guard is let go."""
+    """Copy pages [sent[c], inc.done[c]) of each cache (every plane; one launch per cache on CUDA), then
+    (CUDA) wait for them, so that no copy is in flight once the guard is let go."""
     written = 0
     for cache, pool, src, dst, lo, hi in zip(source.caches, pools, inc.page_ids, dest_page_ids, sent, inc.done):
         if hi > len(dst) or (inc.last is not None and hi != len(dst)):
-            raise TransferError(f"{hi} pages to write, {len(dst)} reserved")
-        ps = cache.page_size
-        for run in pair_runs(src[lo:hi], dst[lo:hi]):
-            s, d, n = run.src * ps, run.dst * ps, run.count * ps
-            _copy(pool[:, :, d:d + n], cache.pool[:, :, s:s + n], side)
-            written += cache.pool[:, :, s:s + n].numel() * cache.pool.element_size()
+            raise TransferError(f"{hi} pages to send, {len(dst)} reserved")
+        if hi > lo:
+            _copy(pool, cache, src[lo:hi], dst[lo:hi], side)
+        written += (hi - lo) * cache.page_size * cache.pool[:, :, 0].numel() * cache.pool.element_size()
     if side is not None:
         side.synchronize()
     return written
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, side) -> None:
+def _copy(pool: torch.Tensor, cache, src: list[int], dst: list[int], side) -> None:
+    """Every plane of the pages, one launch on CUDA (``kernels.page_copy``), queued on ``side``."""
     if side is None:
-        dst.copy_(src)
+        copy_pages(pool, cache.pool, src, dst, cache.page_size)
         return
     with torch.cuda.stream(side):
-        dst.copy_(src, non_blocking=True)
+        copy_pages(pool, cache.pool, src, dst, cache.page_size)
 
 
-__all__ = ["PoolHandle", "TransferCancelled", "Written", "export_pools", "host_id", "open_pools", "pair_runs",
-           "reachable", "write_in_place"]
+__all__ = ["PoolHandle", "TransferCancelled", "Written", "export_pools", "host_id", "open_pools", "reachable",
+           "write_in_place"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -41,14 +42,35 @@ class PageAllocator:
         self._free.extend(pages)
 
 
+def flush_tables(caches: list[KVCache]) -> None:
+    """Bring the caches' device tables up to date with their host writes: what runs before a CUDA graph
+    replays (a graph reads the tables without Python running; eager code reads ``table``, which flushes)."""
+    for cache in caches:
+        cache.req_to_token.flush()
+
+
 class ReqToTokenMap:
-    """Rows of slots per request; row 0 is the padding row (all slots 0)."""
+    """Rows of slots per request; row 0 is the padding row (all slots 0).
+
+    The host copy is the one written (``write``); on a GPU the device table takes the writes made since
+    it was last read in one host-to-device copy and one scatter when it is next read (``table``): a decode
+    step reserves one slot per request, and a copy per request cost a device synchronisation each (pageable
+    memory), a handful of GIL hand-offs each in a service, and the sum grew with the batch."""
 
     def __init__(self, max_reqs: int, max_context: int, device: torch.device):
         self.max_context = max_context
         self.host = torch.zeros(max_reqs + 1, max_context, dtype=torch.int64)
-        self.table = self.host if device.type == "cpu" else self.host.to(device)
+        self._host_np = self.host.numpy()  # the same memory: numpy writes from lists without torch dispatch
+        self._table = self.host if device.type == "cpu" else self.host.to(device)
         self._free_rows = list(range(max_reqs, 0, -1))
+        self._pending_rows: list[int] = []  # (row, position) of host entries the device table lacks
+        self._pending_cols: list[int] = []
+
+    @property
+    def table(self) -> torch.Tensor:
+        """[max_reqs + 1, max_context] int64 on the device, up to date with every write."""
+        self.flush()
+        return self._table
 
     @property
     def num_free_rows(self) -> int:
@@ -65,16 +87,29 @@ class ReqToTokenMap:
 
     def free_row(self, row: int) -> None:
         self.host[row].zero_()
-        self._sync(row, 0, self.max_context)
+        if self._table is not self.host:
+            self.table[row].zero_()  # after the pending writes (some may be this row's)
         self._free_rows.append(row)
 
-    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.host[row, start:start + slots.numel()] = slots
-        self._sync(row, start, start + slots.numel())
+    def write(self, row: int, start: int, slots: list[int] | torch.Tensor) -> None:
+        n = len(slots)
+        self._host_np[row, start:start + n] = slots.numpy() if isinstance(slots, torch.Tensor) else slots
+        if self._table is not self.host and n:
+            self._pending_rows.extend([row] * n)
+            self._pending_cols.extend(range(start, start + n))
 
-    def _sync(self, row: int, start: int, end: int) -> None:
-        if self.table is not self.host and end > start:
-            self.table[row, start:end].copy_(self.host[row, start:end], non_blocking=True)
+    def flush(self) -> None:
+        """One copy of the writes the device table lacks (nothing when none)."""
+        if not self._pending_rows:
+            return
+        rows, cols = self._pending_rows, self._pending_cols
+        self._pending_rows, self._pending_cols = [], []
+        entries = np.empty((3, len(rows)), dtype=np.int64)
+        entries[0], entries[1] = rows, cols
+        entries[2] = self._host_np[entries[0], entries[1]]
+        host = torch.from_numpy(entries)
+        dev = (host.pin_memory() if self._table.is_cuda else host).to(self._table.device, non_blocking=True)
+        self._table[dev[0], dev[1]] = dev[2]
 
 
 @dataclass
@@ -169,7 +204,7 @@ class KVCache:
         for page in new_pages:
             slots.extend(range(page * ps, page * ps + ps))
         del slots[n_positions - h.reserved:]  # the last new page may be partly used
-        self.req_to_token.write(h.row, h.reserved, torch.tensor(slots, dtype=torch.int64))
+        self.req_to_token.write(h.row, h.reserved, slots)
         h.reserved = n_positions
 
     def shrink(self, h: KVHandle, n_positions: int) -> None:

@@ -1,6 +1,16 @@
-"""How large each KV pool of an engine is: one function, used for the target's cache and the draft's."""
+"""How large each KV pool of an engine is: one function, used for the target's cache and the draft's.
+
+Without ``num_pages`` a pool holds ``max_running`` requests of ``max_context`` tokens. On a GPU it also stays
+within ``gpu_memory_fraction`` of the device (as vLLM's ``gpu_memory_utilization``): the engine's weights
+(target and draft, measured once loaded), a reserve for activations, logits and CUDA graphs, and every pool
+(target and draft caches share one page count) must fit in that fraction of the device's total memory, and
+in what is free on it now (another engine may share the device). ``pages_within_budget`` is that
+arithmetic on injected figures, so it runs on the CPU; ``device_memory`` reads the figures off a GPU.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -8,15 +18,75 @@ from shared.config import EngineConfig
 from shared.memory.kv_cache import CacheLayout, KVCache
 from shared.model.config import ModelConfig
 from shared.model.loader import parse_dtype
+from shared.request import RequestError
+
+GiB = 1 << 30
+BASE_RESERVE = 1 << 30  # outside the caching allocator's count: the CUDA context, cuBLAS and Triton workspaces
 
 
 def make_cache(config: ModelConfig, num_layers: int, engine: EngineConfig, max_context: int) -> KVCache:
     """A pool of ``num_layers`` layers of ``config``'s K/V shape: ``engine.num_pages`` pages, or enough
     for ``max_running`` requests of ``max_context`` tokens (plus the decode step's headroom)."""
     max_context += engine.headroom  # a decode step near the end of the context writes past it
-    num_pages = engine.num_pages or engine.max_running * -(-max_context // engine.page_size)
+    num_pages = engine.num_pages or default_pages(engine, max_context)
     return KVCache(CacheLayout(
         num_layers=num_layers, num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
         dtype=parse_dtype(engine.dtype), device=torch.device(engine.device), page_size=engine.page_size,
         num_pages=num_pages, max_reqs=engine.max_running, max_context=max_context, shareable=engine.shareable_kv,
     ))
+
+
+def default_pages(engine: EngineConfig, max_context: int) -> int:
+    """Pages for ``max_running`` requests of ``max_context`` positions (headroom included by the caller)."""
+    return engine.max_running * -(-max_context // engine.page_size)
+
+
+def page_bytes(config: ModelConfig, num_layers: int, engine: EngineConfig) -> int:
+    """K and V bytes of one page of a pool of ``num_layers`` layers of ``config``'s shape."""
+    elem = torch.empty((), dtype=parse_dtype(engine.dtype)).element_size()
+    return 2 * num_layers * engine.page_size * config.num_key_value_heads * config.head_dim * elem
+
+
+def activation_reserve(config: ModelConfig, engine: EngineConfig, max_context: int) -> int:
+    """Bytes kept free for one step's activations and logits (twice: eager and a graph's private pool)."""
+    elem = torch.empty((), dtype=parse_dtype(engine.dtype)).element_size()
+    chunk = engine.chunk_size or max_context
+    per_token = 6 * config.hidden_size + 3 * config.intermediate_size  # residual, norms, q/k/v/o, gate/up/down
+    rows = engine.max_running * (engine.spec.num_draft_tokens if engine.spec else 1)
+    logits = rows * config.vocab_size * 4 * 3  # float32 logits, their log-softmax, the sampler's probabilities
+    return BASE_RESERVE + 2 * (chunk * per_token * elem + logits)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A device's memory as one engine sizes its pools (bytes)."""
+
+    total: int  # the device's whole memory
+    free: int  # free on the device now, after this engine's weights (other processes' use counts too)
+    weights: int  # this engine's weights, target and draft, as loaded
+
+
+def device_memory(device: torch.device, allocated_before: int) -> DeviceMemory:
+    """The figures of ``device`` now; ``allocated_before``: this process's allocation before the weights."""
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(total=total, free=free, weights=torch.cuda.memory_allocated(device) - allocated_before)
+
+
+def pages_within_budget(fraction: float, memory: DeviceMemory, reserve: int, bytes_per_page: int,
+                        request_pages: int, most_pages: int) -> int:
+    """Pages per pool (``bytes_per_page``: one page of every pool together) that fit in ``fraction`` of the
+    device after the weights and ``reserve``, and in its free memory after ``reserve``; at most
+    ``most_pages`` (``max_running`` requests of ``max_context``). Fewer than ``request_pages`` (one request of
+    ``max_context``) is a ``RequestError`` naming every figure."""
+    budget = int(fraction * memory.total) - memory.weights - reserve
+    room = min(budget, memory.free - reserve)
+    pages = max(0, room) // bytes_per_page - 1  # each pool holds one page more: the padding rows' sink
+    if pages < request_pages:
+        raise RequestError("gpu_memory_fraction", (
+            f"the KV pools do not fit: {fraction} x {memory.total / GiB:.2f} GiB total = "
+            f"{fraction * memory.total / GiB:.2f} GiB, minus the weights ({memory.weights / GiB:.2f} GiB) and the "
+            f"activation and graph reserve ({reserve / GiB:.2f} GiB), leaves {budget / GiB:.2f} GiB "
+            f"({memory.free / GiB:.2f} GiB free on the device now); one request of max_context needs "
+            f"{request_pages} pages = {request_pages * bytes_per_page / GiB:.2f} GiB. Raise gpu_memory_fraction, "
+            f"lower max_context, or give num_pages"))
+    return min(pages, most_pages)

@@ -35,6 +35,7 @@ Checkpoint formats:
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +47,7 @@ from shared.forward_batch import ForwardBatch
 from shared.model.config import ModelConfig
 from shared.model.layers import MLP, Attention, DecoderLayer, RMSNorm, fuse_projections
 from shared.model.llama import LlamaForCausalLM, default_aux_layers
-from shared.model.loader import CheckpointError, build_module, load_weights, parse_dtype, read_state_dict
+from shared.model.loader import CheckpointError, build_module, load_weights, log_loaded, parse_dtype, read_state_dict
 
 DRAFT_ARCHITECTURES = {
     "LlamaForCausalLMEagle": "eagle", "EagleLlamaForCausalLM": "eagle",
@@ -289,6 +290,7 @@ def check_matches_target(path: Path, config: ModelConfig, target: LlamaForCausal
 
 
 def load_draft(path: str | Path, target: LlamaForCausalLM, dtype="float32", device="cpu") -> DraftHead:
+    t0 = time.perf_counter()
     path = Path(path)
     dtype, device = parse_dtype(dtype), torch.device(device)
     state = {k.removeprefix("model."): v for k, v in read_state_dict(path).items()}
@@ -328,4 +330,6 @@ def load_draft(path: str | Path, target: LlamaForCausalLM, dtype="float32", devi
         head.embed_tokens = nn.Embedding(*state["embed_tokens.weight"].shape, device=device, dtype=dtype)
     state.pop("lm_head.weight", None) if kind != "eagle3" else None
     load_weights(head, state)
-    return fuse_projections(head).eval()
+    head = fuse_projections(head).eval()
+    log_loaded(path, f"draft ({kind})", head, t0)
+    return head

@@ -1,22 +1,30 @@
-"""Load Hugging Face checkpoint directories (safetensors, sharded or not) into Eyrie modules."""
+"""Load Hugging Face checkpoint directories (safetensors, sharded or not) into Eyrie modules.
+
+Reading shows a progress bar on stderr when it is a terminal (tqdm), and each load logs one
+``weights_loaded`` event with its timing (seconds, tensors, bytes).
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
+from tqdm import tqdm
 
 from shared.model.config import CheckpointError, ModelConfig
 from shared.model.layers import fuse_projections
 from shared.model.llama import LlamaForCausalLM
 
+log = logging.getLogger("eyrie.weights")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-__all__ = ["CheckpointError", "load_target", "load_weights", "read_state_dict"]
+__all__ = ["CheckpointError", "load_target", "load_weights", "log_loaded", "read_state_dict"]
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -42,15 +50,33 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at ``path``; a file that cannot be read is a ``CheckpointError`` naming it."""
+    files = checkpoint_files(Path(path))
     state: dict[str, torch.Tensor] = {}
-    for file in checkpoint_files(Path(path)):
-        if file.suffix == ".bin":
-            state.update(torch.load(file, map_location="cpu", weights_only=True))
-            continue
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                state[key] = f.get_tensor(key)
+    with tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, leave=False,
+              desc=f"loading {Path(path).name}", disable=None) as bar:  # disable=None: off when not a TTY
+        for file in files:
+            try:
+                state.update(_read_file(file))
+            except (OSError, SafetensorError, RuntimeError, ValueError) as e:
+                raise CheckpointError(f"{file}: cannot read the weights: {str(e).splitlines()[0]}") from None
+            bar.update(file.stat().st_size)
     return state
+
+
+def _read_file(file: Path) -> dict[str, torch.Tensor]:
+    if file.suffix == ".bin":
+        return torch.load(file, map_location="cpu", weights_only=True)
+    with safe_open(str(file), framework="pt") as f:
+        return {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+
+
+def log_loaded(path: str | Path, kind: str, module: nn.Module, t0: float) -> None:
+    """One ``weights_loaded`` event: what was loaded, from where, how big, in how many seconds."""
+    params = list(module.parameters())
+    fields = {"path": str(path), "kind": kind, "seconds": round(time.perf_counter() - t0, 3),
+              "tensors": len(params), "bytes": sum(p.numel() * p.element_size() for p in params)}
+    log.info("weights_loaded", extra={"event": "weights_loaded", "fields": fields})
 
 
 def build_module(cls, config: ModelConfig, dtype: torch.dtype, device: torch.device, *args) -> nn.Module:
@@ -80,6 +106,7 @@ def load_weights(module: nn.Module, state: dict[str, torch.Tensor], optional: tu
 
 
 def load_target(path: str | Path, dtype="float32", device="cpu") -> LlamaForCausalLM:
+    t0 = time.perf_counter()
     path = Path(path)
     config = ModelConfig.from_dir(path)
     config.check_target(path)
@@ -91,7 +118,9 @@ def load_target(path: str | Path, dtype="float32", device="cpu") -> LlamaForCaus
     if config.norm_weight_offset:  # Gemma's (1 + w): one multiply per norm, as Llama's
         state = {k: v + config.norm_weight_offset if _is_norm(k) else v for k, v in state.items()}
     load_weights(model, state)
-    return fuse_projections(model).eval()
+    model = fuse_projections(model).eval()
+    log_loaded(path, "target", model, t0)
+    return model
 
 
 def _is_norm(name: str) -> bool:

@@ -18,6 +18,7 @@ from kernels.spec_kernels import Acceptance, DraftTree, gather_accepted, move_kv
 from kernels.spec_sampling import SamplingRows
 from shared.config import SpecConfig
 from shared.forward_batch import build_uniform_batch
+from shared.logits_process import LogitsRows, process_logits
 from shared.memory.kv_cache import KVCache
 from shared.model.drafts import DraftHead
 from shared.model.llama import LlamaForCausalLM
@@ -126,16 +127,20 @@ class SpecPhases:
         feats = out.features()
         return out.logits.view(B, N, -1), feats.view(B, N, feats.shape[-1])
 
-    def accept(self, inp: DecodeInputs, tree: DraftTree, logits: torch.Tensor) -> Acceptance:
-        """Every row by its own rule (greedy or sampled with its parameters and seed), on the device."""
+    def accept(self, inp: DecodeInputs, tree: DraftTree, logits: torch.Tensor,
+               processing: LogitsRows | None = None) -> Acceptance:
+        """Every row by its own rule (greedy or sampled with its parameters and seed), on the device;
+        with ``processing``, from the logits its penalties and filters leave at each node."""
+        if processing is not None:
+            logits = process_logits(logits, processing, tree.tokens, tree.mask, tree.depths)
         return sampled_accept(tree, logits, inp.sampling, inp.L, self.spec.steps)
 
-    def verify_extend(self, inp: DecodeInputs, tree: DraftTree) -> StepOutput:
+    def verify_extend(self, inp: DecodeInputs, tree: DraftTree, processing: LogitsRows | None = None) -> StepOutput:
         """Verify, acceptance on the device, compaction and draft extend in one function: greedy,
         sampled and mixed batches run the three as one graph (no logits copied between graphs, no eager
         launches between them, nothing read back by the host)."""
         logits, feats = self.verify(inp, tree)
-        return self.extend(inp, tree, self.accept(inp, tree, logits), logits, feats)
+        return self.extend(inp, tree, self.accept(inp, tree, logits, processing), logits, feats)
 
     # ---- compaction and draft extend -------------------------------------------------------------
     def extend(self, inp: DecodeInputs, tree: DraftTree, acc: Acceptance, logits: torch.Tensor,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,7 +25,8 @@ from kernels.spec_sampling import SamplingRows
 from shared.config import EngineConfig, SpecConfig
 from shared.cuda_graphs import CaptureFailure, PhaseGraphs, pad_rows, tree_map
 from shared.forward_batch import build_forward_batch
-from shared.memory.kv_cache import KVCache
+from shared.logits_process import LogitsRows, requests_rows, uses_processing
+from shared.memory.kv_cache import KVCache, flush_tables
 from shared.memory.sizing import make_cache
 from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import LlamaForCausalLM, TargetOutput
@@ -60,25 +62,37 @@ class SpecWorker:
         if draft.kind == "mtp" and draft.num_caches < spec.steps:
             raise ValueError(f"spec steps: the multi-layer draft has {draft.num_caches} layers, "
                              f"steps={spec.steps} needs one per step")
-        n_caches = spec.steps if draft.kind == "mtp" else 1
-        self.caches = [make_cache(draft.config, draft.layers_per_cache, config, max_context) for _ in range(n_caches)]
+        self.caches = [make_cache(draft.config, draft.layers_per_cache, config, max_context)
+                       for _ in range(self.cache_count(draft, spec))]
         self.capture_mode = "aux" if draft.kind == "eagle3" else "last"
         self.aux_layers = getattr(draft, "aux_layers", ())
         self.phases = SpecPhases(self.target, self.target_cache, draft, self.caches, spec, self.capture_mode,
                                  self.aux_layers)
         self.stats = SpecRecorder(spec.steps)
+        # Called once a step's device work is queued, just before the host waits for it (the engine's
+        # ``before_host_wait``: a service publishes the previous step's tokens in that time).
+        self.before_host_wait: Callable[[], None] | None = None
         on = set(config.cuda_graph_phases) if config.cuda_graph else set()
         failures = [] if graph_failures is None else graph_failures  # the engine's: /health reads it
+        def flush() -> None:  # the step's slot reservations, on the device before a graph reads them
+            flush_tables([target_cache, *self.caches])
+
         self.graphs = {name: PhaseGraphs(name, getattr(self.phases, name), name in on, config.cuda_graph_max_bs,
-                                         failures)
+                                         failures, before_replay=flush)
                        for name in ("draft", "verify", "extend")}
         # Verify + acceptance + extend run as one graph when both phases are on, whatever the batch samples.
         self.graphs["verify_extend"] = PhaseGraphs("verify_extend", self.phases.verify_extend,
-                                                   {"verify", "extend"} <= on, config.cuda_graph_max_bs, failures)
+                                                   {"verify", "extend"} <= on, config.cuda_graph_max_bs, failures,
+                                                   before_replay=flush)
         ahead = config.spec_draft_ahead
         enabled = target_cache.layout.device.type == "cuda" if ahead is None else ahead
         room = min(cache.layout.max_context - self._draft_reach(c) for c, cache in enumerate(self.caches))
         self.ahead = DraftAhead(enabled, spec.steps, room, self.dtype)
+
+    @staticmethod
+    def cache_count(draft: DraftHead, spec: SpecConfig) -> int:
+        """The draft's KV pools: one per step for a multi-layer draft (step i runs layer i), else one."""
+        return spec.steps if draft.kind == "mtp" else 1
 
     @classmethod
     def load(cls, path: str | Path | DraftHead, target: LlamaForCausalLM, target_cache: KVCache,
@@ -100,9 +114,18 @@ class SpecWorker:
 
     def draft_extend_prefill(self, chunks: list[Chunk], out: TargetOutput) -> None:
         """Run the draft over each prefill chunk; requests whose prompt completed get a DraftState."""
-        spans = [(c.req, c.start, c.end) for c in chunks]
-        finals = [c.completes_prompt and c.req.finish_reason is None for c in chunks]
-        self.draft_extend(spans, self.features(out), finals)
+        self.draft_extend_rows([], [], chunks, out)
+
+    def draft_extend_rows(self, decoded: list[Request], starts: list[int], chunks: list[Chunk],
+                          out: TargetOutput) -> None:
+        """Run the draft over a target step's rows in order: each plain-decoded request's one position
+        (``starts``: where it wrote), then each prefill chunk. A decoded request still running, and one
+        whose prompt completed, get a DraftState (the next speculative step resumes from it)."""
+        spans = [(r, s, s + 1) for r, s in zip(decoded, starts)] + [(c.req, c.start, c.end) for c in chunks]
+        finals = [r.finish_reason is None for r in decoded] + [
+            c.completes_prompt and c.req.finish_reason is None for c in chunks]
+        if spans:
+            self.draft_extend(spans, self.features(out), finals)
 
     def draft_extend(self, spans: list[tuple[Request, int, int]], features: torch.Tensor,
                      finals: list[bool]) -> None:
@@ -141,16 +164,22 @@ class SpecWorker:
         """Draft, verify, accept, compact and extend for ``reqs``: host bookkeeping around four pure
         tensor phases (each can be replayed from a CUDA graph). ``next_grows``: the next decode step
         runs a request this one does not (then no draft is launched ahead for it)."""
-        caps = self.ahead.caps(reqs, next_grows)
+        # Penalties and filters read the committed tokens, so a batch using them drafts in its own step.
+        processed = any(uses_processing(r.params) for r in reqs)
+        if processed:
+            self.ahead.drop()
+        caps = None if processed else self.ahead.caps(reqs, next_grows)
         self._reserve(reqs, caps)
         t0 = time.perf_counter()
-        drafted = self.ahead.take(reqs) or self._draft(reqs)
+        drafted = (None if processed else self.ahead.take(reqs)) or self._draft(reqs)
         t1 = time.perf_counter()
-        out, inp = self._verify(drafted)
+        out, inp = self._verify(drafted, reqs if processed else None)
         # The per-token outputs the host needs start on their way to it (the one sync of the step) ...
         host, ready = self._to_host(out)
         # ... and the next step's draft goes to the device behind them, timed as that step's draft.
         ahead_s = self.ahead.launch(reqs, inp, out, caps, self.graphs["draft"]) if caps is not None else 0.0
+        if self.before_host_wait is not None:
+            self.before_host_wait()
         if ready is not None:
             ready.synchronize()
         out = dataclasses.replace(out, **host)
@@ -161,9 +190,12 @@ class SpecWorker:
         self.stats.record(events, verified, draft_s=t1 - t0 + drafted.earlier_s, verify_s=t2 - t1)
         return events
 
-    def _verify_extend(self, inp: DecodeInputs, tree: DraftTree) -> StepOutput:
+    def _verify_extend(self, inp: DecodeInputs, tree: DraftTree, processing: LogitsRows | None = None) -> StepOutput:
         """Verify, accept and extend: one graph, or two with the acceptance between them when only one of
-        the verify and extend phases is captured."""
+        the verify and extend phases is captured. A batch with penalties or filters (``processing``)
+        runs them eagerly (the graphs hold no processing buffers: batches without pay nothing)."""
+        if processing is not None:
+            return self.phases.verify_extend(inp, tree, processing)
         g = self.graphs
         if g["verify_extend"].enabled or not (g["verify"].enabled or g["extend"].enabled):
             return g["verify_extend"](inp, tree)
@@ -182,10 +214,13 @@ class SpecWorker:
         inp = tree_map(lambda t: pad_rows(t, bs), self._inputs(reqs))
         return Drafted(inp, self.graphs["draft"](inp), n)
 
-    def _verify(self, d: Drafted) -> tuple[StepOutput, DecodeInputs]:
+    def _verify(self, d: Drafted, processed: list[Request] | None = None) -> tuple[StepOutput, DecodeInputs]:
         """Verify the tree, accept (every row by its own rule, on the device), compact and extend; the
-        requests' rows of the output and inputs."""
-        out = self._verify_extend(d.inp, d.tree)
+        requests' rows of the output and inputs. ``processed``: the requests (drafted in this step, the
+        batch's first rows) whose penalties and filters apply."""
+        rows = None if processed is None else requests_rows(
+            processed, self.target.config.vocab_size, d.inp.L.shape[0], d.inp.L.device)
+        out = self._verify_extend(d.inp, d.tree, rows)
         return tree_map(d.take, out), tree_map(d.take, d.inp)
 
     @staticmethod

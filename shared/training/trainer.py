@@ -83,6 +83,7 @@ class TrainConfig:
     max_windows: int | None = None  # train on at most this many windows (a seeded choice): bounds --regenerate
     log_every: int = 10
     progress: bool = True
+    time_budget_s: float | None = None  # stop (evaluate and save) once training has run this long
 
     def check(self) -> None:
         if self.kind not in KINDS:
@@ -100,6 +101,8 @@ class TrainConfig:
             raise TrainError(f"--heldout: must be in (0, 1), got {self.heldout}")
         if self.eval_every < 0:
             raise TrainError(f"--eval-every: must be >= 0, got {self.eval_every}")
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            raise TrainError(f"--time-budget-s: must be > 0, got {self.time_budget_s}")
         if self.max_windows is not None and self.max_windows < 1:
             raise TrainError(f"--max-windows: must be >= 1, got {self.max_windows}")
         if not 0 <= self.regenerate < self.seq_len:
@@ -393,7 +396,7 @@ class Trainer:
             if self.step == 0:
                 evals.append(self._record(self.evaluate(), progress))
             save_every = cfg.save_every or cfg.eval_every
-            while self.step < cfg.steps:
+            while self.step < cfg.steps and not self._out_of_time(t0):
                 rec = self.train_step()
                 progress.step(self.step - 1, rec["loss"], rec["accuracy"][0])
                 if self.step % cfg.log_every == 0:
@@ -409,6 +412,9 @@ class Trainer:
         return {"out": str(self.out), "kind": cfg.kind, "steps": self.step, "ttt_steps": cfg.ttt_steps,
                 "draft_vocab_size": None if self.data.hot is None else self.data.hot.numel(), **self.data.info,
                 "seconds": round(time.perf_counter() - t0, 2), "evals": evals, "settings": asdict(cfg)}
+
+    def _out_of_time(self, t0: float) -> bool:
+        return self.cfg.time_budget_s is not None and time.perf_counter() - t0 >= self.cfg.time_budget_s
 
     def _record(self, rec: dict, progress: Progress) -> dict:
         self.log.append(rec)

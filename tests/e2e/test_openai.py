@@ -146,6 +146,70 @@ def test_seeded_sampling_is_reproducible_and_equals_grpc(stack, client):
     assert a == b == want
 
 
+def stop_in(text: str) -> str:
+    """A 3-character stop string past the start of ``text`` whose first occurrence is there."""
+    for i in range(1, len(text) - 3):
+        stop = text[i:i + 3]
+        if text.find(stop) == i and "\ufffd" not in stop:
+            return stop
+    raise AssertionError(f"no stop string in {text!r}")
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_stop_strings_cut_the_text_streamed_or_not_on_both_endpoints(stack, client, chat):
+    messages = [{"role": "user", "content": "fibonacci"}]
+    prompt = tiny_template(messages) if chat else PROMPT
+    _, text, _, _ = grpc_generate(stack, text=prompt, temperature=0, max_new_tokens=16, ignore_eos=True)
+    stop = stop_in(text)
+    want = text[:text.find(stop)]
+    ids, got, _, finish = grpc_generate(stack, text=prompt, temperature=0, max_new_tokens=16, ignore_eos=True,
+                                        stop=[stop])
+    assert (got, finish.reason, finish.stop_str) == (want, "stop", stop) and len(ids) < 16
+    kw = dict(model="eyrie", max_tokens=16, temperature=0, stop=["\x00", stop], extra_body={"ignore_eos": True})
+    if chat:
+        plain = client.chat.completions.create(messages=messages, **kw).choices[0]
+        chunks = list(client.chat.completions.create(messages=messages, stream=True, **kw))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert plain.message.content == want
+    else:
+        plain = client.completions.create(prompt=PROMPT, **kw).choices[0]
+        chunks = list(client.completions.create(prompt=PROMPT, stream=True, **kw))
+        streamed = "".join(c.choices[0].text for c in chunks)
+        assert plain.text == want
+    assert streamed == want  # nothing past the stop string was ever streamed
+    assert (plain.finish_reason, plain.stop_reason) == ("stop", stop)
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].stop_reason == stop
+    if not chat:
+        kw["extra_body"]["include_stop_str_in_output"] = True
+        assert client.completions.create(prompt=PROMPT, **kw).choices[0].text == want + stop
+
+
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=1.0)
+PENALTY_EXTRAS = dict(repetition_penalty=1.4, min_tokens=3, min_p=0.05, logit_bias={"7": 2.0},
+                      allowed_token_ids=list(range(300)))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_penalties_and_filters_equal_grpc_on_both_endpoints(stack, client, stream):
+    messages = [{"role": "user", "content": "fibonacci"}]
+    want = {}
+    for chat, prompt in ((False, PROMPT), (True, tiny_template(messages))):
+        want[chat], *_ = grpc_generate(stack, text=prompt, temperature=0, max_new_tokens=12, ignore_eos=True,
+                                       logit_bias={7: 2.0}, allowed_token_ids=list(range(300)),
+                                       **PENALTIES, **{k: v for k, v in PENALTY_EXTRAS.items()
+                                                       if k not in ("logit_bias", "allowed_token_ids")})
+    plain, *_ = grpc_generate(stack, text=PROMPT, temperature=0, max_new_tokens=12, ignore_eos=True)
+    assert want[False] != plain and all(t < 300 for t in want[False])  # the parameters are applied
+    kw = dict(model="eyrie", max_tokens=12, temperature=0, stream=stream, **PENALTIES,
+              extra_body={"ignore_eos": True, "return_token_ids": True, **PENALTY_EXTRAS})
+    got = {False: client.completions.create(prompt=PROMPT, **kw),
+           True: client.chat.completions.create(messages=messages, **kw)}
+    for chat, resp in got.items():
+        chunks = list(resp) if stream else [resp]
+        ids = [t for c in chunks if c.choices for t in (getattr(c.choices[0], "token_ids", None) or [])]
+        assert ids == want[chat], chat
+
+
 # ---- chat ----------------------------------------------------------------------------------------
 def tiny_template(messages) -> str:
     """The tiny tokenizer's chat template, written out by hand (independent of the server's renderer)."""
@@ -191,7 +255,7 @@ def test_models(client):
     ("completion", dict(max_tokens=10**6), "max_tokens"),
     ("completion", dict(prompt=[1, 2, 10**6]), "prompt"),
     ("completion", dict(prompt=""), "prompt"),
-    ("completion", dict(stop=["\n"]), "stop"),
+    ("completion", dict(stop=[1]), "stop"),
     ("completion", dict(n=2), "n"),
     ("completion", dict(seed=-5), "seed"),
     ("completion", dict(extra_body={"top_k": -7}), "top_k"),
@@ -318,9 +382,9 @@ def error_count(stack, kind: str) -> float:
     ("chat", {"messages": [{"role": "user", "content": "hi", "mood": "x"}]}, "messages[0].mood"),
     ("chat", {"tool_choice": "auto"}, "tool_choice"),
     *[("completion", {name: value}, name) for name, value in [
-        ("min_tokens", 3), ("min_p", 0.1), ("guided_json", {"type": "object"}), ("structured_outputs", {"json": {}}),
-        ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("prompt_logprobs", 1),
-        ("include_stop_str_in_output", True), ("truncate_prompt_tokens", 4), ("length_penalty", 1.2)]],
+        ("guided_json", {"type": "object"}), ("structured_outputs", {"json": {}}),
+        ("bad_words", ["x"]), ("prompt_logprobs", 1),
+        ("truncate_prompt_tokens", 4), ("length_penalty", 1.2)]],
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_unknown_and_unimplemented_parameters_are_refused_by_name(stack, client, kind, extra, param):
     before = error_count(stack, "unknown_parameter") + error_count(stack, "unsupported_parameter")

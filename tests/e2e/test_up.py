@@ -59,6 +59,7 @@ class Up:
                 pytest.fail(f"eyrie up did not get ready: {self.stderr()[-3000:]}")
             m = READY.search(line)
             if m:
+                self.ready_line = line
                 return m.group(1), m.group(2)
 
     def stderr(self) -> str:

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from shared.memory.kv_cache import CacheLayout, KVCache
+from shared.memory.kv_cache import CacheLayout, KVCache, ReqToTokenMap
 
 
 class VectorisedKVCache(KVCache):
@@ -61,3 +61,24 @@ def test_int_reservations_give_the_vectorised_slots(page_size):
         assert torch.equal(slots % page_size, torch.arange(hi.reserved) % page_size)
         assert (slots // page_size > 0).all()
     assert ints.num_free_pages == vec.num_free_pages
+
+
+def test_a_device_table_takes_every_write_in_one_copy_when_read():
+    """The device table (here a separate CPU tensor standing in for the GPU's) lags the host until it is
+    read, then equals it: writes, a freed row and rewrites of the same entries included."""
+    m = ReqToTokenMap(max_reqs=3, max_context=16, device=torch.device("cpu"))
+    m._table = m.host.clone()  # a mirror, as on a GPU
+    copies = []
+    real_flush = m.flush
+    m.flush = lambda: (copies.append(len(m._pending_rows)) if m._pending_rows else None, real_flush())
+    a, b = m.alloc_row(), m.alloc_row()
+    m.write(a, 0, [5, 6, 7])
+    m.write(b, 0, torch.tensor([9, 10], dtype=torch.int64))
+    m.write(a, 3, [8])
+    m.write(a, 1, [11])  # a rewrite before the read: the last value wins
+    assert not torch.equal(m._table, m.host)
+    assert torch.equal(m.table, m.host) and copies == [7]
+    assert m.table[a, :4].tolist() == [5, 11, 7, 8] and copies == [7]  # nothing pending: no copy
+    m.free_row(a)
+    m.write(b, 2, [12])
+    assert torch.equal(m.table, m.host) and m.table[a].abs().sum() == 0 and copies == [7, 1]

@@ -10,7 +10,7 @@ import torch
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from shared.handoff import TransferError, negotiate
-from shared.handoff.ipc import export_pools, host_id, open_pools, pair_runs
+from shared.handoff.ipc import export_pools, host_id, open_pools
 from shared.memory.kv_cache import allocate_pool
 
 
@@ -30,13 +30,6 @@ def test_a_pool_not_in_shared_memory_is_not_exported():
 def test_the_same_process_gets_its_own_pool_back():
     pool = allocate_pool((2, 1, 8, 1, 2), torch.float16, torch.device("cpu"), shareable=True)
     assert open_pools(export_pools([pool]))[0] is pool
-
-
-def test_page_runs_are_contiguous_on_both_sides():
-    runs = pair_runs([3, 4, 5, 9, 10], [7, 8, 2, 3, 4])
-    assert [(r.first, r.src, r.dst, r.count) for r in runs] == [(0, 3, 7, 2), (2, 5, 2, 1), (3, 9, 3, 2)]
-    with pytest.raises(TransferError):
-        pair_runs([1, 2], [1])
 
 
 def reply(host: str, transports=("ipc", "grpc-stream"), pools=b"") -> pb.HandshakeResponse:

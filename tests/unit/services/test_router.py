@@ -14,10 +14,11 @@ from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.common import start_grpc_server
 from services.launch import free_port
-from services.router.server import Detokenizer, LoadLedger, RouterCore, RouterError, load_model_files
+from services.router.server import LoadLedger, RouterCore, RouterError, load_model_files
 from services.settings import RouterSettings
 from shared.metadata import InstanceInfo, Registry, RequestStore, connect
 from shared.request import RequestError
+from shared.text import Detokenizer
 
 VOCAB = 512  # the tiny model's
 

@@ -183,7 +183,7 @@ def test_the_page_size_1_host_mirror_follows_the_device_permutation(oracle_model
     host re-derives the same permutation from the accept index; the two agree after every step."""
     engine = oracle_models.engine("eagle", 2, 3, 8, page_size=1, chunk_size=4, spec_draft_ahead=ahead)
     table = engine.cache.req_to_token
-    table.table = table.host.clone()
+    table._table = table.host.clone()  # a separate mirror, as on a GPU
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
     reqs = [engine.add_request(p, q) for p, q in zip(PROMPTS, params)]
     moved = 0

@@ -1,0 +1,433 @@
+"""The serving benchmark: the disaggregated stack against the single-process engine, one command.
+
+Writes (or takes, ``--model``) a checkpoint, Llama-3.1-8B's shape with random bf16 weights by default
+(sharded safetensors, a tokenizer padded to 128256 ids: ``bench/serving_model.py``), then on the same device:
+
+1. the single-process engine, in a subprocess (loaded, graphs captured, warmed), driven in-process through
+   the engine API at each point's concurrency; the device-to-device copy bandwidth is measured there too;
+2. the stack as ``eyrie up`` runs it (``bench/serving_stack.py``: embedded Redis, prefill, decode, router with
+   the OpenAI API; both engines on the one device, each with ``--num-pages`` pages), driven over the router's
+   streaming gRPC ``Generate`` and over the OpenAI API's streaming ``/v1/completions``.
+
+The workload (``bench/serving_load.py``, the same token ids on both sides, greedy, ``ignore_eos``): a
+concurrency sweep (``--sweep``) of fixed-length requests (``--fixed 512:256``) and of mixed lengths
+(``--mixed-prompt 64:1024 --mixed-output 16:512``), and a long-prompt TTFT probe at concurrency 1
+(``--probe 4096:8``). Each point sends ``--waves`` x concurrency requests (at least ``--min-requests``), none
+after ``--point-seconds``. Reported per point: TTFT p50/p99, inter-token latency p50/p99, output tok/s and
+the stack/engine ratios; per transport, the hand-off bandwidth from the prefill service's /metrics
+(``eyrie_handoff_bytes_total`` / ``eyrie_handoff_seconds_sum``: whole hand-offs, reserve and acknowledgement
+included) beside the device-to-device copy bandwidth. The JSON (``--out``) is rewritten after every point, so a
+run cut off by its time limit keeps what it measured; points that no longer fit ``--deadline-s`` are skipped
+and listed. An outside load generator (guidellm) as a cross-check: bench/README.md says why it cannot drive
+Eyrie's OpenAI endpoint yet, and bench/fetch_wheels.sh fetches its wheels.
+
+    python bench/bench_serving.py --out out/serving.json                  # H100: the 8B shape, ~9 min
+    python bench/bench_serving.py --smoke --out /tmp/smoke.json           # tiny model on the CPU, < 1 min
+    python bench/bench_serving.py --transports grpc-stream --workloads fixed --sweep 1,32   # another transport
+
+``--smoke`` checks the script end to end (CI runs it); its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.serving_load import (  # noqa: E402
+    GrpcDriver,
+    HttpDriver,
+    Point,
+    make_requests,
+    run_closed_loop,
+    run_engine_point,
+    summarize,
+)
+from bench.timing import write_json  # noqa: E402
+
+GPU_DEFAULTS = dict(preset="llama3-8b-shape", device="cuda", dtype="bfloat16", cuda_graph=True, sweep="1,8,32,64",
+                    fixed="512:256", mixed_prompt="64:1024", mixed_output="16:512", probe="4096:8", num_pages=4096,
+                    max_running=64, max_context=8192, chunk_size=512, point_seconds=30.0, deadline_s=540.0,
+                    start_timeout_s=300.0, waves=2, min_requests=4, probe_requests=3, engine_budget_s=200.0)
+SMOKE_DEFAULTS = dict(preset="tiny", device="cpu", dtype="float32", cuda_graph=False, sweep="1,2", fixed="32:8",
+                      mixed_prompt="8:48", mixed_output="2:12", probe="200:4", num_pages=None, max_running=4,
+                      max_context=512, chunk_size=64, point_seconds=10.0, deadline_s=150.0, start_timeout_s=120.0,
+                      waves=1, min_requests=2, probe_requests=1, engine_budget_s=100.0)
+# The smoke run's processes use one CPU thread each: on a small shared machine torch's default (a thread per
+# core, spinning at every barrier) makes a tiny model's step ten times slower.
+SMOKE_ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU (CI): checks the script only")
+    ap.add_argument("--out", default="out/serving/bench_serving.json")
+    ap.add_argument("--model", help="target checkpoint directory (default: write one under --workdir)")
+    ap.add_argument("--draft", default="none", help="none | eagle3 (a random head written beside the model) | DIR")
+    ap.add_argument("--workdir", help="where the checkpoint and the services' logs go (default: a temp dir)")
+    ap.add_argument("--preset", help="shape of the written checkpoint (llama3-8b-shape, tiny)")
+    ap.add_argument("--device")
+    ap.add_argument("--dtype")
+    ap.add_argument("--cuda-graph", choices=["on", "off"])
+    ap.add_argument("--sweep", help="concurrencies, comma-separated")
+    ap.add_argument("--workloads", default="fixed,probe,mixed", help="any of fixed, probe, mixed")
+    ap.add_argument("--apis", default="grpc,http", help="the stack's APIs: grpc, http")
+    ap.add_argument("--fixed", help="PROMPT:OUTPUT tokens of the fixed workload")
+    ap.add_argument("--mixed-prompt", help="LO:HI prompt tokens of the mixed workload")
+    ap.add_argument("--mixed-output", help="LO:HI output tokens of the mixed workload")
+    ap.add_argument("--probe", help="PROMPT:OUTPUT of the long-prompt TTFT probe (concurrency 1)")
+    ap.add_argument("--probe-requests", type=int, help="requests of the probe (default 3)")
+    ap.add_argument("--waves", type=int, help="requests per point = waves x concurrency (default 2) ...")
+    ap.add_argument("--min-requests", type=int, help="... and at least this many (default 4)")
+    ap.add_argument("--point-seconds", type=float, help="no new request of a point after this many seconds")
+    ap.add_argument("--request-timeout-s", type=float, default=300.0)
+    ap.add_argument("--deadline-s", type=float, help="the whole run's budget: later points are skipped")
+    ap.add_argument("--start-timeout-s", type=float, help="the stack's start-up deadline")
+    ap.add_argument("--engine-budget-s", type=float, help="the engine phase's share of --deadline-s (the stack "
+                                                          "gets the rest)")
+    ap.add_argument("--num-pages", type=int, help="KV pages per pool, each engine")
+    ap.add_argument("--max-running", type=int)
+    ap.add_argument("--max-context", type=int)
+    ap.add_argument("--chunk-size", type=int)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--spec-topk", type=int, default=1)
+    ap.add_argument("--spec-steps", type=int, default=3)
+    ap.add_argument("--spec-draft-tokens", type=int)
+    ap.add_argument("--transports", default="auto", help="one stack run per hand-off transport: auto, ipc, "
+                                                         "grpc-stream (EYRIE_HANDOFF_TRANSPORT)")
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--skip-stack", action="store_true")
+    ap.add_argument("--gpu-memory-fraction", type=float, help="each engine's share of the GPU (EYRIE_GPU_MEMORY_"
+                                                             "FRACTION; with it, leave --num-pages 0 to size pools)")
+    ap.add_argument("--engine-worker", nargs=2, metavar=("PLAN", "RESULT"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    for k, v in (SMOKE_DEFAULTS if args.smoke else GPU_DEFAULTS).items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    if isinstance(args.cuda_graph, str):
+        args.cuda_graph = args.cuda_graph == "on"
+    return args
+
+
+def pair(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split(":"))
+    return lo, hi
+
+
+# ---- the plan ------------------------------------------------------------------------------------
+def build_points(args) -> list[Point]:
+    """Every measured point, most important first (the deadline cuts the tail)."""
+    sweep = [int(c) for c in args.sweep.split(",")]
+    workloads = args.workloads.split(",")
+    prompt, output = pair(args.fixed)
+    points = []
+    if "fixed" in workloads:
+        points += [Point("fixed", c, max(args.min_requests, args.waves * c), (prompt, prompt), (output, output))
+                   for c in sweep]
+    if "probe" in workloads:
+        prompt, output = pair(args.probe)
+        points.append(Point("probe", 1, args.probe_requests, (prompt, prompt), (output, output)))
+    if "mixed" in workloads:
+        points += [Point("mixed", c, max(args.min_requests, args.waves * c), pair(args.mixed_prompt),
+                         pair(args.mixed_output)) for c in sweep]
+    return points
+
+
+def warmup_points(args) -> list[Point]:
+    """Short requests of every prompt shape at the largest concurrency: kernels compiled, pools touched."""
+    top = max(int(c) for c in args.sweep.split(","))
+    prompt, _ = pair(args.fixed)
+    long_prompt, _ = pair(args.probe)
+    return [Point("warmup", top, top, (prompt, prompt), (4, 4), seed=1),
+            Point("warmup", 1, 1, (long_prompt, long_prompt), (2, 2), seed=2)]
+
+
+def engine_flags(args) -> dict:
+    """The settings prefill, decode and the single-process engine share (``eyrie serve`` flags)."""
+    return {"device": args.device, "dtype": args.dtype, "cuda_graph": args.cuda_graph, "page_size": args.page_size,
+            "num_pages": args.num_pages or None, "max_running": args.max_running, "max_context": args.max_context,
+            "gpu_memory_fraction": args.gpu_memory_fraction,
+            "chunk_size": args.chunk_size, "spec_topk": args.spec_topk, "spec_steps": args.spec_steps,
+            "spec_draft_tokens": args.spec_draft_tokens}
+
+
+def prompt_vocab(model: str) -> tuple[int, int]:
+    """Prompt ids: the tokenizer's trained ids past BOS and EOS (not the padding)."""
+    from bench.serving_model import BPE_VOCAB
+
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    return 2, min(vocab, BPE_VOCAB)
+
+
+class Run:
+    """The run's clock and its JSON, rewritten after every point."""
+
+    def __init__(self, args):
+        self.t0, self.args = time.monotonic(), args
+        self.report: dict = {"settings": {k: v for k, v in vars(args).items() if k != "engine_worker"},
+                             "skipped": []}
+
+    def child_env(self) -> dict:
+        return SMOKE_ENV if self.args.smoke else {}
+
+    def left(self) -> float:
+        return self.args.deadline_s - (time.monotonic() - self.t0)
+
+    def fits(self, point: Point, where: str) -> bool:
+        """Whether a point may start: it needs its issue time plus a margin before the deadline."""
+        if self.left() > self.args.point_seconds + 15:
+            return True
+        self.report["skipped"].append(f"{where} {point.name}")
+        return False
+
+    def save(self) -> None:
+        engine_points = self.report.get("engine", {}).get("points", [])
+        for stack in self.report.get("stacks", []):
+            stack["ratios"] = ratios(engine_points, stack["points"])
+        self.report["wall_s"] = round(time.monotonic() - self.t0, 1)
+        write_json(self.args.out, self.report)
+
+
+# ---- the engine side (a subprocess) --------------------------------------------------------------
+def run_engine_phase(run: Run, model: str, draft: str | None, points: list[Point], workdir: Path) -> dict:
+    plan = {"model": model, "draft": draft, "flags": engine_flags(run.args), "vocab": prompt_vocab(model),
+            "points": [p.__dict__ for p in points], "warmup": [p.__dict__ for p in warmup_points(run.args)],
+            "point_seconds": run.args.point_seconds,
+            "deadline": time.time() + min(run.left() - 5, run.args.engine_budget_s)}
+    plan_path, result_path = workdir / "engine_plan.json", workdir / "engine_result.json"
+    plan_path.write_text(json.dumps(plan))
+    cmd = [sys.executable, __file__, "--engine-worker", str(plan_path), str(result_path)]
+    with open(workdir / "engine.log", "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True,
+                                env={**os.environ, **run.child_env()})
+        try:
+            proc.wait(max(10.0, min(run.left() - 2, run.args.engine_budget_s + 30)))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:  # past its time, or this run is stopping
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    result = json.loads(result_path.read_text()) if result_path.exists() else {"points": []}
+    result["exit_code"] = proc.returncode
+    if proc.returncode != 0:
+        result["log_tail"] = (workdir / "engine.log").read_text(errors="replace")[-3000:]
+    return result
+
+
+def engine_worker(plan_path: str, result_path: str) -> int:
+    """In the subprocess: load the engine as the services would, warm it, run every point that fits."""
+    plan = json.loads(Path(plan_path).read_text())
+    watch_parent()
+    from services.settings import EngineSettings
+    from shared.engine import Engine
+
+    result: dict = {"device": device_facts(plan["flags"]["device"]), "points": [], "skipped": []}
+    t0 = time.perf_counter()
+    settings = EngineSettings(model=plan["model"], draft=plan["draft"],
+                              **{k: v for k, v in plan["flags"].items() if v is not None})
+    engine = Engine(settings.model, settings.draft, settings.engine_config())
+    engine.capture_graphs()
+    vocab = tuple(plan["vocab"])
+    for p in map(Point.from_dict, plan["warmup"]):
+        run_engine_point(engine, make_requests(p, vocab), p.concurrency, plan["point_seconds"])
+    result["startup_s"] = round(time.perf_counter() - t0, 2)
+    for p in map(Point.from_dict, plan["points"]):
+        if time.time() + plan["point_seconds"] + 10 > plan["deadline"]:
+            result["skipped"].append(p.name)
+            continue
+        records = run_engine_point(engine, make_requests(p, vocab), p.concurrency, plan["point_seconds"])
+        result["points"].append(summarize(p, records))
+        print(format_point("engine", result["points"][-1]), file=sys.stderr, flush=True)
+        write_json(result_path, result)
+    write_json(result_path, result)
+    return 0
+
+
+def watch_parent() -> None:
+    """Exit when the benchmark that started this process is gone (it may have been killed)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def device_facts(device: str) -> dict:
+    """The device's name and its copy bandwidth now: bytes copied per second (one way) and read + write."""
+    import torch
+
+    if device.startswith("cuda"):
+        from bench.timing import copy_bandwidth
+
+        read_write = copy_bandwidth(1 << 30)
+        name = torch.cuda.get_device_name()
+    else:
+        src = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
+        dst = torch.empty_like(src)
+        best = min(timed(lambda: dst.copy_(src)) for _ in range(5))
+        read_write, name = 2 * src.numel() / best, "cpu"
+    return {"name": name, "d2d_copy_gbps": read_write / 2 / 1e9, "d2d_read_write_gbps": read_write / 1e9}
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# ---- the stack side --------------------------------------------------------------------------------
+def run_stack_phase(run: Run, model: str, draft: str | None, points: list[Point], transport: str,
+                    workdir: Path) -> dict:
+    from bench.serving_stack import ServingStack, handoff_delta, handoff_totals
+
+    args = run.args
+    t0 = time.perf_counter()
+    stack = ServingStack(model, draft, engine_flags(args), workdir / f"logs-{transport}",
+                         env={"EYRIE_HANDOFF_TRANSPORT": transport, **run.child_env()})
+    out: dict = {"transport": transport, "points": [], "log_dir": str(stack.log_dir)}
+    run.report["stacks"].append(out)  # saved with every point from now on
+    try:
+        stack.start(min(args.start_timeout_s, max(10.0, run.left() - 10)))
+        drivers = {"grpc": GrpcDriver(stack.grpc_address, args.request_timeout_s),
+                   "http": HttpDriver(stack.openai_address, args.request_timeout_s)}
+        vocab = prompt_vocab(model)
+        for p in warmup_points(args):
+            run_closed_loop(drivers["grpc"], make_requests(p, vocab), p.concurrency, args.point_seconds)
+        out["startup_s"] = round(time.perf_counter() - t0, 2)
+        first = handoff_totals(stack.metrics("prefill"))
+        for api, p in stack_order(points, args.apis.split(",")):
+            if not run.fits(p, f"stack[{transport}] {api}"):
+                continue
+            before = handoff_totals(stack.metrics("prefill"))
+            records = run_closed_loop(drivers[api], make_requests(p, vocab), p.concurrency, args.point_seconds)
+            result = {"api": api, **summarize(p, records),
+                      "handoff": handoff_delta(before, handoff_totals(stack.metrics("prefill")))}
+            out["points"].append(result)
+            print(format_point(f"stack[{transport}] {api}", result), flush=True)
+            run.save()
+        out["handoff"] = handoff_delta(first, handoff_totals(stack.metrics("prefill")))
+    except (RuntimeError, TimeoutError, OSError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+        print(f"stack[{transport}]: {out['error']}", file=sys.stderr, flush=True)
+    finally:
+        out["exit_codes"] = stack.stop()
+    return out
+
+
+def stack_order(points: list[Point], apis: list[str]) -> list[tuple[str, Point]]:
+    """gRPC's fixed sweep and probe first, then the same over HTTP, then the mixed sweeps."""
+    first = [p for p in points if p.workload != "mixed"]
+    mixed = [p for p in points if p.workload == "mixed"]
+    return [(a, p) for group in (first, mixed) for a in apis for p in group]
+
+
+# ---- the report ------------------------------------------------------------------------------------
+def ratios(engine_points: list[dict], stack_points: list[dict]) -> list[dict]:
+    """Per stack point with an engine twin: stack / engine for tok/s, TTFT p50 and ITL p50."""
+    by_name = {p["point"]: p for p in engine_points}
+    out = []
+    for s in stack_points:
+        e = by_name.get(s["point"])
+        if e is None:
+            continue
+        out.append({"point": s["point"], "api": s["api"],
+                    **{f"{k}_ratio": div(s[k], e[k]) for k in ("output_tok_s", "ttft_p50_s", "itl_p50_s")}})
+    return out
+
+
+def div(a, b):
+    return a / b if a is not None and b else None
+
+
+def fmt(x, scale: float = 1.0, digits: int = 3) -> str:
+    return "-" if x is None else f"{x * scale:.{digits}f}"
+
+
+def format_point(where: str, p: dict) -> str:
+    return (f"{where:24s} {p['point']:10s} done {p['completed']}/{p['issued']}  tok/s {fmt(p['output_tok_s'], 1, 1)}  "
+            f"TTFT p50/p99 {fmt(p['ttft_p50_s'])}/{fmt(p['ttft_p99_s'])} s  "
+            f"ITL p50/p99 {fmt(p['itl_p50_s'], 1e3, 2)}/{fmt(p['itl_p99_s'], 1e3, 2)} ms")
+
+
+def print_summary(report: dict) -> None:
+    settings = report["settings"]
+    print(f"\nserving benchmark: {settings['preset']} {settings['dtype']} on {settings['device']} "
+          f"(graphs {settings['cuda_graph']}, draft {settings['draft']}, pages {settings['num_pages']}, "
+          f"max_running {settings['max_running']}, chunk {settings['chunk_size']})")
+    device = report.get("engine", {}).get("device")
+    if device:
+        print(f"device {device['name']}: device-to-device copy {device['d2d_copy_gbps']:.1f} GB/s "
+              f"(read + write {device['d2d_read_write_gbps']:.1f} GB/s)")
+    for p in report.get("engine", {}).get("points", []):
+        print(format_point("engine", p))
+    for stack in report.get("stacks", []):
+        for p in stack["points"]:
+            print(format_point(f"stack[{stack['transport']}] {p['api']}", p))
+        for name, h in stack.get("handoff", {}).items():
+            share = div(h.get("gbps"), device["d2d_copy_gbps"]) if device else None
+            print(f"hand-off [{name}]: {h['bytes'] / 1e9:.3f} GB in {h['seconds']:.3f} s over {h['count']:.0f} "
+                  f"hand-offs: {fmt(h.get('gbps'), 1, 2)} GB/s ({fmt(share, 100, 1)}% of the device copy)")
+        for r in stack.get("ratios", []):
+            print(f"stack[{stack['transport']}]/engine {r['api']:4s} {r['point']:10s} tok/s "
+                  f"{fmt(r['output_tok_s_ratio'], 1, 2)}  TTFT p50 {fmt(r['ttft_p50_s_ratio'], 1, 2)}  "
+                  f"ITL p50 {fmt(r['itl_p50_s_ratio'], 1, 2)}")
+    if report["skipped"]:
+        print(f"skipped (deadline): {', '.join(report['skipped'])}")
+
+
+# ---- main --------------------------------------------------------------------------------------------
+def prepare_model(run: Run, workdir: Path) -> tuple[str, str | None]:
+    args = run.args
+    model, draft = args.model, None if args.draft == "none" else args.draft
+    if model is None:
+        import torch
+
+        from bench.serving_model import write_serving_model
+
+        shard = 200_000 if args.smoke else None  # the smoke run shards its tiny model too
+        written = write_serving_model(workdir / "model", args.preset, args.device, getattr(torch, args.dtype),
+                                      draft == "eagle3", **({"shard_bytes": shard} if shard else {}))
+        run.report["model"] = written
+        model = written["target"]
+        draft = written.get("draft", draft)
+    return model, draft
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.engine_worker:
+        return engine_worker(*args.engine_worker)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: stop the services, keep the JSON
+    run = Run(args)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="eyrie-serving-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    model, draft = prepare_model(run, workdir)
+    points = build_points(args)
+    if not args.skip_engine:
+        run.report["engine"] = run_engine_phase(run, model, draft, points, workdir)
+        run.save()
+    run.report["stacks"] = []
+    if not args.skip_stack:
+        for transport in args.transports.split(","):
+            run_stack_phase(run, model, draft, points, transport, workdir)
+            run.save()
+    run.save()
+    print_summary(run.report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The house pair and issue 16's measurement in one device call (<= 9.5 minutes on an H100): the target
+# trained from scratch, its EAGLE-3 head, both widened to Llama-3.1-8B's shape in memory, and
+# bench.house.measure's stages (accept lengths per configuration greedy and at temperature 0.8, widening
+# exactness, batch-1 output tok/s with and without the head in the warmed engine, the speedups).
+# Run from the project root; carry ./.whl (../shared/tools/gpu-wheels.sh) with the call.
+#
+#   OUT=/path bench/house/gpu_house.sh            # the GPU run
+#   OUT=/path bench/house/gpu_house.sh --smoke    # the CPU form: tiny shapes, seconds (tests/unit/training)
+#
+# Time budgets (seconds, environment): TARGET_S (the target's training, default 150), HEAD_S (the head's,
+# default 120), TOTAL_S (the whole script, default 560: the measurement's stages that would end later are
+# skipped and listed). The trained pair is too large to come back from a device call (~0.7 GB), so
+# whatever must be measured on it happens here; gpu_house_speed.sh re-times the 8B shape alone.
+# $OUT gets house.json (packages, loss curve, held-out perplexity, samples), head.json (the head's
+# acceptance curve), measure.json, summary.txt and each stage's log (7 files).
+set -uo pipefail
+OUT=${OUT:-out/house}
+WORK=${WORK:-$(mktemp -d /tmp/house-XXXX)}
+mkdir -p "$OUT" "$WORK"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+TOTAL_S=${TOTAL_S:-560}
+if [[ ${1:-} == --smoke ]]; then
+  target_flags=(--tiny --num-hidden-layers 4)  # 4: EAGLE-3's capture points past the embedding
+  head_flags=(--steps 20 --batch-tokens 512 --seq-len 64 --ttt-steps 3 --eval-every 0 --eval-prompts 2
+              --eval-new-tokens 8 --regenerate 8 --max-windows 32 --device cpu --dtype float32)
+  measure_flags=(--shape small --device cpu --dtype float32 --prompts 2 --prompt-len 16 --new-tokens 8 --check 1
+                 --check-tokens 8 --speed-prompts 1 --speed-tokens 8)
+else
+  target_flags=(--time-budget-s "${TARGET_S:-150}")
+  head_flags=(--steps 4000 --time-budget-s "${HEAD_S:-120}" --batch-tokens 8192 --seq-len 512 --regenerate 128
+              --max-windows 2048 --eval-every 1000 --eval-prompts 16 --eval-new-tokens 64 --device cuda
+              --dtype bfloat16)
+  measure_flags=(--shape 8b --device cuda --dtype bfloat16)
+fi
+t0=$SECONDS
+stage() {  # stage NAME STDOUT COMMAND...: stderr in $OUT/NAME.log; stops the script when it fails
+  echo "gpu_house: $1 at $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+  local name=$1 stdout=$2; shift 2
+  "$@" > "$stdout" 2> "$OUT/$name.log"
+  local rc=$?
+  echo "gpu_house: $name exit $rc at $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+  tail -n 3 "$OUT/$name.log"
+  [[ $rc == 0 ]] || exit "$rc"
+}
+stage target /dev/null python3 -m bench.house.train_target --out "$WORK/target" "${target_flags[@]}"
+cp "$WORK/target/house.json" "$OUT/house.json"
+stage head "$OUT/head.json" python3 -m services.cli train-draft --target "$WORK/target" --corpus "$WORK/target/corpus/train.jsonl" \
+  --kind eagle3 --out "$WORK/eagle3" --no-progress "${head_flags[@]}"
+stage measure "$OUT/measure.log.json" python3 -m bench.house.measure --target "$WORK/target" --draft "$WORK/eagle3" --out "$OUT/measure.json" \
+  --deadline-s $((TOTAL_S - (SECONDS - t0))) "${measure_flags[@]}"
+cat "$OUT/measure.log.json" && rm "$OUT/measure.log.json"  # measure.json holds it all

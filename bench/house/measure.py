@@ -1,0 +1,331 @@
+"""Issue 16's measurement of a trained pair: accept lengths, widening exactness, batch-1 speed at 8B shape.
+
+    python -m bench.house.measure --target /tmp/house --draft /tmp/house-eagle3 --out measure.json --device cuda
+    python -m bench.house.measure --random-pair --accept-from measure.json --out speed.json --device cuda
+
+Stages, each skipped (and listed under ``skipped``) once ``--deadline-s`` would be passed:
+
+1. ``acceptance``: the small pair on held-out prompts, for chains of 3, 5 and 7 drafts and trees of
+   topk 4 with 8 and 16 verified tokens, greedy and at temperature 0.8 (accept length = committed tokens
+   per verify, the engine's count).
+2. ``exactness``: the pair widened in memory to ``--shape`` (``shared/training/widen.py``), greedy on
+   ``--check`` held-out prompts in ``--check-dtype`` next to the small pair: equal tokens, accept lengths.
+3. ``speed``: the widened pair at batch 1 in the warmed engine (CUDA graphs on CUDA): output tok/s of
+   plain decoding and of each configuration, and ``speedup = accept_length x decode_step / iteration``
+   (the decode step is plain decoding's time per token, the iteration one verify step's time), with the
+   accept length a 2.5x speedup would need.
+
+``--random-pair`` times a random pair of the house shape widened alike instead (no training: the cost of a
+step does not depend on the weights) and takes the accept lengths of ``--accept-from`` (an earlier run's
+JSON) for the speedups: the second call when one device call cannot hold training and timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shared.config import EngineConfig, SpecConfig
+from shared.engine import Engine
+from shared.model.config import ModelConfig
+from shared.model.factory import write_checkpoint
+from shared.model.layers import fuse_projections
+from shared.model.llama import LlamaForCausalLM
+from shared.model.loader import build_module, load_target, load_weights, parse_dtype, read_state_dict
+from shared.sampling import SamplingParams
+from shared.training.widen import LLAMA31_8B, Shape, widen_eagle3, widen_target
+
+
+@dataclass(frozen=True)
+class SpecShape:
+    name: str
+    topk: int
+    steps: int
+    num_draft_tokens: int
+
+    def config(self) -> SpecConfig:
+        return SpecConfig(topk=self.topk, steps=self.steps, num_draft_tokens=self.num_draft_tokens)
+
+
+CONFIGS = (SpecShape("chain3", 1, 3, 4), SpecShape("chain5", 1, 5, 6), SpecShape("chain7", 1, 7, 8),
+           SpecShape("tree_topk4_n8", 4, 5, 8), SpecShape("tree_topk4_n16", 4, 5, 16))
+TEMPERATURES = (0.0, 0.8)
+TARGET_SPEEDUP = 2.5
+SHAPES = {"8b": LLAMA31_8B, "small": Shape(6, 256, 512, 2, 1)}  # small: the CPU form's
+
+
+class Clock:
+    """The stage deadline: ``left()`` seconds remain of ``budget_s`` from construction."""
+
+    def __init__(self, budget_s: float | None):
+        self.t0, self.budget_s = time.perf_counter(), budget_s
+
+    def left(self) -> float:
+        return float("inf") if self.budget_s is None else self.budget_s - (time.perf_counter() - self.t0)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+# ---- prompts ----------------------------------------------------------------------------------------
+def heldout_prompts(target_dir: Path, count: int, length: int) -> list[list[int]]:
+    """The first ``length`` tokens of ``count`` held-out documents long enough to have them."""
+    from shared.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(target_dir)
+    prompts = []
+    for line in (target_dir / "corpus" / "heldout.jsonl").read_text().splitlines():
+        ids = tok.encode(json.loads(line)["text"])
+        if len(ids) >= length:
+            prompts.append(ids[:length])
+        if len(prompts) == count:
+            break
+    if not prompts:
+        raise SystemExit(f"measure: no held-out document of {length} tokens in {target_dir}/corpus/heldout.jsonl")
+    return prompts
+
+
+# ---- 1. acceptance ----------------------------------------------------------------------------------
+def acceptance(target: LlamaForCausalLM, head_dir: Path, prompts: list[list[int]], new_tokens: int, device: str,
+               dtype: str, clock: Clock, skipped: list[str]) -> list[dict]:
+    rows = []
+    for shape in CONFIGS:
+        for temperature in TEMPERATURES:
+            if clock.left() < 20:
+                skipped.append(f"acceptance {shape.name} t={temperature}")
+                continue
+            config = EngineConfig(device=device, dtype=dtype, max_running=len(prompts), chunk_size=None,
+                                  max_context=max(map(len, prompts)) + new_tokens + 32, spec=shape.config())
+            engine = Engine(target, draft=head_dir, config=config)
+            params = [SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, temperature=temperature, seed=i)
+                      for i in range(len(prompts))]
+            engine.generate(prompts, params)
+            t = engine.spec_stats.totals
+            rows.append({"config": shape.name, "topk": shape.topk, "steps": shape.steps,
+                         "num_draft_tokens": shape.num_draft_tokens, "temperature": temperature,
+                         "accept_length": round(t.accept_length, 4), "accept_rate": round(t.accept_rate, 4),
+                         "verify_steps": t.verify_steps})
+            log(f"measure: {shape.name} t={temperature}: accept length {rows[-1]['accept_length']}")
+    return rows
+
+
+# ---- 2. widening --------------------------------------------------------------------------------------
+def module_from_state(cfg: dict, state: dict[str, torch.Tensor], dtype: str, device: str) -> LlamaForCausalLM:
+    model = build_module(LlamaForCausalLM, ModelConfig.from_hf_dict(cfg), parse_dtype(dtype), torch.device(device))
+    load_weights(model, state)
+    return fuse_projections(model).eval()
+
+
+@dataclass
+class WidePair:
+    state: dict[str, torch.Tensor]  # the wide target's tensors (the small checkpoint's dtype, CPU)
+    config: dict  # its config.json
+    head_dir: Path  # the wide EAGLE-3 head, written
+    layer_of: list[int]
+
+
+def widen(target_cfg: dict, target_state: dict, head_cfg: dict, head_state: dict, shape: Shape,
+          work: Path) -> WidePair:
+    state, wcfg, plan = widen_target(target_state, target_cfg, shape)
+    dstate, dwcfg = widen_eagle3(head_state, head_cfg, target_cfg, shape)
+    write_checkpoint(work / "eagle3-wide", dwcfg, dstate)
+    return WidePair(state=state, config=wcfg, head_dir=work / "eagle3-wide", layer_of=list(plan.layer_of))
+
+
+def greedy_pair(target, head_dir: Path, prompts: list[list[int]], new_tokens: int, device: str, dtype: str):
+    config = EngineConfig(device=device, dtype=dtype, max_running=len(prompts), chunk_size=None,
+                          max_context=max(map(len, prompts)) + new_tokens + 32, spec=CONFIGS[1].config())
+    engine = Engine(target, draft=head_dir, config=config)
+    tokens = [r.token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens,
+                                                                          ignore_eos=True))]
+    return tokens, round(engine.spec_stats.totals.accept_length, 4)
+
+
+def exactness(small_dir: Path, small_head: Path, wide: WidePair, prompts: list[list[int]], new_tokens: int,
+              device: str, dtype: str) -> dict:
+    """Greedy tokens and accept length (chain of 5) of the small and the wide pair, both in ``dtype``."""
+    small_tokens, small_len = greedy_pair(load_target(small_dir, dtype, device), small_head, prompts, new_tokens,
+                                          device, dtype)
+    model = module_from_state(wide.config, wide.state, dtype, device)
+    wide_tokens, wide_len = greedy_pair(model, wide.head_dir, prompts, new_tokens, device, dtype)
+    del model
+    same = sum(a == b for a, b in zip(small_tokens, wide_tokens))
+    return {"dtype": dtype, "prompts": len(prompts), "new_tokens": new_tokens, "outputs_equal": same == len(prompts),
+            "prompts_equal": same, "accept_length_small": small_len, "accept_length_wide": wide_len}
+
+
+# ---- 3. speed ---------------------------------------------------------------------------------------
+def batch1_speed(model: LlamaForCausalLM, head_dir: Path | None, shape: SpecShape | None, prompts: list[list[int]],
+                 new_tokens: int, device: str, dtype: str) -> dict:
+    """Output tok/s at batch 1 in a warmed engine (graphs captured, one request run first)."""
+    config = EngineConfig(device=device, dtype=dtype, max_running=1, chunk_size=None, cuda_graph=device != "cpu",
+                          cuda_graph_max_bs=1, max_context=max(map(len, prompts)) + new_tokens + 32,
+                          spec=None if shape is None else shape.config())
+    engine = Engine(model, draft=head_dir if shape is not None else None, config=config)
+    engine.capture_graphs()
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    engine.generate(prompts[0], SamplingParams(max_new_tokens=min(new_tokens, 32), ignore_eos=True))
+    before = engine.spec_stats.totals.verify_steps if shape is not None else 0
+    sync(device)
+    t0 = time.perf_counter()
+    tokens = sum(len(engine.generate(p, params)[0].token_ids) for p in prompts)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    row = {"config": "plain" if shape is None else shape.name, "tokens": tokens, "seconds": round(seconds, 4),
+           "tok_per_s": round(tokens / seconds, 2)}
+    if shape is not None:
+        iterations = engine.spec_stats.totals.verify_steps - before
+        # Each request's first token comes from its prefill, every other from a verify.
+        row.update(verify_steps=iterations, accept_length=round((tokens - len(prompts)) / iterations, 4),
+                   iteration_s=round(seconds / iterations, 6))
+    else:
+        row["decode_step_s"] = round(seconds / tokens, 6)
+    return row
+
+
+def speedups(rows: list[dict], accept_from: dict[str, float] | None) -> list[dict]:
+    """Each configuration's speedup over plain decoding: measured, and by the formula with the accept
+    length measured here or taken from ``accept_from``; the accept length 2.5x would need."""
+    plain = next(r for r in rows if r["config"] == "plain")
+    out = []
+    for r in rows:
+        if r["config"] == "plain":
+            continue
+        accept = (accept_from or {}).get(r["config"], r["accept_length"])
+        out.append({"config": r["config"], "measured": round(r["tok_per_s"] / plain["tok_per_s"], 4),
+                    "accept_length": accept,
+                    "formula": round(accept * plain["decode_step_s"] / r["iteration_s"], 4),
+                    "accept_length_for_2.5x": round(TARGET_SPEEDUP * r["iteration_s"] / plain["decode_step_s"], 3)})
+    return out
+
+
+def speed(model: LlamaForCausalLM, head_dir: Path, prompts: list[list[int]], new_tokens: int, device: str,
+          dtype: str, clock: Clock, skipped: list[str], accept_from: dict[str, float] | None) -> dict:
+    rows = [batch1_speed(model, None, None, prompts, new_tokens, device, dtype)]
+    log(f"measure: plain {rows[0]['tok_per_s']} tok/s")
+    for shape in CONFIGS:
+        if clock.left() < 30:
+            skipped.append(f"speed {shape.name}")
+            continue
+        rows.append(batch1_speed(model, head_dir, shape, prompts, new_tokens, device, dtype))
+        log(f"measure: {shape.name} {rows[-1]['tok_per_s']} tok/s, accept length {rows[-1]['accept_length']}")
+    return {"rows": rows, "speedups": speedups(rows, accept_from)}
+
+
+# ---- the random pair (timing only) ----------------------------------------------------------------------
+def random_pair(work: Path, seed: int, tiny: bool) -> tuple[dict, dict, dict, dict]:
+    """(target config, target state, head config, head state) of the house shape (``tiny``: the CPU form's),
+    random: what a step costs does not depend on the weights."""
+    from bench.house.train_target import TINY, HouseConfig, model_config
+    from shared.training.corpus import vocab_maps
+    from shared.training.dense import new_llama
+    from shared.training.heads import head_config, head_state, new_head
+
+    tcfg = model_config(HouseConfig(out=str(work), **({**TINY, "num_hidden_layers": 4} if tiny else {})))
+    torch.manual_seed(seed)
+    target = new_llama(ModelConfig.from_hf_dict(tcfg), torch.device("cpu"))
+    vd = min(32000, tcfg["vocab_size"])
+    hcfg = head_config("eagle3", tcfg, 1, vd)
+    head = new_head("eagle3", hcfg, target, torch.device("cpu"))
+    d2t, t2d = vocab_maps(torch.arange(vd), tcfg["vocab_size"])
+    head.d2t.copy_(d2t)
+    dtype = torch.bfloat16
+    tstate = {k: v.detach().to(dtype) for k, v in target.state_dict().items()}
+    return tcfg, tstate, hcfg, head_state(head, t2d, dtype)
+
+
+# ---- the run ------------------------------------------------------------------------------------------
+def run(args) -> dict:
+    clock, skipped = Clock(args.deadline_s), []
+    work = Path(tempfile.mkdtemp(prefix="house-measure-"))
+    shape = SHAPES[args.shape]
+    record = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+              "torch": torch.__version__, "settings": {k: str(v) for k, v in vars(args).items()},
+              "shape": vars(shape), "skipped": skipped}
+    accept_from = None
+    if args.random_pair:
+        tcfg, tstate, hcfg, hstate = random_pair(work, args.seed, tiny=args.shape == "small")
+        prompts = [list(range(10 + i, 10 + i + args.prompt_len)) for i in range(args.speed_prompts)]
+        if args.accept_from:
+            rows = json.loads(Path(args.accept_from).read_text())["acceptance"]
+            accept_from = {r["config"]: r["accept_length"] for r in rows if r["temperature"] == 0.0}
+    else:
+        tcfg = json.loads((args.target / "config.json").read_text())
+        hcfg = json.loads((args.draft / "config.json").read_text())
+        prompts = heldout_prompts(args.target, args.prompts, args.prompt_len)
+        small = load_target(args.target, args.dtype, args.device)
+        record["acceptance"] = acceptance(small, args.draft, prompts, args.new_tokens, args.device, args.dtype,
+                                          clock, skipped)
+        del small
+        tstate, hstate = read_state_dict(args.target), read_state_dict(args.draft)
+    t0 = time.perf_counter()
+    wide = widen(tcfg, tstate, hcfg, hstate, shape, work)
+    record["widen"] = {"seconds": round(time.perf_counter() - t0, 2), "layer_of": wide.layer_of,
+                       "rms_norm_eps": wide.config["rms_norm_eps"]}
+    if not args.random_pair and args.check and clock.left() > 90:
+        record["exactness"] = exactness(args.target, args.draft, wide, prompts[:args.check], args.check_tokens,
+                                        args.device, args.check_dtype)
+        log(f"measure: widened pair equal to the small one: {record['exactness']['outputs_equal']}")
+    elif args.check and not args.random_pair:
+        skipped.append("exactness")
+    if clock.left() > 60:
+        model = module_from_state(wide.config, wide.state, args.dtype, args.device)
+        record["speed"] = speed(model, wide.head_dir, prompts[:args.speed_prompts], args.speed_tokens, args.device,
+                                args.dtype, clock, skipped, accept_from)
+    else:
+        skipped.append("speed")
+    record["seconds"] = round(time.perf_counter() - clock.t0, 1)
+    return record
+
+
+def parse(argv: list[str] | None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", type=Path, help="the small target (with corpus/heldout.jsonl)")
+    p.add_argument("--draft", type=Path, help="its EAGLE-3 head")
+    p.add_argument("--random-pair", action="store_true", help="time a random pair of the house shape instead")
+    p.add_argument("--accept-from", help="an earlier run's JSON: its greedy accept lengths for the speedups")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prompts", type=int, default=16, help="held-out prompts of the acceptance stage")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--check", type=int, default=4, help="prompts of the exactness stage (0: skip it)")
+    p.add_argument("--check-tokens", type=int, default=64)
+    p.add_argument("--check-dtype", default="float32")
+    p.add_argument("--speed-prompts", type=int, default=4)
+    p.add_argument("--speed-tokens", type=int, default=256)
+    p.add_argument("--deadline-s", type=float, help="skip the stages that would start after this many seconds")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if not args.random_pair and (args.target is None or args.draft is None):
+        p.error("--target and --draft are needed (or --random-pair)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    record = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1))
+    print(json.dumps({k: record[k] for k in ("device", "skipped", "seconds") if k in record}
+                     | {"speedups": record.get("speed", {}).get("speedups")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

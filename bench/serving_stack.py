@@ -1,0 +1,160 @@
+"""The stack as ``eyrie up`` runs it, for the serving benchmark: an embedded Redis, then ``eyrie serve prefill``
+and ``eyrie serve decode`` (both on the one device), then ``eyrie serve router`` with the OpenAI API, each its
+own process, every port 0. A service is up when it prints its ready line (one JSON object on stdout, after
+its engine loaded, captured its graphs and registered); its log (JSON lines on stderr) goes to
+``log_dir/{role}.log``. Every wait has a deadline; ``stop`` (also run at exit) ends every process it started.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class ServiceProcess:
+    def __init__(self, role: str, flags: list[str], env: dict, log_dir: Path):
+        self.role = role
+        self.log = open(log_dir / f"{role}.log", "ab")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", role, *flags], cwd=ROOT,
+                                     env=env, stdout=subprocess.PIPE, stderr=self.log, start_new_session=True)
+        self._lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line)
+
+    def ready(self, deadline: float) -> dict:
+        """The service's ready line; raises if it exits or the deadline passes first."""
+        while True:
+            try:
+                return json.loads(self._lines.get(timeout=0.2))
+            except queue.Empty:
+                pass
+            except json.JSONDecodeError:
+                continue
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.role} exited with status {self.proc.returncode} while starting "
+                                   f"(log: {self.log.name})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.role} printed no ready line in time (log: {self.log.name})")
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+        return self.proc.returncode
+
+
+class ServingStack:
+    """Redis + prefill + decode + router; ``engine_flags`` go to prefill and decode (``--num-pages``, ...)."""
+
+    def __init__(self, model: str, draft: str | None, engine_flags: dict, log_dir: Path,
+                 prefill_flags: dict | None = None, decode_flags: dict | None = None, env: dict | None = None):
+        self.model, self.draft, self.engine_flags = model, draft, engine_flags
+        self.role_flags = {"prefill": prefill_flags or {}, "decode": decode_flags or {}}
+        self.log_dir = log_dir
+        self.env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                    "EYRIE_PARENT_PID": str(os.getpid()), **(env or {})}
+        self.redis = None
+        self.procs: list[ServiceProcess] = []
+        self.ready: dict[str, dict] = {}
+        atexit.register(self.stop)
+
+    def start(self, timeout_s: float) -> ServingStack:
+        from shared.metadata import EmbeddedRedis
+
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + timeout_s
+        self.redis = EmbeddedRedis()
+        redis = ["--redis-url", self.redis.start()]
+        model = ["--model", self.model]
+        try:
+            engines = [self._spawn(role, [*redis, *model, *flag_list({"draft": self.draft, **self.engine_flags,
+                                                                       **self.role_flags[role]})])
+                       for role in ("prefill", "decode")]
+            for p in engines:  # both load at once; each is registered by its ready line
+                self.ready[p.role] = p.ready(deadline)
+            router = self._spawn("router", [*redis, *model, "--openai-port", "0"])
+            self.ready["router"] = router.ready(deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, role: str, flags: list[str]) -> ServiceProcess:
+        p = ServiceProcess(role, [*flags, "--grpc-port", "0", "--http-port", "0"], self.env, self.log_dir)
+        self.procs.append(p)
+        return p
+
+    @property
+    def grpc_address(self) -> str:
+        return self.ready["router"]["grpc"]
+
+    @property
+    def openai_address(self) -> str:
+        return self.ready["router"]["openai"]
+
+    def metrics(self, role: str) -> str:
+        with urllib.request.urlopen(f"http://{self.ready[role]['http']}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def stop(self) -> dict[str, int | None]:
+        codes = {p.role: p.stop() for p in self.procs}
+        self.procs.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+        return codes
+
+
+def flag_list(flags: dict) -> list[str]:
+    out = []
+    for k, v in flags.items():
+        if v is not None:
+            out += [f"--{k.replace('_', '-')}", str(v).lower() if isinstance(v, bool) else str(v)]
+    return out
+
+
+def handoff_totals(metrics_text: str) -> dict[str, dict[str, float]]:
+    """Per ``transport`` label: the hand-off bytes and seconds (sum, count) a service's /metrics counts."""
+    out: dict[str, dict[str, float]] = {}
+    names = {"eyrie_handoff_bytes_total": "bytes", "eyrie_handoff_seconds_sum": "seconds",
+             "eyrie_handoff_seconds_count": "count"}
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name in names:
+                t = out.setdefault(s.labels.get("transport", ""), {"bytes": 0.0, "seconds": 0.0, "count": 0.0})
+                t[names[s.name]] += s.value
+    return out
+
+
+def handoff_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """What moved between two ``handoff_totals``, with each transport's bandwidth (bytes over hand-off time:
+    the whole hand-off, reserve and acknowledgement included)."""
+    out = {}
+    for transport, a in after.items():
+        b = before.get(transport, {})
+        d = {k: a[k] - b.get(k, 0.0) for k in a}
+        if d["count"]:
+            d["gbps"] = d["bytes"] / d["seconds"] / 1e9 if d["seconds"] > 0 else None
+            out[transport] = d
+    return out

@@ -1,0 +1,154 @@
+"""Penalties and filters on the target's logits, at every tree node, from that node's own prefix.
+
+The features (vLLM's names and meanings): ``logit_bias`` (added), ``allowed_token_ids`` (every other
+token masked), ``min_tokens`` (EOS and ``stop_token_ids`` masked while fewer outputs exist),
+``repetition_penalty`` (a token of the prompt or the output: a positive logit divided by it, a
+negative one multiplied), ``frequency_penalty`` and ``presence_penalty`` (subtracted per occurrence
+in the output, and once for any occurrence), then ``min_p`` (after the temperature: tokens below
+``min_p`` times the most likely token's probability masked; sampled rows only).
+
+Under speculation the logits of tree node n predict the token after n, so its counts are those of the
+committed tokens plus n's ancestors below the root, and n itself (the root is the last committed
+token). ``process_logits`` applies everything with the committed counts to the whole [B, N, V] block,
+then recomputes the few entries whose counts the tree changes (each node's ancestors' tokens) from
+the raw logits: a handful of [B, N, N] gathers, no per-node copy of the counts. Target-only decoding
+calls the same function with one node per request and no tree, so greedy speculative output equals
+greedy target-only output with every feature.
+
+Everything runs on the device from tensors built once per step (``logits_rows``); a batch in which no
+request uses a feature builds nothing and launches nothing here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from shared.sampling import SamplingParams
+
+
+def uses_processing(params: SamplingParams) -> bool:
+    """Whether a request needs any of this module's features."""
+    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+                or params.min_p or params.min_tokens or params.logit_bias or params.allowed_token_ids)
+
+
+@dataclass
+class LogitsRows:
+    """One batch's penalties and filters, on the device. Padding rows are neutral (all zeros)."""
+
+    counts: torch.Tensor  # [B, V] int32 occurrences of each token in the committed output
+    seen: torch.Tensor  # [B, V] bool tokens of the prompt or the committed output
+    bias: torch.Tensor  # [B, V] float32 logit_bias, -inf outside allowed_token_ids
+    stop_ids: torch.Tensor  # [B, V] bool EOS and stop_token_ids, masked while outputs < min_tokens
+    out_len: torch.Tensor  # [B] int64 committed output tokens
+    min_tokens: torch.Tensor  # [B] int64
+    presence: torch.Tensor  # [B] float32
+    frequency: torch.Tensor  # [B] float32
+    repetition: torch.Tensor  # [B] float32 (0 on padding rows: read as 1)
+    min_p: torch.Tensor  # [B] float32
+    temperature: torch.Tensor  # [B] float32 (min_p applies to sampled rows, after the temperature)
+
+
+def requests_rows(reqs: list, vocab: int, rows: int, device: torch.device | str) -> LogitsRows | None:
+    """The ``LogitsRows`` of ``reqs`` (``shared.request.Request``: prompt, committed output, parameters,
+    EOS ids) padded to ``rows``; None when none of them uses a feature (then nothing is built)."""
+    if not any(uses_processing(r.params) for r in reqs):
+        return None
+    return logits_rows([r.prompt_ids for r in reqs], [r.output_ids for r in reqs], [r.params for r in reqs],
+                       [r.eos_ids for r in reqs], vocab, rows, device)
+
+
+def logits_rows(prompts: list[list[int]], outputs: list[list[int]], params: list[SamplingParams],
+                eos_ids: list[tuple[int, ...]], vocab: int, rows: int, device: torch.device | str) -> LogitsRows:
+    """The ``LogitsRows`` of requests (prompt ids, committed output ids, parameters, EOS ids), padded to
+    ``rows``."""
+    n = len(params)
+    counts = _scatter_counts(list(outputs) + [[]] * (rows - n), vocab, device)
+    seen = _scatter_counts([p + o if q.repetition_penalty != 1.0 else []
+                            for p, o, q in zip(prompts, outputs, params)] + [[]] * (rows - n), vocab, device) > 0
+    bias = torch.zeros(rows, vocab + 1, dtype=torch.float32)
+    stop_ids = torch.zeros(rows, vocab + 1, dtype=torch.bool)
+    for i, q in enumerate(params):
+        if q.allowed_token_ids:
+            allowed = torch.full((vocab + 1,), -math.inf)
+            allowed[list(q.allowed_token_ids)] = 0.0
+            bias[i] = allowed
+        for tok, b in q.logit_bias:
+            bias[i, tok] += b
+        if q.min_tokens:
+            stop_ids[i, [t for t in (*q.stop_token_ids, *(() if q.ignore_eos else eos_ids[i])) if t < vocab]] = True
+
+    def col(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values + [0] * (rows - n), dtype=dtype)
+
+    host = LogitsRows(
+        counts=counts, seen=seen, bias=bias[:, :vocab], stop_ids=stop_ids[:, :vocab],
+        out_len=col([len(o) for o in outputs], torch.int64),
+        min_tokens=col([q.min_tokens for q in params], torch.int64),
+        presence=col([q.presence_penalty for q in params], torch.float32),
+        frequency=col([q.frequency_penalty for q in params], torch.float32),
+        repetition=col([q.repetition_penalty for q in params], torch.float32),
+        min_p=col([q.min_p for q in params], torch.float32),
+        temperature=col([q.temperature for q in params], torch.float32))
+    return LogitsRows(**{k: v.to(device) for k, v in vars(host).items()})
+
+
+def _scatter_counts(ids: list[list[int]], vocab: int, device: torch.device | str) -> torch.Tensor:
+    """[len(ids), vocab] int32 occurrences, counted on the device from one padded id tensor."""
+    width = max((len(x) for x in ids), default=0)
+    padded = torch.tensor([x + [vocab] * (width - len(x)) for x in ids], dtype=torch.int64).view(len(ids), width)
+    out = torch.zeros(len(ids), vocab + 1, dtype=torch.int32, device=device)
+    out.scatter_add_(1, padded.to(device), torch.ones(padded.shape, dtype=torch.int32, device=device))
+    return out[:, :vocab]
+
+
+def _penalize(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, rows: LogitsRows) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties; shapes broadcast as [B, N or 1, V or N]."""
+    rep = torch.where(rows.repetition > 0, rows.repetition, 1.0).view(-1, 1, 1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - rows.frequency.view(-1, 1, 1) * counts - rows.presence.view(-1, 1, 1) * (counts > 0)
+
+
+def process_logits(logits: torch.Tensor, rows: LogitsRows, tokens: torch.Tensor | None = None,
+                   mask: torch.Tensor | None = None, depths: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, N, V] logits after every feature, node n counted with its prefix: the committed tokens and,
+    given a tree (``tokens`` [B, N], ``mask`` [B, N, N] ancestor-or-self, ``depths`` [B, N]), the
+    tokens of n's ancestors below the root and n's own."""
+    B, N, V = logits.shape
+    raw = logits.float() + rows.bias.unsqueeze(1)
+    depth = depths if depths is not None else torch.zeros(B, N, dtype=torch.int64, device=logits.device)
+    early = (rows.out_len.unsqueeze(1) + depth < rows.min_tokens.unsqueeze(1)).unsqueeze(2)  # [B, N, 1]
+    raw = raw.masked_fill(early & rows.stop_ids.unsqueeze(1), -math.inf)
+    out = _penalize(raw, rows.counts.unsqueeze(1).float(), rows.seen.unsqueeze(1), rows)
+    if tokens is not None and N > 1:
+        out = _tree_prefix(out, raw, rows, tokens, mask)
+    return _min_p(out, rows)
+
+
+def _tree_prefix(out: torch.Tensor, raw: torch.Tensor, rows: LogitsRows, tokens: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+    """Recompute, at node n, the penalised logit of each token on n's path (ancestors below the root,
+    and n) with the committed count plus its occurrences on that path."""
+    B, N, V = out.shape
+    on_path = mask.clone()
+    on_path[:, :, 0] = False  # the root is committed already
+    same = tokens.unsqueeze(2) == tokens.unsqueeze(1)  # [B, m, m'] same token
+    extra = (on_path.unsqueeze(2) & same.unsqueeze(1)).sum(-1)  # [B, n, m]: occurrences of token m on n's path
+    idx = tokens.unsqueeze(1).expand(B, N, N)  # [B, n, m] token of node m
+    base = rows.counts.gather(1, tokens).unsqueeze(1).float() + extra  # [B, n, m]
+    fixed = _penalize(raw.gather(2, idx), base, torch.ones_like(on_path), rows)
+    where = torch.where(on_path, idx, V)  # off-path entries land in a spare column
+    wide = torch.cat([out, out.new_zeros(B, N, 1)], 2)
+    return wide.scatter(2, where, torch.where(on_path, fixed, 0.0))[:, :, :V]
+
+
+def _min_p(logits: torch.Tensor, rows: LogitsRows) -> torch.Tensor:
+    """Mask the tokens whose probability at the row's temperature is below min_p times the largest."""
+    sampled = (rows.temperature > 0) & (rows.min_p > 0)
+    temp = torch.where(sampled, rows.temperature, 1.0).view(-1, 1, 1)
+    z = logits / temp
+    floor = z.amax(-1, keepdim=True) + torch.log(torch.where(sampled, rows.min_p, 1.0)).view(-1, 1, 1)
+    return logits.masked_fill(sampled.view(-1, 1, 1) & (z < floor), -math.inf)

@@ -1,0 +1,143 @@
+"""The speculation policy (``shared/spec/policy.py``): what it picks, and that every pick is lossless.
+
+``adaptive`` runs a plain step when speculation is expected to give fewer tokens per second (acceptance
+near zero, or a batch where verification costs more than it saves) and speculates when acceptance is
+high; ``fixed`` always speculates. Switching between them mid-request keeps greedy output equal to the
+target's alone, and the sampled output's distribution the target's (chi-square).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from shared.config import EngineConfig, SpecConfig
+from shared.engine import Engine
+from shared.sampling import SamplingParams
+from shared.spec.policy import Acceptance, MeasuredCost, SpecPolicy, bucket
+
+
+class TableCost:
+    """Injected step costs: seconds per plain step and per speculative step, by batch size."""
+
+    def __init__(self, decode, spec):
+        self.decode, self.spec = decode, spec
+
+    def decode_s(self, batch):
+        return self.decode(batch)
+
+    def spec_s(self, batch):
+        return self.spec(batch)
+
+
+GRID = TableCost(decode=lambda b: 0.010 + 0.0001 * b, spec=lambda b: 0.020 + 0.0008 * b)  # spec dearer with b
+
+
+def policy(kind: str, accepted_nodes: int, steps: int = 3, cost=GRID) -> SpecPolicy:
+    p = SpecPolicy(kind, Acceptance(steps), cost)
+    for _ in range(20):
+        p.acceptance.observe([accepted_nodes] * 4)
+    return p
+
+
+def test_adaptive_picks_none_when_acceptance_is_about_zero():
+    p = policy("adaptive", accepted_nodes=1)
+    assert p.acceptance.expected_tokens() == pytest.approx(1.0)
+    assert [p.speculate(1) for _ in range(5)] == [False] * 5
+    assert policy("fixed", accepted_nodes=1).speculate(1) is True
+
+
+def test_adaptive_speculates_when_acceptance_is_high_and_stops_at_large_batches():
+    p = policy("adaptive", accepted_nodes=4)  # every draft of 3 accepted: 4 tokens per step
+    assert p.acceptance.expected_tokens() == pytest.approx(4.0)
+    assert p.speculate(1) and p.speculate(8)  # 4 x 10.1 ms > 20.8 ms
+    assert not p.speculate(64)  # 4 x 16.4 ms < 71.2 ms: verification costs more than it saves
+    assert p.choices == {"spec": 2, "plain": 1}
+
+
+def test_adaptive_probes_acceptance_while_not_speculating_and_measures_unknown_costs_first():
+    p = policy("adaptive", accepted_nodes=1)
+    picks = [p.speculate(1) for _ in range(2 * p.probe_every)]
+    assert picks.count(True) == 2 and picks[p.probe_every - 1] and picks[-1]
+    fresh = SpecPolicy("adaptive", Acceptance(3), MeasuredCost())
+    assert fresh.speculate(4) is True  # no acceptance yet: speculate to learn it
+    fresh.acceptance.observe([1, 1])
+    fresh.cost.record("spec", 4, 0.02)
+    assert fresh.speculate(3) is False  # plain never timed at this bucket: time it once
+    fresh.cost.record("plain", 3, 0.01)
+    assert fresh.cost.decode_s(4) == 0.01 and bucket(3) == bucket(4) == 4
+
+
+def test_acceptance_decays_towards_recent_steps():
+    a = Acceptance(3, decay=0.5)
+    a.observe([4])
+    for _ in range(10):
+        a.observe([1])
+    assert a.expected_tokens() < 1.01
+    b = Acceptance(3, decay=0.5)
+    b.observe_counts(2, [2, 2, 1])
+    assert b.expected_tokens() == pytest.approx(1 + 5 / 2)
+
+
+def test_bad_policy_name_is_refused():
+    with pytest.raises(ValueError, match="fixed or adaptive"):
+        EngineConfig(spec_policy="sometimes")
+
+
+class Alternating:
+    """Costs that flip the adaptive policy's choice every step (speculation cheap, then dear)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def decode_s(self, batch):
+        return 1.0
+
+    def spec_s(self, batch):
+        self.calls += 1
+        return 0.5 if self.calls % 2 else 100.0
+
+
+def switching_engine(root, params_batch: int) -> Engine:
+    config = EngineConfig(max_running=params_batch, max_context=128, spec_policy="adaptive",
+                          spec=SpecConfig(topk=2, steps=3, num_draft_tokens=6))
+    engine = Engine(root / "target", draft=root / "eagle3", config=config)
+    engine.spec_policy.cost = Alternating()
+    engine.spec_policy.acceptance.observe([2])  # known acceptance: the costs decide
+    return engine
+
+
+def test_greedy_equals_target_only_with_the_policy_switching_mid_request(oracle_model_dir):
+    prompts = [[5, 6, 7, 8], [9, 10], list(range(20, 33))]
+    params = SamplingParams(max_new_tokens=14, ignore_eos=True)
+    want = Engine(oracle_model_dir / "target", config=EngineConfig(max_running=3, max_context=128)).generate(
+        prompts, params)
+    engine = switching_engine(oracle_model_dir, 3)
+    got = engine.generate(prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert engine.spec_policy.choices["spec"] >= 2 and engine.spec_policy.choices["plain"] >= 2
+    assert engine.spec_stats.totals.accept_length > 1.3  # the speculative steps still accept (oracle drafts)
+    assert engine.is_idle_and_clean()
+
+
+def test_sampled_tokens_keep_the_target_distribution_with_the_policy_switching(oracle_model_dir):
+    """The third output token (decoded after one speculative or plain step) over 300 seeds, against the
+    target-only engine's: a chi-square two-sample test over the tokens seen."""
+    prompt, n = [5, 6, 7, 8], 300
+    plain = Engine(oracle_model_dir / "target", config=EngineConfig(max_running=1, max_context=64))
+    engine = switching_engine(oracle_model_dir, 1)
+    a, b = Counter(), Counter()
+    for seed in range(n):
+        params = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=1.0, seed=seed)
+        a[tuple(plain.generate(prompt, params)[0].token_ids[1:])] += 1
+        b[tuple(engine.generate(prompt, params)[0].token_ids[1:])] += 1
+    assert engine.spec_policy.choices["spec"] > 50 and engine.spec_policy.choices["plain"] > 50
+    keys = sorted(set(a) | set(b))
+    obs = torch.tensor([[a[k] for k in keys], [b[k] for k in keys]], dtype=torch.float64)
+    expected = obs.sum(1, keepdim=True) * obs.sum(0, keepdim=True) / obs.sum()
+    stat = float(((obs - expected) ** 2 / expected).sum())
+    dof = len(keys) - 1
+    p_value = 1 - float(torch.special.gammainc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
+    assert p_value > 1e-3, (stat, dof)
