@@ -1,21 +1,26 @@
 """Hand-off bandwidth on loopback: one request's target KV pages through each transport's data path.
 
-- grpc-stream: ``iter_chunks`` -> a real gRPC server on 127.0.0.1 -> ``GrpcStreamTransport.receive`` ->
-  ``PageSink`` (checksums, checks, the copy into the reserved pages), as the services run it.
+- grpc-stream: ``GrpcStreamTransport.send`` -> a real gRPC server on 127.0.0.1 in another process (as the
+  decode service is) -> ``GrpcStreamTransport.receive`` -> ``PageSink`` (checksums, checks, the copy into the
+  reserved pages), as the services run it; every page is checked afterwards.
 - ipc: ``write_in_place`` into the decode pools mapped through ``shared.handoff.ipc`` (on the CPU the
   pools are mapped in this process, so this is the copy's speed, not a second process's).
 - ipc-cross-process (``--cross-process``): the pools live in a second process, as the decode service's
   do, exported by handle and mapped here; the same copies, plus the device's own copy of the same bytes
   (one ``copy_`` of a contiguous tensor) as the reference (issue 14: IPC >= 80% of it).
 
-Usage: ``python bench/bench_handoff.py [--tokens 4096] [--layers 8] [--device cpu] [--json out.json]``.
-Prints the settings with the figures; the floor for grpc-stream is 1.5 GB/s (issue 14).
+Usage: ``python bench/bench_handoff.py [--tokens 4096] [--layers 8] [--device cpu] [--chunk-mb 4]
+[--repeat 5] [--transports grpc-stream,ipc] [--cross-process] [--contiguous] [--json out.json]``.
+Prints the settings with the figures (the median of the repeats, and the best); the floor for
+grpc-stream is 1.5 GB/s (issue 14).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
+import statistics
 import sys
 import time
 from concurrent import futures
@@ -30,6 +35,7 @@ from proto.eyrie.v1 import eyrie_pb2 as pb  # noqa: E402
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc  # noqa: E402
 from shared.handoff import GrpcStreamTransport, PageSink, PageSource  # noqa: E402
 from shared.handoff.ipc import export_pools, open_pools, write_in_place  # noqa: E402
+from shared.handoff.transport import add_decode_servicer  # noqa: E402
 from shared.memory.kv_cache import CacheLayout, KVCache  # noqa: E402
 
 GRPC_FLOOR_GBPS = 1.5
@@ -43,6 +49,20 @@ def make_cache(args, shareable: bool) -> KVCache:
                              shareable=shareable))
 
 
+def pages(args) -> tuple[list[int], list[int]]:
+    """The source's pages, and the destination's."""
+    n = -(-args.tokens // args.page_size)
+    src = list(range(1, n + 1))
+    # Reversed: no run coalesces on the receiving side (the worst case, one copy per page), unless --contiguous.
+    return src, list(src) if args.contiguous else list(range(n, 0, -1))
+
+
+def filled_source(args) -> KVCache:
+    src = make_cache(args, False)
+    src.pool.copy_(torch.randn(src.pool.shape, generator=torch.Generator().manual_seed(0)).to(src.pool.dtype))
+    return src
+
+
 class Receiver(pb_grpc.DecodeServicer):
     def __init__(self, dst: KVCache, pages: list[int]):
         self.dst, self.pages, self.transport = dst, pages, GrpcStreamTransport()
@@ -52,12 +72,33 @@ class Receiver(pb_grpc.DecodeServicer):
         return pb.TransferAck(bytes=got.bytes, chunks=got.chunks)
 
 
-def bench_grpc(args, src: KVCache, dst: KVCache, src_pages: list[int], dst_pages: list[int]) -> dict:
+def serve_receiver(args, conn) -> None:
+    """The receiving side in a process of its own (as the decode service is): serves Decode.Transfer into
+    a cache of its own, sends its port, then, when asked, whether every page arrived intact."""
+    src_pages, dst_pages = pages(args)
+    dst = make_cache(args, True)
     server = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_receive_message_length", 256 << 20)])
-    pb_grpc.add_DecodeServicer_to_server(Receiver(dst, dst_pages), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    add_decode_servicer(Receiver(dst, dst_pages), server)  # as the decode service registers it
+    conn.send(server.add_insecure_port("127.0.0.1:0"))
     server.start()
+    conn.recv()  # the sender starts
+    cpu = time.process_time()
+    conn.recv()  # the sender is done
+    cpu = time.process_time() - cpu
+    src, ps = filled_source(args), args.page_size
+    conn.send((cpu, all(torch.equal(dst.pool[:, :, d * ps:(d + 1) * ps], src.pool[:, :, s * ps:(s + 1) * ps])
+                        for s, d in zip(src_pages, dst_pages))))
+    server.stop(0)
+
+
+def bench_grpc(args, src: KVCache, src_pages: list[int]) -> dict:
+    conn, child_conn = mp.Pipe()
+    receiver = mp.get_context("spawn").Process(target=serve_receiver, args=(args, child_conn), daemon=True)
+    receiver.start()
+    port = conn.recv()
     transport = GrpcStreamTransport(chunk_bytes=args.chunk_mb << 20)
+    conn.send("start")
+    cpu = time.process_time()
     try:
         times, nbytes = [], 0
         for _ in range(args.repeat):
@@ -66,23 +107,36 @@ def bench_grpc(args, src: KVCache, dst: KVCache, src_pages: list[int], dst_pages
             times.append(time.perf_counter() - t0)
             nbytes = ack.bytes
     finally:
+        cpu = time.process_time() - cpu
         transport.close()
-        server.stop(0)
-    assert torch.equal(dst.pool[:, :, dst_pages[0] * args.page_size], src.pool[:, :, src_pages[0] * args.page_size])
-    best = min(times)
-    return {"transport": "grpc-stream", "bytes": nbytes, "seconds": best, "gbps": nbytes / best / 1e9,
-            "chunk_mb": args.chunk_mb}
+        conn.send("done")
+    receiver_cpu, intact = conn.recv()
+    assert intact, "the pages did not arrive intact"
+    receiver.join(30)
+    # CPU seconds per GB on each side (every thread of the process): the figure a loaded machine moves least.
+    per_gb = {"sender_cpu_s_per_gb": cpu / (nbytes * args.repeat / 1e9),
+              "receiver_cpu_s_per_gb": receiver_cpu / (nbytes * args.repeat / 1e9)}
+    return {"transport": "grpc-stream", **figures(nbytes, times), "chunk_mb": args.chunk_mb, **per_gb}
 
 
-def bench_ipc(args, src: KVCache, dst: KVCache, src_pages: list[int], dst_pages: list[int]) -> dict:
+def figures(nbytes: int, times: list[float]) -> dict:
+    """Bytes, the median and best times of the repeats, and the median's bandwidth."""
+    median = statistics.median(times)
+    return {"bytes": nbytes, "seconds": median, "best_seconds": min(times), "gbps": nbytes / median / 1e9,
+            "best_gbps": nbytes / min(times) / 1e9, "repeats": len(times)}
+
+
+def bench_ipc(args, src: KVCache, src_pages: list[int]) -> dict:
+    dst_pages = pages(args)[1]
+    dst = make_cache(args, True)
     pools = open_pools(export_pools([dst.pool]))
     times, nbytes = [], 0
     for _ in range(args.repeat):
         t0 = time.perf_counter()
-        nbytes = write_in_place(PageSource("r", [src], [src_pages], b""), pools, [dst_pages], time.monotonic() + 60)
+        nbytes = write_in_place(PageSource("r", [src], [src_pages], b""), pools, [dst_pages],
+                                time.monotonic() + 60).bytes
         times.append(time.perf_counter() - t0)
-    best = min(times)
-    return {"transport": "ipc", "bytes": nbytes, "seconds": best, "gbps": nbytes / best / 1e9}
+    return {"transport": "ipc", **figures(nbytes, times)}
 
 
 def _hold_pools(args, conn) -> None:
@@ -105,8 +159,7 @@ def d2d_copy(args, nbytes: int) -> dict:
         b.copy_(a)
         sync(device)
         times.append(time.perf_counter() - t0)
-    best = min(times[1:])
-    return {"transport": "device-copy", "bytes": nbytes, "seconds": best, "gbps": nbytes / best / 1e9}
+    return {"transport": "device-copy", **figures(nbytes, times[1:])}
 
 
 def sync(device: torch.device) -> None:
@@ -114,9 +167,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_cross_process(args, src: KVCache, src_pages: list[int], dst_pages: list[int]) -> dict:
-    import multiprocessing as mp
-
+def bench_cross_process(args, src: KVCache, src_pages: list[int]) -> dict:
+    dst_pages = pages(args)[1]
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_hold_pools, args=(args, child), daemon=True)
@@ -127,7 +179,7 @@ def bench_cross_process(args, src: KVCache, src_pages: list[int], dst_pages: lis
         for _ in range(args.repeat + 1):  # the first one maps and warms
             t0 = time.perf_counter()
             nbytes = write_in_place(PageSource("r", [src], [src_pages], b""), pools, [dst_pages],
-                                    time.monotonic() + 60)
+                                    time.monotonic() + 60).bytes
             times.append(time.perf_counter() - t0)
         parent.send("done")
         landed = parent.recv()
@@ -136,9 +188,7 @@ def bench_cross_process(args, src: KVCache, src_pages: list[int], dst_pages: lis
         if proc.is_alive():
             proc.kill()
     assert landed > 0, "the writes did not reach the other process's pools"
-    best = min(times[1:])
-    return {"transport": "ipc-cross-process", "bytes": nbytes, "seconds": best, "gbps": nbytes / best / 1e9,
-            "runs": len(src_pages)}
+    return {"transport": "ipc-cross-process", **figures(nbytes, times[1:]), "runs": len(src_pages)}
 
 
 def main() -> None:
@@ -151,20 +201,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--chunk-mb", type=int, default=4)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--transports", default="grpc-stream,ipc")
     ap.add_argument("--cross-process", action="store_true", help="also: the pools in a second process (ipc)")
     ap.add_argument("--contiguous", action="store_true", help="pages contiguous on both sides (one run)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    src, dst = make_cache(args, False), make_cache(args, True)
-    src.pool.normal_()
-    n = -(-args.tokens // args.page_size)
-    src_pages = list(range(1, n + 1))
-    # Reversed: no run coalesces on the receiving side (the worst case, one copy per page), unless --contiguous.
-    dst_pages = list(src_pages) if args.contiguous else list(range(n, 0, -1))
-    results = [bench_grpc(args, src, dst, src_pages, dst_pages), bench_ipc(args, src, dst, src_pages, dst_pages)]
+    src, src_pages = filled_source(args), pages(args)[0]
+    benches = {"grpc-stream": bench_grpc, "ipc": bench_ipc}
+    results = [benches[t](args, src, src_pages) for t in args.transports.split(",")]
     if args.cross_process:
-        results.append(bench_cross_process(args, src, src_pages, dst_pages))
+        results.append(bench_cross_process(args, src, src_pages))
         results.append(d2d_copy(args, results[-1]["bytes"]))
         results[-2]["of_device_copy"] = results[-2]["gbps"] / results[-1]["gbps"]
     settings = {k: v for k, v in vars(args).items() if k != "json"}
@@ -173,8 +220,11 @@ def main() -> None:
         floor = f" (floor {GRPC_FLOOR_GBPS} GB/s)" if r["transport"] == "grpc-stream" else ""
         if "of_device_copy" in r:
             floor = f" ({r['of_device_copy']:.2f} of the device copy; target 0.8)"
-        print(f"  {r['transport']:12s} {r['bytes'] / 1e6:9.1f} MB in {r['seconds'] * 1e3:8.2f} ms: "
-              f"{r['gbps']:6.2f} GB/s{floor}")
+        print(f"  {r['transport']:12s} {r['bytes'] / 1e6:9.1f} MB in {r['seconds'] * 1e3:8.2f} ms (median of "
+              f"{r['repeats']}): {r['gbps']:6.2f} GB/s, best {r['best_gbps']:6.2f} GB/s{floor}")
+        if "sender_cpu_s_per_gb" in r:
+            print(f"  {'':12s} CPU seconds per GB: sender {r['sender_cpu_s_per_gb']:.2f}, "
+                  f"receiver {r['receiver_cpu_s_per_gb']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"settings": settings, "results": results}, indent=2))
 

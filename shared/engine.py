@@ -3,7 +3,8 @@
 ``Engine.generate`` is the Python API. The services drive the same engine from their engine loop
 (``services/engine_loop.py``) through the narrow API of the last two sections: ``add_request`` and
 ``step`` (prefill), ``reserve_handoff`` / ``page_sink`` / ``activate_handoff`` and ``step`` (decode),
-``take_handoffs`` / ``page_source`` / ``release`` (the prefill side of a hand-off), ``release`` with an
+``prefilled`` / ``page_source`` / ``handoff_increment`` / ``release`` (the prefill side
+of a hand-off, which starts with the prompt's first chunk), ``release`` with an
 identity check for aborts, and ``load``, the snapshot the loop publishes after each step. The requests
 themselves belong to the scheduler (``shared/scheduler.py``): the engine asks it to create, move and
 retire them.
@@ -25,7 +26,7 @@ from shared.config import DEFAULT_GPU_MEMORY_FRACTION, EngineConfig, SpecConfig
 from shared.cuda_graphs import CaptureFailure, PhaseGraphs
 from shared.forward_batch import build_forward_batch, build_uniform_batch
 from shared.handoff.schema import HandoffSchema
-from shared.handoff.wire import PageGuard, PageSink, PageSource, encode_draft_state
+from shared.handoff.wire import Increment, PageFeed, PageGuard, PageSink, PageSource, Prefilled, encode_draft_state
 from shared.logits_process import process_logits, requests_rows
 from shared.memory.kv_cache import flush_tables
 from shared.memory.sizing import (
@@ -355,20 +356,42 @@ class Engine:
             vocab_size=self.model.config.vocab_size, draft_kind=w.draft.kind if w else "",
             tree=w.spec if w else None, draft_hidden_width=w.draft.hidden_width if w else 0)
 
-    def take_handoffs(self) -> list[Request]:
-        """Requests whose prefill completed (prefill role); they keep their pages until released."""
-        return self.scheduler.handoffs()
-
     def page_ids(self, req: Request) -> list[list[int]]:
         """Per cache (target first), the request's page ids in position order."""
         return [cache.pages_of(h, 0, cache.pages_for(h.reserved))
                 for cache, h in zip(self.scheduler.caches, req.handles)]
 
-    def page_source(self, req: Request) -> PageSource:
-        """Prefill role: the sending side of ``req``'s hand-off, its pages and its draft state (a parked
-        request's pages do not change until it is released, so the transport may read them off this
-        thread until then; an abort cancels its guard first)."""
+    def prefilled(self) -> list[Request]:
+        """Prefill role: requests whose prompt K/V is (partly) computed, still prefilling or parked for
+        their hand-off: each one's hand-off may start (``page_source(req, fed=True)``)."""
+        return self.scheduler.prefilled()
+
+    def page_source(self, req: Request, fed: bool = False) -> PageSource:
+        """Prefill role: the sending side of ``req``'s hand-off. Parked (its prompt done): its pages and its
+        draft state. ``fed``: empty, to be fed an ``Increment`` after each step of its prefill
+        (``handoff_increment``). The pages an increment names as done are not written again until
+        ``req`` is released, so the transport may read them off this thread until then; an abort
+        cancels the guard first."""
+        if fed:
+            return PageSource(req.rid, self.scheduler.caches, [], b"", feed=PageFeed())
         return PageSource(req.rid, self.scheduler.caches, self.page_ids(req), encode_draft_state(req))
+
+    def handoff_increment(self, req: Request) -> Increment:
+        """Prefill role: ``req``'s pages so far and how many of each cache's hold their final K/V (every
+        position of the page computed: a chunk's draft extend writes the same positions as its target
+        forward); with its prompt done, all of them and what the decode side resumes from (the draft
+        state, the first token). On CUDA, an event after the work queued so far orders the transport's
+        reads behind the step that wrote the pages (the engine's thread never waits for them)."""
+        page_ids = self.page_ids(req)
+        parked = req.stage is Stage.HANDOFF
+        done = [len(p) if parked else req.kv_len // c.page_size for c, p in zip(self.scheduler.caches, page_ids)]
+        written = None
+        if self.device.type == "cuda":
+            with self.on_device():
+                written = torch.cuda.Event()
+                written.record()
+        last = Prefilled(encode_draft_state(req), tuple(req.output_ids), tuple(req.output_logprobs)) if parked else None
+        return Increment(page_ids, done, written, last)
 
     def reserve_handoff(self, rid: str, prompt_ids: list[int], output_ids: list[int],
                         output_logprobs: list[float], params: SamplingParams, committed_len: int) -> Request | None:
@@ -390,12 +413,15 @@ class Engine:
         prefill (``shared.handoff.ipc``), fixed for the engine's life."""
         return [c.pool for c in self.scheduler.caches]
 
-    def activate_handoff(self, req: Request, committed_len: int, draft_state: DraftState | None = None) -> bool:
-        """The K/V has arrived: the request resumes straight into the decode loop (no pseudo-forward).
-        False when ``req`` is no longer this engine's request waiting for its K/V (it was aborted)."""
+    def activate_handoff(self, req: Request, committed_len: int, draft_state: DraftState | None = None,
+                         output_ids: list[int] = (), output_logprobs: list[float] = ()) -> bool:
+        """The K/V has arrived: the request resumes straight into the decode loop (no pseudo-forward),
+        its outputs extended by ``output_ids`` (the first token, when its reservation was made as its
+        prefill began). False when ``req`` is no longer this engine's request waiting for its K/V (it
+        was aborted)."""
         if not self.scheduler.holds(req) or req.stage is not Stage.RECEIVING:
             return False
-        self.scheduler.activate(req, committed_len, draft_state)
+        self.scheduler.activate(req, committed_len, draft_state, output_ids, output_logprobs)
         return True
 
     # ---- what the engine holds -------------------------------------------------------------------

@@ -99,9 +99,13 @@ class Request:
         self.kv_len = state.committed_len
         self.draft_state = state
 
-    def receive(self, committed_len: int, state: DraftState | None) -> None:
-        """A hand-off arrived: ``committed_len`` positions of K/V and, with a draft, its state (whose
-        generator state the request's sampling resumes from)."""
+    def receive(self, committed_len: int, state: DraftState | None, output_ids: list[int] = (),
+                output_logprobs: list[float] = ()) -> None:
+        """A hand-off arrived: ``committed_len`` positions of K/V, the output tokens the reservation did not
+        name yet (the first token of a hand-off that began with the prefill) and, with a draft, its state
+        (whose generator state the request's sampling resumes from)."""
+        self.output_ids.extend(output_ids)
+        self.output_logprobs.extend(output_logprobs)
         self.advance(committed_len)
         if state is not None:
             self.resume_from(state)

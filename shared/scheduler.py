@@ -127,18 +127,20 @@ class Scheduler:
         self.requests[rid] = req
         return req
 
-    def activate(self, req: Request, committed_len: int, state: DraftState | None) -> None:
+    def activate(self, req: Request, committed_len: int, state: DraftState | None, output_ids: list[int] = (),
+                 output_logprobs: list[float] = ()) -> None:
         """A RECEIVING request's K/V arrived: it decodes from the next step on, straight from ``state``."""
-        req.receive(committed_len, state)
+        req.receive(committed_len, state, output_ids, output_logprobs)
         req.stage = Stage.DECODING
 
     def prompt_done(self, req: Request) -> None:
         """The last chunk of ``req``'s prompt ran: it decodes next, or (prefill role) waits for its hand-off."""
         req.stage = Stage.HANDOFF if self.prefill_only else Stage.DECODING
 
-    def handoffs(self) -> list[Request]:
-        """Requests whose prefill completed (prefill role); they keep their pages until retired."""
-        return [r for r in self.running if r.stage is Stage.HANDOFF and r.finish_reason is None]
+    def prefilled(self) -> list[Request]:
+        """Requests with prompt K/V computed (prefill role): still prefilling, or parked for their hand-off."""
+        return [r for r in self.running if r.finish_reason is None and (
+            r.stage is Stage.HANDOFF or (r.stage is Stage.PREFILLING and r.kv_len > 0))]
 
     def joins_next(self, batch: list[Request]) -> bool:
         """Whether the next decode step will run a request ``batch`` does not: one whose prompt

@@ -3,7 +3,9 @@
 A request's life here:
 - ``Reserve``: the schema is checked (FAILED_PRECONDITION naming both sides), then pages are claimed in
   every cache (``Engine.reserve_handoff``, on the engine loop), or the request is refused (``accepted=false`` with the
-  reason) and the router places it elsewhere. From here on its tokens are buffered for ``Stream``.
+  reason) and the router places it elsewhere. From here on its tokens are buffered for ``Stream``. The
+  prefill service reserves as a request's prefill starts, naming no output token: its pages then arrive
+  chunk by chunk while the prompt is still being prefilled, and the first token with the last chunk.
 - ``Transfer``: the chunks are written straight into the reserved pages while the request is
   RECEIVING (nothing else touches them; an abort cancels the request's ``PageGuard`` before the pages
   can go back to the pool), checked (checksums, order, sizes, coverage, the draft state's shape), and
@@ -38,6 +40,7 @@ from shared.handoff import (
     HandoffSchema,
     PageGuard,
     PageSink,
+    Received,
     SchemaMismatch,
     TransferCancelled,
     TransferError,
@@ -47,6 +50,7 @@ from shared.handoff import (
     top_logprobs_pb,
 )
 from shared.handoff.ipc import export_pools, host_id
+from shared.handoff.transport import add_decode_servicer
 from shared.request import Request, RequestError
 from shared.telemetry import Telemetry
 
@@ -73,6 +77,7 @@ class Incoming:
     in_place: bool = False  # the sender writes the pages itself (ipc): they stay reserved while it may write
     writer_done: bool = False  # in_place: the sender writes no page any more (its Transfer opened, or it said so)
     deferred: str | None = None  # in_place: aborted while the sender might still write; released at the deadline
+    first_token_to_come: bool = False  # reserved as the prefill started: the first token comes with the last chunk
 
 
 class DecodeServicer(pb_grpc.DecodeServicer):
@@ -117,10 +122,14 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             params = sampling_from_pb(request.sampling)
         except ValidationError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{validation_message(e)}")
-        known = len(request.prompt_ids) + len(request.output_ids)
-        if not 0 < request.committed_len < known:  # the token at committed_len (the bonus) must be known
+        # The token at committed_len (the bonus) must be known, or be the first token, still to come with the
+        # last chunk when the reservation names no output (made as the prefill starts: committed_len = the prompt).
+        to_come = 0 if request.output_ids else 1
+        known = len(request.prompt_ids) + len(request.output_ids) + to_come
+        if not 0 < request.committed_len < known or (to_come and request.committed_len != len(request.prompt_ids)):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"committed_len: {request.committed_len} is not in "
-                                                            f"[1, {known}) for {known} known tokens")
+                                                            f"[1, {known}) for {known} known tokens, or not the "
+                                                            "prompt's length without an output token")
         with self._lock:
             if rid in self._incoming or rid in self._reserving:
                 return pb.ReserveResponse(accepted=False, reason=f"request_id: {rid!r} is already here")
@@ -157,7 +166,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             self.log.event("refused", rid, reason=reason, kind="decode_full")
             return pb.ReserveResponse(accepted=False, reason=reason)
         inc = Incoming(rid, req, request.committed_len, events, in_place=request.in_place,
-                       attach_deadline=time.monotonic() + self.settings.stream_attach_timeout_s)
+                       attach_deadline=time.monotonic() + self.settings.stream_attach_timeout_s,
+                       first_token_to_come=not request.output_ids)
         with self._lock:
             self._incoming[rid] = inc
         self.log.event("reserved", rid, prompt_tokens=len(request.prompt_ids), committed_len=request.committed_len,
@@ -189,6 +199,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             received = self.transport.receive(request_iterator, open_sink)
             inc = opened[0]
             state = decode_draft_state(received.draft_state, self.schema, inc.committed_len, self.loop.device)
+            check_first_token(inc, received)
         except NoReservation as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except TransferCancelled as e:
@@ -207,7 +218,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"transfer failed: {e}")
 
         def activate(engine: Engine) -> bool:  # straight into draft(): no pseudo-forward
-            return engine.activate_handoff(inc.req, inc.committed_len, state)
+            return engine.activate_handoff(inc.req, inc.committed_len, state, received.output_ids,
+                                           received.output_logprobs)
 
         if not self.loop.call(activate).result():
             context.abort(grpc.StatusCode.ABORTED, f"{inc.rid} was aborted during its transfer")
@@ -365,6 +377,16 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.transport.close()
 
 
+def check_first_token(inc: Incoming, received: Received) -> None:
+    """The first token arrived with the last chunk exactly when the reservation did not name it."""
+    if inc.first_token_to_come and (len(received.output_ids) != 1 or len(received.output_logprobs) != 1):
+        raise TransferError(f"the reservation named no output token: the last chunk must carry the first token "
+                            f"and its logprob, it carries {len(received.output_ids)} and "
+                            f"{len(received.output_logprobs)}")
+    if not inc.first_token_to_come and received.output_ids:
+        raise TransferError("the reservation named the output tokens; the last chunk carries more")
+
+
 def finish_message(req: Request) -> pb.Finish:
     end = req.t_finish or time.perf_counter()
     stats = req.stats
@@ -382,4 +404,4 @@ def start_decode(settings: DecodeSettings, engine: Engine | None = None) -> Serv
     def make(loop: EngineLoop, telemetry: Telemetry, instance_id: str) -> DecodeServicer:
         return DecodeServicer(loop, settings, telemetry, instance_id)
 
-    return start_engine_service("decode", settings, engine, make, pb_grpc.add_DecodeServicer_to_server, SERVICES)
+    return start_engine_service("decode", settings, engine, make, add_decode_servicer, SERVICES)

@@ -2,16 +2,19 @@
 
 ``Prefill`` streams two events: ``first_token`` once the prompt's last chunk ran and the first token
 was sampled, then ``handed_off`` once the decode instance acknowledged the request's pages and draft
-state. A request that ends at its first token (EOS, stop token, max_new_tokens=1) is never handed off.
+state. A request with max_new_tokens=1 is never handed off; one that ends at its first token (EOS, a
+stop token) stops the hand-off under way and frees the decode side's reservation.
 
-The hand-off starts on the engine thread, right after the step that parked the request in
-``Stage.HANDOFF`` (``after_step``: the page ids and the draft state are read there, while nothing else
-runs), and continues on a hand-off worker: ``Decode.Handshake`` (once per decode address),
-``Decode.Reserve`` (refused -> RESOURCE_EXHAUSTED, so the router places the request elsewhere), then the
-transport streams the pages (a parked request's pages do not change, so reading them off the engine
-thread is safe; an abort first cancels the request's ``PageGuard``). The pages are freed after the
-acknowledgement, or on any failure; a failure after a successful Reserve also aborts it on the decode
-side. A client that goes away, or ``Prefill.Abort``, aborts the request wherever it is.
+The hand-off overlaps the prefill. It starts on the engine thread right after the request's first
+chunk ran (``after_step``: the request's source, fed one ``Increment`` after each of its steps: the pages
+that step completed, then, once the prompt is done, the draft state and the first token), and runs on
+a hand-off worker: ``Decode.Handshake`` (once per decode address), ``Decode.Reserve`` (refused ->
+RESOURCE_EXHAUSTED, so the router places the request elsewhere; the prefill stops there), then the
+transport sends each increment's pages while the next chunk computes (pages an increment names are
+written no more, so reading them off the engine thread is safe; an abort first cancels the request's
+``PageGuard``). The pages are freed after the acknowledgement, or on any failure; a failure after a
+successful Reserve also aborts it on the decode side. A client that goes away, or ``Prefill.Abort``,
+aborts the request wherever it is.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ class HandoffOutcome:
     """What the hand-off worker reports to the Prefill RPC."""
 
     ack: pb.TransferAck | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # what the hand-off added after the prompt's last chunk (it overlaps the prefill)
     code: grpc.StatusCode | None = None  # set on failure
     transport: str = ""  # the transport that carried it
     message: str = ""
@@ -82,7 +85,9 @@ class Job:
     decode_address: str
     events: queue.Queue  # the engine loop's token events, then one HandoffOutcome
     req: Request | None = None  # the engine's request (identity guards against a re-placed same id)
-    source: PageSource | None = None  # set when the hand-off starts
+    source: PageSource | None = None  # set when the hand-off starts (after the prompt's first chunk)
+    fed: int = 0  # the request's committed length when the last increment was fed to the source
+    t_prompt_done: float = 0.0  # when the last increment (the prompt done) was fed
 
 
 class PrefillServicer(pb_grpc.PrefillServicer):
@@ -150,7 +155,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         ev = self._next(job, context)
         if ev is None:
             return  # the client went away (its callback aborts the request)
-        if not isinstance(ev, TokenEvent) or not ev.token_ids:
+        if isinstance(ev, HandoffOutcome):  # the hand-off failed during the prefill (the request was released)
+            context.abort(ev.code or grpc.StatusCode.INTERNAL, ev.message or "the hand-off ended early")
+        if not ev.token_ids:
             reason = ev.finish_reason if isinstance(ev, TokenEvent) else "aborted"
             code = grpc.StatusCode.INTERNAL if reason == "error" else grpc.StatusCode.ABORTED
             context.abort(code, f"request {job.rid} ended during prefill ({reason})")
@@ -164,6 +171,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             first.top_logprobs.CopyFrom(top_logprobs_pb(ev.top_logprobs[0]))
         yield pb.PrefillEvent(first_token=first)
         if ev.finish_reason is not None:  # ended at its first token: nothing to hand off
+            if job.source is not None:  # the hand-off under way stops (and frees the decode side's pages)
+                job.source.guard.cancel()
             self.telemetry.requests_total.labels(ev.finish_reason).inc()
             self.log.event("finished", job.rid, reason=ev.finish_reason, output_tokens=1)
             return
@@ -197,25 +206,37 @@ class PrefillServicer(pb_grpc.PrefillServicer):
 
     # ---- the hand-off ----------------------------------------------------------------------------
     def after_step(self, engine: Engine) -> None:
-        """Loop thread: start the hand-off of every request the last step parked in HANDOFF."""
+        """Loop thread: feed each prefilling request's hand-off the pages its last step completed (starting
+        the hand-off at its first chunk)."""
         self.telemetry.observe_load(self.loop.load)
-        for req in engine.take_handoffs():
+        for req in engine.prefilled():
             with self._lock:
                 job = self._jobs.get(req.rid)
             if job is None or job.req is not req:  # its RPC is gone: nobody to hand it to
                 engine.release(req, "abort")
                 continue
-            if job.source is not None:
-                continue  # already under way
-            job.source = engine.page_source(req)
-            reserve = pb.ReserveRequest(request_id=req.rid, prompt_ids=req.prompt_ids, output_ids=req.output_ids,
-                                        output_logprobs=req.output_logprobs, sampling=sampling_to_pb(req.params),
-                                        committed_len=req.kv_len)
-            try:
-                self._workers.submit(self._hand_off, job, reserve)
-            except RuntimeError:  # shutting down
-                engine.release(req, "abort")
-                job.events.put(HandoffOutcome(code=grpc.StatusCode.UNAVAILABLE, message="prefill shutting down"))
+            if req.params.max_new_tokens == 1 or req.kv_len == job.fed:
+                continue  # it ends at its first token, or nothing new since the last increment
+            if job.source is None and not self._start_hand_off(engine, job, req):
+                continue
+            if req.kv_len == req.prompt_len:  # (set before the worker can see the last increment)
+                job.t_prompt_done = time.perf_counter()
+            job.source.feed.put(engine.handoff_increment(req))
+            job.fed = req.kv_len
+
+    def _start_hand_off(self, engine: Engine, job: Job, req: Request) -> bool:
+        """Loop thread: reserve on the decode side and send as the prefill goes (a hand-off worker)."""
+        job.source = engine.page_source(req, fed=True)
+        reserve = pb.ReserveRequest(request_id=req.rid, prompt_ids=req.prompt_ids, sampling=sampling_to_pb(req.params),
+                                    committed_len=req.prompt_len)  # the first token comes with the last chunk
+        try:
+            self._workers.submit(self._hand_off, job, reserve)
+        except RuntimeError:  # shutting down
+            job.source.guard.cancel()
+            engine.release(req, "abort")
+            job.events.put(HandoffOutcome(code=grpc.StatusCode.UNAVAILABLE, message="prefill shutting down"))
+            return False
+        return True
 
     def _hand_off(self, job: Job, reserve: pb.ReserveRequest) -> None:
         """Worker thread: reserve on the decode instance, send, release after the acknowledgement."""
@@ -241,9 +262,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 source = dataclasses.replace(source, in_place=target)
             ack = transport.send(address, source, timeout)
             self._release(job, "handed_off")  # only now: the decode side has every byte
-            outcome = HandoffOutcome(ack=ack, seconds=time.perf_counter() - t0, transport=transport.name)
+            now = time.perf_counter()  # the hand-off's own time: what it added after the prompt's last chunk
+            outcome = HandoffOutcome(ack=ack, seconds=now - max(job.t_prompt_done, t0), transport=transport.name)
             self.log.event("handoff_sent", job.rid, decode=address, bytes=ack.bytes, chunks=ack.chunks,
-                           transport=transport.name, seconds=round(outcome.seconds, 6))
+                           transport=transport.name, seconds=round(outcome.seconds, 6),
+                           with_prefill_s=round(now - t0, 6))
         except TransferCancelled:
             outcome = HandoffOutcome(code=grpc.StatusCode.ABORTED, message=f"{job.rid} was aborted during its hand-off")
         except TransferError as e:  # a forced transport the two sides cannot use, or the in-place lease ran out

@@ -22,11 +22,14 @@ from shared.handoff.transport import (
     negotiate,
 )
 from shared.handoff.wire import (
+    Increment,
     InPlaceTarget,
+    PageFeed,
     PageGuard,
     PageRun,
     PageSink,
     PageSource,
+    Prefilled,
     Received,
     TransferCancelled,
     TransferError,
@@ -77,7 +80,8 @@ def sampling_from_pb(msg: pb.SamplingParams, default_max_new_tokens: int = 16):
 
 __all__ = [
     "SCHEMA_VERSION", "TRANSPORTS", "CacheShape", "ChannelPool", "DecodeClient", "GrpcStreamTransport",
-    "HandoffSchema", "InPlaceTarget", "IpcTransport", "PageGuard", "PageRun", "PageSink", "PageSource", "Received",
+    "HandoffSchema", "InPlaceTarget", "Increment", "IpcTransport", "PageFeed", "PageGuard", "PageRun", "PageSink",
+    "PageSource", "Prefilled", "Received",
     "SchemaMismatch", "TransferCancelled",
     "TransferError", "Transport", "coalesce", "decode_draft_state", "encode_draft_state", "iter_chunks",
     "negotiate", "plan_slices", "sampling_from_pb", "sampling_to_pb", "top_logprobs_pb",

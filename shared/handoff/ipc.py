@@ -4,9 +4,10 @@ The decode side exports each of its pools (one tensor per cache, ``[K/V, layer, 
 dim]``, target first) once, in its handshake reply: on CUDA as CUDA IPC handles (the same GPU, or a
 peer GPU of the host), on the CPU as named shared memory (torch's file_system sharing). The prefill
 side maps them (``open_pools``) and writes a request's pages straight into the pages the decode side
-reserved (``write_in_place``: per cache, one copy of all layers per run of pages contiguous on both
-sides in the torch reference; on CUDA all of a cache's pages in one kernel, ``kernels.page_copy``, on a
-side stream, synchronised before the acknowledgement is asked for). Nothing in
+reserved (``write_in_place``: each prefill step's pages as soon as the step ran, while the next one
+computes; per cache, one copy of all layers per run of pages contiguous on both sides in the torch
+reference; on CUDA all of a cache's new pages in one kernel, ``kernels.page_copy``, on a side stream that
+waits for the step's event, synchronised per increment off the engine's thread). Nothing in
 the handles is code: they are JSON, never pickle.
 
 The decode side cannot stop a write from another process, so the writer keeps to a lease: it writes
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.page_copy import copy_pages
-from shared.handoff.wire import PageSource, TransferCancelled, TransferError
+from shared.handoff.wire import Increment, PageSource, Prefilled, TransferCancelled, TransferError
 
 WRITE_MARGIN_S = 1.0  # a copy starts only this long before the lease ends (a run's copy takes far less)
 _EXPORTED: dict[int, torch.Tensor] = {}  # this process's exported pools: a same-process import takes them back
@@ -139,10 +140,17 @@ def _open(h: PoolHandle) -> torch.Tensor:
         bytes.fromhex(c["ref_handle"]), c["ref_offset"], bytes.fromhex(c["event_handle"]) or None, c["event_sync"])
 
 
+@dataclass
+class Written:
+    bytes: int  # K + V bytes written
+    last: Prefilled  # what the last increment carried (the draft state, the first token)
+
+
 def write_in_place(source: PageSource, pools: list[torch.Tensor], dest_page_ids: list[list[int]],
-                   deadline: float) -> int:
-    """Copy the request's pages (every cache, every layer) into ``pools`` at ``dest_page_ids``; returns the
-    bytes written. Raises TransferCancelled when the guard was cancelled, TransferError past the lease."""
+                   deadline: float) -> Written:
+    """Copy the request's pages (every cache, every layer) into ``pools`` at ``dest_page_ids``, each
+    increment's pages as soon as it comes (on CUDA on a side stream, after the event of the step that
+    wrote them). Raises TransferCancelled when the guard was cancelled, TransferError past the lease."""
     if len(pools) != len(source.caches) or len(dest_page_ids) != len(source.caches):
         raise TransferError(f"{len(source.caches)} caches here, {len(pools)} pools and {len(dest_page_ids)} "
                             "page lists on the decode side")
@@ -150,27 +158,42 @@ def write_in_place(source: PageSource, pools: list[torch.Tensor], dest_page_ids:
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
     if side is not None:
         side.wait_stream(torch.cuda.default_stream(device))  # the prefill's writes of these pages are queued there
-    written = 0
-    for cache, pool, src, dst in zip(source.caches, pools, source.page_ids, dest_page_ids):
-        if len(src) != len(dst):
-            raise TransferError(f"{len(src)} pages to send, {len(dst)} reserved")
+    written, sent, last = 0, [0] * len(source.caches), None
+    for inc in source.increments():
         if time.monotonic() > deadline - WRITE_MARGIN_S:
             raise TransferError("the decode side's write deadline passed before the pages were written")
-        with source.guard.access():  # an abort waits for this cache's copy, then no other starts
-            _copy(pool, cache, src, dst, side)
-        written += len(src) * cache.page_size * cache.pool[:, :, 0].numel() * cache.pool.element_size()
+        if side is not None and inc.written is not None:
+            side.wait_event(inc.written)
+        with source.guard.access():  # an abort waits for this increment's copies, then no other starts
+            written += _write_increment(source, pools, dest_page_ids, inc, sent, side)
+        sent, last = list(inc.done), inc.last
+    return Written(written, last)
+
+
+def _write_increment(source: PageSource, pools: list[torch.Tensor], dest_page_ids: list[list[int]],
+                     inc: Increment, sent: list[int], side) -> int:
+    """Copy pages [sent[c], inc.done[c]) of each cache (every plane; one launch per cache on CUDA), then
+    (CUDA) wait for them, so that no copy is in flight once the guard is let go."""
+    written = 0
+    for cache, pool, src, dst, lo, hi in zip(source.caches, pools, inc.page_ids, dest_page_ids, sent, inc.done):
+        if hi > len(dst) or (inc.last is not None and hi != len(dst)):
+            raise TransferError(f"{hi} pages to send, {len(dst)} reserved")
+        if hi > lo:
+            _copy(pool, cache, src[lo:hi], dst[lo:hi], side)
+        written += (hi - lo) * cache.page_size * cache.pool[:, :, 0].numel() * cache.pool.element_size()
+    if side is not None:
+        side.synchronize()
     return written
 
 
 def _copy(pool: torch.Tensor, cache, src: list[int], dst: list[int], side) -> None:
-    """Every plane of the pages, one launch on CUDA (``kernels.page_copy``), finished before returning."""
+    """Every plane of the pages, one launch on CUDA (``kernels.page_copy``), queued on ``side``."""
     if side is None:
         copy_pages(pool, cache.pool, src, dst, cache.page_size)
         return
     with torch.cuda.stream(side):
         copy_pages(pool, cache.pool, src, dst, cache.page_size)
-    side.synchronize()  # done before the guard is let go: an abort then finds no copy in flight
 
 
-__all__ = ["PoolHandle", "TransferCancelled", "export_pools", "host_id", "open_pools", "reachable",
+__all__ = ["PoolHandle", "TransferCancelled", "Written", "export_pools", "host_id", "open_pools", "reachable",
            "write_in_place"]

@@ -12,10 +12,15 @@ Two transports, chosen per decode address at the handshake (``negotiate``):
 
 - ``IpcTransport`` ("ipc"): same host. The decode side exported its pools in its handshake reply; the
   prefill side writes the pages straight into the reserved ones (``shared.handoff.ipc``: CUDA IPC on
-  the same or a peer GPU, shared memory on the CPU), then sends one ``in_place`` message with the
-  draft state over ``Decode.Transfer`` and waits for the acknowledgement.
+  the same or a peer GPU, shared memory on the CPU), each prefill step's pages as the step ends, then
+  sends one ``in_place`` message with the draft state and the first token over ``Decode.Transfer``
+  and waits for the acknowledgement.
 - ``GrpcStreamTransport`` ("grpc-stream"): any network. Page-aligned chunks over the
-  ``Decode.Transfer`` client stream (gRPC flow control bounds the bytes in flight).
+  ``Decode.Transfer`` client stream, opened as the prefill starts: each prefill step's pages are sent
+  while the next step computes (gRPC flow control bounds the bytes in flight).
+
+Both send from a ``PageSource``'s increments (``shared.handoff.wire``): one per prefill step of the
+request, the last with the draft state; a source built after the prompt ran has one increment.
 
 The receiving side is one code path for both (``receive``): an in-place message marks every page
 written, a byte chunk is copied into its pages. NIXL (RDMA/UCX across hosts) would be a third
@@ -24,6 +29,7 @@ written, a byte chunk is copied into its pages. NIXL (RDMA/UCX across hosts) wou
 
 from __future__ import annotations
 
+import queue
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -34,7 +40,35 @@ from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from shared.handoff.ipc import host_id, open_pools, reachable, write_in_place
 from shared.handoff.schema import HandoffSchema
-from shared.handoff.wire import PageSink, PageSource, Received, TransferCancelled, TransferError, iter_chunks
+from shared.handoff.wire import (
+    FEED_POLL_S,
+    PageSink,
+    PageSource,
+    Received,
+    TransferCancelled,
+    TransferError,
+    as_wire,
+    iter_chunks,
+    parse_wire,
+)
+
+_DECODE = pb.DESCRIPTOR.services_by_name["Decode"]
+TRANSFER_METHOD = f"/{_DECODE.full_name}/{_DECODE.methods_by_name['Transfer'].name}"
+_HANDLERS = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
+             (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+
+
+def add_decode_servicer(servicer, server: grpc.Server) -> None:
+    """Register a ``Decode`` servicer as the generated ``add_DecodeServicer_to_server`` does, but with
+    ``Transfer``'s messages read by ``parse_wire`` (their K and V are not copied out of what arrived)."""
+    handlers = {}
+    for method in _DECODE.methods:
+        parse = parse_wire if method.name == "Transfer" else getattr(pb, method.input_type.name).FromString
+        make = _HANDLERS[method.client_streaming, method.server_streaming]
+        handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=parse,
+                                     response_serializer=getattr(pb, method.output_type.name).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_DECODE.full_name, handlers),))
+    server.add_registered_method_handlers(_DECODE.full_name, handlers)
 
 
 class ChannelPool:
@@ -50,12 +84,20 @@ class ChannelPool:
                          ("grpc.max_receive_message_length", max_message_bytes)]
         self._open = open_channel or (lambda address, options: grpc.insecure_channel(address, options=options))
 
-    def decode_stub(self, address: str) -> pb_grpc.DecodeStub:
+    def channel(self, address: str) -> grpc.Channel:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
                 ch = self._channels[address] = self._open(address, self._options)
-        return pb_grpc.DecodeStub(ch)
+        return ch
+
+    def decode_stub(self, address: str) -> pb_grpc.DecodeStub:
+        return pb_grpc.DecodeStub(self.channel(address))
+
+    def transfer_call(self, address: str) -> grpc.StreamUnaryMultiCallable:
+        """``Decode.Transfer`` taking messages already serialized (``shared.handoff.wire.as_wire``)."""
+        return self.channel(address).stream_unary(TRANSFER_METHOD, request_serializer=None,
+                                                  response_deserializer=pb.TransferAck.FromString)
 
     def close(self) -> None:
         with self._lock:
@@ -130,14 +172,15 @@ class GrpcStreamTransport(Transport):
         self.chunk_bytes = chunk_bytes
 
     def send(self, address: str, source: PageSource, timeout: float) -> pb.TransferAck:
-        call = self.channels.decode_stub(address).Transfer.future(self._messages(source), timeout=timeout)
+        call = self.channels.transfer_call(address).future(self._messages(source), timeout=timeout)
         return await_ack(call, source)
 
-    def _messages(self, source: PageSource) -> Iterator[pb.KVChunk]:
-        # A cancelled transfer just stops sending: the receiver sees an incomplete transfer and frees
-        # its reservation, and ``send`` cancels the call (no exception inside gRPC's sending thread).
+    def _messages(self, source: PageSource) -> Iterator[bytes]:
+        # Serialized here, each chunk's payload copied once from the pages. A cancelled transfer just stops
+        # sending: the receiver sees an incomplete transfer and frees its reservation, and ``send`` cancels
+        # the call (no exception inside gRPC's sending thread).
         try:
-            yield from iter_chunks(source, self.chunk_bytes)
+            yield from read_ahead(iter_chunks(source, self.chunk_bytes, encode=as_wire), READ_AHEAD)
         except TransferCancelled:
             return
 
@@ -160,6 +203,45 @@ class GrpcStreamTransport(Transport):
         self.channels.close()
 
 
+READ_AHEAD = 2  # serialized chunks ready beyond the one gRPC is sending (bounds the memory in flight)
+_END = object()
+
+
+def read_ahead(messages: Iterator, depth: int) -> Iterator:
+    """``messages``, produced on a thread of their own up to ``depth`` ahead: the next chunk is read,
+    checksummed and serialized while gRPC sends this one (gRPC asks for the next message only once the
+    last was written). An exception of the producer is raised here; closing this generator stops it."""
+    ready: queue.Queue = queue.Queue(depth)
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=FEED_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for message in messages:
+                if not put(message):
+                    return
+            put(_END)
+        except BaseException as e:  # handed to the consumer
+            put(e)
+
+    threading.Thread(target=produce, name="handoff-read-ahead", daemon=True).start()
+    try:
+        while (item := ready.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
 def await_ack(call, source: PageSource) -> pb.TransferAck:
     """The Transfer call's acknowledgement; a cancelled guard cancels the call (TransferCancelled)."""
     while True:
@@ -171,6 +253,10 @@ def await_ack(call, source: PageSource) -> pb.TransferAck:
                 raise TransferCancelled(f"{source.rid}: released during its transfer") from None
         except grpc.FutureCancelledError:
             raise TransferCancelled(f"{source.rid}: transfer cancelled") from None
+        except grpc.RpcError:  # the receiver's answer to a transfer that stopped short because it was cancelled
+            if source.guard.cancelled:
+                raise TransferCancelled(f"{source.rid}: released during its transfer") from None
+            raise
 
 
 class IpcTransport(GrpcStreamTransport):
@@ -201,7 +287,8 @@ class IpcTransport(GrpcStreamTransport):
             raise TransferError(f"{source.rid}: the ipc transport needs the decode side's reserved pages")
         written = write_in_place(source, self.pools(address, target.exported), target.page_ids, target.deadline)
         msg = pb.KVChunk(request_id=source.rid, seq=0, last=True, total_chunks=1, in_place=True,
-                         in_place_bytes=written, draft_state=source.draft_state)
+                         in_place_bytes=written.bytes, draft_state=written.last.draft_state,
+                         output_ids=written.last.output_ids, output_logprobs=written.last.output_logprobs)
         call = self.channels.decode_stub(address).Transfer.future(iter([msg]), timeout=timeout)
         return await_ack(call, source)
 

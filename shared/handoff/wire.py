@@ -1,10 +1,16 @@
 """The KV wire format: a request's pages as page-aligned, checksummed chunks, and their receiver.
 
-Order: per cache (target first, then each draft cache), per layer, the request's pages in position
-order. Runs of contiguous page ids are coalesced into one slice (one tensor slice read, one message),
-and a slice is cut so that a message holds at most ``chunk_bytes`` of K + V. Every chunk carries its
-index (``seq``) and a CRC32 of its K bytes followed by its V bytes; the last chunk carries the number
-of chunks sent and the request's draft state (``shared.spec.state.DraftState.to_bytes``).
+A hand-off starts with the prefill: the sending side (``PageSource``) yields ``Increment``s, one per
+prefill step of the request (the pages that step completed, in every cache), and the last one also
+carries what the decode side resumes from (``Prefilled``: the draft state and the first token). A
+source built after the prompt ran yields one increment with everything.
+
+Order: per increment, per cache (target first, then each draft cache), per layer, the increment's
+pages in position order. Runs of contiguous page ids are coalesced into one slice (one tensor slice
+read, one message), and a slice is cut so that a message holds at most ``chunk_bytes`` of K + V.
+Every chunk carries its index (``seq``) and a CRC32 of its K bytes followed by its V bytes; the last
+chunk carries the number of chunks sent, the request's draft state
+(``shared.spec.state.DraftState.to_bytes``) and, when the reservation named none, its first token.
 
 Memory in flight stays bounded: ``iter_chunks`` is a lazy generator that reads one slice when the
 transport asks for the next message (gRPC pulls the next request message only after the previous one
@@ -21,10 +27,11 @@ read or write pages that were handed to another request.
 from __future__ import annotations
 
 import dataclasses
+import queue
 import threading
 import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -120,20 +127,25 @@ class Slice:
     count: int
 
 
-def plan_slices(caches: list[KVCache], page_ids: list[list[int]], chunk_bytes: int) -> list[Slice]:
+def plan_slices(caches: list[KVCache], page_ids: list[list[int]], chunk_bytes: int,
+                start: list[int] | None = None) -> list[Slice]:
+    """The slices of each cache's pages from index ``start[c]`` on (default: all of them)."""
     slices = []
     for c, (cache, pages) in enumerate(zip(caches, page_ids)):
+        first = start[c] if start is not None else 0
         step = pages_per_chunk(cache, chunk_bytes)
-        runs = coalesce(pages)
+        runs = coalesce(pages[first:])
         for layer in range(cache.layout.num_layers):
             for run in runs:
                 for off in range(0, run.count, step):
-                    slices.append(Slice(c, layer, run.first + off, run.page + off, min(step, run.count - off)))
+                    slices.append(Slice(c, layer, first + run.first + off, run.page + off,
+                                        min(step, run.count - off)))
     return slices
 
 
-def _raw(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of a host tensor, without a copy (valid while ``t`` is; read under the page guard)."""
+    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
 
 
 def _view(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -153,6 +165,11 @@ class Staging:
         if self.cuda:
             self.stream.wait_stream(torch.cuda.default_stream(device))  # the pages' writes were queued there
 
+    def after(self, written) -> None:
+        """Later reads wait for ``written`` (the CUDA event of the step that wrote their pages)."""
+        if written is not None and self.cuda:
+            self.stream.wait_event(written)
+
     def start(self, k: torch.Tensor, v: torch.Tensor):
         """Begin reading one slice; ``finish`` of what this returns gives its bytes."""
         if not self.cuda:
@@ -165,14 +182,14 @@ class Staging:
         return hk, hv, done
 
     @staticmethod
-    def finish(pending) -> tuple[bytes, bytes]:
+    def finish(pending) -> tuple[memoryview, memoryview]:
         k, v, done = pending
         if done is not None:
             done.synchronize()
         return _raw(k), _raw(v)
 
 
-def checksum(k: bytes, v: bytes) -> int:
+def checksum(k: bytes | memoryview, v: bytes | memoryview) -> int:
     return zlib.crc32(v, zlib.crc32(k))
 
 
@@ -185,37 +202,197 @@ class InPlaceTarget:
     deadline: float  # the host's CLOCK_MONOTONIC time after which no page may be written
 
 
+@dataclass(frozen=True)
+class Prefilled:
+    """What the decode side resumes from, sent with the prompt's last chunk."""
+
+    draft_state: bytes  # DraftState.to_bytes(), or b"" without a draft
+    output_ids: tuple[int, ...] = ()  # the first token, unless the reservation named it
+    output_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Increment:
+    """One prefill step's part of a request's hand-off: the pages whose K/V is now final."""
+
+    page_ids: list[list[int]]  # per cache (target first), the request's pages so far, in position order
+    done: list[int]  # per cache, how many of those (from the first) hold their final K/V in every layer
+    written: object | None = None  # CUDA event recorded after the step that wrote them (None: already visible)
+    last: Prefilled | None = None  # with the prompt's last chunk
+
+
+FEED_POLL_S = 0.05  # how often a transport waiting for the next increment checks for an abort
+
+
+class PageFeed:
+    """The increments of one request's hand-off: put by the engine loop after each prefill step of the
+    request, taken by the transport on its own thread (the prefill runs on while the pages travel)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Increment] = queue.Queue()
+
+    def put(self, increment: Increment) -> None:
+        self._queue.put(increment)
+
+    def take(self, guard: PageGuard) -> Iterator[Increment]:
+        """Each increment as it comes, up to the last; TransferCancelled once ``guard`` is cancelled."""
+        while True:
+            try:
+                inc = self._queue.get(timeout=FEED_POLL_S)
+            except queue.Empty:
+                if guard.cancelled:
+                    raise TransferCancelled("the request was released during its prefill") from None
+                continue
+            yield inc
+            if inc.last is not None:
+                return
+
+
 @dataclass
 class PageSource:
     """The sending side of one request's hand-off (its pages stay put until the acknowledgement)."""
 
     rid: str
     caches: list[KVCache]
-    page_ids: list[list[int]]  # per cache, the request's pages in position order
-    draft_state: bytes  # DraftState.to_bytes(), or b"" without a draft
+    page_ids: list[list[int]]  # per cache, the request's pages in position order (without a feed)
+    draft_state: bytes  # DraftState.to_bytes(), or b"" without a draft (without a feed)
     guard: PageGuard = field(default_factory=PageGuard)
     in_place: InPlaceTarget | None = None  # set (by a copy sharing the guard) once an ipc reservation is made
+    feed: PageFeed | None = None  # increments while the prompt is being prefilled (None: every page is written)
+
+    def increments(self) -> Iterator[Increment]:
+        """The hand-off's increments in order, the last one carrying ``Prefilled``."""
+        if self.feed is not None:
+            yield from self.feed.take(self.guard)
+            return
+        yield Increment(self.page_ids, [len(p) for p in self.page_ids], None, Prefilled(self.draft_state))
 
 
-def iter_chunks(source: PageSource, chunk_bytes: int = 4 << 20) -> Iterator[pb.KVChunk]:
-    """The request's pages as KVChunk messages, each read when it is asked for."""
-    slices = plan_slices(source.caches, source.page_ids, chunk_bytes)
-    total = max(1, len(slices))
-    staging = Staging(source.caches[0].pool.device) if source.caches else None
+def as_message(header: pb.KVChunk, k: memoryview, v: memoryview) -> pb.KVChunk:
+    """A chunk as a KVChunk message (its K and V copied in)."""
+    if len(k) or len(v):
+        header.MergeFrom(pb.KVChunk(k=bytes(k), v=bytes(v)))
+    return header
+
+
+def as_wire(header: pb.KVChunk, k: memoryview, v: memoryview) -> bytes:
+    """A chunk serialized as a KVChunk message, its K and V copied once, straight from the pages (or the
+    pinned staging buffers) into the message: the header's fields, then ``k`` and ``v`` as fields 6 and 7
+    (a protobuf parser reads fields in any order)."""
+    parts = [header.SerializeToString()]
+    for number, data in ((6, k), (7, v)):
+        if len(data):
+            parts += [_varint(number << 3 | 2) + _varint(len(data)), data]
+    return b"".join(parts)
+
+
+@dataclass
+class WireChunk:
+    """A KVChunk read from its serialized bytes (``parse_wire``): its K and V are views of those bytes, not
+    copies; every other field is read from ``header``."""
+
+    header: pb.KVChunk  # every field but k and v
+    k: memoryview
+    v: memoryview
+
+    def __getattr__(self, name: str):
+        return getattr(self.header, name)
+
+
+def parse_wire(data: bytes) -> WireChunk:
+    """The receiving side's deserializer of ``Decode.Transfer``: K and V (fields 6 and 7) are sliced out of
+    ``data`` without a copy, the rest parsed as a KVChunk (a malformed message raises ValueError)."""
+    view = memoryview(data)
+    header, payload, i = [], {6: view[:0], 7: view[:0]}, 0
+    while i < len(data):
+        key, body = _read_varint(data, i)
+        end, body = _field_end(data, body, key & 7)
+        if key & 7 == 2 and key >> 3 in payload:
+            payload[key >> 3] = view[body:end]
+        else:
+            header.append(view[i:end])
+        i = end
+    if i != len(data):
+        raise ValueError("a KVChunk cut short")
+    return WireChunk(pb.KVChunk.FromString(b"".join(header)), payload[6], payload[7])
+
+
+def _field_end(data: bytes, i: int, wire_type: int) -> tuple[int, int]:
+    """Where the field whose value starts at ``i`` ends, and where its bytes start (length-delimited)."""
+    if wire_type == 0:
+        return _read_varint(data, i)[1], i
+    if wire_type == 2:
+        n, body = _read_varint(data, i)
+        return body + n, body
+    if wire_type in (1, 5):
+        return i + (8 if wire_type == 1 else 4), i
+    raise ValueError(f"a KVChunk field of wire type {wire_type}")
+
+
+def _read_varint(data: bytes, i: int) -> tuple[int, int]:
+    n, shift = 0, 0
+    while True:
+        if i >= len(data):
+            raise ValueError("a KVChunk cut short")
+        byte = data[i]
+        i += 1
+        n |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            return n, i
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def iter_chunks(source: PageSource, chunk_bytes: int = 4 << 20,
+                encode: Callable[[pb.KVChunk, memoryview, memoryview], object] = as_message) -> Iterator:
+    """The request's pages as chunks, each increment's as soon as it comes, each slice read when it is
+    asked for. ``encode(header, k, v)`` makes each message from its header (every field but ``k`` and ``v``)
+    and its K and V bytes (valid during the call only): a KVChunk (``as_message``), or its serialized
+    bytes (``as_wire``: what the gRPC stream sends)."""
+    staging = Staging(source.caches[0].pool.device)
+    sent, seq = [0] * len(source.caches), 0
+    for inc in source.increments():
+        staging.after(inc.written)
+        done_pages = [pages[:n] for pages, n in zip(inc.page_ids, inc.done)]
+        slices = plan_slices(source.caches, done_pages, chunk_bytes, sent)
+        sent = list(inc.done)
+        headers = [pb.KVChunk(request_id=source.rid, seq=seq + i, cache=s.cache, layer=s.layer, first_page=s.first,
+                              num_pages=s.count) for i, s in enumerate(slices)]
+        if inc.last is not None:
+            if not headers:  # nothing left to send but the state
+                headers.append(pb.KVChunk(request_id=source.rid, seq=seq))
+            headers[-1].MergeFrom(pb.KVChunk(last=True, total_chunks=seq + len(headers),
+                                             draft_state=inc.last.draft_state, output_ids=inc.last.output_ids,
+                                             output_logprobs=inc.last.output_logprobs))
+        yield from _read_slices(source, staging, slices, headers, encode)
+        seq += len(headers)
+
+
+def _read_slices(source: PageSource, staging: Staging, slices: list[Slice], headers: list[pb.KVChunk],
+                 encode) -> Iterator:
+    """Each header's message (the slice's bytes, or none past the slices), the next slice's read started
+    while one is sent; the bytes are read, checksummed and encoded under the guard."""
     pending = None
-    for seq, s in enumerate(slices):
-        with source.guard.access():  # the slice's read (and the next one's start) happen under the guard
-            pending = pending or _start(staging, source, s)
+    for i, header in enumerate(headers):
+        if i >= len(slices):
+            header.crc32 = checksum(b"", b"")
+            yield encode(header, memoryview(b""), memoryview(b""))
+            continue
+        with source.guard.access():
+            pending = pending or _start(staging, source, slices[i])
             k, v = staging.finish(pending)
-            pending = _start(staging, source, slices[seq + 1]) if seq + 1 < len(slices) else None
-        chunk = pb.KVChunk(request_id=source.rid, seq=seq, cache=s.cache, layer=s.layer, first_page=s.first,
-                           num_pages=s.count, k=k, v=v, crc32=checksum(k, v))
-        if seq == total - 1:
-            chunk.last, chunk.total_chunks, chunk.draft_state = True, total, source.draft_state
-        yield chunk
-    if not slices:  # a request without pages (never happens for a non-empty prompt): state only
-        yield pb.KVChunk(request_id=source.rid, seq=0, crc32=checksum(b"", b""), last=True, total_chunks=1,
-                         draft_state=source.draft_state)
+            pending = _start(staging, source, slices[i + 1]) if i + 1 < len(slices) else None
+            header.crc32 = checksum(k, v)
+            message = encode(header, k, v)
+        yield message
 
 
 def _start(staging: Staging, source: PageSource, s: Slice):
@@ -230,6 +407,23 @@ class Received:
     draft_state: bytes
     bytes: int  # K/V + draft-state bytes received
     chunks: int
+    output_ids: list[int] = field(default_factory=list)  # the first token, when the reservation named none
+    output_logprobs: list[float] = field(default_factory=list)
+
+
+def scatter(layer: torch.Tensor, page_ids: list[int], data: torch.Tensor, page_size: int) -> None:
+    """Write ``data`` ([len(page_ids) * page_size, ...], host memory) into ``layer``'s pages ``page_ids``, in
+    place. On the CPU one copy per run of contiguous pages (faster there than an indexed copy); on a GPU
+    with fragmented pages one host -> device copy and one indexed copy, not a transfer per run."""
+    runs = coalesce(page_ids)
+    if layer.device.type == "cpu" or len(runs) == 1:
+        for run in runs:
+            lo, n, first = run.first * page_size, run.count * page_size, run.page * page_size
+            layer[first:first + n].copy_(data[lo:lo + n])
+        return
+    pages = layer.view(-1, page_size, *layer.shape[1:])
+    index = torch.tensor(page_ids, dtype=torch.int64, device=layer.device)
+    pages.index_copy_(0, index, data.to(layer.device).view(-1, page_size, *layer.shape[1:]))
 
 
 class PageSink:
@@ -251,14 +445,15 @@ class PageSink:
             raise TransferError(f"{where} belongs to {chunk.request_id!r}, the transfer is for {self.rid!r}")
         if chunk.seq != self.received:
             raise TransferError(f"{where} arrived as chunk {self.received}: chunks lost or out of order")
-        if checksum(chunk.k, chunk.v) != chunk.crc32:
+        k_bytes, v_bytes = chunk.k, chunk.v  # read once: each read of a message's bytes field copies them
+        if checksum(k_bytes, v_bytes) != chunk.crc32:
             raise TransferError(f"{where} failed its CRC32 check")
         if chunk.in_place or self.in_place:
             return self._written_in_place(chunk, where)
         self.received += 1
-        self.bytes += len(chunk.k) + len(chunk.v) + len(chunk.draft_state)
+        self.bytes += len(k_bytes) + len(v_bytes) + len(chunk.draft_state)
         if chunk.num_pages == 0:
-            if chunk.k or chunk.v:
+            if k_bytes or v_bytes:
                 raise TransferError(f"{where} has bytes but no pages")
             return
         self._check_range(chunk, where)
@@ -266,21 +461,18 @@ class PageSink:
         ps, s = cache.page_size, cache.layout
         shape = (chunk.num_pages * ps, s.num_kv_heads, s.head_dim)
         expected = shape[0] * shape[1] * shape[2] * cache.k[0].element_size()
-        if len(chunk.k) != expected or len(chunk.v) != expected:
-            raise TransferError(f"{where} has {len(chunk.k)} K and {len(chunk.v)} V bytes for {chunk.num_pages} "
+        if len(k_bytes) != expected or len(v_bytes) != expected:
+            raise TransferError(f"{where} has {len(k_bytes)} K and {len(v_bytes)} V bytes for {chunk.num_pages} "
                                 f"pages, expected {expected} each (page size, heads, head dim or dtype differ)")
         span = slice(chunk.first_page, chunk.first_page + chunk.num_pages)
         done = self.written[chunk.cache][chunk.layer, span]
         if bool((done > 0).any()):
             raise TransferError(f"{where} writes pages [{span.start}, {span.stop}) a second time")
         dtype = cache.k[0].dtype
-        k, v = _view(chunk.k, dtype, shape), _view(chunk.v, dtype, shape)  # no copy: read once, into the pages
+        k, v = _view(k_bytes, dtype, shape), _view(v_bytes, dtype, shape)  # no copy: read once, into the pages
         with self.guard.access():
-            for run in coalesce(pages[span]):  # the destination pages, coalesced in their turn
-                lo, n = (run.first) * ps, run.count * ps
-                dst = slice(run.page * ps, run.page * ps + n)
-                cache.k[chunk.layer][dst].copy_(k[lo:lo + n])
-                cache.v[chunk.layer][dst].copy_(v[lo:lo + n])
+            scatter(cache.k[chunk.layer], pages[span], k, ps)
+            scatter(cache.v[chunk.layer], pages[span], v, ps)
         done += 1
 
     def _written_in_place(self, chunk: pb.KVChunk, where: str) -> None:
@@ -318,7 +510,8 @@ class PageSink:
             if w.numel() and not bool((w == 1).all()):
                 missing = int((w == 0).sum())
                 raise TransferError(f"cache {c}: {missing} (layer, page) pairs of {w.numel()} never arrived")
-        return Received(self.rid, last.draft_state, self.bytes, self.received)
+        return Received(self.rid, last.draft_state, self.bytes, self.received, list(last.output_ids),
+                        list(last.output_logprobs))
 
 
 def encode_draft_state(req) -> bytes:

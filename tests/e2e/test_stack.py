@@ -352,8 +352,10 @@ def test_full_decode_instance_refuses_and_the_router_places_elsewhere(redis_url,
             tokens = [t for m in s.stub.Generate(req, timeout=60) for t in m.token_ids]
             assert tokens == target_only[1]
             rec = s.store.get(rid)
-            assert [st for st, _ in rec["transitions"]] == ["queued", "prefilling", "transferring", "prefilling",
-                                                            "transferring", "decoding", "finished"], rec
+            # Refused as its prefill began (the hand-off reserves at the first chunk): placed again before any
+            # first token, so no "transferring" before the second placement.
+            assert [st for st, _ in rec["transitions"]] == ["queued", "prefilling", "prefilling", "transferring",
+                                                            "decoding", "finished"], rec
             assert rec["decode_instance"] == "decode-b-big"
         assert metric(http_get(full.http_address, "/metrics"), "eyrie_errors_total", kind="decode_full") == 3
         assert metric(http_get(s.prefills[0].http_address, "/metrics"), "eyrie_errors_total",

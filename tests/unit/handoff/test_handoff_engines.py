@@ -2,7 +2,9 @@
 the wire format (page extraction, chunks, insertion, DraftState bytes), and the decode engine resumes
 them straight into draft(). Output equals the single-process engine's and the target's alone, with the
 same acceptance (so the draft state and draft K/V arrived intact), for every draft kind, chain and
-tree, page sizes 1 and 16, prompts shorter and longer than the chunk, and without a draft.
+tree, page sizes 1 and 16, prompts shorter and longer than the chunk, and without a draft; the same
+holds when the pages go chunk by chunk while the prompt is still being prefilled (both transports'
+data paths), and a prompt's first pages reach the decode side before its next chunk runs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from handoff_helpers import (
     PROMPTS,
     engine_config,
     hand_off,
+    hand_off_during_prefill,
     load_models,
     make_engine,
     positions_kv,
@@ -90,6 +93,47 @@ def test_two_engines_equal_one_engine_and_the_target(models, target_only, draft,
         assert spec_counts(got) == spec_counts(want), "acceptance differs: the draft state or draft K/V changed"
     if draft is not None:
         assert max(r.spec_stats["accept_length"] for r in results) > 1.2, "drafts should be accepted often here"
+
+
+@pytest.fixture(scope="module")
+def single_results(models):
+    """The single-process engine's results per (draft, topk, page size), computed once."""
+    cache = {}
+
+    def get(draft, topk, page_size):
+        if (draft, topk, page_size) not in cache:
+            engine = make_engine(models, draft, engine_config(draft, topk, page_size, max_context=512))
+            cache[draft, topk, page_size] = engine.generate(PROMPTS, GREEDY)
+        return cache[draft, topk, page_size]
+
+    return get
+
+
+# Sent during the prefill: each draft kind over both transports, chain and tree, page sizes 1 and 16.
+DURING = [(None, 1, 1, "grpc-stream"), (None, 1, 16, "ipc"), ("eagle", 1, 16, "grpc-stream"), ("eagle", 4, 1, "ipc"),
+          ("eagle3", 4, 16, "grpc-stream"), ("eagle3", 1, 1, "ipc"), ("mtp", 4, 1, "grpc-stream"),
+          ("mtp", 1, 16, "ipc")]
+
+
+@pytest.mark.parametrize("draft, topk, page_size, transport", DURING)
+def test_pages_sent_while_the_prompt_is_prefilled_arrive_before_its_next_chunk_and_equal_one_engine(
+        models, single_results, draft, topk, page_size, transport):
+    """Reserved at the first chunk, each step's pages sent while the next computes, the draft state and the
+    first token last: output and acceptance equal the single-process engine's. Observable order, not
+    timing: before each prefill step, the long prompt's pages an earlier step completed must be on the
+    decode side (the helper waits for them, up to 20 s, and records whether they came)."""
+    config = engine_config(draft, topk, page_size, max_context=512)
+    prefill = make_engine(models, draft, config, role="prefill")
+    decode = make_engine(models, draft, config, role="decode")
+    arrived = []
+    moved = hand_off_during_prefill(prefill, decode, PROMPTS, GREEDY, transport, arrived=arrived)
+    assert arrived == [True], "the long prompt's first pages should reach the decode side before its next chunk"
+    assert prefill.is_idle_and_clean()
+    decode.run_until_done()
+    assert decode.is_idle_and_clean()
+    for got, want in zip([decode.result(d) for d in moved], single_results(draft, topk, page_size)):
+        assert got.token_ids == want.token_ids and got.finish_reason == "length"
+        assert spec_counts(got) == spec_counts(want), "acceptance differs: the draft state or draft K/V changed"
 
 
 def test_seeded_sampling_resumes_the_same_draws(models):

@@ -79,3 +79,49 @@ def test_services_on_cuda_equal_the_single_process_engine(models, tmp_path):
         prefill.stop(0.5)
         decode.stop(0.5)
         redis.stop()
+
+
+@pytest.mark.parametrize("transport", ["ipc", "grpc-stream"])
+def test_services_on_cuda_over_each_transport_equal_the_engine_and_count_the_hand_off_bytes(models, transport):
+    """The stack in-process on the GPU with the transport forced (ipc: CUDA IPC handles, side-stream copies
+    after each prefill step's event; grpc-stream: pinned staging, the decode side's indexed copy into
+    fragmented pages): greedy output equals the single-process engine's, chunked prompts included, and each
+    hand-off reports exactly the K/V bytes of its pages in every cache (plus its draft state)."""
+    import grpc
+
+    from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
+    from services.decode.server import start_decode
+    from services.prefill.server import start_prefill
+    from services.settings import DecodeSettings, PrefillSettings
+    from shared.metadata import EmbeddedRedis
+
+    m, cfg = models["cuda"], config("eagle3", 4, 16, "cuda")
+    want = make_engine(m, "eagle3", config("eagle3", 4, 16, "cuda", True)).generate(PROMPTS, GREEDY)
+    prefill_engine = make_engine(m, "eagle3", cfg, role="prefill")
+    redis = EmbeddedRedis()
+    url = redis.start()
+    prefill = start_prefill(PrefillSettings(redis_url=url, handoff_transport=transport), prefill_engine)
+    decode = start_decode(DecodeSettings(redis_url=url, handoff_transport=transport),
+                          make_engine(m, "eagle3", config("eagle3", 4, 16, "cuda", True), role="decode"))
+    try:
+        pstub = pb_grpc.PrefillStub(grpc.insecure_channel(prefill.grpc_address))
+        dstub = pb_grpc.DecodeStub(grpc.insecure_channel(decode.grpc_address))
+        caches = prefill_engine.scheduler.caches
+        for i, (prompt, w) in enumerate(zip(PROMPTS, want)):
+            rid = f"{transport}-{i}"
+            events = list(pstub.Prefill(pb.PrefillRequest(request_id=rid, prompt_ids=prompt,
+                                                          sampling=sampling_to_pb(GREEDY),
+                                                          decode_address=decode.grpc_address), timeout=60))
+            kv = sum(c.pages_for(len(prompt)) * c.layout.num_layers * 2 * c.page_size * c.layout.num_kv_heads
+                     * c.layout.head_dim * c.pool.element_size() for c in caches)
+            assert kv <= events[1].handed_off.bytes <= kv + (64 << 10), (kv, events[1].handed_off.bytes)
+            tokens = [events[0].first_token.token_id]
+            for msg in dstub.Stream(pb.StreamRequest(request_id=rid), timeout=60):
+                tokens += msg.token_ids
+            assert tokens == w.token_ids
+        for h in (prefill, decode):
+            assert h.engine_loop.call(lambda e: e.is_idle_and_clean()).result(10)
+    finally:
+        prefill.stop(0.5)
+        decode.stop(0.5)
+        redis.stop()

@@ -5,7 +5,9 @@ Output equals the single-process engine's (greedy and seeded sampling); the deco
 it cannot hold (RESOURCE_EXHAUSTED) and what does not match it (FAILED_PRECONDITION naming both
 sides); and after every way a request can end (finished, refused, broken transfers on either side,
 aborts on either side, clients that go away, a stream nobody attaches) every pool on both services
-is full again.
+is full again. The hand-off overlaps the prefill: a prompt's first chunk reaches the decode side before
+its last one is computed, a side that goes away mid-prefill frees the other's pages, and receiving a
+slow transfer never stalls the requests decoding beside it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from handoff_helpers import GREEDY, LONG, SHORT, engine_config, load_models, make_engine
+import torch
+from handoff_helpers import GREEDY, LONG, SHORT, engine_config, load_models, make_engine, positions_kv
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
@@ -81,9 +84,9 @@ class Stack:
                                                     decode_address=address or self.decode.grpc_address),
                                   timeout=kw.pop("timeout", 30), **kw)
 
-    def generate(self, prompt, params=GREEDY):
+    def generate(self, prompt, params=GREEDY, rid=None):
         """Prefill, then Stream: (tokens, Finish, the prefill events)."""
-        rid = self.rid()
+        rid = rid or self.rid()
         events = list(self.prefill_call(rid, prompt, params))
         first = events[0].first_token
         if first.finish_reason:
@@ -595,3 +598,207 @@ def test_the_decode_side_killed_mid_transfer_fails_the_request_and_frees_the_pre
         assert s.prefill.engine_loop.call(lambda e: e.is_idle_and_clean()).result(5)
     finally:
         s.prefill.stop(0.2)
+
+
+# ---- the hand-off overlaps the prefill ----------------------------------------------------------------
+FRESH = [(i * 53 + 7) % 500 for i in range(30)]  # several chunks; no earlier test left its K/V in a pool
+
+
+def prefill_holds_before(stack, monkeypatch, rid: str, condition, timeout: float = 20.0) -> dict:
+    """Before the prefill engine computes ``rid``'s next chunk once its first one ran, wait (on the engine
+    thread, up to ``timeout``) for ``condition(request)``; the returned dict gets ``met``: whether it
+    held. The hand-off runs on other threads, so whatever it does can happen while the engine waits."""
+    engine, seen = stack.prefill_engine, {}
+    step = engine.step
+
+    def held_step():
+        req = engine.requests.get(rid)
+        if "met" not in seen and req is not None and 0 < req.kv_len < req.prompt_len:
+            deadline = time.monotonic() + timeout
+            while not condition(req) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            seen["met"] = condition(req)
+        return step()
+
+    monkeypatch.setattr(engine, "step", held_step)
+    return seen
+
+
+def first_pages_on_decode(stack, rid: str, req, n: int) -> bool:
+    """Whether positions [0, n) of ``rid`` hold on the decode side what the prefill computed (every cache
+    and layer); ``req`` is the prefill engine's request (read on its engine thread)."""
+    want = positions_kv(stack.prefill_engine, req, n)
+
+    def have(engine):
+        moved = engine.requests.get(rid)
+        return moved is not None and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+                                         for a, b in zip(want, positions_kv(engine, moved, n)))
+
+    return stack.decode.engine_loop.call(have).result(5)
+
+
+def test_the_first_chunk_reaches_the_decode_side_before_the_last_chunk_is_computed(stack, monkeypatch, models):
+    """Observable order, not timing: the prefill engine stops after the prompt's first chunk until that
+    chunk's pages (target and draft caches) are on the decode side; sent only after the prompt, they never
+    would be."""
+    rid, chunk = stack.rid(), stack.prefill_engine.config.chunk_size
+    seen = prefill_holds_before(stack, monkeypatch, rid, lambda req: first_pages_on_decode(stack, rid, req, chunk))
+    tokens, finish, events = stack.generate(FRESH, rid=rid)
+    assert seen == {"met": True}
+    assert tokens == make_engine(models, DRAFT, config()).generate([FRESH], GREEDY)[0].token_ids
+    assert finish.reason == "length" and events[1].handed_off.bytes > 0
+    assert stack.clean()
+
+
+def test_a_request_stopping_at_its_first_token_frees_the_reservation_its_prefill_made(stack, single, monkeypatch):
+    """Its hand-off began with its first chunk (the engine waits after it until the decode side holds the
+    reservation), then its first token is a stop token: it ends there, the hand-off stops, and both
+    services get every page back."""
+    first, rid = single[1].token_ids[0], stack.rid()
+    incoming = stack.decode.extra["servicer"]._incoming
+    seen = prefill_holds_before(stack, monkeypatch, rid, lambda req: rid in incoming)
+    reserved_before = stack.decode.extra["telemetry"].requests_total.labels("abort")._value.get()
+    tokens, finish, events = stack.generate(LONG, SamplingParams(max_new_tokens=8, stop_token_ids=(first,)), rid=rid)
+    assert tokens == [first] and finish.reason == "stop" and len(events) == 1 and seen == {"met": True}
+    assert stack.clean()
+    wait_until(lambda: stack.decode.extra["telemetry"].requests_total.labels("abort")._value.get()
+               == reserved_before + 1)  # there was a reservation, and it was aborted
+
+
+def test_prefill_abort_mid_prefill_frees_both_sides(stack, monkeypatch):
+    """Aborted while its prompt is half prefilled (the engine waits after its first chunk until the abort
+    began) and its first pages are on their way: the Prefill call ends ABORTED, and both services get every
+    page back (the decode side's reservation included)."""
+    rid = stack.rid()
+    incoming, jobs = stack.decode.extra["servicer"]._incoming, stack.prefill.extra["servicer"]._jobs
+
+    def abort_began(req):
+        job = jobs.get(rid)
+        return job is not None and job.source is not None and job.source.guard.cancelled
+
+    seen = prefill_holds_before(stack, monkeypatch, rid, abort_began)
+    call = stack.prefill_call(rid, FRESH)
+    wait_until(lambda: rid in incoming)  # reserved on the decode side
+    assert stack.pstub.Abort(pb.AbortRequest(request_id=rid), timeout=30).found
+    with pytest.raises(grpc.RpcError) as err:
+        list(call)
+    assert err.value.code() == grpc.StatusCode.ABORTED and seen == {"met": True}
+    assert stack.clean()
+
+
+@pytest.mark.parametrize("transport", ["grpc-stream", "ipc"])
+def test_the_decode_side_gone_mid_prefill_fails_the_request_and_frees_the_prefill_pages(models, redis_url,
+                                                                                     monkeypatch, transport):
+    """The decode service stops while the prompt is half prefilled and its pages already travel: the
+    request fails with a reason, and the prefill side gets its pages back."""
+    s = Stack(models, redis_url, transport=transport)
+    try:
+        rid, gone = s.rid(), threading.Event()
+        incoming = s.decode.extra["servicer"]._incoming
+        seen = prefill_holds_before(s, monkeypatch, rid, lambda req: gone.is_set())
+        call = s.prefill_call(rid, FRESH)
+        wait_until(lambda: rid in incoming)  # reserved: the hand-off is under way
+        s.decode.stop(0)
+        gone.set()
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert seen == {"met": True}
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "hand-off to decode" in err.value.details()
+        assert s.prefill.engine_loop.call(lambda e: e.is_idle_and_clean()).result(5)
+    finally:
+        s.prefill.stop(0.2)
+
+
+@pytest.mark.parametrize("transport", ["grpc-stream", "ipc"])
+def test_the_prefill_side_gone_mid_prefill_frees_the_decode_reservation_by_the_attach_deadline(
+        models, redis_url, monkeypatch, transport):
+    """The prefill service stops while the prompt is half prefilled (its transfer open, or its in-place
+    writes begun): the decode side's reservation is freed by the attach deadline at the latest."""
+    s = Stack(models, redis_url, transport=transport, stream_attach_timeout_s=2.0)
+    try:
+        rid, gone = s.rid(), threading.Event()
+        incoming = s.decode.extra["servicer"]._incoming
+        prefill_holds_before(s, monkeypatch, rid, lambda req: gone.is_set())
+        call = s.prefill_call(rid, FRESH)
+        wait_until(lambda: rid in incoming)
+        t0 = time.monotonic()
+        stopping = threading.Thread(target=s.prefill.stop, args=(0,))
+        stopping.start()
+        gone.set()
+        stopping.join(10)
+        with pytest.raises(grpc.RpcError):
+            list(call)
+        assert clean_within(s.decode.engine_loop, t0 + 2.0 + 1.0)  # the deadline, and the reaper's poll
+    finally:
+        s.decode.stop(0.2)
+
+
+def clean_within(loop, deadline: float) -> bool:
+    """Whether the engine of ``loop`` has every page back by ``deadline`` (time.monotonic)."""
+    while not loop.call(lambda e: e.is_idle_and_clean()).result(5):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def wait_for(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_receiving_never_stalls_decoding_and_the_request_joins_at_the_next_step(stream_stack, monkeypatch):
+    """A slow sender (it waits between its first and second chunk until the running request has streamed
+    8 more tokens, up to 30 s) while another request decodes on the same decode instance: that request
+    keeps producing tokens while the transfer is open, and the transferred request commits its first
+    tokens in the very step after the one its activation followed."""
+    stack = stream_stack
+    running, stream = start_long_stream(stack)
+    streamed = {"n": 0}
+
+    def consume():
+        for msg in stream:
+            streamed["n"] += len(msg.token_ids)
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    transport, during = stack.prefill.extra["servicer"].transports["grpc-stream"], {}
+    messages = transport._messages
+
+    def slow(source):
+        for i, msg in enumerate(messages(source)):
+            if i == 1:  # the decode side opened the transfer with the first chunk
+                during["opened"] = streamed["n"]
+                during["kept_decoding"] = wait_for(lambda: streamed["n"] >= during["opened"] + 8, 30)
+            if pb.KVChunk.FromString(msg).last:  # (the transport sends them serialized)
+                during["closed"] = streamed["n"]
+            yield msg
+
+    monkeypatch.setattr(transport, "_messages", slow)
+    engine, rid, steps = stack.decode.engine_loop.engine, stack.rid(), {"n": 0}
+    step, activate = engine.step, engine.activate_handoff
+
+    def counted_step():
+        events = step()
+        steps["n"] += 1
+        if "joined" not in steps and any(r.rid == rid and tokens for r, tokens in events):
+            steps["joined"] = steps["n"]
+        return events
+
+    def counted_activate(req, *args, **kw):
+        if req.rid == rid:
+            steps["activated_after"] = steps["n"]
+        return activate(req, *args, **kw)
+
+    monkeypatch.setattr(engine, "step", counted_step)
+    monkeypatch.setattr(engine, "activate_handoff", counted_activate)
+    tokens, finish, _ = stack.generate(LONG, rid=rid)
+    assert during["kept_decoding"] and during["closed"] - during["opened"] >= 8, during
+    assert finish.reason == "length" and len(tokens) == GREEDY.max_new_tokens
+    assert steps["joined"] == steps["activated_after"] + 1, steps
+    consumer.join(60)
+    assert stack.clean()

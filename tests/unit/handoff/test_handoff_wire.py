@@ -3,27 +3,36 @@
 Round trips move a request's pages between two pools laid out differently; the bytes at every
 position are identical after, whatever the fragmentation. Every corruption a receiver can see
 (checksum, order, duplicates, sizes, ranges, truncation, a wrong count, a foreign draft state) is
-refused with a message saying what; a released request's pages are never touched again.
+refused with a message saying what; a released request's pages are never touched again. What the gRPC
+stream sends (serialized once, read back without copying K and V, read ahead on a thread) is the same
+message; a source fed increments sends each page once, as the prefill completes it.
 """
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
+from proto.eyrie.v1 import eyrie_pb2 as pb
 from shared.handoff import (
     CacheShape,
     HandoffSchema,
+    Increment,
+    PageFeed,
     PageGuard,
     PageSink,
     PageSource,
+    Prefilled,
     TransferCancelled,
     TransferError,
     coalesce,
     decode_draft_state,
     iter_chunks,
 )
-from shared.handoff.wire import page_bytes
+from shared.handoff.transport import read_ahead
+from shared.handoff.wire import as_wire, page_bytes, parse_wire
 from shared.memory.kv_cache import CacheLayout, KVCache
 from shared.spec.state import DraftState
 
@@ -218,3 +227,85 @@ def test_draft_state_is_checked_against_the_receivers_schema():
         with pytest.raises(TransferError, match=words):
             decode_draft_state(data, schema, committed_len=10)
     assert decode_draft_state(b"", HandoffSchema(**{**SCHEMA.__dict__, "draft_kind": ""}), 10) is None
+
+
+# ---- what the gRPC stream sends: serialized once, read without copies ----------------------------------
+def test_the_serialized_chunks_are_the_messages_and_read_back_without_a_copy():
+    """``as_wire`` writes exactly the KVChunk message (any parser reads it); ``parse_wire`` gives back every
+    field, K and V as views of the bytes that arrived; a receiver takes them as it takes the messages."""
+    src, dst = cache(), cache(seed=4)
+    source = PageSource("r", [src], [[2, 3, 7]], b"state")
+    messages = list(iter_chunks(source, page_bytes(src) * 2))
+    wire = list(iter_chunks(source, page_bytes(src) * 2, encode=as_wire))
+    assert [pb.KVChunk.FromString(w) for w in wire] == messages and messages[-1].last
+    sink = PageSink("r", [dst], [[9, 1, 5]])
+    for data, message in zip(wire, messages):
+        parsed = parse_wire(data)
+        assert isinstance(parsed.k, memoryview) and parsed.k.obj is data  # a view, not a copy
+        assert (bytes(parsed.k), bytes(parsed.v), parsed.header) == (message.k, message.v, pb.KVChunk(
+            **{f.name: getattr(message, f.name) for f, _ in message.ListFields() if f.name not in ("k", "v")}))
+        sink.write(parsed)
+    assert sink.finish(parse_wire(wire[-1])).draft_state == b"state"
+    assert all(torch.equal(a, b) for a, b in zip(pages_kv(src, [2, 3, 7]), pages_kv(dst, [9, 1, 5])))
+
+
+def test_a_serialized_chunk_cut_short_is_refused():
+    data = as_wire(pb.KVChunk(request_id="r", seq=1, crc32=3), memoryview(b"k" * 100), memoryview(b"v" * 100))
+    assert bytes(parse_wire(data).v) == b"v" * 100
+    for cut in (1, 50, len(data) - 90):
+        with pytest.raises(ValueError, match="cut short"):
+            parse_wire(data[:-cut])
+
+
+def test_reading_ahead_keeps_the_order_hands_over_errors_and_stops_with_its_consumer():
+    assert list(read_ahead(iter(range(50)), 2)) == list(range(50))
+
+    def failing():
+        yield 1
+        raise TransferCancelled("released")
+
+    ahead = read_ahead(failing(), 2)
+    assert next(ahead) == 1
+    with pytest.raises(TransferCancelled):
+        next(ahead)
+    produced = []
+
+    def endless():
+        for i in range(10 ** 6):
+            produced.append(i)
+            yield i
+
+    ahead = read_ahead(endless(), 2)
+    assert next(ahead) == 0
+    ahead.close()  # the consumer stops: the producer stops too, a few messages ahead at most
+    time.sleep(0.3)
+    stopped_at = len(produced)
+    time.sleep(0.2)
+    assert len(produced) == stopped_at <= 6
+
+
+def test_fed_increments_send_each_page_once_as_the_prefill_completes_it():
+    """A source fed increments (as the prefill service feeds it) sends the pages each one completed, once,
+    and the draft state with the last; a cancelled guard stops one that waits for the next increment."""
+    src, dst = cache(pages=16), cache(seed=6, pages=16)
+    source = PageSource("r", [src], [], b"", feed=PageFeed())
+    chunks = iter_chunks(source, 2 * page_bytes(src))
+    source.feed.put(Increment([[4, 5]], [1]))  # page 5 is not complete yet
+    first = next(chunks)
+    assert (first.first_page, first.num_pages, first.layer, first.last) == (0, 1, 0, False)
+    second = next(chunks)
+    assert (second.first_page, second.layer) == (0, 1)  # the same page, layer 1; then nothing until more comes
+    source.feed.put(Increment([[4, 5, 6]], [3], last=Prefilled(b"state", (11,), (-0.5,))))
+    rest = list(chunks)
+    assert [(c.first_page, c.num_pages) for c in rest] == [(1, 2), (1, 2)] and rest[-1].last
+    assert (list(rest[-1].output_ids), rest[-1].draft_state, rest[-1].total_chunks) == ([11], b"state", 4)
+    sink = PageSink("r", [dst], [[1, 2, 3]])
+    for c in [first, second, *rest]:
+        sink.write(c)
+    assert sink.finish(rest[-1]).output_ids == [11]
+    assert all(torch.equal(a, b) for a, b in zip(pages_kv(src, [4, 5, 6]), pages_kv(dst, [1, 2, 3])))
+    waiting = PageSource("w", [src], [], b"", feed=PageFeed())
+    gen = iter_chunks(waiting, page_bytes(src))
+    waiting.guard.cancel()
+    with pytest.raises(TransferCancelled):
+        next(gen)
