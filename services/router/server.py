@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 from pydantic import ValidationError
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
@@ -47,7 +48,7 @@ from shared.sampling import SamplingParams
 from shared.telemetry import Telemetry
 
 SERVICES = [full_name("Generation")]
-RID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+RID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # fullmatch: "$" would let a trailing newline through
 # Router -> service channels: keepalive finds a peer that vanished without closing its sockets.
 CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
                    ("grpc.max_receive_message_length", 64 << 20)]
@@ -202,7 +203,7 @@ class RouterCore:
         if req.ByteSize() > limit:
             raise RequestError("request", f"{req.ByteSize()} bytes exceed the limit of {limit}")
         rid = req.request_id or uuid.uuid4().hex
-        if not RID_PATTERN.match(rid):
+        if not RID_PATTERN.fullmatch(rid):
             raise RequestError("request_id", "must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
         kind = req.WhichOneof("prompt")
         if kind is None:
@@ -274,7 +275,7 @@ class RouterCore:
             rid, ids, params = self.validate(req)
         except RequestError as e:
             self._count_error("invalid_argument")
-            self.log.event("refused", req.request_id if RID_PATTERN.match(req.request_id) else None,
+            self.log.event("refused", req.request_id if RID_PATTERN.fullmatch(req.request_id) else None,
                            field=e.field, message=str(e))
             raise
         active = Active(rid, cancelled or threading.Event())
@@ -299,6 +300,7 @@ class RouterCore:
         except RouterError as e:
             outcome = "aborted" if active.cancelled.is_set() else "failed"
             self._end(active, outcome, e.message, e.code)
+            e.message = f"request {rid}: {e.message}"  # the client may not know the id the router gave it
             raise
         except GeneratorExit:  # the caller stopped reading: the client went away
             outcome = "aborted"
@@ -307,7 +309,7 @@ class RouterCore:
         except Exception as e:
             self.log.exception("internal_error", rid, reason=str(e))
             self._end(active, outcome, f"internal error: {e}", grpc.StatusCode.INTERNAL)
-            raise RouterError(grpc.StatusCode.INTERNAL, f"internal error: {e}") from e
+            raise RouterError(grpc.StatusCode.INTERNAL, f"request {rid}: internal error: {e}") from e
         finally:
             with self._lock:
                 self._active.pop(rid, None)
@@ -593,6 +595,34 @@ class RouterCore:
             ch.close()
 
 
+def _decoded(method, message_type):
+    """``method`` taking the request's bytes: a message that does not decode is INVALID_ARGUMENT naming
+    ``request`` (gRPC's own deserializer would answer INTERNAL)."""
+
+    def handle(raw: bytes, context):
+        try:
+            request = message_type.FromString(raw)
+        except DecodeError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid {message_type.DESCRIPTOR.full_name} "
+                                                            f"({e})")
+        return method(request, context)
+
+    return handle
+
+
+def generation_handler(servicer) -> grpc.GenericRpcHandler:
+    """eyrie.v1.Generation's methods, each decoding its own request (``_decoded``)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            _decoded(servicer.Generate, pb.GenerateRequest), response_serializer=pb.GenerateResponse.SerializeToString),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            _decoded(servicer.Abort, pb.AbortRequest), response_serializer=pb.AbortResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            _decoded(servicer.GetModelInfo, pb.ModelInfoRequest), response_serializer=pb.ModelInfo.SerializeToString),
+    }
+    return grpc.method_handlers_generic_handler(SERVICES[0], handlers)
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, core: RouterCore):
         self.core = core
@@ -643,8 +673,11 @@ def start_router(settings: RouterSettings) -> ServiceHandle:
                       tokenizer, model_config, telemetry, instance_id)
     # gRPC refuses messages over 4x the request limit itself (RESOURCE_EXHAUSTED); between 1x and 4x the
     # router answers INVALID_ARGUMENT naming `request`.
+    def add_generation(servicer, server) -> None:
+        server.add_generic_rpc_handlers((generation_handler(servicer),))
+
     server, port, health = start_grpc_server(
-        settings.host, settings.grpc_port, [(pb_grpc.add_GenerationServicer_to_server, GenerationServicer(core))],
+        settings.host, settings.grpc_port, [(add_generation, GenerationServicer(core))],
         SERVICES, max_message_bytes=4 * settings.max_message_bytes, api_key=settings.api_key,
         on_denied=lambda: telemetry.errors_total.labels("unauthenticated").inc())
     extra = {"core": core, "telemetry": telemetry}
