@@ -95,6 +95,7 @@ class RouterSettings(CommonSettings):
     http_read_timeout_s: float = 10.0  # an HTTP request's head, and then its body, must arrive within this
     placement_timeout_s: float = 10.0
     stream_timeout_s: float = 300.0  # deadline of the prefill + hand-off call (the decode stream has none)
+    max_concurrent_requests: int = 1024  # past it a new request gets RESOURCE_EXHAUSTED / 429; 0 = no cap
 
 
 SETTINGS = {"router": RouterSettings, "prefill": PrefillSettings, "decode": DecodeSettings}

@@ -178,7 +178,10 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{info.instance_id}", daemon=True)
 
     def start(self) -> Heartbeat:
-        self.beat()
+        try:
+            self.beat()
+        except redis.RedisError as e:  # Redis away at start: serve anyway, registered as soon as it answers
+            log.warning("first heartbeat of %s failed: %s", self.info.instance_id, e)
         self._thread.start()
         return self
 

@@ -114,8 +114,11 @@ def from_request_error(e: RequestError, prompt_param: str, max_tokens_param: str
 def from_router_error(e: Exception) -> ApiError:
     code = getattr(e, "code", None)
     status, type_ = _STATUS.get(code, (500, "server_error"))
+    status = getattr(e, "http_status", None) or status
     name = code.name.lower() if isinstance(code, grpc.StatusCode) else "internal"
-    return ApiError(status, getattr(e, "message", str(e)), code=name, type_=type_)
+    retry = getattr(e, "retry_after_s", None)
+    headers = {"Retry-After": str(max(1, round(retry)))} if retry else None
+    return ApiError(status, getattr(e, "message", str(e)), code=name, type_=type_, headers=headers)
 
 
 # ---- chat templates ------------------------------------------------------------------------------
@@ -543,6 +546,9 @@ class OpenAIServer:
         return app
 
     async def _health(self) -> Response:
+        reason = self.core.not_ready
+        if reason:
+            return json_response({"status": "not_serving", "reason": reason}, 503)
         return json_response({"status": "ready"})
 
     async def _models(self) -> Response:

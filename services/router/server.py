@@ -38,6 +38,7 @@ from services.common import (
     start_grpc_server,
 )
 from services.logs import ServiceLog
+from services.router.records import REDIS_DOWN, RecordsUnavailable, RecordWriter
 from services.settings import RouterSettings
 from shared.handoff import sampling_from_pb, sampling_to_pb
 from shared.metadata import InstanceInfo, Registry, RequestStore, connect
@@ -57,9 +58,12 @@ CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_
 class RouterError(Exception):
     """A failure after validation, with the gRPC status the client gets."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None,
+                 http_status: int | None = None):
         super().__init__(message)
         self.code, self.message = code, message
+        self.retry_after_s = retry_after_s  # when to try again (HTTP Retry-After), for a refusal that will pass
+        self.http_status = http_status  # where the code's usual HTTP status does not fit (429 for the cap)
 
 
 class Detokenizer:
@@ -191,6 +195,10 @@ class RouterCore:
         self.max_context = min(settings.max_context or model_config.max_position_embeddings,
                                model_config.max_position_embeddings)
         self.ledger = LoadLedger()
+        self.records = RecordWriter(store, telemetry=telemetry).start()
+        self._seen: dict[str, list[InstanceInfo]] = {}  # each role's live instances, as last read from Redis
+        self.not_ready: str | None = None  # why the router cannot take requests now (None: it can)
+        self.stopping = threading.Event()
         self._active: dict[str, Active] = {}
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
@@ -253,8 +261,16 @@ class RouterCore:
     def _pick(self, role: str, exclude: set[str], tokens: int = 0, arrived: bool = False
               ) -> tuple[InstanceInfo, int] | tuple[None, None]:
         """The least loaded live instance of ``role`` (not in ``exclude``), with ``tokens`` placed on it."""
-        return self.ledger.choose([i for i in self.registry.instances(role) if i.instance_id not in exclude],
-                                  tokens, arrived)
+        return self.ledger.choose([i for i in self.live(role) if i.instance_id not in exclude], tokens, arrived)
+
+    def live(self, role: str) -> list[InstanceInfo]:
+        """The live instances of ``role``; while Redis is away, the ones last seen (requests already accepted
+        keep being placed)."""
+        try:
+            self._seen[role] = self.registry.instances(role)
+        except REDIS_DOWN:
+            pass
+        return self._seen.get(role, [])
 
     def _stub(self, cls, address: str):
         with self._lock:
@@ -283,10 +299,15 @@ class RouterCore:
             duplicate = rid in self._active
             if not duplicate:
                 self._active[rid] = active
-        if duplicate or not self.store.create(rid, prompt_tokens=len(ids), max_new_tokens=params.max_new_tokens):
-            with self._lock:
-                if self._active.get(rid) is active:
-                    del self._active[rid]
+        created = False
+        try:
+            created = not duplicate and self._create(rid, ids, params)
+        finally:
+            if duplicate or not created:
+                with self._lock:
+                    if self._active.get(rid) is active:
+                        del self._active[rid]
+        if not created:
             self._count_error("invalid_argument")
             self.log.event("refused", rid, field="request_id", message="already in use")
             raise RequestError("request_id", f"{rid!r} is already in use (ids are unique until their record expires)")
@@ -316,13 +337,28 @@ class RouterCore:
             if self.telemetry:
                 self.telemetry.requests_total.labels(outcome).inc()
 
+    def _create(self, rid: str, ids: list[int], params: SamplingParams) -> bool:
+        """Record the new request (False: its id is taken); refused with UNAVAILABLE when it cannot be recorded."""
+        if self.settings.max_concurrent_requests and len(self._active) > self.settings.max_concurrent_requests:
+            self._count_error("resource_exhausted")
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"request {rid}: the router is at its limit of {self.settings.max_concurrent_requests} "
+                              "concurrent requests; try again shortly", retry_after_s=1, http_status=429)
+        try:
+            return self.records.create(rid, prompt_tokens=len(ids), max_new_tokens=params.max_new_tokens)
+        except RecordsUnavailable as e:
+            self._count_error("unavailable")
+            self.log.event("refused", rid, field=None, message=f"cannot record the request: {e}")
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"request {rid}: the router cannot record requests now: "
+                                                           f"{e}; try again shortly", retry_after_s=1) from None
+
     def _end(self, active: Active, state: str, reason: str, code: grpc.StatusCode | None) -> None:
         """Record a failed / aborted end, then free whatever the services still hold for the request."""
         self.log.event(state, active.rid, reason=reason, code=code.name if code is not None else None,
                        output_tokens=active.output_tokens,
                        prefill=active.prefill.instance_id if active.prefill else None,
                        decode=active.decode.instance_id if active.decode else None)
-        self.store.transition(active.rid, state, error=reason, output_tokens=active.output_tokens)
+        self.records.transition(active.rid, state, error=reason, output_tokens=active.output_tokens)
         if code is not None:
             self._count_error(code.name.lower())
         self._abort_remote(active)
@@ -382,7 +418,7 @@ class RouterCore:
             self.log.event("placed", active.rid, prefill=prefill.instance_id, decode=decode.instance_id,
                            attempt=attempt)
             try:
-                self.store.transition(active.rid, "prefilling", prefill_instance=prefill.instance_id,
+                self.records.transition(active.rid, "prefilling", prefill_instance=prefill.instance_id,
                                       decode_instance=decode.instance_id)
                 if self.telemetry:
                     self.telemetry.stage_seconds.labels("placement").observe(time.perf_counter() - t0)
@@ -424,14 +460,14 @@ class RouterCore:
                                    seconds=round(time.perf_counter() - t1, 6), finish_reason=ft.finish_reason or None)
                     if ft.finish_reason:
                         return first
-                    self.store.transition(rid, "transferring")
+                    self.records.transition(rid, "transferring")
                     t1 = time.perf_counter()
                 elif ev.HasField("handed_off") and first is not None:
                     if self.telemetry:
                         self.telemetry.stage_seconds.labels("handoff").observe(time.perf_counter() - t1)
                     self.log.event("handoff_done", rid, decode=decode.instance_id, bytes=ev.handed_off.bytes,
                                    seconds=round(ev.handed_off.seconds, 6))
-                    self.store.transition(rid, "decoding", handoff_bytes=ev.handed_off.bytes,
+                    self.records.transition(rid, "decoding", handoff_bytes=ev.handed_off.bytes,
                                           handoff_s=round(ev.handed_off.seconds, 6))
                     return first
         except grpc.RpcError as e:
@@ -511,7 +547,7 @@ class RouterCore:
         self.log.event("finished", rid, reason=finish.reason, output_tokens=finish.usage.completion_tokens,
                        ttft_s=round(finish.ttft_s, 6), latency_s=round(finish.latency_s, 6),
                        accept_length=round(finish.spec.accept_length, 4))
-        self.store.transition(rid, "finished", finish_reason=finish.reason,
+        self.records.transition(rid, "finished", finish_reason=finish.reason,
                               output_tokens=finish.usage.completion_tokens,
                               accept_length=round(finish.spec.accept_length, 4),
                               accept_rate=round(finish.spec.accept_rate, 4), ttft_s=round(finish.ttft_s, 6),
@@ -567,12 +603,24 @@ class RouterCore:
             except grpc.RpcError:
                 pass  # that instance is gone; its pages went with it
 
+    def check_ready(self) -> str | None:
+        """Why the router cannot serve now (Redis away, no prefill or no decode instance), or None; kept in
+        ``not_ready`` for the health answers."""
+        try:
+            self.store.client.ping()
+        except REDIS_DOWN as e:
+            self.not_ready = f"Redis is unreachable: {e}"
+            return self.not_ready
+        missing = [role for role in ("prefill", "decode") if not self.live(role)]
+        self.not_ready = f"no {' and no '.join(missing)} instance is registered" if missing else None
+        return self.not_ready
+
     def engine_facts(self) -> dict:
         """dtype, page size and speculative config of the engines serving this model, from the registry: a live
         decode instance's (the one that generates), else a prefill instance's, else the last ones seen ({} until
         an engine instance registered)."""
         for role in ("decode", "prefill"):
-            for inst in self.registry.instances(role):
+            for inst in self.live(role):
                 if inst.model:
                     self._facts = inst.model
                     return inst.model
@@ -589,6 +637,7 @@ class RouterCore:
         return info
 
     def close(self) -> None:
+        self.records.stop()
         with self._lock:
             channels, self._channels = list(self._channels.values()), {}
         for ch in channels:
@@ -652,6 +701,21 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return self.core.model_info()
 
 
+def _watch_readiness(core: RouterCore, health, telemetry: Telemetry, interval_s: float, last: str | None) -> None:
+    """grpc.health.v1 and /health follow ``core.check_ready()``: NOT_SERVING / 503 with the reason."""
+    while not core.stopping.wait(max(0.05, min(interval_s, 0.5))):
+        last = _show_readiness(core, health, telemetry, last)
+
+
+def _show_readiness(core: RouterCore, health, telemetry: Telemetry, last: str | None = "") -> str | None:
+    reason = core.check_ready()
+    if reason != last:
+        set_serving(health, SERVICES, reason is None)
+        telemetry.not_ready = reason
+        core.log.event("ready" if reason is None else "not_ready", reason=reason)
+    return reason
+
+
 def load_model_files(model: str | None) -> tuple[ModelConfig, Tokenizer | None]:
     """The router reads the model directory's config.json and tokenizer.json, never its weights."""
     if not model:
@@ -690,14 +754,18 @@ def start_router(settings: RouterSettings) -> ServiceHandle:
         else:
             openai_server, openai_port = start_openai_server(core, settings)
             extra["openai_address"] = f"{settings.advertised}:{openai_port}"
-    set_serving(health, SERVICES, True)
     telemetry.set_state("ready")
+    ready = _show_readiness(core, health, telemetry)
+    watch = threading.Thread(target=_watch_readiness, args=(core, health, telemetry, settings.heartbeat_s / 2, ready),
+                             name="router-readiness", daemon=True)
+    watch.start()
     grpc_address = f"{settings.advertised}:{port}"
     core.log.event("started", grpc=grpc_address, http=telemetry.address, openai=extra.get("openai_address"))
 
     def stop(grace: float = 2.0) -> None:
         core.log.event("stopping")
         telemetry.set_state("draining")
+        core.stopping.set()
         set_serving(health, SERVICES, False)
         if openai_server is not None:
             openai_server.stop()

