@@ -32,8 +32,12 @@ STATES = ("queued", "prefilling", "transferring", "decoding", "finished", "faile
 TERMINAL = ("finished", "failed", "aborted")
 
 
-def connect(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5)
+def connect(url: str, max_connections: int = 64) -> redis.Redis:
+    """A client whose threads share at most ``max_connections`` connections, waiting for a free one (up to
+    the socket timeout) rather than failing with "Too many connections" under many concurrent requests."""
+    pool = redis.BlockingConnectionPool.from_url(url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5,
+                                                 max_connections=max_connections, timeout=5)
+    return redis.Redis(connection_pool=pool)
 
 
 class EmbeddedRedis:

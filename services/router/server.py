@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from google.protobuf.message import DecodeError
 from pydantic import ValidationError
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
@@ -31,13 +30,11 @@ from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.common import (
     ServiceHandle,
     ServiceTelemetry,
-    full_name,
     insecure_channel,
     new_instance_id,
-    set_serving,
-    start_grpc_server,
 )
 from services.logs import ServiceLog
+from services.router.grpc_api import RouterGrpc
 from services.router.records import REDIS_DOWN, RecordsUnavailable, RecordWriter
 from services.settings import RouterSettings
 from shared.handoff import sampling_from_pb, sampling_to_pb
@@ -48,7 +45,6 @@ from shared.request import RequestError
 from shared.sampling import SamplingParams
 from shared.telemetry import Telemetry
 
-SERVICES = [full_name("Generation")]
 RID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # fullmatch: "$" would let a trailing newline through
 # Router -> service channels: keepalive finds a peer that vanished without closing its sockets.
 CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
@@ -644,73 +640,18 @@ class RouterCore:
             ch.close()
 
 
-def _decoded(method, message_type):
-    """``method`` taking the request's bytes: a message that does not decode is INVALID_ARGUMENT naming
-    ``request`` (gRPC's own deserializer would answer INTERNAL)."""
-
-    def handle(raw: bytes, context):
-        try:
-            request = message_type.FromString(raw)
-        except DecodeError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid {message_type.DESCRIPTOR.full_name} "
-                                                            f"({e})")
-        return method(request, context)
-
-    return handle
-
-
-def generation_handler(servicer) -> grpc.GenericRpcHandler:
-    """eyrie.v1.Generation's methods, each decoding its own request (``_decoded``)."""
-    handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            _decoded(servicer.Generate, pb.GenerateRequest), response_serializer=pb.GenerateResponse.SerializeToString),
-        "Abort": grpc.unary_unary_rpc_method_handler(
-            _decoded(servicer.Abort, pb.AbortRequest), response_serializer=pb.AbortResponse.SerializeToString),
-        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            _decoded(servicer.GetModelInfo, pb.ModelInfoRequest), response_serializer=pb.ModelInfo.SerializeToString),
-    }
-    return grpc.method_handlers_generic_handler(SERVICES[0], handlers)
-
-
-class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, core: RouterCore):
-        self.core = core
-
-    def Generate(self, request: pb.GenerateRequest, context):  # noqa: N802
-        if not request.request_id:
-            request.request_id = uuid.uuid4().hex
-        done = threading.Event()
-        rid = request.request_id
-        # The client went away (or its deadline passed): end the request now, not at its next token.
-        context.add_callback(lambda: done.is_set() or self.core.abort(rid, "client disconnected",
-                                                                      grpc.StatusCode.CANCELLED))
-        try:
-            for msg in self.core.generate(request):
-                yield msg
-        except RequestError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except RouterError as e:
-            context.abort(e.code, e.message)
-        finally:
-            done.set()
-
-    def Abort(self, request: pb.AbortRequest, context):  # noqa: N802
-        return pb.AbortResponse(found=self.core.abort(request.request_id))
-
-    def GetModelInfo(self, request, context):  # noqa: N802
-        return self.core.model_info()
-
-
-def _watch_readiness(core: RouterCore, health, telemetry: Telemetry, interval_s: float, last: str | None) -> None:
+def _watch_readiness(core: RouterCore, grpc_server: RouterGrpc, telemetry: Telemetry, interval_s: float,
+                     last: str | None) -> None:
     """grpc.health.v1 and /health follow ``core.check_ready()``: NOT_SERVING / 503 with the reason."""
     while not core.stopping.wait(max(0.05, min(interval_s, 0.5))):
-        last = _show_readiness(core, health, telemetry, last)
+        last = _show_readiness(core, grpc_server, telemetry, last)
 
 
-def _show_readiness(core: RouterCore, health, telemetry: Telemetry, last: str | None = "") -> str | None:
+def _show_readiness(core: RouterCore, grpc_server: RouterGrpc, telemetry: Telemetry, last: str | None = ""
+                    ) -> str | None:
     reason = core.check_ready()
     if reason != last:
-        set_serving(health, SERVICES, reason is None)
+        grpc_server.set_serving(reason is None)
         telemetry.not_ready = reason
         core.log.event("ready" if reason is None else "not_ready", reason=reason)
     return reason
@@ -736,14 +677,12 @@ def start_router(settings: RouterSettings) -> ServiceHandle:
     core = RouterCore(settings, RequestStore(client, settings.request_ttl_s), Registry(client, settings.registry_ttl_s),
                       tokenizer, model_config, telemetry, instance_id)
     # gRPC refuses messages over 4x the request limit itself (RESOURCE_EXHAUSTED); between 1x and 4x the
-    # router answers INVALID_ARGUMENT naming `request`.
-    def add_generation(servicer, server) -> None:
-        server.add_generic_rpc_handlers((generation_handler(servicer),))
-
-    server, port, health = start_grpc_server(
-        settings.host, settings.grpc_port, [(add_generation, GenerationServicer(core))],
-        SERVICES, max_message_bytes=4 * settings.max_message_bytes, api_key=settings.api_key,
-        on_denied=lambda: telemetry.errors_total.labels("unauthenticated").inc())
+    # router answers INVALID_ARGUMENT naming `request`. Streams get a thread each (RouterCore blocks), up to
+    # the concurrency cap; control calls have their own.
+    grpc_server = RouterGrpc(core, settings.host, settings.grpc_port, 4 * settings.max_message_bytes,
+                             settings.api_key, lambda: telemetry.errors_total.labels("unauthenticated").inc(),
+                             stream_workers=(settings.max_concurrent_requests or 4096) + 16)
+    port = grpc_server.port
     extra = {"core": core, "telemetry": telemetry}
     openai_server = None
     if settings.openai_port is not None:
@@ -755,8 +694,9 @@ def start_router(settings: RouterSettings) -> ServiceHandle:
             openai_server, openai_port = start_openai_server(core, settings)
             extra["openai_address"] = f"{settings.advertised}:{openai_port}"
     telemetry.set_state("ready")
-    ready = _show_readiness(core, health, telemetry)
-    watch = threading.Thread(target=_watch_readiness, args=(core, health, telemetry, settings.heartbeat_s / 2, ready),
+    ready = _show_readiness(core, grpc_server, telemetry)
+    watch = threading.Thread(target=_watch_readiness, args=(core, grpc_server, telemetry, settings.heartbeat_s / 2,
+                                                            ready),
                              name="router-readiness", daemon=True)
     watch.start()
     grpc_address = f"{settings.advertised}:{port}"
@@ -766,10 +706,10 @@ def start_router(settings: RouterSettings) -> ServiceHandle:
         core.log.event("stopping")
         telemetry.set_state("draining")
         core.stopping.set()
-        set_serving(health, SERVICES, False)
+        grpc_server.set_serving(False)
         if openai_server is not None:
             openai_server.stop()
-        server.stop(grace).wait(grace + 1)
+        grpc_server.stop(grace)
         core.close()
         telemetry.stop()
 

@@ -49,7 +49,7 @@ class SteadyDecode(pb_grpc.DecodeServicer):
                 time.sleep(self.interval_s)
                 yield pb.GenerateResponse(request_id=request.request_id, token_ids=[8 + i], logprobs=[-0.1])
             while self.hold.is_set() and context.is_active():
-                time.sleep(0.01)
+                time.sleep(0.25)  # hundreds of held streams must not keep the CPU busy
             yield pb.GenerateResponse(request_id=request.request_id, finish=pb.Finish(reason="length"))
         finally:
             with self._lock:
@@ -100,7 +100,7 @@ def start_scripted_stack(redis_url: str, model_dir, decode: SteadyDecode | None 
     servers = []
     for role, add_fn, servicer in (("prefill", pb_grpc.add_PrefillServicer_to_server, OkPrefill()),
                                    ("decode", pb_grpc.add_DecodeServicer_to_server, decode)):
-        server, port, _ = start_grpc_server("127.0.0.1", 0, [(add_fn, servicer)], [])
+        server, port, _ = start_grpc_server("127.0.0.1", 0, [(add_fn, servicer)], [], workers=512)  # many streams
         servers.append(server)
         registry.register(InstanceInfo(f"{role}-scripted", role, f"127.0.0.1:{port}", beat=1))
     settings = RouterSettings(**{"model": str(model_dir / "target"), "redis_url": redis_url, "openai_port": 0,
