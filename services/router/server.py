@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import secrets
 import threading
 import time
 import uuid
@@ -168,6 +169,7 @@ class Active:
     prefill: InstanceInfo | None = None
     decode: InstanceInfo | None = None
     output_tokens: int = 0
+    placements: list[dict] = field(default_factory=list)  # each: prefill, decode, reason (recorded in Redis)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -177,6 +179,21 @@ class _Replace(Exception):
     def __init__(self, error: RouterError, role: str, kind: str):
         super().__init__(error.message)
         self.error, self.role, self.kind = error, role, kind  # kind: full | mismatch | unreachable
+
+
+class _Broken(Exception):
+    """A decode stream broke after tokens reached the client: the request is placed again (failover)."""
+
+    def __init__(self, error: RouterError):
+        super().__init__(error.message)
+        self.error = error
+
+
+# A decode stream that ends with these (and not by the router's own cancel) broke: the instance died, the
+# connection went, or the instance stopped.
+BROKEN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+          grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED)
+MAX_FAILOVERS = 3  # decode instances a request may lose before it fails
 
 
 class RouterCore:
@@ -360,30 +377,59 @@ class RouterCore:
         self._abort_remote(active)
 
     def _walk(self, active: Active, ids: list[int], params: SamplingParams, return_logprobs: bool, t0: float):
+        """Place, stream, and on a broken decode stream place again: a prefill instance recomputes the prompt
+        plus the tokens the client has, another decode instance goes on from there. The client's stream
+        continues without a duplicate or a gap; greedy output is identical, and sampled output continues from
+        the same draws (they hash the request's seed and committed length: the seed is fixed here)."""
         rid = active.rid
-        token, logprob, finish_reason = self._place(active, ids, params, t0)
-        ttft = time.perf_counter() - t0
-        if self.telemetry:
-            self.telemetry.ttft_seconds.observe(ttft)
-        self.log.event("first_token", rid, ttft_s=round(ttft, 6))
+        if params.seed is None:
+            params = params.model_copy(update={"seed": secrets.randbits(64)})
         detok = Detokenizer(self.tokenizer)
-        out = pb.GenerateResponse(request_id=rid, token_ids=[token], text=detok.push([token], bool(finish_reason)))
-        if return_logprobs:
-            out.logprobs.append(logprob)
-        active.output_tokens = 1
-        if finish_reason:  # ended at its first token: the prefill instance kept (and freed) it
-            out.finish.CopyFrom(pb.Finish(reason=finish_reason, usage=pb.Usage(prompt_tokens=len(ids),
-                                          completion_tokens=1), ttft_s=ttft, latency_s=ttft))
-            self._finished(rid, out.finish)
+        sent: list[int] = []  # tokens the client has
+        avoid: set[str] = set()  # decode instances whose stream broke
+        reason, ttft = "new request", None
+        while True:
+            rest = params.model_copy(update={"max_new_tokens": params.max_new_tokens - len(sent)})
+            token, logprob, finish_reason = self._place(active, ids + sent, rest, t0, avoid, reason)
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+                if self.telemetry:
+                    self.telemetry.ttft_seconds.observe(ttft)
+                self.log.event("first_token", rid, ttft_s=round(ttft, 6))
+            out = pb.GenerateResponse(request_id=rid, token_ids=[token], text=detok.push([token], bool(finish_reason)))
+            if return_logprobs:
+                out.logprobs.append(logprob)
+            active.output_tokens = len(sent) + 1
+            if finish_reason:  # ended at this token: the prefill instance kept (and freed) it
+                out.finish.CopyFrom(pb.Finish(reason=finish_reason, usage=pb.Usage(
+                    prompt_tokens=len(ids), completion_tokens=active.output_tokens), ttft_s=ttft,
+                    latency_s=time.perf_counter() - t0))
+                self._finished(rid, out.finish)
+                yield out
+                return
             yield out
-            return
-        yield out
-        yield from self._stream(active, ids, params, return_logprobs, detok, t0, ttft)
+            sent.append(token)
+            try:
+                for out in self._stream(active, len(ids), rest.max_new_tokens - 1, return_logprobs, detok, t0, ttft):
+                    yield out
+                    sent += out.token_ids
+                return
+            except _Broken as b:
+                if len(avoid) >= MAX_FAILOVERS:
+                    raise b.error from None
+                avoid.add(active.decode.instance_id)
+                reason = f"failover: {b.error.message}"
+                self.log.event("failover", rid, decode=active.decode.instance_id, output_tokens=len(sent),
+                               reason=b.error.message)
+                self._count_error("failover")
+                self._abort_remote(active)  # a decode instance whose stream broke may still hold the request
 
-    def _place(self, active: Active, ids: list[int], params: SamplingParams, t0: float):
-        """Prefill + hand-off on the best live pair, placing again while nothing has reached the client."""
+    def _place(self, active: Active, ids: list[int], params: SamplingParams, t0: float, avoid_decode: set[str],
+               reason: str):
+        """Prefill + hand-off on the best live pair (not on ``avoid_decode``), placing again while nothing of
+        this placement has reached the client; Redis records each placement with its ``reason``."""
         deadline = time.monotonic() + self.settings.placement_timeout_s
-        avoid: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+        avoid: dict[str, set[str]] = {"prefill": set(), "decode": set(avoid_decode)}
         full: set[str] = set()  # decode instances that said "no room now": tried again once all are full
         last_error: RouterError | None = None
         attempt = 0
@@ -413,9 +459,10 @@ class RouterCore:
             attempt += 1
             self.log.event("placed", active.rid, prefill=prefill.instance_id, decode=decode.instance_id,
                            attempt=attempt)
+            active.placements.append({"prefill": prefill.instance_id, "decode": decode.instance_id, "reason": reason})
             try:
                 self.records.transition(active.rid, "prefilling", prefill_instance=prefill.instance_id,
-                                      decode_instance=decode.instance_id)
+                                        decode_instance=decode.instance_id, placements=active.placements)
                 if self.telemetry:
                     self.telemetry.stage_seconds.labels("placement").observe(time.perf_counter() - t0)
                 return self._prefill(active, ids, params, p_key, d_key)
@@ -426,6 +473,7 @@ class RouterCore:
                 self.log.event("replaced", active.rid, role=r.role, instance=inst.instance_id, kind=r.kind,
                                reason=r.error.message)
                 (full if r.kind == "full" else avoid[r.role]).add(inst.instance_id)
+                reason = f"replaced: {r.error.message}"
                 if time.monotonic() > deadline:
                     raise r.error from None
             finally:  # from here the stream phase accounts for the decode side (or nobody, on failure)
@@ -493,10 +541,12 @@ class RouterCore:
         return RouterError(grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.UNKNOWN else code,
                            f"prefill instance {prefill.instance_id}: {msg}")
 
-    def _stream(self, active: Active, ids, params: SamplingParams, return_logprobs: bool, detok: Detokenizer,
+    def _stream(self, active: Active, prompt_tokens: int, budget: int, return_logprobs: bool, detok: Detokenizer,
                 t0: float, ttft: float):
+        """The decode instance's messages as the client's; _Broken when its stream breaks (``budget``: the
+        tokens it may still generate)."""
         rid, decode = active.rid, active.decode
-        d_key = self.ledger.place(decode.instance_id, params.max_new_tokens - 1, arrived=True)
+        d_key = self.ledger.place(decode.instance_id, budget, arrived=True)
         t1 = time.perf_counter()
         # No deadline: a long generation may take minutes; the decode side ends idle streams, keepalive
         # finds a vanished peer, and the client's own deadline cancels this call through abort().
@@ -519,7 +569,7 @@ class RouterCore:
                                           f"{msg.finish.reason}")
                     out.finish.CopyFrom(msg.finish)
                     out.finish.ttft_s, out.finish.latency_s = ttft, time.perf_counter() - t0
-                    out.finish.usage.prompt_tokens = len(ids)
+                    out.finish.usage.prompt_tokens = prompt_tokens
                     out.finish.usage.completion_tokens = active.output_tokens
                     if self.telemetry:
                         self.telemetry.stage_seconds.labels("decode").observe(time.perf_counter() - t1)
@@ -529,15 +579,15 @@ class RouterCore:
                 yield out
         except grpc.RpcError as e:
             self._check_cancelled(active)
-            raise RouterError(grpc.StatusCode.UNAVAILABLE if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED
-                              else e.code(), f"decode instance {decode.instance_id} failed mid-stream after "
-                                             f"{active.output_tokens} tokens: {e.code().name}: {e.details()}"
-                              ) from None
+            error = RouterError(grpc.StatusCode.UNAVAILABLE if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+                                else e.code(), f"decode instance {decode.instance_id} failed mid-stream after "
+                                               f"{active.output_tokens} tokens: {e.code().name}: {e.details()}")
+            raise (_Broken(error) if e.code() in BROKEN else error) from None
         finally:
             self.ledger.done(decode.instance_id, d_key)
             stream.cancel()  # no-op when it ended; frees the call when the client went away
-        raise RouterError(grpc.StatusCode.UNAVAILABLE, f"decode instance {decode.instance_id} ended the stream "
-                                                       "without finishing the request")
+        raise _Broken(RouterError(grpc.StatusCode.UNAVAILABLE, f"decode instance {decode.instance_id} ended the "
+                                                               "stream without finishing the request"))
 
     def _finished(self, rid: str, finish: pb.Finish) -> None:
         self.log.event("finished", rid, reason=finish.reason, output_tokens=finish.usage.completion_tokens,
