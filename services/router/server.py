@@ -7,7 +7,9 @@ instances with the least outstanding tokens, counting what this router placed si
 heartbeat. Until the hand-off succeeded nothing has reached the client, so the router places the
 request again when a decode instance is full (RESOURCE_EXHAUSTED), speaks another speculative config
 (FAILED_PRECONDITION, while another instance remains) or is unreachable, and when the prefill instance
-is unreachable. Once tokens streamed, a broken decode stream fails the request with a clear status.
+is unreachable. Once tokens streamed, a broken decode stream is a failover: a prefill instance recomputes the
+prompt plus the tokens the client has and hands off to another decode instance; the client's stream goes on.
+Redis can blink: record writes go through ``RecordWriter`` (retried, buffered, flushed on return).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Mid-stream failover: ``kill -9`` of one of two decode processes with 8 requests streaming. Every request
-finishes, each client's tokens equal an uninterrupted greedy run's (no duplicate, no gap), and Redis records
-each placement with its reason."""
+"""Failover: ``kill -9`` of one of two decode processes with 8 requests streaming, and of one of two prefill
+processes with 8 long prompts in prefill. Every request finishes, each client's tokens equal an
+uninterrupted greedy run's (no duplicate, no gap), and Redis records each placement with its reason."""
 
 from __future__ import annotations
 
@@ -37,14 +37,13 @@ def process_stack(tiny_model_dir):
     redis_server = EmbeddedRedis()
     url = redis_server.start()
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    procs = {"prefill": spawn("prefill", url, tiny_model_dir, env),
-             "decode-a": spawn("decode", url, tiny_model_dir, env),
-             "decode-b": spawn("decode", url, tiny_model_dir, env)}
+    procs = {name: spawn(name.split("-")[0], url, tiny_model_dir, env)
+             for name in ("prefill-a", "prefill-b", "decode-a", "decode-b")}
     registry = Registry(connect(url))
     router = None
     try:
         deadline = time.monotonic() + 120
-        while len(registry.instances("decode")) < 2 or not registry.instances("prefill"):
+        while len(registry.instances("decode")) < 2 or len(registry.instances("prefill")) < 2:
             assert time.monotonic() < deadline, "the services did not register"
             assert all(p.poll() is None for p in procs.values()), "a service exited while starting"
             time.sleep(0.2)
@@ -65,8 +64,8 @@ def process_stack(tiny_model_dir):
         redis_server.stop()
 
 
-def request(i: int, rid: str) -> pb.GenerateRequest:
-    prompt = [(7 * i + j) % 500 + 3 for j in range(5 + i)]
+def request(i: int, rid: str, prompt_len: int = 5) -> pb.GenerateRequest:
+    prompt = [(7 * i + j) % 500 + 3 for j in range(prompt_len + i)]
     return pb.GenerateRequest(request_id=rid, token_ids=pb.TokenIds(ids=prompt),
                               sampling=pb.SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
 
@@ -120,15 +119,81 @@ def test_kill_9_of_a_decode_mid_stream_fails_nothing_and_changes_no_token(proces
     for i in range(STREAMS):
         rec = store.get(f"run-{i}")
         assert rec["state"] == "finished" and int(rec["output_tokens"]) == NEW_TOKENS, rec
+    assert_pools_empty(registry)
 
 
-def _instance_of(registry: Registry, proc: subprocess.Popen) -> str | None:
-    """The registry id of the decode process ``proc`` (its instance registers its own pid nowhere: match by the
-    grpc port the process listens on)."""
+def test_kill_9_of_a_prefill_mid_prompt_fails_nothing_and_changes_no_token(process_stack):
+    router, procs, registry, url = process_stack
+    import grpc
+
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(router.grpc_address))
+    prompt_len, new_tokens = 400, 8  # long prompts: a prefill instance spends a while on each
+    reference = {}
+    for i in range(STREAMS):
+        req = request(i, f"ref-{i}", prompt_len)
+        req.sampling.max_new_tokens = new_tokens
+        reference[i] = [t for m in stub.Generate(req, timeout=120) for t in m.token_ids]
+    victim = _instance_of(registry, procs["prefill-a"], "prefill")
+    store = RequestStore(connect(url))
+    got: dict[int, list[int]] = {i: [] for i in range(STREAMS)}
+    errors: list = []
+
+    def run(i: int) -> None:
+        req = request(i, f"run-{i}", prompt_len)
+        req.sampling.max_new_tokens = new_tokens
+        try:
+            got[i] = [t for m in stub.Generate(req, timeout=180) for t in m.token_ids]
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append((i, e))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(STREAMS)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60  # kill it while it holds a prompt
+    while not any(store.get(f"run-{i}").get("state") == "prefilling" and
+                  store.get(f"run-{i}").get("prefill_instance") == victim for i in range(STREAMS)):
+        assert time.monotonic() < deadline, "no request reached the victim prefill instance"
+        time.sleep(0.005)
+    os.kill(procs["prefill-a"].pid, signal.SIGKILL)
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    for i in range(STREAMS):
+        assert got[i] == reference[i], f"request {i}: {got[i]} != {reference[i]}"
+        assert store.get(f"run-{i}")["state"] == "finished"
+    replaced = [i for i in range(STREAMS) if "replaced" in store.get(f"run-{i}").get("placements", "")]
+    assert replaced, "no request was placed again"
+    assert_pools_empty(registry)
+
+
+def assert_pools_empty(registry: Registry) -> None:
+    """Every surviving instance has every KV page back (its /metrics), a hand-off cut short included."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def used() -> dict:
+        out = {}
+        for inst in registry.instances():
+            try:
+                text = httpx.get(f"http://{inst.http_address}/metrics", timeout=5).text
+            except httpx.ConnectError:  # the killed one, until its entry expires: it holds nothing
+                continue
+            out[inst.instance_id] = sum(s.value for f in text_string_to_metric_families(text)
+                                        for s in f.samples if s.name == "eyrie_kv_pages_used")
+        return out
+
+    deadline = time.monotonic() + 20
+    while any(used().values()):
+        assert time.monotonic() < deadline, f"pages still in use: {used()}"
+        time.sleep(0.2)
+
+
+def _instance_of(registry: Registry, proc: subprocess.Popen, role: str = "decode") -> str | None:
+    """The registry id of the service process ``proc`` (matched by the gRPC port it listens on)."""
     import psutil
 
     ports = {c.laddr.port for c in psutil.Process(proc.pid).net_connections() if c.status == psutil.CONN_LISTEN}
-    for inst in registry.instances("decode"):
+    for inst in registry.instances(role):
         if int(inst.grpc_address.rsplit(":", 1)[1]) in ports:
             return inst.instance_id
     return None
