@@ -2,7 +2,7 @@
 record once Redis is back; meanwhile new requests are refused with UNAVAILABLE / 503 + Retry-After and
 health says why; heartbeats and a router started without Redis recover by themselves.
 
-The outage lasts ``EYRIE_TEST_REDIS_OUTAGE_S`` seconds (default 3; the issue's figure is 15)."""
+The outage lasts ``REDIS_OUTAGE_S`` seconds (default 3; the issue's figure is 15)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from services.settings import RouterSettings
 from shared.metadata import Heartbeat, InstanceInfo, Registry, connect
 from tests.unit.services.scripted_stack import RestartableRedis, SteadyDecode, start_scripted_stack
 
-OUTAGE_S = float(os.environ.get("EYRIE_TEST_REDIS_OUTAGE_S", "3"))
+OUTAGE_S = float(os.environ.get("REDIS_OUTAGE_S", "3"))
 STREAMS = 8
 
 
