@@ -48,6 +48,8 @@ def add_service_commands(sub) -> None:
     u.add_argument("--openai-port", type=int, help="serve OpenAI-compatible HTTP on this port")
     u.add_argument("--api-key", help="require 'authorization: Bearer KEY' on every service's gRPC and HTTP "
                                      "(health stays open)")
+    u.add_argument("--prefill", type=int, default=1, help="prefill instances (replicas)")
+    u.add_argument("--decode", type=int, default=1, help="decode instances (replicas)")
     u.add_argument("--device", default="cpu")
     u.add_argument("--page-size", type=int, default=16)
     u.add_argument("--chunk-size", type=int, default=64)
@@ -145,8 +147,10 @@ class Stack:
 
     def __init__(self, model: str, draft: str | None, redis_url: str | None, router_port: int,
                  openai_port: int | None = None, extra: dict | None = None, env: dict | None = None,
-                 router_extra: dict | None = None, log_dir: str | Path | None = None):
+                 router_extra: dict | None = None, log_dir: str | Path | None = None,
+                 replicas: dict[str, int] | None = None):
         self.model, self.draft, self.router_port, self.openai_port = model, draft, router_port, openai_port
+        self.replicas = {"prefill": 1, "decode": 1, **(replicas or {})}  # a second one is "decode-2", and so on
         self.extra = extra or {}  # engine flags (prefill and decode)
         self.router_extra = router_extra or {}
         self.env = {**os.environ, **(env or {}), "EYRIE_PARENT_PID": str(os.getpid())}
@@ -169,9 +173,10 @@ class Stack:
                 engine_flags += [f"--{k.replace('_', '-')}", str(v)]
         common = ["--redis-url", self.redis_url]
         for role in ("prefill", "decode"):
-            http = free_port()
-            self.http[role] = f"127.0.0.1:{http}"
-            self._spawn(role, [*common, *engine_flags, "--http-port", str(http)])
+            for k in range(self.replicas[role]):
+                name, http = role if k == 0 else f"{role}-{k + 1}", free_port()
+                self.http[name] = f"127.0.0.1:{http}"
+                self._spawn(role, [*common, *engine_flags, "--http-port", str(http)], name)
         http = free_port()
         self.http["router"] = f"127.0.0.1:{http}"
         router_flags = [*common, "--model", self.model, "--grpc-port", str(self.router_port), "--http-port", str(http)]
@@ -184,14 +189,15 @@ class Stack:
         self.wait_ready(timeout)
         return self
 
-    def _spawn(self, role: str, flags: list[str]) -> None:
+    def _spawn(self, role: str, flags: list[str], name: str | None = None) -> None:
+        name = name or role
         cmd = [sys.executable, "-m", "services.cli", "serve", role, *flags]
         stderr = None  # the JSON log lines: this terminal's, or a file per service
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            stderr = open(self.log_dir / f"{role}.log", "ab")  # noqa: SIM115 (closed in stop)
+            stderr = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (closed in stop)
             self._logs.append(stderr)
-        self.procs[role] = subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=stderr,
+        self.procs[name] = subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=stderr,
                                             start_new_session=True)
 
     def wait_ready(self, timeout: float) -> None:
@@ -239,6 +245,8 @@ class Stack:
 
 
 def cmd_up(args) -> int:
+    if args.prefill < 1 or args.decode < 1:
+        _fail("--prefill, --decode: each role needs at least 1 instance")
     model, draft = args.model, args.draft
     if model is None:
         from shared.model.factory import make_model
@@ -257,7 +265,8 @@ def cmd_up(args) -> int:
     t0 = time.time()
     # Every service gets the key (they call each other with it), through the environment rather than argv.
     stack = Stack(model, draft, args.redis_url, port, args.openai_port, extra,
-                  env={"EYRIE_API_KEY": args.api_key} if args.api_key else None)
+                  env={"EYRIE_API_KEY": args.api_key} if args.api_key else None,
+                  replicas={"prefill": args.prefill, "decode": args.decode})
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM while starting: stop what started
     try:
         stack.start()
