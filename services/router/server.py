@@ -389,10 +389,15 @@ class RouterCore:
         detok = Detokenizer(self.tokenizer)
         sent: list[int] = []  # tokens the client has
         avoid: set[str] = set()  # decode instances whose stream broke
-        reason, ttft = "new request", None
+        reason, ttft, broken = "new request", None, None
         while True:
             rest = params.model_copy(update={"max_new_tokens": params.max_new_tokens - len(sent)})
-            token, logprob, finish_reason = self._place(active, ids + sent, rest, t0, avoid, reason)
+            try:
+                token, logprob, finish_reason = self._place(active, ids + sent, rest, t0, avoid, reason)
+            except RouterError as e:
+                if broken is None or active.cancelled.is_set():
+                    raise
+                raise RouterError(e.code, f"{broken.message}; no instance took it over: {e.message}") from None
             if ttft is None:
                 ttft = time.perf_counter() - t0
                 if self.telemetry:
@@ -420,7 +425,7 @@ class RouterCore:
                 if len(avoid) >= MAX_FAILOVERS:
                     raise b.error from None
                 avoid.add(active.decode.instance_id)
-                reason = f"failover: {b.error.message}"
+                broken, reason = b.error, f"failover: {b.error.message}"
                 self.log.event("failover", rid, decode=active.decode.instance_id, output_tokens=len(sent),
                                reason=b.error.message)
                 self._count_error("failover")

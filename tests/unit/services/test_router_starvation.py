@@ -16,6 +16,7 @@ from tests.unit.services.scripted_stack import SteadyDecode, start_scripted_stac
 
 OPEN_STREAMS = 256
 P99_LIMIT_S = 0.1
+SAMPLES, ABORTS = 200, 200  # p99 of 200 is the second slowest: one hiccup of a shared CI machine is not a p99
 
 
 @pytest.fixture
@@ -63,19 +64,19 @@ def test_control_calls_answer_promptly_with_256_open_streams(held_stack):
     health = health_pb2_grpc.HealthStub(stack.channel)
     time.sleep(0.5)  # the streams' set-up has settled: what is measured is the steady state with them open
     checks = [timed(lambda: health.Check(health_pb2.HealthCheckRequest(service="eyrie.v1.Generation"), timeout=5))
-              for _ in range(50)]
-    infos = [timed(lambda: stack.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=5)) for _ in range(50)]
+              for _ in range(SAMPLES)]
+    infos = [timed(lambda: stack.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=5)) for _ in range(SAMPLES)]
     aborts = []
-    for i in range(50):
+    for i in range(ABORTS):
         aborts.append(timed(lambda i=i: stack.stub.Abort(pb.AbortRequest(request_id=f"held-{i}"), timeout=5)))
     for name, samples in (("health", checks), ("GetModelInfo", infos), ("Abort", aborts)):
         print(name, [round(x * 1000, 1) for x in sorted(samples)[-5:]], "ms (slowest five)")
         assert p99(samples) < P99_LIMIT_S, f"{name} p99 {p99(samples) * 1000:.1f} ms with {OPEN_STREAMS} open streams"
-    for i in range(50):  # the aborts took: those streams end ABORTED
+    for i in range(ABORTS):  # the aborts took: those streams end ABORTED
         with pytest.raises(grpc.RpcError) as e:
             list(calls[i])
         assert e.value.code() == grpc.StatusCode.ABORTED
-    for call in calls[50:]:
+    for call in calls[ABORTS:]:
         call.cancel()
 
 
