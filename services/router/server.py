@@ -381,8 +381,10 @@ class RouterCore:
     def _walk(self, active: Active, ids: list[int], params: SamplingParams, return_logprobs: bool, t0: float):
         """Place, stream, and on a broken decode stream place again: a prefill instance recomputes the prompt
         plus the tokens the client has, another decode instance goes on from there. The client's stream
-        continues without a duplicate or a gap; greedy output is identical, and sampled output continues from
-        the same draws (they hash the request's seed and committed length: the seed is fixed here)."""
+        continues without a duplicate or a gap and greedy output is identical. The seed is fixed here and
+        carried, so a failover is reproducible; a sampled request's tokens after it are not yet the
+        uninterrupted run's (the new prefill samples the next token itself, where the dead decode would have
+        drawn it in a verify step: see docs/deploy.md)."""
         rid = active.rid
         if params.seed is None:
             params = params.model_copy(update={"seed": secrets.randbits(64)})
