@@ -179,7 +179,8 @@ def violations(stack: ChaosStack, outcomes: list[Outcome]) -> list[str]:
                 found.append(f"{out.rid}: no record ({out.error or out.finish})")
             continue
         if rec["state"] not in TERMINAL:
-            found.append(f"{out.rid}: record left {rec['state']}")
+            found.append(f"{out.rid}: record left {rec['state']} (client: {out.error or out.finish}, "
+                         f"transitions {[t for t, _ in rec['transitions']]})")
         if out.finish is not None and out.tokens != stack.reference[out.prompt]:
             found.append(f"{out.rid}: tokens {out.tokens} != {stack.reference[out.prompt]}")
     deadline = time.monotonic() + 20

