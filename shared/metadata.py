@@ -229,18 +229,25 @@ class RequestStore:
     def create(self, rid: str, **fields) -> bool:
         """Record a new request in state ``queued``; False (and nothing written) when ``rid`` exists.
 
-        Atomic across routers: the ``state`` field is claimed with HSETNX before anything else is written.
+        Atomic across routers, and all or nothing: one WATCHed transaction writes the whole record and its
+        TTL (Redis going away halfway leaves no half-written record without a TTL behind).
         """
         now = time.time()
         key = self.key(rid)
-        if not self.client.hsetnx(key, "state", "queued"):
-            return False
         mapping = {k: _scalar(v) for k, v in fields.items()}
-        mapping.update(created_at=repr(now), transitions=json.dumps([["queued", now]]))
+        mapping.update(state="queued", created_at=repr(now), transitions=json.dumps([["queued", now]]))
         with self.client.pipeline() as pipe:
-            pipe.hset(key, mapping=mapping)
-            pipe.pexpire(key, int(self.live_ttl_s * 1000))
-            pipe.execute()
+            try:
+                pipe.watch(key)
+                if pipe.exists(key):
+                    pipe.unwatch()
+                    return False
+                pipe.multi()
+                pipe.hset(key, mapping=mapping)
+                pipe.pexpire(key, int(self.live_ttl_s * 1000))
+                pipe.execute()
+            except redis.WatchError:  # another router created it meanwhile
+                return False
         return True
 
     def transition(self, rid: str, state: str, **fields) -> bool:
