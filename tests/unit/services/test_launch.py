@@ -24,7 +24,6 @@ def run(capsys, *argv) -> tuple[int, str]:
     (["serve", "gateway"], "invalid choice"),
     (["up", "--model", "/does/not/exist"], "--model: /does/not/exist is not a checkpoint directory"),
     (["client", "hi", "--stop-token-ids", "1,x"], "--stop-token-ids"),
-    (["up", "--decode", "0"], "at least 1 instance"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, argv, words):
     code, err = run(capsys, *argv)
