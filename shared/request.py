@@ -106,6 +106,8 @@ class Request:
         (whose generator state the request's sampling resumes from)."""
         self.output_ids.extend(output_ids)
         self.output_logprobs.extend(output_logprobs)
+        if self.text is not None and output_ids:  # the stop-string watch sees every output token, in order
+            self.text.push(list(output_ids))
         self.advance(committed_len)
         if state is not None:
             self.resume_from(state)
