@@ -159,6 +159,8 @@ class RouterSettings(CommonSettings):
     placement_timeout_s: float = Field(10.0, description="seconds to wait for a prefill and a decode instance that "
                                        "can take a request")
     stream_timeout_s: float = Field(300.0, description="deadline of one request's prefill and decode calls")
+    max_concurrent_requests: int = Field(1024, description="requests in flight at most: past it a new request gets "
+                                         "RESOURCE_EXHAUSTED / 429 (0 = no cap)")
 
 
 SETTINGS = {"router": RouterSettings, "prefill": PrefillSettings, "decode": DecodeSettings}

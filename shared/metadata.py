@@ -32,8 +32,12 @@ STATES = ("queued", "prefilling", "transferring", "decoding", "finished", "faile
 TERMINAL = ("finished", "failed", "aborted")
 
 
-def connect(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5)
+def connect(url: str, max_connections: int = 64) -> redis.Redis:
+    """A client whose threads share at most ``max_connections`` connections, waiting for a free one (up to
+    the socket timeout) rather than failing with "Too many connections" under many concurrent requests."""
+    pool = redis.BlockingConnectionPool.from_url(url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5,
+                                                 max_connections=max_connections, timeout=5)
+    return redis.Redis(connection_pool=pool)
 
 
 class EmbeddedRedis:
@@ -178,7 +182,10 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{info.instance_id}", daemon=True)
 
     def start(self) -> Heartbeat:
-        self.beat()
+        try:
+            self.beat()
+        except redis.RedisError as e:  # Redis away at start: serve anyway, registered as soon as it answers
+            log.warning("first heartbeat of %s failed: %s", self.info.instance_id, e)
         self._thread.start()
         return self
 
@@ -222,18 +229,25 @@ class RequestStore:
     def create(self, rid: str, **fields) -> bool:
         """Record a new request in state ``queued``; False (and nothing written) when ``rid`` exists.
 
-        Atomic across routers: the ``state`` field is claimed with HSETNX before anything else is written.
+        Atomic across routers, and all or nothing: one WATCHed transaction writes the whole record and its
+        TTL (Redis going away halfway leaves no half-written record without a TTL behind).
         """
         now = time.time()
         key = self.key(rid)
-        if not self.client.hsetnx(key, "state", "queued"):
-            return False
         mapping = {k: _scalar(v) for k, v in fields.items()}
-        mapping.update(created_at=repr(now), transitions=json.dumps([["queued", now]]))
+        mapping.update(state="queued", created_at=repr(now), transitions=json.dumps([["queued", now]]))
         with self.client.pipeline() as pipe:
-            pipe.hset(key, mapping=mapping)
-            pipe.pexpire(key, int(self.live_ttl_s * 1000))
-            pipe.execute()
+            try:
+                pipe.watch(key)
+                if pipe.exists(key):
+                    pipe.unwatch()
+                    return False
+                pipe.multi()
+                pipe.hset(key, mapping=mapping)
+                pipe.pexpire(key, int(self.live_ttl_s * 1000))
+                pipe.execute()
+            except redis.WatchError:  # another router created it meanwhile
+                return False
         return True
 
     def transition(self, rid: str, state: str, **fields) -> bool:

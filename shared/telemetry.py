@@ -83,6 +83,7 @@ class Telemetry:
                  api_key: str | None = None, model_name: str = "eyrie"):
         self.service, self.instance_id, self.model_name = service, instance_id, model_name
         self.state = "loading"
+        self.not_ready: str | None = None  # a ready service that cannot serve now says why (the router: Redis away)
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
@@ -241,7 +242,9 @@ class Telemetry:
     def health(self) -> tuple[int, dict]:
         body = {"status": self.state, "service": self.service, "instance_id": self.instance_id,
                 "graphs": {"capture_failures": list(self.graph_failures)}}
-        return (200 if self.state == "ready" else 503), body
+        if self.state == "ready" and self.not_ready:
+            body.update(status="not_serving", reason=self.not_ready)
+        return (200 if body["status"] == "ready" else 503), body
 
     def _app(self, api_key: str | None) -> FastAPI:
         app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)

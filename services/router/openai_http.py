@@ -122,8 +122,11 @@ def from_request_error(e: RequestError, prompt_param: str, max_tokens_param: str
 def from_router_error(e: Exception) -> ApiError:
     code = getattr(e, "code", None)
     status, type_ = _STATUS.get(code, (500, "server_error"))
+    status = getattr(e, "http_status", None) or status
     name = code.name.lower() if isinstance(code, grpc.StatusCode) else "internal"
-    return ApiError(status, getattr(e, "message", str(e)), code=name, type_=type_)
+    retry = getattr(e, "retry_after_s", None)
+    headers = {"Retry-After": str(max(1, round(retry)))} if retry else None
+    return ApiError(status, getattr(e, "message", str(e)), code=name, type_=type_, headers=headers)
 
 
 # ---- chat templates ------------------------------------------------------------------------------
@@ -282,14 +285,62 @@ def _param(loc: tuple, unknown: bool = False) -> str:
     return out
 
 
+MAX_JSON_DEPTH = 32  # a request nests 4 levels deep (messages[i].content[j].text); far deeper is an attack
+MAX_INT_DIGITS = 40  # any integer field's range fits in 20 digits; longer ones are refused, never converted
+
+
+@dataclass(frozen=True)
+class _HugeInt:
+    """A JSON integer too long to convert (Python refuses int() past 4300 digits, and nothing needs it)."""
+
+    digits: int
+
+
+def _parse_int(text: str) -> int | _HugeInt:
+    return int(text) if len(text) <= MAX_INT_DIGITS else _HugeInt(len(text.lstrip("-")))
+
+
+def _check_json(body) -> None:
+    """Refuse, naming the field, what the models cannot: lone surrogates (not Unicode), integers of
+    thousands of digits, nesting past MAX_JSON_DEPTH. Iterative: a deep body must not recurse here."""
+    stack: list[tuple[str, object, int]] = [("", body, 0)]
+    while stack:
+        where, value, depth = stack.pop()
+        param = where.lstrip(".") or None
+        if depth > MAX_JSON_DEPTH:
+            raise bad(param, f"{param or 'the body'}: nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+        if isinstance(value, _HugeInt):
+            raise bad(param, f"{param}: an integer of {value.digits} digits is out of range")
+        if isinstance(value, str) and _is_surrogate(value):
+            raise bad(param, f"{param}: not valid Unicode (a lone surrogate escape such as \\ud800)")
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if not isinstance(k, str) or _is_surrogate(k):
+                    raise bad(param, f"{param or 'the body'}: a key is not valid Unicode", code="invalid_json")
+                stack.append((f"{where}.{k}", v, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]", v, depth + 1) for i, v in enumerate(value))
+
+
+def _is_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def validate(model: type[_Sampling], raw: bytes) -> _Sampling:
     """The body as ``model``: 400 naming the field for JSON that is not one (unknown fields included)."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        body = json.loads(raw, parse_int=_parse_int)
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, f"the body is nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    _check_json(body)
     for name in NOT_IMPLEMENTED:
         if name in body:
             raise bad(name, f"{name}: not supported by Eyrie yet (refused rather than ignored)",
@@ -526,6 +577,9 @@ class OpenAIServer:
         return app
 
     async def _health(self) -> Response:
+        reason = self.core.not_ready
+        if reason:
+            return json_response({"status": "not_serving", "reason": reason}, 503)
         return json_response({"status": "ready"})
 
     async def _models(self) -> Response:
@@ -610,8 +664,10 @@ class OpenAIServer:
             if not parsed.stream:
                 body = await self._run(self._complete, rid, parsed, gen, first)
                 ended["finished"] = True
-        except BaseException:
+        except BaseException as e:
             await self._run(self._close, rid, gen, cancelled, ended)
+            if isinstance(e, HttpError):
+                e.headers.setdefault("X-Request-Id", rid)
             raise
         if parsed.stream:
             headers = {"Cache-Control": "no-cache", "X-Request-Id": rid}

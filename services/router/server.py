@@ -7,7 +7,9 @@ instances with the least outstanding tokens, counting what this router placed si
 heartbeat. Until the hand-off succeeded nothing has reached the client, so the router places the
 request again when a decode instance is full (RESOURCE_EXHAUSTED), speaks another speculative config
 (FAILED_PRECONDITION, while another instance remains) or is unreachable, and when the prefill instance
-is unreachable. Once tokens streamed, a broken decode stream fails the request with a clear status.
+is unreachable. Once tokens streamed, a broken decode stream is a failover: a prefill instance recomputes the
+prompt plus the tokens the client has and hands off to another decode instance; the client's stream goes on.
+Redis can blink: record writes go through ``RecordWriter`` (retried, buffered, flushed on return).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import secrets
 import threading
 import time
 import uuid
@@ -30,13 +33,12 @@ from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.common import (
     ServiceHandle,
     ServiceTelemetry,
-    full_name,
     insecure_channel,
     new_instance_id,
-    set_serving,
-    start_grpc_server,
 )
 from services.logs import ServiceLog
+from services.router.grpc_api import RouterGrpc
+from services.router.records import REDIS_DOWN, RecordsUnavailable, RecordWriter
 from services.settings import RouterSettings
 from shared.handoff import sampling_from_pb, sampling_to_pb
 from shared.metadata import InstanceInfo, Registry, RequestStore, connect
@@ -47,8 +49,7 @@ from shared.sampling import SamplingParams
 from shared.telemetry import Telemetry
 from shared.text import TextStream
 
-SERVICES = [full_name("Generation")]
-RID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+RID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # fullmatch: "$" would let a trailing newline through
 # Router -> service channels: keepalive finds a peer that vanished without closing its sockets.
 CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
                    ("grpc.max_receive_message_length", 64 << 20)]
@@ -57,9 +58,12 @@ CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_
 class RouterError(Exception):
     """A failure after validation, with the gRPC status the client gets."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None,
+                 http_status: int | None = None):
         super().__init__(message)
         self.code, self.message = code, message
+        self.retry_after_s = retry_after_s  # when to try again (HTTP Retry-After), for a refusal that will pass
+        self.http_status = http_status  # where the code's usual HTTP status does not fit (429 for the cap)
 
 
 @dataclass
@@ -140,6 +144,7 @@ class Active:
     prefill: InstanceInfo | None = None
     decode: InstanceInfo | None = None
     output_tokens: int = 0
+    placements: list[dict] = field(default_factory=list)  # each: prefill, decode, reason (recorded in Redis)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -149,6 +154,21 @@ class _Replace(Exception):
     def __init__(self, error: RouterError, role: str, kind: str):
         super().__init__(error.message)
         self.error, self.role, self.kind = error, role, kind  # kind: full | mismatch | unreachable
+
+
+class _Broken(Exception):
+    """A decode stream broke after tokens reached the client: the request is placed again (failover)."""
+
+    def __init__(self, error: RouterError):
+        super().__init__(error.message)
+        self.error = error
+
+
+# A decode stream that ends with these (and not by the router's own cancel) broke: the instance died, the
+# connection went, or the instance stopped.
+BROKEN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+          grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED)
+MAX_FAILOVERS = 3  # decode instances a request may lose before it fails
 
 
 class RouterCore:
@@ -163,6 +183,10 @@ class RouterCore:
         self.max_context = min(settings.max_context or model_config.max_position_embeddings,
                                model_config.max_position_embeddings)
         self.ledger = LoadLedger()
+        self.records = RecordWriter(store, telemetry=telemetry).start()
+        self._seen: dict[str, list[InstanceInfo]] = {}  # each role's live instances, as last read from Redis
+        self.not_ready: str | None = None  # why the router cannot take requests now (None: it can)
+        self.stopping = threading.Event()
         self._active: dict[str, Active] = {}
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
@@ -176,7 +200,7 @@ class RouterCore:
         if req.ByteSize() > limit:
             raise RequestError("request", f"{req.ByteSize()} bytes exceed the limit of {limit}")
         rid = req.request_id or uuid.uuid4().hex
-        if not RID_PATTERN.match(rid):
+        if not RID_PATTERN.fullmatch(rid):
             raise RequestError("request_id", "must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
         kind = req.WhichOneof("prompt")
         if kind is None:
@@ -234,8 +258,16 @@ class RouterCore:
     def _pick(self, role: str, exclude: set[str], tokens: int = 0, arrived: bool = False
               ) -> tuple[InstanceInfo, int] | tuple[None, None]:
         """The least loaded live instance of ``role`` (not in ``exclude``), with ``tokens`` placed on it."""
-        return self.ledger.choose([i for i in self.registry.instances(role) if i.instance_id not in exclude],
-                                  tokens, arrived)
+        return self.ledger.choose([i for i in self.live(role) if i.instance_id not in exclude], tokens, arrived)
+
+    def live(self, role: str) -> list[InstanceInfo]:
+        """The live instances of ``role``; while Redis is away, the ones last seen (requests already accepted
+        keep being placed)."""
+        try:
+            self._seen[role] = self.registry.instances(role)
+        except REDIS_DOWN:
+            pass
+        return self._seen.get(role, [])
 
     def _stub(self, cls, address: str):
         with self._lock:
@@ -256,7 +288,7 @@ class RouterCore:
             rid, ids, params = self.validate(req)
         except RequestError as e:
             self._count_error("invalid_argument")
-            self.log.event("refused", req.request_id if RID_PATTERN.match(req.request_id) else None,
+            self.log.event("refused", req.request_id if RID_PATTERN.fullmatch(req.request_id) else None,
                            field=e.field, message=str(e))
             raise
         if self.draining.is_set():
@@ -269,10 +301,15 @@ class RouterCore:
             duplicate = rid in self._active
             if not duplicate:
                 self._active[rid] = active
-        if duplicate or not self.store.create(rid, prompt_tokens=len(ids), max_new_tokens=params.max_new_tokens):
-            with self._lock:
-                if self._active.get(rid) is active:
-                    del self._active[rid]
+        created = False
+        try:
+            created = not duplicate and self._create(rid, ids, params)
+        finally:
+            if duplicate or not created:
+                with self._lock:
+                    if self._active.get(rid) is active:
+                        del self._active[rid]
+        if not created:
             self._count_error("invalid_argument")
             self.log.event("refused", rid, field="request_id", message="already in use")
             raise RequestError("request_id", f"{rid!r} is already in use (ids are unique until their record expires)")
@@ -286,6 +323,7 @@ class RouterCore:
         except RouterError as e:
             outcome = "aborted" if active.cancelled.is_set() else "failed"
             self._end(active, outcome, e.message, e.code)
+            e.message = f"request {rid}: {e.message}"  # the client may not know the id the router gave it
             raise
         except GeneratorExit:  # the caller stopped reading: the client went away
             outcome = "aborted"
@@ -294,12 +332,27 @@ class RouterCore:
         except Exception as e:
             self.log.exception("internal_error", rid, reason=str(e))
             self._end(active, outcome, f"internal error: {e}", grpc.StatusCode.INTERNAL)
-            raise RouterError(grpc.StatusCode.INTERNAL, f"internal error: {e}") from e
+            raise RouterError(grpc.StatusCode.INTERNAL, f"request {rid}: internal error: {e}") from e
         finally:
             with self._lock:
                 self._active.pop(rid, None)
             if self.telemetry:
                 self.telemetry.requests_total.labels(outcome).inc()
+
+    def _create(self, rid: str, ids: list[int], params: SamplingParams) -> bool:
+        """Record the new request (False: its id is taken); refused with UNAVAILABLE when it cannot be recorded."""
+        if self.settings.max_concurrent_requests and len(self._active) > self.settings.max_concurrent_requests:
+            self._count_error("resource_exhausted")
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"request {rid}: the router is at its limit of {self.settings.max_concurrent_requests} "
+                              "concurrent requests; try again shortly", retry_after_s=1, http_status=429)
+        try:
+            return self.records.create(rid, prompt_tokens=len(ids), max_new_tokens=params.max_new_tokens)
+        except RecordsUnavailable as e:
+            self._count_error("unavailable")
+            self.log.event("refused", rid, field=None, message=f"cannot record the request: {e}")
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"request {rid}: the router cannot record requests now: "
+                                                           f"{e}; try again shortly", retry_after_s=1) from None
 
     def _end(self, active: Active, state: str, reason: str, code: grpc.StatusCode | None) -> None:
         """Record a failed / aborted end, then free whatever the services still hold for the request."""
@@ -307,39 +360,74 @@ class RouterCore:
                        output_tokens=active.output_tokens,
                        prefill=active.prefill.instance_id if active.prefill else None,
                        decode=active.decode.instance_id if active.decode else None)
-        self.store.transition(active.rid, state, error=reason, output_tokens=active.output_tokens)
+        self.records.transition(active.rid, state, error=reason, output_tokens=active.output_tokens)
         if code is not None:
             self._count_error(code.name.lower())
         self._abort_remote(active)
 
     def _walk(self, active: Active, ids: list[int], params: SamplingParams, return_logprobs: bool, t0: float):
+        """Place, stream, and on a broken decode stream place again: a prefill instance recomputes the prompt
+        plus the tokens the client has, another decode instance goes on from there. The client's stream
+        continues without a duplicate or a gap and greedy output is identical. The seed is fixed here and
+        carried, so a failover is reproducible; a sampled request's tokens after it are not yet the
+        uninterrupted run's (the new prefill samples the next token itself, where the dead decode would have
+        drawn it in a verify step: see docs/deploy.md)."""
         rid = active.rid
-        token, logprob, finish_reason, top = self._place(active, ids, params, t0)
-        ttft = time.perf_counter() - t0
-        if self.telemetry:
-            self.telemetry.ttft_seconds.observe(ttft)
-        self.log.event("first_token", rid, ttft_s=round(ttft, 6))
+        if params.seed is None:
+            params = params.model_copy(update={"seed": secrets.randbits(64)})
         detok = TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens)
-        out = pb.GenerateResponse(request_id=rid, token_ids=[token], text=detok.push([token], bool(finish_reason)))
-        if return_logprobs:
-            out.logprobs.append(logprob)
-        if params.top_logprobs:
-            out.top_logprobs.append(top)
-        active.output_tokens = 1
-        if finish_reason:  # ended at its first token: the prefill instance kept (and freed) it
-            out.finish.CopyFrom(pb.Finish(reason=finish_reason, usage=pb.Usage(prompt_tokens=len(ids),
-                                          completion_tokens=1), ttft_s=ttft, latency_s=ttft,
-                                          stop_str=detok.matched or ""))
-            self._finished(rid, out.finish)
+        sent: list[int] = []  # tokens the client has
+        avoid: set[str] = set()  # decode instances whose stream broke
+        reason, ttft, broken = "new request", None, None
+        while True:
+            rest = params.model_copy(update={"max_new_tokens": params.max_new_tokens - len(sent)})
+            try:
+                token, logprob, finish_reason, top = self._place(active, ids + sent, rest, t0, avoid, reason)
+            except RouterError as e:
+                if broken is None or active.cancelled.is_set():
+                    raise
+                raise RouterError(e.code, f"{broken.message}; no instance took it over: {e.message}") from None
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+                if self.telemetry:
+                    self.telemetry.ttft_seconds.observe(ttft)
+                self.log.event("first_token", rid, ttft_s=round(ttft, 6))
+            out = pb.GenerateResponse(request_id=rid, token_ids=[token], text=detok.push([token], bool(finish_reason)))
+            if return_logprobs:
+                out.logprobs.append(logprob)
+            if params.top_logprobs:
+                out.top_logprobs.append(top)
+            active.output_tokens = len(sent) + 1
+            if finish_reason:  # ended at this token: the prefill instance kept (and freed) it
+                out.finish.CopyFrom(pb.Finish(reason=finish_reason, usage=pb.Usage(
+                    prompt_tokens=len(ids), completion_tokens=active.output_tokens), ttft_s=ttft,
+                    latency_s=time.perf_counter() - t0, stop_str=detok.matched or ""))
+                self._finished(rid, out.finish)
+                yield out
+                return
             yield out
-            return
-        yield out
-        yield from self._stream(active, ids, params, return_logprobs, detok, t0, ttft)
+            sent.append(token)
+            try:
+                for out in self._stream(active, len(ids), rest.max_new_tokens - 1, return_logprobs, detok, t0, ttft):
+                    yield out
+                    sent += out.token_ids
+                return
+            except _Broken as b:
+                if len(avoid) >= MAX_FAILOVERS:
+                    raise b.error from None
+                avoid.add(active.decode.instance_id)
+                broken, reason = b.error, f"failover: {b.error.message}"
+                self.log.event("failover", rid, decode=active.decode.instance_id, output_tokens=len(sent),
+                               reason=b.error.message)
+                self._count_error("failover")
+                self._abort_remote(active)  # a decode instance whose stream broke may still hold the request
 
-    def _place(self, active: Active, ids: list[int], params: SamplingParams, t0: float):
-        """Prefill + hand-off on the best live pair, placing again while nothing has reached the client."""
+    def _place(self, active: Active, ids: list[int], params: SamplingParams, t0: float, avoid_decode: set[str],
+               reason: str):
+        """Prefill + hand-off on the best live pair (not on ``avoid_decode``), placing again while nothing of
+        this placement has reached the client; Redis records each placement with its ``reason``."""
         deadline = time.monotonic() + self.settings.placement_timeout_s
-        avoid: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+        avoid: dict[str, set[str]] = {"prefill": set(), "decode": set(avoid_decode)}
         full: set[str] = set()  # decode instances that said "no room now": tried again once all are full
         last_error: RouterError | None = None
         attempt = 0
@@ -369,9 +457,10 @@ class RouterCore:
             attempt += 1
             self.log.event("placed", active.rid, prefill=prefill.instance_id, decode=decode.instance_id,
                            attempt=attempt)
+            active.placements.append({"prefill": prefill.instance_id, "decode": decode.instance_id, "reason": reason})
             try:
-                self.store.transition(active.rid, "prefilling", prefill_instance=prefill.instance_id,
-                                      decode_instance=decode.instance_id)
+                self.records.transition(active.rid, "prefilling", prefill_instance=prefill.instance_id,
+                                        decode_instance=decode.instance_id, placements=active.placements)
                 if self.telemetry:
                     self.telemetry.stage_seconds.labels("placement").observe(time.perf_counter() - t0)
                 return self._prefill(active, ids, params, p_key, d_key)
@@ -382,6 +471,7 @@ class RouterCore:
                 self.log.event("replaced", active.rid, role=r.role, instance=inst.instance_id, kind=r.kind,
                                reason=r.error.message)
                 (full if r.kind == "full" else avoid[r.role]).add(inst.instance_id)
+                reason = f"replaced: {r.error.message}"
                 if time.monotonic() > deadline:
                     raise r.error from None
             finally:  # from here the stream phase accounts for the decode side (or nobody, on failure)
@@ -413,14 +503,14 @@ class RouterCore:
                                    seconds=round(time.perf_counter() - t1, 6), finish_reason=ft.finish_reason or None)
                     if ft.finish_reason:
                         return first
-                    self.store.transition(rid, "transferring")
+                    self.records.transition(rid, "transferring")
                     t1 = time.perf_counter()
                 elif ev.HasField("handed_off") and first is not None:
                     if self.telemetry:
                         self.telemetry.stage_seconds.labels("handoff").observe(time.perf_counter() - t1)
                     self.log.event("handoff_done", rid, decode=decode.instance_id, bytes=ev.handed_off.bytes,
                                    seconds=round(ev.handed_off.seconds, 6))
-                    self.store.transition(rid, "decoding", handoff_bytes=ev.handed_off.bytes,
+                    self.records.transition(rid, "decoding", handoff_bytes=ev.handed_off.bytes,
                                           handoff_s=round(ev.handed_off.seconds, 6))
                     return first
         except grpc.RpcError as e:
@@ -450,10 +540,12 @@ class RouterCore:
         return RouterError(grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.UNKNOWN else code,
                            f"prefill instance {prefill.instance_id}: {msg}")
 
-    def _stream(self, active: Active, ids, params: SamplingParams, return_logprobs: bool, detok: TextStream,
+    def _stream(self, active: Active, prompt_tokens: int, budget: int, return_logprobs: bool, detok: TextStream,
                 t0: float, ttft: float):
+        """The decode instance's messages as the client's; _Broken when its stream breaks (``budget``: the
+        tokens it may still generate)."""
         rid, decode = active.rid, active.decode
-        d_key = self.ledger.place(decode.instance_id, params.max_new_tokens - 1, arrived=True)
+        d_key = self.ledger.place(decode.instance_id, budget, arrived=True)
         t1 = time.perf_counter()
         # No deadline: a long generation may take minutes; the decode side ends idle streams, keepalive
         # finds a vanished peer, and the client's own deadline cancels this call through abort().
@@ -478,7 +570,7 @@ class RouterCore:
                     out.finish.CopyFrom(msg.finish)
                     out.finish.stop_str = detok.matched or ""
                     out.finish.ttft_s, out.finish.latency_s = ttft, time.perf_counter() - t0
-                    out.finish.usage.prompt_tokens = len(ids)
+                    out.finish.usage.prompt_tokens = prompt_tokens
                     out.finish.usage.completion_tokens = active.output_tokens
                     if self.telemetry:
                         self.telemetry.stage_seconds.labels("decode").observe(time.perf_counter() - t1)
@@ -488,21 +580,21 @@ class RouterCore:
                 yield out
         except grpc.RpcError as e:
             self._check_cancelled(active)
-            raise RouterError(grpc.StatusCode.UNAVAILABLE if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED
-                              else e.code(), f"decode instance {decode.instance_id} failed mid-stream after "
-                                             f"{active.output_tokens} tokens: {e.code().name}: {e.details()}"
-                              ) from None
+            error = RouterError(grpc.StatusCode.UNAVAILABLE if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+                                else e.code(), f"decode instance {decode.instance_id} failed mid-stream after "
+                                               f"{active.output_tokens} tokens: {e.code().name}: {e.details()}")
+            raise (_Broken(error) if e.code() in BROKEN else error) from None
         finally:
             self.ledger.done(decode.instance_id, d_key)
             stream.cancel()  # no-op when it ended; frees the call when the client went away
-        raise RouterError(grpc.StatusCode.UNAVAILABLE, f"decode instance {decode.instance_id} ended the stream "
-                                                       "without finishing the request")
+        raise _Broken(RouterError(grpc.StatusCode.UNAVAILABLE, f"decode instance {decode.instance_id} ended the "
+                                                               "stream without finishing the request"))
 
     def _finished(self, rid: str, finish: pb.Finish) -> None:
         self.log.event("finished", rid, reason=finish.reason, output_tokens=finish.usage.completion_tokens,
                        ttft_s=round(finish.ttft_s, 6), latency_s=round(finish.latency_s, 6),
                        accept_length=round(finish.spec.accept_length, 4))
-        self.store.transition(rid, "finished", finish_reason=finish.reason,
+        self.records.transition(rid, "finished", finish_reason=finish.reason,
                               output_tokens=finish.usage.completion_tokens,
                               accept_length=round(finish.spec.accept_length, 4),
                               accept_rate=round(finish.spec.accept_rate, 4), ttft_s=round(finish.ttft_s, 6),
@@ -563,12 +655,24 @@ class RouterCore:
         with self._lock:
             return len(self._active)
 
+    def check_ready(self) -> str | None:
+        """Why the router cannot serve now (Redis away, no prefill or no decode instance), or None; kept in
+        ``not_ready`` for the health answers."""
+        try:
+            self.store.client.ping()
+        except REDIS_DOWN as e:
+            self.not_ready = f"Redis is unreachable: {e}"
+            return self.not_ready
+        missing = [role for role in ("prefill", "decode") if not self.live(role)]
+        self.not_ready = f"no {' and no '.join(missing)} instance is registered" if missing else None
+        return self.not_ready
+
     def engine_facts(self) -> dict:
         """dtype, page size and speculative config of the engines serving this model, from the registry: a live
         decode instance's (the one that generates), else a prefill instance's, else the last ones seen ({} until
         an engine instance registered)."""
         for role in ("decode", "prefill"):
-            for inst in self.registry.instances(role):
+            for inst in self.live(role):
                 if inst.model:
                     self._facts = inst.model
                     return inst.model
@@ -585,39 +689,28 @@ class RouterCore:
         return info
 
     def close(self) -> None:
+        self.records.stop()
         with self._lock:
             channels, self._channels = list(self._channels.values()), {}
         for ch in channels:
             ch.close()
 
 
-class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, core: RouterCore):
-        self.core = core
+def _watch_readiness(core: RouterCore, grpc_server: RouterGrpc, telemetry: Telemetry, interval_s: float,
+                     last: str | None) -> None:
+    """grpc.health.v1 and /health follow ``core.check_ready()``: NOT_SERVING / 503 with the reason."""
+    while not core.stopping.wait(max(0.05, min(interval_s, 0.5))):
+        last = _show_readiness(core, grpc_server, telemetry, last)
 
-    def Generate(self, request: pb.GenerateRequest, context):  # noqa: N802
-        if not request.request_id:
-            request.request_id = uuid.uuid4().hex
-        done = threading.Event()
-        rid = request.request_id
-        # The client went away (or its deadline passed): end the request now, not at its next token.
-        context.add_callback(lambda: done.is_set() or self.core.abort(rid, "client disconnected",
-                                                                      grpc.StatusCode.CANCELLED))
-        try:
-            for msg in self.core.generate(request):
-                yield msg
-        except RequestError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except RouterError as e:
-            context.abort(e.code, e.message)
-        finally:
-            done.set()
 
-    def Abort(self, request: pb.AbortRequest, context):  # noqa: N802
-        return pb.AbortResponse(found=self.core.abort(request.request_id))
-
-    def GetModelInfo(self, request, context):  # noqa: N802
-        return self.core.model_info()
+def _show_readiness(core: RouterCore, grpc_server: RouterGrpc, telemetry: Telemetry, last: str | None = ""
+                    ) -> str | None:
+    reason = core.check_ready()
+    if reason != last:
+        grpc_server.set_serving(reason is None)
+        telemetry.not_ready = reason
+        core.log.event("ready" if reason is None else "not_ready", reason=reason)
+    return reason
 
 
 def load_model_files(model: str | None) -> tuple[ModelConfig, Tokenizer | None]:
@@ -640,11 +733,12 @@ def start_router(settings: RouterSettings) -> ServiceHandle:
     core = RouterCore(settings, RequestStore(client, settings.request_ttl_s), Registry(client, settings.registry_ttl_s),
                       tokenizer, model_config, telemetry, instance_id)
     # gRPC refuses messages over 4x the request limit itself (RESOURCE_EXHAUSTED); between 1x and 4x the
-    # router answers INVALID_ARGUMENT naming `request`.
-    server, port, health = start_grpc_server(
-        settings.host, settings.grpc_port, [(pb_grpc.add_GenerationServicer_to_server, GenerationServicer(core))],
-        SERVICES, max_message_bytes=4 * settings.max_message_bytes, api_key=settings.api_key,
-        on_denied=lambda: telemetry.errors_total.labels("unauthenticated").inc())
+    # router answers INVALID_ARGUMENT naming `request`. Streams get a thread each (RouterCore blocks), up to
+    # the concurrency cap; control calls have their own.
+    grpc_server = RouterGrpc(core, settings.host, settings.grpc_port, 4 * settings.max_message_bytes,
+                             settings.api_key, lambda: telemetry.errors_total.labels("unauthenticated").inc(),
+                             stream_workers=(settings.max_concurrent_requests or 4096) + 16)
+    port = grpc_server.port
     extra = {"core": core, "telemetry": telemetry}
     openai_server = None
     if settings.openai_port is not None:
@@ -655,8 +749,12 @@ def start_router(settings: RouterSettings) -> ServiceHandle:
         else:
             openai_server, openai_port = start_openai_server(core, settings)
             extra["openai_address"] = f"{settings.advertised}:{openai_port}"
-    set_serving(health, SERVICES, True)
     telemetry.set_state("ready")
+    ready = _show_readiness(core, grpc_server, telemetry)
+    watch = threading.Thread(target=_watch_readiness, args=(core, grpc_server, telemetry, settings.heartbeat_s / 2,
+                                                            ready),
+                             name="router-readiness", daemon=True)
+    watch.start()
     grpc_address = f"{settings.advertised}:{port}"
     core.log.event("started", grpc=grpc_address, http=telemetry.address, openai=extra.get("openai_address"))
 
@@ -666,14 +764,14 @@ def start_router(settings: RouterSettings) -> ServiceHandle:
         core.log.event("stopping", drain_s=drain_s)
         deadline = time.monotonic() + drain_s
         telemetry.set_state("draining")
-        set_serving(health, SERVICES, False)
+        core.stopping.set()
         core.draining.set()
-        stopped = server.stop(drain_s)  # gRPC: new calls refused now, those in flight have until the deadline
+        grpc_server.set_serving(False)
+        grpc_server.stop(drain_s)  # gRPC: new calls refused now, those in flight have until the deadline
         while core.in_flight() and time.monotonic() < deadline:  # the OpenAI API's streams too
             time.sleep(0.05)
         if openai_server is not None:
             openai_server.stop()
-        stopped.wait(max(0.0, deadline - time.monotonic()) + 1)
         core.close()
         telemetry.stop()
         core.log.event("stopped", drained=not core.in_flight())

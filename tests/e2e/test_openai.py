@@ -326,6 +326,7 @@ def test_client_hanging_up_mid_stream_aborts_the_request(stack):
         time.sleep(0.05)
     rec = stack.store.get(rid)
     assert rec["state"] == "aborted", rec
+    assert rec["error"] == "client went away", rec  # recorded as a disconnect, not as an Abort call
     assert int(rec.get("output_tokens", 0) or 0) < 3000
     assert stack.wait_clean()
 

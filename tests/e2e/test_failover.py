@@ -1,0 +1,199 @@
+"""Failover: ``kill -9`` of one of two decode processes with 8 requests streaming, and of one of two prefill
+processes with 8 long prompts in prefill. Every request finishes, each client's tokens equal an
+uninterrupted greedy run's (no duplicate, no gap), and Redis records each placement with its reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from proto.eyrie.v1 import eyrie_pb2 as pb
+from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
+from services.router.server import start_router
+from services.settings import RouterSettings
+from shared.metadata import EmbeddedRedis, Registry, RequestStore, connect
+
+STREAMS = 8
+NEW_TOKENS = 128  # long enough that the kill lands mid-stream on a loaded CPU
+
+
+def spawn(role: str, redis_url: str, model_dir, env: dict) -> subprocess.Popen:
+    flags = ["--redis-url", redis_url, "--model", str(model_dir / "target"), "--draft", str(model_dir / "eagle"),
+             "--heartbeat-s", "0.2", "--registry-ttl-s", "2", "--page-size", "4", "--chunk-size", "16",
+             "--handoff-transport", "grpc-stream"]
+    return subprocess.Popen([sys.executable, "-m", "services.cli", "serve", role, *flags], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+@pytest.fixture
+def process_stack(tiny_model_dir):
+    redis_server = EmbeddedRedis()
+    url = redis_server.start()
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    procs = {name: spawn(name.split("-")[0], url, tiny_model_dir, env)
+             for name in ("prefill-a", "prefill-b", "decode-a", "decode-b")}
+    registry = Registry(connect(url))
+    router = None
+    try:
+        deadline = time.monotonic() + 120
+        while len(registry.instances("decode")) < 2 or len(registry.instances("prefill")) < 2:
+            assert time.monotonic() < deadline, "the services did not register"
+            assert all(p.poll() is None for p in procs.values()), "a service exited while starting"
+            time.sleep(0.2)
+        router = start_router(RouterSettings(model=str(tiny_model_dir / "target"), redis_url=url,
+                                             placement_timeout_s=20))
+        yield router, procs, registry, url
+    finally:
+        if router is not None:
+            router.stop(0.5)
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        redis_server.stop()
+
+
+def request(i: int, rid: str, prompt_len: int = 5) -> pb.GenerateRequest:
+    prompt = [(7 * i + j) % 500 + 3 for j in range(prompt_len + i)]
+    return pb.GenerateRequest(request_id=rid, token_ids=pb.TokenIds(ids=prompt),
+                              sampling=pb.SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+
+
+def test_kill_9_of_a_decode_mid_stream_fails_nothing_and_changes_no_token(process_stack):
+    router, procs, registry, url = process_stack
+    import grpc
+
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(router.grpc_address))
+    reference = {}
+    for i in range(STREAMS):  # uninterrupted greedy runs
+        reference[i] = [t for m in stub.Generate(request(i, f"ref-{i}"), timeout=120) for t in m.token_ids]
+        assert len(reference[i]) == NEW_TOKENS
+
+    got: dict[int, list[int]] = {i: [] for i in range(STREAMS)}
+    finish: dict[int, str] = {}
+    errors: list = []
+    streaming = threading.Barrier(STREAMS + 1)
+
+    def stream(i: int) -> None:
+        try:
+            for n, msg in enumerate(stub.Generate(request(i, f"run-{i}"), timeout=180)):
+                got[i] += msg.token_ids
+                if n == 1:
+                    streaming.wait(60)
+                if msg.HasField("finish"):
+                    finish[i] = msg.finish.reason
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append((i, e))
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(STREAMS)]
+    for t in threads:
+        t.start()
+    streaming.wait(120)
+    store = RequestStore(connect(url))
+    on_a = [i for i in range(STREAMS) if store.get(f"run-{i}").get("decode_instance") ==
+            _instance_of(registry, procs["decode-a"])]
+    os.kill(procs["decode-a"].pid, signal.SIGKILL)
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    assert all(finish.get(i) == "length" for i in range(STREAMS)), finish
+    for i in range(STREAMS):
+        assert got[i] == reference[i], f"request {i}: {got[i]} != {reference[i]}"
+    killed_mid_stream = [i for i in on_a if "failover" in str(store.get(f"run-{i}").get("placements"))]
+    assert killed_mid_stream, "no request was streaming from the killed decode instance"
+    for i in killed_mid_stream:  # placed again, on the other decode instance, with the reason recorded
+        placements = json.loads(store.get(f"run-{i}")["placements"])
+        assert [p["reason"].split(":")[0] for p in placements] == ["new request", "failover"], placements
+        assert placements[1]["decode"] != placements[0]["decode"]
+    for i in range(STREAMS):
+        rec = store.get(f"run-{i}")
+        assert rec["state"] == "finished" and int(rec["output_tokens"]) == NEW_TOKENS, rec
+    assert_pools_empty(registry)
+
+
+def test_kill_9_of_a_prefill_mid_prompt_fails_nothing_and_changes_no_token(process_stack):
+    router, procs, registry, url = process_stack
+    import grpc
+
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(router.grpc_address))
+    prompt_len, new_tokens = 400, 8  # long prompts: a prefill instance spends a while on each
+    reference = {}
+    for i in range(STREAMS):
+        req = request(i, f"ref-{i}", prompt_len)
+        req.sampling.max_new_tokens = new_tokens
+        reference[i] = [t for m in stub.Generate(req, timeout=120) for t in m.token_ids]
+    victim = _instance_of(registry, procs["prefill-a"], "prefill")
+    store = RequestStore(connect(url))
+    got: dict[int, list[int]] = {i: [] for i in range(STREAMS)}
+    errors: list = []
+
+    def run(i: int) -> None:
+        req = request(i, f"run-{i}", prompt_len)
+        req.sampling.max_new_tokens = new_tokens
+        try:
+            got[i] = [t for m in stub.Generate(req, timeout=180) for t in m.token_ids]
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append((i, e))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(STREAMS)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60  # kill it while it holds a prompt
+    while not any(store.get(f"run-{i}").get("state") == "prefilling" and
+                  store.get(f"run-{i}").get("prefill_instance") == victim for i in range(STREAMS)):
+        assert time.monotonic() < deadline, "no request reached the victim prefill instance"
+        time.sleep(0.005)
+    os.kill(procs["prefill-a"].pid, signal.SIGKILL)
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    for i in range(STREAMS):
+        assert got[i] == reference[i], f"request {i}: {got[i]} != {reference[i]}"
+        assert store.get(f"run-{i}")["state"] == "finished"
+    replaced = [i for i in range(STREAMS) if "replaced" in store.get(f"run-{i}").get("placements", "")]
+    assert replaced, "no request was placed again"
+    assert_pools_empty(registry)
+
+
+def assert_pools_empty(registry: Registry) -> None:
+    """Every surviving instance has every KV page back (its /metrics), a hand-off cut short included."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def used() -> dict:
+        out = {}
+        for inst in registry.instances():
+            try:
+                text = httpx.get(f"http://{inst.http_address}/metrics", timeout=5).text
+            except httpx.ConnectError:  # the killed one, until its entry expires: it holds nothing
+                continue
+            out[inst.instance_id] = sum(s.value for f in text_string_to_metric_families(text)
+                                        for s in f.samples if s.name == "eyrie_kv_pages_used")
+        return out
+
+    deadline = time.monotonic() + 20
+    while any(used().values()):
+        assert time.monotonic() < deadline, f"pages still in use: {used()}"
+        time.sleep(0.2)
+
+
+def _instance_of(registry: Registry, proc: subprocess.Popen, role: str = "decode") -> str | None:
+    """The registry id of the service process ``proc`` (matched by the gRPC port it listens on)."""
+    import psutil
+
+    ports = {c.laddr.port for c in psutil.Process(proc.pid).net_connections() if c.status == psutil.CONN_LISTEN}
+    for inst in registry.instances(role):
+        if int(inst.grpc_address.rsplit(":", 1)[1]) in ports:
+            return inst.instance_id
+    return None
