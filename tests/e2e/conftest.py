@@ -90,3 +90,11 @@ def start_stack(redis_url: str, model_dir, draft: str | None, *, prefill_extra=N
     router = start_router(RouterSettings(model=base["model"], redis_url=url, placement_timeout_s=5,
                                          **(router_extra or {})))
     return InProcessStack(router, [prefill], decodes, url)
+
+def emptied(directory, timeout: float = 10.0) -> bool:
+    """``directory`` is empty, or soon is: torch's shared-memory manager (started for the decode service's
+    shareable pools) removes its own socket directory a moment after its last client exits."""
+    deadline = time.monotonic() + timeout
+    while list(directory.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not list(directory.iterdir())

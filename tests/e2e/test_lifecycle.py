@@ -20,6 +20,7 @@ import pytest
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.launch import Stack, free_port
+from tests.e2e.conftest import emptied
 from tests.e2e.test_up import Up, generate, gone
 
 
@@ -133,12 +134,3 @@ def test_up_demo_prints_text_on_stdout_no_log_lines_and_removes_its_model(tmp_pa
     assert not any(line.lstrip().startswith("{") for line in proc.stdout.splitlines() + proc.stderr.splitlines())
     assert "finish_reason length" in proc.stderr
     assert emptied(tmp_path), "eyrie up left its temporary model behind"
-
-
-def emptied(directory, timeout: float = 10.0) -> bool:
-    """``directory`` is empty, or soon is: torch's shared-memory manager (started for the decode service's
-    shareable pools) removes its own socket directory a moment after its last client exits."""
-    deadline = time.monotonic() + timeout
-    while list(directory.iterdir()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not list(directory.iterdir())

@@ -22,6 +22,7 @@ import pytest
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from shared.metadata import EmbeddedRedis, Registry, RequestStore, connect
+from tests.e2e.conftest import emptied
 
 READY = re.compile(r"eyrie up: router on (\S+) .*redis (\S+), ready in")
 
@@ -173,12 +174,3 @@ def test_redis_url_uses_the_given_server_and_starts_none(tmp_path, tiny_model_di
     finally:
         up.kill()
         server.stop()
-
-
-def emptied(directory, timeout: float = 10.0) -> bool:
-    """``directory`` is empty, or soon is: torch's shared-memory manager (started for the decode service's
-    shareable pools) removes its own socket directory a moment after its last client exits."""
-    deadline = time.monotonic() + timeout
-    while list(directory.iterdir()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not list(directory.iterdir())
