@@ -85,6 +85,9 @@ def add_up_flags(u) -> None:
     u.add_argument("--log-dir", metavar="DIR",
                    help="write each service's JSON log lines to DIR/{router,prefill,decode}.log "
                         "(unset: the terminal shows the services' warnings and errors only)")
+    u.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill instances (replicas; each its "
+                   "own process, registered in Redis) (default: 1)")
+    u.add_argument("--decode", type=int, default=1, metavar="N", help="decode instances (replicas) (default: 1)")
     u.add_argument("--max-restarts", type=int, default=5, metavar="N",
                    help="restarts of a service that dies (with backoff) "
                         "before eyrie up stops the stack")
@@ -196,6 +199,11 @@ def start_role(role: str, settings):
 ROLES = ("prefill", "decode", "router")  # start order: the router last
 
 
+def role_of(name: str) -> str:
+    """The role of a service's name in a stack: "decode-2" (a second decode replica) -> "decode"."""
+    return name.split("-", 1)[0]
+
+
 class Stack:
     """Redis + one router, one prefill and one decode, each service its own process.
 
@@ -206,8 +214,11 @@ class Stack:
     def __init__(self, model: str, draft: str | None, redis_url: str | None, router_port: int,
                  openai_port: int | None = None, extra: dict | None = None, env: dict | None = None,
                  router_extra: dict | None = None, log_dir: str | Path | None = None, common: dict | None = None,
-                 config_file: str | None = None, drain_timeout_s: float = 30.0):
+                 config_file: str | None = None, drain_timeout_s: float = 30.0, replicas: dict[str, int] | None = None):
         self.model, self.draft, self.router_port, self.openai_port = model, draft, router_port, openai_port
+        counts = {"prefill": 1, "decode": 1, **(replicas or {})}
+        # Every service's name, in start order: a second decode replica is "decode-2", and so on.
+        self.names = [role if k == 0 else f"{role}-{k + 1}" for role in ROLES for k in range(counts.get(role, 1))]
         self.extra = extra or {}  # engine flags (prefill and decode)
         self.router_extra = router_extra or {}
         self.common = common or {}  # flags of every service
@@ -239,16 +250,16 @@ class Stack:
         router = ["--model", self.model, "--grpc-port", str(self.router_port), *_as_flags(self.router_extra)]
         if self.openai_port is not None:
             router += ["--openai-port", str(self.openai_port)]
-        for role in ROLES:
-            self.http[role] = f"127.0.0.1:{free_port()}"
-            own = router if role == "router" else engine
-            self.flags[role] = [*common, *own, "--http-port", self.http[role].rsplit(":", 1)[1]]
-            self._spawn(role)
+        for name in self.names:
+            self.http[name] = f"127.0.0.1:{free_port()}"
+            own = router if name == "router" else engine
+            self.flags[name] = [*common, *own, "--http-port", self.http[name].rsplit(":", 1)[1]]
+            self._spawn(name)
         self.wait_ready(timeout)
         return self
 
     def _spawn(self, role: str) -> None:
-        cmd = [sys.executable, "-m", "services.cli", "serve", role, *self.flags[role]]
+        cmd = [sys.executable, "-m", "services.cli", "serve", role_of(role), *self.flags[role]]
         stderr = subprocess.PIPE
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -267,12 +278,12 @@ class Stack:
                 info = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(info, dict) and info.get("role") == role and self.procs.get(role) is proc:
+            if isinstance(info, dict) and info.get("role") == role_of(role) and self.procs.get(role) is proc:
                 self.started[role] = info
 
-    def wait_ready(self, timeout: float, roles=ROLES) -> None:
+    def wait_ready(self, timeout: float, roles=None) -> None:
         deadline = time.monotonic() + timeout
-        for role in roles:
+        for role in roles or self.names:
             while not (role in self.started and _healthy(self.http[role])):
                 proc = self.procs[role]
                 if proc.poll() is not None:
@@ -297,8 +308,8 @@ class Stack:
         r = self.started.get("router", {})
         out = f"router on {self.router_address} (health http://{self.http['router']}/health"
         out += f", OpenAI http://{r['openai']}/v1)" if r.get("openai") else ")"
-        for role in ("prefill", "decode"):
-            out += f", {role} on {self.started.get(role, {}).get('grpc')} (health http://{self.http[role]}/health)"
+        for name in self.names[:-1]:  # the engine services
+            out += f", {name} on {self.started.get(name, {}).get('grpc')} (health http://{self.http[name]}/health)"
         return out + f", redis {self.redis_url}"
 
     # ---- supervision ----------------------------------------------------------------------------
@@ -443,10 +454,13 @@ def _up_stack(args, cleanup: contextlib.ExitStack) -> Stack:
         extra["gpu_memory_fraction"] = UP_GPU_MEMORY_FRACTION  # prefill and decode fit together on one GPU
     router_extra = {"max_context": engine["max_context"]} if "max_context" in engine else {}
     # Every service gets the key (they call each other with it), through the environment rather than argv.
+    for role in ("prefill", "decode"):
+        if getattr(args, role) < 1:
+            _fail(f"--{role}: {getattr(args, role)}: at least 1 instance of each engine role")
     return Stack(model, draft, common.pop("redis_url", None), port, openai_port, extra,
                  env={"EYRIE_API_KEY": api_key} if api_key else None, router_extra=router_extra,
                  log_dir=args.log_dir, common=common, config_file=args.config,
-                 drain_timeout_s=decode.drain_timeout_s)
+                 drain_timeout_s=decode.drain_timeout_s, replicas={"prefill": args.prefill, "decode": args.decode})
 
 
 def _run_up(args, stack: Stack) -> int:

@@ -174,3 +174,21 @@ def test_redis_url_uses_the_given_server_and_starts_none(tmp_path, tiny_model_di
     finally:
         up.kill()
         server.stop()
+
+
+def test_replicas_prefill_2_decode_2(tmp_path, tiny_model_dir):
+    server = EmbeddedRedis(str(tmp_path / "replicas.db"))
+    client = connect(server.start())
+    up = Up(tmp_path, tiny_model_dir, "--redis-url", server.url, "--prefill", "2", "--decode", "2")
+    try:
+        router, _ = up.ready()
+        roles = sorted(i.role for i in Registry(client).instances())
+        assert roles == ["decode", "decode", "prefill", "prefill"]
+        assert generate(router, "up-replicas").reason == "length"
+        assert up.ctrl_c() == 0, up.stderr()[-3000:]
+        (stopped,) = [line for line in up.stderr().splitlines() if line.startswith("eyrie up: stopped ")]
+        assert sorted(re.findall(r"([\w-]+) \(exit (-?\d+)\)", stopped)) == [
+            ("decode", "0"), ("decode-2", "0"), ("prefill", "0"), ("prefill-2", "0"), ("router", "0")], stopped
+    finally:
+        up.kill()
+        server.stop()

@@ -23,6 +23,7 @@ def run(capsys, *argv) -> tuple[int, str]:
     (["serve", "router", "--no-such-flag", "1"], "unrecognized arguments"),
     (["serve", "gateway"], "invalid choice"),
     (["up", "--model", "/does/not/exist"], "--model: /does/not/exist is not a checkpoint directory"),
+    (["up", "--decode", "0"], "at least 1 instance"),
     (["client", "hi", "--stop-token-ids", "1,x"], "--stop-token-ids"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, argv, words):
