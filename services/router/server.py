@@ -767,9 +767,9 @@ def start_router(settings: RouterSettings) -> ServiceHandle:
         core.stopping.set()
         core.draining.set()
         grpc_server.set_serving(False)
-        grpc_server.stop(drain_s)  # gRPC: new calls refused now, those in flight have until the deadline
-        while core.in_flight() and time.monotonic() < deadline:  # the OpenAI API's streams too
-            time.sleep(0.05)
+        while core.in_flight() and time.monotonic() < deadline:  # new requests are refused (draining); gRPC's
+            time.sleep(0.05)  # and the OpenAI API's requests in flight finish, up to the deadline
+        grpc_server.stop(1.0)
         if openai_server is not None:
             openai_server.stop()
         core.close()
