@@ -338,7 +338,7 @@ class Engine:
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         logp = torch.log_softmax(logits.float(), dim=-1)  # the distribution the tokens were drawn from
         logprobs = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        top_n = max(r.params.top_logprobs for r in reqs)
+        top_n = max((r.params.top_logprobs for r in reqs), default=0)
         top = top_logprobs(logp, top_n) if top_n else None
         if self.before_host_wait is not None:
             self.before_host_wait()

@@ -173,7 +173,8 @@ class SpecWorker:
         t0 = time.perf_counter()
         drafted = (None if processed else self.ahead.take(reqs)) or self._draft(reqs)
         t1 = time.perf_counter()
-        out, inp = self._verify(drafted, reqs if processed else None, max(r.params.top_logprobs for r in reqs))
+        top_n = max((r.params.top_logprobs for r in reqs), default=0)  # an empty batch runs the same path
+        out, inp = self._verify(drafted, reqs if processed else None, top_n)
         # The per-token outputs the host needs start on their way to it (the one sync of the step) ...
         host, ready = self._to_host(out)
         # ... and the next step's draft goes to the device behind them, timed as that step's draft.
