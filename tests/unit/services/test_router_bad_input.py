@@ -113,7 +113,7 @@ def _json_scalar() -> st.SearchStrategy[str]:
         st.floats(allow_nan=False).map(json.dumps), st.sampled_from(["1e999", "-1e999", "0.5", "1.0"]),
         st.booleans().map(json.dumps), st.just("null"),
         st.text(st.characters(codec=None, categories=["L", "N", "P", "Zs", "Cs", "Cc"]), max_size=12)
-        .map(lambda t: json.dumps(t)),  # Cs: lone surrogates, written as \\udXXX escapes
+        .map(json.dumps),  # Cs: lone surrogates, written as \\udXXX escapes
         st.integers(1, 2000).map(lambda n: "[" * n + "]" * n),  # deep nesting
     )
 
