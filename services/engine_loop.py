@@ -12,9 +12,7 @@ locks inside it.
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -23,12 +21,6 @@ from dataclasses import dataclass, field
 from services.logs import ServiceLog
 from shared.engine import Engine, EngineLoad
 from shared.request import Request
-
-# The engine thread gives up the GIL at every device synchronisation and must get it back at once: with
-# Python's default 5 ms switch interval it can wait that long behind the gRPC threads (one per stream,
-# the hand-off workers), which stretched every decode step of a busy service. The interval is how long a
-# thread that wants the GIL waits before it asks the holder to let go.
-SWITCH_INTERVAL_S = float(os.environ.get("EYRIE_GIL_SWITCH_INTERVAL_S", "0.0005"))
 
 
 @dataclass
@@ -67,7 +59,6 @@ class EngineLoop:
         engine.set_host_wait_hook(self._publish_held)
 
     def start(self) -> EngineLoop:
-        sys.setswitchinterval(SWITCH_INTERVAL_S)  # process-wide: a service process runs one engine loop
         self._thread.start()
         return self
 
