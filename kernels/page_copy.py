@@ -52,8 +52,15 @@ def copy_pages_ref(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], d
         dst[:, :, d * page_size:(d + n) * page_size] = src[:, :, s * page_size:(s + n) * page_size]
 
 
+# Elements per program and warps per program on CUDA (bench/tune_page_copy.py swept them on an H100:
+# docs/benchmarks.md). A page-plane larger than BLOCK is split over several programs, so every program
+# issues its loads at once instead of looping over a dependent chain of blocks.
+BLOCK = 4096
+NUM_WARPS = 4
+
+
 def copy_pages(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst_pages: list[int], page_size: int,
-               backend: str = "auto") -> None:
+               backend: str = "auto", block: int = BLOCK, num_warps: int = NUM_WARPS) -> None:
     """As ``copy_pages_ref``, in one launch on CUDA (queued on the current stream; the caller synchronises)."""
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
@@ -64,12 +71,22 @@ def copy_pages(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst_p
     _check(dst, src)
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"{len(src_pages)} source pages, {len(dst_pages)} destination pages")
-    ids = torch.tensor([src_pages, dst_pages], dtype=torch.int64).to(src.device, non_blocking=True)
+    ids = _page_ids(src_pages, dst_pages, src.device)
     planes = src.shape[0] * src.shape[1]
     page_elems = page_size * src.shape[3] * src.shape[4]
-    grid = (len(src_pages), planes)
+    block = min(block, triton.next_power_of_2(page_elems))
+    grid = (len(src_pages), planes, triton.cdiv(page_elems, block))
     _copy_pages_kernel[grid](src, dst, ids[0], ids[1], src.shape[2] * src.shape[3] * src.shape[4],
-                             dst.shape[2] * dst.shape[3] * dst.shape[4], page_elems, BLOCK=1024)
+                             dst.shape[2] * dst.shape[3] * dst.shape[4], page_elems, BLOCK=block,
+                             num_warps=num_warps)
+
+
+def _page_ids(src_pages: list[int], dst_pages: list[int], device: torch.device) -> torch.Tensor:
+    """[2, pages] int64 on ``device``; on CUDA from pinned memory, so the upload is queued, not waited for."""
+    ids = torch.tensor([src_pages, dst_pages], dtype=torch.int64)
+    if device.type == "cuda":
+        ids = ids.pin_memory()
+    return ids.to(device, non_blocking=True)
 
 
 if triton is not None:
@@ -78,14 +95,13 @@ if triton is not None:
     def _copy_pages_kernel(src, dst, src_ids, dst_ids, src_plane, dst_plane, page_elems, BLOCK: tl.constexpr):
         page = tl.program_id(0)
         plane = tl.program_id(1).to(tl.int64)
+        offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < page_elems
         s = tl.load(src_ids + page)
         d = tl.load(dst_ids + page)
         src_base = src + plane * src_plane + s * page_elems
         dst_base = dst + plane * dst_plane + d * page_elems
-        for start in range(0, page_elems, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < page_elems
-            tl.store(dst_base + offs, tl.load(src_base + offs, mask=mask), mask=mask)
+        tl.store(dst_base + offs, tl.load(src_base + offs, mask=mask), mask=mask)
 
 
-__all__ = ["copy_pages", "copy_pages_ref", "page_runs"]
+__all__ = ["BLOCK", "NUM_WARPS", "copy_pages", "copy_pages_ref", "page_runs"]

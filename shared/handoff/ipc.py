@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -155,7 +156,7 @@ def write_in_place(source: PageSource, pools: list[torch.Tensor], dest_page_ids:
         raise TransferError(f"{len(source.caches)} caches here, {len(pools)} pools and {len(dest_page_ids)} "
                             "page lists on the decode side")
     device = source.caches[0].pool.device
-    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    side = _side_stream(device) if device.type == "cuda" else None
     if side is not None:
         side.wait_stream(torch.cuda.default_stream(device))  # the prefill's writes of these pages are queued there
     written, sent, last = 0, [0] * len(source.caches), None
@@ -168,6 +169,18 @@ def write_in_place(source: PageSource, pools: list[torch.Tensor], dest_page_ids:
             written += _write_increment(source, pools, dest_page_ids, inc, sent, side)
         sent, last = list(inc.done), inc.last
     return Written(written, last)
+
+
+_SIDE_STREAMS = threading.local()
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The calling thread's copy stream on ``device``, made once (not a new stream per hand-off). One per
+    thread: hand-offs in flight together must not queue behind each other's waits for their prefill."""
+    streams = _SIDE_STREAMS.__dict__.setdefault("by_device", {})
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    return streams[device]
 
 
 def _write_increment(source: PageSource, pools: list[torch.Tensor], dest_page_ids: list[list[int]],

@@ -22,13 +22,14 @@ def pool(slots: int, seed: int, layers: int = 3, heads: int = 2, dim: int = 8) -
     ([3], [10]),
 ], ids=["one-run", "scattered-dst", "scattered-src", "single"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_kernel_equals_reference_and_writes_only_the_listed_pages(src_pages, dst_pages, page_size):
+@pytest.mark.parametrize("block", [4096, 16], ids=["one-program-per-page", "page-split-over-programs"])
+def test_kernel_equals_reference_and_writes_only_the_listed_pages(src_pages, dst_pages, page_size, block):
     src = pool(8 * page_size, seed=1)
     dst_ref = pool(12 * page_size, seed=2)  # another pool size: the planes' strides differ
     dst = dst_ref.clone()
     before = dst.clone()
     copy_pages_ref(dst_ref, src, src_pages, dst_pages, page_size)
-    copy_pages(dst, src, src_pages, dst_pages, page_size, backend="triton")
+    copy_pages(dst, src, src_pages, dst_pages, page_size, backend="triton", block=block)
     assert torch.equal(dst, dst_ref)
     for s, d in zip(src_pages, dst_pages):
         assert torch.equal(dst[:, :, d * page_size:(d + 1) * page_size], src[:, :, s * page_size:(s + 1) * page_size])
