@@ -55,8 +55,8 @@ def copy_pages_ref(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], d
 # Elements per program and warps per program on CUDA (bench/tune_page_copy.py swept them on an H100:
 # docs/benchmarks.md). A page-plane larger than BLOCK is split over several programs, so every program
 # issues its loads at once instead of looping over a dependent chain of blocks.
-BLOCK = 4096
-NUM_WARPS = 4
+BLOCK = 16384
+NUM_WARPS = 8
 
 
 def copy_pages(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst_pages: list[int], page_size: int,
@@ -71,7 +71,8 @@ def copy_pages(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst_p
     _check(dst, src)
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"{len(src_pages)} source pages, {len(dst_pages)} destination pages")
-    ids = _page_ids(src_pages, dst_pages, src.device)
+    pairs = sorted(zip(src_pages, dst_pages))  # programs in source order: neighbours read neighbouring pages
+    ids = _page_ids([s for s, _ in pairs], [d for _, d in pairs], src.device)
     planes = src.shape[0] * src.shape[1]
     page_elems = page_size * src.shape[3] * src.shape[4]
     block = min(block, triton.next_power_of_2(page_elems))
