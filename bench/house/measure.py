@@ -62,13 +62,22 @@ SHAPES = {"8b": LLAMA31_8B, "small": Shape(6, 256, 512, 2, 1)}  # small: the CPU
 
 
 class Clock:
-    """The stage deadline: ``left()`` seconds remain of ``budget_s`` from construction."""
+    """The stage deadline: ``left()`` seconds remain of ``budget_s`` from construction; ``stages`` holds
+    each finished stage's wall seconds (``lap``)."""
 
     def __init__(self, budget_s: float | None):
         self.t0, self.budget_s = time.perf_counter(), budget_s
+        self.stages: dict[str, float] = {}
+        self._mark = self.t0
 
     def left(self) -> float:
         return float("inf") if self.budget_s is None else self.budget_s - (time.perf_counter() - self.t0)
+
+    def lap(self, stage: str) -> None:
+        """``stage`` ran from the previous lap (or the start) until now."""
+        now = time.perf_counter()
+        self.stages[f"{stage}_s"] = round(now - self._mark, 2)
+        self._mark = now
 
 
 def sync(device: str) -> None:
@@ -256,6 +265,7 @@ def run(args) -> dict:
               "torch": torch.__version__, "settings": {k: str(v) for k, v in vars(args).items()},
               "shape": vars(shape), "skipped": skipped}
     accept_from = None
+    record["stages"] = clock.stages
     if args.random_pair:
         tcfg, tstate, hcfg, hstate = random_pair(work, args.seed, tiny=args.shape == "small")
         prompts = [list(range(10 + i, 10 + i + args.prompt_len)) for i in range(args.speed_prompts)]
@@ -267,24 +277,30 @@ def run(args) -> dict:
         hcfg = json.loads((args.draft / "config.json").read_text())
         prompts = heldout_prompts(args.target, args.prompts, args.prompt_len)
         small = load_target(args.target, args.dtype, args.device)
+        clock.lap("load")
         record["acceptance"] = acceptance(small, args.draft, prompts, args.new_tokens, args.device, args.dtype,
                                           clock, skipped)
         del small
+        clock.lap("acceptance")
         tstate, hstate = read_state_dict(args.target), read_state_dict(args.draft)
     t0 = time.perf_counter()
     wide = widen(tcfg, tstate, hcfg, hstate, shape, work)
     record["widen"] = {"seconds": round(time.perf_counter() - t0, 2), "layer_of": wide.layer_of,
                        "rms_norm_eps": wide.config["rms_norm_eps"]}
+    clock.lap("widen")
     if not args.random_pair and args.check and clock.left() > 90:
         record["exactness"] = exactness(args.target, args.draft, wide, prompts[:args.check], args.check_tokens,
                                         args.device, args.check_dtype)
         log(f"measure: widened pair equal to the small one: {record['exactness']['outputs_equal']}")
+        clock.lap("exactness")
     elif args.check and not args.random_pair:
         skipped.append("exactness")
     if clock.left() > 60:
         model = module_from_state(wide.config, wide.state, args.dtype, args.device)
         record["speed"] = speed(model, wide.head_dir, prompts[:args.speed_prompts], args.speed_tokens, args.device,
                                 args.dtype, clock, skipped, accept_from)
+        del model
+        clock.lap("speed")
     else:
         skipped.append("speed")
     record["seconds"] = round(time.perf_counter() - clock.t0, 1)
