@@ -2,7 +2,8 @@
 # The house pair and issue 16's measurement in one device call (<= 9.5 minutes on an H100): the target
 # trained from scratch, its EAGLE-3 head, both widened to Llama-3.1-8B's shape in memory, and
 # bench.house.measure's stages (accept lengths per configuration greedy and at temperature 0.8, widening
-# exactness, batch-1 output tok/s with and without the head in the warmed engine, the speedups).
+# exactness, batch-1 output tok/s with and without the head in the warmed engine, the speedups, and the same
+# through the served stack: router + prefill + decode on the one GPU).
 # Run from the project root; carry ./.whl (../shared/tools/gpu-wheels.sh) with the call.
 #
 #   OUT=/path bench/house/gpu_house.sh            # the GPU run
@@ -15,7 +16,7 @@
 # here; gpu_house_speed.sh re-times the 8B shape alone.
 #
 # The plan on an H100 (from the 2026-11-24 run: target 197 s at TARGET_S=150, the head ~6 steps/s, measure's
-# chain3 at 16 x 128 tokens ~6 s; the rest estimated from the code), ~560 s with the wheel install (~15 s):
+# chain3 at 16 x 128 tokens ~6 s; the rest estimated from the code), ~545 s with the wheel install (~15 s):
 #   target   ~170 s  data and BPE ~28 s, training 120 s, evaluation, samples and writing ~20 s
 #   head     ~130 s  imports and load ~12 s, data <= 15 s (4.1M of 47.8M tokens tokenized, 2048 windows
 #                    regenerated 512 at a time with a CUDA graph), 95 s of training with its step-0
