@@ -274,7 +274,8 @@ def serve_batch1(model_dir: Path, head_dir: Path | None, shape: SpecShape | None
     from bench.serving_load import GrpcDriver, Point, RequestSpec, run_closed_loop, summarize
     from bench.serving_stack import ServingStack
 
-    flags = {"device": device, "dtype": dtype, "cuda_graph": device.startswith("cuda"), "max_running": 4,
+    # max_running 32: the services' graphs are captured up to batch 32 (their default), the pools stay small.
+    flags = {"device": device, "dtype": dtype, "cuda_graph": device.startswith("cuda"), "max_running": 32,
              "max_context": max(map(len, prompts)) + new_tokens + 32, "gpu_memory_fraction": 0.4}
     if shape is not None:
         flags.update(spec_topk=shape.topk, spec_steps=shape.steps, spec_draft_tokens=shape.num_draft_tokens)
