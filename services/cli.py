@@ -116,7 +116,8 @@ TRAIN_FLAGS = (  # flag, type, default, help: the numeric settings of train-draf
     ("--regenerate", int, 0, "replace the last N tokens of every training window by the target's greedy "
                              "continuation (train on what the target itself writes)"),
     ("--max-windows", int, None, "train on at most N windows of the corpus (a seeded choice; bounds "
-                                 "--regenerate's cost)"),
+                                 "--regenerate's cost, and tokenizing: only a seeded sample of documents "
+                                 "holding them and 128 tokens per draft-vocabulary id is tokenized)"),
     ("--time-budget-s", float, None, "stop training (evaluate and save) after this many seconds"),
 )
 

@@ -14,6 +14,11 @@ Stages, each skipped (and listed under ``skipped``) once ``--deadline-s`` would 
    plain decoding and of each configuration, and ``speedup = accept_length x decode_step / iteration``
    (the decode step is plain decoding's time per token, the iteration one verify step's time), with the
    accept length a 2.5x speedup would need.
+4. ``stack`` (``--stack-requests`` > 0): the widened pair written to disk and served as ``eyrie up`` serves
+   it (router, prefill and decode, each its own process on the one device: ``bench/serving_stack.py``),
+   without the head and with it (the configuration fastest in ``speed``, else chain5); ``--stack-requests``
+   batch-1 requests of ``--speed-tokens`` over gRPC after one warm-up: end-to-end output tok/s through the
+   services and the speedup. Each stack starts only when ``STACK_MIN_S`` remain before the deadline.
 
 ``--random-pair`` times a random pair of the house shape widened alike instead (no training: the cost of a
 step does not depend on the weights) and takes the accept lengths of ``--accept-from`` (an earlier run's
@@ -23,7 +28,9 @@ JSON) for the speedups: the second call when one device call cannot hold trainin
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -62,13 +69,22 @@ SHAPES = {"8b": LLAMA31_8B, "small": Shape(6, 256, 512, 2, 1)}  # small: the CPU
 
 
 class Clock:
-    """The stage deadline: ``left()`` seconds remain of ``budget_s`` from construction."""
+    """The stage deadline: ``left()`` seconds remain of ``budget_s`` from construction; ``stages`` holds
+    each finished stage's wall seconds (``lap``)."""
 
     def __init__(self, budget_s: float | None):
         self.t0, self.budget_s = time.perf_counter(), budget_s
+        self.stages: dict[str, float] = {}
+        self._mark = self.t0
 
     def left(self) -> float:
         return float("inf") if self.budget_s is None else self.budget_s - (time.perf_counter() - self.t0)
+
+    def lap(self, stage: str) -> None:
+        """``stage`` ran from the previous lap (or the start) until now."""
+        now = time.perf_counter()
+        self.stages[f"{stage}_s"] = round(now - self._mark, 2)
+        self._mark = now
 
 
 def sync(device: str) -> None:
@@ -225,6 +241,96 @@ def speed(model: LlamaForCausalLM, head_dir: Path, prompts: list[list[int]], new
     return {"rows": rows, "speedups": speedups(rows, accept_from)}
 
 
+# ---- 4. the stack -------------------------------------------------------------------------------------
+STACK_MIN_S = 45  # seconds one stack needs: two engines load the 8B shape and capture graphs, a few requests
+STACK_WRITE_MIN_S = 2 * STACK_MIN_S + 15  # writing the wide target too (16 GB at the 8B shape)
+
+
+def write_wide_target(wide: WidePair, small_dir: Path, work: Path) -> Path:
+    """The wide target as a checkpoint the services load: its tensors, config and the small target's
+    tokenizer; in shared memory when it has room (loading twice from there is faster than from disk)."""
+    from safetensors.torch import save_file
+
+    size = sum(t.numel() * t.element_size() for t in wide.state.values())
+    shm = Path("/dev/shm")
+    base = work
+    if shm.is_dir() and shutil.disk_usage(shm).free > 2 * size:
+        base = Path(tempfile.mkdtemp(prefix="house-wide-", dir=shm))
+    out = base / "target-wide"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(wide.config, indent=1))
+    save_file({k: v.contiguous() for k, v in wide.state.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (small_dir / name).exists():
+            shutil.copy(small_dir / name, out / name)
+    return out
+
+
+def serve_batch1(model_dir: Path, head_dir: Path | None, shape: SpecShape | None, prompts: list[list[int]],
+                 new_tokens: int, device: str, dtype: str, clock: Clock, log_dir: Path) -> dict:
+    """One stack (without a head when ``head_dir`` is None): one warm-up request, then ``prompts`` one at a
+    time; the stack's output tok/s, TTFT and ITL as its gRPC client saw them."""
+    from bench.serving_load import GrpcDriver, Point, RequestSpec, run_closed_loop, summarize
+    from bench.serving_stack import ServingStack
+
+    # max_running 32: the services' graphs are captured up to batch 32 (their default), the pools stay small.
+    flags = {"device": device, "dtype": dtype, "cuda_graph": device.startswith("cuda"), "max_running": 32,
+             "max_context": max(map(len, prompts)) + new_tokens + 32, "gpu_memory_fraction": 0.4}
+    if shape is not None:
+        flags.update(spec_topk=shape.topk, spec_steps=shape.steps, spec_draft_tokens=shape.num_draft_tokens)
+    name = "plain" if shape is None else shape.name
+    row: dict = {"config": name}
+    t0 = time.perf_counter()
+    stack = ServingStack(str(model_dir), None if head_dir is None else str(head_dir), flags, log_dir / name)
+    try:
+        stack.start(max(10.0, clock.left() - 15))
+        row["startup_s"] = round(time.perf_counter() - t0, 2)
+        driver = GrpcDriver(stack.grpc_address, timeout_s=max(10.0, clock.left() - 5))
+        specs = [RequestSpec(list(p), new_tokens) for p in prompts]
+        run_closed_loop(driver, specs[:1], 1, clock.left() - 10)  # warm-up: first-request paths, not timed
+        records = run_closed_loop(driver, specs, 1, clock.left() - 10)
+        point = Point("fixed", 1, len(specs), (len(prompts[0]), len(prompts[-1])), (new_tokens, new_tokens))
+        got = summarize(point, records)
+        row.update({k: got[k] for k in ("completed", "failed", "errors", "output_tokens", "duration_s")},
+                   output_tok_s=round(got["output_tok_s"] or 0.0, 2),
+                   ttft_p50_s=got["ttft_p50_s"], itl_p50_s=got["itl_p50_s"])
+    except (RuntimeError, TimeoutError, OSError) as e:
+        row["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        row["exit_codes"] = stack.stop()
+    log(f"measure: stack {name}: {row.get('output_tok_s')} tok/s {row.get('error', '')}")
+    return row
+
+
+def fastest_config(speed_record: dict | None) -> SpecShape:
+    """The configuration with the most tok/s in the ``speed`` stage (chain5 when there was none)."""
+    rows = [r for r in (speed_record or {}).get("rows", []) if r["config"] != "plain"]
+    best = max(rows, key=lambda r: r["tok_per_s"])["config"] if rows else "chain5"
+    return next(c for c in CONFIGS if c.name == best)
+
+
+def stack(wide: WidePair, small_dir: Path, speed_record: dict | None, prompts: list[list[int]], new_tokens: int,
+          device: str, dtype: str, clock: Clock, skipped: list[str], work: Path) -> dict:
+    model_dir = write_wide_target(wide, small_dir, work)
+    out: dict = {"model_dir": str(model_dir), "log_dir": str(work / "stack"), "rows": []}
+    try:
+        for shape in (None, fastest_config(speed_record)):
+            name = "plain" if shape is None else shape.name
+            if clock.left() < STACK_MIN_S:
+                skipped.append(f"stack {name}")
+                continue
+            out["rows"].append(serve_batch1(model_dir, None if shape is None else wide.head_dir, shape, prompts,
+                                            new_tokens, device, dtype, clock, work / "stack"))
+    finally:
+        if model_dir.parent != work:
+            shutil.rmtree(model_dir.parent, ignore_errors=True)
+    rate = {r["config"]: r.get("output_tok_s") for r in out["rows"] if not r.get("error") and not r.get("failed")}
+    if len(rate) == 2 and rate.get("plain"):
+        out["speedup"] = round(rate[out["rows"][1]["config"]] / rate["plain"], 4)
+    return out
+
+
 # ---- the random pair (timing only) ----------------------------------------------------------------------
 def random_pair(work: Path, seed: int, tiny: bool) -> tuple[dict, dict, dict, dict]:
     """(target config, target state, head config, head state) of the house shape (``tiny``: the CPU form's),
@@ -256,6 +362,7 @@ def run(args) -> dict:
               "torch": torch.__version__, "settings": {k: str(v) for k, v in vars(args).items()},
               "shape": vars(shape), "skipped": skipped}
     accept_from = None
+    record["stages"] = clock.stages
     if args.random_pair:
         tcfg, tstate, hcfg, hstate = random_pair(work, args.seed, tiny=args.shape == "small")
         prompts = [list(range(10 + i, 10 + i + args.prompt_len)) for i in range(args.speed_prompts)]
@@ -267,26 +374,46 @@ def run(args) -> dict:
         hcfg = json.loads((args.draft / "config.json").read_text())
         prompts = heldout_prompts(args.target, args.prompts, args.prompt_len)
         small = load_target(args.target, args.dtype, args.device)
+        clock.lap("load")
         record["acceptance"] = acceptance(small, args.draft, prompts, args.new_tokens, args.device, args.dtype,
                                           clock, skipped)
         del small
+        clock.lap("acceptance")
         tstate, hstate = read_state_dict(args.target), read_state_dict(args.draft)
     t0 = time.perf_counter()
     wide = widen(tcfg, tstate, hcfg, hstate, shape, work)
     record["widen"] = {"seconds": round(time.perf_counter() - t0, 2), "layer_of": wide.layer_of,
                        "rms_norm_eps": wide.config["rms_norm_eps"]}
+    clock.lap("widen")
     if not args.random_pair and args.check and clock.left() > 90:
         record["exactness"] = exactness(args.target, args.draft, wide, prompts[:args.check], args.check_tokens,
                                         args.device, args.check_dtype)
         log(f"measure: widened pair equal to the small one: {record['exactness']['outputs_equal']}")
+        clock.lap("exactness")
     elif args.check and not args.random_pair:
         skipped.append("exactness")
     if clock.left() > 60:
         model = module_from_state(wide.config, wide.state, args.dtype, args.device)
         record["speed"] = speed(model, wide.head_dir, prompts[:args.speed_prompts], args.speed_tokens, args.device,
                                 args.dtype, clock, skipped, accept_from)
+        del model
+        clock.lap("speed")
     else:
         skipped.append("speed")
+    if args.stack_requests and not args.random_pair:
+        if clock.left() > STACK_WRITE_MIN_S:
+            save(record, args.out)  # what is measured so far stays, whatever happens to the services
+            gc.collect()  # the speed stage's engines (their graphs' pools): the services need that memory
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            try:
+                record["stack"] = stack(wide, args.target, record.get("speed"), prompts[:args.stack_requests],
+                                        args.speed_tokens, args.device, args.dtype, clock, skipped, work)
+            except Exception as e:  # noqa: BLE001 (the last, optional stage: its failure is recorded, not fatal)
+                record["stack"] = {"error": f"{type(e).__name__}: {e}"}
+            clock.lap("stack")
+        else:
+            skipped.append("stack")
     record["seconds"] = round(time.perf_counter() - clock.t0, 1)
     return record
 
@@ -309,6 +436,8 @@ def parse(argv: list[str] | None):
     p.add_argument("--check-dtype", default="float32")
     p.add_argument("--speed-prompts", type=int, default=4)
     p.add_argument("--speed-tokens", type=int, default=256)
+    p.add_argument("--stack-requests", type=int, default=0,
+                   help="batch-1 requests through the served stack, without and with the head (0: no stack stage)")
     p.add_argument("--deadline-s", type=float, help="skip the stages that would start after this many seconds")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -317,11 +446,15 @@ def parse(argv: list[str] | None):
     return args
 
 
+def save(record: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     record = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1))
+    save(record, args.out)
     print(json.dumps({k: record[k] for k in ("device", "skipped", "seconds") if k in record}
                      | {"speedups": record.get("speed", {}).get("speedups")}))
     return 0

@@ -24,6 +24,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """``encode`` of each text, the texts spread over the library's threads."""
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 

@@ -8,6 +8,8 @@ conversation, no generation prompt); any other file is one plain-text document. 
 
 Documents are split into training and held-out sets whole (by a hash of their text, so the split
 does not depend on the order the paths were given); a single document is split by its tokens.
+``sample_split`` tokenizes only a seeded sample of each split, enough for a token budget: a run that
+trains on a million tokens of a corpus of fifty million reads them all but tokenizes a few.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from pathlib import Path
 import torch
 
 ChatRenderer = Callable[[list[dict]], str]
+EncodeBatch = Callable[[list[str]], list[list[int]]]
+ENCODE_BATCH = 64  # documents per call of the batch encoder (the tokenizers library spreads them over threads)
 
 
 class CorpusError(ValueError):
@@ -40,7 +44,7 @@ class TokenSplit:
 
     train: torch.Tensor  # [N] int64
     heldout: torch.Tensor  # [M] int64
-    train_docs: int
+    train_docs: int  # documents tokenized (all of the split's, or a sample: see sample_split)
     heldout_docs: int
 
 
@@ -148,6 +152,47 @@ def tokenize_split(docs: list[Document], encode: Callable[[str], list[int]], sep
                       n_train, n_held)
 
 
+def sample_split(docs: list[Document], encode_batch: EncodeBatch, separator: int | None, vocab_size: int,
+                 heldout_fraction: float, train_tokens: int | None, heldout_tokens: int | None,
+                 seed: int) -> TokenSplit:
+    """``tokenize_split`` of a seeded sample: each split's documents (the same split, by hash) in a seeded
+    order, tokenized until the split has ``train_tokens`` (``heldout_tokens``) tokens; None: all of them,
+    in corpus order. One document is split by its tokens, whole."""
+    if len(docs) == 1:
+        return tokenize_split(docs, lambda text: encode_batch([text])[0], separator, vocab_size, heldout_fraction)
+    mask = heldout_mask(docs, heldout_fraction)
+    train, n_train = sampled_stream([d for d, m in zip(docs, mask) if not m], encode_batch, separator, vocab_size,
+                                    train_tokens, seed)
+    held, n_held = sampled_stream([d for d, m in zip(docs, mask) if m], encode_batch, separator, vocab_size,
+                                  heldout_tokens, seed + 1)
+    return TokenSplit(train, held, n_train, n_held)
+
+
+def sampled_stream(docs: list[Document], encode_batch: EncodeBatch, separator: int | None, vocab_size: int,
+                   budget: int | None, seed: int) -> tuple[torch.Tensor, int]:
+    """(the token stream [N] int64 of the first documents of a seeded order holding ``budget`` tokens, or of
+    every document in order when ``budget`` is None; how many documents that took)."""
+    order = list(range(len(docs)))
+    if budget is not None:
+        order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(seed)).tolist()
+    parts, total = [], 0
+    for start in range(0, len(order), ENCODE_BATCH):
+        chunk = [docs[i] for i in order[start:start + ENCODE_BATCH]]
+        for doc, ids in zip(chunk, encode_batch([d.text for d in chunk])):
+            if budget is not None and total >= budget:
+                break
+            part = torch.tensor(ids + ([separator] if separator is not None else []), dtype=torch.int64)
+            if part.numel() and not (0 <= int(part.min()) and int(part.max()) < vocab_size):
+                bad = next(t for t in part.tolist() if not 0 <= t < vocab_size)
+                raise CorpusError(f"{doc.source}: the tokenizer gives id {bad}, outside the target's vocabulary "
+                                  f"[0, {vocab_size}): the tokenizer does not belong to this target")
+            parts.append(part)
+            total += part.numel()
+        if budget is not None and total >= budget:
+            break
+    return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)), len(parts)
+
+
 def windows(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
     """[n, seq_len] non-overlapping windows of the stream (the tail shorter than a window dropped)."""
     n = tokens.numel() // seq_len
@@ -163,6 +208,15 @@ def draft_vocabulary(tokens: torch.Tensor, vocab_size: int, draft_vocab_size: in
     # Stable sort on -count keeps the lower id first among equal counts.
     order = torch.sort(-counts, stable=True).indices
     return order[:draft_vocab_size].sort().values
+
+
+def vocab_coverage(hot: torch.Tensor, tokens: torch.Tensor, vocab_size: int) -> float:
+    """The fraction of ``tokens`` that the draft vocabulary ``hot`` holds (what a draft can propose at all)."""
+    if tokens.numel() == 0:
+        return 0.0
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[hot] = True
+    return float(inside[tokens].float().mean())
 
 
 def vocab_maps(hot: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ batches are a function of (seed, step), the learning rate a function of the step
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -36,7 +37,8 @@ from shared.training.corpus import (
     CorpusError,
     draft_vocabulary,
     read_documents,
-    tokenize_split,
+    sample_split,
+    vocab_coverage,
     vocab_maps,
     windows,
 )
@@ -158,37 +160,88 @@ def target_fingerprint(target: LlamaForCausalLM) -> dict:
 
 
 # ---- data -----------------------------------------------------------------------------------------
-def prepare_data(cfg: TrainConfig, target: LlamaForCausalLM, render_chat: ChatRenderer | None) -> Data:
+VOCAB_TOKENS_PER_ID = 128  # the draft vocabulary is counted on at least this many training tokens per draft id
+HELDOUT_SPREAD = 32  # held-out tokens tokenized per token the evaluation reads (its prompts from many documents)
+
+
+class Phases:
+    """Wall seconds per named phase of a run (load, read, tokenize, ..., train), summed over its entries."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def as_dict(self) -> dict[str, float]:
+        return {f"{k}_s": round(v, 2) for k, v in self.seconds.items()}
+
+
+def token_budgets(cfg: TrainConfig, draft_vocab: int | None) -> tuple[int | None, int | None]:
+    """Tokens of the (training, held-out) split to tokenize: with ``--max-windows``, what the windows
+    and the draft vocabulary's counts need, and the held-out stream the evaluation reads times
+    ``HELDOUT_SPREAD``; without it, the whole corpus (None)."""
+    if cfg.max_windows is None:
+        return None, None
+    train = max(cfg.max_windows * cfg.seq_len, VOCAB_TOKENS_PER_ID * (draft_vocab or 0))
+    heldout = HELDOUT_SPREAD * max(cfg.eval_windows * cfg.seq_len, cfg.eval_prompts * cfg.eval_prompt_len)
+    return train, heldout
+
+
+def prepare_data(cfg: TrainConfig, target: LlamaForCausalLM, render_chat: ChatRenderer | None,
+                 phases: Phases | None = None) -> Data:
+    phases = phases or Phases()
     tok_dir = Path(cfg.target)
     if not (tok_dir / "tokenizer.json").exists():
         raise TrainError(f"--target: {tok_dir} has no tokenizer.json, so the corpus cannot be tokenized")
     tokenizer = Tokenizer(tok_dir)
-    docs = read_documents(cfg.corpus, render_chat)
-    if len(docs) == 1:
-        print(f"train-draft: one document: its last {cfg.heldout:.0%} of tokens are held out", file=sys.stderr)
-    eos = target.config.eos_token_ids[0] if target.config.eos_token_ids else None
-    split = tokenize_split(docs, tokenizer.encode, eos, target.config.vocab_size, cfg.heldout)
-    if split.heldout.numel() < 2:
-        raise CorpusError(f"corpus: the held-out split has {split.heldout.numel()} tokens; give more text")
-    hot = None
+    V = target.config.vocab_size
+    vd = None
     if cfg.kind == "eagle3":
-        V = target.config.vocab_size
         vd = cfg.draft_vocab or min(32000, V)
         if not 1 <= vd <= V:
             raise TrainError(f"--draft-vocab: {vd} is outside [1, {V}] (the target's vocabulary)")
-        hot = draft_vocabulary(split.train, V, vd)
-    info = {"train_docs": split.train_docs, "heldout_docs": split.heldout_docs,
+    with phases("read"):
+        docs = read_documents(cfg.corpus, render_chat)
+    if len(docs) == 1:
+        print(f"train-draft: one document: its last {cfg.heldout:.0%} of tokens are held out", file=sys.stderr)
+    eos = target.config.eos_token_ids[0] if target.config.eos_token_ids else None
+    train_budget, heldout_budget = token_budgets(cfg, vd)
+    with phases("tokenize"):
+        split = sample_split(docs, tokenizer.encode_batch, eos, V, cfg.heldout, train_budget, heldout_budget,
+                             cfg.seed)
+    if split.heldout.numel() < 2:
+        raise CorpusError(f"corpus: the held-out split has {split.heldout.numel()} tokens; give more text")
+    info = {"corpus_docs": len(docs), "train_docs": split.train_docs, "heldout_docs": split.heldout_docs,
             "train_tokens": split.train.numel(), "heldout_tokens": split.heldout.numel()}
-    wins = windows(split.train, cfg.seq_len)
-    if cfg.max_windows is not None and wins.shape[0] > cfg.max_windows:
-        keep = torch.randperm(wins.shape[0], generator=torch.Generator().manual_seed(cfg.seed))[:cfg.max_windows]
-        wins = wins[keep.sort().values]
+    hot = None
+    if vd is not None:
+        with phases("vocab"):
+            hot = draft_vocabulary(split.train, V, vd)
+            info["draft_vocab_heldout_coverage"] = round(vocab_coverage(hot, split.heldout, V), 4)
+    with phases("windows"):
+        wins = windows(split.train, cfg.seq_len)
+        if cfg.max_windows is not None and wins.shape[0] > cfg.max_windows:
+            keep = torch.randperm(wins.shape[0], generator=torch.Generator().manual_seed(cfg.seed))[:cfg.max_windows]
+            wins = wins[keep.sort().values]
     if cfg.regenerate:
-        wins = regenerate(target, wins, cfg.regenerate, cfg)
+        with phases("regenerate"):
+            wins = regenerate(target, wins, cfg.regenerate, cfg)
     return Data(windows=wins, heldout=split.heldout, hot=hot, info=info)
 
 
-REGENERATE_BATCH = {"cpu": 64, "cuda": 256}
+# Windows regenerated together. On CUDA the decode step is one captured graph of this batch size: the
+# step's device work at 512 rows of a small target is well under the host's bookkeeping per step, so fewer,
+# wider steps (512 rows x 128 tokens: 128 steps per batch) are what makes it fast.
+REGENERATE_BATCH = {"cpu": 64, "cuda": 512}
 
 
 def regenerate(target: LlamaForCausalLM, wins: torch.Tensor, n: int, cfg: TrainConfig) -> torch.Tensor:
@@ -199,8 +252,9 @@ def regenerate(target: LlamaForCausalLM, wins: torch.Tensor, n: int, cfg: TrainC
     from shared.sampling import SamplingParams
 
     T = wins.shape[1]
-    rows = REGENERATE_BATCH[target.lm_head.weight.device.type]
-    config = EngineConfig(device=cfg.device, dtype=cfg.dtype, max_running=rows, max_context=T + 1, chunk_size=None)
+    rows = min(REGENERATE_BATCH[target.lm_head.weight.device.type], wins.shape[0])
+    config = EngineConfig(device=cfg.device, dtype=cfg.dtype, max_running=rows, max_context=T + 1, chunk_size=None,
+                          cuda_graph=True, cuda_graph_phases=("decode",), cuda_graph_max_bs=rows)
     engine = Engine(target, config=config)
     params = SamplingParams(max_new_tokens=n, ignore_eos=True)
     out = wins.clone()
@@ -273,11 +327,17 @@ class Trainer:
         self.cfg = cfg
         self.out = Path(cfg.out)
         self.state_dir = self.out / STATE_DIR
-        self.target, self.target_hf = load_checked_target(cfg)
+        self.phases = Phases()  # wall seconds of load, data preparation, training and evaluation
+        with self.phases("load"):
+            self.target, self.target_hf = load_checked_target(cfg)
         self.device = self.target.lm_head.weight.device
         self.fingerprint = target_fingerprint(self.target)
         saved = self._load_state() if cfg.resume else None
-        self.data = self._load_data() if saved is not None else prepare_data(cfg, self.target, render_chat)
+        if saved is not None:
+            with self.phases("read_saved_data"):
+                self.data = self._load_data()
+        else:
+            self.data = prepare_data(cfg, self.target, render_chat, self.phases)
         num_layers = cfg.ttt_steps if cfg.kind == "mtp" else 1
         vd = None if self.data.hot is None else self.data.hot.numel()
         self.head_cfg = head_config(cfg.kind, self.target_hf, num_layers, vd)
@@ -333,6 +393,10 @@ class Trainer:
 
     def save(self) -> None:
         """The head in its public format, then the training state (each file replaced atomically)."""
+        with self.phases("save"):
+            self._save()
+
+    def _save(self) -> None:
         write_head(self.out, self.head_cfg, self.head, self.t2d, parse_dtype(self.cfg.dtype))
         self.state_dir.mkdir(parents=True, exist_ok=True)
         data = self.state_dir / "data.pt"
@@ -367,6 +431,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Write the head, measure its acceptance in the engine and its objective on held-out text."""
+        t0 = time.perf_counter()
         cfg = self.cfg
         write_head(self.out, self.head_cfg, self.head, self.t2d, parse_dtype(cfg.dtype))
         prompts = heldout_prompts(self.data.heldout, cfg.eval_prompts, cfg.eval_prompt_len)
@@ -385,6 +450,8 @@ class Trainer:
             accuracy = obj.accuracy()
             rec.update(heldout_loss=round(float(obj.loss), 4), heldout_accuracy=[round(a, 4) for a in accuracy],
                        est_accept_length=round(chain_estimate(accuracy[:cfg.spec_steps]), 4))
+        rec["seconds"] = round(time.perf_counter() - t0, 2)
+        self.phases.add("eval", rec["seconds"])
         return rec
 
     def run(self) -> dict:
@@ -397,7 +464,8 @@ class Trainer:
                 evals.append(self._record(self.evaluate(), progress))
             save_every = cfg.save_every or cfg.eval_every
             while self.step < cfg.steps and not self._out_of_time(t0):
-                rec = self.train_step()
+                with self.phases("train"):
+                    rec = self.train_step()
                 progress.step(self.step - 1, rec["loss"], rec["accuracy"][0])
                 if self.step % cfg.log_every == 0:
                     self.log.append(rec)
@@ -411,7 +479,8 @@ class Trainer:
             progress.close()
         return {"out": str(self.out), "kind": cfg.kind, "steps": self.step, "ttt_steps": cfg.ttt_steps,
                 "draft_vocab_size": None if self.data.hot is None else self.data.hot.numel(), **self.data.info,
-                "seconds": round(time.perf_counter() - t0, 2), "evals": evals, "settings": asdict(cfg)}
+                "seconds": round(time.perf_counter() - t0, 2), "phases": self.phases.as_dict(), "evals": evals,
+                "settings": asdict(cfg)}
 
     def _out_of_time(self, t0: float) -> bool:
         return self.cfg.time_budget_s is not None and time.perf_counter() - t0 >= self.cfg.time_budget_s

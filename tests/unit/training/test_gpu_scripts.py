@@ -21,10 +21,10 @@ from shared.sampling import SamplingParams
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def run_script(script: str, out: Path, *flags: str) -> subprocess.CompletedProcess:
+def run_script(script: str, out: Path, *flags: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OUT": str(out), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run(["bash", str(ROOT / "bench" / "house" / script), *flags], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=timeout_s)
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +76,11 @@ def test_tiny_pair_from_the_tar_is_lossless_and_accepts_as_recorded(tiny_pair, t
 
 @pytest.mark.slow
 def test_house_scripts_cpu_forms_train_measure_and_retime(tmp_path):
-    """gpu_house.sh --smoke: target, head, acceptance grid, widening exactness, batch-1 speed; then
-    gpu_house_speed.sh re-times a random pair and reads the first run's accept lengths (~1 min here)."""
+    """gpu_house.sh --smoke: target, head, acceptance grid, widening exactness, batch-1 speed, the served
+    stack without and with the head; then gpu_house_speed.sh re-times a random pair and reads the first
+    run's accept lengths (~4 min here: the two stacks start six service processes)."""
     out = tmp_path / "house"
-    done = run_script("gpu_house.sh", out, "--smoke")
+    done = run_script("gpu_house.sh", out, "--smoke", timeout_s=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     files = sorted(p.name for p in out.iterdir())
     assert files == ["head.json", "head.log", "house.json", "measure.json", "measure.log", "summary.txt",
@@ -100,6 +101,16 @@ def test_house_scripts_cpu_forms_train_measure_and_retime(tmp_path):
         r = rows[s["config"]]
         assert s["formula"] == pytest.approx(r["accept_length"] * rows["plain"]["decode_step_s"] / r["iteration_s"],
                                              rel=1e-2)
+    served = m["stack"]["rows"]
+    fastest = max(m["speed"]["rows"][1:], key=lambda r: r["tok_per_s"])["config"]
+    assert [r["config"] for r in served] == ["plain", fastest]  # the head served in the speed stage's fastest
+    assert all(r["completed"] == 1 and r["failed"] == 0 and r["output_tokens"] == 8 for r in served)
+    assert m["stack"]["speedup"] == pytest.approx(served[1]["output_tok_s"] / served[0]["output_tok_s"], rel=1e-3)
+    assert set(m["stages"]) == {"load_s", "acceptance_s", "widen_s", "exactness_s", "speed_s", "stack_s"}
+    summary = (out / "summary.txt").read_text()
+    head_phases = json.loads((out / "head.json").read_text())["phases"]
+    assert "head: " + ", ".join(f"{k} {v}" for k, v in head_phases.items()) in summary
+    assert "measure: load_s" in summary and "skipped: none" in summary
     speed_out = tmp_path / "speed"
     done = run_script("gpu_house_speed.sh", speed_out, str(out / "measure.json"), "--smoke")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
