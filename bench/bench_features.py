@@ -76,7 +76,7 @@ def timer_ms(fn, iters: int, warmup: int, calls: int) -> float:
 
 def room(args, spec: SpecConfig) -> int:
     """Positions a request may grow by while timed (every step commits at most steps + 1 tokens)."""
-    return 24 + args.iter_calls * (args.iter_iters + 2) * (spec.steps + 1)
+    return 24 + (args.iter_calls * args.iter_iters + args.iter_warmup) * (spec.steps + 1)
 
 
 def start_requests(engine: Engine, batch: int, mode: str, sampled: bool, args) -> list:
@@ -104,7 +104,7 @@ def time_mode(engine: Engine, batch: int, mode: str, sampled: bool, args) -> flo
     loop runs them; the requests are aborted afterwards."""
     w = engine.speculator
     reqs = start_requests(engine, batch, mode, sampled, args)
-    ms = timer_ms(lambda: w.decode_step(reqs), iters=args.iter_iters, warmup=2, calls=args.iter_calls)
+    ms = timer_ms(lambda: w.decode_step(reqs), iters=args.iter_iters, warmup=args.iter_warmup, calls=args.iter_calls)
     assert all(r.finish_reason is None for r in reqs), "a request ran out of room while timed"
     for r in reqs:
         engine.abort(r.rid)
@@ -146,12 +146,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--iter-iters", type=int, default=7, help="timed repetitions of the iteration")
     ap.add_argument("--iter-calls", type=int, default=10, help="decode steps per timed repetition")
+    ap.add_argument("--iter-warmup", type=int, default=2, help="decode steps before the timed ones")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny model on the CPU, short prompts, few steps: checks the script, times nothing real")
     args = ap.parse_args(argv)
     args.device, args.dtype = ("cpu", "float32") if args.dry_run else ("cuda", "bfloat16")
     if args.dry_run:
-        args.batches, args.prompt_len, args.iter_iters, args.iter_calls = "1,3", 24, 2, 2
+        args.batches, args.prompt_len, args.iter_iters, args.iter_calls, args.iter_warmup = "1,2", 24, 1, 2, 1
     args.modes = ["plain"] + [m for m in args.modes.split(",") if m != "plain"]
     unknown = [m for m in args.modes if m not in MODES] + [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
@@ -161,18 +162,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.dry_run:
+        torch.set_num_threads(1)  # a tiny model: as fast on one thread, and steadier on a shared CPU
     torch.manual_seed(0)
     t0 = time.time()
     target, draft = build(args)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    shapes = args.shapes.split(",")
     settings = {"device": device, "model": "tiny" if args.dry_run else "llama3-8b-shape", "dtype": args.dtype,
-                "draft": "eagle3 (random weights)", "shapes": {s: SHAPES[s].model_dump() for s in args.shapes.split(",")},
-                "cuda_graph": True, "prompt_len": args.prompt_len, "temperature": TEMPERATURE, "modes": args.modes,
-                "penalised": penalised_params(True, 0).model_dump(exclude={"seed"}),
+                "draft": "eagle3 (random weights)", "shapes": {s: SHAPES[s].model_dump() for s in shapes},
+                "cuda_graph": True, "prompt_len": args.prompt_len,
+                "modes": {m: MODES[m](True, 0).model_dump(exclude={"seed"}, exclude_defaults=True) for m in args.modes},
                 "iter_iters": args.iter_iters, "iter_calls": args.iter_calls, "torch": torch.__version__}
     print("settings " + " ".join(f"{k}={v}" for k, v in settings.items()), flush=True)
     results = {"settings": settings, "iteration": []}
-    for shape in args.shapes.split(","):
+    for shape in shapes:
         for batch in [int(b) for b in args.batches.split(",")]:
             for row in bench_batch(target, draft, args, shape, batch):
                 results["iteration"].append(row)

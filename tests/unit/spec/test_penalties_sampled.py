@@ -27,7 +27,6 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import shared.logits_process as lp
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
 from shared.logits_process import logits_rows, process_logits
