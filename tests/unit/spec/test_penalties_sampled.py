@@ -3,8 +3,8 @@
 The trained tiny pair (``models/tiny-pair``: its EAGLE-3 head is accepted often, so a verify commits
 several tokens and the later ones are drawn from deeper tree nodes' logits) samples the first DEPTH
 output tokens of a prompt that repeats itself, with temperature, presence, frequency and repetition
-penalties, min_p and logit_bias all on. The committed sequences of 2000 seeded requests, for an
-EAGLE-3 chain, an EAGLE-3 tree and the target alone, must follow the exact law of target-only
+penalties, min_p and logit_bias all on. The committed sequences of 1500 seeded requests, for an
+EAGLE-3 chain, an EAGLE-3 tree and the target alone (``slow``), must follow the exact law of target-only
 sampling with the same parameters, computed independently: ``transformers`` runs the same checkpoint,
 and ``reference_probs`` applies the documented penalties (vLLM's meanings) in plain Python.
 
@@ -16,7 +16,8 @@ one test at P_MIN (Bonferroni). The second output token onwards depends on the o
 each node is penalised with its own path's tokens.
 
 Negative control: the classic bug (every tree node penalised with the counts of the committed tokens
-only, ``_tree_prefix`` skipped) must fail the same test.
+only, ``_tree_prefix`` skipped) must fail the same test. About a minute on an idle 2-core CPU, the
+law's ``transformers`` forwards included; the ``gpu`` variants run the Triton acceptance kernels.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from shared.sampling import SamplingParams, target_probs
 
 P_MIN = 1e-3
 DEPTH = 4  # output tokens compared: the first from prefill, the next three from speculative verification
-N = 1000  # seeded requests per run
-BATCH = 500
+N = 1500  # seeded requests per run
+BATCH = 500  # requests per engine batch
 PROMPT_TEXT = "import os\nimport sys\nimport re\nimport "
 FEATURES = dict(temperature=1.5, presence_penalty=1.0, frequency_penalty=2.0, repetition_penalty=1.3, min_p=0.05)
 SPECS = {"chain": SpecConfig(topk=1, steps=3, num_draft_tokens=4), "tree": SpecConfig(topk=2, steps=3,
@@ -148,10 +149,10 @@ def chi_square_p(observed: Counter, cells: dict[tuple, float], n: int) -> float:
     return float(chisquare(obs, [e * scale for e in exp]).pvalue)
 
 
-def sample(pair, prompt: list[int], params: SamplingParams, shape: str | None) -> list:
+def sample(pair, prompt: list[int], params: SamplingParams, shape: str | None, **cfg) -> list:
     """N seeded requests (seed i for request i) on an engine with the ``shape`` tree (None: target only)."""
     config = EngineConfig(page_size=4, max_running=BATCH, max_context=64, chunk_size=None,
-                          spec=SPECS[shape] if shape else None)
+                          spec=SPECS[shape] if shape else None, **cfg)
     engine = Engine(pair.target, pair.eagle3 if shape else None, config)
     out = []
     for start in range(0, N, BATCH):
@@ -166,3 +167,42 @@ def pvalues(results: list, law: list[dict[tuple, float]]) -> dict[int, float]:
     seqs = [tuple(r.token_ids) for r in results]
     assert all(len(s) == DEPTH for s in seqs)
     return {k: chi_square_p(Counter(s[:k] for s in seqs), law[k - 1], len(seqs)) for k in range(1, DEPTH + 1)}
+
+
+def accepted_runs(results: list) -> int:
+    """Requests that accepted two drafts or more: their tokens 3 and 4 came from nodes below the root."""
+    return sum(r.spec_stats["accepted_drafts"] >= 2 for r in results)
+
+
+@pytest.mark.parametrize("shape", [*SPECS, pytest.param(None, marks=pytest.mark.slow, id="target-only")])
+def test_sampled_output_with_penalties_follows_the_target_only_law(pair, prompt, params, law, shape):
+    results = sample(pair, prompt, params, shape)
+    p = pvalues(results, law)
+    print(f"{shape}: chi-square p of the first k tokens " + ", ".join(f"k={k} {v:.3g}" for k, v in p.items())
+          + (f"; {accepted_runs(results)} requests accepted two drafts or more" if shape else ""))
+    assert min(p.values()) * DEPTH > P_MIN, p
+    if shape is not None:
+        assert accepted_runs(results) > N / 10, "few tokens were drawn below the root: the test proves little"
+
+
+def test_negative_control_penalising_every_node_with_the_committed_counts_fails(pair, prompt, params, law,
+                                                                               monkeypatch):
+    """Every tree node penalised as if its path were not there (the counts of the committed tokens only):
+    the same test rejects it."""
+    import shared.logits_process as lp
+
+    monkeypatch.setattr(lp, "_tree_prefix", lambda out, *rest: out)
+    p = pvalues(sample(pair, prompt, params, "tree"), law)
+    print(f"tree without the nodes' own prefixes: chi-square p {p}")
+    assert min(p.values()) * DEPTH < P_MIN, p
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(SPECS))
+def test_sampled_output_with_penalties_follows_the_target_only_law_on_the_gpu(pair, prompt, params, law, shape):
+    """The same on CUDA: the Triton acceptance kernels, graphs on (a penalised batch verifies eagerly)."""
+    results = sample(pair, prompt, params, shape, device="cuda", cuda_graph=True)
+    p = pvalues(results, law)
+    print(f"{shape} on the GPU: chi-square p " + ", ".join(f"k={k} {v:.3g}" for k, v in p.items()))
+    assert min(p.values()) * DEPTH > P_MIN, p
+    assert accepted_runs(results) > N / 10
