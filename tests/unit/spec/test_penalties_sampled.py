@@ -40,6 +40,7 @@ N = 1500  # seeded requests per run
 BATCH = 500  # requests per engine batch
 PROMPT_TEXT = "import os\nimport sys\nimport re\nimport "
 FEATURES = dict(temperature=1.5, presence_penalty=1.0, frequency_penalty=2.0, repetition_penalty=1.3, min_p=0.05)
+LOGIT_BIAS = ((1054, -1.5), (492, 1.0))  # the pair's favourite first token down, a frequent fourth one up
 SPECS = {"chain": SpecConfig(topk=1, steps=3, num_draft_tokens=4), "tree": SpecConfig(topk=2, steps=3,
                                                                                         num_draft_tokens=6)}
 
@@ -94,11 +95,8 @@ def prompt(pair) -> list[int]:
 
 @pytest.fixture(scope="module")
 def params() -> SamplingParams:
-    """Every feature on; the biases move the first token's mass (one favourite down, another up)."""
+    """Every feature on."""
     return SamplingParams(**FEATURES, logit_bias=LOGIT_BIAS, max_new_tokens=DEPTH, ignore_eos=True)
-
-
-LOGIT_BIAS = ((1054, -1.5), (492, 1.0))
 
 
 @pytest.fixture(scope="module")
