@@ -11,6 +11,7 @@
 #   bench/gpu_session.sh spec-grid  # every speculative phase, graph and eager, batch 1..64 x context 1k..8k
 #   bench/gpu_session.sh attention  # paged decode / extend / verify attention vs copy bandwidth and SDPA
 #   bench/gpu_session.sh serving    # the stack vs the single-process engine, 8B shape (bench/bench_serving.py)
+#   bench/gpu_session.sh features   # a penalised EAGLE-3 iteration vs a plain one, batch 1 and 32 (bench_features.py)
 #
 # Several stages in one call run in the order given. Python packages the GPU image lacks come from
 # ./.whl (../shared/tools/gpu-wheels.sh on the CPU machine; carry .whl with the call).
@@ -55,6 +56,9 @@ for stage in "$@"; do
     decode)
       run decode 570 python3 bench/bench_decode.py --batches 1 --contexts 1024 --draft eagle3 --verify-ns 8 \
         --out "$OUT/spec_eagle3.json"
+      ;;
+    features)
+      run features 570 python3 bench/bench_features.py --out "$OUT/features.json"
       ;;
     spec-grid)
       run spec_grid 570 python3 bench/bench_decode.py --skip-decode --batches 1,8,32,64 --contexts 1024,4096,8192 \
