@@ -125,13 +125,18 @@ def write_sharded(out: Path, cfg: dict, state: dict[str, torch.Tensor], dtype: t
     weight_map, total = {}, 0
     for k, names in enumerate(shards, 1):
         file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {n: (state[n].to(dtype) if state[n].is_floating_point() else state[n]).contiguous() for n in names}
+        tensors = {n: state[n].contiguous() for n in names}
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(names, file))
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}, indent=1))
     return total
+
+
+def as_dtype(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating tensors in the written dtype before widening (the norms' rescaling rounds in it)."""
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
 
 def widen_tiny(pair: Path, out: Path, shape: Shape, vocab_size: int, dtype: torch.dtype, shard_bytes: int,
@@ -146,7 +151,7 @@ def widen_tiny(pair: Path, out: Path, shape: Shape, vocab_size: int, dtype: torc
               "padding": padding_exactness(logits, vocab_size, filler)}
     log(f"widen_tiny: filler id {filler}; zero rows would win {record['padding']['zero_rows_greedy_wins']:.2%} "
         f"of {logits.shape[0]} held-out argmaxes")
-    state, cfg = pad_vocab_target(read_state_dict(small_t), tcfg, vocab_size, filler)
+    state, cfg = pad_vocab_target(as_dtype(read_state_dict(small_t), dtype), tcfg, vocab_size, filler)
     wide, wcfg, plan = widen_target(state, cfg, shape)
     del state
     record["target_bytes"] = write_sharded(out / "target", wcfg, wide, dtype, shard_bytes)
@@ -154,7 +159,7 @@ def widen_tiny(pair: Path, out: Path, shape: Shape, vocab_size: int, dtype: torc
     for name in TOKENIZER_FILES:
         shutil.copy(small_t / name, out / "target" / name)
     pad_tokenizer(out / "target" / "tokenizer.json", vocab_size)
-    hstate, hcfg2 = pad_vocab_eagle3(read_state_dict(small_h), hcfg, vocab_size)
+    hstate, hcfg2 = pad_vocab_eagle3(as_dtype(read_state_dict(small_h), dtype), hcfg, vocab_size)
     dstate, dcfg = widen_eagle3(hstate, hcfg2, tcfg, shape)
     write_sharded(out / "eagle3", dcfg, dstate, dtype, shard_bytes)
     with open(out / "heldout.jsonl", "w") as f:
@@ -183,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--shard-gb", type=float, default=4.0)
     p.add_argument("--check", type=int, default=0, help="held-out prompts to compare the small and wide pair on")
+    p.add_argument("--check-tokens", type=int, default=32, help="new tokens per prompt of --check")
     p.add_argument("--check-device", default="cpu")
     p.add_argument("--record", type=Path, help="also write the record here (default OUT/widen.json)")
     args = p.parse_args(argv)
@@ -196,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
         prompts = check_prompts(args.pair / "target", texts, args.check, 64)
         small, wide = (args.pair / "target", args.pair / "eagle3"), (args.out / "target", args.out / "eagle3")
-        record["check"] = check(small, wide, prompts, steps=3, new_tokens=32, device=args.check_device,
+        record["check"] = check(small, wide, prompts, steps=3, new_tokens=args.check_tokens, device=args.check_device,
                                 dtype="float32")
     text = json.dumps(record, indent=1)
     (args.record or args.out / "widen.json").write_text(text)
