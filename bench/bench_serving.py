@@ -267,6 +267,9 @@ def engine_worker(plan_path: str, result_path: str) -> int:
         result["points"].append({**summarize(p, records), **spec_delta(before, spec_counters(engine))})
         print(format_point("engine", result["points"][-1]), file=sys.stderr, flush=True)
         write_json(result_path, result)
+    if engine.spec_policy is not None:  # what the policy measured: seconds per step kind and batch bucket
+        measured = getattr(engine.spec_policy.cost, "seconds", {})
+        result["policy_step_s"] = {f"{k}/{b}": s for (k, b), s in sorted(measured.items())}
     write_json(result_path, result)
     return 0
 
