@@ -13,7 +13,18 @@
 # adaptive.log (7 files); the table is printed at the end.
 set -uo pipefail
 OUT=${OUT:-out/adaptive}
-WORK=${WORK:-$(mktemp -d /tmp/adaptive-XXXX)}
+# The widened pair (~16 GB) goes to memory when /dev/shm has room: four engines load it, and a slow disk
+# would spend a minute writing it.
+if [[ -z ${WORK:-} ]]; then
+  shm_kb=$(df -k --output=avail /dev/shm 2>/dev/null | tail -n 1)
+  if [[ ${shm_kb:-0} =~ ^[0-9]+$ && ${shm_kb:-0} -gt $((40 << 20)) ]]; then
+    WORK=$(mktemp -d /dev/shm/adaptive-XXXX)
+  else
+    WORK=$(mktemp -d /tmp/adaptive-XXXX)
+  fi
+  trap 'rm -rf "$WORK"' EXIT  # ours: freed at the end (memory, when under /dev/shm)
+fi
+echo "gpu_adaptive: work directory $WORK" >&2
 mkdir -p "$OUT" "$WORK"
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

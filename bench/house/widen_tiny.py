@@ -27,12 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import struct
 import sys
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from bench.house.tiny_pair import HELDOUT_PACKAGES
 from bench.house.train_target import read_package
@@ -54,6 +54,8 @@ from shared.training.widen import (
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA3_VOCAB = 128256
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64",
+                      torch.int32: "I32", torch.bool: "BOOL"}
 
 
 def log(line: str) -> None:
@@ -114,6 +116,28 @@ def padding_exactness(logits: torch.Tensor, vocab_size: int, filler: int, temper
 
 
 # ---- writing -------------------------------------------------------------------------------------
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A safetensors file whose all-zero tensors are holes: most of a widened model is zeros (identity
+    layers, padding), and a sparse file skips writing them while reading them back as zeros."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset,
+                                                                                                       offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        base = f.tell()
+        for name, t in tensors.items():
+            if t.numel() and bool(t.any()):
+                f.seek(base + header[name]["data_offsets"][0])
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        f.truncate(base + offset)
+
+
 def write_sharded(out: Path, cfg: dict, state: dict[str, torch.Tensor], dtype: torch.dtype,
                   shard_bytes: int) -> int:
     """``model-0000k-of-0000n.safetensors`` and their index, as the public checkpoints; returns bytes written."""
@@ -126,7 +150,7 @@ def write_sharded(out: Path, cfg: dict, state: dict[str, torch.Tensor], dtype: t
     for k, names in enumerate(shards, 1):
         file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
         tensors = {n: state[n].contiguous() for n in names}
-        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        write_safetensors(out / file, tensors, {"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(names, file))
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
@@ -151,11 +175,17 @@ def widen_tiny(pair: Path, out: Path, shape: Shape, vocab_size: int, dtype: torc
               "padding": padding_exactness(logits, vocab_size, filler)}
     log(f"widen_tiny: filler id {filler}; zero rows would win {record['padding']['zero_rows_greedy_wins']:.2%} "
         f"of {logits.shape[0]} held-out argmaxes")
+    t1 = time.perf_counter()
     state, cfg = pad_vocab_target(as_dtype(read_state_dict(small_t), dtype), tcfg, vocab_size, filler)
     wide, wcfg, plan = widen_target(state, cfg, shape)
     del state
+    t2 = time.perf_counter()
     record["target_bytes"] = write_sharded(out / "target", wcfg, wide, dtype, shard_bytes)
     del wide
+    t3 = time.perf_counter()
+    record["phase_s"] = {"padding_check": round(t1 - t0, 2), "widen": round(t2 - t1, 2), "write": round(t3 - t2, 2)}
+    log(f"widen_tiny: target widened in {t2 - t1:.1f} s, {record['target_bytes'] / 1e9:.1f} GB written in "
+        f"{t3 - t2:.1f} s")
     for name in TOKENIZER_FILES:
         shutil.copy(small_t / name, out / "target" / name)
     pad_tokenizer(out / "target" / "tokenizer.json", vocab_size)

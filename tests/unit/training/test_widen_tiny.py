@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
-from bench.house.widen_tiny import padding_exactness, pick_filler
+from bench.house.widen_tiny import padding_exactness, pick_filler, write_safetensors
 from shared.model.tokenizer import Tokenizer
 from shared.training.widen import WidenError, pad_vocab_eagle3, pad_vocab_target
 
@@ -63,6 +64,20 @@ def test_padding_record_counts_where_zero_rows_would_win():
     assert rec["zero_rows_greedy_wins"] == pytest.approx(0.4) and rec["copy_rows_greedy_wins"] == 0.0
     assert rec["zero_rows_sampled_mass_t1"]["max"] > 0.9  # 1000 ids at logit 0 over 6 at -1
     assert rec["copy_rows_sampled_mass_t1"]["max"] < 1e-6
+
+
+def test_safetensors_writer_round_trips_and_leaves_zero_tensors_unwritten(tmp_path):
+    tensors = {"w": torch.randn(3, 5).bfloat16(), "zeros": torch.zeros(1024, 1024, dtype=torch.bfloat16),
+               "mask": torch.tensor([True, False, True]), "ids": torch.arange(7), "f": torch.randn(2, 3),
+               "empty": torch.zeros(0, 4)}
+    path = tmp_path / "x.safetensors"
+    write_safetensors(path, tensors, {"format": "pt"})
+    with safe_open(str(path), framework="pt") as f:
+        assert sorted(f.keys()) == sorted(tensors)
+        for k in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            assert torch.equal(f.get_tensor(k), tensors[k]), k
+    st = path.stat()
+    assert st.st_size > 2 << 20 and st.st_blocks * 512 < 1 << 20  # the 2 MiB of zeros are a hole
 
 
 def test_widened_tiny_pair_decodes_the_same_tokens_with_the_same_acceptance(tmp_path):
