@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=LLAMA3_VOCAB)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--shard-gb", type=float, default=4.0)
+    p.add_argument("--heldout-bytes", type=int, default=400_000, help="held-out text read per package")
     p.add_argument("--check", type=int, default=0, help="held-out prompts to compare the small and wide pair on")
     p.add_argument("--check-tokens", type=int, default=32, help="new tokens per prompt of --check")
     p.add_argument("--check-device", default="cpu")
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     shape = Shape(args.num_hidden_layers, args.hidden_size, args.intermediate_size, args.num_attention_heads,
                   args.num_key_value_heads)
-    texts = heldout_texts()
+    texts = heldout_texts(args.heldout_bytes)
     record = widen_tiny(args.pair, args.out, shape, args.vocab, getattr(torch, args.dtype),
                         int(args.shard_gb * (1 << 30)), texts)
     if args.check:

@@ -11,7 +11,10 @@ Both choices are lossless: a plain step's token is the target's, and its feature
 draft (``Engine``), so the next speculative step resumes from a complete draft state.
 
 Acceptance decays (``decay`` per verify step) so it follows the traffic; while not speculating the
-policy speculates once every ``probe_every`` steps to keep it current. Step costs come from a
+policy speculates once every ``probe_every`` steps to keep it current, and each probe whose observed
+acceptance still leaves plain steps faster doubles that interval (up to ``max_probe_every``): a probe
+where speculation is far dearer (a head nobody accepts, a large batch) costs several plain steps, and
+probing at a fixed rate would cost up to a tenth of the throughput there. Step costs come from a
 ``StepCost``: ``MeasuredCost`` times the engine's own steps (an average per batch-size bucket; a
 bucket not yet timed is tried), or any object with the two methods (the tests inject one).
 """
@@ -62,6 +65,7 @@ class Acceptance:
     decay: float = 0.98
     drafts: float = 0.0
     reached: list[float] = field(default_factory=list)  # [steps] decayed drafts accepted up to position i
+    observations: int = 0  # verify steps observed
 
     def __post_init__(self):
         self.reached = self.reached or [0.0] * self.steps
@@ -70,6 +74,7 @@ class Acceptance:
         """One verify step: per request, the nodes accepted, root included (>= 1)."""
         self.drafts *= self.decay
         self.reached = [r * self.decay for r in self.reached]
+        self.observations += 1
         for n in verified:
             self.drafts += 1
             for pos in range(min(n - 1, self.steps)):
@@ -82,6 +87,7 @@ class Acceptance:
             return
         self.drafts = self.drafts * self.decay + drafts
         self.reached = [r * self.decay + n for r, n in zip(self.reached, reached)]
+        self.observations += 1
 
     def expected_tokens(self) -> float | None:
         """Tokens a speculative step commits per request (bonus included); None before any draft."""
@@ -95,7 +101,10 @@ class SpecPolicy:
     kind: str  # "fixed" or "adaptive"
     acceptance: Acceptance
     cost: StepCost
-    probe_every: int = 16  # plain steps between two speculative probes of the acceptance
+    probe_every: int = 16  # plain steps between two speculative probes of the acceptance ...
+    max_probe_every: int = 512  # ... doubled after each probe that found plain steps still faster, up to this
+    probe_interval: int = 0  # plain steps before the next probe (0: probe_every)
+    probe_seen_at: int | None = None  # acceptance.observations when the last probe was chosen (None: none pending)
     plain_run: int = 0  # plain steps since the last speculative one
     choices: dict[str, int] = field(default_factory=lambda: {"spec": 0, "plain": 0})
 
@@ -120,5 +129,12 @@ class SpecPolicy:
         if decode_s is None:
             return False  # then a plain step, once, to know what it costs
         if tokens * decode_s > spec_s:
+            self.probe_interval, self.probe_seen_at = 0, None
             return True
-        return self.plain_run + 1 >= self.probe_every  # keep the acceptance current
+        if self.probe_seen_at is not None and self.acceptance.observations > self.probe_seen_at:
+            self.probe_interval = min(2 * (self.probe_interval or self.probe_every), self.max_probe_every)
+            self.probe_seen_at = None  # the probe was observed, and plain steps are still faster
+        if self.plain_run + 1 < (self.probe_interval or self.probe_every):
+            return False
+        self.probe_seen_at = self.acceptance.observations  # keep the acceptance current
+        return True

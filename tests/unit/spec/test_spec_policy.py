@@ -141,3 +141,33 @@ def test_sampled_tokens_keep_the_target_distribution_with_the_policy_switching(o
     dof = len(keys) - 1
     p_value = 1 - float(torch.special.gammainc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
     assert p_value > 1e-3, (stat, dof)
+
+
+# ---- the dry run: the policy against the better of plain and always-speculate, costs injected ----------------
+RECORDED = TableCost(decode=lambda b: 0.0065 + 0.000178 * b, spec=lambda b: 0.0085 + 0.00065 * b)  # ~ the 8B grid
+ACCEPTED = {"none": [1], "half": [3, 2, 2, 3, 2], "full": [4]}  # verified nodes per draft (E = 1, 2.4, 4)
+
+
+def dry_run(kind: str, cost: TableCost, batch: int, verified: list[int], steps: int = 1024) -> float:
+    """Output tokens per second of ``steps`` decode steps of ``batch`` requests whose drafts are verified as
+    ``verified`` (cycled), each step costing what ``cost`` says; the policy starts knowing nothing."""
+    p = SpecPolicy(kind, Acceptance(3), cost)
+    seconds = tokens = 0.0
+    for _ in range(steps):
+        if p.speculate(batch):
+            nodes = [verified[(i + p.choices["spec"]) % len(verified)] for i in range(batch)]
+            p.acceptance.observe(nodes)
+            seconds, tokens = seconds + cost.spec_s(batch), tokens + sum(nodes)
+        else:
+            seconds, tokens = seconds + cost.decode_s(batch), tokens + batch
+    return tokens / seconds
+
+
+@pytest.mark.parametrize("cost", [GRID, RECORDED], ids=["grid", "recorded"])
+@pytest.mark.parametrize("accepted", sorted(ACCEPTED))
+def test_adaptive_keeps_95_percent_of_the_better_of_plain_and_fixed_at_every_batch(cost, accepted):
+    for batch in (1, 8, 32, 64):
+        plain = batch / cost.decode_s(batch)
+        fixed = dry_run("fixed", cost, batch, ACCEPTED[accepted])
+        adaptive = dry_run("adaptive", cost, batch, ACCEPTED[accepted])
+        assert adaptive >= 0.95 * max(plain, fixed), (batch, adaptive / max(plain, fixed))
