@@ -34,14 +34,14 @@ FIXED = {"plain": ["--draft", "none"],
          "chain3": ["--spec-topk", "1", "--spec-steps", "3", "--spec-draft-tokens", "4"],
          "tree": ["--spec-topk", "4", "--spec-steps", "4", "--spec-draft-tokens", "8"]}
 # The sweep runs in this order (a run cut off by its deadline loses its last points); the table is sorted.
-GPU = dict(shape=[], heldout_bytes=400_000, vocab=128256, dtype="bfloat16", sweep="1,64,8,32", fixed="256:128", point_seconds=12.0,
-           deadline_s=540.0, serving=[])
+GPU = dict(shape=[], heldout_bytes=400_000, vocab=128256, dtype="bfloat16", sweep="1,64,8,32", fixed="256:128",
+           point_seconds=12.0, deadline_s=540.0, serving=[])
 # The CPU form: the vocabulary widened and one identity layer added (tests/unit/training/test_widen_tiny.py
 # checks a wider shape), little held-out text, two points.
 SMOKE = dict(shape=["--hidden", "256", "--layers", "5", "--intermediate", "640", "--heads", "2", "--kv-heads",
                     "1"],
-             heldout_bytes=40_000, vocab=4096, dtype="float32", sweep="1,2", fixed="24:8", point_seconds=10.0, deadline_s=300.0,
-             serving=["--smoke", "--waves", "1", "--min-requests", "2"])
+             heldout_bytes=40_000, vocab=4096, dtype="float32", sweep="1,2", fixed="24:8", point_seconds=10.0,
+             deadline_s=300.0, serving=["--smoke", "--waves", "1", "--min-requests", "2"])
 
 
 def log(line: str) -> None:
