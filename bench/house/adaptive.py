@@ -134,20 +134,18 @@ def run(args) -> dict:
     sweep = sorted(int(c) for c in settings["sweep"].split(","))
     reports: dict[str, dict] = {}
     order = list(FIXED) + ["adaptive"]
+    result = {"settings": settings, "adaptive_on": None, "padding": pair["padding"]}
     for i, name in enumerate(order):
         budget = (settings["deadline_s"] - (time.monotonic() - t0)) / (len(order) - i)
+        flags = FIXED.get(name)
         if name == "adaptive":
-            adaptive_on = faster_fixed(reports, sweep[0])
-            flags = FIXED[adaptive_on] + ["--spec-policy", "adaptive"]
-        else:
-            flags = FIXED[name]
+            result["adaptive_on"] = faster_fixed(reports, sweep[0])
+            flags = FIXED[result["adaptive_on"]] + ["--spec-policy", "adaptive"]
         reports[name] = serve_bench(name, flags, pair, out, work, settings, budget)
-    rows = table(reports, sweep)
-    result = {"settings": settings, "adaptive_on": adaptive_on, "padding": pair["padding"], "rows": rows,
-              "policy_step_s": reports["adaptive"].get("engine", {}).get("policy_step_s"),
-              "wall_s": round(time.monotonic() - t0, 1)}
-    (out / "adaptive_table.json").write_text(json.dumps(result, indent=1))
-    print_table(rows, order, adaptive_on)
+        result.update(rows=table(reports, sweep), wall_s=round(time.monotonic() - t0, 1),
+                      policy_step_s=reports.get("adaptive", {}).get("engine", {}).get("policy_step_s"))
+        (out / "adaptive_table.json").write_text(json.dumps(result, indent=1))  # kept if the call is cut off
+    print_table(result["rows"], order, result["adaptive_on"])
     return result
 
 
