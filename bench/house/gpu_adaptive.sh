@@ -31,7 +31,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-timeout "${ADAPTIVE_TIMEOUT_S:-565}" python3 -m bench.house.adaptive --out "$OUT" --work "$WORK" "$@" 2>&1 \
+timeout "${ADAPTIVE_TIMEOUT_S:-555}" python3 -m bench.house.adaptive --out "$OUT" --work "$WORK" "$@" 2>&1 \
   | tee "$OUT/adaptive.log"
 rc=${PIPESTATUS[0]}
 echo "gpu_adaptive: exit $rc" | tee -a "$OUT/adaptive.log"
