@@ -102,6 +102,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--spec-topk", type=int, default=1)
     ap.add_argument("--spec-steps", type=int, default=3)
     ap.add_argument("--spec-draft-tokens", type=int)
+    ap.add_argument("--spec-policy", choices=["fixed", "adaptive"], help="per decode step: always speculate, or "
+                                                                         "speculate where it pays (default: fixed)")
+    ap.add_argument("--prompts-file", help="text (or JSONL of {\"text\"}) the prompts are windows of, tokenized "
+                                           "by the model's tokenizer (default: random token ids)")
     ap.add_argument("--transports", default="auto", help="one stack run per hand-off transport: auto, ipc, "
                                                          "grpc-stream (EYRIE_HANDOFF_TRANSPORT)")
     ap.add_argument("--skip-engine", action="store_true")
@@ -157,7 +161,7 @@ def engine_flags(args) -> dict:
             "num_pages": args.num_pages or None, "max_running": args.max_running, "max_context": args.max_context,
             "gpu_memory_fraction": args.gpu_memory_fraction,
             "chunk_size": args.chunk_size, "spec_topk": args.spec_topk, "spec_steps": args.spec_steps,
-            "spec_draft_tokens": args.spec_draft_tokens}
+            "spec_draft_tokens": args.spec_draft_tokens, "spec_policy": args.spec_policy}
 
 
 def prompt_vocab(model: str) -> tuple[int, int]:
@@ -166,6 +170,18 @@ def prompt_vocab(model: str) -> tuple[int, int]:
 
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     return 2, min(vocab, BPE_VOCAB)
+
+
+def prompt_text_ids(model: str, prompts_file: str | None) -> list[int] | None:
+    """The prompts file tokenized as one stream (documents joined), or None for random ids."""
+    if not prompts_file:
+        return None
+    from shared.model.tokenizer import Tokenizer
+
+    path = Path(prompts_file)
+    lines = path.read_text().splitlines() if path.suffix == ".jsonl" else [json.dumps({"text": path.read_text()})]
+    tok = Tokenizer(model)
+    return [i for line in lines if line.strip() for i in tok.encode(json.loads(line)["text"])]
 
 
 class Run:
@@ -200,6 +216,7 @@ class Run:
 # ---- the engine side (a subprocess) --------------------------------------------------------------
 def run_engine_phase(run: Run, model: str, draft: str | None, points: list[Point], workdir: Path) -> dict:
     plan = {"model": model, "draft": draft, "flags": engine_flags(run.args), "vocab": prompt_vocab(model),
+            "prompts_file": run.args.prompts_file,
             "points": [p.__dict__ for p in points], "warmup": [p.__dict__ for p in warmup_points(run.args)],
             "point_seconds": run.args.point_seconds,
             "deadline": time.time() + min(run.left() - 5, run.args.engine_budget_s)}
@@ -237,20 +254,41 @@ def engine_worker(plan_path: str, result_path: str) -> int:
                               **{k: v for k, v in plan["flags"].items() if v is not None})
     engine = Engine(settings.model, settings.draft, settings.engine_config())
     engine.capture_graphs()
-    vocab = tuple(plan["vocab"])
+    vocab, text_ids = tuple(plan["vocab"]), prompt_text_ids(plan["model"], plan.get("prompts_file"))
     for p in map(Point.from_dict, plan["warmup"]):
-        run_engine_point(engine, make_requests(p, vocab), p.concurrency, plan["point_seconds"])
+        run_engine_point(engine, make_requests(p, vocab, text_ids), p.concurrency, plan["point_seconds"])
     result["startup_s"] = round(time.perf_counter() - t0, 2)
     for p in map(Point.from_dict, plan["points"]):
         if time.time() + plan["point_seconds"] + 10 > plan["deadline"]:
             result["skipped"].append(p.name)
             continue
-        records = run_engine_point(engine, make_requests(p, vocab), p.concurrency, plan["point_seconds"])
-        result["points"].append(summarize(p, records))
+        before = spec_counters(engine)
+        records = run_engine_point(engine, make_requests(p, vocab, text_ids), p.concurrency, plan["point_seconds"])
+        result["points"].append({**summarize(p, records), **spec_delta(before, spec_counters(engine))})
         print(format_point("engine", result["points"][-1]), file=sys.stderr, flush=True)
         write_json(result_path, result)
+    if engine.spec_policy is not None:  # what the policy measured: seconds per step kind and batch bucket
+        measured = getattr(engine.spec_policy.cost, "seconds", {})
+        result["policy_step_s"] = {f"{k}/{b}": s for (k, b), s in sorted(measured.items())}
     write_json(result_path, result)
     return 0
+
+
+def spec_counters(engine) -> dict | None:
+    """The engine's speculative counters now (None without a draft)."""
+    if engine.spec_stats is None:
+        return None
+    t = engine.spec_stats.totals
+    return {"verify_steps": t.verify_steps, "committed_tokens": t.committed_tokens, **engine.spec_policy.choices}
+
+
+def spec_delta(before: dict | None, after: dict | None) -> dict:
+    """A point's speculation: accept length over its verifies, and the policy's steps of each kind."""
+    if before is None:
+        return {}
+    d = {k: after[k] - before[k] for k in after}
+    return {"spec": {"accept_length": d["committed_tokens"] / d["verify_steps"] if d["verify_steps"] else None,
+                     "verify_steps": d["verify_steps"], "spec_steps": d["spec"], "plain_steps": d["plain"]}}
 
 
 def watch_parent() -> None:
@@ -303,16 +341,17 @@ def run_stack_phase(run: Run, model: str, draft: str | None, points: list[Point]
         stack.start(min(args.start_timeout_s, max(10.0, run.left() - 10)))
         drivers = {"grpc": GrpcDriver(stack.grpc_address, args.request_timeout_s),
                    "http": HttpDriver(stack.openai_address, args.request_timeout_s)}
-        vocab = prompt_vocab(model)
+        vocab, text_ids = prompt_vocab(model), prompt_text_ids(model, args.prompts_file)
         for p in warmup_points(args):
-            run_closed_loop(drivers["grpc"], make_requests(p, vocab), p.concurrency, args.point_seconds)
+            run_closed_loop(drivers["grpc"], make_requests(p, vocab, text_ids), p.concurrency, args.point_seconds)
         out["startup_s"] = round(time.perf_counter() - t0, 2)
         first = handoff_totals(stack.metrics("prefill"))
         for api, p in stack_order(points, args.apis.split(",")):
             if not run.fits(p, f"stack[{transport}] {api}"):
                 continue
             before = handoff_totals(stack.metrics("prefill"))
-            records = run_closed_loop(drivers[api], make_requests(p, vocab), p.concurrency, args.point_seconds)
+            records = run_closed_loop(drivers[api], make_requests(p, vocab, text_ids), p.concurrency,
+                                      args.point_seconds)
             result = {"api": api, **summarize(p, records),
                       "handoff": handoff_delta(before, handoff_totals(stack.metrics("prefill")))}
             out["points"].append(result)
@@ -357,9 +396,12 @@ def fmt(x, scale: float = 1.0, digits: int = 3) -> str:
 
 
 def format_point(where: str, p: dict) -> str:
+    spec = p.get("spec")
+    accept = "" if spec is None else (f"  accept {fmt(spec['accept_length'], 1, 2)} "
+                                      f"(spec/plain steps {spec['spec_steps']}/{spec['plain_steps']})")
     return (f"{where:24s} {p['point']:10s} done {p['completed']}/{p['issued']}  tok/s {fmt(p['output_tok_s'], 1, 1)}  "
             f"TTFT p50/p99 {fmt(p['ttft_p50_s'])}/{fmt(p['ttft_p99_s'])} s  "
-            f"ITL p50/p99 {fmt(p['itl_p50_s'], 1e3, 2)}/{fmt(p['itl_p99_s'], 1e3, 2)} ms")
+            f"ITL p50/p99 {fmt(p['itl_p50_s'], 1e3, 2)}/{fmt(p['itl_p99_s'], 1e3, 2)} ms{accept}")
 
 
 def print_summary(report: dict) -> None:

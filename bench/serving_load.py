@@ -53,13 +53,20 @@ class RequestSpec:
     max_new_tokens: int
 
 
-def make_requests(point: Point, vocab: tuple[int, int]) -> list[RequestSpec]:
-    """The point's requests: random prompt ids in ``[vocab[0], vocab[1])`` and lengths, seeded by the point."""
+def make_requests(point: Point, vocab: tuple[int, int], text_ids: list[int] | None = None) -> list[RequestSpec]:
+    """The point's requests: random prompt ids in ``[vocab[0], vocab[1])`` and lengths, seeded by the point.
+    With ``text_ids`` (a tokenized text), each prompt is a window of it at a random start instead: real text,
+    which a trained draft can predict."""
     rng = random.Random(f"{point.workload}/{point.concurrency}/{point.requests}/{point.seed}")
     specs = []
     for _ in range(point.requests):
         n = rng.randint(*point.prompt)
-        specs.append(RequestSpec([rng.randrange(*vocab) for _ in range(n)], rng.randint(*point.output)))
+        if text_ids:
+            start = rng.randrange(max(1, len(text_ids) - n))
+            ids = (text_ids * (n // len(text_ids) + 2))[start:start + n]
+        else:
+            ids = [rng.randrange(*vocab) for _ in range(n)]
+        specs.append(RequestSpec(ids, rng.randint(*point.output)))
     return specs
 
 

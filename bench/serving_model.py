@@ -94,11 +94,16 @@ def write_sharded(out: Path, cfg: dict, device: str, dtype: torch.dtype, shard_b
 def write_padded_tokenizer(out: Path, vocab_size: int) -> None:
     """A BPE of up to ``BPE_VOCAB`` ids trained on offline text, padded with ordinary added tokens."""
     build_tiny_tokenizer(out, min(vocab_size, BPE_VOCAB))
-    tok = HFTokenizer.from_file(str(out / "tokenizer.json"))
+    pad_tokenizer(out / "tokenizer.json", vocab_size)
+
+
+def pad_tokenizer(path: Path, vocab_size: int) -> None:
+    """Pad the tokenizer file at ``path`` to ``vocab_size`` ids with ordinary added tokens ``<|pad_N|>``."""
+    tok = HFTokenizer.from_file(str(path))
     pad = vocab_size - tok.get_vocab_size()
     if pad > 0:
         tok.add_tokens([AddedToken(f"<|pad_{i}|>", special=False, normalized=False) for i in range(pad)])
-        tok.save(str(out / "tokenizer.json"))
+        tok.save(str(path))
     assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
 
 

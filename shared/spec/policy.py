@@ -11,7 +11,12 @@ Both choices are lossless: a plain step's token is the target's, and its feature
 draft (``Engine``), so the next speculative step resumes from a complete draft state.
 
 Acceptance decays (``decay`` per verify step) so it follows the traffic; while not speculating the
-policy speculates once every ``probe_every`` steps to keep it current. Step costs come from a
+policy speculates once every ``probe_every`` steps to keep it current, and each probe that leaves plain
+steps faster, having measured speculation no cheaper than expected (a probe faster than the estimate says
+the estimate is stale, e.g. a first step slowed by a one-time cost), doubles that interval (up to
+``max_probe_every``): a probe
+where speculation is far dearer (a head nobody accepts, a large batch) costs several plain steps, and
+probing at a fixed rate would cost up to a tenth of the throughput there. Step costs come from a
 ``StepCost``: ``MeasuredCost`` times the engine's own steps (an average per batch-size bucket; a
 bucket not yet timed is tried), or any object with the two methods (the tests inject one).
 """
@@ -37,15 +42,19 @@ def bucket(batch: int) -> int:
 
 @dataclass
 class MeasuredCost:
-    """Average seconds per step kind and batch-size bucket, from the steps the engine ran."""
+    """Average seconds per step kind and batch-size bucket, from the steps the engine ran: the plain mean
+    of the first ``1 / weight`` steps (a first step slowed by a one-time cost weighs no more than the
+    others), a running average after."""
 
     weight: float = 0.1  # of the newest step in the running average
     seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, bucket) -> seconds
+    counts: dict[tuple[str, int], int] = field(default_factory=dict)  # (kind, bucket) -> steps recorded
 
     def record(self, kind: str, batch: int, seconds: float) -> None:
         key = (kind, bucket(batch))
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else old + self.weight * (seconds - old)
+        n = self.counts[key] = self.counts.get(key, 0) + 1
+        old = self.seconds.get(key, 0.0)
+        self.seconds[key] = old + max(self.weight, 1 / n) * (seconds - old)
 
     def decode_s(self, batch: int) -> float | None:
         return self.seconds.get(("plain", bucket(batch)))
@@ -62,6 +71,7 @@ class Acceptance:
     decay: float = 0.98
     drafts: float = 0.0
     reached: list[float] = field(default_factory=list)  # [steps] decayed drafts accepted up to position i
+    observations: int = 0  # verify steps observed
 
     def __post_init__(self):
         self.reached = self.reached or [0.0] * self.steps
@@ -70,6 +80,7 @@ class Acceptance:
         """One verify step: per request, the nodes accepted, root included (>= 1)."""
         self.drafts *= self.decay
         self.reached = [r * self.decay for r in self.reached]
+        self.observations += 1
         for n in verified:
             self.drafts += 1
             for pos in range(min(n - 1, self.steps)):
@@ -82,6 +93,7 @@ class Acceptance:
             return
         self.drafts = self.drafts * self.decay + drafts
         self.reached = [r * self.decay + n for r, n in zip(self.reached, reached)]
+        self.observations += 1
 
     def expected_tokens(self) -> float | None:
         """Tokens a speculative step commits per request (bonus included); None before any draft."""
@@ -95,7 +107,12 @@ class SpecPolicy:
     kind: str  # "fixed" or "adaptive"
     acceptance: Acceptance
     cost: StepCost
-    probe_every: int = 16  # plain steps between two speculative probes of the acceptance
+    probe_every: int = 16  # plain steps between two speculative probes of the acceptance ...
+    max_probe_every: int = 128  # ... doubled after each probe that found plain steps still faster, up to this
+    settled: float = 0.98  # a probe that lowers the speculative step's estimate below this share of it: unsettled
+    probe_interval: int = 0  # plain steps before the next probe (0: probe_every)
+    probe: tuple[int, int, float] | None = None  # (acceptance.observations, batch, spec_s) when the pending
+    # probe was chosen; None: no probe pending
     plain_run: int = 0  # plain steps since the last speculative one
     choices: dict[str, int] = field(default_factory=lambda: {"spec": 0, "plain": 0})
 
@@ -120,5 +137,20 @@ class SpecPolicy:
         if decode_s is None:
             return False  # then a plain step, once, to know what it costs
         if tokens * decode_s > spec_s:
+            self.probe_interval, self.probe = 0, None
             return True
-        return self.plain_run + 1 >= self.probe_every  # keep the acceptance current
+        self._back_off_after_probe()
+        if self.plain_run + 1 < (self.probe_interval or self.probe_every):
+            return False
+        self.probe = (self.acceptance.observations, batch, spec_s)  # keep the acceptance current
+        return True
+
+    def _back_off_after_probe(self) -> None:
+        """Plain steps still win after the pending probe was observed: probe half as often, unless the probe
+        ran enough faster than the estimate it was chosen with to lower it (the estimate is settling)."""
+        if self.probe is None or self.acceptance.observations == self.probe[0]:
+            return
+        _, batch, expected = self.probe
+        self.probe = None
+        if self.cost.spec_s(batch) >= self.settled * expected:
+            self.probe_interval = min(2 * (self.probe_interval or self.probe_every), self.max_probe_every)

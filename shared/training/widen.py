@@ -242,3 +242,38 @@ def wide_aux_ids(cfg: dict, small_layers: int, p: Plan) -> list[int]:
         raise WidenError(f"EAGLE-3 capture points {list(points)} include the embedding (layer 0's input), which "
                          f"SGLang's layer ids cannot name")
     return wide
+
+
+# ---- vocabulary ------------------------------------------------------------------------------------
+def pad_vocab_target(state: dict[str, torch.Tensor], cfg: dict, vocab_size: int,
+                     filler: int) -> tuple[dict, dict]:
+    """The target with ``vocab_size`` ids: the new ids' embedding rows zero, their LM-head rows copies of
+    real id ``filler``'s.
+
+    A copy ties each new id's logit with ``filler``'s, and argmax takes the first of equal maxima
+    (``torch.argmax``), so a new id never wins over the real ids: greedy decoding is exactly the small
+    vocabulary's. Under sampling the new ids share ``filler``'s probability, so ``filler`` should be an
+    id the model never expects (``bench/house/widen_tiny.py`` picks the one least likely on held-out
+    text). A zero row would give logit 0, which wins wherever every real logit is negative."""
+    v = state["model.embed_tokens.weight"].shape[0]
+    if vocab_size < v or not 0 <= filler < v:
+        raise WidenError(f"vocabulary: cannot pad {v} ids to {vocab_size} with filler id {filler}")
+    if cfg.get("tie_word_embeddings"):
+        raise WidenError("vocabulary: a tied LM head shares the embedding's zero rows; untie it first")
+    out = dict(state)
+    out["model.embed_tokens.weight"] = pad(state["model.embed_tokens.weight"], rows=vocab_size)
+    head = state["lm_head.weight"]
+    out["lm_head.weight"] = torch.cat([head, head[filler].expand(vocab_size - v, -1)])
+    return out, {**cfg, "vocab_size": vocab_size}
+
+
+def pad_vocab_eagle3(state: dict[str, torch.Tensor], cfg: dict, vocab_size: int) -> tuple[dict, dict]:
+    """The EAGLE-3 head of a target padded to ``vocab_size`` ids: its draft vocabulary is unchanged (``d2t``
+    still maps it into the first ids) and the new target ids are outside it (``t2d`` false)."""
+    out = dict(state)
+    if "t2d" in state:
+        out["t2d"] = torch.cat([state["t2d"], torch.zeros(vocab_size - state["t2d"].numel(), dtype=torch.bool)])
+    if "embed_tokens.weight" in state:
+        out["embed_tokens.weight"] = pad(state["embed_tokens.weight"], rows=vocab_size)
+    draft_vocab = cfg.get("draft_vocab_size") or state["lm_head.weight"].shape[0]
+    return out, {**cfg, "vocab_size": vocab_size, "draft_vocab_size": draft_vocab}

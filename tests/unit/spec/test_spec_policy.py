@@ -141,3 +141,59 @@ def test_sampled_tokens_keep_the_target_distribution_with_the_policy_switching(o
     dof = len(keys) - 1
     p_value = 1 - float(torch.special.gammainc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
     assert p_value > 1e-3, (stat, dof)
+
+
+# ---- the dry run: the policy against the better of plain and always-speculate, costs injected ----------------
+RECORDED = TableCost(decode=lambda b: 0.0065 + 0.000178 * b, spec=lambda b: 0.0085 + 0.00065 * b)  # ~ the 8B grid
+ACCEPTED = {"none": [1], "half": [3, 2, 2, 3, 2], "full": [4]}  # verified nodes per draft (E = 1, 2.4, 4)
+
+
+def dry_run(kind: str, cost: TableCost, batch: int, verified: list[int], steps: int = 1024,
+            measured_first_spec: float | None = None) -> float:
+    """Output tokens per second of ``steps`` decode steps of ``batch`` requests whose drafts are verified as
+    ``verified`` (cycled), each step costing what ``cost`` says; the policy starts knowing nothing. With
+    ``measured_first_spec``, the policy times the steps itself (``MeasuredCost``) and its first speculative
+    step takes that many times its cost (a one-time cost)."""
+    p = SpecPolicy(kind, Acceptance(3), cost if measured_first_spec is None else MeasuredCost())
+    seconds = tokens = 0.0
+    for _ in range(steps):
+        if p.speculate(batch):
+            nodes = [verified[(i + p.choices["spec"]) % len(verified)] for i in range(batch)]
+            p.acceptance.observe(nodes)
+            kind, took, made = "spec", cost.spec_s(batch) * (measured_first_spec or 1.0), sum(nodes)
+            measured_first_spec = 1.0 if measured_first_spec else None
+        else:
+            kind, took, made = "plain", cost.decode_s(batch), batch
+        if isinstance(p.cost, MeasuredCost):
+            p.cost.record(kind, batch, took)
+        seconds, tokens = seconds + took, tokens + made
+    return tokens / seconds
+
+
+@pytest.mark.parametrize("cost", [GRID, RECORDED], ids=["grid", "recorded"])
+@pytest.mark.parametrize("accepted", sorted(ACCEPTED))
+def test_adaptive_keeps_95_percent_of_the_better_of_plain_and_fixed_at_every_batch(cost, accepted):
+    for batch in (1, 8, 32, 64):
+        plain = batch / cost.decode_s(batch)
+        fixed = dry_run("fixed", cost, batch, ACCEPTED[accepted])
+        adaptive = dry_run("adaptive", cost, batch, ACCEPTED[accepted])
+        assert adaptive >= 0.95 * max(plain, fixed), (batch, adaptive / max(plain, fixed))
+
+
+@pytest.mark.parametrize("accepted", sorted(ACCEPTED))
+def test_a_slow_first_speculative_step_costs_the_adaptive_policy_little(accepted):
+    """The first speculative step timed 5x its cost (a one-time cost): the estimate is a plain mean of
+    the first steps, and probes that keep lowering it do not space the next ones out."""
+    for batch in (1, 8, 32, 64):
+        best = max(batch / RECORDED.decode_s(batch), dry_run("fixed", RECORDED, batch, ACCEPTED[accepted]))
+        adaptive = dry_run("adaptive", RECORDED, batch, ACCEPTED[accepted], measured_first_spec=5.0)
+        assert adaptive >= 0.93 * best, (batch, adaptive / best)
+
+
+def test_measured_cost_is_a_plain_mean_of_the_first_steps_then_a_running_average():
+    cost = MeasuredCost(weight=0.25)
+    for seconds in (5.0, 1.0, 1.0, 1.0):
+        cost.record("spec", 3, seconds)
+    assert cost.spec_s(4) == pytest.approx(2.0)  # (5 + 1 + 1 + 1) / 4
+    cost.record("spec", 4, 0.0)
+    assert cost.spec_s(4) == pytest.approx(1.5)  # then the newest step weighs 0.25

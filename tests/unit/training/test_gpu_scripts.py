@@ -118,3 +118,30 @@ def test_house_scripts_cpu_forms_train_measure_and_retime(tmp_path):
     greedy = {r["config"]: r["accept_length"] for r in m["acceptance"] if r["temperature"] == 0.0}
     assert {x["config"]: x["accept_length"] for x in s["speed"]["speedups"]} == greedy
     assert "acceptance" not in s and "exactness" not in s  # nothing trained, nothing to compare
+
+
+@pytest.mark.slow
+def test_adaptive_script_cpu_form_widens_runs_every_configuration_and_tabulates(tmp_path):
+    """gpu_adaptive.sh --smoke: the tiny pair widened (vocabulary too), the engine at two concurrencies for
+    plain, chain3, tree and adaptive on held-out text, and the table (~1-3 min here: five processes)."""
+    out = tmp_path / "adaptive"
+    done = run_script("gpu_adaptive.sh", out, "--smoke", timeout_s=600)  # nine processes start torch
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["adaptive.json", "adaptive.log", "adaptive_table.json", "chain3.json", "plain.json",
+                     "tree.json", "widen.json"]  # at most 8 files come back from a device call
+    table = json.loads((out / "adaptive_table.json").read_text())
+    assert [r["concurrency"] for r in table["rows"]] == [1, 2]
+    for row in table["rows"]:
+        speeds = row["tok_s"]
+        assert set(speeds) == {"plain", "chain3", "tree", "adaptive"} and all(v > 0 for v in speeds.values())
+        assert row["adaptive_ratio"] == pytest.approx(speeds["adaptive"] / max(
+            speeds["plain"], speeds["chain3"], speeds["tree"]))
+        assert row["spec"]["chain3"]["accept_length"] > 1.0  # held-out text: the trained head is accepted
+    adaptive = json.loads((out / "adaptive.json").read_text())
+    assert adaptive["settings"]["spec_policy"] == "adaptive"
+    assert adaptive["settings"]["prompts_file"].endswith("heldout.jsonl")
+    steps = [p["spec"]["spec_steps"] + p["spec"]["plain_steps"] for p in adaptive["engine"]["points"]]
+    assert all(n > 0 for n in steps)
+    assert json.loads((out / "plain.json").read_text())["settings"]["draft"] == "none"
+    assert "output tok/s" in (out / "adaptive.log").read_text()
