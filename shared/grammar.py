@@ -30,6 +30,9 @@ from llguidance import LLMatcher, LLTokenizer
 from shared.model.tokenizer import Tokenizer
 
 ANY_JSON_OBJECT = '{"type": "object"}'  # response_format {"type": "json_object"}
+# One layout per value: no free whitespace (a model cannot spend its tokens on blank lines), Python's
+# json.dumps separators. A schema's own "x-guidance" options override these.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def check_schema(schema: str) -> str:
@@ -41,7 +44,7 @@ def check_schema(schema: str) -> str:
     if not isinstance(parsed, dict):
         raise ValueError("the JSON schema must be a JSON object")
     try:
-        grammar = LLMatcher.grammar_from_json_schema(parsed)
+        grammar = LLMatcher.grammar_from_json_schema(parsed, defaults=JSON_LAYOUT)
     except ValueError as e:
         raise ValueError(f"the JSON schema is not usable: {e}") from None
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
@@ -99,7 +102,8 @@ class Grammar:
 
     def mask(self) -> np.ndarray:
         """[W] int32 packed mask of the tokens allowed next."""
-        out = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32).copy()
+        # llguidance may pad its mask by a word: keep the vocabulary's
+        out = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32)[:mask_words(self.vocab_size)].copy()
         return out if out.any() else np.full_like(out, -1)  # nothing allowed (a failed matcher): leave be
 
     def node_masks(self, tokens: list[int], parents: list[int]) -> np.ndarray:
