@@ -1,0 +1,133 @@
+"""Structured output under speculation: each tree node's logits are masked with that node's own grammar
+state, and greedy speculative output equals greedy target-only output with the same JSON schema.
+
+* The matrix: every draft kind (EAGLE, EAGLE-3, multi-layer), chain and tree, page sizes 1 and 16, on
+  the oracle pair (drafts accepted often, so verifies commit runs inside the JSON value), each against
+  the target alone with the same schema; the schema really changes the output and every completed
+  output parses.
+* The trained tiny pair (``models/tiny-pair``): 100 generations against a set of small schemas all
+  parse and validate (``jsonschema``), with and without speculation, and greedy outputs are identical.
+* A negative control: every node masked with the committed state's mask (the classic bug) breaks it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+from spec_helpers import PROMPTS, SMALL, Models
+
+from shared.config import EngineConfig, SpecConfig
+from shared.engine import Engine
+from shared.grammar import Grammar
+from shared.model.default_pair import DEFAULT_DIR
+from shared.model.tokenizer import Tokenizer
+from shared.sampling import SamplingParams
+
+# A JSON string the oracle target fills freely: its own argmax is usually allowed, so drafts are accepted
+# (in a schema of fixed keys the grammar forces most tokens, and the oracle drafts, which ignore it, miss)
+TEXT = json.dumps({"type": "string"})
+# (draft kind, topk, steps, nodes, page size): every kind, chain and tree, both page sizes.
+CASES = [
+    ("eagle", 1, 3, 4, 16), ("eagle", 2, 3, 6, 1),
+    ("eagle3", 1, 4, 5, 1), ("eagle3", 2, 3, 6, 16),
+    ("mtp", 1, 3, 4, 1), ("mtp", 2, 3, 6, 16),
+]
+
+
+def engine_on(models: Models, kind: str | None = None, topk: int = 1, steps: int = 3, ndt: int = 4,
+              **cfg) -> Engine:
+    """``Models.engine`` with the checkpoint's tokenizer (structured output needs one)."""
+    spec = SpecConfig(topk=topk, steps=steps, num_draft_tokens=ndt) if kind else None
+    return Engine(models.target, models.drafts[kind] if kind else None, EngineConfig(**{**SMALL, **cfg, "spec": spec}),
+                  tokenizer=Tokenizer(models.root / "target"))
+
+
+def text_params(schema: str | None = TEXT) -> SamplingParams:
+    return SamplingParams(max_new_tokens=16, json_schema=schema)
+
+
+@pytest.fixture(scope="module")
+def oracle_reference(oracle_models: Models) -> list:
+    engine = engine_on(oracle_models, page_size=1, chunk_size=None)
+    return engine.generate(PROMPTS[:3], text_params())
+
+
+@pytest.mark.parametrize("kind,topk,steps,ndt,page", CASES, ids=lambda v: str(v))
+def test_greedy_with_a_schema_equals_target_only(oracle_models: Models, oracle_reference, kind, topk, steps, ndt,
+                                                 page):
+    engine = engine_on(oracle_models, kind, topk, steps, ndt, page_size=page, chunk_size=8)
+    got = engine.generate(PROMPTS[:3], text_params())
+    for g, w in zip(got, oracle_reference, strict=True):
+        assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason)
+    assert engine.is_idle_and_clean()
+    assert max(g.spec_stats["accept_length"] for g in got) > 1.2  # several tokens per verify: trees were walked
+
+
+def test_the_schema_shapes_the_output(oracle_models: Models, oracle_reference):
+    plain = engine_on(oracle_models, page_size=1, chunk_size=None).generate(PROMPTS[:3], text_params(None))
+    assert [w.token_ids for w in oracle_reference] != [p.token_ids for p in plain]
+    for w in oracle_reference:
+        assert w.text.startswith('"') and len(w.token_ids) > 3
+        if w.finish_reason == "stop":  # the value completed: nothing after it
+            assert isinstance(json.loads(w.text), str)
+
+
+def test_negative_control_the_committed_mask_at_every_node_is_caught(oracle_models: Models, oracle_reference,
+                                                                    monkeypatch):
+    """Masking every tree node with the committed state's mask (not the node's own) changes the output."""
+    monkeypatch.setattr(Grammar, "node_masks", lambda self, tokens, parents: np.repeat(self.mask()[None],
+                                                                                      len(tokens), 0))
+    got = engine_on(oracle_models, "eagle3", 2, 3, 6, page_size=16).generate(PROMPTS[:3], text_params())
+    assert [g.token_ids for g in got] != [w.token_ids for w in oracle_reference]
+
+
+# ---- the trained tiny pair: 100 generations that all validate ------------------------------------
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                      "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+     "required": ["name", "n"], "additionalProperties": False},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["red", "green", "blue"]}},
+     "required": ["ok", "tag"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1, "maxItems": 3},
+    {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                      "path": {"type": "string", "maxLength": 6}},
+     "required": ["id", "path"], "additionalProperties": False},
+]
+WORDS = ["def", "import", "class", "return", "# ", "for", "if", "x =", "self.", "print(", "with", "try:",
+         "while", "raise", "from", "lambda", "async", "yield", "assert", "del", "pass", "elif", "open(", "data",
+         "name"]
+PAIR_PROMPTS = [f"{w}\n" for w in WORDS]  # 25 prompts x 4 schemas = 100 generations
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[Path, Path]:
+    root = DEFAULT_DIR
+    assert (root / "target" / "model.safetensors").exists(), "models/tiny-pair is part of the repository"
+    return root / "target", root / "eagle3"
+
+
+def hundred(engine: Engine) -> list:
+    prompts = [p for p in PAIR_PROMPTS for _ in SCHEMAS]
+    params = [SamplingParams(max_new_tokens=40, json_schema=json.dumps(s)) for _ in PAIR_PROMPTS for s in SCHEMAS]
+    results = []
+    for start in range(0, len(prompts), 25):
+        results += engine.generate(prompts[start:start + 25], params[start:start + 25])
+    assert engine.is_idle_and_clean()
+    return results
+
+
+def test_a_hundred_generations_validate_with_and_without_speculation(pair):
+    config = dict(max_running=25, max_context=96, page_size=16)
+    plain = hundred(Engine(pair[0], config=EngineConfig(**config)))
+    spec = Engine(pair[0], draft=pair[1], config=EngineConfig(**config, spec=SpecConfig(topk=2, steps=3,
+                                                                                      num_draft_tokens=6)))
+    got = hundred(spec)
+    for i, (g, w) in enumerate(zip(got, plain, strict=True)):
+        assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason), i
+        assert g.finish_reason == "stop", (i, g.text)
+        jsonschema.validate(json.loads(g.text), SCHEMAS[i % len(SCHEMAS)])
+    assert spec.spec_stats.totals.accept_length > 1.1
