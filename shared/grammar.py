@@ -67,21 +67,30 @@ def unpack_masks(packed: torch.Tensor, vocab: int) -> torch.Tensor:
 class GrammarCompiler:
     """One engine's tokenizer as llguidance sees it (built on first use: it costs a few ms to 1 s)."""
 
+    CACHED = 64  # schemas whose compiled matcher is kept (clients tend to send the same few)
+
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's: may exceed the tokenizer's (those ids never match)
         self.eos_ids = eos_ids
+        self._compiled: dict[str, LLMatcher] = {}  # schema text -> a matcher in its initial state, never advanced
 
     @cached_property
     def ll_tokenizer(self) -> LLTokenizer:
         return LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab_size, eos_token=list(self.eos_ids) or None)
 
     def compile(self, schema: str) -> Grammar:
-        """A fresh matcher of ``schema`` (checked by ``check_schema``); ValueError when it cannot be built."""
-        matcher = LLMatcher(self.ll_tokenizer, check_schema(schema), log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"the JSON schema is not supported: {matcher.get_error()}")
-        return Grammar(matcher, self.vocab_size)
+        """A fresh matcher of ``schema`` (checked by ``check_schema``); ValueError when it cannot be built.
+        A schema seen lately is copied (microseconds) rather than compiled again (milliseconds)."""
+        initial = self._compiled.get(schema)
+        if initial is None:
+            initial = LLMatcher(self.ll_tokenizer, check_schema(schema), log_level=0)
+            if initial.is_error():
+                raise ValueError(f"the JSON schema is not supported: {initial.get_error()}")
+            if len(self._compiled) >= self.CACHED:
+                del self._compiled[next(iter(self._compiled))]  # the oldest
+            self._compiled[schema] = initial
+        return Grammar(initial.deep_copy(), self.vocab_size)
 
 
 class Grammar:

@@ -99,3 +99,11 @@ def test_a_request_ends_when_its_value_is_complete(compiler, tokenizer):
     taken = req.commit(ids + [5, 6], [0.0] * (len(ids) + 2))
     assert taken == ids and req.finish_reason == "stop"  # nothing after the closing brace
     assert json.loads(tokenizer.decode(req.output_ids)) == {"name": "ab", "n": 7}
+
+
+def test_a_cached_schema_gives_independent_matchers(compiler, tokenizer):
+    first = compiler.compile(SCHEMA)
+    start = first.mask()
+    assert first.advance(tokenizer.encode("{")[0])
+    second = compiler.compile(SCHEMA)  # from the cache: in the initial state, whatever the first did
+    assert np.array_equal(second.mask(), start) and not np.array_equal(first.mask(), start)
