@@ -8,8 +8,8 @@ only (``Request.commit``) and, when the matcher has nothing left to match, ends 
 
 Under speculation each tree node needs the mask of its own grammar state (the committed tokens plus the
 node's ancestors below the root, and the node). ``Grammar.node_masks`` walks the tree in node order
-(parents come first), consuming each node's token from its parent's state and rolling back to the
-committed state afterwards; a node whose token its parent's mask rejects is not pruned from the tree,
+(parents come first) on a copy of the request's matcher, consuming each node's path and rolling back to
+the common prefix of the next one; a node whose token its parent's mask rejects is not pruned from the tree,
 verification rejects it (its probability under the masked target is 0) and its own mask is never read.
 
 Masks are packed 32 tokens to an int32 word (llguidance's layout), built on the host, unpacked on the
@@ -118,7 +118,9 @@ class Grammar:
     def node_masks(self, tokens: list[int], parents: list[int]) -> np.ndarray:
         """[N, W] int32 packed masks of a draft tree's nodes (node 0, the root, is the last committed
         token: its mask is the committed state's). A node its parent's mask rejects gets an all-allowed
-        mask (verification never reaches it), as do its descendants. The matcher ends where it began."""
+        mask (verification never reaches it), as do its descendants. The walk runs on a copy: the request's
+        matcher moves only by committed tokens (``advance``)."""
+        walker = Grammar(self.matcher.deep_copy(), self.vocab_size)
         n = len(tokens)
         out = np.full((n, mask_words(self.vocab_size)), -1, dtype=np.int32)
         paths: list[list[int] | None] = [[]]  # per node: its ancestors below the root and itself (None: rejected)
@@ -131,9 +133,8 @@ class Grammar:
                 paths.append(paths[parent] + [node] if allowed else None)
                 if not allowed:
                     continue
-            path = self._move(path, paths[node], tokens)
-            out[node] = self.mask()
-        self.matcher.rollback(len(path))
+            path = walker._move(path, paths[node], tokens)
+            out[node] = walker.mask()
         return out
 
     def _move(self, path: list[int], want: list[int], tokens: list[int]) -> list[int]:
