@@ -25,6 +25,7 @@ from shared.engine import Engine
 from shared.grammar import Grammar
 from shared.model.default_pair import DEFAULT_DIR
 from shared.model.tokenizer import Tokenizer
+from shared.request import RequestError
 from shared.sampling import SamplingParams
 
 # A JSON string the oracle target fills freely: its own argmax is usually allowed, so drafts are accepted
@@ -131,3 +132,18 @@ def test_a_hundred_generations_validate_with_and_without_speculation(pair):
         assert g.finish_reason == "stop", (i, g.text)
         jsonschema.validate(json.loads(g.text), SCHEMAS[i % len(SCHEMAS)])
     assert spec.spec_stats.totals.accept_length > 1.1
+
+
+def test_refusals_and_aborts_leave_the_pools_full(oracle_models: Models):
+    """Without a tokenizer a schema is refused naming it; a request aborted inside its JSON value gives
+    every page back."""
+    bare = oracle_models.engine("eagle3", 2, 3, 6)  # built on the module: no tokenizer
+    with pytest.raises(RequestError, match="json_schema"):
+        bare.add_request(PROMPTS[0], text_params())
+    assert bare.is_idle_and_clean()
+    engine = engine_on(oracle_models, "eagle3", 2, 3, 6, page_size=16)
+    req = engine.add_request(PROMPTS[0], text_params())
+    while len(req.output_ids) < 3:
+        engine.step()
+    assert req.finish_reason is None and engine.abort(req.rid)
+    assert engine.is_idle_and_clean()
