@@ -7,15 +7,19 @@ compiles a request's schema into a ``Grammar``, the request's matcher: it advanc
 only (``Request.commit``) and, when the matcher has nothing left to match, ends the request (``stop``).
 
 Under speculation each tree node needs the mask of its own grammar state (the committed tokens plus the
-node's ancestors below the root, and the node). ``Grammar.node_masks`` walks the tree in node order
-(parents come first) on a copy of the request's matcher, consuming each node's path and rolling back to
-the common prefix of the next one; a node whose token its parent's mask rejects is not pruned from the tree,
-verification rejects it (its probability under the masked target is 0) and its own mask is never read.
+node's ancestors below the root, and the node). ``Grammar.node_states`` builds, in node order (parents
+come first), a copy of the parent's matcher advanced by the node's token (a copy is ~2 us; the request's
+own matcher is never advanced by a speculative token, so nothing needs rolling back); a node the grammar
+rejects there is not pruned from the tree: verification rejects it (its probability under the masked
+target is 0, greedy or sampled) and its own mask is never read. The draft tree keeps its shape, so every
+phase keeps its static shapes.
 
 Masks are packed 32 tokens to an int32 word (llguidance's layout), built on the host, unpacked on the
-device by ``unpack_masks`` and applied in ``shared.logits_process`` like ``allowed_token_ids``. The cost:
-one host-side mask per tree node and request with a grammar per step (llguidance's mask computation is
-tens of microseconds for a JSON schema), plus a [B, N, V/32] int32 copy to the device.
+device by ``unpack_masks`` and applied in ``shared.logits_process`` like ``allowed_token_ids``. The cost,
+per step of a batch with a schema: the tree read back to the host, one mask per tree node and request
+(all of the batch's in one call on llguidance's thread pool: from tens of microseconds per mask in a
+JSON structure to a millisecond or more inside a free string over a 128k vocabulary), a [B, N, V/32]
+int32 copy to the device, and an eager verification (no CUDA graph; no draft launched ahead).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from functools import cached_property
 
 import numpy as np
 import torch
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
 from shared.model.tokenizer import Tokenizer
 
@@ -111,53 +115,58 @@ class Grammar:
 
     def mask(self) -> np.ndarray:
         """[W] int32 packed mask of the tokens allowed next."""
-        # llguidance may pad its mask by a word: keep the vocabulary's
-        out = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32)[:mask_words(self.vocab_size)].copy()
-        return out if out.any() else np.full_like(out, -1)  # nothing allowed (a failed matcher): leave be
+        return _fill([self.matcher], self.vocab_size)[0]
+
+    def node_states(self, tokens: list[int], parents: list[int]) -> list[LLMatcher | None]:
+        """Per node of a draft tree (node 0, the root, is the last committed token: the committed state),
+        a copy of the matcher after the node's path; None for a node the grammar rejects after its
+        parent's path, and for its descendants (verification never reaches them). Parents come first
+        in node order. The request's own matcher is untouched: it moves only by committed tokens."""
+        states: list[LLMatcher | None] = [self.matcher]
+        for node in range(1, len(tokens)):
+            parent = states[parents[node]]
+            state = parent.deep_copy() if parent is not None else None
+            states.append(state if state is not None and state.consume_token(tokens[node]) else None)
+        states[0] = self.matcher.deep_copy()
+        return states
 
     def node_masks(self, tokens: list[int], parents: list[int]) -> np.ndarray:
-        """[N, W] int32 packed masks of a draft tree's nodes (node 0, the root, is the last committed
-        token: its mask is the committed state's). A node its parent's mask rejects gets an all-allowed
-        mask (verification never reaches it), as do its descendants. The walk runs on a copy: the request's
-        matcher moves only by committed tokens (``advance``)."""
-        walker = Grammar(self.matcher.deep_copy(), self.vocab_size)
-        n = len(tokens)
-        out = np.full((n, mask_words(self.vocab_size)), -1, dtype=np.int32)
-        paths: list[list[int] | None] = [[]]  # per node: its ancestors below the root and itself (None: rejected)
-        path: list[int] = []  # the nodes the matcher has consumed, root to leaf
-        for node in range(n):
-            if node > 0:
-                parent = parents[node]
-                word, bit = divmod(tokens[node], 32)
-                allowed = paths[parent] is not None and (int(out[parent, word]) >> bit) & 1
-                paths.append(paths[parent] + [node] if allowed else None)
-                if not allowed:
-                    continue
-            path = walker._move(path, paths[node], tokens)
-            out[node] = walker.mask()
-        return out
+        """[N, W] int32 packed masks of a draft tree's nodes, each from its own grammar state; all
+        tokens allowed at a node the grammar rejects (never reached: its mask is never read)."""
+        return _node_masks([self], [tokens], [parents], self.vocab_size)[0]
 
-    def _move(self, path: list[int], want: list[int], tokens: list[int]) -> list[int]:
-        """From the state after tree nodes ``path`` to the state after ``want``: roll back to their
-        common prefix, consume the rest."""
-        keep = 0
-        while keep < min(len(path), len(want)) and path[keep] == want[keep]:
-            keep += 1
-        self.matcher.rollback(len(path) - keep)
-        for m in want[keep:]:
-            if not self.matcher.consume_token(tokens[m]):
-                raise RuntimeError(f"llguidance refused token {tokens[m]} that its mask allowed")
-        return want
+
+EXECUTOR = LLExecutor()  # llguidance's thread pool: a batch's masks are computed in parallel
+
+
+def _fill(states: list[LLMatcher | None], vocab: int) -> np.ndarray:
+    """[len(states), W] int32 packed masks, all in one parallel call; all bits set for a missing state
+    and where a state allows nothing (a failed matcher: leave the logits be)."""
+    out = np.full((len(states), mask_words(vocab)), -1, dtype=np.int32)
+    jobs = [(m, i) for i, m in enumerate(states) if m is not None]
+    if jobs:
+        EXECUTOR.unsafe_compute_mask_ptr(jobs, out.ctypes.data, out.shape[1] * 4, out.shape[0])
+    out[~out.any(axis=1)] = -1
+    return out
+
+
+def _node_masks(grammars: list[Grammar], tokens: list[list[int]], parents: list[list[int]],
+                vocab: int) -> np.ndarray:
+    """[len(grammars), N, W] packed node masks of each request's tree."""
+    states = [s for g, t, p in zip(grammars, tokens, parents) for s in g.node_states(t, p)]
+    return _fill(states, vocab).reshape(len(grammars), len(tokens[0]) if tokens else 0, -1)
 
 
 def grammar_masks(grammars: list[Grammar | None], tokens: list[list[int]] | None, parents: list[list[int]] | None,
                   vocab: int, rows: int, device: torch.device | str) -> torch.Tensor:
     """[rows, N, W] int32 packed masks on the device: per request its tree's nodes (``tokens``,
     ``parents`` [B][N]; None: one node, the committed state), all-allowed for requests without a
-    grammar and padding rows."""
+    grammar and padding rows. Every mask of the batch is computed in one parallel call."""
     n = len(tokens[0]) if tokens else 1
     host = np.full((rows, n, mask_words(vocab)), -1, dtype=np.int32)
-    for b, g in enumerate(grammars):
-        if g is not None:
-            host[b] = g.mask()[None] if tokens is None else g.node_masks(tokens[b], parents[b])
+    have = [b for b, g in enumerate(grammars) if g is not None]
+    if have:
+        trees = ([tokens[b] for b in have], [parents[b] for b in have]) if tokens else (
+            [[0]] * len(have), [[-1]] * len(have))
+        host[have] = _node_masks([grammars[b] for b in have], *trees, vocab)
     return torch.from_numpy(host).to(device)

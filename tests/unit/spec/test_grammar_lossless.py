@@ -16,7 +16,6 @@ import json
 from pathlib import Path
 
 import jsonschema
-import numpy as np
 import pytest
 from spec_helpers import PROMPTS, SMALL, Models
 
@@ -80,8 +79,8 @@ def test_the_schema_shapes_the_output(oracle_models: Models, oracle_reference):
 def test_negative_control_the_committed_mask_at_every_node_is_caught(oracle_models: Models, oracle_reference,
                                                                     monkeypatch):
     """Masking every tree node with the committed state's mask (not the node's own) changes the output."""
-    monkeypatch.setattr(Grammar, "node_masks", lambda self, tokens, parents: np.repeat(self.mask()[None],
-                                                                                      len(tokens), 0))
+    monkeypatch.setattr(Grammar, "node_states", lambda self, tokens, parents: [self.matcher.deep_copy()
+                                                                               for _ in tokens])
     got = engine_on(oracle_models, "eagle3", 2, 3, 6, page_size=16).generate(PROMPTS[:3], text_params())
     assert [g.token_ids for g in got] != [w.token_ids for w in oracle_reference]
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
 from test_sampling_lossless import P_MIN, chi_square_p, reference_probs
@@ -110,7 +109,7 @@ def test_sampling_under_a_schema_matches_masked_target_sampling(json_vocab, shap
 
 def test_negative_control_the_committed_mask_at_every_node_is_rejected(json_vocab, monkeypatch):
     root, law = json_vocab
-    monkeypatch.setattr(Grammar, "node_masks", lambda self, tokens, parents: np.repeat(self.mask()[None],
-                                                                                      len(tokens), 0))
+    monkeypatch.setattr(Grammar, "node_states", lambda self, tokens, parents: [self.matcher.deep_copy()
+                                                                               for _ in tokens])
     rows = sampled_outputs(root, "tree", REQUESTS // 3)
     assert chi_square_p(Counter(tuple(r.token_ids) for r in rows), law) < P_MIN
