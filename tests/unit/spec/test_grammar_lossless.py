@@ -42,7 +42,8 @@ def engine_on(models: Models, kind: str | None = None, topk: int = 1, steps: int
               **cfg) -> Engine:
     """``Models.engine`` with the checkpoint's tokenizer (structured output needs one)."""
     spec = SpecConfig(topk=topk, steps=steps, num_draft_tokens=ndt) if kind else None
-    return Engine(models.target, models.drafts[kind] if kind else None, EngineConfig(**{**SMALL, **cfg, "spec": spec}),
+    config = EngineConfig(**{**SMALL, "device": models.device, **cfg, "spec": spec})
+    return Engine(models.target, models.drafts[kind] if kind else None, config,
                   tokenizer=Tokenizer(models.root / "target"))
 
 
@@ -146,3 +147,21 @@ def test_refusals_and_aborts_leave_the_pools_full(oracle_models: Models):
         engine.step()
     assert req.finish_reason is None and engine.abort(req.rid)
     assert engine.is_idle_and_clean()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,topk,steps,ndt", [("eagle3", 2, 3, 6), ("mtp", 1, 3, 4)])
+def test_greedy_with_a_schema_equals_target_only_on_the_gpu_with_graphs(oracle_models_cuda: Models, kind, topk,
+                                                                        steps, ndt):
+    """On CUDA with graphs on (a batch with a schema verifies eagerly, one without replays its graphs) and
+    drafting ahead (the CUDA default), a request without a schema mixed in: greedy output equals the
+    target alone's, request by request."""
+    params = [text_params(), text_params(None), text_params()]
+    want = engine_on(oracle_models_cuda, page_size=16, chunk_size=None).generate(PROMPTS[:3], params)
+    engine = engine_on(oracle_models_cuda, kind, topk, steps, ndt, page_size=16, cuda_graph=True)
+    got = engine.generate(PROMPTS[:3], params)
+    for g, w in zip(got, want, strict=True):
+        assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason)
+    assert engine.is_idle_and_clean()
+    alone = engine.generate(PROMPTS[1:2], text_params(None))[0]  # no schema in the batch: graphs replayed
+    assert alone.token_ids == want[1].token_ids and engine.speculator.graphs["verify_extend"].captured_sizes
