@@ -41,6 +41,9 @@ class SamplingParams(BaseModel):
     # Structured output (shared/grammar.py): the JSON schema the output matches, as JSON text; response_format
     # {"type": "json_object"} is {"type": "object"}. None: free text.
     json_schema: str | None = None
+    # The prompt's last tokens that are output already streamed (a failover re-placement): the grammar consumes
+    # them first. 0 for a new request.
+    resumed_tokens: int = Field(default=0, ge=0)
 
     @field_validator("logit_bias")
     @classmethod

@@ -78,7 +78,7 @@ class Scheduler:
         return Request(rid=rid, prompt_ids=list(prompt_ids), params=params, eos_ids=self.eos_ids,
                        generator=make_generator(seed), seed=seed, output_ids=list(output_ids),
                        output_logprobs=list(output_logprobs), text=self._text(params, output_ids),
-                       grammar=self._grammar(params, output_ids))
+                       grammar=self._grammar(params, prompt_ids, output_ids))
 
     def _text(self, params: SamplingParams, output_ids: Sequence[int]) -> TextStream | None:
         """The stop-string watch of a request with stop strings, fed the output it arrives with."""
@@ -90,17 +90,21 @@ class Scheduler:
         text.push(list(output_ids))
         return text
 
-    def _grammar(self, params: SamplingParams, output_ids: Sequence[int]) -> Grammar | None:
-        """The matcher of a request with a JSON schema, advanced by the output it arrives with."""
+    def _grammar(self, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> Grammar | None:
+        """The matcher of a request with a JSON schema, advanced by the output it arrives with: the prompt's
+        last ``resumed_tokens`` (a failover's output so far), then ``output_ids``."""
         if params.json_schema is None:
             return None
+        if params.resumed_tokens > len(prompt_ids):
+            raise RequestError("resumed_tokens", f"{params.resumed_tokens} exceeds the prompt's "
+                                                 f"{len(prompt_ids)} tokens")
         if self.grammars is None:
             raise RequestError("json_schema", "structured output needs the model's tokenizer.json beside the weights")
         try:
             grammar = self.grammars.compile(params.json_schema)
         except ValueError as e:
             raise RequestError("json_schema", str(e)) from None
-        for tok in output_ids:
+        for tok in [*prompt_ids[len(prompt_ids) - params.resumed_tokens:], *output_ids]:
             grammar.advance(tok)
         return grammar
 

@@ -165,3 +165,21 @@ def test_greedy_with_a_schema_equals_target_only_on_the_gpu_with_graphs(oracle_m
     assert engine.is_idle_and_clean()
     alone = engine.generate(PROMPTS[1:2], text_params(None))[0]  # no schema in the batch: graphs replayed
     assert alone.token_ids == want[1].token_ids and engine.speculator.graphs["verify_extend"].captured_sizes
+
+
+def test_a_failover_resumes_the_value_where_the_client_has_it(pair):
+    """The router's failover re-places prompt + the output streamed so far with ``resumed_tokens``: the
+    grammar consumes those first, so the value goes on (greedy: exactly the uninterrupted run's tokens)."""
+    engine = Engine(pair[0], draft=pair[1], config=EngineConfig(max_running=4, max_context=96, spec=SpecConfig(
+        topk=2, steps=3, num_draft_tokens=6)))
+    schema = json.dumps(SCHEMAS[0])
+    whole = engine.generate(PAIR_PROMPTS[0], SamplingParams(max_new_tokens=40, json_schema=schema))[0]
+    k = 5
+    assert whole.finish_reason == "stop" and len(whole.token_ids) > k + 2
+    resumed = engine.generate(whole.prompt_ids + whole.token_ids[:k], SamplingParams(
+        max_new_tokens=40 - k, json_schema=schema, resumed_tokens=k))[0]
+    assert (resumed.token_ids, resumed.finish_reason) == (whole.token_ids[k:], "stop")
+    restarted = engine.generate(whole.prompt_ids + whole.token_ids[:k], SamplingParams(
+        max_new_tokens=40 - k, json_schema=schema))[0]
+    assert restarted.text.startswith("{")  # without it the grammar starts a new value (the bug it prevents)
+    assert engine.is_idle_and_clean()
