@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 import torch
-from test_sampling_lossless import P_MIN, chi_square_p, reference_probs
+from test_sampling_lossless import DEVICES, P_MIN, chi_square_p, reference_probs
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -81,10 +81,10 @@ def json_vocab(tmp_path_factory):
     return root, {**ended, **law}
 
 
-def sampled_outputs(root, shape: str, n: int) -> list:
+def sampled_outputs(root, shape: str, n: int, device: str = "cpu") -> list:
     kind, spec = SPECS[shape]
     engine = Engine(root / "target", root / kind, EngineConfig(page_size=4, max_running=BATCH, max_context=32,
-                                                               chunk_size=None, spec=spec))
+                                                               chunk_size=None, spec=spec, device=device))
     out = []
     for start in range(0, n, BATCH):
         params = [SamplingParams(temperature=1.0, seed=i, max_new_tokens=DEPTH, json_schema=SCHEMA)
@@ -94,10 +94,11 @@ def sampled_outputs(root, shape: str, n: int) -> list:
     return out
 
 
+@pytest.mark.parametrize("device", DEVICES)  # the GPU: the Triton acceptance kernels under the masks
 @pytest.mark.parametrize("shape", list(SPECS))
-def test_sampling_under_a_schema_matches_masked_target_sampling(json_vocab, shape):
+def test_sampling_under_a_schema_matches_masked_target_sampling(json_vocab, shape, device):
     root, law = json_vocab
-    rows = sampled_outputs(root, shape, REQUESTS)
+    rows = sampled_outputs(root, shape, REQUESTS, device)
     assert sum(len(k) < DEPTH for k in law) > 0 and max(law.values()) < 0.5  # the law is not trivial
     p = chi_square_p(Counter(tuple(r.token_ids) for r in rows), law)
     accepted = [r.spec_stats["accepted_drafts"] for r in rows]
