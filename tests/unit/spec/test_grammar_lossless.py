@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jsonschema
 import pytest
 from spec_helpers import PROMPTS, SMALL, Models
 
@@ -124,6 +123,8 @@ def hundred(engine: Engine) -> list:
 
 
 def test_a_hundred_generations_validate_with_and_without_speculation(pair):
+    import jsonschema  # a test dependency: imported here so the module's gpu test needs only llguidance
+
     config = dict(max_running=25, max_context=96, page_size=16)
     plain = hundred(Engine(pair[0], config=EngineConfig(**config)))
     spec = Engine(pair[0], draft=pair[1], config=EngineConfig(**config, spec=SpecConfig(topk=2, steps=3,
