@@ -12,6 +12,15 @@ verification alone. Greedy and sampled runs alternate on one engine per batch (t
 
     python bench/bench_sampled.py --out docs/bench/sampled_h100.json
     python bench/bench_sampled.py --dry-run      # a tiny model on the CPU: checks the script end to end
+
+Grammar mode (``--grammar``, its own function ``bench_grammar_iteration``): one EAGLE-3 decode step at
+batches 1 and 32 (``--grammar-batches``), every request under a JSON schema (an object whose string field
+stays open: the model writes inside it while timed) vs the same requests without one. With a schema the
+step verifies eagerly (no graph), reads the tree back and builds each node's mask on the host
+(llguidance over a ``bench/grammar_vocab.py`` tokenizer of the model's vocabulary size).
+
+    python bench/bench_sampled.py --grammar --out docs/bench/grammar_h100.json
+    python bench/bench_sampled.py --grammar --dry-run
 """
 
 from __future__ import annotations
@@ -27,9 +36,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import build_draft, build_target, engine_config, llama8b_config, write_json
+from bench.grammar_vocab import write_tokenizer
 from shared.config import SpecConfig
 from shared.engine import Engine
 from shared.model.factory import PRESETS, llama_hf_config
+from shared.model.tokenizer import Tokenizer
 from shared.sampling import SamplingParams
 from shared.spec.state import DraftState
 
@@ -131,6 +142,68 @@ def bench_iteration(target, draft, args) -> dict:
     return row
 
 
+# A JSON object whose string field stays open for the whole timed run (minLength): the masks are those of
+# free text inside a JSON string, for every tree node.
+GRAMMAR_SCHEMA = ('{"type": "object", "properties": {"text": {"type": "string", "minLength": 4096}}, '
+                  '"required": ["text"]}')
+GRAMMAR_PREFIX = '{"text": "'  # the output the requests arrive with (inside the string)
+
+
+def grammar_engine(target, draft, args, batch: int, room: int) -> Engine:
+    """An engine with a tokenizer of the target's vocabulary size (written once to ``args.vocab_dir``)."""
+    vocab_dir = Path(args.vocab_dir) / str(target.config.vocab_size)
+    if not (vocab_dir / "tokenizer.json").exists():
+        write_tokenizer(vocab_dir, target.config.vocab_size)
+    return Engine(target, draft, engine_config(args.prompt_len + room, batch, spec=SPEC, device=args.device,
+                                               dtype=args.dtype), tokenizer=Tokenizer(vocab_dir))
+
+
+def bench_grammar_iteration(target, draft, args, batch: int) -> dict:
+    """``batch`` requests at ``prompt_len`` positions inside a JSON string, decode steps back to back,
+    without and then with the schema (same tokens arrived with, same positions)."""
+    room = 24 + args.iter_calls * (args.iter_iters + 2) * (SPEC.steps + 1)
+    engine = grammar_engine(target, draft, args, batch, room)
+    engine.capture_graphs()
+    dev, w = engine.device, engine.speculator
+    prefix = engine.tokenizer.encode(GRAMMAR_PREFIX)
+    ctx = args.prompt_len
+    row = {"batch": batch, "context": ctx, "schema": GRAMMAR_SCHEMA}
+    for mode in ("plain", "json"):
+        params = SamplingParams(max_new_tokens=room - 8, ignore_eos=True,
+                                json_schema=GRAMMAR_SCHEMA if mode == "json" else None)
+        reqs = []
+        for b in range(batch):
+            req = engine.reserve_handoff(f"g-{mode}-{b}", [1] * (ctx - len(prefix) + 1), prefix, [0.0] * len(prefix),
+                                         params, ctx)
+            assert req is not None, "pool too small for the benchmark"
+            engine.activate_handoff(req, ctx, DraftState(
+                bonus_token=prefix[-1], committed_len=ctx,
+                hidden=torch.zeros(draft.hidden_width, device=dev, dtype=w.dtype),
+                topk_p=torch.ones(1, device=dev), topk_ids=torch.zeros(1, dtype=torch.int64, device=dev)))
+            reqs.append(req)
+        row[f"{mode}_ms"] = timer_ms(lambda: w.decode_step(reqs), iters=args.iter_iters, warmup=2,  # noqa: B023
+                                     calls=args.iter_calls)
+        assert all(r.finish_reason is None for r in reqs), "a request ended while timed"
+        if mode == "json":
+            row["json_output_sample"] = engine.tokenizer.decode(reqs[0].output_ids[:40])
+        for r in reqs:
+            engine.abort(r.rid)
+        w.drop_ahead()
+    assert engine.is_idle_and_clean()
+    row["json_over_plain"] = row["json_ms"] / row["plain_ms"]
+    return row
+
+
+def run_grammar(target, draft, args, settings: dict) -> None:
+    results = {"settings": {**settings, "mode": "grammar", "schema": GRAMMAR_SCHEMA}, "iteration": []}
+    for batch in [int(b) for b in args.grammar_batches.split(",")]:
+        row = bench_grammar_iteration(target, draft, args, batch)
+        results["iteration"].append(row)
+        print(f"grammar iteration bs={batch:3d} ctx={row['context']}  plain {row['plain_ms']:.3f} ms  json "
+              f"{row['json_ms']:.3f} ms  json/plain {row['json_over_plain']:.3f}", flush=True)
+        write_json(args.out, results)
+
+
 def build(args):
     if args.dry_run:
         tcfg = llama_hf_config(**PRESETS["tiny"])
@@ -150,13 +223,16 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--iter-iters", type=int, default=7, help="timed repetitions of the iteration")
     ap.add_argument("--iter-calls", type=int, default=10, help="decode steps per timed repetition")
+    ap.add_argument("--grammar", action="store_true", help="the grammar mode only (JSON schema vs plain iteration)")
+    ap.add_argument("--grammar-batches", default="1,32")
+    ap.add_argument("--vocab-dir", default="/tmp/eyrie-grammar-vocab", help="where the benchmark tokenizer is kept")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny model on the CPU, short prompts and outputs: checks the script, times nothing real")
     args = ap.parse_args()
     args.device, args.dtype = ("cpu", "float32") if args.dry_run else ("cuda", "bfloat16")
     if args.dry_run:
         args.batches, args.prompt_len, args.new_tokens, args.repeats = "1,2", 24, 12, 1
-        args.iter_iters, args.iter_calls = 2, 2
+        args.iter_iters, args.iter_calls, args.grammar_batches = 2, 2, "1,3"
     torch.manual_seed(0)
     t0 = time.time()
     target, draft = build(args)
@@ -166,6 +242,8 @@ def main():
                 "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "temperature": TEMPERATURE,
                 "repeats": args.repeats, "torch": torch.__version__}
     print("settings " + " ".join(f"{k}={v}" for k, v in settings.items()), flush=True)
+    if args.grammar:
+        return run_grammar(target, draft, args, settings)
     results = {"settings": settings, "throughput": [], "iteration": None}
     for batch in [int(b) for b in args.batches.split(",")]:
         row = bench_throughput(target, draft, args, batch)

@@ -25,6 +25,7 @@ import torch
 from shared.config import DEFAULT_GPU_MEMORY_FRACTION, EngineConfig, SpecConfig
 from shared.cuda_graphs import CaptureFailure, PhaseGraphs
 from shared.forward_batch import build_forward_batch, build_uniform_batch
+from shared.grammar import GrammarCompiler
 from shared.handoff.schema import HandoffSchema
 from shared.handoff.wire import Increment, PageFeed, PageGuard, PageSink, PageSource, Prefilled, encode_draft_state
 from shared.logits_process import process_logits, requests_rows
@@ -127,7 +128,9 @@ class Engine:
             config.spec_policy, Acceptance(self.speculator.spec.steps), MeasuredCost())
         caches = [self.cache] + (self.speculator.caches if self.speculator else [])
         self.scheduler = Scheduler(caches, config.max_running, config.chunk_size, config.headroom,
-                                   eos_ids=mc.eos_token_ids, prefill_only=role == "prefill", tokenizer=tokenizer)
+                                   eos_ids=mc.eos_token_ids, prefill_only=role == "prefill", tokenizer=tokenizer,
+                                   grammars=GrammarCompiler(tokenizer, mc.vocab_size, mc.eos_token_ids)
+                                   if tokenizer is not None else None)
         graphs_on = set(config.cuda_graph_phases) if config.cuda_graph else set()
         self.decode_graphs = PhaseGraphs("decode", self._decode_phase, "decode" in graphs_on, config.cuda_graph_max_bs,
                                          self.graph_failures, before_replay=lambda: flush_tables([self.cache]))

@@ -16,23 +16,29 @@ calls the same function with one node per request and no tree, so greedy specula
 greedy target-only output with every feature.
 
 Everything runs on the device from tensors built once per step (``logits_rows``); a batch in which no
-request uses a feature builds nothing and launches nothing here.
+request uses a feature builds nothing and launches nothing here. A JSON schema (``shared/grammar.py``)
+masks each node's logits with that node's grammar state, like ``allowed_token_ids`` (its masks are built
+on the host, the only feature that is).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
+from kernels.spec_kernels import DraftTree
+from shared.grammar import grammar_masks, unpack_masks
 from shared.sampling import SamplingParams
 
 
 def uses_processing(params: SamplingParams) -> bool:
     """Whether a request needs any of this module's features."""
     return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
-                or params.min_p or params.min_tokens or params.logit_bias or params.allowed_token_ids)
+                or params.min_p or params.min_tokens or params.logit_bias or params.allowed_token_ids
+                or params.json_schema is not None)
 
 
 @dataclass
@@ -50,15 +56,26 @@ class LogitsRows:
     repetition: torch.Tensor  # [B] float32 (0 on padding rows: read as 1)
     min_p: torch.Tensor  # [B] float32
     temperature: torch.Tensor  # [B] float32 (min_p applies to sampled rows, after the temperature)
+    # With a JSON schema in the batch (shared/grammar.py): each node's grammar mask, all bits set elsewhere
+    grammar: torch.Tensor | None = None  # [B, N, ceil(V/32)] int32 packed allowed tokens
 
 
-def requests_rows(reqs: list, vocab: int, rows: int, device: torch.device | str) -> LogitsRows | None:
+def requests_rows(reqs: list, vocab: int, rows: int, device: torch.device | str,
+                  tree: DraftTree | None = None) -> LogitsRows | None:
     """The ``LogitsRows`` of ``reqs`` (``shared.request.Request``: prompt, committed output, parameters,
-    EOS ids) padded to ``rows``; None when none of them uses a feature (then nothing is built)."""
+    EOS ids, grammar) padded to ``rows``; None when none of them uses a feature (then nothing is built).
+    ``tree``: the draft tree the logits are of (its first rows are ``reqs``'), else one node per request.
+    With a grammar in the batch this reads the tree's tokens back to the host (the masks are built there)."""
     if not any(uses_processing(r.params) for r in reqs):
         return None
-    return logits_rows([r.prompt_ids for r in reqs], [r.output_ids for r in reqs], [r.params for r in reqs],
-                       [r.eos_ids for r in reqs], vocab, rows, device)
+    out = logits_rows([r.prompt_ids for r in reqs], [r.output_ids for r in reqs], [r.params for r in reqs],
+                      [r.eos_ids for r in reqs], vocab, rows, device)
+    if any(r.grammar is not None for r in reqs):
+        n = len(reqs)
+        tokens, parents = (None, None) if tree is None else (tree.tokens[:n].tolist(), tree.parents[:n].tolist())
+        out = dataclasses.replace(out, grammar=grammar_masks([r.grammar for r in reqs], tokens, parents, vocab, rows,
+                                                             device))
+    return out
 
 
 def logits_rows(prompts: list[list[int]], outputs: list[list[int]], params: list[SamplingParams],
@@ -93,7 +110,7 @@ def logits_rows(prompts: list[list[int]], outputs: list[list[int]], params: list
         repetition=col([q.repetition_penalty for q in params], torch.float32),
         min_p=col([q.min_p for q in params], torch.float32),
         temperature=col([q.temperature for q in params], torch.float32))
-    return LogitsRows(**{k: v.to(device) for k, v in vars(host).items()})
+    return LogitsRows(**{k: v.to(device) for k, v in vars(host).items() if v is not None})
 
 
 def _scatter_counts(ids: list[list[int]], vocab: int, device: torch.device | str) -> torch.Tensor:
@@ -119,6 +136,8 @@ def process_logits(logits: torch.Tensor, rows: LogitsRows, tokens: torch.Tensor 
     tokens of n's ancestors below the root and n's own."""
     B, N, V = logits.shape
     raw = logits.float() + rows.bias.unsqueeze(1)
+    if rows.grammar is not None:
+        raw = raw.masked_fill(~unpack_masks(rows.grammar, V), -math.inf)
     depth = depths if depths is not None else torch.zeros(B, N, dtype=torch.int64, device=logits.device)
     early = (rows.out_len.unsqueeze(1) + depth < rows.min_tokens.unsqueeze(1)).unsqueeze(2)  # [B, N, 1]
     raw = raw.masked_fill(early & rows.stop_ids.unsqueeze(1), -math.inf)

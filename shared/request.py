@@ -15,6 +15,7 @@ from enum import Enum
 
 import torch
 
+from shared.grammar import Grammar
 from shared.memory.kv_cache import KVHandle
 from shared.sampling import SamplingParams
 from shared.spec.state import DraftState
@@ -60,6 +61,7 @@ class Request:
     draft_state: DraftState | None = None  # resume_from: the state the next decode step drafts from
     stats: SpecStats = field(default_factory=SpecStats)
     text: TextStream | None = None  # the output text, with stop strings only (commit feeds it)
+    grammar: Grammar | None = None  # with a JSON schema only: the matcher after the output (commit advances it)
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
     t_finish: float | None = None
@@ -87,7 +89,7 @@ class Request:
             taken.append(tok)
             if self.t_first_token is None:
                 self.t_first_token = time.perf_counter()
-            self.finish_reason = self._stop_string(tok) or self._stop_reason(tok)
+            self.finish_reason = self._stop_string(tok) or self._grammar_done(tok) or self._stop_reason(tok)
         return taken
 
     def advance(self, kv_len: int) -> None:
@@ -108,6 +110,8 @@ class Request:
         self.output_logprobs.extend(output_logprobs)
         if self.text is not None and output_ids:  # the stop-string watch sees every output token, in order
             self.text.push(list(output_ids))
+        for tok in output_ids if self.grammar is not None else ():  # so does the grammar
+            self.grammar.advance(tok)
         self.advance(committed_len)
         if state is not None:
             self.resume_from(state)
@@ -134,6 +138,14 @@ class Request:
             return None
         self.text.push([tok])
         return "stop" if self.text.matched is not None else None
+
+    def _grammar_done(self, tok: int) -> str | None:
+        """``stop`` when the grammar, advanced by ``tok``, has nothing more to match (the JSON value is
+        complete); a token the grammar rejects (none is drawn from its mask) ends it too."""
+        if self.grammar is None:
+            return None
+        self.grammar.advance(tok)
+        return "stop" if self.grammar.done else None
 
     def _stop_reason(self, tok: int) -> str | None:
         if tok in self.params.stop_token_ids:

@@ -38,6 +38,12 @@ class SamplingParams(BaseModel):
     allowed_token_ids: tuple[int, ...] = Field(default_factory=tuple)  # empty = every token
     # The most likely tokens returned with each output token, with their log-probabilities (OpenAI's limit).
     top_logprobs: int = Field(default=0, ge=0, le=20)
+    # Structured output (shared/grammar.py): the JSON schema the output matches, as JSON text; response_format
+    # {"type": "json_object"} is {"type": "object"}. None: free text.
+    json_schema: str | None = None
+    # The prompt's last tokens that are output already streamed (a failover re-placement): the grammar consumes
+    # them first. 0 for a new request.
+    resumed_tokens: int = Field(default=0, ge=0)
 
     @field_validator("logit_bias")
     @classmethod
@@ -55,6 +61,15 @@ class SamplingParams(BaseModel):
     def token_ids_used(self) -> list[int]:
         """Every token id the parameters name (the engine and the router check them against the vocabulary)."""
         return [*self.stop_token_ids, *(t for t, _ in self.logit_bias), *self.allowed_token_ids]
+
+    @field_validator("json_schema")
+    @classmethod
+    def _json_schema(cls, v: str | None) -> str | None:
+        if v is not None:
+            from shared.grammar import check_schema
+
+            check_schema(v)  # a ValueError names the problem
+        return v
 
     @field_validator("stop")
     @classmethod

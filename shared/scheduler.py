@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from shared.grammar import Grammar, GrammarCompiler
 from shared.memory.kv_cache import KVCache
 from shared.model.tokenizer import Tokenizer
 from shared.request import Request, RequestError, Stage
@@ -48,7 +49,8 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, caches: list[KVCache], max_running: int, chunk_size: int | None, headroom: int,
-                 eos_ids: tuple[int, ...] = (), prefill_only: bool = False, tokenizer: Tokenizer | None = None):
+                 eos_ids: tuple[int, ...] = (), prefill_only: bool = False, tokenizer: Tokenizer | None = None,
+                 grammars: GrammarCompiler | None = None):
         self.caches = caches
         self.prefill_only = prefill_only  # a prefill service never decodes: claims stop at the prompt
         self.max_running = max_running
@@ -56,6 +58,7 @@ class Scheduler:
         self.headroom = headroom  # positions beyond the final length a decode step may touch
         self.eos_ids = eos_ids  # the model's end-of-sequence tokens, every request's
         self.tokenizer = tokenizer  # detokenizes the outputs of requests with stop strings
+        self.grammars = grammars  # compiles the JSON schemas of requests with one (None: refused)
         self.requests: dict[str, Request] = {}  # every request not yet retired, by id (waiting or running)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -74,7 +77,8 @@ class Scheduler:
         seed = request_seed(params)  # the request's own, also when it gave none: its draws hash it
         return Request(rid=rid, prompt_ids=list(prompt_ids), params=params, eos_ids=self.eos_ids,
                        generator=make_generator(seed), seed=seed, output_ids=list(output_ids),
-                       output_logprobs=list(output_logprobs), text=self._text(params, output_ids))
+                       output_logprobs=list(output_logprobs), text=self._text(params, output_ids),
+                       grammar=self._grammar(params, prompt_ids, output_ids))
 
     def _text(self, params: SamplingParams, output_ids: Sequence[int]) -> TextStream | None:
         """The stop-string watch of a request with stop strings, fed the output it arrives with."""
@@ -85,6 +89,24 @@ class Scheduler:
         text = TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens)
         text.push(list(output_ids))
         return text
+
+    def _grammar(self, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> Grammar | None:
+        """The matcher of a request with a JSON schema, advanced by the output it arrives with: the prompt's
+        last ``resumed_tokens`` (a failover's output so far), then ``output_ids``."""
+        if params.json_schema is None:
+            return None
+        if params.resumed_tokens > len(prompt_ids):
+            raise RequestError("resumed_tokens", f"{params.resumed_tokens} exceeds the prompt's "
+                                                 f"{len(prompt_ids)} tokens")
+        if self.grammars is None:
+            raise RequestError("json_schema", "structured output needs the model's tokenizer.json beside the weights")
+        try:
+            grammar = self.grammars.compile(params.json_schema)
+        except ValueError as e:
+            raise RequestError("json_schema", str(e)) from None
+        for tok in [*prompt_ids[len(prompt_ids) - params.resumed_tokens:], *output_ids]:
+            grammar.advance(tok)
+        return grammar
 
     def peak_positions(self, req: Request) -> int:
         if self.prefill_only:

@@ -31,7 +31,10 @@ Behaviour worth knowing (docs/deploy.md has the user-facing version):
   Stop strings (``stop``) cut the text before the first one to appear (the choice's ``stop_reason``
   names it) and nothing past it is streamed. Penalties and filters (``presence_penalty``,
   ``frequency_penalty``, ``logit_bias``, vLLM's ``repetition_penalty``, ``min_p``, ``min_tokens``,
-  ``allowed_token_ids``) apply at every speculative tree node. ``n`` > 1,
+  ``allowed_token_ids``) apply at every speculative tree node. ``response_format`` ``json_object`` and
+  ``json_schema`` constrain the output to the schema (``shared/grammar.py``, every tree node masked from its
+  own grammar state); vLLM's ``guided_*`` and ``structured_outputs`` spellings are refused, pointing to it.
+  ``n`` > 1,
   ``echo``, ``suffix``, tools, ``tool_choice``, alternative log-probabilities
   and vLLM's extras not implemented yet (``NOT_IMPLEMENTED``) are refused with a 400 naming the parameter
   rather than silently ignored.
@@ -58,6 +61,7 @@ from starlette.responses import Response, StreamingResponse
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from services.settings import RouterSettings
+from shared.grammar import ANY_JSON_OBJECT
 from shared.http_server import HttpError, HttpServer, json_response, read_body, require_key
 from shared.request import RequestError
 
@@ -70,6 +74,8 @@ NOT_IMPLEMENTED = ("guided_json", "guided_regex", "guided_choice", "guided_gramm
                    "structured_outputs", "bad_words", "prompt_logprobs",
                    "truncate_prompt_tokens", "length_penalty", "tool_choice",
                    "parallel_tool_calls", "skip_special_tokens", "spaces_between_special_tokens")
+# vLLM's structured-output spellings: refused, their refusal points to OpenAI's response_format.
+VLLM_STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 # RouterCore names fields after the gRPC message; clients know OpenAI's names.
 _GRPC_TO_OPENAI = {
@@ -83,6 +89,7 @@ _GRPC_TO_OPENAI = {
     "sampling.min_tokens": "min_tokens",
     "sampling.logit_bias": "logit_bias",
     "sampling.allowed_token_ids": "allowed_token_ids",
+    "sampling.json_schema": "response_format",
     "request": None,
     "request_id": None,
 }
@@ -240,10 +247,10 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     return_token_ids: bool = False  # Eyrie's extension: token_ids in each choice
     user: str | None = None  # OpenAI's end-user id: accepted, not used
+    response_format: dict[str, Any] | None = None  # text, json_object or json_schema (_response_format)
     # Refused unless at their neutral value (_refuse_unsupported): declared so the message can say why.
     n: int | None = None
     best_of: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
 
@@ -343,7 +350,8 @@ def validate(model: type[_Sampling], raw: bytes) -> _Sampling:
     _check_json(body)
     for name in NOT_IMPLEMENTED:
         if name in body:
-            raise bad(name, f"{name}: not supported by Eyrie yet (refused rather than ignored)",
+            hint = " (for JSON send response_format)" if name in VLLM_STRUCTURED else ""
+            raise bad(name, f"{name}: not supported by Eyrie yet (refused rather than ignored){hint}",
                       code="unsupported_parameter")
     try:
         return model.model_validate_json(raw)
@@ -385,10 +393,6 @@ def _refuse_unsupported(body: _Sampling) -> None:
     for name in ("tools", "functions"):
         if getattr(body, name):
             raise bad(name, f"{name}: tool calling is not supported", code="unsupported_parameter")
-    rf = body.response_format
-    if rf is not None and rf.get("type", "text") != "text":
-        raise bad("response_format", "response_format: only {\"type\": \"text\"} is supported",
-                  code="unsupported_value")
     if body.stream_options is not None and not body.stream:
         raise bad("stream_options", "stream_options: only allowed with stream=true")
 
@@ -408,7 +412,33 @@ def _sampling(body: _Sampling, max_tokens: int | None, default_max_tokens: int) 
     s.stop.extend(x for x in ([body.stop] if isinstance(body.stop, str) else body.stop or []) if x)
     s.include_stop_str_in_output = body.include_stop_str_in_output
     _penalties(body, s)
+    schema = _response_format(body.response_format)
+    if schema is not None:
+        s.json_schema = schema  # RouterCore checks it (a bad schema: 400 naming the problem)
     return s
+
+
+def _response_format(rf: dict[str, Any] | None) -> str | None:
+    """OpenAI's ``response_format`` as the JSON schema text the output must match (None: free text).
+    ``json_schema``'s ``name`` and ``description`` are accepted and unused; the schema is always enforced
+    (``strict`` or not: a constrained output is never worse than a hopeful one)."""
+    kind = "text" if rf is None else rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ANY_JSON_OBJECT
+    if kind != "json_schema":
+        raise bad("response_format.type", f"response_format.type: {kind!r} is not one of text, json_object, "
+                                          "json_schema", code="unsupported_value")
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad("response_format.json_schema", "response_format.json_schema: required, an object with the "
+                                                 "schema", code="missing_required_parameter")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise bad("response_format.json_schema.schema", "response_format.json_schema.schema: required, a JSON "
+                                                        "schema object", code="invalid_value")
+    return json.dumps(schema)
 
 
 def _penalties(body: _Sampling, s: pb.SamplingParams) -> None:

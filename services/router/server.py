@@ -380,7 +380,8 @@ class RouterCore:
         avoid: set[str] = set()  # decode instances whose stream broke
         reason, ttft, broken = "new request", None, None
         while True:
-            rest = params.model_copy(update={"max_new_tokens": params.max_new_tokens - len(sent)})
+            rest = params.model_copy(update={"max_new_tokens": params.max_new_tokens - len(sent),
+                                             "resumed_tokens": len(sent)})  # a grammar goes on from them
             try:
                 token, logprob, finish_reason, top = self._place(active, ids + sent, rest, t0, avoid, reason)
             except RouterError as e:

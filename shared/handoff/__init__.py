@@ -55,9 +55,12 @@ def sampling_to_pb(params) -> pb.SamplingParams:
                             presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
                             repetition_penalty=params.repetition_penalty, min_p=params.min_p,
                             min_tokens=params.min_tokens, logit_bias=dict(params.logit_bias),
-                            allowed_token_ids=list(params.allowed_token_ids), top_logprobs=params.top_logprobs)
+                            allowed_token_ids=list(params.allowed_token_ids), top_logprobs=params.top_logprobs,
+                            resumed_tokens=params.resumed_tokens)
     if params.seed is not None:
         msg.seed = params.seed
+    if params.json_schema is not None:
+        msg.json_schema = params.json_schema
     return msg
 
 
@@ -74,7 +77,8 @@ def sampling_from_pb(msg: pb.SamplingParams, default_max_new_tokens: int = 16):
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty or 1.0, min_p=msg.min_p, min_tokens=msg.min_tokens,
         logit_bias=tuple(sorted(msg.logit_bias.items())), allowed_token_ids=tuple(msg.allowed_token_ids),
-        top_logprobs=msg.top_logprobs,
+        top_logprobs=msg.top_logprobs, json_schema=msg.json_schema if msg.HasField("json_schema") else None,
+        resumed_tokens=msg.resumed_tokens,
     )
 
 

@@ -34,6 +34,10 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what a grammar engine builds its own view from)."""
+        return self._tok.to_str()
+
 
 def _training_text(max_bytes: int = 400_000) -> list[str]:
     """Offline text: the Python standard library's own sources, in a fixed order."""

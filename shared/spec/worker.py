@@ -224,7 +224,7 @@ class SpecWorker:
         batch's first rows) whose penalties and filters apply; ``top_n``: the top log-probabilities the
         batch asks for."""
         rows = None if processed is None else requests_rows(
-            processed, self.target.config.vocab_size, d.inp.L.shape[0], d.inp.L.device)
+            processed, self.target.config.vocab_size, d.inp.L.shape[0], d.inp.L.device, d.tree)
         out = self._verify_extend(d.inp, d.tree, rows, top_n)
         return tree_map(d.take, out), tree_map(d.take, d.inp)
 

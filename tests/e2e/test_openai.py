@@ -579,3 +579,47 @@ def test_chat_top_logprobs_equal_grpc(stack, client, stream):
         assert [a.token for a in entry.top_logprobs] == [stack.tokenizer.decode([i]) for i in want]
         assert [a.logprob for a in entry.top_logprobs] == pytest.approx(list(want.values()), abs=1e-5)
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)  # greedy: the top one
+
+
+# ---- structured output ---------------------------------------------------------------------------
+JSON_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["red", "green"]}},
+               "required": ["ok", "tag"], "additionalProperties": False}
+RESPONSE_FORMATS = {
+    "json_schema": ({"type": "json_schema", "json_schema": {"name": "flag", "schema": JSON_SCHEMA, "strict": True}},
+                    json.dumps(JSON_SCHEMA)),
+    "json_object": ({"type": "json_object"}, '{"type": "object"}'),
+}
+
+
+def choice_text(choice, chat: bool, stream: bool) -> str:
+    if chat:
+        return (choice.delta.content if stream else choice.message.content) or ""
+    return choice.text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("fmt", list(RESPONSE_FORMATS))
+def test_response_format_equals_grpc_on_both_endpoints(stack, client, fmt, stream):
+    """Greedy output under response_format is the gRPC API's under the same schema, token for token, on
+    both endpoints, streamed or not; a completed value parses (and validates against its schema)."""
+    import jsonschema
+
+    rf, schema = RESPONSE_FORMATS[fmt]
+    messages = [{"role": "user", "content": "fibonacci"}]
+    kw = dict(model="eyrie", max_tokens=24, temperature=0, stream=stream, extra_body={"return_token_ids": True})
+    for chat, prompt in ((False, PROMPT), (True, tiny_template(messages))):
+        want, text, _, finish = grpc_generate(stack, text=prompt, temperature=0, max_new_tokens=24, json_schema=schema)
+        plain, *_ = grpc_generate(stack, text=prompt, temperature=0, max_new_tokens=24)
+        assert want != plain and text.startswith("{")  # the schema is applied
+        if fmt == "json_schema":
+            assert finish.reason == "stop" and len(want) < 24  # the value completed: nothing after it
+            jsonschema.validate(json.loads(text), JSON_SCHEMA)
+        resp = (client.chat.completions.create(messages=messages, response_format=rf, **kw) if chat  # the client's
+                else client.completions.create(prompt=PROMPT, **{**kw, "extra_body": {**kw["extra_body"],  # vLLM's
+                                                                                      "response_format": rf}}))
+        chunks = list(resp) if stream else [resp]
+        choices = [c.choices[0] for c in chunks if c.choices]
+        ids = [t for c in choices for t in (getattr(c, "token_ids", None) or [])]
+        got_text = "".join(choice_text(c, chat, stream) for c in choices)
+        assert (ids, got_text) == (want, text), chat
+        assert choices[-1].finish_reason == finish.reason
