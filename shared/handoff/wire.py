@@ -8,7 +8,7 @@ source built after the prompt ran yields one increment with everything.
 Order: per increment, per cache (target first, then each draft cache), per layer, the increment's
 pages in position order. Runs of contiguous page ids are coalesced into one slice (one tensor slice
 read, one message), and a slice is cut so that a message holds at most ``chunk_bytes`` of K + V.
-Every chunk carries its index (``seq``) and a CRC32 of its K bytes followed by its V bytes; the last
+Every chunk carries its index (``seq``) and a CRC32C of its K bytes followed by its V bytes; the last
 chunk carries the number of chunks sent, the request's draft state
 (``shared.spec.state.DraftState.to_bytes``) and, when the reservation named none, its first token.
 
@@ -30,11 +30,11 @@ import dataclasses
 import queue
 import threading
 import warnings
-import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import crc32c
 import torch
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
@@ -190,7 +190,9 @@ class Staging:
 
 
 def checksum(k: bytes | memoryview, v: bytes | memoryview) -> int:
-    return zlib.crc32(v, zlib.crc32(k))
+    """CRC32C (Castagnoli) of ``k`` followed by ``v``: the CPU's CRC instruction (SSE4.2, ARMv8), several GB/s
+    per core against zlib's CRC32 at ~1-2, and computed without the GIL, beside gRPC's and the engine's threads."""
+    return crc32c.crc32c(v, crc32c.crc32c(k))
 
 
 @dataclass(frozen=True)
@@ -447,7 +449,7 @@ class PageSink:
             raise TransferError(f"{where} arrived as chunk {self.received}: chunks lost or out of order")
         k_bytes, v_bytes = chunk.k, chunk.v  # read once: each read of a message's bytes field copies them
         if checksum(k_bytes, v_bytes) != chunk.crc32:
-            raise TransferError(f"{where} failed its CRC32 check")
+            raise TransferError(f"{where} failed its CRC32C check")
         if chunk.in_place or self.in_place:
             return self._written_in_place(chunk, where)
         self.received += 1
