@@ -309,3 +309,18 @@ def test_fed_increments_send_each_page_once_as_the_prefill_completes_it():
     waiting.guard.cancel()
     with pytest.raises(TransferCancelled):
         next(gen)
+
+
+def test_scatter_writes_the_named_pages_only_and_never_into_a_copy():
+    from shared.handoff.wire import scatter
+
+    layer = torch.zeros(6 * PS, 2, 3, dtype=torch.bfloat16)
+    data = torch.arange(3 * PS * 6, dtype=torch.float32).view(3 * PS, 2, 3).to(torch.bfloat16)
+    scatter(layer, [4, 1, 2], data, PS)
+    pages = layer.view(6, PS, 2, 3)
+    for i, p in enumerate([4, 1, 2]):
+        assert torch.equal(pages[p], data[i * PS:(i + 1) * PS])
+    assert not pages[[0, 3, 5]].any()
+    strided = torch.zeros(2, 6 * PS, 2, 3)[:, :, :, :2][0]  # its pages are not one block of memory each
+    with pytest.raises(RuntimeError):
+        scatter(strided, [0], torch.ones(PS, 2, 2), PS)
