@@ -18,8 +18,8 @@ the stack/engine ratios; per transport, the hand-off bandwidth from the prefill 
 (``eyrie_handoff_bytes_total`` / ``eyrie_handoff_seconds_sum``: whole hand-offs, reserve and acknowledgement
 included) beside the device-to-device copy bandwidth. The JSON (``--out``) is rewritten after every point, so a
 run cut off by its time limit keeps what it measured; points that no longer fit ``--deadline-s`` are skipped
-and listed. An outside load generator (guidellm) as a cross-check: bench/README.md says why it cannot drive
-Eyrie's OpenAI endpoint yet, and bench/fetch_wheels.sh fetches its wheels.
+and listed. An outside load generator (guidellm) as a cross-check of the same endpoint: bench/outside_load.sh
+(bench/README.md; bench/fetch_wheels.sh fetches its wheels for the GPU machine).
 
     python bench/bench_serving.py --out out/serving.json                  # H100: the 8B shape, ~9 min
     python bench/bench_serving.py --smoke --out /tmp/smoke.json           # tiny model on the CPU, < 1 min

@@ -220,6 +220,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far in every chunk too
 
 
 class _Sampling(_Strict):
@@ -375,6 +376,7 @@ class Parsed:
     req: pb.GenerateRequest
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # usage in every streamed chunk (stream_options.continuous_usage_stats)
     logprobs: bool = False
     return_token_ids: bool = False
     prompt_param: str = "prompt"
@@ -465,6 +467,11 @@ def _include_usage(body: _Sampling) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
 
 
+def _continuous_usage(body: _Sampling) -> bool:
+    """As vLLM: only together with include_usage."""
+    return _include_usage(body) and body.stream_options.continuous_usage_stats
+
+
 def parse_completion(body: CompletionRequest) -> Parsed:
     _refuse_unsupported(body)
     req = pb.GenerateRequest()
@@ -490,6 +497,7 @@ def parse_completion(body: CompletionRequest) -> Parsed:
     req.sampling.top_logprobs = body.logprobs or 0
     req.return_logprobs = body.logprobs is not None
     return Parsed(chat=False, req=req, stream=body.stream, include_usage=_include_usage(body),
+                  continuous_usage=_continuous_usage(body),
                   logprobs=req.return_logprobs, return_token_ids=body.return_token_ids)
 
 
@@ -525,6 +533,7 @@ def parse_chat(body: ChatRequest, template: ChatTemplate, default_max_tokens: in
     req.sampling.CopyFrom(_sampling(body, max_tokens, default_max_tokens))
     req.sampling.top_logprobs = body.top_logprobs or 0
     return Parsed(chat=True, req=req, stream=body.stream, include_usage=_include_usage(body), logprobs=body.logprobs,
+                  continuous_usage=_continuous_usage(body),
                   return_token_ids=body.return_token_ids, prompt_param="messages", max_tokens_param=max_param)
 
 
@@ -548,8 +557,11 @@ def _extension(rid: str, finish: pb.Finish) -> dict:
 
 
 def _usage(finish: pb.Finish) -> dict:
-    p, c = finish.usage.prompt_tokens, finish.usage.completion_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return _token_usage(finish.usage.prompt_tokens, finish.usage.completion_tokens)
+
+
+def _token_usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _finish_reason(finish: pb.Finish | None) -> str | None:
@@ -764,17 +776,21 @@ class OpenAIServer:
         base = {"id": ("chatcmpl-" if parsed.chat else "cmpl-") + rid,
                 "object": "chat.completion.chunk" if parsed.chat else "text_completion",
                 "created": int(time.time()), "model": self.settings.model_name}
+        # With continuous usage every chunk says the tokens so far (the prompt's counted as the router does).
+        usage = {"prompt": len((await self._run(self.core.validate, parsed.req))[1]) if parsed.continuous_usage
+                 else 0, "completion": 0}
         if parsed.chat:  # OpenAI opens a chat stream with the role
             yield _event({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                               "logprobs": None, "finish_reason": None}]}, parsed)
+                                               "logprobs": None, "finish_reason": None}]}, parsed, usage)
         offset = 0
         msg, finish = first, None
         try:
             while msg is not None:
                 if msg.HasField("finish"):
                     finish = msg.finish
+                usage["completion"] += len(msg.token_ids)
                 if msg.text or finish is not None or parsed.logprobs or parsed.return_token_ids:
-                    yield _event(self._chunk(base, parsed, msg, finish, offset, rid), parsed)
+                    yield _event(self._chunk(base, parsed, msg, finish, offset, rid), parsed, usage)
                 offset += len(msg.text)
                 msg = await self._run(self._next, gen, parsed)
             if finish is not None and parsed.include_usage:
@@ -828,7 +844,11 @@ class OpenAIServer:
         return {"token": text, "logprob": float(logprob), "bytes": list(text.encode())}
 
 
-def _event(payload: dict, parsed: Parsed) -> bytes:
+def _event(payload: dict, parsed: Parsed, usage: dict | None = None) -> bytes:
+    """One server-sent event; ``usage`` ({prompt, completion} tokens so far) fills its usage with continuous
+    usage stats, else a chunk's usage is null when include_usage asked for a last one."""
+    if parsed.continuous_usage and usage is not None:
+        payload.setdefault("usage", _token_usage(usage["prompt"], usage["completion"]))
     if parsed.include_usage:
         payload.setdefault("usage", None)
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"

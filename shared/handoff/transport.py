@@ -33,6 +33,7 @@ import queue
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -185,16 +186,23 @@ class GrpcStreamTransport(Transport):
             return
 
     def receive(self, messages: Iterator[pb.KVChunk], open_sink: Callable[[str], PageSink]) -> Received:
-        sink, last = None, None
-        for chunk in messages:
-            if sink is None:
-                if not chunk.request_id:
-                    raise TransferError("the first chunk names no request_id")
-                sink = open_sink(chunk.request_id)
-            sink.write(chunk)
-            last = chunk
-            if chunk.last:
-                break
+        """Each chunk is checked and written on a thread of its own while the next one is read out of gRPC (one
+        write in flight, in order); the first failure stops the reading, and no write outlives the call."""
+        sink, last, writing = None, None, None
+        with ThreadPoolExecutor(1, thread_name_prefix="handoff-write") as writer:
+            for chunk in messages:
+                if sink is None:
+                    if not chunk.request_id:
+                        raise TransferError("the first chunk names no request_id")
+                    sink = open_sink(chunk.request_id)
+                if writing is not None:
+                    writing.result()
+                writing = writer.submit(sink.write, chunk)
+                last = chunk
+                if chunk.last:
+                    break
+            if writing is not None:
+                writing.result()
         if sink is None:
             raise TransferError("the transfer carried no chunk")
         return sink.finish(last)

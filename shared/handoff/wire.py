@@ -8,7 +8,7 @@ source built after the prompt ran yields one increment with everything.
 Order: per increment, per cache (target first, then each draft cache), per layer, the increment's
 pages in position order. Runs of contiguous page ids are coalesced into one slice (one tensor slice
 read, one message), and a slice is cut so that a message holds at most ``chunk_bytes`` of K + V.
-Every chunk carries its index (``seq``) and a CRC32 of its K bytes followed by its V bytes; the last
+Every chunk carries its index (``seq``) and a CRC32C of its K bytes followed by its V bytes; the last
 chunk carries the number of chunks sent, the request's draft state
 (``shared.spec.state.DraftState.to_bytes``) and, when the reservation named none, its first token.
 
@@ -30,11 +30,11 @@ import dataclasses
 import queue
 import threading
 import warnings
-import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import crc32c
 import torch
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
@@ -190,7 +190,9 @@ class Staging:
 
 
 def checksum(k: bytes | memoryview, v: bytes | memoryview) -> int:
-    return zlib.crc32(v, zlib.crc32(k))
+    """CRC32C (Castagnoli) of ``k`` followed by ``v``: the CPU's CRC instruction (SSE4.2, ARMv8), several GB/s
+    per core against zlib's CRC32 at ~1-2, and computed without the GIL, beside gRPC's and the engine's threads."""
+    return crc32c.crc32c(v, crc32c.crc32c(k))
 
 
 @dataclass(frozen=True)
@@ -413,17 +415,26 @@ class Received:
 
 def scatter(layer: torch.Tensor, page_ids: list[int], data: torch.Tensor, page_size: int) -> None:
     """Write ``data`` ([len(page_ids) * page_size, ...], host memory) into ``layer``'s pages ``page_ids``, in
-    place. On the CPU one copy per run of contiguous pages (faster there than an indexed copy); on a GPU
-    with fragmented pages one host -> device copy and one indexed copy, not a transfer per run."""
+    place. On the CPU one indexed copy of whole pages as bytes (numpy: no per-page tensor op, whose overhead
+    cost ~1 s/GB at 16-token pages); on a GPU one host -> device copy and, with fragmented pages, one
+    indexed copy, not a transfer per run."""
+    if layer.device.type == "cpu":
+        _pages_as_bytes(layer, page_size)[page_ids] = _pages_as_bytes(data, page_size)
+        return
     runs = coalesce(page_ids)
-    if layer.device.type == "cpu" or len(runs) == 1:
-        for run in runs:
-            lo, n, first = run.first * page_size, run.count * page_size, run.page * page_size
-            layer[first:first + n].copy_(data[lo:lo + n])
+    if len(runs) == 1:
+        first = runs[0].page * page_size
+        layer[first:first + len(page_ids) * page_size].copy_(data)
         return
     pages = layer.view(-1, page_size, *layer.shape[1:])
     index = torch.tensor(page_ids, dtype=torch.int64, device=layer.device)
     pages.index_copy_(0, index, data.to(layer.device).view(-1, page_size, *layer.shape[1:]))
+
+
+def _pages_as_bytes(t: torch.Tensor, page_size: int):
+    """A host tensor of whole pages ([pages * page_size, ...]) as a [pages, page bytes] uint8 array over the
+    same memory (``view`` raises rather than copy, so writes always land in ``t``)."""
+    return t.view(torch.uint8).view(t.shape[0] // page_size, -1).numpy()
 
 
 class PageSink:
@@ -447,7 +458,7 @@ class PageSink:
             raise TransferError(f"{where} arrived as chunk {self.received}: chunks lost or out of order")
         k_bytes, v_bytes = chunk.k, chunk.v  # read once: each read of a message's bytes field copies them
         if checksum(k_bytes, v_bytes) != chunk.crc32:
-            raise TransferError(f"{where} failed its CRC32 check")
+            raise TransferError(f"{where} failed its CRC32C check")
         if chunk.in_place or self.in_place:
             return self._written_in_place(chunk, where)
         self.received += 1

@@ -15,7 +15,7 @@ import torch
 
 # The hand-off's version, sent in every draft state and compared at the handshake
 # (shared/handoff/schema.py): bump when the wire format (shared/handoff/wire.py) or this layout changes.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: chunks checksummed with CRC32C, not zlib's CRC32
 
 
 @dataclass

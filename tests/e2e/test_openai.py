@@ -430,6 +430,21 @@ def test_streaming_with_usage_counts_every_token(stack, client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats_put_the_tokens_so_far_in_every_chunk(stack, client, chat):
+    """vLLM's stream_options.continuous_usage_stats (load generators such as guidellm send it)."""
+    kw = dict(model="eyrie", max_tokens=7, temperature=0, stream=True, extra_body={"ignore_eos": True},
+              stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw) if chat
+                  else client.completions.create(prompt=PROMPT, **kw))
+    final = chunks[-1]
+    assert final.choices == [] and final.usage.completion_tokens == 7 and final.usage.prompt_tokens > 0
+    seen = [c.usage.completion_tokens for c in chunks]
+    assert seen == sorted(seen) and seen[-2] == 7 and (seen[0] == 0 if chat else seen[0] >= 1)
+    assert all(c.usage.prompt_tokens == final.usage.prompt_tokens for c in chunks)
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+
+
 def test_128_simultaneous_connections_are_all_served(stack):
     n, results = 128, []
     gate = threading.Barrier(n)

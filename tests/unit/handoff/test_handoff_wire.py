@@ -309,3 +309,59 @@ def test_fed_increments_send_each_page_once_as_the_prefill_completes_it():
     waiting.guard.cancel()
     with pytest.raises(TransferCancelled):
         next(gen)
+
+
+def test_scatter_writes_the_named_pages_only_and_never_into_a_copy():
+    from shared.handoff.wire import scatter
+
+    layer = torch.zeros(6 * PS, 2, 3, dtype=torch.bfloat16)
+    data = torch.arange(3 * PS * 6, dtype=torch.float32).view(3 * PS, 2, 3).to(torch.bfloat16)
+    scatter(layer, [4, 1, 2], data, PS)
+    pages = layer.view(6, PS, 2, 3)
+    for i, p in enumerate([4, 1, 2]):
+        assert torch.equal(pages[p], data[i * PS:(i + 1) * PS])
+    assert not pages[[0, 3, 5]].any()
+    strided = torch.zeros(2, 6 * PS, 2, 3)[:, :, :, :2][0]  # its pages are not one block of memory each
+    with pytest.raises(RuntimeError):
+        scatter(strided, [0], torch.ones(PS, 2, 2), PS)
+
+
+class _SlowSink:
+    """Records its writes; each takes a while, and ``fail_at`` raises as a corrupt chunk would."""
+
+    def __init__(self, fail_at: int = -1):
+        self.written, self.fail_at = [], fail_at
+
+    def write(self, chunk) -> None:
+        time.sleep(0.05)
+        if chunk.seq == self.fail_at:
+            raise TransferError(f"chunk {chunk.seq} refused")
+        self.written.append(chunk.seq)
+
+    def finish(self, last):
+        return last.seq
+
+
+def test_receive_writes_in_order_one_ahead_and_stops_reading_at_the_first_refused_chunk():
+    from shared.handoff import GrpcStreamTransport
+
+    pulled = []
+
+    def messages(n: int, broken: bool = False):
+        for seq in range(n):
+            pulled.append(seq)
+            yield pb.KVChunk(request_id="r", seq=seq, last=seq == n - 1 and not broken)
+        if broken:
+            raise ConnectionError("the sender went away")
+
+    sink = _SlowSink()
+    assert GrpcStreamTransport().receive(messages(5), lambda rid: sink) == 4 and sink.written == [0, 1, 2, 3, 4]
+    pulled.clear()
+    sink = _SlowSink(fail_at=1)
+    with pytest.raises(TransferError, match="chunk 1 refused"):
+        GrpcStreamTransport().receive(messages(6), lambda rid: sink)
+    assert sink.written == [0] and max(pulled) <= 2  # read at most one chunk past the one being written
+    sink = _SlowSink()
+    with pytest.raises(ConnectionError):
+        GrpcStreamTransport().receive(messages(3, broken=True), lambda rid: sink)
+    assert sink.written == [0, 1, 2]  # a broken transfer returns only after the write under way has finished
