@@ -335,7 +335,8 @@ class Engine:
             return []
         rows = requests_rows(reqs, out.logits.shape[-1], len(reqs), out.logits.device)
         logits = out.logits if rows is None else process_logits(out.logits.unsqueeze(1), rows).squeeze(1)
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        tokens = sample(logits, [r.params for r in reqs], [r.seed for r in reqs],
+                        [r.prompt_len + len(r.output_ids) for r in reqs])
         logp = torch.log_softmax(logits.float(), dim=-1)  # the distribution the tokens were drawn from
         logprobs = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
         top_n = max((r.params.top_logprobs for r in reqs), default=0)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from shared.memory.kv_cache import KVCache
 from shared.model.tokenizer import Tokenizer
 from shared.request import Request, RequestError, Stage
-from shared.sampling import SamplingParams, make_generator, request_seed
+from shared.sampling import SamplingParams, request_seed
 from shared.spec.state import DraftState
 from shared.text import TextStream
 
@@ -73,7 +73,7 @@ class Scheduler:
              output_logprobs: Sequence[float] = ()) -> Request:
         seed = request_seed(params)  # the request's own, also when it gave none: its draws hash it
         return Request(rid=rid, prompt_ids=list(prompt_ids), params=params, eos_ids=self.eos_ids,
-                       generator=make_generator(seed), seed=seed, output_ids=list(output_ids),
+                       seed=seed, output_ids=list(output_ids),
                        output_logprobs=list(output_logprobs), text=self._text(params, output_ids))
 
     def _text(self, params: SamplingParams, output_ids: Sequence[int]) -> TextStream | None:
