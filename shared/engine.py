@@ -178,9 +178,13 @@ class Engine:
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    rid: str | None = None) -> Request:
+                    rid: str | None = None, output_ids: list[int] = (), output_logprobs: list[float] = ()) -> Request:
+        """A new request; with ``output_ids`` (and their logprobs), one resuming after the output tokens a
+        client already has (a failover): its prefill computes them too and samples nothing, so the next
+        token is drawn where and as the request's first run would have drawn it."""
         params = params or SamplingParams()
         ids = self.validate_prompt(prompt)
+        self._check_resume(output_ids, output_logprobs, params)
         if len(ids) + params.max_new_tokens > self.max_context:
             raise RequestError("max_new_tokens", f"prompt ({len(ids)}) + max_new_tokens "
                                f"({params.max_new_tokens}) exceeds the context of {self.max_context}")
@@ -190,7 +194,17 @@ class Engine:
         rid = rid or f"req-{next(self._ids)}"
         if self.scheduler.get(rid) is not None:
             raise RequestError("request_id", f"{rid!r} is already running")
-        return self.scheduler.submit(rid, ids, params)
+        return self.scheduler.submit(rid, ids, params, output_ids, output_logprobs)
+
+    def _check_resume(self, output_ids: list[int], output_logprobs: list[float], params: SamplingParams) -> None:
+        if len(output_logprobs) != len(output_ids):
+            raise RequestError("resume_logprobs", f"{len(output_logprobs)} logprobs for {len(output_ids)} tokens")
+        if len(output_ids) >= params.max_new_tokens:
+            raise RequestError("resume_ids", f"{len(output_ids)} tokens leave none of max_new_tokens "
+                                             f"({params.max_new_tokens}) to generate")
+        bad = next((t for t in output_ids if not 0 <= t < self.model.config.vocab_size), None)
+        if bad is not None:
+            raise RequestError("resume_ids", f"token id {bad} is outside the vocabulary")
 
     def abort(self, rid: str, reason: str = "abort") -> bool:
         """End request ``rid`` now and free its pages; False when no such request runs."""
@@ -286,8 +300,8 @@ class Engine:
             sample_rows.append(len(ids) - 1), sampled_reqs.append(req)
         for ch in plan.prefill:
             rows.append(ch.req.handles[0].row), prefix.append(ch.start), q_lens.append(ch.end - ch.start)
-            ids.extend(ch.req.prompt_ids[ch.start:ch.end]), pos.extend(range(ch.start, ch.end))
-            if ch.completes_prompt:
+            ids.extend(ch.req.all_ids[ch.start:ch.end]), pos.extend(range(ch.start, ch.end))
+            if ch.samples:
                 sample_rows.append(len(ids) - 1), sampled_reqs.append(ch.req)
         positions = torch.tensor(pos, dtype=torch.int64)
         batch = build_forward_batch(self.cache, rows, prefix, q_lens, torch.tensor(ids), positions, positions,
@@ -391,7 +405,8 @@ class Engine:
             with self.on_device():
                 written = torch.cuda.Event()
                 written.record()
-        last = Prefilled(encode_draft_state(req), tuple(req.output_ids), tuple(req.output_logprobs)) if parked else None
+        last = Prefilled(encode_draft_state(req), tuple(req.output_ids[req.resumed:]),
+                         tuple(req.output_logprobs[req.resumed:])) if parked else None
         return Increment(page_ids, done, written, last)
 
     def reserve_handoff(self, rid: str, prompt_ids: list[int], output_ids: list[int],

@@ -46,6 +46,7 @@ class Request:
     params: SamplingParams
     eos_ids: tuple[int, ...] = ()
     seed: int = 0  # every draw hashes it with a position (set at admission; a hand-off carries it)
+    resumed: int = 0  # output tokens it arrived with to prefill (a failover resuming after them); fixed
     stage: Stage = Stage.WAITING  # written by the scheduler
     output_ids: list[int] = field(default_factory=list)  # commit
     output_logprobs: list[float] = field(default_factory=list)  # commit: target log p of each output token
@@ -64,6 +65,12 @@ class Request:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def prefill_len(self) -> int:
+        """Positions its prefill computes: the prompt, and of the output tokens it resumes after all but the
+        last, which the first decode step takes as its input (as it takes a sampled first token)."""
+        return self.prompt_len + max(self.resumed - 1, 0)
 
     @property
     def all_ids(self) -> list[int]:
