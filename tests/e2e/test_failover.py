@@ -22,6 +22,7 @@ from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.router.server import start_router
 from services.settings import RouterSettings
 from shared.metadata import EmbeddedRedis, Registry, RequestStore, connect
+from tests.e2e.conftest import start_stack
 
 STREAMS = 8
 NEW_TOKENS = 128  # long enough that the kill lands mid-stream on a loaded CPU
@@ -241,6 +242,45 @@ def test_kill_9_of_a_decode_mid_stream_keeps_sampled_output_identical(sampled_st
     failed_over = [i for i in range(SAMPLED_STREAMS) if "failover" in store.get(f"run-{i}").get("placements", "")]
     assert failed_over, f"no request failed over from the killed decode instance {victim} (it held {on_a})"
     assert_pools_empty(registry)
+
+
+def test_a_stopped_decode_hands_its_sampled_streams_over_in_place(redis_url, tiny_model_dir):
+    """In one process, the same-host transport (shared-memory pools, pages written in place): a decode
+    instance stopped at once mid-stream; the resumed hand-offs of its sampled streams are written straight
+    into the other instance's pools, and every stream equals its uninterrupted run."""
+    stack = start_stack(redis_url, tiny_model_dir, "eagle3", num_decodes=2, transport="ipc", page_size=4,
+                        chunk_size=16)
+    try:
+        reference = {i: [t for m in stack.stub.Generate(sampled_request(i, f"ref-{i}"), timeout=120)
+                         for t in m.token_ids] for i in range(4)}
+        got: dict[int, list[int]] = {i: [] for i in range(4)}
+        errors: list = []
+        streaming = threading.Barrier(5)
+
+        def stream(i: int) -> None:
+            try:
+                for n, msg in enumerate(stack.stub.Generate(sampled_request(i, f"run-{i}"), timeout=120)):
+                    got[i] += msg.token_ids
+                    if n == 1:
+                        streaming.wait(60)
+            except Exception as e:  # noqa: BLE001 (reported below)
+                errors.append((i, e))
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        streaming.wait(60)
+        stack.decodes[0].stop(0)
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert got == reference
+        placements = [stack.store.get(f"run-{i}").get("placements", "") for i in range(4)]
+        assert any("failover" in p for p in placements), placements
+        stack.decodes = stack.decodes[1:]  # the stopped one is gone
+        assert stack.wait_clean()
+    finally:
+        stack.stop()
 
 
 def assert_pools_empty(registry: Registry) -> None:
