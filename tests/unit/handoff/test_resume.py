@@ -13,12 +13,25 @@ from handoff_helpers import PROMPTS, engine_config, hand_off, load_models, make_
 from shared.request import Stage
 from shared.sampling import SamplingParams
 
-SAMPLED = SamplingParams(temperature=0.8, seed=1234, max_new_tokens=20, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.8, seed=1234, max_new_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def models(oracle_model_dir):
     return load_models(oracle_model_dir)
+
+
+@pytest.fixture(scope="module")
+def runs(models):
+    """Per draft kind, ``uninterrupted``'s result (computed once for the tests of this module)."""
+    cache = {}
+
+    def get(draft):
+        if draft not in cache:
+            cache[draft] = uninterrupted(models, draft, engine_config(draft, topk=2, max_context=512))
+        return cache[draft]
+
+    return get
 
 
 def uninterrupted(models, draft, config):
@@ -65,31 +78,31 @@ def resume(models, draft, config, prompt, sent, logprobs, again: bool = False):
 
 
 @pytest.mark.parametrize("draft", [None, "eagle3"])
-def test_a_resumed_sampled_request_continues_as_if_uninterrupted(models, draft):
+def test_a_resumed_sampled_request_continues_as_if_uninterrupted(models, runs, draft):
     config = engine_config(draft, topk=2, max_context=512)
-    runs, boundaries = uninterrupted(models, draft, config)
-    for prompt, (tokens, logprobs), ends in zip(PROMPTS, runs, boundaries):
+    outputs, boundaries = runs(draft)
+    for n, (prompt, (tokens, logprobs), ends) in enumerate(zip(PROMPTS, outputs, boundaries)):
         assert len(tokens) == SAMPLED.max_new_tokens and len(ends) > 3
-        for k in (ends[1], ends[len(ends) // 2]):  # after the first decode step, and halfway
-            got, got_logprobs = resume(models, draft, config, prompt, tokens[:k], logprobs[:k])
-            assert got == tokens, f"resumed after {k} tokens"
-            assert got_logprobs == pytest.approx(logprobs[k:], abs=1e-4)
+        k = ends[1] if n == 0 else ends[len(ends) // 2]  # after the first decode step, or halfway
+        got, got_logprobs = resume(models, draft, config, prompt, tokens[:k], logprobs[:k])
+        assert got == tokens, f"resumed after {k} tokens"
+        assert got_logprobs == pytest.approx(logprobs[k:], abs=1e-4)
 
 
 @pytest.mark.parametrize("draft", [None, "eagle3"])
-def test_a_failover_prefill_that_samples_again_is_caught_with_a_draft(models, draft):
+def test_a_failover_prefill_that_samples_again_is_caught_with_a_draft(models, runs, draft):
     """As the failover once worked: the prefill samples the token after the client's itself. Target-only
     draws are keyed by position, so without a draft that is the very draw the decode step made; with a
     draft the decode step drew it in a verify step, and the prefill's own draw shows."""
     config = engine_config(draft, topk=2, max_context=512)
-    runs, boundaries = uninterrupted(models, draft, config)
+    uninterrupted_runs, boundaries = runs(draft)
     outputs = []
-    for prompt, (tokens, logprobs), ends in zip(PROMPTS, runs, boundaries):
+    for prompt, (tokens, logprobs), ends in zip(PROMPTS, uninterrupted_runs, boundaries):
         k = ends[len(ends) // 2]
         got, _ = resume(models, draft, config, prompt, tokens[:k], logprobs[:k], again=True)
         assert got[:k] == tokens[:k] and len(got) == len(tokens)
         outputs.append(got)
     if draft is None:
-        assert outputs == [t for t, _ in runs]
+        assert outputs == [t for t, _ in uninterrupted_runs]
     else:
-        assert outputs != [t for t, _ in runs]
+        assert outputs != [t for t, _ in uninterrupted_runs]
