@@ -30,6 +30,8 @@ word), the same integer hash in the kernel and the reference. So a request draws
 with or without CUDA graphs, with or without drafting ahead, beside any other requests, and on
 another instance after a hand-off: its seed and L are all the state. Child c of the tree uses draw
 c (each node is tried at most once per step); the bonus uses draw 0 (the root is never a child).
+Target-only sampling (``shared.sampling.uniforms``) keys its draw by the drawn token's position and
+uses draw ``TARGET_ONLY_DRAW``, which no node has: it never repeats a tree's draw.
 A uniform integer in [0, R) is ``floor(h * R / 2**60)`` for a 60-bit hash h, computed exactly in
 30-bit limbs (R < 2**60 holds for vocabularies below 2**20).
 """
@@ -53,6 +55,7 @@ SEARCH_WAYS = 16  # the kernel finds a threshold in [0, 2**40 + 1) by 16-ary sea
 SEARCH_ROUNDS = 11
 MAX_VOCAB = 1 << 20  # totals stay below 2**60, the range of the exact uniform draw
 _M30 = (1 << 30) - 1
+TARGET_ONLY_DRAW = (1 << 31) - 1  # the draw index of target-only sampling (no tree node has it)
 _M32 = (1 << 32) - 1
 
 

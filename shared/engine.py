@@ -181,9 +181,13 @@ class Engine:
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    rid: str | None = None) -> Request:
+                    rid: str | None = None, output_ids: list[int] = (), output_logprobs: list[float] = ()) -> Request:
+        """A new request; with ``output_ids`` (and their logprobs), one resuming after the output tokens a
+        client already has (a failover): its prefill computes them too and samples nothing, so the next
+        token is drawn where and as the request's first run would have drawn it."""
         params = params or SamplingParams()
         ids = self.validate_prompt(prompt)
+        self._check_resume(output_ids, output_logprobs, params)
         if len(ids) + params.max_new_tokens > self.max_context:
             raise RequestError("max_new_tokens", f"prompt ({len(ids)}) + max_new_tokens "
                                f"({params.max_new_tokens}) exceeds the context of {self.max_context}")
@@ -193,7 +197,17 @@ class Engine:
         rid = rid or f"req-{next(self._ids)}"
         if self.scheduler.get(rid) is not None:
             raise RequestError("request_id", f"{rid!r} is already running")
-        return self.scheduler.submit(rid, ids, params)
+        return self.scheduler.submit(rid, ids, params, output_ids, output_logprobs)
+
+    def _check_resume(self, output_ids: list[int], output_logprobs: list[float], params: SamplingParams) -> None:
+        if len(output_logprobs) != len(output_ids):
+            raise RequestError("resume_logprobs", f"{len(output_logprobs)} logprobs for {len(output_ids)} tokens")
+        if len(output_ids) >= params.max_new_tokens:
+            raise RequestError("resume_ids", f"{len(output_ids)} tokens leave none of max_new_tokens "
+                                             f"({params.max_new_tokens}) to generate")
+        bad = next((t for t in output_ids if not 0 <= t < self.model.config.vocab_size), None)
+        if bad is not None:
+            raise RequestError("resume_ids", f"token id {bad} is outside the vocabulary")
 
     def abort(self, rid: str, reason: str = "abort") -> bool:
         """End request ``rid`` now and free its pages; False when no such request runs."""
@@ -289,8 +303,8 @@ class Engine:
             sample_rows.append(len(ids) - 1), sampled_reqs.append(req)
         for ch in plan.prefill:
             rows.append(ch.req.handles[0].row), prefix.append(ch.start), q_lens.append(ch.end - ch.start)
-            ids.extend(ch.req.prompt_ids[ch.start:ch.end]), pos.extend(range(ch.start, ch.end))
-            if ch.completes_prompt:
+            ids.extend(ch.req.all_ids[ch.start:ch.end]), pos.extend(range(ch.start, ch.end))
+            if ch.samples:
                 sample_rows.append(len(ids) - 1), sampled_reqs.append(ch.req)
         positions = torch.tensor(pos, dtype=torch.int64)
         batch = build_forward_batch(self.cache, rows, prefix, q_lens, torch.tensor(ids), positions, positions,
@@ -338,7 +352,8 @@ class Engine:
             return []
         rows = requests_rows(reqs, out.logits.shape[-1], len(reqs), out.logits.device)
         logits = out.logits if rows is None else process_logits(out.logits.unsqueeze(1), rows).squeeze(1)
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        tokens = sample(logits, [r.params for r in reqs], [r.seed for r in reqs],
+                        [r.prompt_len + len(r.output_ids) for r in reqs])
         logp = torch.log_softmax(logits.float(), dim=-1)  # the distribution the tokens were drawn from
         logprobs = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
         top_n = max((r.params.top_logprobs for r in reqs), default=0)
@@ -393,7 +408,8 @@ class Engine:
             with self.on_device():
                 written = torch.cuda.Event()
                 written.record()
-        last = Prefilled(encode_draft_state(req), tuple(req.output_ids), tuple(req.output_logprobs)) if parked else None
+        last = Prefilled(encode_draft_state(req), tuple(req.output_ids[req.resumed:]),
+                         tuple(req.output_logprobs[req.resumed:])) if parked else None
         return Increment(page_ids, done, written, last)
 
     def reserve_handoff(self, rid: str, prompt_ids: list[int], output_ids: list[int],

@@ -13,8 +13,6 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-import torch
-
 from shared.grammar import Grammar
 from shared.memory.kv_cache import KVHandle
 from shared.sampling import SamplingParams
@@ -48,8 +46,8 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     eos_ids: tuple[int, ...] = ()
-    generator: torch.Generator | None = None
-    seed: int = 0  # the seed its speculative draws hash with the committed length (set at admission)
+    seed: int = 0  # every draw hashes it with a position (set at admission; a hand-off carries it)
+    resumed: int = 0  # output tokens it arrived with to prefill (a failover resuming after them); fixed
     stage: Stage = Stage.WAITING  # written by the scheduler
     output_ids: list[int] = field(default_factory=list)  # commit
     output_logprobs: list[float] = field(default_factory=list)  # commit: target log p of each output token
@@ -69,6 +67,12 @@ class Request:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def prefill_len(self) -> int:
+        """Positions its prefill computes: the prompt, and of the output tokens it resumes after all but the
+        last, which the first decode step takes as its input (as it takes a sampled first token)."""
+        return self.prompt_len + max(self.resumed - 1, 0)
 
     @property
     def all_ids(self) -> list[int]:
@@ -105,7 +109,7 @@ class Request:
                 output_logprobs: list[float] = ()) -> None:
         """A hand-off arrived: ``committed_len`` positions of K/V, the output tokens the reservation did not
         name yet (the first token of a hand-off that began with the prefill) and, with a draft, its state
-        (whose generator state the request's sampling resumes from)."""
+        (whose seed the request's draws go on hashing)."""
         self.output_ids.extend(output_ids)
         self.output_logprobs.extend(output_logprobs)
         if self.text is not None and output_ids:  # the stop-string watch sees every output token, in order
@@ -115,8 +119,6 @@ class Request:
         self.advance(committed_len)
         if state is not None:
             self.resume_from(state)
-            if state.rng_state is not None:
-                self.generator.set_state(state.rng_state)
             if state.seed is not None:  # the prefill side's: an unseeded request keeps its random one
                 self.seed = state.seed
         self.t_first_token = self.t_first_token or time.perf_counter()

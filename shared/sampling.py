@@ -1,4 +1,5 @@
-"""Sampling parameters, the target distribution they define, and seeded per-request draws.
+"""Sampling parameters, the target distribution they define, and seeded per-request draws (each a
+function of the request's seed and the drawn token's position).
 
 The distribution a request samples from is defined once, by ``kernels.spec_sampling.target_weights``
 (temperature, then top-k and top-p as one threshold on integer weights); ``target_probs`` normalises
@@ -14,7 +15,14 @@ import secrets
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kernels.spec_sampling import SamplingRows, kept_weights, target_weights
+from kernels.spec_sampling import (
+    TARGET_ONLY_DRAW,
+    SamplingRows,
+    draw_limbs,
+    kept_weights,
+    request_key,
+    target_weights,
+)
 
 
 class SamplingParams(BaseModel):
@@ -41,8 +49,9 @@ class SamplingParams(BaseModel):
     # Structured output (shared/grammar.py): the JSON schema the output matches, as JSON text; response_format
     # {"type": "json_object"} is {"type": "object"}. None: free text.
     json_schema: str | None = None
-    # The prompt's last tokens that are output already streamed (a failover re-placement): the grammar consumes
-    # them first. 0 for a new request.
+    # The prompt's last tokens that are output of an earlier call (a client continuing a structured value it
+    # re-sends as prompt): the grammar consumes them first. 0 for a new request. (The router's failover hands
+    # the streamed tokens over as output instead, which the grammar also consumes.)
     resumed_tokens: int = Field(default=0, ge=0)
 
     @field_validator("logit_bias")
@@ -167,23 +176,29 @@ def top_pairs(values: list[list[float]], ids: list[list[int]], n: int) -> list[l
     return [list(zip(i[:n], v[:n])) for v, i in zip(values, ids)]
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    gen = torch.Generator()
-    gen.manual_seed(seed if seed is not None else torch.seed())
-    return gen
+def uniforms(seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """[R] float64 U[0,1): request r's draw for its token at ``positions[r]`` (the tokens before it).
+
+    Counter-based, as speculative verification's draws (``kernels.spec_sampling``): a hash of the seed and
+    the position, under a draw index no tree node uses. So a request draws the same numbers whatever ran
+    before on this instance or another one: a failover that resumes it at the same position draws what
+    the lost instance would have drawn. Host integers (no device op); 53 bits of the 60-bit draw, so
+    u < 1 exactly."""
+    out = []
+    for seed, pos in zip(seeds, positions):
+        hi, lo = draw_limbs(request_key(seed, pos), TARGET_ONLY_DRAW)
+        out.append(((hi << 23) | (lo >> 7)) / (1 << 53))
+    return torch.tensor(out, dtype=torch.float64)
 
 
-def uniforms(generators: list[torch.Generator]) -> torch.Tensor:
-    """One U[0,1) draw per request, from that request's own host generator (device independent)."""
-    return torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
-
-
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
-    """[R] int64 next tokens; greedy rows take the argmax and draw no random number."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]
+           ) -> torch.Tensor:
+    """[R] int64 next tokens, row r at ``positions[r]`` of a request seeded ``seeds[r]``; greedy rows take
+    the argmax and draw no random number."""
     if all(p.greedy for p in params):
         return logits.argmax(dim=1)
     probs = target_probs(logits, params)
-    draws = uniforms([g for g, p in zip(generators, params) if not p.greedy])
+    draws = uniforms(*zip(*[(s, t) for s, t, p in zip(seeds, positions, params) if not p.greedy]))
     out = logits.argmax(dim=1)
     sampled = torch.tensor([not p.greedy for p in params], device=logits.device)
     out[sampled] = draw_from(probs[sampled], draws)

@@ -21,7 +21,7 @@ from shared.grammar import Grammar, GrammarCompiler
 from shared.memory.kv_cache import KVCache
 from shared.model.tokenizer import Tokenizer
 from shared.request import Request, RequestError, Stage
-from shared.sampling import SamplingParams, make_generator, request_seed
+from shared.sampling import SamplingParams, request_seed
 from shared.spec.state import DraftState
 from shared.text import TextStream
 
@@ -34,7 +34,13 @@ class Chunk:
 
     @property
     def completes_prompt(self) -> bool:
-        return self.end == self.req.prompt_len
+        return self.end == self.req.prefill_len
+
+    @property
+    def samples(self) -> bool:
+        """Its last row's logits draw the request's next token: it completes the prompt and no token at
+        ``end`` is known yet (a resumed request's is)."""
+        return self.completes_prompt and self.end == len(self.req.all_ids)
 
 
 @dataclass
@@ -73,10 +79,10 @@ class Scheduler:
         return self.requests.get(req.rid) is req
 
     def _new(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams, output_ids: Sequence[int] = (),
-             output_logprobs: Sequence[float] = ()) -> Request:
+             output_logprobs: Sequence[float] = (), resumed: int = 0) -> Request:
         seed = request_seed(params)  # the request's own, also when it gave none: its draws hash it
         return Request(rid=rid, prompt_ids=list(prompt_ids), params=params, eos_ids=self.eos_ids,
-                       generator=make_generator(seed), seed=seed, output_ids=list(output_ids),
+                       seed=seed, resumed=resumed, output_ids=list(output_ids),
                        output_logprobs=list(output_logprobs), text=self._text(params, output_ids),
                        grammar=self._grammar(params, prompt_ids, output_ids))
 
@@ -110,7 +116,7 @@ class Scheduler:
 
     def peak_positions(self, req: Request) -> int:
         if self.prefill_only:
-            return req.prompt_len
+            return req.prefill_len
         return req.prompt_len + req.params.max_new_tokens + self.headroom
 
     def check_fits(self, req: Request) -> None:
@@ -125,9 +131,11 @@ class Scheduler:
                                f"the pool has {have}")
         raise RequestError("max_new_tokens", f"prompt + max_new_tokens needs {need} pages, the pool has {have}")
 
-    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> Request:
-        """A new request, queued for admission (refused now if it could never fit)."""
-        req = self._new(rid, prompt_ids, params)
+    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams, output_ids: Sequence[int] = (),
+               output_logprobs: Sequence[float] = ()) -> Request:
+        """A new request, queued for admission (refused now if it could never fit); with ``output_ids``, one
+        resuming after them (a failover): its prefill computes them too and samples nothing."""
+        req = self._new(rid, prompt_ids, params, output_ids, output_logprobs, resumed=len(output_ids))
         self.check_fits(req)
         self.waiting.append(req)
         self.requests[rid] = req
@@ -202,7 +210,7 @@ class Scheduler:
 
     def _add_chunk(self, plan: StepPlan, req: Request, budget: int | None) -> int | None:
         start = req.kv_len
-        end = req.prompt_len if budget is None else min(req.prompt_len, start + budget)
+        end = req.prefill_len if budget is None else min(req.prefill_len, start + budget)
         for cache, handle in zip(self.caches, req.handles):
             cache.reserve(handle, end)
         plan.prefill.append(Chunk(req, start, end))

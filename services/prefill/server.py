@@ -131,7 +131,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             self._jobs[rid] = job
         context.add_callback(lambda: self._end(job))
         def add(engine: Engine) -> None:  # job.req is set on the loop thread: an abort queued behind sees it
-            job.req = engine.add_request(list(request.prompt_ids), params, rid=rid)
+            job.req = engine.add_request(list(request.prompt_ids), params, rid=rid, output_ids=list(request.resume_ids),
+                                         output_logprobs=list(request.resume_logprobs))
 
         try:
             self.loop.call(add).result()
@@ -144,13 +145,16 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             self.log.event("refused", rid, message=str(e))
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         self.log.event("received", rid, prompt_tokens=len(request.prompt_ids), decode=request.decode_address,
-                       max_new_tokens=params.max_new_tokens)
+                       max_new_tokens=params.max_new_tokens, resume_tokens=len(request.resume_ids))
         try:
             yield from self._run(job, context)
         finally:
             self._forget(job)
 
     def _run(self, job: Job, context):
+        if job.req.resumed:  # a failover's: nothing to sample, the decode side resumes after the client's tokens
+            yield from self._handed_off(job, context)
+            return
         t0 = time.perf_counter()
         ev = self._next(job, context)
         if ev is None:
@@ -176,6 +180,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             self.telemetry.requests_total.labels(ev.finish_reason).inc()
             self.log.event("finished", job.rid, reason=ev.finish_reason, output_tokens=1)
             return
+        yield from self._handed_off(job, context)
+
+    def _handed_off(self, job: Job, context):
+        """The ``handed_off`` event once the hand-off succeeded (or the call's end with its error)."""
         outcome = self._next(job, context)
         if outcome is None:
             return
@@ -219,7 +227,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 continue  # it ends at its first token, or nothing new since the last increment
             if job.source is None and not self._start_hand_off(engine, job, req):
                 continue
-            if req.kv_len == req.prompt_len:  # (set before the worker can see the last increment)
+            if req.kv_len == req.prefill_len:  # (set before the worker can see the last increment)
                 job.t_prompt_done = time.perf_counter()
             job.source.feed.put(engine.handoff_increment(req))
             job.fed = req.kv_len
@@ -227,8 +235,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
     def _start_hand_off(self, engine: Engine, job: Job, req: Request) -> bool:
         """Loop thread: reserve on the decode side and send as the prefill goes (a hand-off worker)."""
         job.source = engine.page_source(req, fed=True)
+        # The first token comes with the last chunk; a resumed request's outputs are all known now.
         reserve = pb.ReserveRequest(request_id=req.rid, prompt_ids=req.prompt_ids, sampling=sampling_to_pb(req.params),
-                                    committed_len=req.prompt_len)  # the first token comes with the last chunk
+                                    committed_len=req.prefill_len, output_ids=req.output_ids[:req.resumed],
+                                    output_logprobs=req.output_logprobs[:req.resumed])
         try:
             self._workers.submit(self._hand_off, job, reserve)
         except RuntimeError:  # shutting down

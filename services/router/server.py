@@ -367,51 +367,40 @@ class RouterCore:
 
     def _walk(self, active: Active, ids: list[int], params: SamplingParams, return_logprobs: bool, t0: float):
         """Place, stream, and on a broken decode stream place again: a prefill instance recomputes the prompt
-        plus the tokens the client has, another decode instance goes on from there. The client's stream
-        continues without a duplicate or a gap and greedy output is identical. The seed is fixed here and
-        carried, so a failover is reproducible; a sampled request's tokens after it are not yet the
-        uninterrupted run's (the new prefill samples the next token itself, where the dead decode would have
-        drawn it in a verify step: see docs/deploy.md)."""
+        plus all but the last of the tokens the client has, samples nothing, and hands off with the last as
+        the next input: another decode instance resumes at the committed length the lost one had. Every draw
+        is a hash of the seed (fixed here) and a position, so it draws what the lost instance would have
+        drawn: the client's stream continues without a duplicate or a gap, and its tokens, greedy or sampled,
+        are the uninterrupted run's."""
         rid = active.rid
         if params.seed is None:
             params = params.model_copy(update={"seed": secrets.randbits(64)})
         detok = TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens)
         sent: list[int] = []  # tokens the client has
+        sent_logprobs: list[float] = []  # theirs
         avoid: set[str] = set()  # decode instances whose stream broke
         reason, ttft, broken = "new request", None, None
         while True:
-            rest = params.model_copy(update={"max_new_tokens": params.max_new_tokens - len(sent),
-                                             "resumed_tokens": len(sent)})  # a grammar goes on from them
             try:
-                token, logprob, finish_reason, top = self._place(active, ids + sent, rest, t0, avoid, reason)
+                first = self._place(active, ids, params, t0, avoid, reason, sent, sent_logprobs)
             except RouterError as e:
                 if broken is None or active.cancelled.is_set():
                     raise
                 raise RouterError(e.code, f"{broken.message}; no instance took it over: {e.message}") from None
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-                if self.telemetry:
-                    self.telemetry.ttft_seconds.observe(ttft)
-                self.log.event("first_token", rid, ttft_s=round(ttft, 6))
-            out = pb.GenerateResponse(request_id=rid, token_ids=[token], text=detok.push([token], bool(finish_reason)))
-            if return_logprobs:
-                out.logprobs.append(logprob)
-            if params.top_logprobs:
-                out.top_logprobs.append(top)
-            active.output_tokens = len(sent) + 1
-            if finish_reason:  # ended at this token: the prefill instance kept (and freed) it
-                out.finish.CopyFrom(pb.Finish(reason=finish_reason, usage=pb.Usage(
-                    prompt_tokens=len(ids), completion_tokens=active.output_tokens), ttft_s=ttft,
-                    latency_s=time.perf_counter() - t0, stop_str=detok.matched or ""))
-                self._finished(rid, out.finish)
+            if first is not None:  # a new placement's first token (a failover's resumes after the client's)
+                out, ttft = self._first_message(active, len(ids), params, first, detok, return_logprobs, t0)
                 yield out
-                return
-            yield out
-            sent.append(token)
+                if out.HasField("finish"):
+                    return
+                sent.append(first[0])
+                sent_logprobs.append(first[1])
             try:
-                for out in self._stream(active, len(ids), rest.max_new_tokens - 1, return_logprobs, detok, t0, ttft):
-                    yield out
+                for out in self._stream(active, len(ids), params.max_new_tokens - len(sent), detok, t0, ttft):
                     sent += out.token_ids
+                    sent_logprobs += out.logprobs  # kept for a failover; the client gets them if it asked
+                    if not return_logprobs:
+                        del out.logprobs[:]
+                    yield out
                 return
             except _Broken as b:
                 if len(avoid) >= MAX_FAILOVERS:
@@ -423,10 +412,36 @@ class RouterCore:
                 self._count_error("failover")
                 self._abort_remote(active)  # a decode instance whose stream broke may still hold the request
 
+    def _first_message(self, active: Active, prompt_tokens: int, params: SamplingParams, first: tuple,
+                       detok: TextStream, return_logprobs: bool, t0: float) -> tuple[pb.GenerateResponse, float]:
+        """The client's message for the prefill's first token (with ``finish`` when the request ended there),
+        and the time to it."""
+        token, logprob, finish_reason, top = first
+        ttft = time.perf_counter() - t0
+        if self.telemetry:
+            self.telemetry.ttft_seconds.observe(ttft)
+        self.log.event("first_token", active.rid, ttft_s=round(ttft, 6))
+        out = pb.GenerateResponse(request_id=active.rid, token_ids=[token],
+                                  text=detok.push([token], bool(finish_reason)))
+        if return_logprobs:
+            out.logprobs.append(logprob)
+        if params.top_logprobs:
+            out.top_logprobs.append(top)
+        active.output_tokens = 1
+        if finish_reason:  # ended at this token: the prefill instance kept (and freed) it
+            out.finish.CopyFrom(pb.Finish(reason=finish_reason, usage=pb.Usage(
+                prompt_tokens=prompt_tokens, completion_tokens=1), ttft_s=ttft,
+                latency_s=time.perf_counter() - t0, stop_str=detok.matched or ""))
+            self._finished(active.rid, out.finish)
+        return out, ttft
+
     def _place(self, active: Active, ids: list[int], params: SamplingParams, t0: float, avoid_decode: set[str],
-               reason: str):
+               reason: str, resume: list[int], resume_logprobs: list[float]):
         """Prefill + hand-off on the best live pair (not on ``avoid_decode``), placing again while nothing of
-        this placement has reached the client; Redis records each placement with its ``reason``."""
+        this placement has reached the client; Redis records each placement with its ``reason``. ``resume``:
+        the tokens the client has (a failover: the decode side goes on after them); returns the first token
+        (None when resuming)."""
+        left = params.max_new_tokens - len(resume)
         deadline = time.monotonic() + self.settings.placement_timeout_s
         avoid: dict[str, set[str]] = {"prefill": set(), "decode": set(avoid_decode)}
         full: set[str] = set()  # decode instances that said "no room now": tried again once all are full
@@ -434,12 +449,12 @@ class RouterCore:
         attempt = 0
         while True:
             self._check_cancelled(active)
-            prefill, p_key = self._pick("prefill", avoid["prefill"], len(ids), arrived=True)
-            decode, d_key = self._pick("decode", avoid["decode"] | full, params.max_new_tokens)
+            prefill, p_key = self._pick("prefill", avoid["prefill"], len(ids) + len(resume), arrived=True)
+            decode, d_key = self._pick("decode", avoid["decode"] | full, left)
             if decode is None and full:
                 full.clear()  # every live instance is full: wait a little for room on any of them
                 time.sleep(0.05)
-                decode, d_key = self._pick("decode", avoid["decode"], params.max_new_tokens)
+                decode, d_key = self._pick("decode", avoid["decode"], left)
             if prefill is None or decode is None:
                 if prefill is not None:
                     self.ledger.done(prefill.instance_id, p_key)
@@ -464,7 +479,9 @@ class RouterCore:
                                         decode_instance=decode.instance_id, placements=active.placements)
                 if self.telemetry:
                     self.telemetry.stage_seconds.labels("placement").observe(time.perf_counter() - t0)
-                return self._prefill(active, ids, params, p_key, d_key)
+                return self._prefill(active, pb.PrefillRequest(
+                    request_id=active.rid, prompt_ids=ids, sampling=sampling_to_pb(params),
+                    decode_address=decode.grpc_address, resume_ids=resume, resume_logprobs=resume_logprobs), p_key)
             except _Replace as r:
                 last_error = r.error
                 self._check_cancelled(active)
@@ -479,17 +496,16 @@ class RouterCore:
                 self.ledger.done(prefill.instance_id, p_key)
                 self.ledger.done(decode.instance_id, d_key)
 
-    def _prefill(self, active: Active, ids: list[int], params: SamplingParams, p_key: int, d_key: int):
-        """Run the prefill + hand-off; returns (first token, logprob, finish reason, its top logprobs) or
-        raises _Replace.
+    def _prefill(self, active: Active, request: pb.PrefillRequest, p_key: int):
+        """Run the prefill + hand-off; returns (first token, logprob, finish reason, its top logprobs), None
+        for a failover's (``request.resume_ids``: no token is sampled), or raises _Replace.
 
-        ``p_key`` / ``d_key``: this placement's ledger entries; the caller releases them (the prefill's is
-        released here already at the first token: the prompt is done there)."""
+        ``p_key``: this placement's prefill ledger entry; the caller releases it (and it is released here
+        already at the first token: the prompt is done there)."""
         rid, prefill, decode = active.rid, active.prefill, active.decode
         t1 = time.perf_counter()
         call = self._stub(pb_grpc.PrefillStub, prefill.grpc_address).Prefill(
-            pb.PrefillRequest(request_id=rid, prompt_ids=ids, sampling=sampling_to_pb(params),
-                              decode_address=decode.grpc_address), timeout=self.settings.stream_timeout_s)
+            request, timeout=self.settings.stream_timeout_s)
         self._attach(active, call)
         first = None
         try:
@@ -506,7 +522,7 @@ class RouterCore:
                         return first
                     self.records.transition(rid, "transferring")
                     t1 = time.perf_counter()
-                elif ev.HasField("handed_off") and first is not None:
+                elif ev.HasField("handed_off") and (first is not None or request.resume_ids):
                     if self.telemetry:
                         self.telemetry.stage_seconds.labels("handoff").observe(time.perf_counter() - t1)
                     self.log.event("handoff_done", rid, decode=decode.instance_id, bytes=ev.handed_off.bytes,
@@ -541,8 +557,7 @@ class RouterCore:
         return RouterError(grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.UNKNOWN else code,
                            f"prefill instance {prefill.instance_id}: {msg}")
 
-    def _stream(self, active: Active, prompt_tokens: int, budget: int, return_logprobs: bool, detok: TextStream,
-                t0: float, ttft: float):
+    def _stream(self, active: Active, prompt_tokens: int, budget: int, detok: TextStream, t0: float, ttft: float):
         """The decode instance's messages as the client's; _Broken when its stream breaks (``budget``: the
         tokens it may still generate)."""
         rid, decode = active.rid, active.decode
@@ -557,10 +572,8 @@ class RouterCore:
                 self._check_cancelled(active)
                 active.output_tokens += len(msg.token_ids)
                 final = msg.HasField("finish")
-                out = pb.GenerateResponse(request_id=rid, token_ids=msg.token_ids,
+                out = pb.GenerateResponse(request_id=rid, token_ids=msg.token_ids, logprobs=msg.logprobs,
                                           text=detok.push(list(msg.token_ids), final))
-                if return_logprobs:
-                    out.logprobs.extend(msg.logprobs)
                 out.top_logprobs.extend(msg.top_logprobs)
                 if final:
                     if msg.finish.reason in ("abort", "error"):

@@ -526,19 +526,16 @@ class PageSink:
 
 
 def encode_draft_state(req) -> bytes:
-    """The request's DraftState, with its sampling generator's state and seed, as bytes (b"" without a
-    draft).
+    """The request's DraftState, with its seed, as bytes (b"" without a draft).
 
-    The generator state and the seed travel so that a sampled request draws on the decode side exactly
-    what it would have drawn in one process (an unseeded one too: its seed was chosen at admission).
+    The seed travels so that a sampled request draws on the decode side exactly what it would have drawn
+    in one process (an unseeded one too: its seed was chosen at admission); every draw hashes it with a
+    position, so the seed and the committed length are all the sampling state there is.
     """
     state = req.draft_state
     if state is None:
         return b""
-    state = dataclasses.replace(state, seed=req.seed)
-    if req.generator is not None:
-        state = dataclasses.replace(state, rng_state=req.generator.get_state())
-    return state.to_bytes()
+    return dataclasses.replace(state, seed=req.seed).to_bytes()
 
 
 def decode_draft_state(data: bytes, schema, committed_len: int, device: torch.device | str = "cpu"):

@@ -15,7 +15,8 @@ import torch
 
 # The hand-off's version, sent in every draft state and compared at the handshake
 # (shared/handoff/schema.py): bump when the wire format (shared/handoff/wire.py) or this layout changes.
-SCHEMA_VERSION = 2  # 2: chunks checksummed with CRC32C, not zlib's CRC32
+SCHEMA_VERSION = 3  # 2: chunks checksummed with CRC32C, not zlib's CRC32; 3: no generator state (every draw
+# is a function of the seed and a position)
 
 
 @dataclass
@@ -25,8 +26,7 @@ class DraftState:
     hidden: torch.Tensor  # [draft hidden_width] the draft's last recurrent hidden state
     topk_p: torch.Tensor  # [topk] float32 draft probabilities of the first tree level
     topk_ids: torch.Tensor  # [topk] int64 their target token ids
-    rng_state: torch.Tensor | None = None  # the request generator's state (sampling resumes exactly)
-    seed: int | None = None  # the request's seed: with committed_len, all its speculative draws' state
+    seed: int | None = None  # the request's seed: with committed_len, all its draws' state
 
     def to_bytes(self) -> bytes:
         header = {"version": SCHEMA_VERSION, "bonus_token": self.bonus_token,
@@ -34,8 +34,6 @@ class DraftState:
         buf = io.BytesIO()
         tensors = {"hidden": self.hidden.detach().cpu(), "topk_p": self.topk_p.detach().cpu(),
                    "topk_ids": self.topk_ids.detach().cpu()}
-        if self.rng_state is not None:
-            tensors["rng_state"] = self.rng_state.cpu()
         torch.save(tensors, buf)
         head = json.dumps(header).encode()
         return struct.pack("<I", len(head)) + head + buf.getvalue()
@@ -50,5 +48,5 @@ class DraftState:
         return cls(
             bonus_token=header["bonus_token"], committed_len=header["committed_len"],
             hidden=tensors["hidden"].to(device), topk_p=tensors["topk_p"].to(device),
-            topk_ids=tensors["topk_ids"].to(device), rng_state=tensors.get("rng_state"), seed=header.get("seed"),
+            topk_ids=tensors["topk_ids"].to(device), seed=header.get("seed"),
         )

@@ -235,11 +235,8 @@ def _redis_away_while_requests_end(stack: ChaosStack, rng: random.Random, stop: 
 def test_chaos_catches_a_duplicated_token_on_failover(chaos_stack, monkeypatch):
     place = RouterCore._place
 
-    def forgetful(self, active, ids, params, t0, avoid, reason):  # the failover forgets the last token it sent
-        if reason.startswith("failover"):
-            ids = ids[:-1]
-            params = params.model_copy(update={"max_new_tokens": params.max_new_tokens + 1})
-        return place(self, active, ids, params, t0, avoid, reason)
+    def forgetful(self, active, ids, params, t0, avoid, reason, resume, resume_logprobs):  # forgets the last one
+        return place(self, active, ids, params, t0, avoid, reason, resume[:-1], resume_logprobs[:-1])
 
     monkeypatch.setattr(RouterCore, "_place", forgetful)
     found = violations(chaos_stack, drive(chaos_stack, 6, _decode_dies_mid_stream, seed=1))

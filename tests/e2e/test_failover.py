@@ -1,9 +1,12 @@
 """Failover: ``kill -9`` of one of two decode processes with 8 requests streaming, and of one of two prefill
 processes with 8 long prompts in prefill. Every request finishes, each client's tokens equal an
-uninterrupted greedy run's (no duplicate, no gap), and Redis records each placement with its reason."""
+uninterrupted greedy run's (no duplicate, no gap), and Redis records each placement with its reason.
+Sampled requests (fixed seeds) too, with and without a draft: a failed-over stream equals the uninterrupted
+stream of the same stack and seed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,13 +22,15 @@ from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.router.server import start_router
 from services.settings import RouterSettings
 from shared.metadata import EmbeddedRedis, Registry, RequestStore, connect
+from tests.e2e.conftest import start_stack
 
 STREAMS = 8
 NEW_TOKENS = 128  # long enough that the kill lands mid-stream on a loaded CPU
 
 
-def spawn(role: str, redis_url: str, model_dir, env: dict) -> subprocess.Popen:
-    flags = ["--redis-url", redis_url, "--model", str(model_dir / "target"), "--draft", str(model_dir / "eagle"),
+def spawn(role: str, redis_url: str, model_dir, env: dict, draft: str | None = "eagle") -> subprocess.Popen:
+    flags = ["--redis-url", redis_url, "--model", str(model_dir / "target"),
+             *(["--draft", str(model_dir / draft)] if draft else []),
              "--heartbeat-s", "0.2", "--registry-ttl-s", "2", "--page-size", "4", "--chunk-size", "16",
              "--handoff-transport", "grpc-stream"]
     return subprocess.Popen([sys.executable, "-m", "services.cli", "serve", role, *flags], env=env,
@@ -34,16 +39,23 @@ def spawn(role: str, redis_url: str, model_dir, env: dict) -> subprocess.Popen:
 
 @pytest.fixture
 def process_stack(tiny_model_dir):
+    with running_stack(tiny_model_dir, ("prefill-a", "prefill-b", "decode-a", "decode-b")) as stack:
+        yield stack
+
+
+@contextlib.contextmanager
+def running_stack(tiny_model_dir, names: tuple[str, ...], draft: str | None = "eagle"):
+    """Redis, a service process per name (its role before the dash) and a router in this process."""
     redis_server = EmbeddedRedis()
     url = redis_server.start()
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    procs = {name: spawn(name.split("-")[0], url, tiny_model_dir, env)
-             for name in ("prefill-a", "prefill-b", "decode-a", "decode-b")}
+    procs = {name: spawn(name.split("-")[0], url, tiny_model_dir, env, draft) for name in names}
     registry = Registry(connect(url))
     router = None
     try:
         deadline = time.monotonic() + 120
-        while len(registry.instances("decode")) < 2 or len(registry.instances("prefill")) < 2:
+        while any(len(registry.instances(role)) < sum(n.startswith(role) for n in names)
+                  for role in ("prefill", "decode")):
             assert time.monotonic() < deadline, "the services did not register"
             assert all(p.poll() is None for p in procs.values()), "a service exited while starting"
             time.sleep(0.2)
@@ -164,6 +176,117 @@ def test_kill_9_of_a_prefill_mid_prompt_fails_nothing_and_changes_no_token(proce
     replaced = [i for i in range(STREAMS) if "replaced" in store.get(f"run-{i}").get("placements", "")]
     assert replaced, "no request was placed again"
     assert_pools_empty(registry)
+
+
+SAMPLED_STREAMS, SAMPLED_TOKENS = 6, 96
+
+
+@pytest.fixture(params=[None, "eagle3"], ids=["no-draft", "eagle3"])
+def sampled_stack(tiny_model_dir, request):
+    with running_stack(tiny_model_dir, ("prefill-a", "decode-a", "decode-b"), request.param) as stack:
+        yield stack
+
+
+def sampled_request(i: int, rid: str) -> pb.GenerateRequest:
+    req = request(i, rid)
+    req.sampling.temperature, req.sampling.seed, req.sampling.max_new_tokens = 0.8, 1000 + i, SAMPLED_TOKENS
+    return req
+
+
+def test_kill_9_of_a_decode_mid_stream_keeps_sampled_output_identical(sampled_stack):
+    """Sampled requests with fixed seeds: each failed-over stream equals the same request's uninterrupted
+    stream on this stack (the new decode instance resumes at the lost one's committed length and draws
+    what it would have drawn), with no duplicate and no gap."""
+    router, procs, registry, url = sampled_stack
+    import grpc
+
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(router.grpc_address))
+    reference: dict[int, list[int]] = {}
+
+    def uninterrupted(i: int) -> None:
+        reference[i] = [t for m in stub.Generate(sampled_request(i, f"ref-{i}"), timeout=120) for t in m.token_ids]
+
+    threads = [threading.Thread(target=uninterrupted, args=(i,)) for i in range(SAMPLED_STREAMS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert all(len(reference.get(i, [])) == SAMPLED_TOKENS for i in range(SAMPLED_STREAMS)), reference
+    got: dict[int, list[int]] = {i: [] for i in range(SAMPLED_STREAMS)}
+    errors: list = []
+
+    def stream(i: int) -> None:
+        try:
+            for msg in stub.Generate(sampled_request(i, f"run-{i}"), timeout=180):
+                got[i] += msg.token_ids
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append((i, e))
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(SAMPLED_STREAMS)]
+    for t in threads:
+        t.start()
+    store = RequestStore(connect(url))
+    victim = _instance_of(registry, procs["decode-a"])
+    on_a = streaming_from(store, victim, got, SAMPLED_TOKENS)
+    os.kill(procs["decode-a"].pid, signal.SIGKILL)
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    for i in range(SAMPLED_STREAMS):
+        assert got[i] == reference[i], f"request {i}: {got[i]} != {reference[i]}"
+        assert store.get(f"run-{i}")["state"] == "finished"
+    failed_over = [i for i in range(SAMPLED_STREAMS) if "failover" in store.get(f"run-{i}").get("placements", "")]
+    assert failed_over, f"no request failed over from the killed decode instance {victim} (it held {on_a})"
+    assert_pools_empty(registry)
+
+
+def test_a_stopped_decode_hands_its_sampled_streams_over_in_place(redis_url, tiny_model_dir):
+    """In one process, the same-host transport (shared-memory pools, pages written in place): a decode
+    instance stopped at once mid-stream; the resumed hand-offs of its sampled streams are written straight
+    into the other instance's pools, and every stream equals its uninterrupted run."""
+    stack = start_stack(redis_url, tiny_model_dir, "eagle3", num_decodes=2, transport="ipc", page_size=4,
+                        chunk_size=16)
+    try:
+        reference = {i: [t for m in stack.stub.Generate(sampled_request(i, f"ref-{i}"), timeout=120)
+                         for t in m.token_ids] for i in range(4)}
+        got: dict[int, list[int]] = {i: [] for i in range(4)}
+        errors: list = []
+
+        def stream(i: int) -> None:
+            try:
+                for msg in stack.stub.Generate(sampled_request(i, f"run-{i}"), timeout=120):
+                    got[i] += msg.token_ids
+            except Exception as e:  # noqa: BLE001 (reported below)
+                errors.append((i, e))
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        streaming_from(stack.store, stack.decodes[0].instance_id, got, SAMPLED_TOKENS)
+        stack.decodes[0].stop(0)
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert got == reference
+        placements = [stack.store.get(f"run-{i}").get("placements", "") for i in range(4)]
+        assert any("failover" in p for p in placements), placements
+        stack.decodes = stack.decodes[1:]  # the stopped one is gone
+        assert stack.wait_clean()
+    finally:
+        stack.stop()
+
+
+def streaming_from(store: RequestStore, instance: str, got: dict[int, list[int]], total: int) -> list[int]:
+    """Wait until a request placed on ``instance`` has streamed a token from it and has more to come; the
+    requests for which this holds (a kill now lands mid-stream: waiting for every stream instead lets a fast
+    instance finish some first)."""
+    deadline = time.monotonic() + 120
+    while True:
+        on = [i for i in got if 2 <= len(got[i]) < total and store.get(f"run-{i}").get("decode_instance") == instance]
+        if on:
+            return on
+        assert time.monotonic() < deadline, f"no request streamed from {instance}"
+        time.sleep(0.005)
 
 
 def assert_pools_empty(registry: Registry) -> None:

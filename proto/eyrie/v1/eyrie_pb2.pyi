@@ -216,16 +216,20 @@ class HandoffSchema(_message.Message):
     def __init__(self, version: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., caches: _Optional[_Iterable[_Union[CacheShape, _Mapping]]] = ..., spec: _Optional[_Union[SpecConfig, _Mapping]] = ..., draft_hidden_width: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "sampling", "decode_address")
+    __slots__ = ("request_id", "prompt_ids", "sampling", "decode_address", "resume_ids", "resume_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     decode_address: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ...) -> None: ...
+    resume_ids: _containers.RepeatedScalarFieldContainer[int]
+    resume_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., resume_ids: _Optional[_Iterable[int]] = ..., resume_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "logprob", "finish_reason", "top_logprobs")

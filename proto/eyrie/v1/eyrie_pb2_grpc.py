@@ -230,7 +230,8 @@ class PrefillServicer:
 
     def Prefill(self, request, context):
         """Runs chunked prefill and the first draft extend, samples the first token, then hands the request
-        to `decode_address`. Events: first_token, then handed_off (or a gRPC error).
+        to `decode_address`. Events: first_token, then handed_off (or a gRPC error); with resume_ids, handed_off
+        only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

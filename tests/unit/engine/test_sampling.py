@@ -108,3 +108,26 @@ def test_text_in_text_out(tiny_model_dir):
     assert res.prompt_ids == engine.tokenizer.encode(prompt)
     assert len(res.token_ids) == 5 and res.text == engine.tokenizer.decode(res.token_ids)
     check_pools_full(engine)
+
+
+def test_target_only_draws_are_keyed_by_position_and_have_the_target_distribution():
+    """``sample`` draws row r's token from (seed, position) alone: the same row in another batch, after other
+    draws, draws the same token; over many positions one seed's tokens follow the target's probabilities."""
+    import torch
+    from scipy.stats import chisquare
+
+    from shared.sampling import sample, target_probs
+
+    params = SamplingParams(temperature=0.8, top_k=6, seed=5)
+    logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(3)) * 2
+    n = 6000
+    drawn = sample(logits.expand(n, -1), [params] * n, [params.seed] * n, list(range(n)))
+    alone = [int(sample(logits, [params], [params.seed], [p])[0]) for p in (0, 17, n - 1)]
+    assert alone == [int(drawn[p]) for p in (0, 17, n - 1)]
+    assert not torch.equal(drawn, sample(logits.expand(n, -1), [params] * n, [params.seed + 1] * n, list(range(n))))
+    probs = target_probs(logits, [params])[0]
+    kept = probs > 0
+    assert int(kept.sum()) == 6 and bool(kept[drawn].all())
+    counts = torch.bincount(drawn, minlength=12)[kept].double()
+    expected = probs[kept].double() / probs[kept].double().sum() * n
+    assert chisquare(counts.tolist(), expected.tolist()).pvalue > 1e-4

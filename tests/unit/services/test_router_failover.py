@@ -1,7 +1,9 @@
 """Mid-stream failover against scripted engines that compute a deterministic "model" (the next token is a
-function of the whole context): a decode stream that breaks after some tokens is placed again, the
-client's tokens equal the unbroken sequence (no duplicate, no gap), the seed is carried, and a planted bug
-(the failover forgets the last token it sent) is caught."""
+function of the whole context; a sampled request's prefill draws differently from its decode steps, as a
+target-only draw differs from a verify step's): a decode stream that breaks after some tokens is placed
+again, the client's tokens equal the unbroken sequence (no duplicate, no gap), the seed is carried, and
+planted bugs (the failover forgets the last token it sent; the failover's prefill samples a token of its
+own again) are caught."""
 
 from __future__ import annotations
 
@@ -19,22 +21,28 @@ from shared.metadata import InstanceInfo
 from tests.unit.services.test_router import make_core, req
 
 
-def next_token(context: list[int]) -> int:
-    return (sum(context) * 31 + len(context)) % 500 + 3
+def next_token(context: list[int], draw: int = 0) -> int:
+    """``draw``: 0 for greedy, else which side draws (the prefill 1, a decode step 2)."""
+    return (sum(context) * 31 + len(context) + 17 * draw) % 500 + 3
 
 
-def truth(prompt: list[int], n: int) -> list[int]:
+PREFILL_DRAW, DECODE_DRAW = 1, 2
+
+
+def truth(prompt: list[int], n: int, sampled: bool = False) -> list[int]:
+    """The unbroken sequence: the prefill's first token, then the decode's."""
     ctx = list(prompt)
-    for _ in range(n):
-        ctx.append(next_token(ctx))
+    for i in range(n):
+        ctx.append(next_token(ctx, (PREFILL_DRAW if i == 0 else DECODE_DRAW) if sampled else 0))
     return ctx[len(prompt):]
 
 
 class Handoffs:
-    """What a hand-off carries to a decode instance: the context and the tokens still to generate."""
+    """What a hand-off carries to a decode instance: the context, the tokens still to generate and whether
+    the request samples."""
 
     def __init__(self):
-        self.by_decode: dict[tuple[str, str], tuple[list[int], int]] = {}
+        self.by_decode: dict[tuple[str, str], tuple[list[int], int, bool]] = {}
         self.seeds: list[int] = []
 
 
@@ -43,12 +51,16 @@ class ModelPrefill(pb_grpc.PrefillServicer):
         self.handoffs = handoffs
 
     def Prefill(self, request, context):  # noqa: N802
+        """The services' contract: a new request gets a first token; a resumed one (a failover) none, its
+        decode goes on after the tokens the client has."""
         self.handoffs.seeds.append(request.sampling.seed)
-        ctx = list(request.prompt_ids)
-        first = next_token(ctx)
-        yield pb.PrefillEvent(first_token=pb.FirstToken(token_id=first, logprob=-0.5))
+        ctx, sampled = list(request.prompt_ids) + list(request.resume_ids), request.sampling.temperature > 0
+        assert len(request.resume_logprobs) == len(request.resume_ids)
+        if not request.resume_ids:
+            ctx.append(next_token(ctx, PREFILL_DRAW if sampled else 0))
+            yield pb.PrefillEvent(first_token=pb.FirstToken(token_id=ctx[-1], logprob=-0.5))
         self.handoffs.by_decode[(request.decode_address, request.request_id)] = (
-            ctx + [first], request.sampling.max_new_tokens - 1)
+            ctx, request.sampling.max_new_tokens - len(ctx) + len(request.prompt_ids), sampled)
         yield pb.PrefillEvent(handed_off=pb.HandedOff(bytes=1, seconds=0.001, chunks=1))
 
     def Abort(self, request, context):  # noqa: N802
@@ -62,15 +74,16 @@ class ModelDecode(pb_grpc.DecodeServicer):
         self.handoffs, self.break_after, self.address = handoffs, break_after, ""
 
     def Stream(self, request, context):  # noqa: N802
-        ctx, left = self.handoffs.by_decode[(self.address, request.request_id)]
+        ctx, left, sampled = self.handoffs.by_decode[(self.address, request.request_id)]
+        draw = DECODE_DRAW if sampled else 0
         sent = 0
         while left > 0:
             if self.break_after is not None and sent >= self.break_after:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
-            step = [next_token(ctx)]
+            step = [next_token(ctx, draw)]
             ctx.append(step[0])
             if left > 1:
-                step.append(next_token(ctx))
+                step.append(next_token(ctx, draw))
                 ctx.append(step[1])
             left -= len(step)
             sent += len(step)
@@ -110,7 +123,7 @@ def run(core: RouterCore, rid: str, prompt: list[int], n: int, **sampling) -> li
 def test_a_broken_decode_stream_fails_over_without_duplicate_or_gap(model_stack):
     core, handoffs = model_stack
     prompt = [5, 9, 11]
-    assert run(core, "fo-1", prompt, 20, temperature=0.7) == truth(prompt, 20)
+    assert run(core, "fo-1", prompt, 20, temperature=0.7) == truth(prompt, 20, sampled=True)
     rec = core.store.get("fo-1")
     assert rec["state"] == "finished" and rec["output_tokens"] == "20"
     placements = json.loads(rec["placements"])
@@ -138,13 +151,32 @@ def test_the_failover_check_catches_a_planted_duplicate(model_stack, monkeypatch
     core, _ = model_stack
     place = RouterCore._place
 
-    def forgetful(self, active, ids, params, t0, avoid, reason):  # forgets the last token it sent
-        if reason.startswith("failover"):
-            ids = ids[:-1]
-            params = params.model_copy(update={"max_new_tokens": params.max_new_tokens + 1})
-        return place(self, active, ids, params, t0, avoid, reason)
+    def forgetful(self, active, ids, params, t0, avoid, reason, resume, resume_logprobs):  # forgets the last one
+        return place(self, active, ids, params, t0, avoid, reason, resume[:-1], resume_logprobs[:-1])
 
     monkeypatch.setattr(RouterCore, "_place", forgetful)
     got = run(core, "fo-dup", [5, 9, 11], 20)
     assert got != truth([5, 9, 11], 20)
     assert len(got) == 21 and got[:7] == truth([5, 9, 11], 7) and got[7] == got[6]  # the last one sent, twice
+
+
+def test_the_failover_check_catches_a_prefill_that_samples_again(model_stack, monkeypatch):
+    """The failover as it was: the prompt plus the client's tokens prefilled as a new prompt, whose prefill
+    samples the next token itself. Greedy output cannot tell; a sampled request's next token is then the
+    prefill's draw, not the decode step's the unbroken run made."""
+    core, _ = model_stack
+    place = RouterCore._place
+
+    def samples_again(self, active, ids, params, t0, avoid, reason, resume, resume_logprobs):
+        if resume:
+            left = params.max_new_tokens - len(resume)
+            ids, params = ids + resume, params.model_copy(update={"max_new_tokens": left})
+        return place(self, active, ids, params, t0, avoid, reason, [], [])  # its first token: new, after them
+
+    monkeypatch.setattr(RouterCore, "_place", samples_again)
+    prompt = [5, 9, 11]
+    assert run(core, "fo-greedy-again", prompt, 20) == truth(prompt, 20)
+    got = run(core, "fo-sampled-again", prompt, 20, temperature=0.7)
+    want = truth(prompt, 20, sampled=True)
+    assert len(got) == 20 and got[:7] == want[:7]
+    assert got != want

@@ -187,8 +187,8 @@ def test_greedy_with_a_schema_equals_target_only_on_the_gpu_with_graphs(oracle_m
 
 
 def test_a_failover_resumes_the_value_where_the_client_has_it(pair):
-    """The router's failover re-places prompt + the output streamed so far with ``resumed_tokens``: the
-    grammar consumes those first, so the value goes on (greedy: exactly the uninterrupted run's tokens)."""
+    """Prompt + the output streamed so far, re-sent with ``resumed_tokens``: the grammar consumes those
+    first, so the value goes on (greedy: exactly the uninterrupted run's tokens)."""
     engine = Engine(pair[0], draft=pair[1], config=EngineConfig(max_running=4, max_context=96, spec=SpecConfig(
         topk=2, steps=3, num_draft_tokens=6)))
     schema = json.dumps(SCHEMAS[0])
