@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,8 +42,9 @@ from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.model.loader import load_target
 from shared.model.tokenizer import Tokenizer
+from shared.parallel import TPGroup, local_config, shard_target
 from shared.request import Request, RequestError, Stage
-from shared.sampling import SamplingParams, sample, top_logprobs, top_pairs
+from shared.sampling import SamplingParams, request_seed, sample, top_logprobs, top_pairs
 from shared.scheduler import Scheduler, StepPlan
 from shared.spec.policy import Acceptance, MeasuredCost, SpecPolicy
 from shared.spec.state import DraftState
@@ -91,11 +93,17 @@ class EngineLoad:
 class Engine:
     def __init__(self, model: str | Path | LlamaForCausalLM, draft: str | Path | None = None,
                  config: EngineConfig | None = None, tokenizer: Tokenizer | None = None,
-                 role: str = "both"):
+                 role: str = "both", tp: TPGroup | None = None):
+        """``tp``: this rank's tensor-parallel group when ``config.tensor_parallel`` > 1 (``shared/parallel.py``);
+        every rank builds its engine alike and calls the same methods, rank 0's arguments winning."""
         if role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, got {role!r}")
         self.role = role
         config = config or EngineConfig()
+        if (tp.size if tp is not None else 1) != config.tensor_parallel:
+            raise ValueError(f"tensor_parallel={config.tensor_parallel} needs a group of that many ranks "
+                             f"(got {tp.size if tp is not None else 'none'})")
+        self.tp = tp
         if role == "decode" and not config.shareable_kv:  # a same-host prefill writes into its pools
             config = config.model_copy(update={"shareable_kv": True})
         self.config = config
@@ -106,7 +114,7 @@ class Engine:
         if isinstance(model, LlamaForCausalLM):
             self.model = model
         else:
-            self.model = load_target(model, config.dtype, config.device)
+            self.model = load_target(model, config.dtype, "cpu" if tp is not None else config.device)
             if tokenizer is None and (Path(model) / "tokenizer.json").exists():
                 tokenizer = Tokenizer(model)
         self.tokenizer = tokenizer
@@ -114,8 +122,10 @@ class Engine:
         self.max_context = min(config.max_context or mc.max_position_embeddings, mc.max_position_embeddings)
         head = draft if draft is None or isinstance(draft, DraftHead) else load_draft(
             draft, self.model, config.dtype, config.device)  # before the pools: they are sized after the weights
+        if tp is not None:  # after the draft's load, which may copy the whole LM head (EAGLE-3)
+            shard_target(self.model, tp, self.device)
         self.config = config = self._fit_pools(config, head, allocated)
-        self.cache = make_cache(mc, mc.num_hidden_layers, config, self.max_context)
+        self.cache = make_cache(local_config(mc, tp), mc.num_hidden_layers, config, self.max_context)
         self.graph_failures: list[CaptureFailure] = []  # CUDA graphs that failed to capture (phase eager)
         self.speculator = None if head is None else SpecWorker.load(
             head, self.model, self.cache, config, self.max_context, self.graph_failures)
@@ -139,7 +149,7 @@ class Engine:
         if self.device.type != "cuda" or config.num_pages is not None:
             return config
         mc, positions = self.model.config, self.max_context + config.headroom
-        per_page = page_bytes(mc, mc.num_hidden_layers, config)
+        per_page = page_bytes(local_config(mc, self.tp), mc.num_hidden_layers, config)
         if head is not None:
             per_page += (SpecWorker.cache_count(head, config.spec or SpecConfig())
                          * page_bytes(head.config, head.layers_per_cache, config))
@@ -179,7 +189,28 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     rid: str | None = None) -> Request:
+        """Queue a request. Under tensor parallelism every rank calls this, and rank 0's request (its
+        prompt, parameters with the seed rank 0 chose, id) or rank 0's refusal is every rank's."""
+        if self.tp is None:
+            return self.scheduler.submit(*self._checked(prompt, params, rid))
+        agreed = None
+        if self.tp.rank == 0:
+            try:
+                agreed = ("ok", *self._checked(prompt, params, rid))
+            except RequestError as e:
+                agreed = ("refused", e.field, str(e).removeprefix(f"{e.field}: "))
+        agreed = self.tp.broadcast(agreed)
+        if agreed[0] == "refused":
+            raise RequestError(agreed[1], agreed[2])
+        return self.scheduler.submit(*agreed[1:])
+
+    def _checked(self, prompt: str | list[int], params: SamplingParams | None,
+                 rid: str | None) -> tuple[str, list[int], SamplingParams]:
+        """The request's id, prompt ids and parameters (under tensor parallelism with a seed: rank 0's
+        choice, drawn by every rank alike); a ``RequestError`` naming the field at fault."""
         params = params or SamplingParams()
+        if self.tp is not None and params.seed is None:
+            params = params.model_copy(update={"seed": request_seed(params)})
         ids = self.validate_prompt(prompt)
         if len(ids) + params.max_new_tokens > self.max_context:
             raise RequestError("max_new_tokens", f"prompt ({len(ids)}) + max_new_tokens "
@@ -190,7 +221,7 @@ class Engine:
         rid = rid or f"req-{next(self._ids)}"
         if self.scheduler.get(rid) is not None:
             raise RequestError("request_id", f"{rid!r} is already running")
-        return self.scheduler.submit(rid, ids, params)
+        return rid, ids, params
 
     def abort(self, rid: str, reason: str = "abort") -> bool:
         """End request ``rid`` now and free its pages; False when no such request runs."""
@@ -235,6 +266,8 @@ class Engine:
 
     def _step(self) -> list[tuple[Request, list[int]]]:
         plan = self.scheduler.schedule()
+        if self.tp is not None:
+            self.tp.agree(self._plan_digest(plan), "the step plan")
         if self.speculator is not None and not plan.decode:
             self.speculator.drop_ahead()  # no decode step now: a draft launched ahead would wait in vain
         events: list[tuple[Request, list[int]]] = []
@@ -254,13 +287,22 @@ class Engine:
                 self.scheduler.retire(req)
         return events
 
+    def _plan_digest(self, plan: StepPlan) -> int:
+        """A checksum of what a step does and of the pools it starts from (the ranks compare them)."""
+        key = ([(r.rid, r.kv_len) for r in plan.decode], [(c.req.rid, c.start, c.end) for c in plan.prefill],
+               [c.num_free_pages for c in self.scheduler.caches])
+        return zlib.crc32(repr(key).encode())
+
     def _run_spec_or_plain(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
         """A speculative step, or a plain one where the policy expects more tokens per second from it
         (``shared/spec/policy.py``); each is timed for the policy's costs, and a speculative step's
         acceptance counted."""
         policy, counts = self.spec_policy, self.speculator.stats.tokens
         t0 = time.perf_counter()
-        if policy.speculate(len(reqs)):
+        speculate = policy.speculate(len(reqs))
+        if self.tp is not None and self.config.spec_policy != "fixed":  # a timed choice: rank 0's
+            speculate = self.tp.broadcast(speculate)
+        if speculate:
             drafts, reached = counts.drafts, list(counts.accepted_per_pos)
             events = self.speculator.decode_step(reqs, self.scheduler.joins_next(reqs))
             policy.acceptance.observe_counts(counts.drafts - drafts,

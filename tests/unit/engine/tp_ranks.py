@@ -1,0 +1,89 @@
+"""What each rank of the tensor-parallel tests runs (a module of its own: spawned ranks import it by name).
+
+Each function takes the rank's ``TPGroup`` first, runs on tiny models, and writes what the test compares
+to ``out/rank{r}.pt``; ``run_group`` starts the ranks and returns their outputs.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from shared.config import EngineConfig, SpecConfig
+from shared.engine import Engine
+from shared.forward_batch import build_forward_batch
+from shared.memory.sizing import make_cache
+from shared.model.loader import load_target
+from shared.parallel import TPGroup, free_address, local_config, shard_target, start_ranks
+from shared.sampling import SamplingParams
+
+RANK_TIMEOUT_S = 240  # one group's whole run, start-up included
+
+
+def run_group(size: int, fn, *args) -> list:
+    """Run ``fn(tp, out_dir, *args)`` on ``size`` spawned ranks over gloo; each rank's saved result."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="eyrie-tp-") as out:
+        procs = start_ranks(range(size), size, free_address(), "cpu", fn, (out, *args))
+        deadline = time.monotonic() + RANK_TIMEOUT_S
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        codes = [p.exitcode for p in procs]
+        assert codes == [0] * size, f"ranks exited with {codes} (their stderr says why)"
+        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(size)]
+
+
+def save(tp: TPGroup | None, out: str, value) -> None:
+    torch.save(value, Path(out) / f"rank{tp.rank if tp is not None else 0}.pt")
+
+
+# ---- the model alone -------------------------------------------------------------------------------
+def forward_logits(tp: TPGroup | None, out: str, target: str, prompts: list[list[int]]) -> None:
+    """The target's logits at every position of ``prompts`` (one prefill batch, page size 1), and the KV
+    heads this rank's pool holds."""
+    torch.set_num_threads(1)
+    model = load_target(target)
+    if tp is not None:
+        shard_target(model, tp, torch.device("cpu"))
+    config = EngineConfig(page_size=1, max_running=len(prompts), max_context=64)
+    cache = make_cache(local_config(model.config, tp), model.config.num_hidden_layers, config, 64)
+    handles = [cache.open() for _ in prompts]
+    for h, p in zip(handles, prompts):
+        cache.reserve(h, len(p))
+    ids = torch.tensor([t for p in prompts for t in p])
+    pos = torch.tensor([i for p in prompts for i in range(len(p))])
+    batch = build_forward_batch(cache, [h.row for h in handles], [0] * len(prompts), [len(p) for p in prompts],
+                                ids, pos, pos, logits_rows=torch.arange(len(ids)))
+    logits = model(batch, cache).logits
+    save(tp, out, {"logits": logits, "kv_heads": cache.layout.num_kv_heads})
+
+
+# ---- the engine ------------------------------------------------------------------------------------
+SHAPES = {"chain": SpecConfig(topk=1, steps=3, num_draft_tokens=4), "tree": SpecConfig(topk=2, steps=3,
+                                                                                       num_draft_tokens=6)}
+
+
+def engine_outputs(tp: TPGroup | None, out: str, root: str, cases: list[tuple], prompts: list[list[int]],
+                   params: list[SamplingParams]) -> None:
+    """For each (draft kind or None, tree shape, page size, chunk size) of ``cases``: every prompt's tokens,
+    logprobs and finish reason, the accept length, and whether the pools were all free again."""
+    torch.set_num_threads(1)
+    root = Path(root)
+    results = {}
+    for kind, shape, page_size, chunk in cases:
+        config = EngineConfig(page_size=page_size, chunk_size=chunk, max_running=8, max_context=160,
+                              spec=SHAPES[shape] if kind else None, tensor_parallel=tp.size if tp else 1)
+        engine = Engine(root / "target", root / kind if kind else None, config, tp=tp)
+        got = engine.generate(prompts, params)
+        results[(kind, shape, page_size, chunk)] = {
+            "tokens": [r.token_ids for r in got], "logprobs": [r.logprobs for r in got],
+            "finish": [r.finish_reason for r in got], "clean": engine.is_idle_and_clean(),
+            "accept_length": [r.spec_stats["accept_length"] for r in got] if kind else None,
+            "kv_heads": engine.cache.layout.num_kv_heads}
+    save(tp, out, results)
