@@ -42,7 +42,7 @@ from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.model.loader import load_target
 from shared.model.tokenizer import Tokenizer
-from shared.parallel import TPGroup, local_config, shard_target
+from shared.parallel import TPGroup, local_config, rank_device, shard_target
 from shared.request import Request, RequestError, Stage
 from shared.sampling import SamplingParams, request_seed, sample, top_logprobs, top_pairs
 from shared.scheduler import Scheduler, StepPlan
@@ -104,6 +104,8 @@ class Engine:
             raise ValueError(f"tensor_parallel={config.tensor_parallel} needs a group of that many ranks "
                              f"(got {tp.size if tp is not None else 'none'})")
         self.tp = tp
+        if tp is not None:  # rank r takes the r-th GPU from the configured one
+            config = config.model_copy(update={"device": rank_device(config.device, tp.rank)})
         if role == "decode" and not config.shareable_kv:  # a same-host prefill writes into its pools
             config = config.model_copy(update={"shareable_kv": True})
         self.config = config

@@ -134,11 +134,20 @@ def start_ranks(ranks: range, size: int, address: str, device: str, fn: Callable
 
 
 # ---- splitting a loaded target ---------------------------------------------------------------------
+def check_split(config: ModelConfig, size: int) -> None:
+    """A ``ValueError`` naming the first of the target's heads, KV heads or MLP width that ``size`` ranks
+    cannot share evenly (the vocabulary is padded instead)."""
+    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        n = getattr(config, what)
+        if n % size:
+            raise ValueError(f"tensor_parallel={size} does not divide the target's {what} ({n})")
+
+
 def local_config(config: ModelConfig, tp: TPGroup | None) -> ModelConfig:
     """``config`` with this rank's heads: the shape of its KV pools."""
     if tp is None:
         return config
-    tp.span(config.num_key_value_heads, "num_key_value_heads")
+    check_split(config, tp.size)
     return config.model_copy(update={"num_attention_heads": config.num_attention_heads // tp.size,
                                      "num_key_value_heads": config.num_key_value_heads // tp.size})
 

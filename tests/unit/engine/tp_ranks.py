@@ -1,7 +1,7 @@
 """What each rank of the tensor-parallel tests runs (a module of its own: spawned ranks import it by name).
 
-Each function takes the rank's ``TPGroup`` first, runs on tiny models, and writes what the test compares
-to ``out/rank{r}.pt``; ``run_group`` starts the ranks and returns their outputs.
+Each function takes the rank's ``TPGroup`` first (None: TP 1, called in the test's own process), runs on
+tiny models and returns what the test compares; ``run_group`` runs one on every rank of a group.
 """
 
 from __future__ import annotations
@@ -18,16 +18,17 @@ from shared.memory.sizing import make_cache
 from shared.model.loader import load_target
 from shared.parallel import TPGroup, free_address, local_config, shard_target, start_ranks
 from shared.sampling import SamplingParams
+from tests.unit.spec.spec_helpers import add_feature_path, load_models
 
 RANK_TIMEOUT_S = 240  # one group's whole run, start-up included
 
 
 def run_group(size: int, fn, *args) -> list:
-    """Run ``fn(tp, out_dir, *args)`` on ``size`` spawned ranks over gloo; each rank's saved result."""
+    """``fn(tp, *args)`` on each of ``size`` spawned ranks over gloo; what each rank's call returned."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="eyrie-tp-") as out:
-        procs = start_ranks(range(size), size, free_address(), "cpu", fn, (out, *args))
+        procs = start_ranks(range(size), size, free_address(), "cpu", _saved, (out, fn, *args))
         deadline = time.monotonic() + RANK_TIMEOUT_S
         for p in procs:
             p.join(max(1.0, deadline - time.monotonic()))
@@ -39,15 +40,15 @@ def run_group(size: int, fn, *args) -> list:
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(size)]
 
 
-def save(tp: TPGroup | None, out: str, value) -> None:
-    torch.save(value, Path(out) / f"rank{tp.rank if tp is not None else 0}.pt")
+def _saved(tp: TPGroup, out: str, fn, *args) -> None:
+    torch.set_num_threads(1)  # two ranks on a small CI machine: one thread each
+    torch.save(fn(tp, *args), Path(out) / f"rank{tp.rank}.pt")
 
 
 # ---- the model alone -------------------------------------------------------------------------------
-def forward_logits(tp: TPGroup | None, out: str, target: str, prompts: list[list[int]]) -> None:
+def forward_logits(tp: TPGroup | None, target: str, prompts: list[list[int]]) -> dict:
     """The target's logits at every position of ``prompts`` (one prefill batch, page size 1), and the KV
     heads this rank's pool holds."""
-    torch.set_num_threads(1)
     model = load_target(target)
     if tp is not None:
         shard_target(model, tp, torch.device("cpu"))
@@ -61,7 +62,7 @@ def forward_logits(tp: TPGroup | None, out: str, target: str, prompts: list[list
     batch = build_forward_batch(cache, [h.row for h in handles], [0] * len(prompts), [len(p) for p in prompts],
                                 ids, pos, pos, logits_rows=torch.arange(len(ids)))
     logits = model(batch, cache).logits
-    save(tp, out, {"logits": logits, "kv_heads": cache.layout.num_kv_heads})
+    return {"logits": logits, "kv_heads": cache.layout.num_kv_heads}
 
 
 # ---- the engine ------------------------------------------------------------------------------------
@@ -69,21 +70,21 @@ SHAPES = {"chain": SpecConfig(topk=1, steps=3, num_draft_tokens=4), "tree": Spec
                                                                                        num_draft_tokens=6)}
 
 
-def engine_outputs(tp: TPGroup | None, out: str, root: str, cases: list[tuple], prompts: list[list[int]],
-                   params: list[SamplingParams]) -> None:
+def engine_outputs(tp: TPGroup | None, root: str, cases: list[tuple], prompts: list[list[int]],
+                   params: list[SamplingParams]) -> dict:
     """For each (draft kind or None, tree shape, page size, chunk size) of ``cases``: every prompt's tokens,
-    logprobs and finish reason, the accept length, and whether the pools were all free again."""
-    torch.set_num_threads(1)
-    root = Path(root)
+    logprobs and finish reason, the accept lengths, whether the pools were all free again and how many
+    KV heads the target's pool holds. The oracle drafts get their feature path (``add_feature_path``)."""
+    models = add_feature_path(load_models(Path(root)))
     results = {}
     for kind, shape, page_size, chunk in cases:
         config = EngineConfig(page_size=page_size, chunk_size=chunk, max_running=8, max_context=160,
                               spec=SHAPES[shape] if kind else None, tensor_parallel=tp.size if tp else 1)
-        engine = Engine(root / "target", root / kind if kind else None, config, tp=tp)
+        engine = Engine(models.target, models.drafts[kind] if kind else None, config, tp=tp)
         got = engine.generate(prompts, params)
         results[(kind, shape, page_size, chunk)] = {
             "tokens": [r.token_ids for r in got], "logprobs": [r.logprobs for r in got],
             "finish": [r.finish_reason for r in got], "clean": engine.is_idle_and_clean(),
             "accept_length": [r.spec_stats["accept_length"] for r in got] if kind else None,
             "kv_heads": engine.cache.layout.num_kv_heads}
-    save(tp, out, results)
+    return results
