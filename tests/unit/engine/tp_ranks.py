@@ -88,3 +88,42 @@ def engine_outputs(tp: TPGroup | None, root: str, cases: list[tuple], prompts: l
             "accept_length": [r.spec_stats["accept_length"] for r in got] if kind else None,
             "kv_heads": engine.cache.layout.num_kv_heads}
     return results
+
+
+# ---- sampling --------------------------------------------------------------------------------------
+def sampled_outputs(tp: TPGroup | None, root: str, shape: str, setting: str, n: int, batch: int) -> dict:
+    """``n`` seeded requests (seeds 0 .. n - 1) of sampling ``setting`` on the 16-token oracle pair of
+    test_sampling_lossless: their first DEPTH tokens and accepted drafts; and four unseeded requests'
+    tokens (each rank would draw its own seed for them if rank 0 did not choose it)."""
+    from tests.unit.spec.test_sampling_lossless import DEPTH, PROMPT, SETTINGS, SPECS
+
+    kind, spec = SPECS[shape]
+    root = Path(root)
+    config = EngineConfig(page_size=4, max_running=batch, max_context=32, chunk_size=None, spec=spec,
+                          tensor_parallel=tp.size if tp else 1)
+    engine = Engine(root / "target", root / kind, config, tp=tp)
+    params = [SamplingParams(**SETTINGS[setting], seed=i, max_new_tokens=DEPTH, ignore_eos=True) for i in range(n)]
+    rows = []
+    for start in range(0, n, batch):
+        rows += engine.generate([PROMPT] * len(params[start:start + batch]), params[start:start + batch])
+    unseeded = engine.generate([PROMPT] * 4, SamplingParams(temperature=1.0, max_new_tokens=DEPTH, ignore_eos=True))
+    return {"tokens": [r.token_ids for r in rows], "accepted": [r.spec_stats["accepted_drafts"] for r in rows],
+            "unseeded": [r.token_ids for r in unseeded], "clean": engine.is_idle_and_clean()}
+
+
+# ---- everything at once (one group start-up for the whole test module) ---------------------------
+def suite(tp: TPGroup, jobs: dict[str, tuple]) -> dict:
+    """Each job ``name -> (function name, args)`` of this module run in turn; and the error a rank
+    gets when its digest differs from rank 0's (``TPGroup.agree`` with each rank's own value)."""
+    out, seconds = {}, {}
+    for name, (fn, args) in jobs.items():
+        t0 = time.perf_counter()
+        out[name] = globals()[fn](tp, *args)
+        seconds[name] = round(time.perf_counter() - t0, 2)
+    out["seconds"] = seconds  # printed by the tests (-s): where a slow run spent its time
+    try:
+        tp.agree(1000 + tp.rank, "a value every rank computes differently")
+        out["diverged"] = None
+    except RuntimeError as e:
+        out["diverged"] = str(e)
+    return out

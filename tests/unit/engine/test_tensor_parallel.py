@@ -1,0 +1,130 @@
+"""Tensor parallelism over gloo (shared/parallel.py): a target split over two ranks gives what the whole
+target gives.
+
+Two ranks are spawned once for the module (``tp_ranks.suite``) and run every TP-2 workload; the TP-1
+references run in this process, with the same functions. What is checked:
+
+* the split model's logits equal the whole model's to float32 rounding (the ranks' partial sums are added
+  in another order), on a target with biases on every projection, tied embeddings and a vocabulary of 509
+  (not divisible by 2: the last rank's vocabulary shard is padded); each rank's pool holds half the KV heads;
+* greedy output, token for token (logprobs to 1e-4), for the target alone and for EAGLE, EAGLE-3 and the
+  multi-layer draft, chain and tree, page sizes 1 and 16, prompts cut into chunks; the same acceptance; pools
+  free again; both ranks identical;
+* sampled output with speculation (EAGLE chain, temperature + top-k + top-p) passes test_sampling_lossless's
+  chi-square test against the exact law of the first four tokens, and the ranks draw the same tokens for
+  requests that gave no seed (rank 0 chose it);
+* a rank whose step digest differs from rank 0's stops with an error naming the divergence.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tp_ranks import engine_outputs, forward_logits, run_group
+
+from shared.model.factory import make_tiny_target
+from shared.sampling import SamplingParams
+from tests.oracle_model import make_oracle_model
+from tests.unit.spec.test_sampling_lossless import P_MIN, VIEWS, chi_square_p, marginal, project
+from tests.unit.spec.test_sampling_lossless import small_vocab as small_vocab  # noqa: F401 (a fixture)
+
+PROMPTS = [[5, 6, 7, 8, 9], list(range(3, 33)), [7]]
+GREEDY = [SamplingParams(max_new_tokens=10, ignore_eos=True)] * len(PROMPTS)
+KINDS = (None, "eagle", "eagle3", "mtp")
+CASES = [(kind, shape, page_size, 8) for kind in KINDS for shape in ("chain", "tree") for page_size in (1, 16)
+         if kind is not None or shape == "chain"]  # chunks of 8 cut the two longer prompts
+SAMPLED = ("chain", "all", 1200, 600)  # shape, setting (test_sampling_lossless.SETTINGS), requests, batch
+
+
+@pytest.fixture(scope="module")
+def odd_target(tmp_path_factory):
+    """A tiny target with a bias on every projection, tied embeddings and 509 tokens."""
+    out = make_tiny_target(tmp_path_factory.mktemp("odd"), seed=3, vocab_size=509, tie_word_embeddings=True,
+                           attention_bias=True, mlp_bias=True)
+    state = load_file(out / "model.safetensors")
+    g = torch.Generator().manual_seed(4)
+    for name in [k for k in state if k.endswith("_proj.weight")]:
+        state[name.replace(".weight", ".bias")] = 0.1 * torch.randn(state[name].shape[0], generator=g)
+    save_file(state, out / "model.safetensors")
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracle_root(tmp_path_factory):
+    return make_oracle_model(tmp_path_factory.mktemp("tp-oracle"), seed=0, alpha=0.05)
+
+
+@pytest.fixture(scope="module")
+def tp2(odd_target, oracle_root, small_vocab):
+    """Every TP-2 workload, run once on two gloo ranks: each rank's results."""
+    jobs = {"logits": ("forward_logits", (str(odd_target), PROMPTS)),
+            "greedy": ("engine_outputs", (str(oracle_root), CASES, PROMPTS, GREEDY)),
+            "sampled": ("sampled_outputs", (str(small_vocab[0]), *SAMPLED))}
+    from tp_ranks import suite
+
+    t0 = time.perf_counter()
+    ranks = run_group(2, suite, jobs)
+    print(f"TP-2 ranks: {time.perf_counter() - t0:.1f} s in all, jobs {ranks[0]['seconds']}")
+    return ranks
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_split_logits_equal_the_whole_model_and_each_rank_holds_half_the_kv_heads(tp2, odd_target):
+    want = forward_logits(None, str(odd_target), PROMPTS)
+    assert want["logits"].shape == (sum(map(len, PROMPTS)), 509)
+    for rank in tp2:
+        got = rank["logits"]
+        assert got["logits"].shape == want["logits"].shape
+        torch.testing.assert_close(got["logits"], want["logits"], rtol=0, atol=1e-4)
+        assert got["kv_heads"] * 2 == want["kv_heads"] == 2
+    assert torch.equal(tp2[0]["logits"]["logits"], tp2[1]["logits"]["logits"])  # the same gathered logits
+
+
+def test_tp2_greedy_output_equals_tp1_for_every_draft_kind_tree_and_page_size(tp2, oracle_root):
+    want = engine_outputs(None, str(oracle_root), CASES, PROMPTS, GREEDY)
+    for case in CASES:
+        ref = want[case]
+        for r, rank in enumerate(tp2):
+            got = rank["greedy"][case]
+            assert got["tokens"] == ref["tokens"], f"{case} rank {r}: {got['tokens']} != {ref['tokens']}"
+            assert torch.allclose(torch.tensor(got["logprobs"]), torch.tensor(ref["logprobs"]), atol=1e-4), case
+            assert got["finish"] == ref["finish"] and got["accept_length"] == ref["accept_length"], case
+            assert got["clean"] and ref["clean"], f"{case} rank {r}: pages or request slots left allocated"
+            assert got["kv_heads"] * 2 == ref["kv_heads"]
+    # The oracle drafts are really accepted, so accepted runs were compacted in the split pools too.
+    assert all(max(want[c]["accept_length"]) > 1.4 for c in CASES if c[0] is not None)
+
+
+def test_tp2_sampled_speculation_keeps_the_target_distribution(tp2, small_vocab):
+    _, laws = small_vocab
+    shape, setting, n, _ = SAMPLED
+    rows = tp2[0]["sampled"]
+    assert rows["tokens"] == tp2[1]["sampled"]["tokens"] and rows["clean"]
+    observed = Counter(tuple(t) for t in rows["tokens"])
+    assert sum(observed.values()) == n
+    pvalues = {view: chi_square_p(project(observed, pos), marginal(laws[setting], pos)) for view, pos in VIEWS.items()}
+    print(f"TP-2 {shape} {setting}: chi-square p " + ", ".join(f"{v} {p:.3g}" for v, p in pvalues.items()))
+    view = min(pvalues, key=pvalues.get)
+    assert pvalues[view] * len(VIEWS) > P_MIN, f"{view}: chi-square p = {pvalues[view]:.2e}"
+    assert sum(rows["accepted"]) > n / 4, "the speculative path was hardly taken"
+
+
+def test_ranks_draw_the_seed_rank_0_chose_for_unseeded_requests(tp2):
+    a, b = tp2[0]["sampled"]["unseeded"], tp2[1]["sampled"]["unseeded"]
+    assert len(a) == 4 and a == b
+
+
+def test_a_rank_that_diverges_from_rank_0_stops_with_an_error(tp2):
+    assert tp2[0]["diverged"] is None
+    assert "differs from rank 0's" in tp2[1]["diverged"] and "rank 1" in tp2[1]["diverged"]
