@@ -13,20 +13,29 @@ references run in this process, with the same functions. What is checked:
 * sampled output with speculation (EAGLE chain, temperature + top-k + top-p) passes test_sampling_lossless's
   chi-square test against the exact law of the first four tokens, and the ranks draw the same tokens for
   requests that gave no seed (rank 0 chose it);
-* a rank whose step digest differs from rank 0's stops with an error naming the divergence.
+* a rank whose step digest differs from rank 0's stops with an error naming the divergence;
+* ``eyrie generate --tensor-parallel 2`` prints what TP 1 prints; a split the target's heads do not allow, and
+  the services (one rank for now), exit 2 with one line.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections import Counter
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tp_ranks import engine_outputs, forward_logits, run_group
+from tp_ranks import RANK_TIMEOUT_S, engine_outputs, forward_logits, run_group
 
+from services.cli import main
+from shared.config import EngineConfig
+from shared.engine import Engine
 from shared.model.factory import make_tiny_target
+from shared.parallel import TPGroup, rank_device, vocab_shard
 from shared.sampling import SamplingParams
 from tests.oracle_model import make_oracle_model
 from tests.unit.spec.test_sampling_lossless import P_MIN, VIEWS, chi_square_p, marginal, project
@@ -128,3 +137,57 @@ def test_ranks_draw_the_seed_rank_0_chose_for_unseeded_requests(tp2):
 def test_a_rank_that_diverges_from_rank_0_stops_with_an_error(tp2):
     assert tp2[0]["diverged"] is None
     assert "differs from rank 0's" in tp2[1]["diverged"] and "rank 1" in tp2[1]["diverged"]
+
+
+# ---- the command line --------------------------------------------------------------------------------
+def eyrie(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
+                          timeout=RANK_TIMEOUT_S)
+
+
+def test_generate_tensor_parallel_2_prints_what_tp_1_prints(tiny_model_dir):
+    common = ["generate", "--model", str(tiny_model_dir / "target"), "--draft", str(tiny_model_dir / "eagle"),
+              "--prompt-ids", "5,6,7,8", "--prompt-ids", "40,41", "--max-new-tokens", "6", "--ignore-eos",
+              "--page-size", "1", "--json"]
+    one, two = eyrie(*common), eyrie(*common, "--tensor-parallel", "2")
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    tokens = [[json.loads(line)["token_ids"] for line in p.stdout.splitlines()] for p in (one, two)]
+    assert tokens[0] == tokens[1] and [len(t) for t in tokens[0]] == [6, 6]
+
+
+@pytest.mark.parametrize("command, flags, says", [
+    (["generate"], ["--tensor-parallel", "3", "--prompt-ids", "5"],
+     "tensor_parallel=3 does not divide the target's num_attention_heads (4)"),
+    (["generate"], ["--tensor-parallel", "0", "--prompt-ids", "5"], "tensor_parallel"),
+    (["serve", "decode"], ["--tensor-parallel", "2"], "tensor_parallel: the prefill and decode services run one rank"),
+    (["serve", "prefill"], ["--tensor-parallel", "2"], "tensor_parallel: the prefill and decode services run one rank"),
+])
+def test_a_split_that_cannot_run_exits_2_with_one_line(tiny_model_dir, capsys, command, flags, says):
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--model", str(tiny_model_dir / "target"), *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+# ---- the pieces, in this process ---------------------------------------------------------------------
+def fake_group(rank: int, size: int) -> TPGroup:
+    return TPGroup(rank=rank, size=size, group=None, control=None)  # enough for the arithmetic of splits
+
+
+def test_vocabulary_shards_cover_every_id_once_and_pad_the_last_rank():
+    table = torch.arange(7 * 3, dtype=torch.float32).view(7, 3)
+    parts = [vocab_shard(table, fake_group(r, 3)) for r in range(3)]
+    assert [start for _, start in parts] == [0, 3, 6]
+    assert all(part.shape == (3, 3) for part, _ in parts)
+    assert torch.equal(torch.cat([part for part, _ in parts])[:7], table)
+    assert not parts[2][0][1:].any()  # the padding rows: logits of 0, cut off after the gather
+
+
+def test_each_rank_takes_its_own_gpu_and_the_cpu_stays_shared():
+    assert [rank_device("cuda", r) for r in range(2)] == ["cuda:0", "cuda:1"]
+    assert rank_device("cuda:2", 1) == "cuda:3" and rank_device("cpu", 1) == "cpu"
+
+
+def test_an_engine_refuses_tensor_parallel_without_its_group(tiny_model_dir):
+    with pytest.raises(ValueError, match="tensor_parallel=2 needs a group of that many ranks"):
+        Engine(tiny_model_dir / "target", config=EngineConfig(tensor_parallel=2))
