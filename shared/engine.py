@@ -13,6 +13,7 @@ retire them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import time
 import zlib
@@ -42,7 +43,7 @@ from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.model.loader import load_target
 from shared.model.tokenizer import Tokenizer
-from shared.parallel import TPGroup, local_config, rank_device, shard_target
+from shared.parallel import TPGroup, gather_pages, local_config, rank_device, shard_target
 from shared.request import Request, RequestError, Stage
 from shared.sampling import SamplingParams, request_seed, sample, top_logprobs, top_pairs
 from shared.scheduler import Scheduler, StepPlan
@@ -395,8 +396,11 @@ class Engine:
     def handoff_schema(self) -> HandoffSchema:
         """What this engine's hand-offs carry; the other side of a hand-off must agree on all of it."""
         w = self.speculator
+        layouts = [c.layout for c in self.scheduler.caches]
+        if self.tp is not None:  # a split engine's hand-offs carry every KV head (``page_source``)
+            layouts[0] = dataclasses.replace(layouts[0], num_kv_heads=self.model.config.num_key_value_heads)
         return HandoffSchema.build(
-            [c.layout for c in self.scheduler.caches], page_size=self.config.page_size, dtype=self.config.dtype,
+            layouts, page_size=self.config.page_size, dtype=self.config.dtype,
             vocab_size=self.model.config.vocab_size, draft_kind=w.draft.kind if w else "",
             tree=w.spec if w else None, draft_hidden_width=w.draft.hidden_width if w else 0)
 
@@ -416,9 +420,24 @@ class Engine:
         (``handoff_increment``). The pages an increment names as done are not written again until
         ``req`` is released, so the transport may read them off this thread until then; an abort
         cancels the guard first."""
+        if self.tp is not None:
+            return self._gathered_source(req, fed)
         if fed:
             return PageSource(req.rid, self.scheduler.caches, [], b"", feed=PageFeed())
         return PageSource(req.rid, self.scheduler.caches, self.page_ids(req), encode_draft_state(req))
+
+    def _gathered_source(self, req: Request, fed: bool) -> PageSource | None:
+        """Under tensor parallelism, a collective: on rank 0 the source of a parked request's hand-off with
+        every rank's KV heads gathered into a cache of their own (the draft's caches are whole on every
+        rank already), so that it fits a decode engine of any split; None on the other ranks."""
+        if fed:
+            raise ValueError("a tensor-parallel prefill hands a request off once its prompt is done (fed=False)")
+        ids = self.page_ids(req)
+        staging = gather_pages(self.cache, ids[0], self.tp)
+        if staging is None:
+            return None
+        return PageSource(req.rid, [staging, *self.scheduler.caches[1:]], [list(range(1, len(ids[0]) + 1)), *ids[1:]],
+                          encode_draft_state(req))
 
     def handoff_increment(self, req: Request) -> Increment:
         """Prefill role: ``req``'s pages so far and how many of each cache's hold their final K/V (every

@@ -25,6 +25,7 @@ digests) always go over a gloo group, so they never wait on the device.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import socket
 import sys
@@ -38,6 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shared.memory.kv_cache import KVCache
 from shared.model.config import ModelConfig
 
 TIMEOUT = timedelta(minutes=5)  # a rank that stops answering fails the others' collectives after this
@@ -57,11 +59,11 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """The ranks' ``x`` [..., n] side by side: [..., size * n], rank 0's first."""
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """The ranks' ``x`` side by side along ``dim`` (n -> size * n), rank 0's first."""
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(parts, dim=dim)
 
     def broadcast(self, obj):
         """Rank 0's ``obj`` on every rank (the others' argument is ignored)."""
@@ -239,3 +241,20 @@ def shard_target(model: nn.Module, tp: TPGroup, device: torch.device) -> nn.Modu
     model.lm_head.weight = embed if tied else _param(vocab_shard(model.lm_head.weight, tp)[0], device)
     model.tp = tp
     return model.to(device)
+
+
+# ---- handing a request to a group of another size ----------------------------------------------------
+def gather_pages(cache: KVCache, pages: list[int], tp: TPGroup) -> KVCache | None:
+    """A collective: ``pages`` of ``cache`` with every rank's KV heads (rank 0's first, as the heads were
+    split), on rank 0 in a cache of their own where they are pages 1 .. n in order; None on the others.
+    What a split prefill sends to a decode engine of one rank (the heads mapped back to the whole model's)."""
+    ps = cache.page_size
+    slots = (torch.tensor(pages, dtype=torch.int64)[:, None] * ps + torch.arange(ps)).flatten()
+    heads = tp.all_gather(cache.pool[:, :, slots.to(cache.pool.device)], dim=-2)  # [2, layers, n * ps, kv, hd]
+    if tp.rank != 0:
+        return None
+    layout = dataclasses.replace(cache.layout, num_kv_heads=heads.shape[-2], num_pages=len(pages), max_reqs=1,
+                                 max_context=len(pages) * ps, shareable=False)
+    staging = KVCache(layout)
+    staging.pool[:, :, ps:] = heads
+    return staging

@@ -13,6 +13,9 @@ references run in this process, with the same functions. What is checked:
 * sampled output with speculation (EAGLE chain, temperature + top-k + top-p) passes test_sampling_lossless's
   chi-square test against the exact law of the first four tokens, and the ranks draw the same tokens for
   requests that gave no seed (rank 0 chose it);
+* a TP-2 prefill hands its requests off to a TP-1 decode engine (every KV head gathered on rank 0) and the
+  decode engine generates the target's greedy output, for EAGLE-3 (page size 16) and the multi-layer draft
+  (page size 1);
 * a rank whose step digest differs from rank 0's stops with an error naming the divergence;
 * ``eyrie generate --tensor-parallel 2`` prints what TP 1 prints; a split the target's heads do not allow, and
   the services (one rank for now), exit 2 with one line.
@@ -46,6 +49,7 @@ GREEDY = [SamplingParams(max_new_tokens=10, ignore_eos=True)] * len(PROMPTS)
 KINDS = (None, "eagle", "eagle3", "mtp")
 CASES = [(kind, shape, page_size, 8) for kind in KINDS for shape in ("chain", "tree") for page_size in (1, 16)
          if kind is not None or shape == "chain"]  # chunks of 8 cut the two longer prompts
+HANDOFFS = (("eagle3", 16), ("mtp", 1))  # draft kind, page size of a TP-2 prefill -> TP-1 decode hand-off
 SAMPLED = ("chain", "all", 1200, 600)  # shape, setting (test_sampling_lossless.SETTINGS), requests, batch
 
 
@@ -72,7 +76,9 @@ def tp2(odd_target, oracle_root, small_vocab):
     """Every TP-2 workload, run once on two gloo ranks: each rank's results."""
     jobs = {"logits": ("forward_logits", (str(odd_target), PROMPTS)),
             "greedy": ("engine_outputs", (str(oracle_root), CASES, PROMPTS, GREEDY)),
-            "sampled": ("sampled_outputs", (str(small_vocab[0]), *SAMPLED))}
+            "sampled": ("sampled_outputs", (str(small_vocab[0]), *SAMPLED)),
+            **{f"handoff {kind}": ("handoff_to_one_rank", (str(oracle_root), kind, page_size, PROMPTS, GREEDY[0]))
+               for kind, page_size in HANDOFFS}}
     from tp_ranks import suite
 
     t0 = time.perf_counter()
@@ -137,6 +143,17 @@ def test_ranks_draw_the_seed_rank_0_chose_for_unseeded_requests(tp2):
 def test_a_rank_that_diverges_from_rank_0_stops_with_an_error(tp2):
     assert tp2[0]["diverged"] is None
     assert "differs from rank 0's" in tp2[1]["diverged"] and "rank 1" in tp2[1]["diverged"]
+
+
+@pytest.mark.parametrize("kind", [kind for kind, _ in HANDOFFS])
+def test_a_tp2_prefill_hands_off_to_a_tp1_decode_losslessly(tp2, oracle_root, kind):
+    """Rank 0 gathers both ranks' KV heads of each parked request and sends them through the wire format to a
+    TP-1 decode engine, which resumes from the draft state and generates the target's greedy output."""
+    got = tp2[0][f"handoff {kind}"]
+    assert tp2[1][f"handoff {kind}"] is None
+    want = Engine(oracle_root / "target", None, EngineConfig(page_size=1, chunk_size=None)).generate(PROMPTS, GREEDY[0])
+    assert got["tokens"] == [r.token_ids for r in want]
+    assert got["clean"], "pages or request slots left allocated on the prefill or the decode engine"
 
 
 # ---- the command line --------------------------------------------------------------------------------

@@ -127,3 +127,46 @@ def suite(tp: TPGroup, jobs: dict[str, tuple]) -> dict:
     except RuntimeError as e:
         out["diverged"] = str(e)
     return out
+
+
+# ---- hand-off between groups of different sizes --------------------------------------------------
+def handoff_to_one_rank(tp: TPGroup, root: str, kind: str, page_size: int, prompts: list[list[int]],
+                        params: SamplingParams) -> dict | None:
+    """A TP-2 prefill engine (both ranks) parks ``prompts`` for their hand-off; rank 0 sends each, its KV
+    heads gathered from both ranks (``Engine.page_source``), through the wire format to a TP-1 decode engine
+    of its own (the models loaded again, whole), which generates the rest. Rank 0 returns the decode
+    side's outputs and whether both engines' pools are free again; rank 1 None."""
+    from shared.handoff import PageSink, decode_draft_state, iter_chunks
+    from shared.handoff.wire import page_bytes
+    from tests.unit.handoff.handoff_helpers import prefill_until_handoff
+
+    def config(role_tp: int) -> EngineConfig:
+        return EngineConfig(page_size=page_size, chunk_size=8, max_running=8, max_context=160, spec=SHAPES["chain"],
+                            tensor_parallel=role_tp)
+
+    split = add_feature_path(load_models(Path(root)))
+    prefill = Engine(split.target, split.drafts[kind], config(tp.size), role="prefill", tp=tp)
+    decode = None
+    if tp.rank == 0:
+        whole = add_feature_path(load_models(Path(root)))
+        decode = Engine(whole.target, whole.drafts[kind], config(1), role="decode")
+        decode.handoff_schema().check(prefill.handoff_schema())  # the handshake: every KV head arrives
+    moved = []
+    for req in prefill_until_handoff(prefill, prompts, params):
+        source = prefill.page_source(req)  # a collective: every rank calls it
+        if decode is not None:
+            there = decode.reserve_handoff(req.rid, req.prompt_ids, req.output_ids, req.output_logprobs, req.params,
+                                           req.kv_len)
+            sink, last = PageSink(req.rid, decode.scheduler.caches, decode.page_ids(there)), None
+            for chunk in iter_chunks(source, max(page_bytes(c) for c in decode.scheduler.caches)):  # many chunks
+                sink.write(chunk)
+                last = chunk
+            state = decode_draft_state(sink.finish(last).draft_state, decode.handoff_schema(), req.kv_len)
+            assert decode.activate_handoff(there, req.kv_len, state)
+            moved.append(there)
+        prefill.release(req)
+    if decode is None:
+        return None
+    decode.run_until_done()
+    return {"tokens": [decode.result(r).token_ids for r in moved], "clean": decode.is_idle_and_clean()
+            and prefill.is_idle_and_clean()}
