@@ -30,7 +30,7 @@ from shared.forward_batch import build_forward_batch, build_uniform_batch
 from shared.handoff.schema import HandoffSchema
 from shared.handoff.wire import Increment, PageFeed, PageGuard, PageSink, PageSource, Prefilled, encode_draft_state
 from shared.logits_process import process_logits, requests_rows
-from shared.memory.kv_cache import flush_tables
+from shared.memory.kv_cache import KVCache, flush_tables
 from shared.memory.sizing import (
     activation_reserve,
     default_pages,
@@ -43,7 +43,16 @@ from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.model.loader import load_target
 from shared.model.tokenizer import Tokenizer
-from shared.parallel import TPGroup, gather_pages, local_config, rank_device, shard_target
+from shared.parallel import (
+    TPGroup,
+    gather_pages,
+    local_config,
+    rank_device,
+    scatter_pages,
+    shard_target,
+    share_pages,
+    staging_cache,
+)
 from shared.request import Request, RequestError, Stage
 from shared.sampling import SamplingParams, request_seed, sample, top_logprobs, top_pairs
 from shared.scheduler import Scheduler, StepPlan
@@ -105,6 +114,7 @@ class Engine:
             raise ValueError(f"tensor_parallel={config.tensor_parallel} needs a group of that many ranks "
                              f"(got {tp.size if tp is not None else 'none'})")
         self.tp = tp
+        self._staged: dict[str, KVCache] = {}  # under TP, on rank 0: hand-offs received, every KV head, by id
         if tp is not None:  # rank r takes the r-th GPU from the configured one
             config = config.model_copy(update={"device": rank_device(config.device, tp.rank)})
         if role == "decode" and not config.shareable_kv:  # a same-host prefill writes into its pools
@@ -212,8 +222,7 @@ class Engine:
         """The request's id, prompt ids and parameters (under tensor parallelism with a seed: rank 0's
         choice, drawn by every rank alike); a ``RequestError`` naming the field at fault."""
         params = params or SamplingParams()
-        if self.tp is not None and params.seed is None:
-            params = params.model_copy(update={"seed": request_seed(params)})
+        params = self._seeded(params)
         ids = self.validate_prompt(prompt)
         if len(ids) + params.max_new_tokens > self.max_context:
             raise RequestError("max_new_tokens", f"prompt ({len(ids)}) + max_new_tokens "
@@ -226,6 +235,12 @@ class Engine:
             raise RequestError("request_id", f"{rid!r} is already running")
         return rid, ids, params
 
+    def _seeded(self, params: SamplingParams) -> SamplingParams:
+        """Under tensor parallelism, ``params`` with a seed (the request's own, or one chosen here, on rank 0)."""
+        if self.tp is None or params.seed is not None:
+            return params
+        return params.model_copy(update={"seed": request_seed(params)})
+
     def abort(self, rid: str, reason: str = "abort") -> bool:
         """End request ``rid`` now and free its pages; False when no such request runs."""
         req = self.scheduler.get(rid)
@@ -237,6 +252,7 @@ class Engine:
         request re-placed under its id took its place."""
         if not self.scheduler.holds(req):
             return False
+        self._staged.pop(req.rid, None)
         self.scheduler.retire(req, reason)
         return True
 
@@ -458,7 +474,11 @@ class Engine:
 
     def reserve_handoff(self, rid: str, prompt_ids: list[int], output_ids: list[int],
                         output_logprobs: list[float], params: SamplingParams, committed_len: int) -> Request | None:
-        """Decode role: claim pages for a request about to arrive; None when it cannot be held now."""
+        """Decode role: claim pages for a request about to arrive; None when it cannot be held now. Under
+        tensor parallelism every rank calls this, and rank 0's arguments (its seed chosen) are every rank's."""
+        if self.tp is not None:
+            rid, prompt_ids, output_ids, output_logprobs, params, committed_len = self.tp.broadcast(
+                (rid, prompt_ids, output_ids, output_logprobs, params and self._seeded(params), committed_len))
         if self.scheduler.get(rid) is not None:
             raise RequestError("request_id", f"{rid!r} is already here")
         return self.scheduler.admit_handoff(rid, prompt_ids, output_ids, output_logprobs, params, committed_len)
@@ -469,7 +489,23 @@ class Engine:
         engine's request waiting for its K/V (it was aborted)."""
         if not self.scheduler.holds(req) or req.stage is not Stage.RECEIVING:
             return None
+        if self.tp is not None:
+            return self._staged_sink(req, guard, in_place)
         return PageSink(req.rid, self.scheduler.caches, self.page_ids(req), guard, in_place)
+
+    def _staged_sink(self, req: Request, guard: PageGuard, in_place: bool) -> PageSink | None:
+        """Under tensor parallelism, on rank 0: a sink writing the target's K/V, every KV head, into a cache
+        of its own, from which ``activate_handoff`` gives each rank its heads (the draft's K/V lands in rank
+        0's pages, copied to the others then). None on the other ranks."""
+        if in_place:
+            raise ValueError("a tensor-parallel decode engine receives hand-offs through a sink, not in place")
+        if self.tp.rank != 0:
+            return None
+        ids = self.page_ids(req)
+        staging = self._staged[req.rid] = staging_cache(self.cache.layout, self.model.config.num_key_value_heads,
+                                                        len(ids[0]))
+        return PageSink(req.rid, [staging, *self.scheduler.caches[1:]], [list(range(1, len(ids[0]) + 1)), *ids[1:]],
+                        guard)
 
     def kv_pools(self) -> list[torch.Tensor]:
         """Per cache (target first), its whole K/V pool: what a decode engine exports to a same-host
@@ -484,8 +520,25 @@ class Engine:
         was aborted)."""
         if not self.scheduler.holds(req) or req.stage is not Stage.RECEIVING:
             return False
+        if self.tp is not None:
+            committed_len, draft_state, output_ids, output_logprobs = self._spread_handoff(
+                req, committed_len, draft_state, output_ids, output_logprobs)
         self.scheduler.activate(req, committed_len, draft_state, output_ids, output_logprobs)
         return True
+
+    def _spread_handoff(self, req: Request, committed_len: int, draft_state: DraftState | None,
+                        output_ids, output_logprobs) -> tuple:
+        """Under tensor parallelism, a collective: what arrived on rank 0 on every rank: each rank's share of
+        the target's KV heads, the draft's pages, the draft state and outputs (the arguments rank 0 got)."""
+        ids = self.page_ids(req)
+        scatter_pages(self._staged.pop(req.rid, None), self.cache, ids[0], self.tp)
+        for cache, pages in zip(self.scheduler.caches[1:], ids[1:]):
+            share_pages(cache, pages, self.tp)
+        blob = None if draft_state is None else draft_state.to_bytes()
+        committed_len, blob, output_ids, output_logprobs = self.tp.broadcast(
+            (committed_len, blob, list(output_ids), list(output_logprobs)))
+        return committed_len, None if blob is None else DraftState.from_bytes(blob, self.device), output_ids, \
+            output_logprobs
 
     # ---- what the engine holds -------------------------------------------------------------------
     def load(self) -> EngineLoad:

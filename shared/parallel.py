@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shared.memory.kv_cache import KVCache
+from shared.memory.kv_cache import CacheLayout, KVCache
 from shared.model.config import ModelConfig
 
 TIMEOUT = timedelta(minutes=5)  # a rank that stops answering fails the others' collectives after this
@@ -64,6 +64,11 @@ class TPGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+    def share(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` on every rank, in place (``x``: contiguous, the same shape everywhere)."""
+        dist.broadcast(x, src=0, group=self.group)
+        return x
 
     def broadcast(self, obj):
         """Rank 0's ``obj`` on every rank (the others' argument is ignored)."""
@@ -244,17 +249,48 @@ def shard_target(model: nn.Module, tp: TPGroup, device: torch.device) -> nn.Modu
 
 
 # ---- handing a request to a group of another size ----------------------------------------------------
+def page_slots(pages: list[int], page_size: int, device: torch.device) -> torch.Tensor:
+    """[len(pages) * page_size] int64: the slots of ``pages`` in order."""
+    slots = torch.tensor(pages, dtype=torch.int64)[:, None] * page_size + torch.arange(page_size)
+    return slots.flatten().to(device)
+
+
+def staging_cache(layout: CacheLayout, num_kv_heads: int, num_pages: int) -> KVCache:
+    """A cache of ``num_pages`` pages (ids 1 .. n) shaped as ``layout`` but with ``num_kv_heads`` heads: one
+    request's K/V with every rank's heads, on its way out of or into a split engine."""
+    return KVCache(dataclasses.replace(layout, num_kv_heads=num_kv_heads, num_pages=num_pages, max_reqs=1,
+                                       max_context=num_pages * layout.page_size, shareable=False))
+
+
 def gather_pages(cache: KVCache, pages: list[int], tp: TPGroup) -> KVCache | None:
     """A collective: ``pages`` of ``cache`` with every rank's KV heads (rank 0's first, as the heads were
-    split), on rank 0 in a cache of their own where they are pages 1 .. n in order; None on the others.
-    What a split prefill sends to a decode engine of one rank (the heads mapped back to the whole model's)."""
+    split), on rank 0 in a ``staging_cache`` where they are pages 1 .. n in order; None on the others.
+    What a split prefill sends to a decode engine of any split (the heads mapped back to the whole model's)."""
     ps = cache.page_size
-    slots = (torch.tensor(pages, dtype=torch.int64)[:, None] * ps + torch.arange(ps)).flatten()
-    heads = tp.all_gather(cache.pool[:, :, slots.to(cache.pool.device)], dim=-2)  # [2, layers, n * ps, kv, hd]
+    heads = tp.all_gather(cache.pool[:, :, page_slots(pages, ps, cache.pool.device)], dim=-2)
     if tp.rank != 0:
         return None
-    layout = dataclasses.replace(cache.layout, num_kv_heads=heads.shape[-2], num_pages=len(pages), max_reqs=1,
-                                 max_context=len(pages) * ps, shareable=False)
-    staging = KVCache(layout)
+    staging = staging_cache(cache.layout, heads.shape[-2], len(pages))
     staging.pool[:, :, ps:] = heads
     return staging
+
+
+def scatter_pages(staging: KVCache | None, cache: KVCache, pages: list[int], tp: TPGroup) -> None:
+    """A collective, the reverse of ``gather_pages``: rank 0's ``staging`` (pages 1 .. n, every KV head) is
+    sent to every rank, which writes its own heads into ``pages`` of ``cache`` (in place)."""
+    ps, lay = cache.page_size, cache.layout
+    heads = lay.num_kv_heads * tp.size
+    if tp.rank == 0:
+        every = staging.pool[:, :, ps:].contiguous()
+    else:
+        every = torch.empty((2, lay.num_layers, len(pages) * ps, heads, lay.head_dim), dtype=lay.dtype,
+                            device=lay.device)
+    tp.share(every)
+    cache.pool[:, :, page_slots(pages, ps, cache.pool.device)] = every[:, :, :, tp.span(heads, "KV heads")]
+
+
+def share_pages(cache: KVCache, pages: list[int], tp: TPGroup) -> None:
+    """A collective: rank 0's K/V of ``pages`` of ``cache`` (a whole, replicated cache: the draft's) written
+    into the same pages on every rank (in place)."""
+    slots = page_slots(pages, cache.page_size, cache.pool.device)
+    cache.pool[:, :, slots] = tp.share(cache.pool[:, :, slots])

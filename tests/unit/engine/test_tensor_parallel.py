@@ -16,6 +16,8 @@ references run in this process, with the same functions. What is checked:
 * a TP-2 prefill hands its requests off to a TP-1 decode engine (every KV head gathered on rank 0) and the
   decode engine generates the target's greedy output, for EAGLE-3 (page size 16) and the multi-layer draft
   (page size 1);
+* and back: a TP-1 prefill hands off to a TP-2 decode engine (rank 0 receives every KV head, each rank keeps
+  its own, checked exactly), which generates the target's greedy output (EAGLE tree page 16, multi-layer page 1);
 * a rank whose step digest differs from rank 0's stops with an error naming the divergence;
 * ``eyrie generate --tensor-parallel 2`` prints what TP 1 prints; a split the target's heads do not allow, and
   the services (one rank for now), exit 2 with one line.
@@ -50,6 +52,7 @@ KINDS = (None, "eagle", "eagle3", "mtp")
 CASES = [(kind, shape, page_size, 8) for kind in KINDS for shape in ("chain", "tree") for page_size in (1, 16)
          if kind is not None or shape == "chain"]  # chunks of 8 cut the two longer prompts
 HANDOFFS = (("eagle3", 16), ("mtp", 1))  # draft kind, page size of a TP-2 prefill -> TP-1 decode hand-off
+HANDBACKS = (("eagle", 16), ("mtp", 1))  # the same, TP-1 prefill -> TP-2 decode (a tree of 6 nodes)
 SAMPLED = ("chain", "all", 1200, 600)  # shape, setting (test_sampling_lossless.SETTINGS), requests, batch
 
 
@@ -78,7 +81,9 @@ def tp2(odd_target, oracle_root, small_vocab):
             "greedy": ("engine_outputs", (str(oracle_root), CASES, PROMPTS, GREEDY)),
             "sampled": ("sampled_outputs", (str(small_vocab[0]), *SAMPLED)),
             **{f"handoff {kind}": ("handoff_to_one_rank", (str(oracle_root), kind, page_size, PROMPTS, GREEDY[0]))
-               for kind, page_size in HANDOFFS}}
+               for kind, page_size in HANDOFFS},
+            **{f"handback {kind}": ("handoff_from_one_rank", (str(oracle_root), kind, page_size, PROMPTS, GREEDY[0]))
+               for kind, page_size in HANDBACKS}}
     from tp_ranks import suite
 
     t0 = time.perf_counter()
@@ -154,6 +159,18 @@ def test_a_tp2_prefill_hands_off_to_a_tp1_decode_losslessly(tp2, oracle_root, ki
     want = Engine(oracle_root / "target", None, EngineConfig(page_size=1, chunk_size=None)).generate(PROMPTS, GREEDY[0])
     assert got["tokens"] == [r.token_ids for r in want]
     assert got["clean"], "pages or request slots left allocated on the prefill or the decode engine"
+
+
+@pytest.mark.parametrize("kind", [kind for kind, _ in HANDBACKS])
+def test_a_tp1_prefill_hands_off_to_a_tp2_decode_losslessly(tp2, oracle_root, kind):
+    """Rank 0 of a TP-2 decode engine receives every KV head through the wire format; each rank keeps exactly
+    its heads of the target's K/V and the whole draft K/V, and both generate the target's greedy output."""
+    want = Engine(oracle_root / "target", None, EngineConfig(page_size=1, chunk_size=None)).generate(PROMPTS, GREEDY[0])
+    for r, rank in enumerate(tp2):
+        got = rank[f"handback {kind}"]
+        assert got["same_kv"] == [True] * len(PROMPTS), f"rank {r}: K/V not what the prefill engine computed"
+        assert got["tokens"] == [w.token_ids for w in want], f"rank {r}"
+        assert got["clean"], f"rank {r}: pages or request slots left allocated"
 
 
 # ---- the command line --------------------------------------------------------------------------------

@@ -170,3 +170,62 @@ def handoff_to_one_rank(tp: TPGroup, root: str, kind: str, page_size: int, promp
     decode.run_until_done()
     return {"tokens": [decode.result(r).token_ids for r in moved], "clean": decode.is_idle_and_clean()
             and prefill.is_idle_and_clean()}
+
+
+def handoff_from_one_rank(tp: TPGroup, root: str, kind: str, page_size: int, prompts: list[list[int]],
+                          params: SamplingParams) -> dict:
+    """The way back: rank 0's TP-1 prefill engine (the models whole) parks ``prompts`` and sends each through
+    the wire format to a TP-2 decode engine (both ranks: rank 0 receives every KV head, each rank keeps its
+    own, ``Engine.activate_handoff``), which generates the rest. Each rank returns the outputs and whether
+    its pools are free again."""
+    from shared.handoff import PageGuard, decode_draft_state, iter_chunks
+    from shared.handoff.wire import page_bytes
+    from tests.unit.handoff.handoff_helpers import positions_kv, prefill_until_handoff
+
+    def config(role_tp: int) -> EngineConfig:
+        return EngineConfig(page_size=page_size, chunk_size=8, max_running=8, max_context=160, spec=SHAPES["tree"],
+                            tensor_parallel=role_tp)
+
+    split = add_feature_path(load_models(Path(root)))
+    decode = Engine(split.target, split.drafts[kind], config(tp.size), role="decode", tp=tp)
+    parked, prefill = [], None
+    if tp.rank == 0:
+        whole = add_feature_path(load_models(Path(root)))
+        prefill = Engine(whole.target, whole.drafts[kind], config(1), role="prefill")
+        decode.handoff_schema().check(prefill.handoff_schema())
+        parked = prefill_until_handoff(prefill, prompts, params)
+    moved, same_kv = [], []
+    for i in range(tp.broadcast(len(parked))):
+        req = parked[i] if parked else None
+        # Every rank reserves and activates (collectives: rank 0's arguments win); rank 0 alone receives.
+        there = decode.reserve_handoff(*((req.rid, req.prompt_ids, req.output_ids, req.output_logprobs, req.params,
+                                          req.kv_len) if req else (None,) * 6))
+        state, kv_len = None, 0
+        if req is not None:
+            sink, last = decode.page_sink(there, PageGuard()), None
+            for chunk in iter_chunks(prefill.page_source(req), max(page_bytes(c) for c in prefill.scheduler.caches)):
+                sink.write(chunk)
+                last = chunk
+            state = decode_draft_state(sink.finish(last).draft_state, decode.handoff_schema(), req.kv_len)
+            kv_len = req.kv_len
+            sent = positions_kv(prefill, req, kv_len)
+            prefill.release(req)
+        assert decode.activate_handoff(there, kv_len, state)
+        same_kv.append(kept_its_heads(decode, there, tp.broadcast(sent if req else None), tp))
+        moved.append(there)
+    decode.run_until_done()
+    return {"tokens": [decode.result(r).token_ids for r in moved], "same_kv": same_kv,
+            "clean": decode.is_idle_and_clean() and (prefill is None or prefill.is_idle_and_clean())}
+
+
+def kept_its_heads(decode: Engine, req, sent: list, tp: TPGroup) -> bool:
+    """Whether ``req``'s K/V on this rank is exactly ``sent`` (the whole engine's, per cache and layer): this
+    rank's heads of the target's layers, every head of the draft's."""
+    from tests.unit.handoff.handoff_helpers import positions_kv
+
+    layers, heads = len(decode.cache.k), decode.cache.layout.num_kv_heads
+    mine = slice(tp.rank * heads, (tp.rank + 1) * heads)
+    got = positions_kv(decode, req, req.kv_len)
+    return len(got) == len(sent) and all(
+        torch.equal(g, s[:, mine] if i < layers else s) for i, (gkv, skv) in enumerate(zip(got, sent))
+        for g, s in zip(gkv, skv))
