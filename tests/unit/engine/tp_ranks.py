@@ -16,19 +16,20 @@ from shared.engine import Engine
 from shared.forward_batch import build_forward_batch
 from shared.memory.sizing import make_cache
 from shared.model.loader import load_target
-from shared.parallel import TPGroup, free_address, local_config, shard_target, start_ranks
+from shared.parallel import TPGroup, free_address, local_config, rank_device, shard_target, start_ranks
 from shared.sampling import SamplingParams
 from tests.unit.spec.spec_helpers import add_feature_path, load_models
 
 RANK_TIMEOUT_S = 240  # one group's whole run, start-up included
 
 
-def run_group(size: int, fn, *args) -> list:
-    """``fn(tp, *args)`` on each of ``size`` spawned ranks over gloo; what each rank's call returned."""
+def run_group(size: int, fn, *args, device: str = "cpu") -> list:
+    """``fn(tp, *args)`` on each of ``size`` spawned ranks (gloo on the CPU, NCCL on ``cuda``); what each
+    rank's call returned."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="eyrie-tp-") as out:
-        procs = start_ranks(range(size), size, free_address(), "cpu", _saved, (out, fn, *args))
+        procs = start_ranks(range(size), size, free_address(), device, _saved, (out, fn, *args))
         deadline = time.monotonic() + RANK_TIMEOUT_S
         for p in procs:
             p.join(max(1.0, deadline - time.monotonic()))
@@ -71,15 +72,16 @@ SHAPES = {"chain": SpecConfig(topk=1, steps=3, num_draft_tokens=4), "tree": Spec
 
 
 def engine_outputs(tp: TPGroup | None, root: str, cases: list[tuple], prompts: list[list[int]],
-                   params: list[SamplingParams]) -> dict:
+                   params: list[SamplingParams], device: str = "cpu", cuda_graph: bool = False) -> dict:
     """For each (draft kind or None, tree shape, page size, chunk size) of ``cases``: every prompt's tokens,
     logprobs and finish reason, the accept lengths, whether the pools were all free again and how many
     KV heads the target's pool holds. The oracle drafts get their feature path (``add_feature_path``)."""
-    models = add_feature_path(load_models(Path(root)))
+    models = add_feature_path(load_models(Path(root), device=rank_device(device, tp.rank if tp else 0)))
     results = {}
     for kind, shape, page_size, chunk in cases:
         config = EngineConfig(page_size=page_size, chunk_size=chunk, max_running=8, max_context=160,
-                              spec=SHAPES[shape] if kind else None, tensor_parallel=tp.size if tp else 1)
+                              spec=SHAPES[shape] if kind else None, tensor_parallel=tp.size if tp else 1,
+                              device=device, cuda_graph=cuda_graph)
         engine = Engine(models.target, models.drafts[kind] if kind else None, config, tp=tp)
         got = engine.generate(prompts, params)
         results[(kind, shape, page_size, chunk)] = {
