@@ -9,15 +9,19 @@ of its range, which an all-gather joins, so sampling and verification always see
 A KV pool holds this rank's KV heads only; page ids are the same on every rank because the schedulers
 make the same decisions.
 
-The draft head is replicated: every rank runs the whole head (it is small: one layer), and it reads the
-target's embedding and LM head through the sharded modules above.
+The draft head is replicated: every rank runs the whole head (a layer or a few: splitting it would add
+collectives to each of the draft's many small steps for little memory), and it reads the target's embedding
+and LM head through the sharded modules above.
 
 Every rank runs the same engine: the same scheduler on the same requests makes the same plan, and the
 collectives leave the same hidden states and logits on every rank, so the same tokens are drawn with the
 same per-request seeds. What is not a function of those shared inputs, rank 0 decides and broadcasts
-(``TPGroup.broadcast``): a request's arrival and its seed (``Engine.add_request``), and the adaptive
-policy's timed choice. Each step, rank 0's plan is checked on the other ranks (``TPGroup.agree``), so a
+(``TPGroup.broadcast``): a request's arrival and its seed (``Engine.add_request``, ``reserve_handoff``),
+and the adaptive policy's timed choice. Each step, rank 0's plan is checked on the other ranks (``TPGroup.agree``), so a
 divergence stops the engine with an error instead of corrupting the pools.
+
+Hand-offs leave and enter a split engine with every KV head (``gather_pages``, ``scatter_pages``), so a
+prefill group and a decode group of different sizes fit each other.
 
 Collectives run over NCCL on CUDA devices and gloo on the CPU; host objects (requests, decisions, plan
 digests) always go over a gloo group, so they never wait on the device.
