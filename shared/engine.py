@@ -430,12 +430,13 @@ class Engine:
         their hand-off: each one's hand-off may start (``page_source(req, fed=True)``)."""
         return self.scheduler.prefilled()
 
-    def page_source(self, req: Request, fed: bool = False) -> PageSource:
+    def page_source(self, req: Request, fed: bool = False) -> PageSource | None:
         """Prefill role: the sending side of ``req``'s hand-off. Parked (its prompt done): its pages and its
         draft state. ``fed``: empty, to be fed an ``Increment`` after each step of its prefill
         (``handoff_increment``). The pages an increment names as done are not written again until
         ``req`` is released, so the transport may read them off this thread until then; an abort
-        cancels the guard first."""
+        cancels the guard first. Under tensor parallelism a collective, None on ranks other than 0
+        (``_gathered_source``)."""
         if self.tp is not None:
             return self._gathered_source(req, fed)
         if fed:
