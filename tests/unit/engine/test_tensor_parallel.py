@@ -18,6 +18,7 @@ references run in this process, with the same functions. What is checked:
   (page size 1);
 * and back: a TP-1 prefill hands off to a TP-2 decode engine (rank 0 receives every KV head, each rank keeps
   its own, checked exactly), which generates the target's greedy output (EAGLE tree page 16, multi-layer page 1);
+* under the adaptive policy (a timed choice each step: rank 0's) the ranks stay in step;
 * a rank whose step digest differs from rank 0's stops with an error naming the divergence;
 * ``eyrie generate --tensor-parallel 2`` prints what TP 1 prints; a split the target's heads do not allow, and
   the services (one rank for now), exit 2 with one line.
@@ -51,6 +52,7 @@ GREEDY = [SamplingParams(max_new_tokens=10, ignore_eos=True)] * len(PROMPTS)
 KINDS = (None, "eagle", "eagle3", "mtp")
 CASES = [(kind, shape, page_size, 8) for kind in KINDS for shape in ("chain", "tree") for page_size in (1, 16)
          if kind is not None or shape == "chain"]  # chunks of 8 cut the two longer prompts
+ADAPTIVE = [("eagle", "tree", 16, 8)]  # under the adaptive policy, whose timed choice is rank 0's
 HANDOFFS = (("eagle3", 16), ("mtp", 1))  # draft kind, page size of a TP-2 prefill -> TP-1 decode hand-off
 HANDBACKS = (("eagle", 16), ("mtp", 1))  # the same, TP-1 prefill -> TP-2 decode (a tree of 6 nodes)
 SAMPLED = ("chain", "all", 1200, 600)  # shape, setting (test_sampling_lossless.SETTINGS), requests, batch
@@ -80,6 +82,7 @@ def tp2(odd_target, oracle_root, small_vocab):
     jobs = {"logits": ("forward_logits", (str(odd_target), PROMPTS)),
             "greedy": ("engine_outputs", (str(oracle_root), CASES, PROMPTS, GREEDY)),
             "sampled": ("sampled_outputs", (str(small_vocab[0]), *SAMPLED)),
+            "adaptive": ("engine_outputs", (str(oracle_root), ADAPTIVE, PROMPTS, GREEDY, "cpu", False, "adaptive")),
             **{f"handoff {kind}": ("handoff_to_one_rank", (str(oracle_root), kind, page_size, PROMPTS, GREEDY[0]))
                for kind, page_size in HANDOFFS},
             **{f"handback {kind}": ("handoff_from_one_rank", (str(oracle_root), kind, page_size, PROMPTS, GREEDY[0]))
@@ -124,6 +127,15 @@ def test_tp2_greedy_output_equals_tp1_for_every_draft_kind_tree_and_page_size(tp
             assert got["kv_heads"] * 2 == ref["kv_heads"]
     # The oracle drafts are really accepted, so accepted runs were compacted in the split pools too.
     assert all(max(want[c]["accept_length"]) > 1.4 for c in CASES if c[0] is not None)
+
+
+def test_ranks_follow_rank_0s_timed_choice_under_the_adaptive_policy(tp2, oracle_root):
+    """Each rank times its own steps, so only rank 0's choice between a speculative and a plain step can
+    keep them in step: both finish with the target's greedy output."""
+    want = Engine(oracle_root / "target", None, EngineConfig(page_size=1, chunk_size=None)).generate(PROMPTS, GREEDY[0])
+    for rank in tp2:
+        got = rank["adaptive"][ADAPTIVE[0]]
+        assert got["tokens"] == [w.token_ids for w in want] and got["clean"]
 
 
 def test_tp2_sampled_speculation_keeps_the_target_distribution(tp2, small_vocab):

@@ -72,7 +72,8 @@ SHAPES = {"chain": SpecConfig(topk=1, steps=3, num_draft_tokens=4), "tree": Spec
 
 
 def engine_outputs(tp: TPGroup | None, root: str, cases: list[tuple], prompts: list[list[int]],
-                   params: list[SamplingParams], device: str = "cpu", cuda_graph: bool = False) -> dict:
+                   params: list[SamplingParams], device: str = "cpu", cuda_graph: bool = False,
+                   spec_policy: str = "fixed") -> dict:
     """For each (draft kind or None, tree shape, page size, chunk size) of ``cases``: every prompt's tokens,
     logprobs and finish reason, the accept lengths, whether the pools were all free again and how many
     KV heads the target's pool holds. The oracle drafts get their feature path (``add_feature_path``)."""
@@ -81,7 +82,7 @@ def engine_outputs(tp: TPGroup | None, root: str, cases: list[tuple], prompts: l
     for kind, shape, page_size, chunk in cases:
         config = EngineConfig(page_size=page_size, chunk_size=chunk, max_running=8, max_context=160,
                               spec=SHAPES[shape] if kind else None, tensor_parallel=tp.size if tp else 1,
-                              device=device, cuda_graph=cuda_graph)
+                              device=device, cuda_graph=cuda_graph, spec_policy=spec_policy)
         engine = Engine(models.target, models.drafts[kind] if kind else None, config, tp=tp)
         got = engine.generate(prompts, params)
         results[(kind, shape, page_size, chunk)] = {
