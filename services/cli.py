@@ -190,13 +190,11 @@ def add_generate_flags(g: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args) -> int:
-    from shared.engine import Engine
-
     prompts, settings, config, params = _generate_inputs(args)
     with contextlib.ExitStack() as cleanup:  # the tiny model, when one is made, is removed on exit
         model, draft = _checkpoints(settings, cleanup)
         try:
-            engine = Engine(model, draft, config)
+            engine = _generate_engine(model, draft, config, (prompts, params), cleanup)
             stats = engine.spec_stats
             if stats is not None:
                 stats.keep_batches(None)  # one bounded run: every verify step's statistics
@@ -205,6 +203,41 @@ def cmd_generate(args) -> int:
             _fail(str(e))  # load (CheckpointError) or read: one line naming it
     _print_results(args, results, stats.batches_since(0) if stats is not None else None)
     return 0
+
+
+def _generate_engine(model, draft, config, work: tuple, cleanup: contextlib.ExitStack):
+    """The engine of ``eyrie generate``. With ``tensor_parallel`` N > 1 this process is rank 0 of N: ranks 1 ..
+    N - 1 start as processes that build the same engine and run ``generate`` on ``work`` (prompts, params)
+    alongside it (``follow_generate``), and end with it."""
+    from shared.engine import Engine
+
+    n = config.tensor_parallel
+    if n == 1:
+        return Engine(model, draft, config)
+    from shared.model.config import ModelConfig
+    from shared.parallel import check_split, free_address, init_group, start_ranks
+
+    check_split(ModelConfig.from_dir(model), n)
+    address = free_address()
+    ranks = start_ranks(range(1, n), n, address, config.device, follow_generate, (model, draft, config, *work))
+    tp = init_group(n, 0, address, config.device)
+    cleanup.callback(_end_group, ranks)
+    return Engine(model, draft, config, tp=tp)
+
+
+def follow_generate(tp, model, draft, config, prompts, params) -> None:
+    """A rank other than 0 of ``eyrie generate``: the same engine and calls as rank 0's, printing nothing."""
+    from shared.engine import Engine
+
+    Engine(model, draft, config, tp=tp).generate(prompts, params)
+
+
+def _end_group(ranks: list) -> None:
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    for p in ranks:
+        p.join(timeout=30)
 
 
 def _generate_inputs(args):

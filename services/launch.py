@@ -99,6 +99,10 @@ class _Interrupted(BaseException):
     """SIGINT or SIGTERM while a service starts: stop what started, exit 0."""
 
 
+NO_TP_SERVICE = ("tensor_parallel: the prefill and decode services run one rank for now (a split hand-off between "
+                 "tensor-parallel groups is not built yet); give 1, or use eyrie generate --tensor-parallel N")
+
+
 def _interrupt(*_) -> None:
     raise _Interrupted
 
@@ -143,6 +147,8 @@ def _serve_settings(args):
         _fail(f"--config: {e}")
     if not settings.model:
         _fail("model: give --model DIR or EYRIE_MODEL")
+    if getattr(settings, "tensor_parallel", 1) > 1:
+        _fail(NO_TP_SERVICE)
     if not (Path(settings.model) / "config.json").exists():
         _fail(f"model: {settings.model} is not a checkpoint directory (no config.json)")
     draft = getattr(settings, "draft", None)
@@ -433,6 +439,8 @@ def _up_stack(args, cleanup: contextlib.ExitStack) -> Stack:
         _fail(describe_error(e, {**engine, **common, **router}))
     except SettingsFileError as e:
         _fail(f"--config: {e}")
+    if decode.tensor_parallel > 1:
+        _fail(NO_TP_SERVICE)
     model, draft = decode.model, decode.draft
     if model is None:  # the tiny trained pair when present (shared/model/default_pair.py), else a random one
         from shared.model.default_pair import trained_tiny_pair

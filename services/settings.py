@@ -92,6 +92,10 @@ class EngineOptions(BaseSettings):
                                           "bookkeeping (unset or `auto` = on with `cuda`)")
     spec_policy: str = Field(_engine("spec_policy"), description="per decode step: `fixed` always speculates; "
                              "`adaptive` runs a plain step where it expects more tokens per second from one")
+    tensor_parallel: int = Field(_engine("tensor_parallel"), description="ranks the target is split over (heads, "
+                                 "MLP columns, vocabulary, KV heads; one process per rank over NCCL on `cuda`, one "
+                                 "GPU each from `device`'s, gloo on `cpu`); the draft head runs whole on every rank. "
+                                 "`eyrie generate` only: `serve` and `up` refuse more than 1 for now")
     handoff_transport: str = Field("auto", description="the hand-off's data transport: `auto` (ipc on one host when "
                                    "the decode pools are reachable, else the gRPC stream), `ipc` or `grpc-stream` "
                                    "(on a decode instance, `grpc-stream` stops it exporting its pools)")
@@ -125,7 +129,8 @@ class EngineOptions(BaseSettings):
         return EngineConfig(device=self.device, dtype=self.dtype, page_size=self.page_size, num_pages=self.num_pages,
                             max_running=self.max_running, max_context=self.max_context, chunk_size=self.chunk_size,
                             spec=spec, cuda_graph=self.cuda_graph, spec_draft_ahead=self.spec_draft_ahead,
-                            gpu_memory_fraction=self.gpu_memory_fraction, spec_policy=self.spec_policy)
+                            gpu_memory_fraction=self.gpu_memory_fraction, spec_policy=self.spec_policy,
+                            tensor_parallel=self.tensor_parallel)
 
 
 class EngineSettings(EngineOptions, CommonSettings):

@@ -70,6 +70,8 @@ class EngineConfig(BaseModel):
     # per second from one (shared/spec/policy.py). Fixed by default until the adaptive one is measured on
     # an H100 at every concurrency (issue 16); adaptive then, as it never loses by design.
     spec_policy: str = "fixed"
+    # Ranks the target is split over (shared/parallel.py): heads, MLP columns, vocabulary and KV heads.
+    tensor_parallel: int = 1
 
     @property
     def headroom(self) -> int:
@@ -97,7 +99,7 @@ class EngineConfig(BaseModel):
             raise ValueError(f"spec_policy must be fixed or adaptive, got {v!r}")
         return v
 
-    @field_validator("page_size", "max_running")
+    @field_validator("page_size", "max_running", "tensor_parallel")
     @classmethod
     def _positive(cls, v: int) -> int:
         if v < 1:

@@ -13,8 +13,10 @@ retire them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import time
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +31,7 @@ from shared.grammar import GrammarCompiler
 from shared.handoff.schema import HandoffSchema
 from shared.handoff.wire import Increment, PageFeed, PageGuard, PageSink, PageSource, Prefilled, encode_draft_state
 from shared.logits_process import process_logits, requests_rows
-from shared.memory.kv_cache import flush_tables
+from shared.memory.kv_cache import KVCache, flush_tables
 from shared.memory.sizing import (
     activation_reserve,
     default_pages,
@@ -42,8 +44,18 @@ from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.model.loader import load_target
 from shared.model.tokenizer import Tokenizer
+from shared.parallel import (
+    TPGroup,
+    gather_pages,
+    local_config,
+    rank_device,
+    scatter_pages,
+    shard_target,
+    share_pages,
+    staging_cache,
+)
 from shared.request import Request, RequestError, Stage
-from shared.sampling import SamplingParams, sample, top_logprobs, top_pairs
+from shared.sampling import SamplingParams, request_seed, sample, top_logprobs, top_pairs
 from shared.scheduler import Scheduler, StepPlan
 from shared.spec.policy import Acceptance, MeasuredCost, SpecPolicy
 from shared.spec.state import DraftState
@@ -92,11 +104,20 @@ class EngineLoad:
 class Engine:
     def __init__(self, model: str | Path | LlamaForCausalLM, draft: str | Path | None = None,
                  config: EngineConfig | None = None, tokenizer: Tokenizer | None = None,
-                 role: str = "both"):
+                 role: str = "both", tp: TPGroup | None = None):
+        """``tp``: this rank's tensor-parallel group when ``config.tensor_parallel`` > 1 (``shared/parallel.py``);
+        every rank builds its engine alike and calls the same methods, rank 0's arguments winning."""
         if role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, got {role!r}")
         self.role = role
         config = config or EngineConfig()
+        if (tp.size if tp is not None else 1) != config.tensor_parallel:
+            raise ValueError(f"tensor_parallel={config.tensor_parallel} needs a group of that many ranks "
+                             f"(got {tp.size if tp is not None else 'none'})")
+        self.tp = tp
+        self._staged: dict[str, KVCache] = {}  # under TP, on rank 0: hand-offs received, every KV head, by id
+        if tp is not None:  # rank r takes the r-th GPU from the configured one
+            config = config.model_copy(update={"device": rank_device(config.device, tp.rank)})
         if role == "decode" and not config.shareable_kv:  # a same-host prefill writes into its pools
             config = config.model_copy(update={"shareable_kv": True})
         self.config = config
@@ -107,7 +128,7 @@ class Engine:
         if isinstance(model, LlamaForCausalLM):
             self.model = model
         else:
-            self.model = load_target(model, config.dtype, config.device)
+            self.model = load_target(model, config.dtype, "cpu" if tp is not None else config.device)
             if tokenizer is None and (Path(model) / "tokenizer.json").exists():
                 tokenizer = Tokenizer(model)
         self.tokenizer = tokenizer
@@ -115,8 +136,10 @@ class Engine:
         self.max_context = min(config.max_context or mc.max_position_embeddings, mc.max_position_embeddings)
         head = draft if draft is None or isinstance(draft, DraftHead) else load_draft(
             draft, self.model, config.dtype, config.device)  # before the pools: they are sized after the weights
+        if tp is not None:  # after the draft's load, which may copy the whole LM head (EAGLE-3)
+            shard_target(self.model, tp, self.device)
         self.config = config = self._fit_pools(config, head, allocated)
-        self.cache = make_cache(mc, mc.num_hidden_layers, config, self.max_context)
+        self.cache = make_cache(local_config(mc, tp), mc.num_hidden_layers, config, self.max_context)
         self.graph_failures: list[CaptureFailure] = []  # CUDA graphs that failed to capture (phase eager)
         self.speculator = None if head is None else SpecWorker.load(
             head, self.model, self.cache, config, self.max_context, self.graph_failures)
@@ -142,7 +165,7 @@ class Engine:
         if self.device.type != "cuda" or config.num_pages is not None:
             return config
         mc, positions = self.model.config, self.max_context + config.headroom
-        per_page = page_bytes(mc, mc.num_hidden_layers, config)
+        per_page = page_bytes(local_config(mc, self.tp), mc.num_hidden_layers, config)
         if head is not None:
             per_page += (SpecWorker.cache_count(head, config.spec or SpecConfig())
                          * page_bytes(head.config, head.layers_per_cache, config))
@@ -182,10 +205,30 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     rid: str | None = None, output_ids: list[int] = (), output_logprobs: list[float] = ()) -> Request:
-        """A new request; with ``output_ids`` (and their logprobs), one resuming after the output tokens a
+        """Queue a request; with ``output_ids`` (and their logprobs), one resuming after the output tokens a
         client already has (a failover): its prefill computes them too and samples nothing, so the next
-        token is drawn where and as the request's first run would have drawn it."""
+        token is drawn where and as the request's first run would have drawn it. Under tensor parallelism
+        every rank calls this, and rank 0's request (its prompt, parameters with the seed rank 0 chose, id)
+        or rank 0's refusal is every rank's."""
+        if self.tp is None:
+            return self.scheduler.submit(*self._checked(prompt, params, rid, output_ids, output_logprobs))
+        agreed = None
+        if self.tp.rank == 0:
+            try:
+                agreed = ("ok", *self._checked(prompt, params, rid, output_ids, output_logprobs))
+            except RequestError as e:
+                agreed = ("refused", e.field, str(e).removeprefix(f"{e.field}: "))
+        agreed = self.tp.broadcast(agreed)
+        if agreed[0] == "refused":
+            raise RequestError(agreed[1], agreed[2])
+        return self.scheduler.submit(*agreed[1:])
+
+    def _checked(self, prompt: str | list[int], params: SamplingParams | None, rid: str | None,
+                 output_ids: list[int] = (), output_logprobs: list[float] = ()) -> tuple:
+        """The request's id, prompt ids, parameters (under tensor parallelism with a seed: rank 0's
+        choice, drawn by every rank alike) and resumed outputs; a ``RequestError`` naming the field at fault."""
         params = params or SamplingParams()
+        params = self._seeded(params)
         ids = self.validate_prompt(prompt)
         self._check_resume(output_ids, output_logprobs, params)
         if len(ids) + params.max_new_tokens > self.max_context:
@@ -197,7 +240,7 @@ class Engine:
         rid = rid or f"req-{next(self._ids)}"
         if self.scheduler.get(rid) is not None:
             raise RequestError("request_id", f"{rid!r} is already running")
-        return self.scheduler.submit(rid, ids, params, output_ids, output_logprobs)
+        return rid, ids, params, list(output_ids), list(output_logprobs)
 
     def _check_resume(self, output_ids: list[int], output_logprobs: list[float], params: SamplingParams) -> None:
         if len(output_logprobs) != len(output_ids):
@@ -208,6 +251,12 @@ class Engine:
         bad = next((t for t in output_ids if not 0 <= t < self.model.config.vocab_size), None)
         if bad is not None:
             raise RequestError("resume_ids", f"token id {bad} is outside the vocabulary")
+
+    def _seeded(self, params: SamplingParams) -> SamplingParams:
+        """Under tensor parallelism, ``params`` with a seed (the request's own, or one chosen here, on rank 0)."""
+        if self.tp is None or params.seed is not None:
+            return params
+        return params.model_copy(update={"seed": request_seed(params)})
 
     def abort(self, rid: str, reason: str = "abort") -> bool:
         """End request ``rid`` now and free its pages; False when no such request runs."""
@@ -220,6 +269,7 @@ class Engine:
         request re-placed under its id took its place."""
         if not self.scheduler.holds(req):
             return False
+        self._staged.pop(req.rid, None)
         self.scheduler.retire(req, reason)
         return True
 
@@ -252,6 +302,8 @@ class Engine:
 
     def _step(self) -> list[tuple[Request, list[int]]]:
         plan = self.scheduler.schedule()
+        if self.tp is not None:
+            self.tp.agree(self._plan_digest(plan), "the step plan")
         if self.speculator is not None and not plan.decode:
             self.speculator.drop_ahead()  # no decode step now: a draft launched ahead would wait in vain
         events: list[tuple[Request, list[int]]] = []
@@ -271,13 +323,22 @@ class Engine:
                 self.scheduler.retire(req)
         return events
 
+    def _plan_digest(self, plan: StepPlan) -> int:
+        """A checksum of what a step does and of the pools it starts from (the ranks compare them)."""
+        key = ([(r.rid, r.kv_len) for r in plan.decode], [(c.req.rid, c.start, c.end) for c in plan.prefill],
+               [c.num_free_pages for c in self.scheduler.caches])
+        return zlib.crc32(repr(key).encode())
+
     def _run_spec_or_plain(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
         """A speculative step, or a plain one where the policy expects more tokens per second from it
         (``shared/spec/policy.py``); each is timed for the policy's costs, and a speculative step's
         acceptance counted."""
         policy, counts = self.spec_policy, self.speculator.stats.tokens
         t0 = time.perf_counter()
-        if policy.speculate(len(reqs)):
+        speculate = policy.speculate(len(reqs))
+        if self.tp is not None and self.config.spec_policy != "fixed":  # a timed choice: rank 0's
+            speculate = self.tp.broadcast(speculate)
+        if speculate:
             drafts, reached = counts.drafts, list(counts.accepted_per_pos)
             events = self.speculator.decode_step(reqs, self.scheduler.joins_next(reqs))
             policy.acceptance.observe_counts(counts.drafts - drafts,
@@ -369,8 +430,11 @@ class Engine:
     def handoff_schema(self) -> HandoffSchema:
         """What this engine's hand-offs carry; the other side of a hand-off must agree on all of it."""
         w = self.speculator
+        layouts = [c.layout for c in self.scheduler.caches]
+        if self.tp is not None:  # a split engine's hand-offs carry every KV head (``page_source``)
+            layouts[0] = dataclasses.replace(layouts[0], num_kv_heads=self.model.config.num_key_value_heads)
         return HandoffSchema.build(
-            [c.layout for c in self.scheduler.caches], page_size=self.config.page_size, dtype=self.config.dtype,
+            layouts, page_size=self.config.page_size, dtype=self.config.dtype,
             vocab_size=self.model.config.vocab_size, draft_kind=w.draft.kind if w else "",
             tree=w.spec if w else None, draft_hidden_width=w.draft.hidden_width if w else 0)
 
@@ -384,15 +448,31 @@ class Engine:
         their hand-off: each one's hand-off may start (``page_source(req, fed=True)``)."""
         return self.scheduler.prefilled()
 
-    def page_source(self, req: Request, fed: bool = False) -> PageSource:
+    def page_source(self, req: Request, fed: bool = False) -> PageSource | None:
         """Prefill role: the sending side of ``req``'s hand-off. Parked (its prompt done): its pages and its
         draft state. ``fed``: empty, to be fed an ``Increment`` after each step of its prefill
         (``handoff_increment``). The pages an increment names as done are not written again until
         ``req`` is released, so the transport may read them off this thread until then; an abort
-        cancels the guard first."""
+        cancels the guard first. Under tensor parallelism a collective, None on ranks other than 0
+        (``_gathered_source``)."""
+        if self.tp is not None:
+            return self._gathered_source(req, fed)
         if fed:
             return PageSource(req.rid, self.scheduler.caches, [], b"", feed=PageFeed())
         return PageSource(req.rid, self.scheduler.caches, self.page_ids(req), encode_draft_state(req))
+
+    def _gathered_source(self, req: Request, fed: bool) -> PageSource | None:
+        """Under tensor parallelism, a collective: on rank 0 the source of a parked request's hand-off with
+        every rank's KV heads gathered into a cache of their own (the draft's caches are whole on every
+        rank already), so that it fits a decode engine of any split; None on the other ranks."""
+        if fed:
+            raise ValueError("a tensor-parallel prefill hands a request off once its prompt is done (fed=False)")
+        ids = self.page_ids(req)
+        staging = gather_pages(self.cache, ids[0], self.tp)
+        if staging is None:
+            return None
+        return PageSource(req.rid, [staging, *self.scheduler.caches[1:]], [list(range(1, len(ids[0]) + 1)), *ids[1:]],
+                          encode_draft_state(req))
 
     def handoff_increment(self, req: Request) -> Increment:
         """Prefill role: ``req``'s pages so far and how many of each cache's hold their final K/V (every
@@ -414,7 +494,11 @@ class Engine:
 
     def reserve_handoff(self, rid: str, prompt_ids: list[int], output_ids: list[int],
                         output_logprobs: list[float], params: SamplingParams, committed_len: int) -> Request | None:
-        """Decode role: claim pages for a request about to arrive; None when it cannot be held now."""
+        """Decode role: claim pages for a request about to arrive; None when it cannot be held now. Under
+        tensor parallelism every rank calls this, and rank 0's arguments (its seed chosen) are every rank's."""
+        if self.tp is not None:
+            rid, prompt_ids, output_ids, output_logprobs, params, committed_len = self.tp.broadcast(
+                (rid, prompt_ids, output_ids, output_logprobs, params and self._seeded(params), committed_len))
         if self.scheduler.get(rid) is not None:
             raise RequestError("request_id", f"{rid!r} is already here")
         return self.scheduler.admit_handoff(rid, prompt_ids, output_ids, output_logprobs, params, committed_len)
@@ -425,7 +509,23 @@ class Engine:
         engine's request waiting for its K/V (it was aborted)."""
         if not self.scheduler.holds(req) or req.stage is not Stage.RECEIVING:
             return None
+        if self.tp is not None:
+            return self._staged_sink(req, guard, in_place)
         return PageSink(req.rid, self.scheduler.caches, self.page_ids(req), guard, in_place)
+
+    def _staged_sink(self, req: Request, guard: PageGuard, in_place: bool) -> PageSink | None:
+        """Under tensor parallelism, on rank 0: a sink writing the target's K/V, every KV head, into a cache
+        of its own, from which ``activate_handoff`` gives each rank its heads (the draft's K/V lands in rank
+        0's pages, copied to the others then). None on the other ranks."""
+        if in_place:
+            raise ValueError("a tensor-parallel decode engine receives hand-offs through a sink, not in place")
+        if self.tp.rank != 0:
+            return None
+        ids = self.page_ids(req)
+        staging = self._staged[req.rid] = staging_cache(self.cache.layout, self.model.config.num_key_value_heads,
+                                                        len(ids[0]))
+        return PageSink(req.rid, [staging, *self.scheduler.caches[1:]], [list(range(1, len(ids[0]) + 1)), *ids[1:]],
+                        guard)
 
     def kv_pools(self) -> list[torch.Tensor]:
         """Per cache (target first), its whole K/V pool: what a decode engine exports to a same-host
@@ -440,8 +540,25 @@ class Engine:
         was aborted)."""
         if not self.scheduler.holds(req) or req.stage is not Stage.RECEIVING:
             return False
+        if self.tp is not None:
+            committed_len, draft_state, output_ids, output_logprobs = self._spread_handoff(
+                req, committed_len, draft_state, output_ids, output_logprobs)
         self.scheduler.activate(req, committed_len, draft_state, output_ids, output_logprobs)
         return True
+
+    def _spread_handoff(self, req: Request, committed_len: int, draft_state: DraftState | None,
+                        output_ids, output_logprobs) -> tuple:
+        """Under tensor parallelism, a collective: what arrived on rank 0 on every rank: each rank's share of
+        the target's KV heads, the draft's pages, the draft state and outputs (the arguments rank 0 got)."""
+        ids = self.page_ids(req)
+        scatter_pages(self._staged.pop(req.rid, None), self.cache, ids[0], self.tp)
+        for cache, pages in zip(self.scheduler.caches[1:], ids[1:]):
+            share_pages(cache, pages, self.tp)
+        blob = None if draft_state is None else draft_state.to_bytes()
+        committed_len, blob, output_ids, output_logprobs = self.tp.broadcast(
+            (committed_len, blob, list(output_ids), list(output_logprobs)))
+        return committed_len, None if blob is None else DraftState.from_bytes(blob, self.device), output_ids, \
+            output_logprobs
 
     # ---- what the engine holds -------------------------------------------------------------------
     def load(self) -> EngineLoad:

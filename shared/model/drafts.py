@@ -97,7 +97,7 @@ class DraftHead(nn.Module):
         return table(ids)
 
     def target_lm_head(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self._target[0].lm_head.weight).float()
+        return self._target[0].lm_logits(x)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids

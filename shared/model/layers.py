@@ -105,6 +105,7 @@ class Attention(nn.Module):
         self._attend = attention_fn()
         self.qkv_weight: torch.Tensor | None = None  # set by fuse(): one GEMM instead of three
         self.qkv_bias: torch.Tensor | None = None
+        self.tp = None  # a TPGroup when split by heads (shared/parallel.py): the output is a partial sum
 
     @torch.no_grad()
     def fuse(self) -> None:
@@ -145,7 +146,8 @@ class Attention(nn.Module):
         else:
             o = self._attend(q, k_cache, v_cache, batch.attn, self.scale, self.window,
                              batch.positions if self.window else None)
-        return linear(o.reshape(T, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
+        out = linear(o.reshape(T, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 def _act(gate: torch.Tensor, act: str) -> torch.Tensor:
@@ -163,6 +165,7 @@ class MLP(nn.Module):
         self.act = act
         self.gate_up_weight: torch.Tensor | None = None
         self.gate_up_bias: torch.Tensor | None = None
+        self.tp = None  # a TPGroup when split by columns (shared/parallel.py): the output is a partial sum
 
     @torch.no_grad()
     def fuse(self) -> None:
@@ -180,7 +183,8 @@ class MLP(nn.Module):
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             h = _act(gate, self.act) * up
-        return linear(h, self.down_proj.weight, self.down_proj.bias)
+        out = linear(h, self.down_proj.weight, self.down_proj.bias)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):

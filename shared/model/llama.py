@@ -45,6 +45,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.tp = None  # a TPGroup when split over ranks (shared/parallel.py shard_target)
+
+    def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[R, V] float32 logits of the final-norm states ``x`` [R, H] over the whole vocabulary (under
+        tensor parallelism each rank computes its vocabulary range and the ranks gather them)."""
+        logits = linear(x, self.lm_head.weight)
+        if self.tp is not None:
+            logits = self.tp.all_gather(logits)[..., :self.config.vocab_size]
+        return logits.float()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache, capture: str = "none",
@@ -61,7 +70,7 @@ class LlamaForCausalLM(nn.Module):
         h, _ = self.model.norm.add_forward(out, residual)
         rows = h if batch.logits_rows is None else h[batch.logits_rows]
         return TargetOutput(
-            logits=linear(rows, self.lm_head.weight).float(),
+            logits=self.lm_logits(rows),
             hidden=h if capture == "last" else None,
             aux_hidden=torch.cat([layer_inputs[i] for i in aux_layers], dim=-1) if capture == "aux" else None,
         )

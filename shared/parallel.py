@@ -1,0 +1,300 @@
+"""Tensor parallelism: a group of ranks, each holding a slice of the target's weights and KV heads.
+
+The target is split as Megatron-LM splits it. In each attention block q, k and v are split by heads
+(column-parallel) and o by its input rows (row-parallel); in each MLP gate and up are split by columns
+and down by rows. Each block's output is then a partial sum, and one all-reduce per block completes it.
+The embedding and the LM head are split by vocabulary: a rank looks up only the ids of its own range
+(the others' rows are zero, and the all-reduce adds them in exactly), and each rank computes the logits
+of its range, which an all-gather joins, so sampling and verification always see the whole vocabulary.
+A KV pool holds this rank's KV heads only; page ids are the same on every rank because the schedulers
+make the same decisions.
+
+The draft head is replicated: every rank runs the whole head (a layer or a few: splitting it would add
+collectives to each of the draft's many small steps for little memory), and it reads the target's embedding
+and LM head through the sharded modules above.
+
+Every rank runs the same engine: the same scheduler on the same requests makes the same plan, and the
+collectives leave the same hidden states and logits on every rank, so the same tokens are drawn with the
+same per-request seeds. What is not a function of those shared inputs, rank 0 decides and broadcasts
+(``TPGroup.broadcast``): a request's arrival and its seed (``Engine.add_request``, ``reserve_handoff``),
+and the adaptive policy's timed choice. Each step, rank 0's plan is checked on the other ranks (``TPGroup.agree``), so a
+divergence stops the engine with an error instead of corrupting the pools.
+
+Hand-offs leave and enter a split engine with every KV head (``gather_pages``, ``scatter_pages``), so a
+prefill group and a decode group of different sizes fit each other.
+
+Collectives run over NCCL on CUDA devices and gloo on the CPU; host objects (requests, decisions, plan
+digests) always go over a gloo group, so they never wait on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import socket
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shared.memory.kv_cache import CacheLayout, KVCache
+from shared.model.config import ModelConfig
+
+TIMEOUT = timedelta(minutes=5)  # a rank that stops answering fails the others' collectives after this
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in a tensor-parallel group."""
+
+    rank: int  # 0 .. size - 1; rank 0 decides what the ranks must agree on
+    size: int  # ranks in the group (2 or more)
+    group: dist.ProcessGroup  # the device collectives (NCCL on CUDA, gloo on the CPU)
+    control: dist.ProcessGroup  # host objects (gloo)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place (every rank ends with the same tensor)."""
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """The ranks' ``x`` side by side along ``dim`` (n -> size * n), rank 0's first."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def share(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` on every rank, in place (``x``: contiguous, the same shape everywhere)."""
+        dist.broadcast(x, src=0, group=self.group)
+        return x
+
+    def broadcast(self, obj):
+        """Rank 0's ``obj`` on every rank (the others' argument is ignored)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def agree(self, value: int, what: str) -> None:
+        """Check that every rank computed rank 0's ``value`` (a digest of ``what``)."""
+        x = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(x, src=0, group=self.control)
+        if int(x) != value:
+            raise RuntimeError(f"tensor-parallel rank {self.rank}: {what} differs from rank 0's "
+                               f"({value:#x} != {int(x):#x}); the ranks' engines diverged")
+
+    def span(self, n: int, what: str) -> slice:
+        """This rank's contiguous share of ``n`` items (heads, columns), which must split evenly."""
+        if n % self.size:
+            raise ValueError(f"tensor_parallel={self.size} does not divide {what} ({n})")
+        k = n // self.size
+        return slice(self.rank * k, (self.rank + 1) * k)
+
+
+# ---- starting a group ------------------------------------------------------------------------------
+def rank_device(device: str, rank: int) -> str:
+    """Rank ``rank``'s device: the ``rank``-th GPU from ``device``'s (``cuda`` = ``cuda:0``); the CPU stays."""
+    if not device.startswith("cuda"):
+        return device
+    first = int(device.split(":")[1]) if ":" in device else 0
+    return f"cuda:{first + rank}"
+
+
+def init_group(size: int, rank: int, address: str, device: str) -> TPGroup:
+    """Join the group of ``size`` ranks meeting at ``address`` (``host:port``, rank 0 listens there)."""
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(rank_device(device, rank)))
+    dist.init_process_group(backend, init_method=f"tcp://{address}", world_size=size, rank=rank, timeout=TIMEOUT)
+    group = dist.group.WORLD
+    control = group if backend == "gloo" else dist.new_group(backend="gloo", timeout=TIMEOUT)
+    return TPGroup(rank=rank, size=size, group=group, control=control)
+
+
+def free_address() -> str:
+    """``127.0.0.1:PORT`` with a port free now, for the group to meet at."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _rank_main(rank: int, size: int, address: str, device: str, fn: Callable, args: tuple) -> None:
+    try:
+        tp = init_group(size, rank, address, device)
+        fn(tp, *args)
+    except BaseException:  # noqa: BLE001 (a rank's failure is reported on its stderr, then exit 1)
+        traceback.print_exc()
+        sys.exit(1)
+    dist.destroy_process_group()
+
+
+def start_ranks(ranks: range, size: int, address: str, device: str, fn: Callable, args: tuple) -> list:
+    """``ranks`` of a group of ``size`` as processes (spawned, daemonic: they end with this one), each
+    running ``fn(its TPGroup, *args)``. A caller that is itself rank 0 starts ``range(1, size)`` and joins
+    with ``init_group(size, 0, ...)``."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_rank_main, args=(r, size, address, device, fn, args), daemon=True) for r in ranks]
+    for p in procs:
+        p.start()
+    return procs
+
+
+# ---- splitting a loaded target ---------------------------------------------------------------------
+def check_split(config: ModelConfig, size: int) -> None:
+    """A ``ValueError`` naming the first of the target's heads, KV heads or MLP width that ``size`` ranks
+    cannot share evenly (the vocabulary is padded instead)."""
+    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        n = getattr(config, what)
+        if n % size:
+            raise ValueError(f"tensor_parallel={size} does not divide the target's {what} ({n})")
+
+
+def local_config(config: ModelConfig, tp: TPGroup | None) -> ModelConfig:
+    """``config`` with this rank's heads: the shape of its KV pools."""
+    if tp is None:
+        return config
+    check_split(config, tp.size)
+    return config.model_copy(update={"num_attention_heads": config.num_attention_heads // tp.size,
+                                     "num_key_value_heads": config.num_key_value_heads // tp.size})
+
+
+def _param(x: torch.Tensor, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(x.to(device).contiguous(), requires_grad=False)
+
+
+def _rows(x: torch.Tensor | None, sizes: list[int], tp: TPGroup, what: str, device) -> torch.Tensor | None:
+    """This rank's rows of each part of ``x`` (parts of ``sizes`` rows, e.g. q/k/v), concatenated."""
+    if x is None:
+        return None
+    return torch.cat([p[tp.span(n, what)] for p, n in zip(x.split(sizes), sizes)]).to(device).contiguous()
+
+
+def _split_row_parallel(linear: nn.Linear, tp: TPGroup, what: str, device: torch.device) -> None:
+    """``linear`` takes this rank's share of its inputs; its bias is added once, by rank 0."""
+    linear.weight = _param(linear.weight[:, tp.span(linear.weight.shape[1], what)], device)
+    if linear.bias is not None:
+        linear.bias = _param(linear.bias if tp.rank == 0 else torch.zeros_like(linear.bias), device)
+
+
+@torch.no_grad()
+def _split_attention(attn, tp: TPGroup, device: torch.device) -> None:
+    if attn.qkv_weight is None:
+        attn.fuse()
+    hd, h, kv = attn.head_dim, attn.num_heads, attn.num_kv_heads
+    tp.span(h, "num_attention_heads"), tp.span(kv, "num_key_value_heads")
+    sizes = [h * hd, kv * hd, kv * hd]
+    attn.qkv_weight = _rows(attn.qkv_weight, sizes, tp, "q/k/v rows", device)
+    attn.qkv_bias = _rows(attn.qkv_bias, sizes, tp, "q/k/v bias", device)
+    _split_row_parallel(attn.o_proj, tp, "o_proj inputs", device)
+    attn.num_heads, attn.num_kv_heads, attn.tp = h // tp.size, kv // tp.size, tp
+
+
+@torch.no_grad()
+def _split_mlp(mlp, tp: TPGroup, device: torch.device) -> None:
+    if mlp.gate_up_weight is None:
+        mlp.fuse()
+    inter = mlp.gate_up_weight.shape[0] // 2
+    mlp.gate_up_weight = _rows(mlp.gate_up_weight, [inter, inter], tp, "intermediate_size", device)
+    mlp.gate_up_bias = _rows(mlp.gate_up_bias, [inter, inter], tp, "intermediate_size", device)
+    _split_row_parallel(mlp.down_proj, tp, "intermediate_size", device)
+    mlp.tp = tp
+
+
+def vocab_shard(weight: torch.Tensor, tp: TPGroup) -> tuple[torch.Tensor, int]:
+    """This rank's rows of a [V, H] vocabulary table (the last rank's padded with zero rows up to
+    ceil(V / size)) and the first token id they hold."""
+    per = -(-weight.shape[0] // tp.size)
+    start = tp.rank * per
+    part = weight[start:start + per]
+    if part.shape[0] < per:
+        part = torch.cat([part, part.new_zeros(per - part.shape[0], weight.shape[1])])
+    return part, start
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding of which this rank holds the rows of ids [start, start + rows); the ranks' lookups sum."""
+
+    def __init__(self, weight: nn.Parameter, start: int, tp: TPGroup):
+        super().__init__()
+        self.weight = weight  # [ceil(V / size), H] this rank's rows
+        self.start = start
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(torch.where(mine, local, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(~mine.unsqueeze(-1), 0))
+
+
+@torch.no_grad()
+def shard_target(model: nn.Module, tp: TPGroup, device: torch.device) -> nn.Module:
+    """Keep this rank's share of a loaded (fused) target's weights, on ``device``; the rest (norms, the
+    rotary tables) moves there whole. In place; a target already split for ``tp`` is returned as is."""
+    if model.tp is tp:
+        return model
+    if model.tp is not None:
+        raise ValueError("the target is already split for another tensor-parallel group")
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    for layer in model.model.layers:
+        _split_attention(layer.self_attn, tp, device)
+        _split_mlp(layer.mlp, tp, device)
+    table, start = vocab_shard(model.model.embed_tokens.weight, tp)
+    embed = _param(table, device)
+    model.model.embed_tokens = VocabParallelEmbedding(embed, start, tp)
+    model.lm_head.weight = embed if tied else _param(vocab_shard(model.lm_head.weight, tp)[0], device)
+    model.tp = tp
+    return model.to(device)
+
+
+# ---- handing a request to a group of another size ----------------------------------------------------
+def page_slots(pages: list[int], page_size: int, device: torch.device) -> torch.Tensor:
+    """[len(pages) * page_size] int64: the slots of ``pages`` in order."""
+    slots = torch.tensor(pages, dtype=torch.int64)[:, None] * page_size + torch.arange(page_size)
+    return slots.flatten().to(device)
+
+
+def staging_cache(layout: CacheLayout, num_kv_heads: int, num_pages: int) -> KVCache:
+    """A cache of ``num_pages`` pages (ids 1 .. n) shaped as ``layout`` but with ``num_kv_heads`` heads: one
+    request's K/V with every rank's heads, on its way out of or into a split engine."""
+    return KVCache(dataclasses.replace(layout, num_kv_heads=num_kv_heads, num_pages=num_pages, max_reqs=1,
+                                       max_context=num_pages * layout.page_size, shareable=False))
+
+
+def gather_pages(cache: KVCache, pages: list[int], tp: TPGroup) -> KVCache | None:
+    """A collective: ``pages`` of ``cache`` with every rank's KV heads (rank 0's first, as the heads were
+    split), on rank 0 in a ``staging_cache`` where they are pages 1 .. n in order; None on the others.
+    What a split prefill sends to a decode engine of any split (the heads mapped back to the whole model's)."""
+    ps = cache.page_size
+    heads = tp.all_gather(cache.pool[:, :, page_slots(pages, ps, cache.pool.device)], dim=-2)
+    if tp.rank != 0:
+        return None
+    staging = staging_cache(cache.layout, heads.shape[-2], len(pages))
+    staging.pool[:, :, ps:] = heads
+    return staging
+
+
+def scatter_pages(staging: KVCache | None, cache: KVCache, pages: list[int], tp: TPGroup) -> None:
+    """A collective, the reverse of ``gather_pages``: rank 0's ``staging`` (pages 1 .. n, every KV head) is
+    sent to every rank, which writes its own heads into ``pages`` of ``cache`` (in place)."""
+    ps, lay = cache.page_size, cache.layout
+    heads = lay.num_kv_heads * tp.size
+    if tp.rank == 0:
+        every = staging.pool[:, :, ps:].contiguous()
+    else:
+        every = torch.empty((2, lay.num_layers, len(pages) * ps, heads, lay.head_dim), dtype=lay.dtype,
+                            device=lay.device)
+    tp.share(every)
+    cache.pool[:, :, page_slots(pages, ps, cache.pool.device)] = every[:, :, :, tp.span(heads, "KV heads")]
+
+
+def share_pages(cache: KVCache, pages: list[int], tp: TPGroup) -> None:
+    """A collective: rank 0's K/V of ``pages`` of ``cache`` (a whole, replicated cache: the draft's) written
+    into the same pages on every rank (in place)."""
+    slots = page_slots(pages, cache.page_size, cache.pool.device)
+    cache.pool[:, :, slots] = tp.share(cache.pool[:, :, slots])

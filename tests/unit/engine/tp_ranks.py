@@ -1,0 +1,234 @@
+"""What each rank of the tensor-parallel tests runs (a module of its own: spawned ranks import it by name).
+
+Each function takes the rank's ``TPGroup`` first (None: TP 1, called in the test's own process), runs on
+tiny models and returns what the test compares; ``run_group`` runs one on every rank of a group.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from shared.config import EngineConfig, SpecConfig
+from shared.engine import Engine
+from shared.forward_batch import build_forward_batch
+from shared.memory.sizing import make_cache
+from shared.model.loader import load_target
+from shared.parallel import TPGroup, free_address, local_config, rank_device, shard_target, start_ranks
+from shared.sampling import SamplingParams
+from tests.unit.spec.spec_helpers import add_feature_path, load_models
+
+RANK_TIMEOUT_S = 240  # one group's whole run, start-up included
+
+
+def run_group(size: int, fn, *args, device: str = "cpu") -> list:
+    """``fn(tp, *args)`` on each of ``size`` spawned ranks (gloo on the CPU, NCCL on ``cuda``); what each
+    rank's call returned."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="eyrie-tp-") as out:
+        procs = start_ranks(range(size), size, free_address(), device, _saved, (out, fn, *args))
+        deadline = time.monotonic() + RANK_TIMEOUT_S
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        codes = [p.exitcode for p in procs]
+        assert codes == [0] * size, f"ranks exited with {codes} (their stderr says why)"
+        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(size)]
+
+
+def _saved(tp: TPGroup, out: str, fn, *args) -> None:
+    torch.set_num_threads(1)  # two ranks on a small CI machine: one thread each
+    torch.save(fn(tp, *args), Path(out) / f"rank{tp.rank}.pt")
+
+
+# ---- the model alone -------------------------------------------------------------------------------
+def forward_logits(tp: TPGroup | None, target: str, prompts: list[list[int]]) -> dict:
+    """The target's logits at every position of ``prompts`` (one prefill batch, page size 1), and the KV
+    heads this rank's pool holds."""
+    model = load_target(target)
+    if tp is not None:
+        shard_target(model, tp, torch.device("cpu"))
+    config = EngineConfig(page_size=1, max_running=len(prompts), max_context=64)
+    cache = make_cache(local_config(model.config, tp), model.config.num_hidden_layers, config, 64)
+    handles = [cache.open() for _ in prompts]
+    for h, p in zip(handles, prompts):
+        cache.reserve(h, len(p))
+    ids = torch.tensor([t for p in prompts for t in p])
+    pos = torch.tensor([i for p in prompts for i in range(len(p))])
+    batch = build_forward_batch(cache, [h.row for h in handles], [0] * len(prompts), [len(p) for p in prompts],
+                                ids, pos, pos, logits_rows=torch.arange(len(ids)))
+    logits = model(batch, cache).logits
+    return {"logits": logits, "kv_heads": cache.layout.num_kv_heads}
+
+
+# ---- the engine ------------------------------------------------------------------------------------
+SHAPES = {"chain": SpecConfig(topk=1, steps=3, num_draft_tokens=4), "tree": SpecConfig(topk=2, steps=3,
+                                                                                       num_draft_tokens=6)}
+
+
+def engine_outputs(tp: TPGroup | None, root: str, cases: list[tuple], prompts: list[list[int]],
+                   params: list[SamplingParams], device: str = "cpu", cuda_graph: bool = False,
+                   spec_policy: str = "fixed") -> dict:
+    """For each (draft kind or None, tree shape, page size, chunk size) of ``cases``: every prompt's tokens,
+    logprobs and finish reason, the accept lengths, whether the pools were all free again and how many
+    KV heads the target's pool holds. The oracle drafts get their feature path (``add_feature_path``)."""
+    models = add_feature_path(load_models(Path(root), device=rank_device(device, tp.rank if tp else 0)))
+    results = {}
+    for kind, shape, page_size, chunk in cases:
+        config = EngineConfig(page_size=page_size, chunk_size=chunk, max_running=8, max_context=160,
+                              spec=SHAPES[shape] if kind else None, tensor_parallel=tp.size if tp else 1,
+                              device=device, cuda_graph=cuda_graph, spec_policy=spec_policy)
+        engine = Engine(models.target, models.drafts[kind] if kind else None, config, tp=tp)
+        got = engine.generate(prompts, params)
+        results[(kind, shape, page_size, chunk)] = {
+            "tokens": [r.token_ids for r in got], "logprobs": [r.logprobs for r in got],
+            "finish": [r.finish_reason for r in got], "clean": engine.is_idle_and_clean(),
+            "accept_length": [r.spec_stats["accept_length"] for r in got] if kind else None,
+            "kv_heads": engine.cache.layout.num_kv_heads}
+    return results
+
+
+# ---- sampling --------------------------------------------------------------------------------------
+def sampled_outputs(tp: TPGroup | None, root: str, shape: str, setting: str, n: int, batch: int) -> dict:
+    """``n`` seeded requests (seeds 0 .. n - 1) of sampling ``setting`` on the 16-token oracle pair of
+    test_sampling_lossless: their first DEPTH tokens and accepted drafts; and four unseeded requests'
+    tokens (each rank would draw its own seed for them if rank 0 did not choose it)."""
+    from tests.unit.spec.test_sampling_lossless import DEPTH, PROMPT, SETTINGS, SPECS
+
+    kind, spec = SPECS[shape]
+    root = Path(root)
+    config = EngineConfig(page_size=4, max_running=batch, max_context=32, chunk_size=None, spec=spec,
+                          tensor_parallel=tp.size if tp else 1)
+    engine = Engine(root / "target", root / kind, config, tp=tp)
+    params = [SamplingParams(**SETTINGS[setting], seed=i, max_new_tokens=DEPTH, ignore_eos=True) for i in range(n)]
+    rows = []
+    for start in range(0, n, batch):
+        rows += engine.generate([PROMPT] * len(params[start:start + batch]), params[start:start + batch])
+    unseeded = engine.generate([PROMPT] * 4, SamplingParams(temperature=1.0, max_new_tokens=DEPTH, ignore_eos=True))
+    return {"tokens": [r.token_ids for r in rows], "accepted": [r.spec_stats["accepted_drafts"] for r in rows],
+            "unseeded": [r.token_ids for r in unseeded], "clean": engine.is_idle_and_clean()}
+
+
+# ---- everything at once (one group start-up for the whole test module) ---------------------------
+def suite(tp: TPGroup, jobs: dict[str, tuple]) -> dict:
+    """Each job ``name -> (function name, args)`` of this module run in turn; and the error a rank
+    gets when its digest differs from rank 0's (``TPGroup.agree`` with each rank's own value)."""
+    out, seconds = {}, {}
+    for name, (fn, args) in jobs.items():
+        t0 = time.perf_counter()
+        out[name] = globals()[fn](tp, *args)
+        seconds[name] = round(time.perf_counter() - t0, 2)
+    out["seconds"] = seconds  # printed by the tests (-s): where a slow run spent its time
+    try:
+        tp.agree(1000 + tp.rank, "a value every rank computes differently")
+        out["diverged"] = None
+    except RuntimeError as e:
+        out["diverged"] = str(e)
+    return out
+
+
+# ---- hand-off between groups of different sizes --------------------------------------------------
+def handoff_to_one_rank(tp: TPGroup, root: str, kind: str, page_size: int, prompts: list[list[int]],
+                        params: SamplingParams) -> dict | None:
+    """A TP-2 prefill engine (both ranks) parks ``prompts`` for their hand-off; rank 0 sends each, its KV
+    heads gathered from both ranks (``Engine.page_source``), through the wire format to a TP-1 decode engine
+    of its own (the models loaded again, whole), which generates the rest. Rank 0 returns the decode
+    side's outputs and whether both engines' pools are free again; rank 1 None."""
+    from shared.handoff import PageSink, decode_draft_state, iter_chunks
+    from shared.handoff.wire import page_bytes
+    from tests.unit.handoff.handoff_helpers import prefill_until_handoff
+
+    def config(role_tp: int) -> EngineConfig:
+        return EngineConfig(page_size=page_size, chunk_size=8, max_running=8, max_context=160, spec=SHAPES["chain"],
+                            tensor_parallel=role_tp)
+
+    split = add_feature_path(load_models(Path(root)))
+    prefill = Engine(split.target, split.drafts[kind], config(tp.size), role="prefill", tp=tp)
+    decode = None
+    if tp.rank == 0:
+        whole = add_feature_path(load_models(Path(root)))
+        decode = Engine(whole.target, whole.drafts[kind], config(1), role="decode")
+        decode.handoff_schema().check(prefill.handoff_schema())  # the handshake: every KV head arrives
+    moved = []
+    for req in prefill_until_handoff(prefill, prompts, params):
+        source = prefill.page_source(req)  # a collective: every rank calls it
+        if decode is not None:
+            there = decode.reserve_handoff(req.rid, req.prompt_ids, req.output_ids, req.output_logprobs, req.params,
+                                           req.kv_len)
+            sink, last = PageSink(req.rid, decode.scheduler.caches, decode.page_ids(there)), None
+            for chunk in iter_chunks(source, max(page_bytes(c) for c in decode.scheduler.caches)):  # many chunks
+                sink.write(chunk)
+                last = chunk
+            state = decode_draft_state(sink.finish(last).draft_state, decode.handoff_schema(), req.kv_len)
+            assert decode.activate_handoff(there, req.kv_len, state)
+            moved.append(there)
+        prefill.release(req)
+    if decode is None:
+        return None
+    decode.run_until_done()
+    return {"tokens": [decode.result(r).token_ids for r in moved], "clean": decode.is_idle_and_clean()
+            and prefill.is_idle_and_clean()}
+
+
+def handoff_from_one_rank(tp: TPGroup, root: str, kind: str, page_size: int, prompts: list[list[int]],
+                          params: SamplingParams) -> dict:
+    """The way back: rank 0's TP-1 prefill engine (the models whole) parks ``prompts`` and sends each through
+    the wire format to a TP-2 decode engine (both ranks: rank 0 receives every KV head, each rank keeps its
+    own, ``Engine.activate_handoff``), which generates the rest. Each rank returns the outputs and whether
+    its pools are free again."""
+    from shared.handoff import PageGuard, decode_draft_state, iter_chunks
+    from shared.handoff.wire import page_bytes
+    from tests.unit.handoff.handoff_helpers import positions_kv, prefill_until_handoff
+
+    def config(role_tp: int) -> EngineConfig:
+        return EngineConfig(page_size=page_size, chunk_size=8, max_running=8, max_context=160, spec=SHAPES["tree"],
+                            tensor_parallel=role_tp)
+
+    split = add_feature_path(load_models(Path(root)))
+    decode = Engine(split.target, split.drafts[kind], config(tp.size), role="decode", tp=tp)
+    parked, prefill = [], None
+    if tp.rank == 0:
+        whole = add_feature_path(load_models(Path(root)))
+        prefill = Engine(whole.target, whole.drafts[kind], config(1), role="prefill")
+        decode.handoff_schema().check(prefill.handoff_schema())
+        parked = prefill_until_handoff(prefill, prompts, params)
+    moved, same_kv = [], []
+    for i in range(tp.broadcast(len(parked))):
+        req = parked[i] if parked else None
+        # Every rank reserves and activates (collectives: rank 0's arguments win); rank 0 alone receives.
+        there = decode.reserve_handoff(*((req.rid, req.prompt_ids, req.output_ids, req.output_logprobs, req.params,
+                                          req.kv_len) if req else (None,) * 6))
+        state, kv_len = None, 0
+        if req is not None:
+            sink, last = decode.page_sink(there, PageGuard()), None
+            for chunk in iter_chunks(prefill.page_source(req), max(page_bytes(c) for c in prefill.scheduler.caches)):
+                sink.write(chunk)
+                last = chunk
+            state = decode_draft_state(sink.finish(last).draft_state, decode.handoff_schema(), req.kv_len)
+            kv_len = req.kv_len
+            sent = positions_kv(prefill, req, kv_len)
+            prefill.release(req)
+        assert decode.activate_handoff(there, kv_len, state)
+        same_kv.append(kept_its_heads(decode, there, tp.broadcast(sent if req else None), tp))
+        moved.append(there)
+    decode.run_until_done()
+    return {"tokens": [decode.result(r).token_ids for r in moved], "same_kv": same_kv,
+            "clean": decode.is_idle_and_clean() and (prefill is None or prefill.is_idle_and_clean())}
+
+
+def kept_its_heads(decode: Engine, req, sent: list, tp: TPGroup) -> bool:
+    """Whether ``req``'s K/V on this rank is exactly ``sent`` (the whole engine's, per cache and layer): this
+    rank's heads of the target's layers, every head of the draft's."""
+    from tests.unit.handoff.handoff_helpers import positions_kv
+
+    layers, heads = len(decode.cache.k), decode.cache.layout.num_kv_heads
+    mine = slice(tp.rank * heads, (tp.rank + 1) * heads)
+    got = positions_kv(decode, req, req.kv_len)
+    return len(got) == len(sent) and all(
+        torch.equal(g, s[:, mine] if i < layers else s) for i, (gkv, skv) in enumerate(zip(got, sent))
+        for g, s in zip(gkv, skv))
