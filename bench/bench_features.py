@@ -9,8 +9,8 @@ Modes, one function each (``MODES``: a mode maps the sampling kind and a seed to
 parameters):
   plain      no feature: the step replays its graphs and drafts the next step ahead
   penalised  presence, frequency and repetition penalties, logit_bias (and min_p when sampled): every
-             tree node's logits are processed from its own prefix's counts, the batch verifies eagerly
-             and drafts in its own step
+             tree node's logits are processed from its own prefix's counts (eagerly, between the
+             verify and extend graphs), and the next step is drafted ahead as in plain
 
 Random weights accept nothing in any mode, so every mode does the same work per token: the difference
 is the feature's. Ceiling printed beside each ratio: 1.5 (a penalised step within half a plain one).

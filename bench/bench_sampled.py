@@ -16,7 +16,8 @@ verification alone. Greedy and sampled runs alternate on one engine per batch (t
 Grammar mode (``--grammar``, its own function ``bench_grammar_iteration``): one EAGLE-3 decode step at
 batches 1 and 32 (``--grammar-batches``), every request under a JSON schema (an object whose string field
 stays open: the model writes inside it while timed) vs the same requests without one. With a schema the
-step verifies eagerly (no graph), reads the tree back and builds each node's mask on the host
+step replays the verify and extend graphs with the masks applied eagerly between them, reads the tree
+back and builds each node's mask on the host
 (llguidance over a ``bench/grammar_vocab.py`` tokenizer of the model's vocabulary size).
 
     python bench/bench_sampled.py --grammar --out docs/bench/grammar_h100.json

@@ -78,6 +78,16 @@ def requests_rows(reqs: list, vocab: int, rows: int, device: torch.device | str,
     return out
 
 
+def place_rows(rows: LogitsRows, index: torch.Tensor, total: int) -> LogitsRows:
+    """``rows`` (one per request) moved to batch rows ``index`` [n] of ``total``; the others padding
+    (neutral: zeros, every grammar bit set)."""
+    def place(t: torch.Tensor | None, fill: int) -> torch.Tensor | None:
+        return None if t is None else t.new_full((total, *t.shape[1:]), fill).index_copy_(0, index, t)
+
+    return LogitsRows(**{f.name: place(getattr(rows, f.name), -1 if f.name == "grammar" else 0)
+                         for f in dataclasses.fields(rows)})
+
+
 def logits_rows(prompts: list[list[int]], outputs: list[list[int]], params: list[SamplingParams],
                 eos_ids: list[tuple[int, ...]], vocab: int, rows: int, device: torch.device | str) -> LogitsRows:
     """The ``LogitsRows`` of requests (prompt ids, committed output ids, parameters, EOS ids), padded to

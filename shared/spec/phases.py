@@ -10,6 +10,7 @@ request with committed length L runs at L + i, tree node n at L + depth(n), exte
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -141,23 +142,37 @@ class SpecPhases:
                       top_n: int = 0) -> StepOutput:
         """Verify, acceptance on the device, compaction and draft extend in one function: greedy,
         sampled and mixed batches run the three as one graph (no logits copied between graphs, no eager
-        launches between them, nothing read back by the host). With ``processing``, the committed
-        tokens' logprobs are those of the processed logits (the distribution they were accepted from);
-        with ``top_n``, each committed token's ``top_n`` best alternatives come along."""
+        launches between them, nothing read back by the host)."""
         logits, feats = self.verify(inp, tree)
+        return self.accept_extend(inp, tree, logits, feats, processing, top_n)
+
+    def accept_extend(self, inp: DecodeInputs, tree: DraftTree, logits: torch.Tensor, feats: torch.Tensor,
+                      processing: LogitsRows | None = None, top_n: int = 0,
+                      extend: Callable[..., StepOutput] | None = None) -> StepOutput:
+        """Everything after the target forward: the penalties, filters and grammar masks (``processing``),
+        the acceptance, then ``extend`` (this object's, or its captured graph, which may hold the logits in
+        the target's dtype). With ``processing``, the committed tokens' logprobs are those of the processed
+        logits (the distribution they were accepted from), in float32; with ``top_n``, each committed
+        token's ``top_n`` best alternatives come along."""
         if processing is not None:
             logits = process_logits(logits, processing, tree.tokens, tree.mask, tree.depths)
-        out = self.extend(inp, tree, self.accept(inp, tree, logits), logits, feats)
-        return out if top_n == 0 else self.with_top_logprobs(out, logits, top_n)
+        out = (extend or self.extend)(inp, tree, self.accept(inp, tree, logits), logits, feats)
+        if processing is None and top_n == 0:
+            return out
+        return self.with_top_logprobs(out, logits, top_n)
 
     @staticmethod
     def with_top_logprobs(out: StepOutput, logits: torch.Tensor, top_n: int) -> StepOutput:
-        """``out`` with the ``top_n`` best log-probabilities at each accepted path slot: slot d's token
-        was drawn from the logits of path node d (-1 past the path: read as the root, ignored)."""
+        """``out`` with each committed token's log-probability read again from ``logits`` (float32), and
+        the ``top_n`` best (none for 0) at each accepted path slot: slot d's token was drawn from the
+        logits of path node d (-1 past the path: read as the root, ignored)."""
         B, N, V = logits.shape
         path = out.accept_index.clamp(min=0)
-        rows = logits.gather(1, path.unsqueeze(2).expand(-1, -1, V))  # [B, steps+1, V]
-        values, ids = top_logprobs(torch.log_softmax(rows.float(), dim=-1), top_n)
+        rows = torch.log_softmax(logits.gather(1, path.unsqueeze(2).expand(-1, -1, V)).float(), dim=-1)  # [B, S, V]
+        out = dataclasses.replace(out, logprobs=rows.gather(2, out.tokens.unsqueeze(2)).squeeze(2))
+        if top_n == 0:
+            return out
+        values, ids = top_logprobs(rows, top_n)
         return dataclasses.replace(out, top_logprobs=values, top_ids=ids)
 
     # ---- compaction and draft extend -------------------------------------------------------------

@@ -25,7 +25,7 @@ from kernels.spec_sampling import SamplingRows
 from shared.config import EngineConfig, SpecConfig
 from shared.cuda_graphs import CaptureFailure, PhaseGraphs, pad_rows, tree_map
 from shared.forward_batch import build_forward_batch
-from shared.logits_process import LogitsRows, requests_rows, uses_processing
+from shared.logits_process import LogitsRows, place_rows, requests_rows, uses_processing
 from shared.memory.kv_cache import KVCache, flush_tables
 from shared.memory.sizing import make_cache
 from shared.model.drafts import DraftHead, load_draft
@@ -164,14 +164,13 @@ class SpecWorker:
         """Draft, verify, accept, compact and extend for ``reqs``: host bookkeeping around four pure
         tensor phases (each can be replayed from a CUDA graph). ``next_grows``: the next decode step
         runs a request this one does not (then no draft is launched ahead for it)."""
-        # Penalties and filters read the committed tokens, so a batch using them drafts in its own step.
+        # Penalties, filters and grammar masks change only the target's logits at verify: the draft
+        # launched ahead serves a batch using them too (their rows are built from the committed tokens).
         processed = any(uses_processing(r.params) for r in reqs)
-        if processed:
-            self.ahead.drop()
-        caps = None if processed else self.ahead.caps(reqs, next_grows)
+        caps = self.ahead.caps(reqs, next_grows)
         self._reserve(reqs, caps)
         t0 = time.perf_counter()
-        drafted = (None if processed else self.ahead.take(reqs)) or self._draft(reqs)
+        drafted = self.ahead.take(reqs) or self._draft(reqs)
         t1 = time.perf_counter()
         top_n = max((r.params.top_logprobs for r in reqs), default=0)  # an empty batch runs the same path
         out, inp = self._verify(drafted, reqs if processed else None, top_n)
@@ -193,17 +192,18 @@ class SpecWorker:
 
     def _verify_extend(self, inp: DecodeInputs, tree: DraftTree, processing: LogitsRows | None = None,
                        top_n: int = 0) -> StepOutput:
-        """Verify, accept and extend: one graph, or two with the acceptance between them when only one of
-        the verify and extend phases is captured. A batch with penalties or filters (``processing``) or
-        asking for ``top_n`` log-probabilities runs them eagerly (the graphs hold no buffers for them:
-        batches without pay nothing)."""
-        if processing is not None or top_n:
-            return self.phases.verify_extend(inp, tree, processing, top_n)
+        """Verify, accept and extend: one graph, or the verify and extend graphs with the acceptance
+        between them (eager) when only one of those phases is captured, or when the batch has penalties,
+        filters or grammar masks (``processing``) or asks for ``top_n`` log-probabilities: those apply
+        eagerly to the verify graph's logits (the one-graph path holds no buffers for them: batches
+        without pay nothing)."""
         g = self.graphs
-        if g["verify_extend"].enabled or not (g["verify"].enabled or g["extend"].enabled):
+        split = processing is not None or top_n > 0 or (
+            not g["verify_extend"].enabled and (g["verify"].enabled or g["extend"].enabled))
+        if not split:
             return g["verify_extend"](inp, tree)
         logits, feats = g["verify"](inp, tree)
-        return g["extend"](inp, tree, self.phases.accept(inp, tree, logits), logits, feats)
+        return self.phases.accept_extend(inp, tree, logits, feats, processing, top_n, extend=g["extend"])
 
     def drop_ahead(self) -> None:
         """No decode step is coming: forget the draft launched ahead."""
@@ -220,13 +220,21 @@ class SpecWorker:
     def _verify(self, d: Drafted, processed: list[Request] | None = None,
                 top_n: int = 0) -> tuple[StepOutput, DecodeInputs]:
         """Verify the tree, accept (every row by its own rule, on the device), compact and extend; the
-        requests' rows of the output and inputs. ``processed``: the requests (drafted in this step, the
-        batch's first rows) whose penalties and filters apply; ``top_n``: the top log-probabilities the
-        batch asks for."""
-        rows = None if processed is None else requests_rows(
-            processed, self.target.config.vocab_size, d.inp.L.shape[0], d.inp.L.device, d.tree)
+        requests' rows of the output and inputs. ``processed``: the requests whose penalties, filters
+        and grammar masks apply (built now, from the committed tokens and grammar states, whoever drafted
+        the tree); ``top_n``: the top log-probabilities the batch asks for."""
+        rows = None if processed is None else self._logits_rows(processed, d)
         out = self._verify_extend(d.inp, d.tree, rows, top_n)
         return tree_map(d.take, out), tree_map(d.take, d.inp)
+
+    def _logits_rows(self, reqs: list[Request], d: Drafted) -> LogitsRows | None:
+        """The penalties, filters and grammar masks of ``reqs``, each at its row of the drafted batch (the
+        first rows, or ``d.index`` for a draft launched ahead that some requests left); padding rows neutral."""
+        vocab, bs, dev = self.target.config.vocab_size, d.inp.L.shape[0], d.inp.L.device
+        if d.index is None:
+            return requests_rows(reqs, vocab, bs, dev, d.tree)
+        rows = requests_rows(reqs, vocab, len(reqs), dev, tree_map(d.take, d.tree))
+        return None if rows is None else place_rows(rows, d.index, bs)
 
     @staticmethod
     def _to_host(out: StepOutput) -> tuple[dict, torch.cuda.Event | None]:

@@ -172,7 +172,8 @@ def test_refusals_and_aborts_leave_the_pools_full(oracle_models: Models):
 @pytest.mark.parametrize("kind,topk,steps,ndt", [("eagle3", 2, 3, 6), ("mtp", 1, 3, 4)])
 def test_greedy_with_a_schema_equals_target_only_on_the_gpu_with_graphs(oracle_models_cuda: Models, kind, topk,
                                                                         steps, ndt):
-    """On CUDA with graphs on (a batch with a schema verifies eagerly, one without replays its graphs) and
+    """On CUDA with graphs on (a batch with a schema replays the verify and extend graphs, masked between
+    them; one without replays the one graph) and
     drafting ahead (the CUDA default), a request without a schema mixed in: greedy output equals the
     target alone's, request by request."""
     params = [text_params(), text_params(None), text_params()]

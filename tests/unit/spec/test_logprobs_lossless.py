@@ -89,8 +89,8 @@ def test_no_top_logprobs_without_a_request_for_them(oracle_models: Models, monke
 
 @pytest.mark.gpu
 def test_speculative_top_logprobs_equal_target_only_on_the_gpu_with_graphs(oracle_models_cuda: Models):
-    """On CUDA with graphs: a batch asking for top logprobs verifies eagerly, one request not asking mixed
-    in; the lists equal the target alone's."""
+    """On CUDA with graphs: a batch asking for top logprobs replays the verify and extend graphs (the lists read
+    between them), one request not asking mixed in; the lists equal the target alone's."""
     prompts = PROMPTS[:3]
     params = [TOP, TOP.model_copy(update={"top_logprobs": 0}), TOP]
     want = oracle_models_cuda.engine(page_size=16, chunk_size=None).generate(prompts, params)

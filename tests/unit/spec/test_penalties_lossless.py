@@ -116,8 +116,9 @@ def test_negative_control_counting_only_the_committed_tokens_is_caught(oracle_mo
 @pytest.mark.gpu
 @pytest.mark.parametrize("feature", ["frequency_on_repeats", "repetition", "logit_bias_allowed", "min_tokens"])
 def test_greedy_with_the_feature_equals_target_only_on_the_gpu_with_graphs(oracle_models_cuda: Models, feature):
-    """The device path on CUDA (graphs on: a batch with a penalised request verifies eagerly, one without
-    replays its graphs), a request without the feature mixed in; greedy output equals the target alone's."""
+    """The device path on CUDA (graphs on: a batch with a penalised request replays the verify and extend
+    graphs, processed between them; one without replays the one graph), a request without the feature
+    mixed in; greedy output equals the target alone's."""
     prompts = [REPEATS, *PROMPTS[:2]] if feature == "frequency_on_repeats" else PROMPTS[:3]
     params = [params_for(feature), params_for(None), params_for(feature)]
     want = oracle_models_cuda.engine(page_size=16, chunk_size=None).generate(prompts, params)
