@@ -280,8 +280,8 @@ class Engine:
         over the one new position; eager (``_run_target_step``) with the plain graphs off. Both leave the
         same draft state, so the next speculative step is the same."""
         w = self.speculator
-        graphs = w.graphs["plain"]
-        if not graphs.enabled:
+        graphs = w.graphs.get("plain")  # an adaptive engine's only
+        if graphs is None or not graphs.enabled:
             return self._run_target_step(StepPlan(decode=reqs))
         n = len(reqs)
         rows, lengths, tokens = self._decode_inputs(reqs, graphs.bucket(n) or n)

@@ -84,18 +84,22 @@ class SpecWorker:
         self.graphs["verify_extend"] = PhaseGraphs("verify_extend", self.phases.verify_extend,
                                                    {"verify", "extend"} <= on, config.cuda_graph_max_bs, failures,
                                                    before_replay=flush)
-        # A plain decode step's graphs (the adaptive policy's step without a draft; fixed never runs one, so
-        # it captures none): on with the decode phase, the draft extend over its position with extend too.
-        plain = set() if config.spec_policy == "fixed" else {"decode", "extend"} & on
-        self.graphs["plain"] = PhaseGraphs("plain", self.phases.plain_decode, "decode" in plain,
-                                           config.cuda_graph_max_bs, failures, before_replay=flush)
-        self.graphs["plain_extend"] = PhaseGraphs("plain_extend", self.phases.plain_extend,
-                                                  plain == {"decode", "extend"}, config.cuda_graph_max_bs, failures,
-                                                  before_replay=flush)
+        if config.spec_policy == "adaptive":  # its plain steps' graphs (fixed never runs one: it has none)
+            self.graphs.update(self._plain_graphs(on, config.cuda_graph_max_bs, failures, flush))
         ahead = config.spec_draft_ahead
         enabled = target_cache.layout.device.type == "cuda" if ahead is None else ahead
         room = min(cache.layout.max_context - self._draft_reach(c) for c, cache in enumerate(self.caches))
         self.ahead = DraftAhead(enabled, spec.steps, room, self.dtype)
+
+    def _plain_graphs(self, on: set[str], max_bs: int, failures: list[CaptureFailure],
+                      flush: Callable[[], None]) -> dict[str, PhaseGraphs]:
+        """A plain decode step's phases (``Engine._run_plain_step``): the target's decode forward with the
+        draft's features, graph-shaped with the decode phase on; the draft over its one position, with
+        the extend phase on too."""
+        return {"plain": PhaseGraphs("plain", self.phases.plain_decode, "decode" in on, max_bs, failures,
+                                     before_replay=flush),
+                "plain_extend": PhaseGraphs("plain_extend", self.phases.plain_extend, {"decode", "extend"} <= on,
+                                            max_bs, failures, before_replay=flush)}
 
     @staticmethod
     def cache_count(draft: DraftHead, spec: SpecConfig) -> int:
@@ -295,7 +299,7 @@ class SpecWorker:
             if g["verify"].capture or g["extend"].capture:
                 logits, feats = g["verify"](inp, tree)
                 g["extend"](inp, tree, self.phases.accept(inp, tree, logits), logits, feats)
-            if g["plain"].capture:
+            if "plain" in g and g["plain"].capture:
                 logits, feats = g["plain"](ints, ints.clone(), ints.clone())
                 g["plain_extend"](inp.draft_rows, ints.clone(), ints.clone(), feats)
         return sum(len(p.captured_sizes) for p in g.values())

@@ -47,11 +47,12 @@ def test_only_an_adaptive_engine_has_plain_step_graphs(oracle_models):
     on = adaptive(oracle_models, "eagle3", True, DEAR_SPEC).speculator.graphs
     assert on["plain"].enabled and on["plain_extend"].enabled and on["plain"].bucket(3) == 4
     fixed = oracle_models.engine("eagle3", cuda_graph=True).speculator.graphs
-    assert not fixed["plain"].enabled and not fixed["plain_extend"].enabled  # fixed never runs a plain step
+    assert "plain" not in fixed and "plain_extend" not in fixed  # fixed never runs a plain step
     no_decode = adaptive(oracle_models, "eagle3", True, DEAR_SPEC, cuda_graph_phases=("draft", "verify", "extend"))
     assert not no_decode.speculator.graphs["plain"].enabled  # the decode phase switched off: eager plain steps
     eager_extend = adaptive(oracle_models, "eagle3", True, DEAR_SPEC, cuda_graph_phases=("decode", "draft"))
-    assert eager_extend.speculator.graphs["plain"].enabled and not eager_extend.speculator.graphs["plain_extend"].enabled
+    graphs = eager_extend.speculator.graphs
+    assert graphs["plain"].enabled and not graphs["plain_extend"].enabled  # the extend phase off: eager
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -75,6 +76,15 @@ def test_graph_shaped_plain_steps_equal_the_fixed_engine_and_the_target_alone(or
         else:
             assert steps["spec"] == 0
         assert engine.is_idle_and_clean()
+
+
+def test_plain_steps_with_the_extend_phase_off_run_its_extend_eagerly_on_the_padded_rows(oracle_models):
+    engine = adaptive(oracle_models, "eagle3", True, DEAR_SPEC, cuda_graph_phases=("decode", "draft"))
+    extend = Calls(engine.speculator.graphs["plain_extend"].fn)
+    engine.speculator.graphs["plain_extend"].fn = extend
+    assert_same_greedy(engine.generate(BATCH, PARAMS), oracle_models.reference(BATCH, PARAMS))
+    assert 4 in extend.rows and len(extend.rows) == engine.spec_policy.choices["plain"]
+    assert engine.is_idle_and_clean()
 
 
 def run_to_one_plain_step(models, kind: str, graphs: bool):
