@@ -515,6 +515,10 @@ class Engine:
         """The CUDA graph phases ``capture_graphs`` captures (the speculator's, else the target decode's)."""
         return list(self.speculator.graphs.values()) if self.speculator is not None else [self.decode_graphs]
 
+    def graph_capture_s(self) -> dict[str, float]:
+        """Seconds spent capturing each phase's CUDA graphs so far, by phase (those with a graph)."""
+        return {g.name: round(g.capture_s, 3) for g in self.phase_graphs() if g.captured_sizes}
+
     def _capture_graphs(self) -> int:
         if self.speculator is not None:
             return self.speculator.capture_graphs()

@@ -114,10 +114,13 @@ def test_draft_state_after_a_replayed_plain_step_equals_the_eager_one(oracle_mod
         assert torch.allclose(a.topk_p, b.topk_p, atol=1e-4) and torch.equal(a.topk_ids, b.topk_ids)
 
 
-def test_a_fixed_engine_captures_no_plain_step_graphs(oracle_model_dir):
+def test_a_fixed_engine_captures_no_plain_step_graphs_and_capture_times_are_per_phase(oracle_model_dir):
     config = EngineConfig(device="cuda", page_size=16, cuda_graph=True, cuda_graph_max_bs=8,
                           spec=SpecConfig(topk=2, steps=3, num_draft_tokens=6))
     fixed = Engine(oracle_model_dir / "target", oracle_model_dir / "eagle3", config)
     adaptive_engine = adaptive(oracle_model_dir, "eagle3", "cuda", True, plain_only())
     plain_buckets = len(adaptive_engine.speculator.graphs["plain"].buckets)
     assert adaptive_engine.capture_graphs() == fixed.capture_graphs() + 2 * plain_buckets > 2 * plain_buckets
+    fixed_s, adaptive_s = fixed.graph_capture_s(), adaptive_engine.graph_capture_s()
+    assert set(adaptive_s) - set(fixed_s) == {"plain", "plain_extend"}  # reported with the other phases
+    assert all(s > 0 for s in adaptive_s.values())
