@@ -168,9 +168,11 @@ class SpecWorker:
         self._resume(reqs, hidden, *self.phases.first_level(logits))
 
     @staticmethod
-    def _resume(reqs: list[Request], hidden: torch.Tensor, topk_p: torch.Tensor, topk_ids: torch.Tensor) -> None:
-        """Each request resumes from its row of the draft's outputs, at its cached length."""
-        for i, req in enumerate(reqs):
+    def _resume(reqs: list[Request], hidden: torch.Tensor, topk_p: torch.Tensor, topk_ids: torch.Tensor,
+                rows: list[int] | None = None) -> None:
+        """Each request resumes from its row of the draft's outputs (``rows``, default 0, 1, ..), at its
+        cached length."""
+        for req, i in zip(reqs, range(len(reqs)) if rows is None else rows):
             req.resume_from(DraftState(bonus_token=req.all_ids[req.kv_len], committed_len=req.kv_len,
                                        hidden=hidden[i], topk_p=topk_p[i], topk_ids=topk_ids[i]))
 
@@ -189,9 +191,8 @@ class SpecWorker:
                                     *([r.handles[1 + i].row for r in reqs] for i in range(c))], dtype=torch.int64)
         ints = host.to(lengths.device, non_blocking=True)
         out = self.graphs["plain_extend"](ints[1:].t(), lengths, ints[0], feats)
-        running = [i for i, r in enumerate(reqs) if r.finish_reason is None]
-        rows = torch.tensor(running, dtype=torch.int64, device=lengths.device)
-        self._resume([reqs[i] for i in running], out.hidden[rows], out.topk_p[rows], out.topk_ids[rows])
+        running = [i for i, r in enumerate(reqs) if r.finish_reason is None]  # rows picked by the host: no sync
+        self._resume([reqs[i] for i in running], out.hidden, out.topk_p, out.topk_ids, running)
 
     # ---- one decode step -------------------------------------------------------------------------
     def decode_step(self, reqs: list[Request], next_grows: bool = False) -> list[tuple[Request, list[int]]]:

@@ -11,6 +11,8 @@ draft kind, with plain steps only and with the policy switching every step. The 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from spec_helpers import KINDS, PROMPTS, assert_same_greedy
@@ -55,17 +57,25 @@ def test_only_an_adaptive_engine_has_plain_step_graphs(oracle_models):
     assert graphs["plain"].enabled and not graphs["plain_extend"].enabled  # the extend phase off: eager
 
 
+def first_tokens(results, lengths: list[int]):
+    """Each result cut to its first ``lengths[i]`` tokens (greedy output of fewer tokens is a prefix)."""
+    return [dataclasses.replace(r, token_ids=r.token_ids[:n], logprobs=r.logprobs[:n])
+            for r, n in zip(results, lengths)]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_graph_shaped_plain_steps_equal_the_fixed_engine_and_the_target_alone(oracle_models, kind):
-    want = oracle_models.reference(BATCH, PARAMS)
+    lengths = [12, 5, 9]  # requests end at different steps: the others' rows of a step go on
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    want = first_tokens(oracle_models.reference(BATCH, PARAMS), lengths)
     fixed = oracle_models.engine(kind, topk=2, steps=3, ndt=6, cuda_graph=True)
-    assert_same_greedy(fixed.generate(BATCH, PARAMS), want, "fixed")
+    assert_same_greedy(fixed.generate(BATCH, params), want, "fixed")
     for cost in (DEAR_SPEC, Alternating()):
         engine = adaptive(oracle_models, kind, True, cost)
         w = engine.speculator
         plain, extend = Calls(w.graphs["plain"].fn), Calls(w.graphs["plain_extend"].fn)
         w.graphs["plain"].fn, w.graphs["plain_extend"].fn = plain, extend
-        assert_same_greedy(engine.generate(BATCH, PARAMS), want, type(cost).__name__)
+        assert_same_greedy(engine.generate(BATCH, params), want, type(cost).__name__)
         steps = engine.spec_policy.choices
         assert plain.rows and len(plain.rows) == len(extend.rows) == steps["plain"]
         assert all(bs in w.graphs["plain"].buckets for bs in plain.rows + extend.rows)  # padded, never ragged
@@ -75,6 +85,7 @@ def test_graph_shaped_plain_steps_equal_the_fixed_engine_and_the_target_alone(or
             assert w.stats.totals.accept_length > 1.3
         else:
             assert steps["spec"] == 0
+            assert plain.rows == [4] * 4 + [2] * 4 + [1] * 3  # 3 rows padded to 4, then 2 and 1 as requests end
         assert engine.is_idle_and_clean()
 
 
