@@ -6,6 +6,9 @@ Questions answered (one table each, all in one JSON):
   spec     EAGLE draft loop, verify, extend and the whole iteration at batch 1 (steps=5, topk=1)
   spec_grid  (--spec-grid) draft loop, verify, verify+extend and the whole iteration at --batches x
            --contexts, graph and eager, the iteration with and without drafting ahead
+  plain_step (--plain-step) the adaptive policy's plain step in an engine with a draft at --batches x
+           --contexts against a plain engine's decode step: under its graphs (target decode with the draft's
+           features, then the draft extend over the new position), with the extend eager, all eager
 The K/V of each request is reserved to the context length and left as it is (timing does not
 depend on its values), so no 8k-token prefill is needed.
 
@@ -86,10 +89,11 @@ def bench_target_decode(target, bw, batches, contexts, rows_out):
             torch.cuda.empty_cache()
 
 
-def spec_engine(target, draft, ctx, topk, steps, n, batch=1, room=1024):
+def spec_engine(target, draft, ctx, topk, steps, n, batch=1, room=1024, policy="fixed"):
     """An engine with ``batch`` requests holding ``ctx`` positions, each with ``room`` more to generate."""
     spec = SpecConfig(topk=topk, steps=steps, num_draft_tokens=n)
-    engine = Engine(target, draft, engine_config(ctx + room, batch, spec=spec))
+    config = engine_config(ctx + room, batch, spec=spec).model_copy(update={"spec_policy": policy})
+    engine = Engine(target, draft, config)
     dev = engine.device
     k = topk
     from shared.spec.state import DraftState
@@ -209,6 +213,58 @@ def spec_cell(w, reqs, cell: dict) -> None:
     cell["ahead_speedup"] = cell["iteration_graph_no_ahead_ms"] / cell["iteration_graph_ms"]
 
 
+def bench_plain_step(target, draft, batches, contexts, results, room: int = 512):
+    """Whole plain decode steps, back to back as a serving loop runs them (each waits for its tokens): a
+    plain engine's (``_run_decode_step``) and an adaptive engine's with a draft (``_run_plain_step``) with
+    its graphs, with the draft extend eager, and all eager (the eager target step). A fresh pair of
+    engines per cell."""
+    for ctx in contexts:
+        for bs in batches:
+            cell = {"batch": bs, "context": ctx}
+            try:
+                cell["plain_engine_ms"] = plain_engine_ms(target, bs, ctx, room)
+                gc.collect()
+                torch.cuda.empty_cache()
+                engine, reqs = spec_engine(target, draft, ctx, 1, 3, 4, batch=bs, room=room, policy="adaptive")
+                plain_step_cell(engine, reqs, cell)
+                del engine, reqs
+            except torch.OutOfMemoryError:
+                cell["fits"] = False
+            results["plain_step"].append(cell)
+            print(fmt_plain_cell(cell), flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+def plain_engine_ms(target, bs: int, ctx: int, room: int) -> float:
+    """Milliseconds per decode step of an engine without a draft (its decode graph, captured by the warm-up)."""
+    engine = Engine(target, config=engine_config(ctx + room, bs))
+    reqs = fake_requests(engine, bs, ctx, max_new=room - 24)
+    return time_cuda(lambda: engine._run_decode_step(reqs), iters=5, warmup=2, calls=8)
+
+
+def plain_step_cell(engine: Engine, reqs, cell: dict) -> None:
+    graphs = engine.speculator.graphs  # the warm-up steps capture the one bucket timed
+    captures = graphs["plain_extend"].capture
+    for name, plain_on, extend_captured in (("graph", True, captures), ("eager_extend", True, False),
+                                            ("eager", False, False)):
+        graphs["plain"].enabled, graphs["plain_extend"].capture = plain_on, extend_captured
+        cell[f"plain_step_{name}_ms"] = time_cuda(lambda: engine._run_plain_step(reqs), iters=5,  # noqa: B023
+                                                  warmup=2, calls=8)
+    graphs["plain"].enabled, graphs["plain_extend"].capture = True, captures
+    cell["all_running"] = all(r.finish_reason is None for r in reqs)
+    cell["graph_over_plain_engine"] = cell["plain_step_graph_ms"] / cell["plain_engine_ms"]
+
+
+def fmt_plain_cell(c: dict) -> str:
+    head = f"plain step bs={c['batch']:3d} ctx={c['context']:5d}"
+    if c.get("fits") is False:
+        return f"{head} does not fit beside the weights"
+    return (f"{head} plain engine {c['plain_engine_ms']:6.2f}  with draft: graphs {c['plain_step_graph_ms']:6.2f} "
+            f"(x{c['graph_over_plain_engine']:.3f}), extend eager {c['plain_step_eager_extend_ms']:6.2f}, "
+            f"eager {c['plain_step_eager_ms']:6.2f} ms")
+
+
 def fmt_spec_cell(c: dict) -> str:
     head = f"spec bs={c['batch']:3d} ctx={c['context']:5d}"
     if c.get("fits") is False:
@@ -252,6 +308,9 @@ def main():
     ap.add_argument("--spec-grid", action="store_true",
                     help="also time every speculative phase and the whole iteration, graph and eager, at "
                          "--batches x --contexts")
+    ap.add_argument("--plain-step", action="store_true",
+                    help="also time the adaptive policy's plain step (with a draft) against a plain engine's "
+                         "decode step at --batches x --contexts, graph and eager")
     args = ap.parse_args()
     torch.manual_seed(0)
     t0 = time.time()
@@ -261,7 +320,7 @@ def main():
     target = build_target()
     print(f"target weights {param_bytes(target) / 1e9:.2f} GB", flush=True)
     results = {"device": torch.cuda.get_device_name(), "copy_bw_Bps": bw, "decode": [], "verify": [], "spec": [],
-               "spec_grid": []}
+               "spec_grid": [], "plain_step": []}
     if not args.skip_decode:
         bench_target_decode(target, bw, [int(x) for x in args.batches.split(",")],
                             [int(x) for x in args.contexts.split(",")], results["decode"])
@@ -272,6 +331,9 @@ def main():
     if args.spec_grid:
         bench_spec_grid(target, draft, [int(x) for x in args.batches.split(",")],
                         [int(x) for x in args.contexts.split(",")], results)
+    if args.plain_step:
+        bench_plain_step(target, draft, [int(x) for x in args.batches.split(",")],
+                         [int(x) for x in args.contexts.split(",")], results)
     results["wall_s"] = time.time() - t0
     write_json(args.out, results)
 

@@ -254,6 +254,7 @@ def engine_worker(plan_path: str, result_path: str) -> int:
                               **{k: v for k, v in plan["flags"].items() if v is not None})
     engine = Engine(settings.model, settings.draft, settings.engine_config())
     engine.capture_graphs()
+    result["graph_capture_s"] = engine.graph_capture_s()  # per phase (an adaptive engine's plain step's too)
     vocab, text_ids = tuple(plan["vocab"]), prompt_text_ids(plan["model"], plan.get("prompts_file"))
     for p in map(Point.from_dict, plan["warmup"]):
         run_engine_point(engine, make_requests(p, vocab, text_ids), p.concurrency, plan["point_seconds"])

@@ -69,7 +69,7 @@ def capture_graphs(engine: Engine, enabled: bool, telemetry: Telemetry, log: Ser
         log.warning("graph_capture_failed", **failure.as_dict())
     telemetry.observe_graph_failures(engine.graph_failures)
     log.event("graphs_captured", seconds=round(time.perf_counter() - t0, 3), graphs=count,
-              failed=len(engine.graph_failures))
+              failed=len(engine.graph_failures), phase_seconds=engine.graph_capture_s())
 
 
 def idle(load: EngineLoad) -> bool:

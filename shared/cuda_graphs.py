@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable
 
@@ -92,6 +93,7 @@ class PhaseGraphs:
         # Capture failures, shared by every phase of an engine (the engine's list when given).
         self.failures: list[CaptureFailure] = [] if failures is None else failures
         self.progress: tqdm | None = None  # ticked once per capture, while ``capture_progress`` holds it
+        self.capture_s = 0.0  # seconds spent capturing this phase's graphs, their warm-up runs included
 
     @property
     def captured_sizes(self) -> list[int]:
@@ -120,6 +122,13 @@ class PhaseGraphs:
 
     def _capture(self, example: tuple):
         """The graph of ``fn`` at ``example``'s batch size, or None when capture failed (recorded)."""
+        t0 = time.perf_counter()
+        try:
+            return self._capture_at(example)
+        finally:
+            self.capture_s += time.perf_counter() - t0
+
+    def _capture_at(self, example: tuple):
         # Padding-only inputs: row 0 / length 0 / token 0 everywhere, masks all visible (no NaN rows).
         static_args = tree_map(lambda t: torch.ones_like(t) if t.dtype == torch.bool else torch.zeros_like(t), example)
         stream = capture_stream()

@@ -346,10 +346,28 @@ class Engine:
             kind = "spec"
         else:
             self.speculator.drop_ahead()  # a draft launched ahead is stale after a plain step
-            events = self._run_target_step(StepPlan(decode=reqs))
+            events = self._run_plain_step(reqs)
             kind = "plain"
         if isinstance(policy.cost, MeasuredCost):
             policy.cost.record(kind, len(reqs), time.perf_counter() - t0)
+        return events
+
+    def _run_plain_step(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
+        """A plain decode step of an engine with a draft: graph-shaped (padded to a bucket, replayed where
+        captured) as a plain engine's, its target forward capturing the draft's features, then the draft
+        over the one new position; eager (``_run_target_step``) with the plain graphs off. Both leave the
+        same draft state, so the next speculative step is the same."""
+        w = self.speculator
+        graphs = w.graphs.get("plain")  # an adaptive engine's only
+        if graphs is None or not graphs.enabled:
+            return self._run_target_step(StepPlan(decode=reqs))
+        n = len(reqs)
+        rows, lengths, tokens = self._decode_inputs(reqs, graphs.bucket(n) or n)
+        logits, feats = graphs(rows, lengths, tokens)
+        for req in reqs:
+            req.advance(req.kv_len + 1)
+        events = self._sample_and_commit(TargetOutput(logits=logits[:n]), reqs)
+        w.plain_extend(reqs, lengths, feats)  # after the host's wait: the device runs it while the next step is planned
         return events
 
     def _run_target_step(self, plan: StepPlan) -> list[tuple[Request, list[int]]]:
@@ -394,19 +412,22 @@ class Engine:
 
     def _run_decode_step(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
         n = len(reqs)
-        bs = self.decode_graphs.bucket(n) or n
-        for req in reqs:
-            self.cache.reserve(req.handles[0], req.kv_len + 1)
-        # One host-to-device copy for the step's inputs (rows, lengths, tokens; padding rows are row 0,
-        # length 0, token 0).
-        host = torch.zeros(3, bs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        host[:, :n] = torch.tensor([[r.handles[0].row for r in reqs], [r.kv_len for r in reqs],
-                                    [r.all_ids[r.kv_len] for r in reqs]], dtype=torch.int64)
-        rows, lengths, tokens = host.to(self.device, non_blocking=True)
-        logits = self.decode_graphs(rows, lengths, tokens)[:n]
+        logits = self.decode_graphs(*self._decode_inputs(reqs, self.decode_graphs.bucket(n) or n))[:n]
         for req in reqs:
             req.advance(req.kv_len + 1)
         return self._sample_and_commit(TargetOutput(logits=logits), reqs)
+
+    def _decode_inputs(self, reqs: list[Request], bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode step's rows, lengths and tokens ([bs] each, on the device; padding rows are row 0,
+        length 0, token 0), the target slot each request writes reserved."""
+        for req in reqs:
+            self.cache.reserve(req.handles[0], req.kv_len + 1)
+        # One host-to-device copy for the step's inputs.
+        host = torch.zeros(3, bs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        host[:, :len(reqs)] = torch.tensor([[r.handles[0].row for r in reqs], [r.kv_len for r in reqs],
+                                            [r.all_ids[r.kv_len] for r in reqs]], dtype=torch.int64)
+        rows, lengths, tokens = host.to(self.device, non_blocking=True)
+        return rows, lengths, tokens
 
     def _sample_and_commit(self, out: TargetOutput, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
         if not reqs:
@@ -629,6 +650,10 @@ class Engine:
     def phase_graphs(self) -> list[PhaseGraphs]:
         """The CUDA graph phases ``capture_graphs`` captures (the speculator's, else the target decode's)."""
         return list(self.speculator.graphs.values()) if self.speculator is not None else [self.decode_graphs]
+
+    def graph_capture_s(self) -> dict[str, float]:
+        """Seconds spent capturing each phase's CUDA graphs so far, by phase (those with a graph)."""
+        return {g.name: round(g.capture_s, 3) for g in self.phase_graphs() if g.captured_sizes}
 
     def _capture_graphs(self) -> int:
         if self.speculator is not None:

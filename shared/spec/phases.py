@@ -1,4 +1,5 @@
-"""The decode step's tensor phases: draft loop, verify, and compaction + draft extend.
+"""The decode step's tensor phases: draft loop, verify, and compaction + draft extend; and a plain
+decode step's two (target decode with the draft's features, draft extend over its one position).
 
 Each phase is a pure function of device tensors with static shapes (every request of the batch has
 the same number of tree nodes, draft leaves and extend slots), so each can be captured in a CUDA
@@ -55,6 +56,15 @@ class StepOutput:
     # With top logprobs asked for (eager steps only): each committed token's distribution's n best
     top_logprobs: torch.Tensor | None = None  # [B, steps+1, n] float32 log p, most likely first
     top_ids: torch.Tensor | None = None  # [B, steps+1, n] int64 their token ids
+
+
+@dataclass
+class PlainDraft:
+    """The draft state a plain decode step leaves: the draft run over the one position the target wrote."""
+
+    hidden: torch.Tensor  # [B, Hd] recurrent hidden
+    topk_p: torch.Tensor  # [B, k] float32 first tree level of the next speculative step
+    topk_ids: torch.Tensor  # [B, k] int64 its target token ids
 
 
 class SpecPhases:
@@ -175,6 +185,25 @@ class SpecPhases:
         values, ids = top_logprobs(rows, top_n)
         return dataclasses.replace(out, top_logprobs=values, top_ids=ids)
 
+    # ---- a plain decode step (the adaptive policy's step without a draft) -------------------------
+    def plain_decode(self, rows: torch.Tensor, lengths: torch.Tensor,
+                     tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target token per request at its length ([B] each), capturing the draft's features as
+        verify does: logits [B, V] and features [B, W]."""
+        batch = build_uniform_batch(self.target_cache, rows, lengths, 1, 1, tokens, lengths, lengths.unsqueeze(1))
+        out = self.target(batch, self.target_cache, capture=self.capture_mode, aux_layers=self.aux_layers)
+        return out.logits, out.features()
+
+    def plain_extend(self, draft_rows: torch.Tensor, lengths: torch.Tensor, tokens: torch.Tensor,
+                     feats: torch.Tensor) -> PlainDraft:
+        """The draft over the one position a plain decode step wrote (``lengths`` [B]), fed its feature
+        [B, W] and the token sampled there [B] (draft position t takes the token at t + 1): the padded
+        extend of a speculative step with one slot, on every draft cache."""
+        hidden, logits = self._extend(draft_rows, lengths, tokens.unsqueeze(1), feats.unsqueeze(1),
+                                      torch.zeros_like(lengths))
+        topk_p, topk_ids = self.first_level(logits)
+        return PlainDraft(hidden=hidden, topk_p=topk_p, topk_ids=topk_ids)
+
     # ---- compaction and draft extend -------------------------------------------------------------
     def extend(self, inp: DecodeInputs, tree: DraftTree, acc: Acceptance, logits: torch.Tensor,
                feats: torch.Tensor) -> StepOutput:
@@ -184,11 +213,16 @@ class SpecPhases:
         # log-probability and the node's feature row.
         path = gather_accepted(acc.accept_index, acc.accept_len, acc.bonus, tree.tokens, logits, feats)
         self._compact_target(inp, acc.accept_index, acc.accept_index >= 0)
-        ext_hidden, ext_logits = self._extend(inp, path.tokens, path.feats, acc.accept_len - 1)
-        topk_p, topk_draft = torch.softmax(ext_logits, dim=-1).topk(self.spec.topk, dim=-1)
+        ext_hidden, ext_logits = self._extend(inp.draft_rows, inp.L, path.tokens, path.feats, acc.accept_len - 1)
+        topk_p, topk_ids = self.first_level(ext_logits)
         return StepOutput(accept_len=acc.accept_len, accept_index=acc.accept_index, tokens=path.tokens,
-                          logprobs=path.logprobs, hidden=ext_hidden, topk_p=topk_p,
-                          topk_ids=self.draft_head.to_target_ids(topk_draft))
+                          logprobs=path.logprobs, hidden=ext_hidden, topk_p=topk_p, topk_ids=topk_ids)
+
+    def first_level(self, draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next tree's first level from the draft's logits [B, Vd]: probabilities [B, k] float32 and
+        target token ids [B, k] int64."""
+        topk_p, topk_draft = torch.softmax(draft_logits, dim=-1).topk(self.spec.topk, dim=-1)
+        return topk_p, self.draft_head.to_target_ids(topk_draft)
 
     def _compact_target(self, inp: DecodeInputs, accept_index: torch.Tensor, valid: torch.Tensor) -> None:
         """Accepted node n at path depth d moves from position L + n to L + d (n >= d)."""
@@ -214,16 +248,18 @@ class SpecPhases:
         dst = torch.where(valid, dst, 0)
         move_kv(cache.k, cache.v, src, dst)
 
-    def _extend(self, inp: DecodeInputs, tokens: torch.Tensor, feats: torch.Tensor, last: torch.Tensor):
-        """Draft positions L .. L+steps over (target feature, committed token); rows past the accepted
-        length are padding whose K/V lands beyond the committed length and is never read."""
+    def _extend(self, draft_rows: torch.Tensor, L: torch.Tensor, tokens: torch.Tensor, feats: torch.Tensor,
+                last: torch.Tensor):
+        """Draft positions L .. L+stride-1 over (target feature, committed token) [B, stride]; rows past
+        ``last`` (the accepted length) are padding whose K/V lands beyond the committed length and is
+        never read. ``draft_rows`` [B, C]: each draft cache's rows."""
         B, stride = tokens.shape
         dev = tokens.device
-        slots = inp.L.unsqueeze(1) + torch.arange(stride, device=dev)
+        slots = L.unsqueeze(1) + torch.arange(stride, device=dev)
         out_rows = torch.arange(B, device=dev) * stride + last
         hidden = logits = None
         for c, cache in enumerate(self.caches):
-            batch = build_uniform_batch(cache, inp.draft_rows[:, c], inp.L, stride, stride, tokens.reshape(-1),
+            batch = build_uniform_batch(cache, draft_rows[:, c], L, stride, stride, tokens.reshape(-1),
                                         slots.reshape(-1), slots, logits_rows=out_rows)
             o = self.draft_head(batch, cache, c, feats.reshape(B * stride, -1), from_target=True)
             if c == 0:

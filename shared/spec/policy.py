@@ -8,7 +8,8 @@ verify costs more than it saves (the recorded grid: 49.8 ms per EAGLE-3 iteratio
 decode step at batch 64 x 4096), and a head that stops being accepted costs every step it drafts.
 
 Both choices are lossless: a plain step's token is the target's, and its features still extend the
-draft (``Engine``), so the next speculative step resumes from a complete draft state.
+draft (``Engine._run_plain_step``, under CUDA graphs as a plain engine's decode step is), so the next
+speculative step resumes from a complete draft state.
 
 Acceptance decays (``decay`` per verify step) so it follows the traffic; while not speculating the
 policy speculates once every ``probe_every`` steps to keep it current, and each probe that leaves plain

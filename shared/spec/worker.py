@@ -84,10 +84,22 @@ class SpecWorker:
         self.graphs["verify_extend"] = PhaseGraphs("verify_extend", self.phases.verify_extend,
                                                    {"verify", "extend"} <= on, config.cuda_graph_max_bs, failures,
                                                    before_replay=flush)
+        if config.spec_policy == "adaptive":  # its plain steps' graphs (fixed never runs one: it has none)
+            self.graphs.update(self._plain_graphs(on, config.cuda_graph_max_bs, failures, flush))
         ahead = config.spec_draft_ahead
         enabled = target_cache.layout.device.type == "cuda" if ahead is None else ahead
         room = min(cache.layout.max_context - self._draft_reach(c) for c, cache in enumerate(self.caches))
         self.ahead = DraftAhead(enabled, spec.steps, room, self.dtype)
+
+    def _plain_graphs(self, on: set[str], max_bs: int, failures: list[CaptureFailure],
+                      flush: Callable[[], None]) -> dict[str, PhaseGraphs]:
+        """A plain decode step's phases (``Engine._run_plain_step``): the target's decode forward with the
+        draft's features, graph-shaped with the decode phase on; the draft over its one position, with
+        the extend phase on too."""
+        return {"plain": PhaseGraphs("plain", self.phases.plain_decode, "decode" in on, max_bs, failures,
+                                     before_replay=flush),
+                "plain_extend": PhaseGraphs("plain_extend", self.phases.plain_extend, {"decode", "extend"} <= on,
+                                            max_bs, failures, before_replay=flush)}
 
     @staticmethod
     def cache_count(draft: DraftHead, spec: SpecConfig) -> int:
@@ -153,11 +165,34 @@ class SpecWorker:
         self._set_states(finishing, state_out.hidden[last_rows], state_out.logits)
 
     def _set_states(self, reqs: list[Request], hidden: torch.Tensor, logits: torch.Tensor) -> None:
-        topk_p, topk_draft = torch.softmax(logits, dim=-1).topk(self.spec.topk, dim=-1)
-        topk_ids = self.draft.to_target_ids(topk_draft)
-        for i, req in enumerate(reqs):
+        self._resume(reqs, hidden, *self.phases.first_level(logits))
+
+    @staticmethod
+    def _resume(reqs: list[Request], hidden: torch.Tensor, topk_p: torch.Tensor, topk_ids: torch.Tensor,
+                rows: list[int] | None = None) -> None:
+        """Each request resumes from its row of the draft's outputs (``rows``, default 0, 1, ..), at its
+        cached length."""
+        for req, i in zip(reqs, range(len(reqs)) if rows is None else rows):
             req.resume_from(DraftState(bonus_token=req.all_ids[req.kv_len], committed_len=req.kv_len,
                                        hidden=hidden[i], topk_p=topk_p[i], topk_ids=topk_ids[i]))
+
+    def plain_extend(self, reqs: list[Request], lengths: torch.Tensor, feats: torch.Tensor) -> None:
+        """After a graph-shaped plain decode step (``Engine._run_plain_step``): the draft over the position
+        each request wrote (``lengths`` [bs], the step's padded rows), fed that position's target feature
+        ([bs, W]) and the token the step committed; the requests still running resume from the draft state
+        it leaves, as they do after ``draft_extend_rows`` (the eager plain step)."""
+        n, bs, c = len(reqs), lengths.shape[0], len(self.caches)
+        for r in reqs:
+            for i, cache in enumerate(self.caches):
+                cache.reserve(r.handles[1 + i], r.kv_len)  # the written position, kv_len - 1
+        # One host-to-device copy: the committed tokens, then each draft cache's rows (padding: 0, row 0).
+        host = torch.zeros(1 + c, bs, dtype=torch.int64, pin_memory=lengths.is_cuda)
+        host[:, :n] = torch.tensor([[shifted_tokens(r, r.kv_len - 1, r.kv_len)[0] for r in reqs],
+                                    *([r.handles[1 + i].row for r in reqs] for i in range(c))], dtype=torch.int64)
+        ints = host.to(lengths.device, non_blocking=True)
+        out = self.graphs["plain_extend"](ints[1:].t(), lengths, ints[0], feats)
+        running = [i for i, r in enumerate(reqs) if r.finish_reason is None]  # rows picked by the host: no sync
+        self._resume([reqs[i] for i in running], out.hidden, out.topk_p, out.topk_ids, running)
 
     # ---- one decode step -------------------------------------------------------------------------
     def decode_step(self, reqs: list[Request], next_grows: bool = False) -> list[tuple[Request, list[int]]]:
@@ -273,6 +308,9 @@ class SpecWorker:
             if g["verify"].capture or g["extend"].capture:
                 logits, feats = g["verify"](inp, tree)
                 g["extend"](inp, tree, self.phases.accept(inp, tree, logits), logits, feats)
+            if "plain" in g and g["plain"].capture:
+                logits, feats = g["plain"](ints, ints.clone(), ints.clone())
+                g["plain_extend"](inp.draft_rows, ints.clone(), ints.clone(), feats)
         return sum(len(p.captured_sizes) for p in g.values())
 
     def _reserve(self, reqs: list[Request], caps: list[int] | None = None) -> None:
