@@ -78,12 +78,18 @@ class HandoffOutcome:
 
 
 @dataclass
+class Reserved:
+    """The hand-off worker's word that the decode instance holds the request's pages: from here a failure is a
+    failover, so the first token may reach the client."""
+
+
+@dataclass
 class Job:
     """One Prefill RPC: its request, where it goes, and the queue its events arrive on."""
 
     rid: str
     decode_address: str
-    events: queue.Queue  # the engine loop's token events, then one HandoffOutcome
+    events: queue.Queue  # the engine loop's token events, Reserved, then one HandoffOutcome
     req: Request | None = None  # the engine's request (identity guards against a re-placed same id)
     source: PageSource | None = None  # set when the hand-off starts (after the prompt's first chunk)
     fed: int = 0  # the request's committed length when the last increment was fed to the source
@@ -152,21 +158,16 @@ class PrefillServicer(pb_grpc.PrefillServicer):
 
     def _run(self, job: Job, context):
         t0 = time.perf_counter()
-        ev = self._next(job, context)
+        ev = self._first_token(job, context)
         if ev is None:
             return  # the client went away (its callback aborts the request)
-        if isinstance(ev, HandoffOutcome):  # the hand-off failed during the prefill (the request was released)
-            context.abort(ev.code or grpc.StatusCode.INTERNAL, ev.message or "the hand-off ended early")
-        if not ev.token_ids:
-            reason = ev.finish_reason if isinstance(ev, TokenEvent) else "aborted"
-            code = grpc.StatusCode.INTERNAL if reason == "error" else grpc.StatusCode.ABORTED
-            context.abort(code, f"request {job.rid} ended during prefill ({reason})")
         seconds = time.perf_counter() - t0
         self.telemetry.stage_seconds.labels("prefill").observe(seconds)
         self.telemetry.ttft_seconds.observe(time.perf_counter() - job.req.t_arrival)
         self.log.event("prefill_done", job.rid, seconds=round(seconds, 6), first_token=ev.token_ids[0],
                        finish_reason=ev.finish_reason)
-        first = pb.FirstToken(token_id=ev.token_ids[0], logprob=ev.logprobs[0], finish_reason=ev.finish_reason or "")
+        first = pb.FirstToken(token_id=ev.token_ids[0], logprob=ev.logprobs[0], finish_reason=ev.finish_reason or "",
+                              decode_reserved=ev.finish_reason is None)
         if ev.top_logprobs:
             first.top_logprobs.CopyFrom(top_logprobs_pb(ev.top_logprobs[0]))
         yield pb.PrefillEvent(first_token=first)
@@ -179,7 +180,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         outcome = self._next(job, context)
         if outcome is None:
             return
-        if isinstance(outcome, TokenEvent):  # aborted, or an engine error, before the hand-off began
+        if isinstance(outcome, TokenEvent):  # aborted, or an engine error, before the hand-off ended
             code = grpc.StatusCode.INTERNAL if outcome.finish_reason == "error" else grpc.StatusCode.ABORTED
             context.abort(code, f"request {job.rid} ended before its hand-off ({outcome.finish_reason})")
         if outcome.code is not None:
@@ -189,6 +190,28 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.telemetry.requests_total.labels("handed_off").inc()
         yield pb.PrefillEvent(handed_off=pb.HandedOff(bytes=outcome.ack.bytes, seconds=outcome.seconds,
                                                       chunks=outcome.ack.chunks))
+
+    def _first_token(self, job: Job, context) -> TokenEvent | None:
+        """The first token once it may reach the client: the decode instance holds the request's pages
+        (``Reserved``), or the request ends at this token. A hand-off that failed before, or a request that
+        ended during its prefill, ends the call here (nothing has reached the client: the router places
+        it again). None once the client is gone."""
+        first, reserved = None, False
+        while first is None or not (reserved or first.finish_reason is not None):
+            ev = self._next(job, context)
+            if ev is None:
+                return None
+            if isinstance(ev, Reserved):
+                reserved = True
+            elif isinstance(ev, HandoffOutcome):  # the hand-off failed (the request was released)
+                context.abort(ev.code or grpc.StatusCode.INTERNAL, ev.message or "the hand-off ended early")
+            elif first is None and ev.token_ids:
+                first = ev
+            else:  # an abort or an engine error, during the prefill or while the reservation was under way
+                reason = ev.finish_reason or "aborted"
+                code = grpc.StatusCode.INTERNAL if reason == "error" else grpc.StatusCode.ABORTED
+                context.abort(code, f"request {job.rid} ended during prefill ({reason})")
+        return first
 
     def _next(self, job: Job, context):
         """The job's next event (a TokenEvent or a HandoffOutcome); None once the client is gone."""
@@ -255,6 +278,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                          message=f"decode {address} cannot hold the request now: {reply.reason}")
                 return
             reserved = True
+            job.events.put(Reserved())
             source = job.source
             if reserve.in_place:  # a copy sharing the guard: an abort still stops the writes
                 target = InPlaceTarget(self.client.handshake(address, timeout).pools,

@@ -157,11 +157,20 @@ class _Replace(Exception):
 
 
 class _Broken(Exception):
-    """A decode stream broke after tokens reached the client: the request is placed again (failover)."""
+    """A decode stream, or a hand-off, broke after tokens reached the client: the request is placed again
+    (failover); ``avoid``: the decode instance is not tried again (False when the prefill side broke)."""
 
-    def __init__(self, error: RouterError):
+    def __init__(self, error: RouterError, avoid: bool = True):
         super().__init__(error.message)
-        self.error = error
+        self.error, self.avoid = error, avoid
+
+
+@dataclass
+class _Handoff:
+    """The rest of a Prefill call whose first token went to the client before its hand-off ended."""
+
+    call: object  # the Prefill call's iterator, at the handed_off event still to come
+    t0: float  # when its first token arrived
 
 
 # A decode stream that ends with these (and not by the router's own cancel) broke: the instance died, the
@@ -378,11 +387,12 @@ class RouterCore:
         detok = TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens)
         sent: list[int] = []  # tokens the client has
         avoid: set[str] = set()  # decode instances whose stream broke
-        reason, ttft, broken = "new request", None, None
+        reason, ttft, broken, failovers = "new request", None, None, 0
         while True:
             rest = params.model_copy(update={"max_new_tokens": params.max_new_tokens - len(sent)})
             try:
-                token, logprob, finish_reason, top = self._place(active, ids + sent, rest, t0, avoid, reason)
+                token, logprob, finish_reason, top, handoff = self._place(active, ids + sent, rest, t0, avoid,
+                                                                          reason)
             except RouterError as e:
                 if broken is None or active.cancelled.is_set():
                     raise
@@ -408,14 +418,18 @@ class RouterCore:
             yield out
             sent.append(token)
             try:
+                if handoff is not None:
+                    self._await_handoff(active, handoff)
                 for out in self._stream(active, len(ids), rest.max_new_tokens - 1, return_logprobs, detok, t0, ttft):
                     yield out
                     sent += out.token_ids
                 return
             except _Broken as b:
-                if len(avoid) >= MAX_FAILOVERS:
+                failovers += 1
+                if failovers > MAX_FAILOVERS:
                     raise b.error from None
-                avoid.add(active.decode.instance_id)
+                if b.avoid:
+                    avoid.add(active.decode.instance_id)
                 broken, reason = b.error, f"failover: {b.error.message}"
                 self.log.event("failover", rid, decode=active.decode.instance_id, output_tokens=len(sent),
                                reason=b.error.message)
@@ -479,8 +493,10 @@ class RouterCore:
                 self.ledger.done(decode.instance_id, d_key)
 
     def _prefill(self, active: Active, ids: list[int], params: SamplingParams, p_key: int, d_key: int):
-        """Run the prefill + hand-off; returns (first token, logprob, finish reason, its top logprobs) or
-        raises _Replace.
+        """Run the prefill + hand-off; returns (first token, logprob, finish reason, its top logprobs, the
+        ``_Handoff`` still to await or None) or raises _Replace. The first token returns as soon as the
+        decode instance holds the request (``decode_reserved``), the hand-off then still under way;
+        from a prefill instance that does not say so, only once the hand-off ended.
 
         ``p_key`` / ``d_key``: this placement's ledger entries; the caller releases them (the prefill's is
         released here already at the first token: the prompt is done there)."""
@@ -502,22 +518,43 @@ class RouterCore:
                     self.log.event("prefill_done", rid, prefill=prefill.instance_id,
                                    seconds=round(time.perf_counter() - t1, 6), finish_reason=ft.finish_reason or None)
                     if ft.finish_reason:
-                        return first
+                        return *first, None
                     self.records.transition(rid, "transferring")
                     t1 = time.perf_counter()
+                    if ft.decode_reserved:
+                        return *first, _Handoff(call, t1)
                 elif ev.HasField("handed_off") and first is not None:
-                    if self.telemetry:
-                        self.telemetry.stage_seconds.labels("handoff").observe(time.perf_counter() - t1)
-                    self.log.event("handoff_done", rid, decode=decode.instance_id, bytes=ev.handed_off.bytes,
-                                   seconds=round(ev.handed_off.seconds, 6))
-                    self.records.transition(rid, "decoding", handoff_bytes=ev.handed_off.bytes,
-                                          handoff_s=round(ev.handed_off.seconds, 6))
-                    return first
+                    self._handed_off(rid, decode, ev.handed_off, t1)
+                    return *first, None
         except grpc.RpcError as e:
             self._check_cancelled(active)
             raise self._classify(e, prefill, decode) from None
         raise RouterError(grpc.StatusCode.UNAVAILABLE,
                           f"prefill instance {prefill.instance_id} ended the call before handing the request off")
+
+    def _await_handoff(self, active: Active, handoff: _Handoff) -> None:
+        """The hand-off of a request whose first token reached the client; _Broken when it fails (the
+        request is placed again with that token, as after a broken decode stream)."""
+        prefill, decode = active.prefill, active.decode
+        try:
+            for ev in handoff.call:
+                if ev.HasField("handed_off"):
+                    self._handed_off(active.rid, decode, ev.handed_off, handoff.t0)
+                    return
+        except grpc.RpcError as e:
+            self._check_cancelled(active)
+            error = self._classify(e, prefill, decode)
+            if isinstance(error, RouterError):
+                raise error from None
+            raise _Broken(error.error, avoid=error.role == "decode") from None
+        raise _Broken(RouterError(grpc.StatusCode.UNAVAILABLE, f"prefill instance {prefill.instance_id} ended the "
+                                                               "call before handing the request off"), avoid=False)
+
+    def _handed_off(self, rid: str, decode: InstanceInfo, done: pb.HandedOff, t0: float) -> None:
+        if self.telemetry:
+            self.telemetry.stage_seconds.labels("handoff").observe(time.perf_counter() - t0)
+        self.log.event("handoff_done", rid, decode=decode.instance_id, bytes=done.bytes, seconds=round(done.seconds, 6))
+        self.records.transition(rid, "decoding", handoff_bytes=done.bytes, handoff_s=round(done.seconds, 6))
 
     @staticmethod
     def _classify(e: grpc.RpcError, prefill: InstanceInfo, decode: InstanceInfo) -> Exception:
