@@ -153,7 +153,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             return req, engine.page_ids(req) if req is not None and request.in_place else []
 
         try:
-            req, page_ids = self.loop.call(reserve).result()
+            req, page_ids = self.loop.call_soon(reserve).result()  # free pages only: served mid-step too
         except RequestError as e:  # this instance can never hold it (or already has it): place elsewhere
             self.loop.unsubscribe(rid, events)
             self.log.event("refused", rid, reason=str(e))
@@ -190,7 +190,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             opened.append(inc)
             if inc.in_place:  # the sender opens the call only after its last write
                 self._writer_done(inc)
-            sink = self.loop.call(lambda engine: engine.page_sink(inc.req, inc.guard, inc.in_place)).result()
+            sink = self.loop.call_soon(lambda engine: engine.page_sink(inc.req, inc.guard, inc.in_place)).result()
             if sink is None:
                 raise TransferCancelled(f"{rid} was aborted before its transfer")
             return sink
@@ -367,6 +367,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
     def after_step(self, engine: Engine) -> None:
         self.telemetry.observe_load(self.loop.load)
+
+    def while_stepping(self, engine: Engine) -> None:
+        """Nothing to start during a step: reservations come as ``call_soon`` calls."""
 
     def close(self) -> None:
         self._stop.set()

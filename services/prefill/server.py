@@ -91,7 +91,7 @@ class Job:
     decode_address: str
     events: queue.Queue  # the engine loop's token events, Reserved, then one HandoffOutcome
     req: Request | None = None  # the engine's request (identity guards against a re-placed same id)
-    source: PageSource | None = None  # set when the hand-off starts (after the prompt's first chunk)
+    source: PageSource | None = None  # set when the hand-off starts (as the prompt's first chunk computes)
     fed: int = 0  # the request's committed length when the last increment was fed to the source
     t_prompt_done: float = 0.0  # when the last increment (the prompt done) was fed
 
@@ -228,9 +228,19 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         return pb.AbortResponse(found=job is not None and self._abort(job, "aborted by an Abort call"))
 
     # ---- the hand-off ----------------------------------------------------------------------------
+    def while_stepping(self, engine: Engine) -> None:
+        """Loop thread, while the device computes a step: start the hand-off of each request whose first
+        chunk that step computes, so that the decode side's reservation is under way during the chunk
+        (the first token waits for it). Changes no engine state: the step in flight is left alone."""
+        for req in engine.prefilled():
+            with self._lock:
+                job = self._jobs.get(req.rid)
+            if job is not None and job.req is req and job.source is None and req.params.max_new_tokens > 1:
+                self._start_hand_off(engine, job, req)
+
     def after_step(self, engine: Engine) -> None:
         """Loop thread: feed each prefilling request's hand-off the pages its last step completed (starting
-        the hand-off at its first chunk)."""
+        the hand-off at its first chunk where ``while_stepping`` did not)."""
         self.telemetry.observe_load(self.loop.load)
         for req in engine.prefilled():
             with self._lock:
@@ -241,6 +251,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             if req.params.max_new_tokens == 1 or req.kv_len == job.fed:
                 continue  # it ends at its first token, or nothing new since the last increment
             if job.source is None and not self._start_hand_off(engine, job, req):
+                engine.release(req, "abort")
+                continue
+            if job.source.guard.cancelled and not job.fed:  # its start failed during the step (shutting down)
                 continue
             if req.kv_len == req.prompt_len:  # (set before the worker can see the last increment)
                 job.t_prompt_done = time.perf_counter()
@@ -248,7 +261,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             job.fed = req.kv_len
 
     def _start_hand_off(self, engine: Engine, job: Job, req: Request) -> bool:
-        """Loop thread: reserve on the decode side and send as the prefill goes (a hand-off worker)."""
+        """Loop thread: reserve on the decode side and send as the prefill goes (a hand-off worker); False
+        when the workers are shut down (the Prefill call is told)."""
         job.source = engine.page_source(req, fed=True)
         reserve = pb.ReserveRequest(request_id=req.rid, prompt_ids=req.prompt_ids, sampling=sampling_to_pb(req.params),
                                     committed_len=req.prompt_len)  # the first token comes with the last chunk
@@ -256,7 +270,6 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             self._workers.submit(self._hand_off, job, reserve)
         except RuntimeError:  # shutting down
             job.source.guard.cancel()
-            engine.release(req, "abort")
             job.events.put(HandoffOutcome(code=grpc.StatusCode.UNAVAILABLE, message="prefill shutting down"))
             return False
         return True
