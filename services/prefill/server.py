@@ -24,7 +24,8 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 
 import grpc
@@ -298,7 +299,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                        [list(p.ids) for p in reply.pages], reply.write_deadline)
                 source = dataclasses.replace(source, in_place=target)
             ack = transport.send(address, source, timeout)
-            self._release(job, "handed_off")  # only now: the decode side has every byte
+            # Only now: the decode side has every byte. Queued, not awaited: the loop runs it before any call
+            # queued after it (the call's end aborts what is still held), so the router hears at once.
+            self._release(job, "handed_off", wait=False)
             now = time.perf_counter()  # the hand-off's own time: what it added after the prompt's last chunk
             outcome = HandoffOutcome(ack=ack, seconds=now - max(job.t_prompt_done, t0), transport=transport.name)
             self.log.event("handoff_sent", job.rid, decode=address, bytes=ack.bytes, chunks=ack.chunks,
@@ -343,14 +346,18 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             self.log.event("transport_chosen", decode=address, transport=name, reason=why)
         return self.transports[name]
 
-    def _release(self, job: Job, reason: str) -> None:
+    def _release(self, job: Job, reason: str, wait: bool = True) -> None:
         def release(engine: Engine) -> bool:
             return job.req is not None and engine.release(job.req, reason)
 
-        try:
-            self.loop.call(release).result(timeout=30)
-        except Exception as e:  # the loop stopped (shutdown): the pages go with the process
-            self.log.warning("release_failed", job.rid, reason=str(e))
+        def check(done: Future) -> None:  # a stopped loop (shutdown) fails it: the pages go with the process
+            if done.exception() is not None:
+                self.log.warning("release_failed", job.rid, reason=str(done.exception()))
+
+        done = self.loop.call(release)
+        done.add_done_callback(check)
+        if wait:
+            wait_for([done], timeout=30)
 
     # ---- aborts and clean-up ---------------------------------------------------------------------
     def _abort(self, job: Job, reason: str) -> bool:
