@@ -1,20 +1,22 @@
 """The prefill service: chunked prefill + the first draft extend, the first token, then the hand-off.
 
-``Prefill`` streams two events: ``first_token`` once the prompt's last chunk ran and the first token
-was sampled, then ``handed_off`` once the decode instance acknowledged the request's pages and draft
-state. A request with max_new_tokens=1 is never handed off; one that ends at its first token (EOS, a
-stop token) stops the hand-off under way and frees the decode side's reservation.
+``Prefill`` streams two events: ``first_token`` once the prompt's last chunk ran, the first token was
+sampled and the decode instance holds the request's pages (``decode_reserved``: from here a failure is
+a failover, so the router streams the token at once), then ``handed_off`` once the decode instance
+acknowledged the request's pages and draft state. A request with max_new_tokens=1 is never handed off;
+one that ends at its first token (EOS, a stop token) stops the hand-off under way and frees the decode
+side's reservation.
 
-The hand-off overlaps the prefill. It starts on the engine thread right after the request's first
-chunk ran (``after_step``: the request's source, fed one ``Increment`` after each of its steps: the pages
-that step completed, then, once the prompt is done, the draft state and the first token), and runs on
-a hand-off worker: ``Decode.Handshake`` (once per decode address), ``Decode.Reserve`` (refused ->
-RESOURCE_EXHAUSTED, so the router places the request elsewhere; the prefill stops there), then the
-transport sends each increment's pages while the next chunk computes (pages an increment names are
-written no more, so reading them off the engine thread is safe; an abort first cancels the request's
-``PageGuard``). The pages are freed after the acknowledgement, or on any failure; a failure after a
-successful Reserve also aborts it on the decode side. A client that goes away, or ``Prefill.Abort``,
-aborts the request wherever it is.
+The hand-off overlaps the prefill. It starts on the engine thread while the request's first chunk
+computes (``while_stepping``; ``after_step`` where the step sampled nothing) and runs on a hand-off
+worker: ``Decode.Handshake`` (once per decode address), ``Decode.Reserve`` (refused -> RESOURCE_EXHAUSTED
+before the first token, so the router places the request elsewhere; the prefill stops there), then the
+transport sends each increment the engine thread feeds it after each of the request's steps (the pages
+that step completed, then, once the prompt is done, the draft state and the first token) while the next
+chunk computes (pages an increment names are written no more, so reading them off the engine thread is
+safe; an abort first cancels the request's ``PageGuard``). The pages are freed after the
+acknowledgement, or on any failure; a failure after a successful Reserve also aborts it on the decode
+side. A client that goes away, or ``Prefill.Abort``, aborts the request wherever it is.
 """
 
 from __future__ import annotations

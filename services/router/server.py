@@ -4,11 +4,14 @@ and streams tokens back.
 Every request the router accepts ends in Redis as ``finished``, ``failed`` (with a reason) or
 ``aborted`` (with a reason); every transition is recorded with its time. Placement picks the live
 instances with the least outstanding tokens, counting what this router placed since their last
-heartbeat. Until the hand-off succeeded nothing has reached the client, so the router places the
-request again when a decode instance is full (RESOURCE_EXHAUSTED), speaks another speculative config
+heartbeat. Until a decode instance holds the request nothing has reached the client, so the router places
+the request again when a decode instance is full (RESOURCE_EXHAUSTED), speaks another speculative config
 (FAILED_PRECONDITION, while another instance remains) or is unreachable, and when the prefill instance
-is unreachable. Once tokens streamed, a broken decode stream is a failover: a prefill instance recomputes the
-prompt plus the tokens the client has and hands off to another decode instance; the client's stream goes on.
+is unreachable. The first token goes to the client as soon as the prefill instance says the decode instance
+holds the request (``decode_reserved``), while the hand-off goes on. Once tokens streamed, a broken hand-off
+or decode stream is a failover: a prefill instance recomputes the prompt plus the tokens the client has and
+hands off to another decode instance (the same one when only the prefill side broke); the client's stream
+goes on.
 Redis can blink: record writes go through ``RecordWriter`` (retried, buffered, flushed on return).
 """
 
