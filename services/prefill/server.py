@@ -7,8 +7,9 @@ acknowledged the request's pages and draft state. A request with max_new_tokens=
 one that ends at its first token (EOS, a stop token) stops the hand-off under way and frees the decode
 side's reservation.
 
-The hand-off overlaps the prefill. It starts on the engine thread while the request's first chunk
-computes (``while_stepping``; ``after_step`` where the step sampled nothing) and runs on a hand-off
+The hand-off overlaps the prefill. It starts on the engine thread as the request arrives when its first
+chunk runs in the next step, else while that chunk computes (``while_stepping``; ``after_step`` where
+the step sampled nothing), so the first token seldom waits for the reservation, and runs on a hand-off
 worker: ``Decode.Handshake`` (once per decode address), ``Decode.Reserve`` (refused -> RESOURCE_EXHAUSTED
 before the first token, so the router places the request elsewhere; the prefill stops there), then the
 transport sends each increment the engine thread feeds it after each of the request's steps (the pages
@@ -94,7 +95,7 @@ class Job:
     decode_address: str
     events: queue.Queue  # the engine loop's token events, Reserved, then one HandoffOutcome
     req: Request | None = None  # the engine's request (identity guards against a re-placed same id)
-    source: PageSource | None = None  # set when the hand-off starts (as the prompt's first chunk computes)
+    source: PageSource | None = None  # set when the hand-off starts (on arrival, or as the first chunk computes)
     fed: int = 0  # the request's committed length when the last increment was fed to the source
     t_prompt_done: float = 0.0  # when the last increment (the prompt done) was fed
 
@@ -141,6 +142,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         context.add_callback(lambda: self._end(job))
         def add(engine: Engine) -> None:  # job.req is set on the loop thread: an abort queued behind sees it
             job.req = engine.add_request(list(request.prompt_ids), params, rid=rid)
+            if params.max_new_tokens > 1 and engine.starts_next(job.req):  # else: as its first chunk computes
+                self._start_hand_off(engine, job, job.req)
 
         try:
             self.loop.call(add).result()

@@ -678,7 +678,8 @@ def test_prefill_abort_mid_prefill_frees_both_sides(stack, monkeypatch):
 
     seen = prefill_holds_before(stack, monkeypatch, rid, abort_began)
     call = stack.prefill_call(rid, FRESH)
-    wait_until(lambda: rid in incoming)  # reserved on the decode side
+    # Reserved on the decode side (as it arrived), and its first chunk ran: the engine holds before the next.
+    wait_until(lambda: rid in incoming and jobs[rid].req is not None and jobs[rid].req.kv_len > 0)
     assert stack.pstub.Abort(pb.AbortRequest(request_id=rid), timeout=30).found
     with pytest.raises(grpc.RpcError) as err:
         list(call)
