@@ -3,9 +3,12 @@
 All engine state is touched on the loop thread only: gRPC handlers ask for work through
 ``call(fn)`` (run between steps, returns a Future; ``fn`` calls the engine's service API: admit,
 reserve / activate a hand-off, read its pages, release or abort) and read tokens from per-request
-queues. What other threads may read without a call is published here: the engine's static facts
-(``schema``, ``device``), fixed at construction, and its load snapshot (``load``), replaced after every
-step and every call. This keeps the engine single-threaded, like the scheduler of nano-vllm, with no
+queues. ``call_soon(fn)`` is for work that touches nothing a step in flight holds (claiming free pages
+for a hand-off, reading a reserved request's page ids): it also runs during a step, while the device
+computes it (the engine's host-wait hook), so it does not wait a whole step for the next boundary.
+What other threads may read without a call is published here: the engine's static facts (``schema``,
+``device``), fixed at construction, and its load snapshot (``load``), replaced after every step and
+every call. This keeps the engine single-threaded, like the scheduler of nano-vllm, with no
 locks inside it.
 """
 
@@ -35,14 +38,19 @@ class TokenEvent:
 
 class EngineLoop:
     def __init__(self, engine: Engine, after_step: Callable[[Engine], None] | None = None,
-                 before_fail: Callable[[str], None] | None = None, log: ServiceLog | None = None):
+                 before_fail: Callable[[str], None] | None = None, log: ServiceLog | None = None,
+                 while_stepping: Callable[[Engine], None] | None = None, hold_tokens: bool = True):
         self.engine = engine
         self.log = log or ServiceLog(engine.role)  # the service's log: lines about a request carry its id
-        self.after_step = after_step  # e.g. the prefill service starts hand-offs here
+        self.after_step = after_step  # e.g. the prefill service feeds hand-offs here
+        # Called (on the loop thread) while the device computes a step, with the same rule as ``call_soon``:
+        # the prefill service starts hand-offs (the decode side's reservation) here, during the first chunk.
+        self.while_stepping = while_stepping
         # Called (on the loop thread) for each request an engine error is about to abort, before its
         # pages are freed: the decode service stops a transfer that may still be writing them.
         self.before_fail = before_fail
         self._calls: queue.Queue = queue.Queue()
+        self._soon: queue.Queue = queue.Queue()  # call_soon's: served between steps and during them
         self._streams: dict[str, queue.Queue] = {}
         self._streams_lock = threading.Lock()
         self._stop = threading.Event()
@@ -54,9 +62,12 @@ class EngineLoop:
         self.load: EngineLoad = engine.load()  # replaced (never mutated) after each step and call
         self._thread = threading.Thread(target=self._run, name="eyrie-engine", daemon=True)
         # A step's tokens go to the streams while the next step's device work runs (``_publish_held``, from
-        # the engine's host-wait hook), or at once when no step follows.
+        # the engine's host-wait hook), or at once when no step follows: waking a decode step's many stream
+        # threads would take the GIL from the next step's launch. ``hold_tokens=False`` (a prefill: a few first
+        # tokens a step, each a client's time to first token) publishes each step's at once.
+        self.hold_tokens = hold_tokens
         self._held: list[tuple[Request, list[int]]] = []
-        engine.set_host_wait_hook(self._publish_held)
+        engine.set_host_wait_hook(self._while_device_runs)
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -70,21 +81,31 @@ class EngineLoop:
 
     def call(self, fn: Callable[[Engine], object]) -> Future:
         """Run ``fn(engine)`` on the loop thread between steps; a stopped loop fails the future at once."""
+        return self._put(self._calls, fn)
+
+    def call_soon(self, fn: Callable[[Engine], object]) -> Future:
+        """Run ``fn(engine)`` on the loop thread between steps or during one, while the device computes it.
+        ``fn`` must leave alone what the step in flight holds: it may claim free pages and add requests
+        that join at the next step or later, never release a request or change a running one."""
+        return self._put(self._soon, fn)
+
+    def _put(self, calls: queue.Queue, fn: Callable[[Engine], object]) -> Future:
         fut: Future = Future()
-        self._calls.put((fn, fut))
+        calls.put((fn, fut))
         self._wake.set()
         if self._stop.is_set() and not self._thread.is_alive():
             self._refuse_pending()
         return fut
 
     def _refuse_pending(self) -> None:
-        while True:
-            try:
-                _, fut = self._calls.get_nowait()
-            except queue.Empty:
-                return
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(RuntimeError("the engine loop has stopped"))
+        for calls in (self._soon, self._calls):
+            while True:
+                try:
+                    _, fut = calls.get_nowait()
+                except queue.Empty:
+                    break
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(RuntimeError("the engine loop has stopped"))
 
     def subscribe(self, rid: str) -> queue.Queue:
         """Token events of ``rid`` (subscribe before the request can produce tokens)."""
@@ -126,8 +147,21 @@ class EngineLoop:
                 continue
             self._publish_held()  # a step that never waited on the device (none to publish behind)
             self._held = events
+            if not self.hold_tokens:
+                self._publish_held()
             self._after_step()
         self._publish_held()
+
+    def _while_device_runs(self) -> None:
+        """The engine's host-wait hook: the previous step's tokens go out, then ``call_soon``'s calls and the
+        service's ``while_stepping`` run, while the device computes this step."""
+        self._publish_held()
+        self._serve(self._soon)
+        if self.while_stepping is not None:
+            try:
+                self.while_stepping(self.engine)
+            except Exception:  # a hook's bug must not fail the step (every request would be aborted)
+                self.log.exception("while_stepping_failed")
 
     def _publish_held(self) -> None:
         events, self._held = self._held, []
@@ -151,13 +185,17 @@ class EngineLoop:
             self.log.exception("after_step_failed")
 
     def _drain_calls(self) -> int:
-        if self._calls.empty():
+        if self._calls.empty() and self._soon.empty():
             return 0
         self._publish_held()  # a call (an abort, a release) sees the state the streams were told
+        return self._serve(self._soon) + self._serve(self._calls)
+
+    def _serve(self, calls: queue.Queue) -> int:
+        """Run the calls queued in ``calls``, answering each future; how many ran."""
         done = 0
         while True:
             try:
-                fn, fut = self._calls.get_nowait()
+                fn, fut = calls.get_nowait()
             except queue.Empty:
                 return done
             done += 1

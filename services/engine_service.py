@@ -34,6 +34,7 @@ class EngineServicer(Protocol):
     """What an engine service's servicer offers the start-up code."""
 
     def after_step(self, engine: Engine) -> None: ...  # on the loop thread, after each step
+    def while_stepping(self, engine: Engine) -> None: ...  # on the loop thread, while the device runs a step
     def before_fail(self, rid: str) -> None: ...  # on the loop thread, before an engine error aborts rid
     def close(self) -> None: ...  # cancel in-flight work (hand-offs, streams) at shutdown
 
@@ -101,9 +102,10 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
         elif engine.role != role:
             raise ValueError(f"a {role} service needs an engine of role {role!r}, got {engine.role!r}")
         capture_graphs(engine, settings.cuda_graph, telemetry, log)
-        loop = EngineLoop(engine, log=log)
+        loop = EngineLoop(engine, log=log, hold_tokens=role != "prefill")  # a prefill's first tokens go out at once
         servicer = make_servicer(loop, telemetry, instance_id)
         loop.after_step, loop.before_fail = servicer.after_step, servicer.before_fail
+        loop.while_stepping = servicer.while_stepping
         loop.start()
         started.append(loop.stop)
         started.append(servicer.close)

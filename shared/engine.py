@@ -469,6 +469,11 @@ class Engine:
         their hand-off: each one's hand-off may start (``page_source(req, fed=True)``)."""
         return self.scheduler.prefilled()
 
+    def starts_next(self, req: Request) -> bool:
+        """Prefill role: whether waiting ``req``'s first chunk runs in the next step (its hand-off may start
+        now: the decode side's reservation then overlaps what is left of this step)."""
+        return self.scheduler.starts_next(req)
+
     def page_source(self, req: Request, fed: bool = False) -> PageSource | None:
         """Prefill role: the sending side of ``req``'s hand-off. Parked (its prompt done): its pages and its
         draft state. ``fed``: empty, to be fed an ``Increment`` after each step of its prefill

@@ -172,6 +172,14 @@ class Scheduler:
         return [r for r in self.running if r.finish_reason is None and (
             r.stage is Stage.HANDOFF or (r.stage is Stage.PREFILLING and r.kv_len > 0))]
 
+    def starts_next(self, req: Request) -> bool:
+        """Whether waiting ``req`` gets its first chunk in the next step: it heads the queue, fits beside the
+        running requests, and the prompts being prefilled leave room in that step's chunk budget."""
+        if not self.waiting or self.waiting[0] is not req or not self.can_admit(req):
+            return False
+        ahead = sum(r.prompt_len - r.kv_len for r in self.running if r.stage is Stage.PREFILLING)
+        return self.chunk_size is None or ahead < self.chunk_size
+
     def joins_next(self, batch: list[Request]) -> bool:
         """Whether the next decode step will run a request ``batch`` does not: one whose prompt
         completed during this step, or a hand-off being received."""

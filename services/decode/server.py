@@ -70,6 +70,7 @@ class Incoming:
     req: Request  # the engine's request (identity guards against a re-placed request of the same id)
     committed_len: int
     events: queue.Queue  # token events from Reserve on (then, on an abort, the reason as a str)
+    sink: PageSink  # writes (or, in place, checks) the reserved pages; stops once ``guard`` is cancelled
     attach_deadline: float
     guard: PageGuard = field(default_factory=PageGuard)
     receiving: bool = False  # a Transfer has opened
@@ -146,14 +147,17 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
     def _reserve(self, rid: str, request: pb.ReserveRequest, params) -> pb.ReserveResponse:
         events = self.loop.subscribe(rid)
+        guard = PageGuard()
 
-        def reserve(engine: Engine):
+        def reserve(engine: Engine):  # the transfer's sink too: its pages are fixed from here
             req = engine.reserve_handoff(rid, list(request.prompt_ids), list(request.output_ids),
                                          list(request.output_logprobs), params, request.committed_len)
-            return req, engine.page_ids(req) if req is not None and request.in_place else []
+            if req is None:
+                return None, None
+            return req, engine.page_sink(req, guard, request.in_place)
 
         try:
-            req, page_ids = self.loop.call(reserve).result()
+            req, sink = self.loop.call_soon(reserve).result()  # free pages only: served mid-step too
         except RequestError as e:  # this instance can never hold it (or already has it): place elsewhere
             self.loop.unsubscribe(rid, events)
             self.log.event("refused", rid, reason=str(e))
@@ -165,7 +169,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             reason = f"no room now ({load.free_pages[0]} free target pages, {load.running} running)"
             self.log.event("refused", rid, reason=reason, kind="decode_full")
             return pb.ReserveResponse(accepted=False, reason=reason)
-        inc = Incoming(rid, req, request.committed_len, events, in_place=request.in_place,
+        inc = Incoming(rid, req, request.committed_len, events, sink, guard=guard, in_place=request.in_place,
                        attach_deadline=time.monotonic() + self.settings.stream_attach_timeout_s,
                        first_token_to_come=not request.output_ids)
         with self._lock:
@@ -173,7 +177,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.log.event("reserved", rid, prompt_tokens=len(request.prompt_ids), committed_len=request.committed_len,
                        max_new_tokens=params.max_new_tokens, in_place=request.in_place)
         # In place, the sender writes until the attach deadline at the latest (the same host, the same clock).
-        return pb.ReserveResponse(accepted=True, pages=[pb.PageList(ids=p) for p in page_ids],
+        return pb.ReserveResponse(accepted=True, pages=[pb.PageList(ids=p) for p in sink.page_ids]
+                                  if request.in_place else [],
                                   write_deadline=inc.attach_deadline if request.in_place else 0.0)
 
     # ---- the transfer ----------------------------------------------------------------------------
@@ -190,10 +195,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             opened.append(inc)
             if inc.in_place:  # the sender opens the call only after its last write
                 self._writer_done(inc)
-            sink = self.loop.call(lambda engine: engine.page_sink(inc.req, inc.guard, inc.in_place)).result()
-            if sink is None:
+            if inc.guard.cancelled:
                 raise TransferCancelled(f"{rid} was aborted before its transfer")
-            return sink
+            return inc.sink
 
         try:
             received = self.transport.receive(request_iterator, open_sink)
@@ -367,6 +371,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
     def after_step(self, engine: Engine) -> None:
         self.telemetry.observe_load(self.loop.load)
+
+    def while_stepping(self, engine: Engine) -> None:
+        """Nothing to start during a step: reservations come as ``call_soon`` calls."""
 
     def close(self) -> None:
         self._stop.set()

@@ -1,20 +1,23 @@
 """The prefill service: chunked prefill + the first draft extend, the first token, then the hand-off.
 
-``Prefill`` streams two events: ``first_token`` once the prompt's last chunk ran and the first token
-was sampled, then ``handed_off`` once the decode instance acknowledged the request's pages and draft
-state. A request with max_new_tokens=1 is never handed off; one that ends at its first token (EOS, a
-stop token) stops the hand-off under way and frees the decode side's reservation.
+``Prefill`` streams two events: ``first_token`` once the prompt's last chunk ran, the first token was
+sampled and the decode instance holds the request's pages (``decode_reserved``: from here a failure is
+a failover, so the router streams the token at once), then ``handed_off`` once the decode instance
+acknowledged the request's pages and draft state. A request with max_new_tokens=1 is never handed off;
+one that ends at its first token (EOS, a stop token) stops the hand-off under way and frees the decode
+side's reservation.
 
-The hand-off overlaps the prefill. It starts on the engine thread right after the request's first
-chunk ran (``after_step``: the request's source, fed one ``Increment`` after each of its steps: the pages
-that step completed, then, once the prompt is done, the draft state and the first token), and runs on
-a hand-off worker: ``Decode.Handshake`` (once per decode address), ``Decode.Reserve`` (refused ->
-RESOURCE_EXHAUSTED, so the router places the request elsewhere; the prefill stops there), then the
-transport sends each increment's pages while the next chunk computes (pages an increment names are
-written no more, so reading them off the engine thread is safe; an abort first cancels the request's
-``PageGuard``). The pages are freed after the acknowledgement, or on any failure; a failure after a
-successful Reserve also aborts it on the decode side. A client that goes away, or ``Prefill.Abort``,
-aborts the request wherever it is.
+The hand-off overlaps the prefill. It starts on the engine thread as the request arrives when its first
+chunk runs in the next step, else while that chunk computes (``while_stepping``; ``after_step`` where
+the step sampled nothing), so the first token seldom waits for the reservation, and runs on a hand-off
+worker: ``Decode.Handshake`` (once per decode address), ``Decode.Reserve`` (refused -> RESOURCE_EXHAUSTED
+before the first token, so the router places the request elsewhere; the prefill stops there), then the
+transport sends each increment the engine thread feeds it after each of the request's steps (the pages
+that step completed, then, once the prompt is done, the draft state and the first token) while the next
+chunk computes (pages an increment names are written no more, so reading them off the engine thread is
+safe; an abort first cancels the request's ``PageGuard``). The pages are freed after the
+acknowledgement, or on any failure; a failure after a successful Reserve also aborts it on the decode
+side. A client that goes away, or ``Prefill.Abort``, aborts the request wherever it is.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 
 import grpc
@@ -78,14 +82,20 @@ class HandoffOutcome:
 
 
 @dataclass
+class Reserved:
+    """The hand-off worker's word that the decode instance holds the request's pages: from here a failure is a
+    failover, so the first token may reach the client."""
+
+
+@dataclass
 class Job:
     """One Prefill RPC: its request, where it goes, and the queue its events arrive on."""
 
     rid: str
     decode_address: str
-    events: queue.Queue  # the engine loop's token events, then one HandoffOutcome
+    events: queue.Queue  # the engine loop's token events, Reserved, then one HandoffOutcome
     req: Request | None = None  # the engine's request (identity guards against a re-placed same id)
-    source: PageSource | None = None  # set when the hand-off starts (after the prompt's first chunk)
+    source: PageSource | None = None  # set when the hand-off starts (on arrival, or as the first chunk computes)
     fed: int = 0  # the request's committed length when the last increment was fed to the source
     t_prompt_done: float = 0.0  # when the last increment (the prompt done) was fed
 
@@ -133,6 +143,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         def add(engine: Engine) -> None:  # job.req is set on the loop thread: an abort queued behind sees it
             job.req = engine.add_request(list(request.prompt_ids), params, rid=rid, output_ids=list(request.resume_ids),
                                          output_logprobs=list(request.resume_logprobs))
+            if params.max_new_tokens > 1 and engine.starts_next(job.req):  # else: as its first chunk computes
+                self._start_hand_off(engine, job, job.req)
 
         try:
             self.loop.call(add).result()
@@ -156,21 +168,16 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             yield from self._handed_off(job, context)
             return
         t0 = time.perf_counter()
-        ev = self._next(job, context)
+        ev = self._first_token(job, context)
         if ev is None:
             return  # the client went away (its callback aborts the request)
-        if isinstance(ev, HandoffOutcome):  # the hand-off failed during the prefill (the request was released)
-            context.abort(ev.code or grpc.StatusCode.INTERNAL, ev.message or "the hand-off ended early")
-        if not ev.token_ids:
-            reason = ev.finish_reason if isinstance(ev, TokenEvent) else "aborted"
-            code = grpc.StatusCode.INTERNAL if reason == "error" else grpc.StatusCode.ABORTED
-            context.abort(code, f"request {job.rid} ended during prefill ({reason})")
         seconds = time.perf_counter() - t0
         self.telemetry.stage_seconds.labels("prefill").observe(seconds)
         self.telemetry.ttft_seconds.observe(time.perf_counter() - job.req.t_arrival)
         self.log.event("prefill_done", job.rid, seconds=round(seconds, 6), first_token=ev.token_ids[0],
                        finish_reason=ev.finish_reason)
-        first = pb.FirstToken(token_id=ev.token_ids[0], logprob=ev.logprobs[0], finish_reason=ev.finish_reason or "")
+        first = pb.FirstToken(token_id=ev.token_ids[0], logprob=ev.logprobs[0], finish_reason=ev.finish_reason or "",
+                              decode_reserved=ev.finish_reason is None)
         if ev.top_logprobs:
             first.top_logprobs.CopyFrom(top_logprobs_pb(ev.top_logprobs[0]))
         yield pb.PrefillEvent(first_token=first)
@@ -185,9 +192,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
     def _handed_off(self, job: Job, context):
         """The ``handed_off`` event once the hand-off succeeded (or the call's end with its error)."""
         outcome = self._next(job, context)
+        while isinstance(outcome, Reserved):  # a resumed request's reservation: its outcome comes next
+            outcome = self._next(job, context)
         if outcome is None:
             return
-        if isinstance(outcome, TokenEvent):  # aborted, or an engine error, before the hand-off began
+        if isinstance(outcome, TokenEvent):  # aborted, or an engine error, before the hand-off ended
             code = grpc.StatusCode.INTERNAL if outcome.finish_reason == "error" else grpc.StatusCode.ABORTED
             context.abort(code, f"request {job.rid} ended before its hand-off ({outcome.finish_reason})")
         if outcome.code is not None:
@@ -197,6 +206,28 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.telemetry.requests_total.labels("handed_off").inc()
         yield pb.PrefillEvent(handed_off=pb.HandedOff(bytes=outcome.ack.bytes, seconds=outcome.seconds,
                                                       chunks=outcome.ack.chunks))
+
+    def _first_token(self, job: Job, context) -> TokenEvent | None:
+        """The first token once it may reach the client: the decode instance holds the request's pages
+        (``Reserved``), or the request ends at this token. A hand-off that failed before, or a request that
+        ended during its prefill, ends the call here (nothing has reached the client: the router places
+        it again). None once the client is gone."""
+        first, reserved = None, False
+        while first is None or not (reserved or first.finish_reason is not None):
+            ev = self._next(job, context)
+            if ev is None:
+                return None
+            if isinstance(ev, Reserved):
+                reserved = True
+            elif isinstance(ev, HandoffOutcome):  # the hand-off failed (the request was released)
+                context.abort(ev.code or grpc.StatusCode.INTERNAL, ev.message or "the hand-off ended early")
+            elif first is None and ev.token_ids:
+                first = ev
+            else:  # an abort or an engine error, during the prefill or while the reservation was under way
+                reason = ev.finish_reason or "aborted"
+                code = grpc.StatusCode.INTERNAL if reason == "error" else grpc.StatusCode.ABORTED
+                context.abort(code, f"request {job.rid} ended during prefill ({reason})")
+        return first
 
     def _next(self, job: Job, context):
         """The job's next event (a TokenEvent or a HandoffOutcome); None once the client is gone."""
@@ -213,9 +244,19 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         return pb.AbortResponse(found=job is not None and self._abort(job, "aborted by an Abort call"))
 
     # ---- the hand-off ----------------------------------------------------------------------------
+    def while_stepping(self, engine: Engine) -> None:
+        """Loop thread, while the device computes a step: start the hand-off of each request whose first
+        chunk that step computes, so that the decode side's reservation is under way during the chunk
+        (the first token waits for it). Changes no engine state: the step in flight is left alone."""
+        for req in engine.prefilled():
+            with self._lock:
+                job = self._jobs.get(req.rid)
+            if job is not None and job.req is req and job.source is None and req.params.max_new_tokens > 1:
+                self._start_hand_off(engine, job, req)
+
     def after_step(self, engine: Engine) -> None:
         """Loop thread: feed each prefilling request's hand-off the pages its last step completed (starting
-        the hand-off at its first chunk)."""
+        the hand-off at its first chunk where ``while_stepping`` did not)."""
         self.telemetry.observe_load(self.loop.load)
         for req in engine.prefilled():
             with self._lock:
@@ -226,6 +267,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             if req.params.max_new_tokens == 1 or req.kv_len == job.fed:
                 continue  # it ends at its first token, or nothing new since the last increment
             if job.source is None and not self._start_hand_off(engine, job, req):
+                engine.release(req, "abort")
+                continue
+            if job.source.guard.cancelled and not job.fed:  # its start failed during the step (shutting down)
                 continue
             if req.kv_len == req.prefill_len:  # (set before the worker can see the last increment)
                 job.t_prompt_done = time.perf_counter()
@@ -233,7 +277,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             job.fed = req.kv_len
 
     def _start_hand_off(self, engine: Engine, job: Job, req: Request) -> bool:
-        """Loop thread: reserve on the decode side and send as the prefill goes (a hand-off worker)."""
+        """Loop thread: reserve on the decode side and send as the prefill goes (a hand-off worker); False
+        when the workers are shut down (the Prefill call is told)."""
         job.source = engine.page_source(req, fed=True)
         # The first token comes with the last chunk; a resumed request's outputs are all known now.
         reserve = pb.ReserveRequest(request_id=req.rid, prompt_ids=req.prompt_ids, sampling=sampling_to_pb(req.params),
@@ -243,7 +288,6 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             self._workers.submit(self._hand_off, job, reserve)
         except RuntimeError:  # shutting down
             job.source.guard.cancel()
-            engine.release(req, "abort")
             job.events.put(HandoffOutcome(code=grpc.StatusCode.UNAVAILABLE, message="prefill shutting down"))
             return False
         return True
@@ -265,13 +309,16 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                          message=f"decode {address} cannot hold the request now: {reply.reason}")
                 return
             reserved = True
+            job.events.put(Reserved())
             source = job.source
             if reserve.in_place:  # a copy sharing the guard: an abort still stops the writes
                 target = InPlaceTarget(self.client.handshake(address, timeout).pools,
                                        [list(p.ids) for p in reply.pages], reply.write_deadline)
                 source = dataclasses.replace(source, in_place=target)
             ack = transport.send(address, source, timeout)
-            self._release(job, "handed_off")  # only now: the decode side has every byte
+            # Only now: the decode side has every byte. Queued, not awaited: the loop runs it before any call
+            # queued after it (the call's end aborts what is still held), so the router hears at once.
+            self._release(job, "handed_off", wait=False)
             now = time.perf_counter()  # the hand-off's own time: what it added after the prompt's last chunk
             outcome = HandoffOutcome(ack=ack, seconds=now - max(job.t_prompt_done, t0), transport=transport.name)
             self.log.event("handoff_sent", job.rid, decode=address, bytes=ack.bytes, chunks=ack.chunks,
@@ -316,14 +363,18 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             self.log.event("transport_chosen", decode=address, transport=name, reason=why)
         return self.transports[name]
 
-    def _release(self, job: Job, reason: str) -> None:
+    def _release(self, job: Job, reason: str, wait: bool = True) -> None:
         def release(engine: Engine) -> bool:
             return job.req is not None and engine.release(job.req, reason)
 
-        try:
-            self.loop.call(release).result(timeout=30)
-        except Exception as e:  # the loop stopped (shutdown): the pages go with the process
-            self.log.warning("release_failed", job.rid, reason=str(e))
+        def check(done: Future) -> None:  # a stopped loop (shutdown) fails it: the pages go with the process
+            if done.exception() is not None:
+                self.log.warning("release_failed", job.rid, reason=str(done.exception()))
+
+        done = self.loop.call(release)
+        done.add_done_callback(check)
+        if wait:
+            wait_for([done], timeout=30)
 
     # ---- aborts and clean-up ---------------------------------------------------------------------
     def _abort(self, job: Job, reason: str) -> bool:

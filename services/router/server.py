@@ -4,11 +4,14 @@ and streams tokens back.
 Every request the router accepts ends in Redis as ``finished``, ``failed`` (with a reason) or
 ``aborted`` (with a reason); every transition is recorded with its time. Placement picks the live
 instances with the least outstanding tokens, counting what this router placed since their last
-heartbeat. Until the hand-off succeeded nothing has reached the client, so the router places the
-request again when a decode instance is full (RESOURCE_EXHAUSTED), speaks another speculative config
+heartbeat. Until a decode instance holds the request nothing has reached the client, so the router places
+the request again when a decode instance is full (RESOURCE_EXHAUSTED), speaks another speculative config
 (FAILED_PRECONDITION, while another instance remains) or is unreachable, and when the prefill instance
-is unreachable. Once tokens streamed, a broken decode stream is a failover: a prefill instance recomputes the
-prompt plus the tokens the client has and hands off to another decode instance; the client's stream goes on.
+is unreachable. The first token goes to the client as soon as the prefill instance says the decode instance
+holds the request (``decode_reserved``), while the hand-off goes on. Once tokens streamed, a broken hand-off
+or decode stream is a failover: a prefill instance recomputes the prompt plus the tokens the client has and
+hands off to another decode instance (the same one when only the prefill side broke); the client's stream
+goes on.
 Redis can blink: record writes go through ``RecordWriter`` (retried, buffered, flushed on return).
 """
 
@@ -157,11 +160,20 @@ class _Replace(Exception):
 
 
 class _Broken(Exception):
-    """A decode stream broke after tokens reached the client: the request is placed again (failover)."""
+    """A decode stream, or a hand-off, broke after tokens reached the client: the request is placed again
+    (failover); ``avoid``: the decode instance is not tried again (False when the prefill side broke)."""
 
-    def __init__(self, error: RouterError):
+    def __init__(self, error: RouterError, avoid: bool = True):
         super().__init__(error.message)
-        self.error = error
+        self.error, self.avoid = error, avoid
+
+
+@dataclass
+class _Handoff:
+    """The rest of a Prefill call whose first token went to the client before its hand-off ended."""
+
+    call: object  # the Prefill call's iterator, at the handed_off event still to come
+    t0: float  # when its first token arrived
 
 
 # A decode stream that ends with these (and not by the router's own cancel) broke: the instance died, the
@@ -379,10 +391,10 @@ class RouterCore:
         sent: list[int] = []  # tokens the client has
         sent_logprobs: list[float] = []  # theirs
         avoid: set[str] = set()  # decode instances whose stream broke
-        reason, ttft, broken = "new request", None, None
+        reason, ttft, broken, failovers = "new request", None, None, 0
         while True:
             try:
-                first = self._place(active, ids, params, t0, avoid, reason, sent, sent_logprobs)
+                first, handoff = self._place(active, ids, params, t0, avoid, reason, sent, sent_logprobs)
             except RouterError as e:
                 if broken is None or active.cancelled.is_set():
                     raise
@@ -395,6 +407,8 @@ class RouterCore:
                 sent.append(first[0])
                 sent_logprobs.append(first[1])
             try:
+                if handoff is not None:  # the first token went out before the hand-off ended: it ends now
+                    self._await_handoff(active, handoff)
                 for out in self._stream(active, len(ids), params.max_new_tokens - len(sent), detok, t0, ttft):
                     sent += out.token_ids
                     sent_logprobs += out.logprobs  # kept for a failover; the client gets them if it asked
@@ -403,9 +417,11 @@ class RouterCore:
                     yield out
                 return
             except _Broken as b:
-                if len(avoid) >= MAX_FAILOVERS:
+                failovers += 1
+                if failovers > MAX_FAILOVERS:
                     raise b.error from None
-                avoid.add(active.decode.instance_id)
+                if b.avoid:
+                    avoid.add(active.decode.instance_id)
                 broken, reason = b.error, f"failover: {b.error.message}"
                 self.log.event("failover", rid, decode=active.decode.instance_id, output_tokens=len(sent),
                                reason=b.error.message)
@@ -497,8 +513,11 @@ class RouterCore:
                 self.ledger.done(decode.instance_id, d_key)
 
     def _prefill(self, active: Active, request: pb.PrefillRequest, p_key: int):
-        """Run the prefill + hand-off; returns (first token, logprob, finish reason, its top logprobs), None
-        for a failover's (``request.resume_ids``: no token is sampled), or raises _Replace.
+        """Run the prefill + hand-off; returns (the first token: (token, logprob, finish reason, its top
+        logprobs), or None for a failover's (``request.resume_ids``: no token is sampled); the ``_Handoff``
+        still to await, or None), or raises _Replace. The first token returns as soon as the decode instance
+        holds the request (``decode_reserved``), the hand-off then still under way; from a prefill instance
+        that does not say so, only once the hand-off ended.
 
         ``p_key``: this placement's prefill ledger entry; the caller releases it (and it is released here
         already at the first token: the prompt is done there)."""
@@ -519,22 +538,43 @@ class RouterCore:
                     self.log.event("prefill_done", rid, prefill=prefill.instance_id,
                                    seconds=round(time.perf_counter() - t1, 6), finish_reason=ft.finish_reason or None)
                     if ft.finish_reason:
-                        return first
+                        return first, None
                     self.records.transition(rid, "transferring")
                     t1 = time.perf_counter()
+                    if ft.decode_reserved:
+                        return first, _Handoff(call, t1)
                 elif ev.HasField("handed_off") and (first is not None or request.resume_ids):
-                    if self.telemetry:
-                        self.telemetry.stage_seconds.labels("handoff").observe(time.perf_counter() - t1)
-                    self.log.event("handoff_done", rid, decode=decode.instance_id, bytes=ev.handed_off.bytes,
-                                   seconds=round(ev.handed_off.seconds, 6))
-                    self.records.transition(rid, "decoding", handoff_bytes=ev.handed_off.bytes,
-                                          handoff_s=round(ev.handed_off.seconds, 6))
-                    return first
+                    self._handed_off(rid, decode, ev.handed_off, t1)
+                    return first, None
         except grpc.RpcError as e:
             self._check_cancelled(active)
             raise self._classify(e, prefill, decode) from None
         raise RouterError(grpc.StatusCode.UNAVAILABLE,
                           f"prefill instance {prefill.instance_id} ended the call before handing the request off")
+
+    def _await_handoff(self, active: Active, handoff: _Handoff) -> None:
+        """The hand-off of a request whose first token reached the client; _Broken when it fails (the
+        request is placed again with that token, as after a broken decode stream)."""
+        prefill, decode = active.prefill, active.decode
+        try:
+            for ev in handoff.call:
+                if ev.HasField("handed_off"):
+                    self._handed_off(active.rid, decode, ev.handed_off, handoff.t0)
+                    return
+        except grpc.RpcError as e:
+            self._check_cancelled(active)
+            error = self._classify(e, prefill, decode)
+            if isinstance(error, RouterError):
+                raise error from None
+            raise _Broken(error.error, avoid=error.role == "decode") from None
+        raise _Broken(RouterError(grpc.StatusCode.UNAVAILABLE, f"prefill instance {prefill.instance_id} ended the "
+                                                               "call before handing the request off"), avoid=False)
+
+    def _handed_off(self, rid: str, decode: InstanceInfo, done: pb.HandedOff, t0: float) -> None:
+        if self.telemetry:
+            self.telemetry.stage_seconds.labels("handoff").observe(time.perf_counter() - t0)
+        self.log.event("handoff_done", rid, decode=decode.instance_id, bytes=done.bytes, seconds=round(done.seconds, 6))
+        self.records.transition(rid, "decoding", handoff_bytes=done.bytes, handoff_s=round(done.seconds, 6))
 
     @staticmethod
     def _classify(e: grpc.RpcError, prefill: InstanceInfo, decode: InstanceInfo) -> Exception:

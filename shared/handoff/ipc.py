@@ -157,14 +157,19 @@ def write_in_place(source: PageSource, pools: list[torch.Tensor], dest_page_ids:
                             "page lists on the decode side")
     device = source.caches[0].pool.device
     side = _side_stream(device) if device.type == "cuda" else None
-    if side is not None:
-        side.wait_stream(torch.cuda.default_stream(device))  # the prefill's writes of these pages are queued there
     written, sent, last = 0, [0] * len(source.caches), None
     for inc in source.increments():
         if time.monotonic() > deadline - WRITE_MARGIN_S:
             raise TransferError("the decode side's write deadline passed before the pages were written")
-        if side is not None and inc.written is not None:
-            side.wait_event(inc.written)
+        if side is not None:
+            # Each increment waits for the step that wrote its pages (its event), not for the whole prefill
+            # stream: by the time a hand-off starts, that stream holds later chunks (other requests' too), and
+            # waiting for all of them held the first increment back. Without an event (an increment of
+            # pages already written), everything queued so far is waited for.
+            if inc.written is not None:
+                side.wait_event(inc.written)
+            else:
+                side.wait_stream(torch.cuda.default_stream(device))
         with source.guard.access():  # an abort waits for this increment's copies, then no other starts
             written += _write_increment(source, pools, dest_page_ids, inc, sent, side)
         sent, last = list(inc.done), inc.last

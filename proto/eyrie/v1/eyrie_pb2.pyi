@@ -232,16 +232,18 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., resume_ids: _Optional[_Iterable[int]] = ..., resume_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "logprob", "finish_reason", "top_logprobs")
+    __slots__ = ("token_id", "logprob", "finish_reason", "top_logprobs", "decode_reserved")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_RESERVED_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     finish_reason: str
     top_logprobs: TopLogprobs
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., finish_reason: _Optional[str] = ..., top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ...) -> None: ...
+    decode_reserved: bool
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., finish_reason: _Optional[str] = ..., top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ..., decode_reserved: _Optional[bool] = ...) -> None: ...
 
 class HandedOff(_message.Message):
     __slots__ = ("bytes", "seconds", "chunks")

@@ -85,3 +85,20 @@ def test_batch_order_and_arrival_time_do_not_matter(tiny_model_dir, solo_referen
     for i, req in reqs.items():
         assert engine.result(req).token_ids == solo_reference[i].token_ids
     check_pools_full(engine)
+
+
+def test_starts_next_says_whether_the_next_step_runs_a_waiting_requests_first_chunk(tiny_model_dir):
+    """What the prefill service asks before starting a request's hand-off on arrival: a request behind a long
+    prompt starts only once that prompt leaves room in a step's chunk budget, and the answer says so."""
+    engine = Engine(tiny_model_dir / "target", config=EngineConfig(chunk_size=8, page_size=4), role="prefill")
+    long = engine.add_request(list(range(3, 23)), GREEDY)  # 20 tokens: chunks of 8, 8, 4
+    assert engine.starts_next(long)
+    short = engine.add_request(list(range(5, 9)), GREEDY)
+    said, ran = [], []
+    while short.kv_len == 0:
+        said.append(engine.starts_next(short))
+        engine.step()
+        ran.append(short.kv_len > 0)
+    assert said == ran == [False, False, True]
+    for req in (long, short):  # prefill role: parked for their hand-offs, which this test does not make
+        engine.release(req, "abort")

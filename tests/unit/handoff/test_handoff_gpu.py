@@ -125,3 +125,36 @@ def test_services_on_cuda_over_each_transport_equal_the_engine_and_count_the_han
         prefill.stop(0.5)
         decode.stop(0.5)
         redis.stop()
+
+
+def test_an_in_place_write_waits_for_its_steps_event_not_for_later_work():
+    """An ipc increment is copied once the step that wrote its pages is done (its event): the copy sees
+    those writes, and does not wait behind work queued on the prefill's stream after them (a second's
+    kernel here, as later chunks of other requests would be)."""
+    import time
+    from types import SimpleNamespace
+
+    from kernels.page_copy import copy_pages
+    from shared.handoff.ipc import write_in_place
+    from shared.handoff.wire import Increment, PageFeed, PageSource, Prefilled
+
+    page_size, dev = 4, torch.device("cuda")
+    src, dst = torch.zeros(2, 3, 32, 2, 8, device=dev), torch.zeros(2, 3, 32, 2, 8, device=dev)
+    copy_pages(dst, src, [0, 1], [5, 6], page_size)  # compiled before the clock starts
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # the step: the pages are written late
+    src[:, :, 0:8] = 1.0  # pages 0 and 1
+    written = torch.cuda.Event()
+    written.record()
+    torch.cuda._sleep(2_000_000_000)  # later work on the same stream (over a second)
+    feed = PageFeed()
+    feed.put(Increment([[0, 1]], [2], written, Prefilled(b"")))
+    source = PageSource("r", [SimpleNamespace(pool=src, page_size=page_size)], [], b"", feed=feed)
+    t0 = time.perf_counter()
+    out = write_in_place(source, [dst], [[5, 6]], time.monotonic() + 60)
+    took = time.perf_counter() - t0
+    busy = not torch.cuda.default_stream(dev).query()  # the later work still runs
+    assert busy and took < 0.5, took
+    assert bool((dst[:, :, 20:28] == 1).all()) and float(dst.sum()) == 2 * 3 * 8 * 2 * 8
+    assert out.bytes == 2 * page_size * 2 * 3 * 2 * 8 * 4
+    torch.cuda.synchronize()

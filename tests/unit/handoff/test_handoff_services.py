@@ -672,13 +672,17 @@ def test_prefill_abort_mid_prefill_frees_both_sides(stack, monkeypatch):
     rid = stack.rid()
     incoming, jobs = stack.decode.extra["servicer"]._incoming, stack.prefill.extra["servicer"]._jobs
 
+    holding = threading.Event()  # the engine waits before the request's second chunk (asking the condition)
+
     def abort_began(req):
+        holding.set()
         job = jobs.get(rid)
         return job is not None and job.source is not None and job.source.guard.cancelled
 
     seen = prefill_holds_before(stack, monkeypatch, rid, abort_began)
     call = stack.prefill_call(rid, FRESH)
-    wait_until(lambda: rid in incoming)  # reserved on the decode side
+    # Reserved on the decode side (as it arrived), and its first chunk ran: the engine holds before the next.
+    wait_until(lambda: rid in incoming and holding.is_set())
     assert stack.pstub.Abort(pb.AbortRequest(request_id=rid), timeout=30).found
     with pytest.raises(grpc.RpcError) as err:
         list(call)
@@ -693,11 +697,12 @@ def test_the_decode_side_gone_mid_prefill_fails_the_request_and_frees_the_prefil
     request fails with a reason, and the prefill side gets its pages back."""
     s = Stack(models, redis_url, transport=transport)
     try:
-        rid, gone = s.rid(), threading.Event()
+        rid, gone, holding = s.rid(), threading.Event(), threading.Event()
         incoming = s.decode.extra["servicer"]._incoming
-        seen = prefill_holds_before(s, monkeypatch, rid, lambda req: gone.is_set())
+        seen = prefill_holds_before(s, monkeypatch, rid, lambda req: holding.set() or gone.is_set())
         call = s.prefill_call(rid, FRESH)
-        wait_until(lambda: rid in incoming)  # reserved: the hand-off is under way
+        # Reserved (the hand-off is under way) and the first chunk ran: the engine holds before the next.
+        wait_until(lambda: rid in incoming and holding.is_set())
         s.decode.stop(0)
         gone.set()
         with pytest.raises(grpc.RpcError) as err:
@@ -716,11 +721,11 @@ def test_the_prefill_side_gone_mid_prefill_frees_the_decode_reservation_by_the_a
     writes begun): the decode side's reservation is freed by the attach deadline at the latest."""
     s = Stack(models, redis_url, transport=transport, stream_attach_timeout_s=2.0)
     try:
-        rid, gone = s.rid(), threading.Event()
+        rid, gone, holding = s.rid(), threading.Event(), threading.Event()
         incoming = s.decode.extra["servicer"]._incoming
-        prefill_holds_before(s, monkeypatch, rid, lambda req: gone.is_set())
+        prefill_holds_before(s, monkeypatch, rid, lambda req: holding.set() or gone.is_set())
         call = s.prefill_call(rid, FRESH)
-        wait_until(lambda: rid in incoming)
+        wait_until(lambda: rid in incoming and holding.is_set())  # reserved, and the first chunk ran
         t0 = time.monotonic()
         stopping = threading.Thread(target=s.prefill.stop, args=(0,))
         stopping.start()

@@ -1,0 +1,125 @@
+"""The engine loop serves ``call_soon`` during a step, while the device computes it (the engine's host-wait
+hook), and ``call`` only between steps; the service's ``while_stepping`` runs at the same point. A hand-off
+reserved during a real engine's step leaves the request that step runs exact."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from services.engine_loop import EngineLoop
+from shared.config import EngineConfig
+from shared.engine import Engine, EngineLoad
+from shared.sampling import SamplingParams
+
+
+class HeldStep:
+    """Just what the loop asks of an engine. Its one step waits for ``go`` (the host still launching the
+    step), calls the host-wait hook, then waits for ``finish`` (the device still computing it)."""
+
+    role, device = "decode", "cpu"
+
+    def __init__(self):
+        self.hook = None
+        self.work = True
+        self.started, self.go, self.hooked, self.finish = (threading.Event() for _ in range(4))
+
+    def handoff_schema(self):
+        return None
+
+    def kv_pools(self):
+        return []
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(running=0, queued=0, prefill_tokens=0, decode_tokens=0, free_pages=(0,), total_pages=(0,))
+
+    def set_host_wait_hook(self, fn) -> None:
+        self.hook = fn
+
+    def has_work_to_step(self) -> bool:
+        return self.work
+
+    def step(self):
+        self.work = False
+        self.started.set()
+        assert self.go.wait(10)
+        self.hook()
+        self.hooked.set()
+        assert self.finish.wait(10)
+        return []
+
+    def live_requests(self):
+        return []
+
+
+def test_call_soon_runs_in_the_step_in_flight_and_call_after_it():
+    engine = HeldStep()
+    during = []
+    loop = EngineLoop(engine, while_stepping=lambda e: during.append(e.finish.is_set())).start()
+    try:
+        assert engine.started.wait(5)  # a step is being launched
+        soon = loop.call_soon(lambda e: e.finish.is_set())
+        later = loop.call(lambda e: e.finish.is_set())
+        engine.go.set()
+        assert engine.hooked.wait(5)  # the device computes the step now
+        assert soon.done() and soon.result() is False and during == [False]
+        assert not later.done()  # waits for the step to end
+        engine.finish.set()
+        assert later.result(5) is True
+    finally:
+        engine.go.set()
+        engine.finish.set()
+        loop.stop()
+
+
+def test_a_hand_off_reserved_mid_step_leaves_the_running_request_exact(tiny_model_dir):
+    """An engine steps one request while another's reservation is made in the host-wait hook: the running
+    request's tokens equal a run without it, and every page comes back."""
+    config = EngineConfig(page_size=4, max_context=64, max_running=4)
+    greedy = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    alone = Engine(tiny_model_dir / "target", config=config).generate([[5, 6, 7, 8]], greedy)[0].token_ids
+    engine = Engine(tiny_model_dir / "target", config=config)
+    loop = EngineLoop(engine)
+    req = engine.add_request([5, 6, 7, 8], greedy, rid="running")
+    engine.step()  # its prompt: it decodes from here
+    reserved = []
+
+    def reserve(e: Engine):
+        reserved.append(e.reserve_handoff("joining", list(range(3, 13)), [4], [0.0], greedy, 10))
+
+    assert not reserved
+    loop.call_soon(reserve)  # the loop is not started: only the hook it set on the engine serves this
+    engine.step()  # the reservation is made inside this step, while it "computes"
+    assert reserved[0] is not None and reserved[0].rid == "joining" and reserved[0] in engine.live_requests()
+    engine.release(reserved[0], "abort")
+    engine.run_until_done()
+    assert req.output_ids == alone
+    assert engine.is_idle_and_clean()
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_prefill_loop_publishes_each_steps_tokens_before_the_next_step(tiny_model_dir, hold):
+    """Holding (a decode loop): a step's tokens go out during the next step, from its host-wait hook; not
+    holding (a prefill loop: first tokens, each a client's time to first token): before the next step."""
+    engine = Engine(tiny_model_dir / "target", config=EngineConfig(page_size=4, max_context=64, max_running=2))
+    loop = EngineLoop(engine, hold_tokens=hold)
+    published, publish = [], loop.publish
+    loop.publish = lambda ev: (published.extend(ev.token_ids), publish(ev))
+    events = loop.subscribe("r")
+    out_at_start = []  # tokens published when each step began
+    step = engine.step
+
+    def counted_step():
+        out_at_start.append(len(published))
+        return step()
+
+    engine.step = counted_step
+    loop.start()
+    try:
+        loop.call(lambda e: e.add_request([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True), rid="r"))
+        while events.get(timeout=10).finish_reason is None:
+            pass
+    finally:
+        loop.stop()
+    assert out_at_start == ([0, 0, 1, 2] if hold else [0, 1, 2, 3]) and len(published) == 4
