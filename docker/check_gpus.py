@@ -9,8 +9,8 @@ profile (``--scale`` counts a service's replicas, which share its reservation):
 
 - a service on ``cuda`` reserves exactly one GPU (one NVIDIA device, one id in ``device_ids``);
 - a GPU that several engines share bounds each one: ``EYRIE_GPU_MEMORY_FRACTION`` (or ``EYRIE_NUM_PAGES``),
-  else each takes 0.9 of the GPU and the second one to start cannot fit, and the fractions on it sum to 1
-  at most;
+  else the first to start takes 0.9 of the GPU and the others only what it left; and the fractions on it
+  sum to 1 at most;
 - every engine of the profile agrees on what a hand-off carries (model, draft, dtype, page size, tree shape,
   device kind): any prefill instance may hand off to any decode instance.
 """
@@ -114,7 +114,7 @@ def _shared_gpu(gpu: str, sharing: list[Engine]) -> list[str]:
                  not e.env.get("EYRIE_NUM_PAGES")]
     if unbounded:
         return [f"GPU {gpu} is shared by {names}, but {', '.join(unbounded)} set no EYRIE_GPU_MEMORY_FRACTION "
-                "(each would take 0.9 of the GPU)"]
+                "(the first to start takes 0.9 of the GPU)"]
     total = sum(float(e.env["EYRIE_GPU_MEMORY_FRACTION"]) * e.replicas for e in sharing
                 if e.env.get("EYRIE_GPU_MEMORY_FRACTION"))
     if total > 1.0:
