@@ -16,8 +16,11 @@ from services.settings import SETTINGS
 from tests.unit.deploy.conftest import COMPOSE_FILE, ROOT, compose_config, environment, role_of, run_compose_config
 
 GPU = {"router", "prefill", "decode"}
+GPU2 = {"router-gpu2", "prefill-gpu2", "decode-gpu2"}
+GPU8 = {"router-gpu8", "prefill-gpu8-0", "prefill-gpu8-1", *(f"decode-gpu8-{i}" for i in range(2, 8))}
 CPU = {"model-cpu", "router-cpu", "prefill-cpu", "decode-cpu"}
-ROUTERS = {"router", "router-cpu"}
+ROUTERS = {"router", "router-cpu", "router-gpu2", "router-gpu8"}
+GPU_ENGINES = (GPU | GPU2 | GPU8) - ROUTERS
 SCALABLE = {"prefill", "decode", "prefill-cpu", "decode-cpu"}
 
 
@@ -40,10 +43,13 @@ def test_docker_compose_rejects_a_broken_file(tmp_path):
 
 def test_profiles_split_gpu_and_cpu_stacks(compose):
     services = compose["services"]
-    assert set(services) == {"redis"} | GPU | CPU
-    assert "profiles" not in services["redis"]  # Redis runs in either stack
+    assert set(services) == {"redis"} | GPU | GPU2 | GPU8 | CPU
+    assert "profiles" not in services["redis"]  # Redis runs in every stack
     for name in GPU:
         assert services[name]["profiles"] == ["gpu"], name
+    for names, profile in ((GPU2, "gpu2"), (GPU8, "gpu8")):
+        for name in names:
+            assert services[name]["profiles"] == [profile], name
     for name in CPU:
         assert services[name]["profiles"] == ["cpu"], name
     # A dependency is always in the same profile (or in none), so each profile starts on its own.
@@ -146,7 +152,7 @@ def test_every_eyrie_variable_is_a_settings_field_and_parses(compose, monkeypatc
         assert settings.model and settings.model.startswith("/models/")
         if role == "router":
             assert settings.openai_port == 8000 and not settings.api_key
-        elif name in ("prefill", "decode"):
+        elif name in GPU_ENGINES:
             assert settings.device == "cuda" and settings.dtype == "bfloat16" and settings.cuda_graph is True
         else:
             assert settings.device == "cpu" and settings.draft == "/models/eagle3"
