@@ -98,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-running", type=int)
     ap.add_argument("--max-context", type=int)
     ap.add_argument("--chunk-size", type=int)
+    ap.add_argument("--prefill-chunk-size", type=int,
+                    help="the stack's prefill service's per-step token budget (default: --chunk-size, as the engine)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--spec-topk", type=int, default=1)
     ap.add_argument("--spec-steps", type=int, default=3)
@@ -334,7 +336,8 @@ def run_stack_phase(run: Run, model: str, draft: str | None, points: list[Point]
 
     args = run.args
     t0 = time.perf_counter()
-    stack = ServingStack(model, draft, engine_flags(args), workdir / f"logs-{transport}",
+    prefill_flags = {"chunk_size": args.prefill_chunk_size} if args.prefill_chunk_size else None
+    stack = ServingStack(model, draft, engine_flags(args), workdir / f"logs-{transport}", prefill_flags=prefill_flags,
                          env={"EYRIE_HANDOFF_TRANSPORT": transport, **run.child_env()})
     out: dict = {"transport": transport, "points": [], "log_dir": str(stack.log_dir)}
     run.report["stacks"].append(out)  # saved with every point from now on
