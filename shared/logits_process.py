@@ -15,8 +15,10 @@ the raw logits: a handful of [B, N, N] gathers, no per-node copy of the counts. 
 calls the same function with one node per request and no tree, so greedy speculative output equals
 greedy target-only output with every feature.
 
-Everything runs on the device from tensors built once per step (``logits_rows``); a batch in which no
-request uses a feature builds nothing and launches nothing here. A JSON schema (``shared/grammar.py``)
+Everything runs on the device from each request's rows, built once when it first needs them
+(``logits_rows``) and kept there across steps by ``RowsCache``, which counts each step's committed tokens in
+and gathers a batch's rows by index; a batch in which no request uses a feature builds nothing and launches
+nothing here. A JSON schema (``shared/grammar.py``)
 masks each node's logits with that node's grammar state, like ``allowed_token_ids`` (its masks are built
 on the host, the only feature that is).
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -60,32 +63,123 @@ class LogitsRows:
     grammar: torch.Tensor | None = None  # [B, N, ceil(V/32)] int32 packed allowed tokens
 
 
-def requests_rows(reqs: list, vocab: int, rows: int, device: torch.device | str,
-                  tree: DraftTree | None = None) -> LogitsRows | None:
-    """The ``LogitsRows`` of ``reqs`` (``shared.request.Request``: prompt, committed output, parameters,
-    EOS ids, grammar) padded to ``rows``; None when none of them uses a feature (then nothing is built).
-    ``tree``: the draft tree the logits are of (its first rows are ``reqs``'), else one node per request.
-    With a grammar in the batch this reads the tree's tokens back to the host (the masks are built there)."""
-    if not any(uses_processing(r.params) for r in reqs):
-        return None
-    out = logits_rows([r.prompt_ids for r in reqs], [r.output_ids for r in reqs], [r.params for r in reqs],
-                      [r.eos_ids for r in reqs], vocab, rows, device)
-    if any(r.grammar is not None for r in reqs):
-        n = len(reqs)
-        tokens, parents = (None, None) if tree is None else (tree.tokens[:n].tolist(), tree.parents[:n].tolist())
-        out = dataclasses.replace(out, grammar=grammar_masks([r.grammar for r in reqs], tokens, parents, vocab, rows,
-                                                             device))
-    return out
+class RowsCache:
+    """Each processed request's ``LogitsRows`` row, kept on the device from its first processed step to its
+    end: built once from its prompt, parameters and the output it arrived with (a hand-off, a failover),
+    then updated by the tokens committed since (counts, seen, out_len scatter-added); a batch's rows are
+    one gather per tensor. Slot 0 is the padding row (neutral, never written). Owned by the engine (or its
+    speculative worker); a slot is freed once its request ended or is gone."""
+
+    def __init__(self) -> None:
+        self.pool: LogitsRows | None = None  # [S, V] rows of every slot (and [S] scalars)
+        self.entries: dict[int, _Slot] = {}  # id(request) -> its slot
+        self.free: list[int] = []  # unused slots (never 0)
+
+    def rows(self, reqs: list, vocab: int, total: int, device: torch.device | str,
+             index: torch.Tensor | None = None) -> LogitsRows | None:
+        """The rows of ``reqs`` (``shared.request.Request``) at batch rows ``index`` [n] of ``total`` (the
+        first rows when None), the others padding; None when none of them uses a feature. No grammar."""
+        if not any(uses_processing(r.params) for r in reqs):
+            return None
+        self._release()
+        stale = [r for r in reqs if id(r) in self.entries and self.entries[id(r)].counted > len(r.output_ids)]
+        for r in stale:  # an output that shrank (never expected): counted again from scratch
+            self.free.append(self.entries.pop(id(r)).slot)
+        self._admit([r for r in reqs if id(r) not in self.entries], vocab, device)
+        self._count(reqs)
+        dev = self.pool.counts.device
+        slots = [self.entries[id(r)].slot for r in reqs]
+        if index is None:
+            where = torch.tensor(slots + [0] * (total - len(reqs)), dtype=torch.int64).to(dev, non_blocking=True)
+        else:  # placed on the device: the index stays there
+            slots = torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True)
+            where = torch.zeros(total, dtype=torch.int64, device=dev).index_copy_(0, index.to(dev), slots)
+        return LogitsRows(**{f.name: getattr(self.pool, f.name).index_select(0, where)
+                             for f in dataclasses.fields(LogitsRows) if f.name != "grammar"})
+
+    def _release(self) -> None:
+        """Free the slots of requests that ended or were dropped."""
+        for key, e in list(self.entries.items()):
+            req = e.req()
+            if req is None or req.finish_reason is not None:
+                self.free.append(self.entries.pop(key).slot)
+
+    def _admit(self, reqs: list, vocab: int, device: torch.device | str) -> None:
+        """Build the rows of requests new to the cache, each in a free slot (the pool grows by doubling)."""
+        if not reqs:
+            return
+        if self.pool is None:
+            self.pool = logits_rows([], [], [], [], vocab, 1, device)
+        while len(self.free) < len(reqs):
+            self._grow()
+        slots = [self.free.pop() for _ in reqs]
+        built = logits_rows([r.prompt_ids for r in reqs], [r.output_ids for r in reqs], [r.params for r in reqs],
+                            [r.eos_ids for r in reqs], vocab, len(reqs), device)
+        at = torch.tensor(slots, dtype=torch.int64, device=self.pool.counts.device)
+        for f in dataclasses.fields(LogitsRows):
+            if f.name != "grammar":
+                getattr(self.pool, f.name).index_copy_(0, at, getattr(built, f.name))
+        for r, s in zip(reqs, slots):
+            self.entries[id(r)] = _Slot(weakref.ref(r), s, len(r.output_ids))
+
+    def _grow(self) -> None:
+        """Double the pool's slots (new ones zero: neutral)."""
+        size = self.pool.counts.shape[0]
+        self.pool = LogitsRows(**{f.name: torch.cat([t, torch.zeros_like(t)]) for f in dataclasses.fields(LogitsRows)
+                                  if (t := getattr(self.pool, f.name)) is not None})
+        self.free.extend(range(2 * size - 1, size - 1, -1))
+
+    def _count(self, reqs: list) -> None:
+        """Scatter-add the output tokens committed since each request's last count: one copy to the device."""
+        slot, tok, seen_slot, seen_tok, len_slot, lens = [], [], [], [], [], []
+        for r in reqs:
+            e = self.entries[id(r)]
+            new = r.output_ids[e.counted:]
+            if not new:
+                continue
+            slot += [e.slot] * len(new)
+            tok += new
+            if r.params.repetition_penalty != 1.0:
+                seen_slot += [e.slot] * len(new)
+                seen_tok += new
+            len_slot.append(e.slot)
+            lens.append(len(r.output_ids))
+            e.counted = len(r.output_ids)
+        if not slot:
+            return
+        k, j = len(slot), len(seen_slot)
+        host = torch.tensor([slot + seen_slot + len_slot, tok + seen_tok + lens], dtype=torch.int64)
+        dev = host.to(self.pool.counts.device, non_blocking=True)
+        p = self.pool
+        p.counts.index_put_((dev[0, :k], dev[1, :k]), torch.ones(k, dtype=torch.int32, device=dev.device),
+                            accumulate=True)
+        if j:
+            p.seen.index_put_((dev[0, k:k + j], dev[1, k:k + j]), torch.ones((), dtype=torch.bool, device=dev.device))
+        p.out_len.index_copy_(0, dev[0, k + j:], dev[1, k + j:])
 
 
-def place_rows(rows: LogitsRows, index: torch.Tensor, total: int) -> LogitsRows:
-    """``rows`` (one per request) moved to batch rows ``index`` [n] of ``total``; the others padding
-    (neutral: zeros, every grammar bit set)."""
-    def place(t: torch.Tensor | None, fill: int) -> torch.Tensor | None:
-        return None if t is None else t.new_full((total, *t.shape[1:]), fill).index_copy_(0, index, t)
+@dataclass
+class _Slot:
+    req: weakref.ref  # the request (not kept alive by the cache)
+    slot: int  # its row of the pool
+    counted: int  # output tokens counted into the row
 
-    return LogitsRows(**{f.name: place(getattr(rows, f.name), -1 if f.name == "grammar" else 0)
-                         for f in dataclasses.fields(rows)})
+
+def add_grammar(rows: LogitsRows, reqs: list, tree: DraftTree | None = None,
+                index: torch.Tensor | None = None) -> LogitsRows:
+    """``rows`` with the grammar masks of ``reqs`` (at batch rows ``index``, else the first rows; every bit set
+    elsewhere), when one of them has a grammar. ``tree``: the draft tree the logits are of (its first rows
+    are ``reqs``'), else one node per request. Reads the tree's tokens back to the host (masks are built there)."""
+    if not any(r.grammar is not None for r in reqs):
+        return rows
+    total, vocab = rows.counts.shape
+    n = len(reqs)
+    tokens, parents = (None, None) if tree is None else (tree.tokens[:n].tolist(), tree.parents[:n].tolist())
+    masks = grammar_masks([r.grammar for r in reqs], tokens, parents, vocab, total if index is None else n,
+                          rows.counts.device)
+    if index is not None:
+        masks = masks.new_full((total, *masks.shape[1:]), -1).index_copy_(0, index, masks)
+    return dataclasses.replace(rows, grammar=masks)
 
 
 def logits_rows(prompts: list[list[int]], outputs: list[list[int]], params: list[SamplingParams],
