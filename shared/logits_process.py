@@ -229,8 +229,9 @@ def _scatter_counts(ids: list[list[int]], vocab: int, device: torch.device | str
 def _penalize(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, rows: LogitsRows) -> torch.Tensor:
     """Repetition, then frequency and presence penalties; shapes broadcast as [B, N or 1, V or N]."""
     rep = torch.where(rows.repetition > 0, rows.repetition, 1.0).view(-1, 1, 1)
-    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    return logits - rows.frequency.view(-1, 1, 1) * counts - rows.presence.view(-1, 1, 1) * (counts > 0)
+    rep = torch.where(seen, rep, 1.0)  # [B, 1 or N, V or N]: dividing or multiplying by 1 leaves unseen tokens be
+    out = torch.where(logits > 0, logits / rep, logits * rep)
+    return out.sub_(rows.frequency.view(-1, 1, 1) * counts).sub_(rows.presence.view(-1, 1, 1) * (counts > 0))
 
 
 def process_logits(logits: torch.Tensor, rows: LogitsRows, tokens: torch.Tensor | None = None,
@@ -239,12 +240,12 @@ def process_logits(logits: torch.Tensor, rows: LogitsRows, tokens: torch.Tensor 
     given a tree (``tokens`` [B, N], ``mask`` [B, N, N] ancestor-or-self, ``depths`` [B, N]), the
     tokens of n's ancestors below the root and n's own."""
     B, N, V = logits.shape
-    raw = logits.float() + rows.bias.unsqueeze(1)
+    raw = logits + rows.bias.unsqueeze(1)  # float32 (bias's), a new tensor: masked in place below
     if rows.grammar is not None:
-        raw = raw.masked_fill(~unpack_masks(rows.grammar, V), -math.inf)
+        raw.masked_fill_(~unpack_masks(rows.grammar, V), -math.inf)
     depth = depths if depths is not None else torch.zeros(B, N, dtype=torch.int64, device=logits.device)
     early = (rows.out_len.unsqueeze(1) + depth < rows.min_tokens.unsqueeze(1)).unsqueeze(2)  # [B, N, 1]
-    raw = raw.masked_fill(early & rows.stop_ids.unsqueeze(1), -math.inf)
+    raw.masked_fill_(early & rows.stop_ids.unsqueeze(1), -math.inf)
     out = _penalize(raw, rows.counts.unsqueeze(1).float(), rows.seen.unsqueeze(1), rows)
     if tokens is not None and N > 1:
         out = _tree_prefix(out, raw, rows, tokens, mask)
@@ -254,7 +255,8 @@ def process_logits(logits: torch.Tensor, rows: LogitsRows, tokens: torch.Tensor 
 def _tree_prefix(out: torch.Tensor, raw: torch.Tensor, rows: LogitsRows, tokens: torch.Tensor,
                  mask: torch.Tensor) -> torch.Tensor:
     """Recompute, at node n, the penalised logit of each token on n's path (ancestors below the root,
-    and n) with the committed count plus its occurrences on that path."""
+    and n) with the committed count plus its occurrences on that path. Written in place: node m's entry by
+    every node of the same token, all with one value."""
     B, N, V = out.shape
     on_path = mask.clone()
     on_path[:, :, 0] = False  # the root is committed already
@@ -263,9 +265,7 @@ def _tree_prefix(out: torch.Tensor, raw: torch.Tensor, rows: LogitsRows, tokens:
     idx = tokens.unsqueeze(1).expand(B, N, N)  # [B, n, m] token of node m
     base = rows.counts.gather(1, tokens).unsqueeze(1).float() + extra  # [B, n, m]
     fixed = _penalize(raw.gather(2, idx), base, torch.ones_like(on_path), rows)
-    where = torch.where(on_path, idx, V)  # off-path entries land in a spare column
-    wide = torch.cat([out, out.new_zeros(B, N, 1)], 2)
-    return wide.scatter(2, where, torch.where(on_path, fixed, 0.0))[:, :, :V]
+    return out.scatter_(2, idx, torch.where(extra > 0, fixed, out.gather(2, idx)))  # token m off the path: kept
 
 
 def _min_p(logits: torch.Tensor, rows: LogitsRows) -> torch.Tensor:
@@ -274,4 +274,5 @@ def _min_p(logits: torch.Tensor, rows: LogitsRows) -> torch.Tensor:
     temp = torch.where(sampled, rows.temperature, 1.0).view(-1, 1, 1)
     z = logits / temp
     floor = z.amax(-1, keepdim=True) + torch.log(torch.where(sampled, rows.min_p, 1.0)).view(-1, 1, 1)
-    return logits.masked_fill(sampled.view(-1, 1, 1) & (z < floor), -math.inf)
+    floor = torch.where(sampled.view(-1, 1, 1), floor, -math.inf)  # [B, N, 1] nothing below it elsewhere
+    return logits.masked_fill_(z < floor, -math.inf)
