@@ -141,9 +141,9 @@ class Engine:
         self.config = config = self._fit_pools(config, head, allocated)
         self.cache = make_cache(local_config(mc, tp), mc.num_hidden_layers, config, self.max_context)
         self.graph_failures: list[CaptureFailure] = []  # CUDA graphs that failed to capture (phase eager)
-        self.penalty_rows = RowsCache()  # target-only decoding's penalty rows, on the device across steps
+        self.penalty_rows = RowsCache()  # requests' penalty rows, on the device across steps (and the speculator's)
         self.speculator = None if head is None else SpecWorker.load(
-            head, self.model, self.cache, config, self.max_context, self.graph_failures)
+            head, self.model, self.cache, config, self.max_context, self.graph_failures, self.penalty_rows)
         # Called once per step when its device work is queued and the host is about to wait for it: the
         # engine loop of a service publishes the previous step's tokens then, so the stream threads' work
         # (and their hold on the GIL) overlaps the device instead of delaying this thread's next step.

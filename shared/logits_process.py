@@ -81,6 +81,8 @@ class RowsCache:
         first rows when None), the others padding; None when none of them uses a feature. No grammar."""
         if not any(uses_processing(r.params) for r in reqs):
             return None
+        if self.pool is not None and self.pool.counts.shape[1] != vocab:
+            raise ValueError(f"penalty rows: vocabulary {vocab}, the cache's is {self.pool.counts.shape[1]}")
         self._release()
         stale = [r for r in reqs if id(r) in self.entries and self.entries[id(r)].counted > len(r.output_ids)]
         for r in stale:  # an output that shrank (never expected): counted again from scratch

@@ -54,7 +54,8 @@ def shifted_tokens(req: Request, start: int, end: int) -> list[int]:
 
 class SpecWorker:
     def __init__(self, target: LlamaForCausalLM, target_cache: KVCache, draft: DraftHead, spec: SpecConfig,
-                 config: EngineConfig, max_context: int, graph_failures: list[CaptureFailure] | None = None):
+                 config: EngineConfig, max_context: int, graph_failures: list[CaptureFailure] | None = None,
+                 penalty_rows: RowsCache | None = None):
         self.target = target
         self.target_cache = target_cache
         self.draft = draft
@@ -69,7 +70,9 @@ class SpecWorker:
         self.phases = SpecPhases(self.target, self.target_cache, draft, self.caches, spec, self.capture_mode,
                                  self.aux_layers)
         self.stats = SpecRecorder(spec.steps)
-        self.penalty_rows = RowsCache()  # each processed request's penalty rows, on the device
+        # Each processed request's penalty rows, on the device across steps (the engine's: its prefill
+        # samples with the same rows)
+        self.penalty_rows = RowsCache() if penalty_rows is None else penalty_rows
         # Called once a step's device work is queued, just before the host waits for it (the engine's
         # ``before_host_wait``: a service publishes the previous step's tokens in that time).
         self.before_host_wait: Callable[[], None] | None = None
@@ -98,12 +101,12 @@ class SpecWorker:
     @classmethod
     def load(cls, path: str | Path | DraftHead, target: LlamaForCausalLM, target_cache: KVCache,
              config: EngineConfig, max_context: int,
-             graph_failures: list[CaptureFailure] | None = None) -> SpecWorker:
+             graph_failures: list[CaptureFailure] | None = None, penalty_rows: RowsCache | None = None) -> SpecWorker:
         """``path``: a draft checkpoint directory, or a draft head already built on the target."""
         spec = config.spec or SpecConfig()
         target.config.check_tree_depth(spec.steps)
         draft = path if isinstance(path, DraftHead) else load_draft(path, target, config.dtype, config.device)
-        return cls(target, target_cache, draft, spec, config, max_context, graph_failures)
+        return cls(target, target_cache, draft, spec, config, max_context, graph_failures, penalty_rows)
 
     @property
     def dtype(self) -> torch.dtype:
