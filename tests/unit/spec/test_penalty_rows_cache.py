@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from shared.logits_process import LogitsRows, RowsCache, logits_rows
@@ -14,6 +15,7 @@ from shared.request import Request
 from shared.sampling import SamplingParams
 
 V = 40
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def request(rid: str, prompt: list[int], output: list[int] = (), **params) -> Request:
@@ -22,9 +24,9 @@ def request(rid: str, prompt: list[int], output: list[int] = (), **params) -> Re
     return req
 
 
-def fresh(reqs: list[Request], total: int) -> LogitsRows:
+def fresh(reqs: list[Request], total: int, device: str = "cpu") -> LogitsRows:
     return logits_rows([r.prompt_ids for r in reqs], [r.output_ids for r in reqs], [r.params for r in reqs],
-                       [r.eos_ids for r in reqs], V, total, "cpu")
+                       [r.eos_ids for r in reqs], V, total, device)
 
 
 def assert_rows_equal(got: LogitsRows, want: LogitsRows) -> None:
@@ -41,25 +43,27 @@ PARAMS = [dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1
           dict()]  # no feature: rides along with neutral rows
 
 
-def test_rows_follow_each_steps_commits():
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_follow_each_steps_commits(device):
     cache = RowsCache()
     reqs = [request("a", [1, 2, 2], **PARAMS[0]), request("b", [4], [9, 9, 1], **PARAMS[1]),
             request("c", [6, 7], [7], **PARAMS[2])]
     for step in range(4):
-        assert_rows_equal(cache.rows(reqs, V, 4, "cpu"), fresh(reqs, 4))
+        assert_rows_equal(cache.rows(reqs, V, 4, device), fresh(reqs, 4, device))
         for i, r in enumerate(reqs):  # repeats and new tokens, several a step
             r.output_ids.extend([(step * 3 + i) % V, 9, (step + i) % 5][: 1 + (step + i) % 3])
-    assert_rows_equal(cache.rows(reqs, V, 3, "cpu"), fresh(reqs, 3))
+    assert_rows_equal(cache.rows(reqs, V, 3, device), fresh(reqs, 3, device))
 
 
-def test_rows_placed_by_index_with_neutral_padding():
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_placed_by_index_with_neutral_padding(device):
     cache = RowsCache()
     reqs = [request(str(i), [i, i + 1], [i + 2] * i, **p) for i, p in enumerate(PARAMS)]
-    cache.rows(reqs, V, 3, "cpu")
+    cache.rows(reqs, V, 3, device)
     reqs[0].output_ids.extend([5, 5, 3])
-    index = torch.tensor([4, 0, 2])
-    got = cache.rows(reqs, V, 6, "cpu", index)
-    want = fresh(reqs, 3)
+    index = torch.tensor([4, 0, 2], device=device)
+    got = cache.rows(reqs, V, 6, device, index)
+    want = fresh(reqs, 3, device)
     for f in dataclasses.fields(LogitsRows):
         if (t := getattr(want, f.name)) is not None:
             placed = t.new_zeros((6, *t.shape[1:])).index_copy_(0, index, t)
