@@ -30,7 +30,7 @@ from shared.forward_batch import build_forward_batch, build_uniform_batch
 from shared.grammar import GrammarCompiler
 from shared.handoff.schema import HandoffSchema
 from shared.handoff.wire import Increment, PageFeed, PageGuard, PageSink, PageSource, Prefilled, encode_draft_state
-from shared.logits_process import process_logits, requests_rows
+from shared.logits_process import RowsCache, add_grammar, process_logits
 from shared.memory.kv_cache import KVCache, flush_tables
 from shared.memory.sizing import (
     activation_reserve,
@@ -141,8 +141,9 @@ class Engine:
         self.config = config = self._fit_pools(config, head, allocated)
         self.cache = make_cache(local_config(mc, tp), mc.num_hidden_layers, config, self.max_context)
         self.graph_failures: list[CaptureFailure] = []  # CUDA graphs that failed to capture (phase eager)
+        self.penalty_rows = RowsCache()  # requests' penalty rows, on the device across steps (and the speculator's)
         self.speculator = None if head is None else SpecWorker.load(
-            head, self.model, self.cache, config, self.max_context, self.graph_failures)
+            head, self.model, self.cache, config, self.max_context, self.graph_failures, self.penalty_rows)
         # Called once per step when its device work is queued and the host is about to wait for it: the
         # engine loop of a service publishes the previous step's tokens then, so the stream threads' work
         # (and their hold on the GIL) overlaps the device instead of delaying this thread's next step.
@@ -432,7 +433,8 @@ class Engine:
     def _sample_and_commit(self, out: TargetOutput, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
         if not reqs:
             return []
-        rows = requests_rows(reqs, out.logits.shape[-1], len(reqs), out.logits.device)
+        rows = self.penalty_rows.rows(reqs, out.logits.shape[-1], len(reqs), out.logits.device)
+        rows = None if rows is None else add_grammar(rows, reqs)
         logits = out.logits if rows is None else process_logits(out.logits.unsqueeze(1), rows).squeeze(1)
         tokens = sample(logits, [r.params for r in reqs], [r.seed for r in reqs],
                         [r.prompt_len + len(r.output_ids) for r in reqs])

@@ -15,8 +15,10 @@ the raw logits: a handful of [B, N, N] gathers, no per-node copy of the counts. 
 calls the same function with one node per request and no tree, so greedy speculative output equals
 greedy target-only output with every feature.
 
-Everything runs on the device from tensors built once per step (``logits_rows``); a batch in which no
-request uses a feature builds nothing and launches nothing here. A JSON schema (``shared/grammar.py``)
+Everything runs on the device from each request's rows, built once when it first needs them
+(``logits_rows``) and kept there across steps by ``RowsCache``, which counts each step's committed tokens in
+and gathers a batch's rows by index; a batch in which no request uses a feature builds nothing and launches
+nothing here. A JSON schema (``shared/grammar.py``)
 masks each node's logits with that node's grammar state, like ``allowed_token_ids`` (its masks are built
 on the host, the only feature that is).
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -60,32 +63,125 @@ class LogitsRows:
     grammar: torch.Tensor | None = None  # [B, N, ceil(V/32)] int32 packed allowed tokens
 
 
-def requests_rows(reqs: list, vocab: int, rows: int, device: torch.device | str,
-                  tree: DraftTree | None = None) -> LogitsRows | None:
-    """The ``LogitsRows`` of ``reqs`` (``shared.request.Request``: prompt, committed output, parameters,
-    EOS ids, grammar) padded to ``rows``; None when none of them uses a feature (then nothing is built).
-    ``tree``: the draft tree the logits are of (its first rows are ``reqs``'), else one node per request.
-    With a grammar in the batch this reads the tree's tokens back to the host (the masks are built there)."""
-    if not any(uses_processing(r.params) for r in reqs):
-        return None
-    out = logits_rows([r.prompt_ids for r in reqs], [r.output_ids for r in reqs], [r.params for r in reqs],
-                      [r.eos_ids for r in reqs], vocab, rows, device)
-    if any(r.grammar is not None for r in reqs):
-        n = len(reqs)
-        tokens, parents = (None, None) if tree is None else (tree.tokens[:n].tolist(), tree.parents[:n].tolist())
-        out = dataclasses.replace(out, grammar=grammar_masks([r.grammar for r in reqs], tokens, parents, vocab, rows,
-                                                             device))
-    return out
+class RowsCache:
+    """Each processed request's ``LogitsRows`` row, kept on the device from its first processed step to its
+    end: built once from its prompt, parameters and the output it arrived with (a hand-off, a failover),
+    then updated by the tokens committed since (counts, seen, out_len scatter-added); a batch's rows are
+    one gather per tensor. Slot 0 is the padding row (neutral, never written). Owned by the engine (or its
+    speculative worker); a slot is freed once its request ended or is gone."""
+
+    def __init__(self) -> None:
+        self.pool: LogitsRows | None = None  # [S, V] rows of every slot (and [S] scalars)
+        self.entries: dict[int, _Slot] = {}  # id(request) -> its slot
+        self.free: list[int] = []  # unused slots (never 0)
+
+    def rows(self, reqs: list, vocab: int, total: int, device: torch.device | str,
+             index: torch.Tensor | None = None) -> LogitsRows | None:
+        """The rows of ``reqs`` (``shared.request.Request``) at batch rows ``index`` [n] of ``total`` (the
+        first rows when None), the others padding; None when none of them uses a feature. No grammar."""
+        if not any(uses_processing(r.params) for r in reqs):
+            return None
+        if self.pool is not None and self.pool.counts.shape[1] != vocab:
+            raise ValueError(f"penalty rows: vocabulary {vocab}, the cache's is {self.pool.counts.shape[1]}")
+        self._release()
+        stale = [r for r in reqs if id(r) in self.entries and self.entries[id(r)].counted > len(r.output_ids)]
+        for r in stale:  # an output that shrank (never expected): counted again from scratch
+            self.free.append(self.entries.pop(id(r)).slot)
+        self._admit([r for r in reqs if id(r) not in self.entries], vocab, device)
+        self._count(reqs)
+        dev = self.pool.counts.device
+        slots = [self.entries[id(r)].slot for r in reqs]
+        if index is None:
+            where = torch.tensor(slots + [0] * (total - len(reqs)), dtype=torch.int64).to(dev, non_blocking=True)
+        else:  # placed on the device: the index stays there
+            slots = torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True)
+            where = torch.zeros(total, dtype=torch.int64, device=dev).index_copy_(0, index.to(dev), slots)
+        return LogitsRows(**{f.name: getattr(self.pool, f.name).index_select(0, where)
+                             for f in dataclasses.fields(LogitsRows) if f.name != "grammar"})
+
+    def _release(self) -> None:
+        """Free the slots of requests that ended or were dropped."""
+        for key, e in list(self.entries.items()):
+            req = e.req()
+            if req is None or req.finish_reason is not None:
+                self.free.append(self.entries.pop(key).slot)
+
+    def _admit(self, reqs: list, vocab: int, device: torch.device | str) -> None:
+        """Build the rows of requests new to the cache, each in a free slot (the pool grows by doubling)."""
+        if not reqs:
+            return
+        if self.pool is None:
+            self.pool = logits_rows([], [], [], [], vocab, 1, device)
+        while len(self.free) < len(reqs):
+            self._grow()
+        slots = [self.free.pop() for _ in reqs]
+        built = logits_rows([r.prompt_ids for r in reqs], [r.output_ids for r in reqs], [r.params for r in reqs],
+                            [r.eos_ids for r in reqs], vocab, len(reqs), device)
+        at = torch.tensor(slots, dtype=torch.int64, device=self.pool.counts.device)
+        for f in dataclasses.fields(LogitsRows):
+            if f.name != "grammar":
+                getattr(self.pool, f.name).index_copy_(0, at, getattr(built, f.name))
+        for r, s in zip(reqs, slots):
+            self.entries[id(r)] = _Slot(weakref.ref(r), s, len(r.output_ids))
+
+    def _grow(self) -> None:
+        """Double the pool's slots (new ones zero: neutral)."""
+        size = self.pool.counts.shape[0]
+        self.pool = LogitsRows(**{f.name: torch.cat([t, torch.zeros_like(t)]) for f in dataclasses.fields(LogitsRows)
+                                  if (t := getattr(self.pool, f.name)) is not None})
+        self.free.extend(range(2 * size - 1, size - 1, -1))
+
+    def _count(self, reqs: list) -> None:
+        """Scatter-add the output tokens committed since each request's last count: one copy to the device."""
+        slot, tok, seen_slot, seen_tok, len_slot, lens = [], [], [], [], [], []
+        for r in reqs:
+            e = self.entries[id(r)]
+            new = r.output_ids[e.counted:]
+            if not new:
+                continue
+            slot += [e.slot] * len(new)
+            tok += new
+            if r.params.repetition_penalty != 1.0:
+                seen_slot += [e.slot] * len(new)
+                seen_tok += new
+            len_slot.append(e.slot)
+            lens.append(len(r.output_ids))
+            e.counted = len(r.output_ids)
+        if not slot:
+            return
+        k, j = len(slot), len(seen_slot)
+        host = torch.tensor([slot + seen_slot + len_slot, tok + seen_tok + lens], dtype=torch.int64)
+        dev = host.to(self.pool.counts.device, non_blocking=True)
+        p = self.pool
+        p.counts.index_put_((dev[0, :k], dev[1, :k]), torch.ones(k, dtype=torch.int32, device=dev.device),
+                            accumulate=True)
+        if j:
+            p.seen.index_put_((dev[0, k:k + j], dev[1, k:k + j]), torch.ones((), dtype=torch.bool, device=dev.device))
+        p.out_len.index_copy_(0, dev[0, k + j:], dev[1, k + j:])
 
 
-def place_rows(rows: LogitsRows, index: torch.Tensor, total: int) -> LogitsRows:
-    """``rows`` (one per request) moved to batch rows ``index`` [n] of ``total``; the others padding
-    (neutral: zeros, every grammar bit set)."""
-    def place(t: torch.Tensor | None, fill: int) -> torch.Tensor | None:
-        return None if t is None else t.new_full((total, *t.shape[1:]), fill).index_copy_(0, index, t)
+@dataclass
+class _Slot:
+    req: weakref.ref  # the request (not kept alive by the cache)
+    slot: int  # its row of the pool
+    counted: int  # output tokens counted into the row
 
-    return LogitsRows(**{f.name: place(getattr(rows, f.name), -1 if f.name == "grammar" else 0)
-                         for f in dataclasses.fields(rows)})
+
+def add_grammar(rows: LogitsRows, reqs: list, tree: DraftTree | None = None,
+                index: torch.Tensor | None = None) -> LogitsRows:
+    """``rows`` with the grammar masks of ``reqs`` (at batch rows ``index``, else the first rows; every bit set
+    elsewhere), when one of them has a grammar. ``tree``: the draft tree the logits are of (its first rows
+    are ``reqs``'), else one node per request. Reads the tree's tokens back to the host (masks are built there)."""
+    if not any(r.grammar is not None for r in reqs):
+        return rows
+    total, vocab = rows.counts.shape
+    n = len(reqs)
+    tokens, parents = (None, None) if tree is None else (tree.tokens[:n].tolist(), tree.parents[:n].tolist())
+    masks = grammar_masks([r.grammar for r in reqs], tokens, parents, vocab, total if index is None else n,
+                          rows.counts.device)
+    if index is not None:
+        masks = masks.new_full((total, *masks.shape[1:]), -1).index_copy_(0, index, masks)
+    return dataclasses.replace(rows, grammar=masks)
 
 
 def logits_rows(prompts: list[list[int]], outputs: list[list[int]], params: list[SamplingParams],
@@ -135,8 +231,9 @@ def _scatter_counts(ids: list[list[int]], vocab: int, device: torch.device | str
 def _penalize(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, rows: LogitsRows) -> torch.Tensor:
     """Repetition, then frequency and presence penalties; shapes broadcast as [B, N or 1, V or N]."""
     rep = torch.where(rows.repetition > 0, rows.repetition, 1.0).view(-1, 1, 1)
-    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    return logits - rows.frequency.view(-1, 1, 1) * counts - rows.presence.view(-1, 1, 1) * (counts > 0)
+    rep = torch.where(seen, rep, 1.0)  # [B, 1 or N, V or N]: dividing or multiplying by 1 leaves unseen tokens be
+    out = torch.where(logits > 0, logits / rep, logits * rep)
+    return out.sub_(rows.frequency.view(-1, 1, 1) * counts).sub_(rows.presence.view(-1, 1, 1) * (counts > 0))
 
 
 def process_logits(logits: torch.Tensor, rows: LogitsRows, tokens: torch.Tensor | None = None,
@@ -145,12 +242,12 @@ def process_logits(logits: torch.Tensor, rows: LogitsRows, tokens: torch.Tensor 
     given a tree (``tokens`` [B, N], ``mask`` [B, N, N] ancestor-or-self, ``depths`` [B, N]), the
     tokens of n's ancestors below the root and n's own."""
     B, N, V = logits.shape
-    raw = logits.float() + rows.bias.unsqueeze(1)
+    raw = logits + rows.bias.unsqueeze(1)  # float32 (bias's), a new tensor: masked in place below
     if rows.grammar is not None:
-        raw = raw.masked_fill(~unpack_masks(rows.grammar, V), -math.inf)
+        raw.masked_fill_(~unpack_masks(rows.grammar, V), -math.inf)
     depth = depths if depths is not None else torch.zeros(B, N, dtype=torch.int64, device=logits.device)
     early = (rows.out_len.unsqueeze(1) + depth < rows.min_tokens.unsqueeze(1)).unsqueeze(2)  # [B, N, 1]
-    raw = raw.masked_fill(early & rows.stop_ids.unsqueeze(1), -math.inf)
+    raw.masked_fill_(early & rows.stop_ids.unsqueeze(1), -math.inf)
     out = _penalize(raw, rows.counts.unsqueeze(1).float(), rows.seen.unsqueeze(1), rows)
     if tokens is not None and N > 1:
         out = _tree_prefix(out, raw, rows, tokens, mask)
@@ -160,7 +257,8 @@ def process_logits(logits: torch.Tensor, rows: LogitsRows, tokens: torch.Tensor 
 def _tree_prefix(out: torch.Tensor, raw: torch.Tensor, rows: LogitsRows, tokens: torch.Tensor,
                  mask: torch.Tensor) -> torch.Tensor:
     """Recompute, at node n, the penalised logit of each token on n's path (ancestors below the root,
-    and n) with the committed count plus its occurrences on that path."""
+    and n) with the committed count plus its occurrences on that path. Written in place: node m's entry by
+    every node of the same token, all with one value."""
     B, N, V = out.shape
     on_path = mask.clone()
     on_path[:, :, 0] = False  # the root is committed already
@@ -169,9 +267,7 @@ def _tree_prefix(out: torch.Tensor, raw: torch.Tensor, rows: LogitsRows, tokens:
     idx = tokens.unsqueeze(1).expand(B, N, N)  # [B, n, m] token of node m
     base = rows.counts.gather(1, tokens).unsqueeze(1).float() + extra  # [B, n, m]
     fixed = _penalize(raw.gather(2, idx), base, torch.ones_like(on_path), rows)
-    where = torch.where(on_path, idx, V)  # off-path entries land in a spare column
-    wide = torch.cat([out, out.new_zeros(B, N, 1)], 2)
-    return wide.scatter(2, where, torch.where(on_path, fixed, 0.0))[:, :, :V]
+    return out.scatter_(2, idx, torch.where(extra > 0, fixed, out.gather(2, idx)))  # token m off the path: kept
 
 
 def _min_p(logits: torch.Tensor, rows: LogitsRows) -> torch.Tensor:
@@ -180,4 +276,5 @@ def _min_p(logits: torch.Tensor, rows: LogitsRows) -> torch.Tensor:
     temp = torch.where(sampled, rows.temperature, 1.0).view(-1, 1, 1)
     z = logits / temp
     floor = z.amax(-1, keepdim=True) + torch.log(torch.where(sampled, rows.min_p, 1.0)).view(-1, 1, 1)
-    return logits.masked_fill(sampled.view(-1, 1, 1) & (z < floor), -math.inf)
+    floor = torch.where(sampled.view(-1, 1, 1), floor, -math.inf)  # [B, N, 1] nothing below it elsewhere
+    return logits.masked_fill_(z < floor, -math.inf)

@@ -25,7 +25,7 @@ from kernels.spec_sampling import SamplingRows
 from shared.config import EngineConfig, SpecConfig
 from shared.cuda_graphs import CaptureFailure, PhaseGraphs, pad_rows, tree_map
 from shared.forward_batch import build_forward_batch
-from shared.logits_process import LogitsRows, place_rows, requests_rows, uses_processing
+from shared.logits_process import LogitsRows, RowsCache, add_grammar, uses_processing
 from shared.memory.kv_cache import KVCache, flush_tables
 from shared.memory.sizing import make_cache
 from shared.model.drafts import DraftHead, load_draft
@@ -54,7 +54,8 @@ def shifted_tokens(req: Request, start: int, end: int) -> list[int]:
 
 class SpecWorker:
     def __init__(self, target: LlamaForCausalLM, target_cache: KVCache, draft: DraftHead, spec: SpecConfig,
-                 config: EngineConfig, max_context: int, graph_failures: list[CaptureFailure] | None = None):
+                 config: EngineConfig, max_context: int, graph_failures: list[CaptureFailure] | None = None,
+                 penalty_rows: RowsCache | None = None):
         self.target = target
         self.target_cache = target_cache
         self.draft = draft
@@ -69,6 +70,9 @@ class SpecWorker:
         self.phases = SpecPhases(self.target, self.target_cache, draft, self.caches, spec, self.capture_mode,
                                  self.aux_layers)
         self.stats = SpecRecorder(spec.steps)
+        # Each processed request's penalty rows, on the device across steps (the engine's: its prefill
+        # samples with the same rows)
+        self.penalty_rows = RowsCache() if penalty_rows is None else penalty_rows
         # Called once a step's device work is queued, just before the host waits for it (the engine's
         # ``before_host_wait``: a service publishes the previous step's tokens in that time).
         self.before_host_wait: Callable[[], None] | None = None
@@ -109,12 +113,12 @@ class SpecWorker:
     @classmethod
     def load(cls, path: str | Path | DraftHead, target: LlamaForCausalLM, target_cache: KVCache,
              config: EngineConfig, max_context: int,
-             graph_failures: list[CaptureFailure] | None = None) -> SpecWorker:
+             graph_failures: list[CaptureFailure] | None = None, penalty_rows: RowsCache | None = None) -> SpecWorker:
         """``path``: a draft checkpoint directory, or a draft head already built on the target."""
         spec = config.spec or SpecConfig()
         target.config.check_tree_depth(spec.steps)
         draft = path if isinstance(path, DraftHead) else load_draft(path, target, config.dtype, config.device)
-        return cls(target, target_cache, draft, spec, config, max_context, graph_failures)
+        return cls(target, target_cache, draft, spec, config, max_context, graph_failures, penalty_rows)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -264,12 +268,13 @@ class SpecWorker:
 
     def _logits_rows(self, reqs: list[Request], d: Drafted) -> LogitsRows | None:
         """The penalties, filters and grammar masks of ``reqs``, each at its row of the drafted batch (the
-        first rows, or ``d.index`` for a draft launched ahead that some requests left); padding rows neutral."""
+        first rows, or ``d.index`` for a draft launched ahead that some requests left); padding rows neutral.
+        The rows live on the device across steps (``self.penalty_rows``): gathered, not rebuilt."""
         vocab, bs, dev = self.target.config.vocab_size, d.inp.L.shape[0], d.inp.L.device
-        if d.index is None:
-            return requests_rows(reqs, vocab, bs, dev, d.tree)
-        rows = requests_rows(reqs, vocab, len(reqs), dev, tree_map(d.take, d.tree))
-        return None if rows is None else place_rows(rows, d.index, bs)
+        rows = self.penalty_rows.rows(reqs, vocab, bs, dev, d.index)
+        if rows is None:
+            return None
+        return add_grammar(rows, reqs, d.tree if d.index is None else tree_map(d.take, d.tree), d.index)
 
     @staticmethod
     def _to_host(out: StepOutput) -> tuple[dict, torch.cuda.Event | None]:
