@@ -48,7 +48,9 @@ def running_stack(tiny_model_dir, names: tuple[str, ...], draft: str | None = "e
     """Redis, a service process per name (its role before the dash) and a router in this process."""
     redis_server = EmbeddedRedis()
     url = redis_server.start()
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    # A reservation whose sender was killed before it opened its transfer (an in-place write under way) is
+    # freed at the attach deadline: 15 s here, so the pools are seen full within ``assert_pools_empty``'s wait.
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "EYRIE_STREAM_ATTACH_TIMEOUT_S": "15"}
     procs = {name: spawn(name.split("-")[0], url, tiny_model_dir, env, draft) for name in names}
     registry = Registry(connect(url))
     router = None
@@ -305,7 +307,7 @@ def assert_pools_empty(registry: Registry) -> None:
                                         for s in f.samples if s.name == "eyrie_kv_pages_used")
         return out
 
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 25
     while any(used().values()):
         assert time.monotonic() < deadline, f"pages still in use: {used()}"
         time.sleep(0.2)
