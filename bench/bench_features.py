@@ -22,7 +22,6 @@ is the feature's. Ceiling printed beside each ratio: 1.5 (a penalised step withi
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import build_draft, build_target, engine_config, llama8b_config, write_json
+from bench.timing import timer_ms
 from shared.config import SpecConfig
 from shared.engine import Engine
 from shared.model.factory import PRESETS, llama_hf_config
@@ -55,23 +55,6 @@ def penalised_params(sampled: bool, seed: int) -> SamplingParams:
 
 
 MODES = {"plain": plain_params, "penalised": penalised_params}
-
-
-def timer_ms(fn, iters: int, warmup: int, calls: int) -> float:
-    """Median milliseconds per call of ``fn``: CUDA events on a GPU, the wall clock on the CPU."""
-    if torch.cuda.is_available():
-        from bench.timing import time_cuda
-
-        return time_cuda(fn, iters=iters, warmup=warmup, calls=calls)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def room(args, spec: SpecConfig) -> int:

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import build_draft, build_target, engine_config, llama8b_config, write_json
 from bench.grammar_vocab import write_tokenizer
+from bench.timing import timer_ms
 from shared.config import SpecConfig
 from shared.engine import Engine
 from shared.model.factory import PRESETS, llama_hf_config
@@ -47,23 +48,6 @@ from shared.spec.state import DraftState
 
 SPEC = SpecConfig(topk=1, steps=5, num_draft_tokens=6)
 TEMPERATURE = 0.8
-
-
-def timer_ms(fn, iters: int, warmup: int, calls: int) -> float:
-    """Median milliseconds per call of ``fn``: CUDA events on a GPU, the wall clock on the CPU."""
-    if torch.cuda.is_available():
-        from bench.timing import time_cuda
-
-        return time_cuda(fn, iters=iters, warmup=warmup, calls=calls)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def sync() -> None:

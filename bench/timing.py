@@ -6,6 +6,7 @@
   device work without the host's launch cost;
 * ``copy_bandwidth()``: device-to-device copy bandwidth measured now, read + write counted: the
   bandwidth every floor in docs/benchmarks.md divides by;
+* ``timer_ms(fn)``: ``time_cuda`` on a GPU, the wall clock's median per call on the CPU (dry runs);
 * ``write_json(path, payload)``.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -62,3 +64,18 @@ def write_json(path: str | None, payload: dict) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(payload, indent=1))
+
+
+def timer_ms(fn, iters: int, warmup: int, calls: int) -> float:
+    """Median milliseconds per call of ``fn``: CUDA events on a GPU, the wall clock on the CPU."""
+    if torch.cuda.is_available():
+        return time_cuda(fn, iters=iters, warmup=warmup, calls=calls)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) * 1e3 / calls)
+    return statistics.median(times)
