@@ -169,12 +169,7 @@ def test_kill_9_of_a_prefill_mid_prompt_fails_nothing_and_changes_no_token(proce
         assert time.monotonic() < deadline, "no request reached the victim prefill instance"
         time.sleep(0.005)
     os.kill(procs["prefill-a"].pid, signal.SIGKILL)
-    for t in threads:
-        t.join(180)
-    assert not errors, errors
-    for i in range(STREAMS):
-        assert got[i] == reference[i], f"request {i}: {got[i]} != {reference[i]}"
-        assert store.get(f"run-{i}")["state"] == "finished"
+    assert_runs_match(threads, errors, got, reference, store)
     replaced = [i for i in range(STREAMS) if "replaced" in store.get(f"run-{i}").get("placements", "")]
     assert replaced, "no request was placed again"
     assert_pools_empty(registry)
@@ -231,12 +226,7 @@ def test_kill_9_of_a_decode_mid_stream_keeps_sampled_output_identical(sampled_st
     victim = _instance_of(registry, procs["decode-a"])
     on_a = streaming_from(store, victim, got, SAMPLED_TOKENS)
     os.kill(procs["decode-a"].pid, signal.SIGKILL)
-    for t in threads:
-        t.join(180)
-    assert not errors, errors
-    for i in range(SAMPLED_STREAMS):
-        assert got[i] == reference[i], f"request {i}: {got[i]} != {reference[i]}"
-        assert store.get(f"run-{i}")["state"] == "finished"
+    assert_runs_match(threads, errors, got, reference, store)
     failed_over = [i for i in range(SAMPLED_STREAMS) if "failover" in store.get(f"run-{i}").get("placements", "")]
     assert failed_over, f"no request failed over from the killed decode instance {victim} (it held {on_a})"
     assert_pools_empty(registry)
@@ -289,6 +279,17 @@ def streaming_from(store: RequestStore, instance: str, got: dict[int, list[int]]
             return on
         assert time.monotonic() < deadline, f"no request streamed from {instance}"
         time.sleep(0.005)
+
+
+def assert_runs_match(threads: list, errors: list, got: dict, reference: dict, store: RequestStore) -> None:
+    """Once the streams ``threads`` end: none failed, each request ``run-i`` got exactly ``reference[i]``
+    (the uninterrupted run's tokens) and is recorded ``finished``."""
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    for i in reference:
+        assert got[i] == reference[i], f"request {i}: {got[i]} != {reference[i]}"
+        assert store.get(f"run-{i}")["state"] == "finished"
 
 
 def assert_pools_empty(registry: Registry) -> None:
