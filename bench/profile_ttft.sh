@@ -17,7 +17,9 @@ run() {  # NAME, bench_serving flags...
   rm -rf /tmp/ttft/logs-auto
   timeout "${RUN_S:-300}" python3 bench/bench_serving.py --workdir /tmp/ttft --workloads fixed --apis grpc \
     --sweep "$CONC" --waves "$WAVES" --out "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name: exit $?"; grep -a "TTFT\|tok/s" "$OUT/$name.log" | tail -6
+  local rc=$?; echo "$name: exit $rc"
+  [ "$rc" = 0 ] || for f in /tmp/ttft/logs-auto/*.log; do echo "== $f"; grep -av '"event": "step_done"' "$f" | tail -4; done
+  grep -a "TTFT\|tok/s" "$OUT/$name.log" | tail -6
   python3 bench/ttft_phases.py /tmp/ttft/logs-auto --json "$OUT/${name}_phases.json" | tee -a "$OUT/$name.log"
   mkdir -p "$OUT/${name}_logs" && cp /tmp/ttft/logs-auto/*.log "$OUT/${name}_logs/" 2>/dev/null
   python3 - "$OUT/$name.json" <<'PY'
@@ -30,11 +32,12 @@ for side, pts in [("engine", (d.get("engine") or {}).get("points", []))] + \
               f"  steady p50 {p.get('ttft_steady_p50_s') or float('nan'):.3f} p99 {p.get('ttft_steady_p99_s') or float('nan'):.3f}")
 PY
 }
-run base --deadline-s "${BASE_DEADLINE_S:-330}" "$@"
+[ "${SKIP_BASE:-0}" = 1 ] || run base --deadline-s "${BASE_DEADLINE_S:-330}" "$@"
 if [ "${MPS:-0}" = 1 ] && command -v nvidia-cuda-mps-control > /dev/null; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   nvidia-cuda-mps-control -d && echo "mps: started"
   trap 'echo quit | nvidia-cuda-mps-control' EXIT
-  run mps --skip-engine --model /tmp/ttft/model --deadline-s "${MPS_DEADLINE_S:-200}" "$@"
+  model=(); [ -d /tmp/ttft/model ] && model=(--model /tmp/ttft/model)
+  run mps --skip-engine "${model[@]}" --deadline-s "${MPS_DEADLINE_S:-200}" "$@"
 fi
