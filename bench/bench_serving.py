@@ -111,6 +111,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--transports", default="auto", help="one stack run per hand-off transport: auto, ipc, "
                                                          "grpc-stream (EYRIE_HANDOFF_TRANSPORT)")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--mps", choices=("auto", "on", "off"), default="auto",
+                    help="the stack's services under a private CUDA MPS daemon, as `eyrie up --mps` (default: auto, "
+                         "as eyrie up; the single-process engine never is)")
     ap.add_argument("--skip-stack", action="store_true")
     ap.add_argument("--gpu-memory-fraction", type=float, help="each engine's share of the GPU (EYRIE_GPU_MEMORY_"
                                                              "FRACTION; with it, leave --num-pages 0 to size pools)")
@@ -338,11 +341,12 @@ def run_stack_phase(run: Run, model: str, draft: str | None, points: list[Point]
     t0 = time.perf_counter()
     prefill_flags = {"chunk_size": args.prefill_chunk_size} if args.prefill_chunk_size else None
     stack = ServingStack(model, draft, engine_flags(args), workdir / f"logs-{transport}", prefill_flags=prefill_flags,
-                         env={"EYRIE_HANDOFF_TRANSPORT": transport, **run.child_env()})
+                         env={"EYRIE_HANDOFF_TRANSPORT": transport, **run.child_env()}, mps=args.mps)
     out: dict = {"transport": transport, "points": [], "log_dir": str(stack.log_dir)}
     run.report["stacks"].append(out)  # saved with every point from now on
     try:
         stack.start(min(args.start_timeout_s, max(10.0, run.left() - 10)))
+        out["mps"] = stack.mps_daemon is not None
         drivers = {"grpc": GrpcDriver(stack.grpc_address, args.request_timeout_s),
                    "http": HttpDriver(stack.openai_address, args.request_timeout_s)}
         vocab, text_ids = prompt_vocab(model), prompt_text_ids(model, args.prompts_file)

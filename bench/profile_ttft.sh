@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Where the stack's TTFT goes at one concurrency on the GPU, in one device call: the serving benchmark (engine
 # and stack, fixed 512:256, gRPC, WAVES x concurrency requests so the steady state outweighs the first wave),
-# then bench/ttft_phases.py over the services' logs; with MPS=1 also the stack again under CUDA MPS (both
-# services' kernels sharing the GPU's SMs instead of time-slicing), when nvidia-cuda-mps-control exists.
+# then bench/ttft_phases.py over the services' logs.
 #   OUT=... bench/profile_ttft.sh [CONCURRENCY] [WAVES] [extra bench_serving flags...]
 set -uo pipefail
 OUT=${OUT:-out/ttft}; mkdir -p "$OUT"
@@ -32,12 +31,10 @@ for side, pts in [("engine", (d.get("engine") or {}).get("points", []))] + \
               f"  steady p50 {p.get('ttft_steady_p50_s') or float('nan'):.3f} p99 {p.get('ttft_steady_p99_s') or float('nan'):.3f}")
 PY
 }
+# The stack under MPS (bench_serving's default, as eyrie up's) with the engine beside it; then, with
+# NO_MPS=1, the stack again without MPS (time-sliced) on the same checkpoint.
 [ "${SKIP_BASE:-0}" = 1 ] || run base --deadline-s "${BASE_DEADLINE_S:-330}" "$@"
-if [ "${MPS:-0}" = 1 ] && command -v nvidia-cuda-mps-control > /dev/null; then
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d && echo "mps: started"
-  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+if [ "${NO_MPS:-0}" = 1 ]; then
   model=(); [ -d /tmp/ttft/model ] && model=(--model /tmp/ttft/model)
-  run mps --skip-engine "${model[@]}" --deadline-s "${MPS_DEADLINE_S:-200}" "$@"
+  run nomps --skip-engine --mps off "${model[@]}" --deadline-s "${NOMPS_DEADLINE_S:-200}" "$@"
 fi
