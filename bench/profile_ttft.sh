@@ -32,9 +32,16 @@ for side, pts in [("engine", (d.get("engine") or {}).get("points", []))] + \
 PY
 }
 # The stack under MPS (bench_serving's default, as eyrie up's) with the engine beside it; then, with
-# NO_MPS=1, the stack again without MPS (time-sliced) on the same checkpoint.
-[ "${SKIP_BASE:-0}" = 1 ] || run base --deadline-s "${BASE_DEADLINE_S:-330}" "$@"
+# NO_MPS=1, the stack again without MPS (time-sliced) on the same checkpoint; BASE="flags": flags of the
+# first run only.
+read -ra base <<< "${BASE:-}"
+[ "${SKIP_BASE:-0}" = 1 ] || run base --deadline-s "${BASE_DEADLINE_S:-330}" "${base[@]}" "$@"
+model=(); [ -d /tmp/ttft/model/target ] && model=(--model /tmp/ttft/model/target)
 if [ "${NO_MPS:-0}" = 1 ]; then
-  model=(); [ -d /tmp/ttft/model ] && model=(--model /tmp/ttft/model)
   run nomps --skip-engine --mps off "${model[@]}" --deadline-s "${NOMPS_DEADLINE_S:-200}" "$@"
+fi
+# ALT="flags": the stack once more with these bench_serving flags (e.g. ALT="--prefill-chunk-size 2048")
+if [ -n "${ALT:-}" ]; then
+  read -ra alt <<< "$ALT"
+  run alt --skip-engine "${model[@]}" --deadline-s "${ALT_DEADLINE_S:-200}" "${alt[@]}" "$@"
 fi
