@@ -53,7 +53,7 @@ class SpecConfig(BaseModel):
             return cls(topk=1, steps=int(chain[1]), num_draft_tokens=int(chain[1]) + 1)
         tree = re.fullmatch(r"tree-k(\d+)-s(\d+)-n(\d+)", name.strip())
         if tree is None:
-            raise ValueError(f"spec candidate {name!r} is neither chainS nor tree-kK-sS-nN (e.g. chain3, tree-k4-s3-n8)")
+            raise ValueError(f"spec candidate {name!r} is neither chainS nor tree-kK-sS-nN (chain3, tree-k4-s3-n8)")
         return cls(topk=int(tree[1]), steps=int(tree[2]), num_draft_tokens=int(tree[3]))
 
     def holds(self, other: SpecConfig) -> bool:
