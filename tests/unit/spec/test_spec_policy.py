@@ -109,13 +109,32 @@ class Alternating:
         return 0.5 if self.calls % 2 else 100.0
 
 
-def switching_engine(root, params_batch: int) -> Engine:
-    """An adaptive engine between its one configured shape and plain steps (``spec_candidates=()``)."""
-    config = EngineConfig(max_running=params_batch, max_context=128, spec_policy="adaptive", spec_candidates=(),
+class Rotating:
+    """Costs that make the next entry of ``order`` the fastest at each decision (a shape's name; None: a plain
+    step)."""
+
+    def __init__(self, order: list[str | None]):
+        self.order, self.turn = order, 0
+
+    def spec_s(self, batch, shape):
+        return 0.5 if shape == self.order[self.turn % len(self.order)] else 100.0
+
+    def decode_s(self, batch):  # asked once per decision, after every shape's cost
+        self.turn += 1
+        return 1.0
+
+
+def switching_engine(root, params_batch: int, every_shape: bool = False) -> Engine:
+    """An adaptive engine between its one configured shape and plain steps (``spec_candidates=()``), or, with
+    ``every_shape``, among its default shapes (the tree, chains of 3, 2, 1) and plain steps in turn."""
+    config = EngineConfig(max_running=params_batch, max_context=128, spec_policy="adaptive",
+                          spec_candidates=None if every_shape else (),
                           spec=SpecConfig(topk=2, steps=3, num_draft_tokens=6))
     engine = Engine(root / "target", draft=root / "eagle3", config=config)
-    engine.spec_policy.cost = Alternating()
-    engine.spec_policy.candidates[0].acceptance.observe([2])  # known acceptance: the costs decide
+    names = list(engine.speculator.shapes)
+    engine.spec_policy.cost = Rotating([*names, None]) if every_shape else Alternating()
+    for c in engine.spec_policy.candidates:
+        c.acceptance.observe([2])  # known acceptance: the costs decide
     return engine
 
 
@@ -132,18 +151,31 @@ def test_greedy_equals_target_only_with_the_policy_switching_mid_request(oracle_
     assert engine.is_idle_and_clean()
 
 
-def test_sampled_tokens_keep_the_target_distribution_with_the_policy_switching(oracle_model_dir):
+TARGET_SAMPLES: dict[tuple, Counter] = {}  # the target-only engine's counts, computed once per prompt and n
+
+
+def target_samples(root, prompt: list[int], n: int) -> Counter:
+    key = (str(root), tuple(prompt), n)
+    if key not in TARGET_SAMPLES:
+        plain = Engine(root / "target", config=EngineConfig(max_running=1, max_context=64))
+        TARGET_SAMPLES[key] = Counter(tuple(plain.generate(prompt, SamplingParams(
+            max_new_tokens=3, ignore_eos=True, temperature=1.0, seed=seed))[0].token_ids[1:]) for seed in range(n))
+    return TARGET_SAMPLES[key]
+
+
+@pytest.mark.parametrize("every_shape", [False, True], ids=["one-shape", "every-shape"])
+def test_sampled_tokens_keep_the_target_distribution_with_the_policy_switching(oracle_model_dir, every_shape):
     """The third output token (decoded after one speculative or plain step) over 300 seeds, against the
     target-only engine's: a chi-square two-sample test over the tokens seen."""
     prompt, n = [5, 6, 7, 8], 300
-    plain = Engine(oracle_model_dir / "target", config=EngineConfig(max_running=1, max_context=64))
-    engine = switching_engine(oracle_model_dir, 1)
-    a, b = Counter(), Counter()
+    engine = switching_engine(oracle_model_dir, 1, every_shape)
+    a, b = target_samples(oracle_model_dir, prompt, n), Counter()
     for seed in range(n):
         params = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=1.0, seed=seed)
-        a[tuple(plain.generate(prompt, params)[0].token_ids[1:])] += 1
         b[tuple(engine.generate(prompt, params)[0].token_ids[1:])] += 1
     assert engine.spec_policy.choices["spec"] > 50 and engine.spec_policy.choices["plain"] > 50
+    if every_shape:
+        assert len(engine.spec_policy.shapes) == 4 and min(engine.spec_policy.shapes.values()) > 50
     keys = sorted(set(a) | set(b))
     obs = torch.tensor([[a[k] for k in keys], [b[k] for k in keys]], dtype=torch.float64)
     expected = obs.sum(1, keepdim=True) * obs.sum(0, keepdim=True) / obs.sum()

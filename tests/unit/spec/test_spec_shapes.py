@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 from spec_helpers import PROMPTS, assert_same_greedy
+from test_spec_policy import Rotating
 
 from shared.config import EngineConfig, SpecConfig, default_candidates
 from shared.sampling import SamplingParams
@@ -103,20 +104,6 @@ def test_losing_shapes_are_probed_ever_less_often_and_covered_chains_never():
         gaps = [b - a for a, b in zip(when[probed], when[probed][1:])]
         assert when[probed][0] in (15, 16) and gaps[0] in (32, 33), (probed, when[probed])  # 16 steps, then 32
         assert gaps == sorted(gaps) and gaps[-1] == p.max_probe_every, (probed, gaps)
-
-
-class Rotating:
-    """Costs that make the next entry of ``order`` the fastest at each decision (None: a plain step)."""
-
-    def __init__(self, order: list[str | None]):
-        self.order, self.turn = order, 0
-
-    def spec_s(self, batch, shape):
-        return 0.5 if shape == self.order[self.turn % len(self.order)] else 100.0
-
-    def decode_s(self, batch):  # asked once per decision, after every shape's cost
-        self.turn += 1
-        return 1.0
 
 
 CONFIGS = {"chain": dict(topk=1, steps=3), "tree": dict(topk=3, steps=3, ndt=8,
