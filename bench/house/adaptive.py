@@ -92,12 +92,12 @@ def tok_s(report: dict) -> dict[int, float]:
             if p["output_tok_s"] is not None}
 
 
-def faster_fixed(reports: dict[str, dict], c: int) -> str:
+def faster_fixed(reports: dict[str, dict], c: int) -> str | None:
     """The fixed speculative configuration with the most tok/s at concurrency ``c`` (the first of ``FIXED``'s
-    order among those run on a tie, e.g. when none ran)."""
+    order among those run on a tie, e.g. when none has the point; None before any ran)."""
     names = [n for n in FIXED if n != "plain" and n in reports]
     speeds = {n: tok_s(reports[n]).get(c, 0.0) for n in names}
-    return max(names, key=lambda n: (speeds[n], -names.index(n)))
+    return max(names, key=lambda n: (speeds[n], -names.index(n)), default=None)
 
 
 def table(reports: dict[str, dict], sweep: list[int]) -> list[dict]:
