@@ -127,3 +127,25 @@ def test_greedy_equals_target_only_with_the_shape_switching_every_step(oracle_mo
     assert engine.spec_stats.totals.accept_length > 1.2  # the oracle drafts are accepted (fixed chains: 1.2-1.6)
     assert engine.speculator.ahead.mismatched == 0 and (engine.speculator.ahead.dropped > 0) == ahead
     assert engine.is_idle_and_clean()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_every_shape_replays_its_own_graphs_and_stays_lossless_on_the_gpu(oracle_models_cuda, kind, page_size):
+    """Real CUDA graphs, drafts launched ahead (on by default on CUDA): each shape captures its own draft and
+    verify + extend graphs (names suffixed with the shape's), and switching every step keeps greedy output."""
+    params = SamplingParams(max_new_tokens=14, ignore_eos=True)
+    engine = oracle_models_cuda.engine(kind, spec_policy="adaptive", cuda_graph=True, page_size=page_size,
+                                       **CONFIGS["tree"])
+    names = list(engine.speculator.shapes)
+    captured = engine.capture_graphs()
+    assert {"draft.chain1", "verify_extend.tree-k2-s3-n6"} <= set(engine.graph_capture_s())
+    policy = engine.spec_policy
+    policy.cost, policy.probe_every = Rotating(names + [None] + names[::-1]), 10 ** 6
+    for c in policy.candidates:
+        c.acceptance.observe([2])
+    assert_same_greedy(engine.generate(BATCH, params), oracle_models_cuda.reference(BATCH, params))
+    assert set(policy.shapes) == set(names) and engine.capture_graphs() == captured  # nothing captured late
+    assert all(engine.speculator.shapes[n].graphs["verify_extend"].captured_sizes for n in names)
+    assert engine.is_idle_and_clean()
