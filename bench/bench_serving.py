@@ -106,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--spec-draft-tokens", type=int)
     ap.add_argument("--spec-policy", choices=["fixed", "adaptive"], help="per decode step: always speculate, or "
                                                                          "speculate where it pays (default: fixed)")
+    ap.add_argument("--spec-candidates", help="with --spec-policy adaptive: the tree shapes it chooses among besides "
+                                              "the configured one (EYRIE_SPEC_CANDIDATES; default: chains of 1..3)")
     ap.add_argument("--prompts-file", help="text (or JSONL of {\"text\"}) the prompts are windows of, tokenized "
                                            "by the model's tokenizer (default: random token ids)")
     ap.add_argument("--transports", default="auto", help="one stack run per hand-off transport: auto, ipc, "
@@ -166,7 +168,8 @@ def engine_flags(args) -> dict:
             "num_pages": args.num_pages or None, "max_running": args.max_running, "max_context": args.max_context,
             "gpu_memory_fraction": args.gpu_memory_fraction,
             "chunk_size": args.chunk_size, "spec_topk": args.spec_topk, "spec_steps": args.spec_steps,
-            "spec_draft_tokens": args.spec_draft_tokens, "spec_policy": args.spec_policy}
+            "spec_draft_tokens": args.spec_draft_tokens, "spec_policy": args.spec_policy,
+            "spec_candidates": args.spec_candidates}
 
 
 def prompt_vocab(model: str) -> tuple[int, int]:
@@ -250,6 +253,8 @@ def engine_worker(plan_path: str, result_path: str) -> int:
     """In the subprocess: load the engine as the services would, warm it, run every point that fits."""
     plan = json.loads(Path(plan_path).read_text())
     watch_parent()
+    import torch
+
     from services.settings import EngineSettings
     from shared.engine import Engine
 
@@ -258,8 +263,11 @@ def engine_worker(plan_path: str, result_path: str) -> int:
     settings = EngineSettings(model=plan["model"], draft=plan["draft"],
                               **{k: v for k, v in plan["flags"].items() if v is not None})
     engine = Engine(settings.model, settings.draft, settings.engine_config())
+    reserved = torch.cuda.memory_reserved(engine.device) if engine.device.type == "cuda" else 0
     engine.capture_graphs()
     result["graph_capture_s"] = engine.graph_capture_s()  # per phase (an adaptive engine's plain step's too)
+    if engine.device.type == "cuda":  # the graphs' memory pools (every shape's, an adaptive engine's)
+        result["graph_capture_mib"] = round((torch.cuda.memory_reserved(engine.device) - reserved) / 2 ** 20, 1)
     vocab, text_ids = tuple(plan["vocab"]), prompt_text_ids(plan["model"], plan.get("prompts_file"))
     for p in map(Point.from_dict, plan["warmup"]):
         run_engine_point(engine, make_requests(p, vocab, text_ids), p.concurrency, plan["point_seconds"])
@@ -285,16 +293,18 @@ def spec_counters(engine) -> dict | None:
     if engine.spec_stats is None:
         return None
     t = engine.spec_stats.totals
-    return {"verify_steps": t.verify_steps, "committed_tokens": t.committed_tokens, **engine.spec_policy.choices}
+    return {"verify_steps": t.verify_steps, "committed_tokens": t.committed_tokens, **engine.spec_policy.choices,
+            **{f"shape:{n}": k for n, k in engine.spec_policy.shapes.items()}}
 
 
 def spec_delta(before: dict | None, after: dict | None) -> dict:
     """A point's speculation: accept length over its verifies, and the policy's steps of each kind."""
     if before is None:
         return {}
-    d = {k: after[k] - before[k] for k in after}
+    d = {k: after[k] - before.get(k, 0) for k in after}
     return {"spec": {"accept_length": d["committed_tokens"] / d["verify_steps"] if d["verify_steps"] else None,
-                     "verify_steps": d["verify_steps"], "spec_steps": d["spec"], "plain_steps": d["plain"]}}
+                     "verify_steps": d["verify_steps"], "spec_steps": d["spec"], "plain_steps": d["plain"],
+                     "shape_steps": {k[len("shape:"):]: n for k, n in d.items() if k.startswith("shape:") and n}}}
 
 
 def watch_parent() -> None:
