@@ -346,8 +346,7 @@ class Engine:
         else:
             self.speculator.drop_ahead()  # a draft launched ahead is stale after a plain step
             events = self._run_plain_step(reqs)
-        if isinstance(policy.cost, MeasuredCost):
-            policy.cost.record(shape or "plain", len(reqs), time.perf_counter() - t0)
+        policy.ran(shape or "plain", len(reqs), time.perf_counter() - t0)
         return events
 
     def _run_plain_step(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:

@@ -138,6 +138,8 @@ class SpecPolicy:
     settled: float = 0.98  # a probe that lowers the shape's estimate below this share of it: unsettled
     choices: dict[str, int] = field(default_factory=lambda: {"spec": 0, "plain": 0})  # steps of each kind
     shapes: dict[str, int] = field(default_factory=dict)  # speculative steps by shape
+    last: str | None = None  # the kind ("plain" or a shape) of the step that ran last
+    again: str | None = None  # a kind switched to, to run once more so that its own time is measured
 
     def __post_init__(self):
         if self.kind not in POLICIES:
@@ -152,13 +154,27 @@ class SpecPolicy:
 
     def choose(self, batch: int) -> str | None:
         """The shape this step of ``batch`` requests runs, None for a plain step; counted in ``choices``."""
-        name = self._decide(batch)
+        if self.again is not None and self.kind == "adaptive":
+            name, self.again = (None if self.again == "plain" else self.again), None
+        else:
+            name = self._decide(batch)
         self.choices["plain" if name is None else "spec"] += 1
         if name is not None:
             self.shapes[name] = self.shapes.get(name, 0) + 1
         for c in self.candidates:
             c.idle = 0 if c.name == name else c.idle + 1
         return name
+
+    def ran(self, kind: str, batch: int, seconds: float) -> None:
+        """A step of ``kind`` ("plain" or a shape) took ``seconds`` on the host. Its time is the kind's own
+        only after a step of the same kind: the first step after a switch also waits for what the step before
+        left on the device (a draft launched ahead, a plain step's draft extend) and starts without a draft
+        of its own launched ahead, so it is not recorded, and the kind runs once more to be timed."""
+        if kind == self.last and isinstance(self.cost, MeasuredCost):
+            self.cost.record(kind, batch, seconds)
+        elif kind != self.last and self.last is not None:
+            self.again = kind
+        self.last = kind
 
     def observe(self, shape: str, drafts: int, reached: list[int]) -> None:
         """A verify step of ``shape``: ``drafts`` verified, ``reached[i]`` of them accepted up to position i

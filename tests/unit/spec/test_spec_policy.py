@@ -239,3 +239,25 @@ def test_measured_cost_is_a_plain_mean_of_the_first_steps_then_a_running_average
     assert cost.spec_s(4) == pytest.approx(2.0)  # (5 + 1 + 1 + 1) / 4
     cost.record("spec", 4, 0.0)
     assert cost.spec_s(4) == pytest.approx(1.5)  # then the newest step weighs 0.25
+
+
+def test_a_step_after_a_switch_is_not_taken_as_its_kinds_cost():
+    """A step that follows a step of another kind also pays for what that one left on the device (a draft
+    launched ahead): 15 ms more for a plain step after a speculative one. Timed that way, plain steps (10 ms
+    steady) would look dearer than speculative ones (20 ms for 1.5 tokens) and lose; the policy times each
+    kind on its second step in a row, repeats a kind it switched to, and settles on plain."""
+    p = single("adaptive", MeasuredCost())
+    steady, carried = {"plain": 0.010, "spec": 0.020}, {("spec", "plain"): 0.015, ("plain", "spec"): 0.005}
+    previous, kinds = None, []
+    for _ in range(600):
+        shape = p.choose(8)
+        kind = shape or "plain"
+        if shape is not None:
+            p.observe(shape, 8, [4, 0, 0])  # half the drafts accepted at the first position: 1.5 tokens a step
+        p.ran(kind, 8, steady[kind] + carried.get((previous, kind), 0.0))
+        previous = kind
+        kinds.append(kind)
+    assert p.cost.decode_s(8) == pytest.approx(0.010) and p.cost.spec_s(8, "spec") == pytest.approx(0.020)
+    assert kinds[-300:].count("plain") >= 0.9 * 300
+    switches = [i for i in range(1, len(kinds) - 1) if kinds[i] != kinds[i - 1]]
+    assert switches and all(kinds[i + 1] == kinds[i] for i in switches)  # every switch runs twice
