@@ -136,10 +136,12 @@ class SpecPolicy:
     probe_every: int = 16  # steps between two probes of a shape not chosen ...
     max_probe_every: int = 128  # ... doubled after each probe that found it still losing, up to this
     settled: float = 0.98  # a probe that lowers the shape's estimate below this share of it: unsettled
+    stay: float = 0.03  # the kind that ran last keeps running while its rate is within this share of the best
     choices: dict[str, int] = field(default_factory=lambda: {"spec": 0, "plain": 0})  # steps of each kind
     shapes: dict[str, int] = field(default_factory=dict)  # speculative steps by shape
     last: str | None = None  # the kind ("plain" or a shape) of the step that ran last
     again: str | None = None  # a kind switched to, to run once more so that its own time is measured
+    incumbent: str | None = None  # the kind chosen as the best last time (probes aside)
 
     def __post_init__(self):
         if self.kind not in POLICIES:
@@ -198,10 +200,15 @@ class SpecPolicy:
         decode_s = self.cost.decode_s(batch)
         if decode_s is None:
             return None  # then a plain step, once, to know what it costs
-        best, best_rate = None, 1 / decode_s
-        for c in self.candidates:
-            if c.tokens / spec_s[c.name] > best_rate:
-                best, best_rate = c.name, c.tokens / spec_s[c.name]
+        rates = {None: 1 / decode_s} | {c.name: c.tokens / spec_s[c.name] for c in self.candidates}
+        best = max(rates, key=rates.get)  # plain on a tie (first)
+        # A switch costs a step (a draft launched ahead is dropped): the kind chosen last time (not a probe)
+        # keeps running unless another is clearly faster.
+        if self.incumbent is not None:
+            current = None if self.incumbent == "plain" else self.incumbent
+            if current in rates and rates[current] >= (1 - self.stay) * rates[best]:
+                best = current
+        self.incumbent = best or "plain"
         for c in self.candidates:
             if c.name == best:
                 c.probe_interval, c.probe = 0, None

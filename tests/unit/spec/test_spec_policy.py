@@ -261,3 +261,25 @@ def test_a_step_after_a_switch_is_not_taken_as_its_kinds_cost():
     assert kinds[-300:].count("plain") >= 0.9 * 300
     switches = [i for i in range(1, len(kinds) - 1) if kinds[i] != kinds[i - 1]]
     assert switches and all(kinds[i + 1] == kinds[i] for i in switches)  # every switch runs twice
+
+
+@pytest.mark.parametrize("stay", [0.0, 0.03])
+def test_two_shapes_within_noise_of_each_other_are_not_switched_between_every_few_steps(stay):
+    """A chain and a tree 1% apart in tokens per second, each step's time off its mean by up to 4% (noise):
+    the kind that runs keeps running unless another is ``stay`` faster (a switch drops the draft launched
+    ahead); with no margin the policy flips with the noise."""
+    p = SpecPolicy("adaptive", [Candidate("tree", Acceptance(3)), Candidate("chain", Acceptance(3), chain=True)],
+                   MeasuredCost(), stay=stay)
+    mean = {"plain": 0.010, "tree": 0.0200, "chain": 0.0202}  # 3 tokens a step: both far ahead of plain
+    switches, last = 0, None
+    for i in range(600):
+        kind = p.choose(8) or "plain"
+        if kind != "plain":
+            p.observe(kind, 8, [8, 8, 0])
+        p.ran(kind, 8, mean[kind] * (1 + 0.04 * ((i * 7919) % 13 - 6) / 6))
+        switches += last is not None and kind != last
+        last = kind
+    if stay:
+        assert switches <= 20  # the probes of the other shape (and plain), backing off
+    else:
+        assert switches > 20
