@@ -148,6 +148,7 @@ class Engine:
         # engine loop of a service publishes the previous step's tokens then, so the stream threads' work
         # (and their hold on the GIL) overlaps the device instead of delaying this thread's next step.
         self.before_host_wait: Callable[[], None] | None = None
+        self._decode_end: float | None = None  # when the last decode step ended (the policy's step costs)
         self.spec_policy = None if head is None else SpecPolicy.of(
             config.spec_policy, [s.spec for s in self.speculator.shapes.values()], MeasuredCost())
         caches = [self.cache] + (self.speculator.caches if self.speculator else [])
@@ -317,8 +318,10 @@ class Engine:
         else:
             if plan.prefill:
                 events += self._run_target_step(StepPlan(prefill=plan.prefill))
-            if plan.decode:
-                events += self._run_spec_or_plain(plan.decode)
+            if plan.decode:  # timed for the policy only without a prefill before it (see ``ran``)
+                events += self._run_spec_or_plain(plan.decode, timed=not plan.prefill)
+            else:
+                self._decode_end = None
         for req, _ in events:
             if req.finish_reason is not None and req.stage is not Stage.FINISHED:
                 self.scheduler.retire(req)
@@ -330,12 +333,11 @@ class Engine:
                [c.num_free_pages for c in self.scheduler.caches])
         return zlib.crc32(repr(key).encode())
 
-    def _run_spec_or_plain(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
+    def _run_spec_or_plain(self, reqs: list[Request], timed: bool = True) -> list[tuple[Request, list[int]]]:
         """A speculative step of the tree shape the policy expects the most tokens per second from, or a
         plain one (``shared/spec/policy.py``); each is timed for the policy's costs, and a speculative
         step's acceptance counted."""
         policy, counts = self.spec_policy, self.speculator.stats.tokens
-        t0 = time.perf_counter()
         shape = policy.choose(len(reqs))
         if self.tp is not None and self.config.spec_policy != "fixed":  # a timed choice: rank 0's
             shape = self.tp.broadcast(shape)
@@ -346,7 +348,11 @@ class Engine:
         else:
             self.speculator.drop_ahead()  # a draft launched ahead is stale after a plain step
             events = self._run_plain_step(reqs)
-        policy.ran(shape or "plain", len(reqs), time.perf_counter() - t0)
+        # A kind's cost is the time from one decode step's end to the next's: everything a step of it costs
+        # the loop (the host's work on its tokens, the caller's between steps), not only its own call.
+        now, last = time.perf_counter(), self._decode_end
+        self._decode_end = now
+        policy.ran(shape or "plain", len(reqs), 0.0 if last is None else now - last, timed and last is not None)
         return events
 
     def _run_plain_step(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:

@@ -283,3 +283,11 @@ def test_two_shapes_within_noise_of_each_other_are_not_switched_between_every_fe
         assert switches <= 20  # the probes of the other shape (and plain), backing off
     else:
         assert switches > 20
+
+
+def test_steps_not_timed_leave_the_cost_alone():
+    p = single("adaptive", MeasuredCost())
+    p.ran("plain", 4, 0.010)
+    p.ran("plain", 4, 0.010)
+    p.ran("plain", 4, 0.001, timed=False)  # a prefill before it took over part of its wait
+    assert p.cost.decode_s(4) == pytest.approx(0.010)
