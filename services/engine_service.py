@@ -22,6 +22,7 @@ from services.common import (
     start_grpc_server,
 )
 from services.engine_loop import EngineLoop
+from services.followers import Leader, start_engine
 from services.logs import ServiceLog
 from services.settings import EngineSettings
 from shared.cuda_graphs import capture_progress
@@ -98,7 +99,9 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
     started: list[Callable[[], None]] = [telemetry.stop]  # undo list, should start-up fail half-way
     try:
         if engine is None:
-            engine = Engine(settings.model, settings.draft, settings.engine_config(), role=role)
+            engine = start_engine(role, settings)  # under tensor parallelism rank 0's, the followers started
+            if isinstance(engine, Leader):
+                started.append(engine.close)  # after the loop has stopped (the undo list runs backwards)
         elif engine.role != role:
             raise ValueError(f"a {role} service needs an engine of role {role!r}, got {engine.role!r}")
         capture_graphs(engine, settings.cuda_graph, telemetry, log)
@@ -142,6 +145,8 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
         servicer.close()
         server.stop(0).wait(1)
         loop.stop()
+        if isinstance(engine, Leader):
+            engine.close()  # the followers end with the loop's last call
         telemetry.stop()
         log.event("stopped", drained=drained, seconds=round(time.monotonic() - t0, 3))
 

@@ -47,6 +47,7 @@ from shared.model.tokenizer import Tokenizer
 from shared.parallel import (
     TPGroup,
     gather_pages,
+    gather_pages_into,
     local_config,
     rank_device,
     scatter_pages,
@@ -115,7 +116,8 @@ class Engine:
             raise ValueError(f"tensor_parallel={config.tensor_parallel} needs a group of that many ranks "
                              f"(got {tp.size if tp is not None else 'none'})")
         self.tp = tp
-        self._staged: dict[str, KVCache] = {}  # under TP, on rank 0: hand-offs received, every KV head, by id
+        self._staged: dict[str, KVCache] = {}  # under TP, on rank 0: hand-offs' target K/V, every KV head, by id
+        self._gathered: dict[str, int] = {}  # under TP, every rank: a fed hand-off's target pages gathered so far
         if tp is not None:  # rank r takes the r-th GPU from the configured one
             config = config.model_copy(update={"device": rank_device(config.device, tp.rank)})
         if role == "decode" and not config.shareable_kv:  # a same-host prefill writes into its pools
@@ -271,6 +273,7 @@ class Engine:
         if not self.scheduler.holds(req):
             return False
         self._staged.pop(req.rid, None)
+        self._gathered.pop(req.rid, None)
         self.scheduler.retire(req, reason)
         return True
 
@@ -490,11 +493,18 @@ class Engine:
         return PageSource(req.rid, self.scheduler.caches, self.page_ids(req), encode_draft_state(req))
 
     def _gathered_source(self, req: Request, fed: bool) -> PageSource | None:
-        """Under tensor parallelism, a collective: on rank 0 the source of a parked request's hand-off with
-        every rank's KV heads gathered into a cache of their own (the draft's caches are whole on every
-        rank already), so that it fits a decode engine of any split; None on the other ranks."""
+        """Under tensor parallelism, on rank 0 the source of a request's hand-off with every rank's KV heads
+        gathered into a cache of its own (the draft's caches are whole on every rank already), so that it fits
+        a decode engine of any split; None on the other ranks. Parked: a collective, every page gathered now.
+        ``fed``: the cache is sized for the prompt and each ``handoff_increment`` gathers the pages completed
+        since the last one (a collective then)."""
         if fed:
-            raise ValueError("a tensor-parallel prefill hands a request off once its prompt is done (fed=False)")
+            self._gathered[req.rid] = 0
+            if self.tp.rank != 0:
+                return None
+            self._staged[req.rid] = staging_cache(self.cache.layout, self.model.config.num_key_value_heads,
+                                                  self.cache.pages_for(req.prefill_len))
+            return PageSource(req.rid, [self._staged[req.rid], *self.scheduler.caches[1:]], [], b"", feed=PageFeed())
         ids = self.page_ids(req)
         staging = gather_pages(self.cache, ids[0], self.tp)
         if staging is None:
@@ -511,6 +521,8 @@ class Engine:
         page_ids = self.page_ids(req)
         parked = req.stage is Stage.HANDOFF
         done = [len(p) if parked else req.kv_len // c.page_size for c, p in zip(self.scheduler.caches, page_ids)]
+        if self.tp is not None:  # a collective: the target's pages come from the staging cache (``page_source``)
+            page_ids[0] = self._gather_done(req, page_ids[0], done[0])
         written = None
         if self.device.type == "cuda":
             with self.on_device():
@@ -519,6 +531,16 @@ class Engine:
         last = Prefilled(encode_draft_state(req), tuple(req.output_ids[req.resumed:]),
                          tuple(req.output_logprobs[req.resumed:])) if parked else None
         return Increment(page_ids, done, written, last)
+
+    def _gather_done(self, req: Request, pages: list[int], done: int) -> list[int]:
+        """Under tensor parallelism, a collective: ``req``'s target pages completed since the last increment
+        (``pages[:done]`` are final) gathered, every KV head, into its staging cache on rank 0; the staging
+        cache's ids of ``pages``."""
+        first = self._gathered[req.rid]
+        if done > first:
+            gather_pages_into(self._staged.get(req.rid), first, self.cache, pages[first:done], self.tp)
+            self._gathered[req.rid] = done
+        return list(range(1, len(pages) + 1))
 
     def reserve_handoff(self, rid: str, prompt_ids: list[int], output_ids: list[int],
                         output_logprobs: list[float], params: SamplingParams, committed_len: int) -> Request | None:
@@ -557,7 +579,10 @@ class Engine:
 
     def kv_pools(self) -> list[torch.Tensor]:
         """Per cache (target first), its whole K/V pool: what a decode engine exports to a same-host
-        prefill (``shared.handoff.ipc``), fixed for the engine's life."""
+        prefill (``shared.handoff.ipc``), fixed for the engine's life. None under tensor parallelism: a
+        rank's pool holds its share of the KV heads, so its hand-offs arrive through a sink (``page_sink``)."""
+        if self.tp is not None:
+            return []
         return [c.pool for c in self.scheduler.caches]
 
     def activate_handoff(self, req: Request, committed_len: int, draft_state: DraftState | None = None,
@@ -582,9 +607,10 @@ class Engine:
         scatter_pages(self._staged.pop(req.rid, None), self.cache, ids[0], self.tp)
         for cache, pages in zip(self.scheduler.caches[1:], ids[1:]):
             share_pages(cache, pages, self.tp)
-        blob = None if draft_state is None else draft_state.to_bytes()
-        committed_len, blob, output_ids, output_logprobs = self.tp.broadcast(
-            (committed_len, blob, list(output_ids), list(output_logprobs)))
+        arrived = None if self.tp.rank != 0 else (
+            committed_len, None if draft_state is None else draft_state.to_bytes(), list(output_ids),
+            list(output_logprobs))
+        committed_len, blob, output_ids, output_logprobs = self.tp.broadcast(arrived)
         return committed_len, None if blob is None else DraftState.from_bytes(blob, self.device), output_ids, \
             output_logprobs
 

@@ -293,13 +293,19 @@ def gather_pages(cache: KVCache, pages: list[int], tp: TPGroup) -> KVCache | Non
     """A collective: ``pages`` of ``cache`` with every rank's KV heads (rank 0's first, as the heads were
     split), on rank 0 in a ``staging_cache`` where they are pages 1 .. n in order; None on the others.
     What a split prefill sends to a decode engine of any split (the heads mapped back to the whole model's)."""
+    staging = staging_cache(cache.layout, cache.layout.num_kv_heads * tp.size, len(pages)) if tp.rank == 0 else None
+    gather_pages_into(staging, 0, cache, pages, tp)
+    return staging
+
+
+def gather_pages_into(staging: KVCache | None, first: int, cache: KVCache, pages: list[int], tp: TPGroup) -> None:
+    """A collective: ``pages`` of ``cache`` with every rank's KV heads written on rank 0 into pages ``first + 1``
+    .. ``first + len(pages)`` of ``staging`` (a ``staging_cache``; None on the other ranks), in place: a fed
+    hand-off's pages, gathered as its prefill completes them."""
     ps = cache.page_size
     heads = tp.all_gather(cache.pool[:, :, page_slots(pages, ps, cache.pool.device)], dim=-2)
-    if tp.rank != 0:
-        return None
-    staging = staging_cache(cache.layout, heads.shape[-2], len(pages))
-    staging.pool[:, :, ps:] = heads
-    return staging
+    if tp.rank == 0:
+        staging.pool[:, :, (first + 1) * ps:(first + 1 + len(pages)) * ps] = heads
 
 
 def scatter_pages(staging: KVCache | None, cache: KVCache, pages: list[int], tp: TPGroup) -> None:

@@ -90,7 +90,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.schema = loop.schema
         self.transport = transport or GrpcStreamTransport()  # receives both transports' transfers
         forced = settings.handoff_transport
-        self.exported = export_pools(loop.kv_pools) if forced != "grpc-stream" else b""  # once, for every prefill
+        # Once, for every prefill; none from a tensor-parallel engine (its pools hold a share of the heads).
+        self.exported = export_pools(loop.kv_pools) if forced != "grpc-stream" and loop.kv_pools else b""
         self.offered = [t for t in ("ipc", "grpc-stream") if forced in ("auto", t) and (t != "ipc" or self.exported)]
         self._lock = threading.Lock()
         self._incoming: dict[str, Incoming] = {}
