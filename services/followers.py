@@ -68,6 +68,27 @@ def start_engine(role: str, settings) -> Engine | Leader:
     return leader
 
 
+class Serials:
+    """The requests an engine holds, by serial number: their creation order, the same on every rank."""
+
+    def __init__(self):
+        self.held: dict[int, Request] = {}
+        self._next = 0
+
+    def add(self, result) -> None:
+        """Number ``result`` when a call created a request."""
+        if isinstance(result, Request):
+            self.held[self._next] = result
+            self._next += 1
+
+    def serial_of(self, req: Request) -> int | None:
+        return next((s for s, r in self.held.items() if r is req), None)
+
+    def prune(self, engine: Engine) -> None:
+        """Forget the requests ``engine`` no longer holds (ended, or replaced under their id)."""
+        self.held = {s: r for s, r in self.held.items() if engine.holds(r)}
+
+
 class Leader:
     """Rank 0's engine as its service sees it: the engine's API, each call of ``REPLAYED`` sent to the
     followers before it runs here."""
@@ -76,8 +97,7 @@ class Leader:
         self.engine = engine
         self._pipes = pipes  # one writing end per follower
         self.ranks = ranks  # the followers' processes
-        self._serials: dict[int, int] = {}  # id(request) -> its serial, for the requests the engine holds
-        self._next = 0  # the next request's serial
+        self._serials = Serials()
         self.broken: str | None = None  # why the followers can no longer be reached
 
     def __getattr__(self, name: str):
@@ -92,20 +112,16 @@ class Leader:
             return getattr(self.engine, name)(*args, **kwargs)
         self._send((name, refs, krefs))
         result = getattr(self.engine, name)(*args, **kwargs)
-        if isinstance(result, Request):
-            self._serials[id(result)] = self._next
-            self._next += 1
-        self._serials = {k: v for k, v in self._serials.items() if k in self._held_ids()}
+        self._serials.add(result)
+        self._serials.prune(self.engine)
         return result
-
-    def _held_ids(self) -> set[int]:
-        return {id(r) for r in self.engine.requests.values()}
 
     def _ref(self, value):
         """What a follower needs of an argument: a request's serial, a plain scalar; None for the rest (the
         engine broadcasts rank 0's where it uses them)."""
         if isinstance(value, Request):
-            return RequestRef(self._serials[id(value)]) if self.engine.scheduler.holds(value) else _GONE
+            serial = self._serials.serial_of(value)
+            return _GONE if serial is None or not self.engine.holds(value) else RequestRef(serial)
         return value if value is None or isinstance(value, (str, int, float, bool)) else None
 
     def _send(self, message: tuple) -> None:
@@ -141,23 +157,19 @@ def follow(tp: TPGroup, role: str, settings, pipes: list) -> None:
     _exit_with_parent()
     pipe = pipes[tp.rank - 1]
     engine = Engine(settings.model, settings.draft, settings.engine_config(), role=role, tp=tp)
-    held: dict[int, Request] = {}  # serial -> request, for the requests the engine holds
-    serial = 0
+    serials = Serials()
     while True:
         try:
             name, args, kwargs = pipe.recv()
         except EOFError:  # rank 0 is done
             return
-        args = [held[a.serial] if isinstance(a, RequestRef) else a for a in args]
-        kwargs = {k: held[v.serial] if isinstance(v, RequestRef) else v for k, v in kwargs.items()}
+        args = [serials.held[a.serial] if isinstance(a, RequestRef) else a for a in args]
+        kwargs = {k: serials.held[v.serial] if isinstance(v, RequestRef) else v for k, v in kwargs.items()}
         try:
-            result = getattr(engine, name)(*args, **kwargs)
+            serials.add(getattr(engine, name)(*args, **kwargs))
         except RequestError:  # rank 0's refusal, broadcast: rank 0 raised it too
             continue
-        if isinstance(result, Request):
-            held[serial] = result
-            serial += 1
-        held = {s: r for s, r in held.items() if engine.scheduler.holds(r)}
+        serials.prune(engine)
 
 
 def _exit_with_parent(poll_s: float = 0.5) -> None:

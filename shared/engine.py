@@ -277,6 +277,10 @@ class Engine:
         self.scheduler.retire(req, reason)
         return True
 
+    def holds(self, req: Request) -> bool:
+        """Whether ``req`` is still this engine's request (not ended, nor replaced by one under its id)."""
+        return self.scheduler.holds(req)
+
     def live_requests(self) -> list[Request]:
         """Every request not yet ended, waiting or running."""
         return list(self.scheduler.requests.values())
