@@ -164,7 +164,8 @@ class Engine:
 
     def _fit_pools(self, config: EngineConfig, head: DraftHead | None, allocated_before: int) -> EngineConfig:
         """On a GPU without ``num_pages``: the page count that keeps this engine, weights (loaded since
-        ``allocated_before``), reserve and every pool, within ``gpu_memory_fraction`` of the device."""
+        ``allocated_before``), reserve and every pool, within ``gpu_memory_fraction`` of the device (under
+        tensor parallelism a collective: the least of the ranks' counts)."""
         if self.device.type != "cuda" or config.num_pages is not None:
             return config
         mc, positions = self.model.config, self.max_context + config.headroom
@@ -176,6 +177,8 @@ class Engine:
             config.gpu_memory_fraction or DEFAULT_GPU_MEMORY_FRACTION, device_memory(self.device, allocated_before),
             activation_reserve(mc, config, self.max_context), per_page,
             request_pages=-(-positions // config.page_size), most_pages=default_pages(config, positions))
+        if self.tp is not None:  # the ranks' pools must hold the same pages: the least free GPU sizes them all
+            pages = self.tp.least(pages)
         return config.model_copy(update={"num_pages": pages})
 
     @property

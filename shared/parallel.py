@@ -88,6 +88,12 @@ class TPGroup:
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
+    def least(self, value: int) -> int:
+        """The smallest of the ranks' ``value``s, on every rank."""
+        x = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.control)
+        return int(x)
+
     def agree(self, value: int, what: str) -> None:
         """Check that every rank computed rank 0's ``value`` (a digest of ``what``)."""
         x = torch.tensor([value], dtype=torch.int64)
