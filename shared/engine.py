@@ -102,6 +102,9 @@ class EngineLoad:
     spec_tokens: SpecTokenCounts | None = None  # token-level speculation counts so far (None without a draft)
 
 
+LANDING_REQUESTS = 4  # a split decode engine's in-place hand-offs in flight at once (more are refused: no room)
+
+
 class Engine:
     def __init__(self, model: str | Path | LlamaForCausalLM, draft: str | Path | None = None,
                  config: EngineConfig | None = None, tokenizer: Tokenizer | None = None,
@@ -118,6 +121,7 @@ class Engine:
         self.tp = tp
         self._staged: dict[str, KVCache] = {}  # under TP, on rank 0: hand-offs' target K/V, every KV head, by id
         self._gathered: dict[str, int] = {}  # under TP, every rank: a fed hand-off's target pages gathered so far
+        self._landed: dict[str, list[int]] = {}  # under TP, decode rank 0: in-place hand-offs' landing pages, by id
         if tp is not None:  # rank r takes the r-th GPU from the configured one
             config = config.model_copy(update={"device": rank_device(config.device, tp.rank)})
         if role == "decode" and not config.shareable_kv:  # a same-host prefill writes into its pools
@@ -142,6 +146,7 @@ class Engine:
             shard_target(self.model, tp, self.device)
         self.config = config = self._fit_pools(config, head, allocated)
         self.cache = make_cache(local_config(mc, tp), mc.num_hidden_layers, config, self.max_context)
+        self._landing = self._landing_cache()
         self.graph_failures: list[CaptureFailure] = []  # CUDA graphs that failed to capture (phase eager)
         self.penalty_rows = RowsCache()  # requests' penalty rows, on the device across steps (and the speculator's)
         self.speculator = None if head is None else SpecWorker.load(
@@ -162,6 +167,21 @@ class Engine:
                                          self.graph_failures, before_replay=lambda: flush_tables([self.cache]))
         self._ids = itertools.count()
 
+    def _landing_cache(self) -> KVCache | None:
+        """Rank 0 of a split decode engine: where same-host prefills write hand-offs in place (``kv_pools``),
+        every KV head; None elsewhere."""
+        pages = self._landing_pages(self.config)
+        if not pages:
+            return None
+        return staging_cache(self.cache.layout, self.model.config.num_key_value_heads, pages, shareable=True)
+
+    def _landing_pages(self, config: EngineConfig) -> int:
+        """The landing cache's pages (``_landing_cache``): room for ``LANDING_REQUESTS`` requests of the whole
+        context on rank 0 of a split decode engine, 0 elsewhere."""
+        if self.tp is None or self.tp.rank != 0 or self.role != "decode":
+            return 0
+        return LANDING_REQUESTS * -(-(self.max_context + config.headroom) // config.page_size)
+
     def _fit_pools(self, config: EngineConfig, head: DraftHead | None, allocated_before: int) -> EngineConfig:
         """On a GPU without ``num_pages``: the page count that keeps this engine, weights (loaded since
         ``allocated_before``), reserve and every pool, within ``gpu_memory_fraction`` of the device (under
@@ -173,9 +193,10 @@ class Engine:
         if head is not None:
             per_page += (SpecWorker.cache_count(head, config.spec or SpecConfig())
                          * page_bytes(head.config, head.layers_per_cache, config))
+        landing = self._landing_pages(config) * page_bytes(mc, mc.num_hidden_layers, config)  # whole heads
         pages = pages_within_budget(
             config.gpu_memory_fraction or DEFAULT_GPU_MEMORY_FRACTION, device_memory(self.device, allocated_before),
-            activation_reserve(mc, config, self.max_context), per_page,
+            activation_reserve(mc, config, self.max_context) + landing, per_page,
             request_pages=-(-positions // config.page_size), most_pages=default_pages(config, positions))
         if self.tp is not None:  # the ranks' pools must hold the same pages: the least free GPU sizes them all
             pages = self.tp.least(pages)
@@ -277,6 +298,7 @@ class Engine:
             return False
         self._staged.pop(req.rid, None)
         self._gathered.pop(req.rid, None)
+        self._land_off(req.rid)
         self.scheduler.retire(req, reason)
         return True
 
@@ -563,7 +585,8 @@ class Engine:
     def page_sink(self, req: Request, guard: PageGuard, in_place: bool = False) -> PageSink | None:
         """Decode role: the receiving side of ``req``'s transfer, writing into its reserved pages (or, with
         ``in_place``, checking that the sender wrote them itself); None when ``req`` is no longer this
-        engine's request waiting for its K/V (it was aborted)."""
+        engine's request waiting for its K/V (it was aborted), or, in place into a split engine, when its
+        landing cache has no room now."""
         if not self.scheduler.holds(req) or req.stage is not Stage.RECEIVING:
             return None
         if self.tp is not None:
@@ -573,12 +596,17 @@ class Engine:
     def _staged_sink(self, req: Request, guard: PageGuard, in_place: bool) -> PageSink | None:
         """Under tensor parallelism, on rank 0: a sink writing the target's K/V, every KV head, into a cache
         of its own, from which ``activate_handoff`` gives each rank its heads (the draft's K/V lands in rank
-        0's pages, copied to the others then). None on the other ranks."""
-        if in_place:
-            raise ValueError("a tensor-parallel decode engine receives hand-offs through a sink, not in place")
+        0's pages, copied to the others then). ``in_place``: the sender writes the target's K/V into pages of
+        the landing cache (``kv_pools``) instead; None when it has no room now. None on the other ranks."""
         if self.tp.rank != 0:
             return None
         ids = self.page_ids(req)
+        if in_place:
+            if self._landing is None or self._landing.num_free_pages < len(ids[0]):
+                return None
+            landed = self._landed[req.rid] = self._landing.allocator.alloc(len(ids[0]))
+            return PageSink(req.rid, [self._landing, *self.scheduler.caches[1:]], [landed, *ids[1:]], guard,
+                            in_place=True)
         staging = self._staged[req.rid] = staging_cache(self.cache.layout, self.model.config.num_key_value_heads,
                                                         len(ids[0]))
         return PageSink(req.rid, [staging, *self.scheduler.caches[1:]], [list(range(1, len(ids[0]) + 1)), *ids[1:]],
@@ -586,10 +614,11 @@ class Engine:
 
     def kv_pools(self) -> list[torch.Tensor]:
         """Per cache (target first), its whole K/V pool: what a decode engine exports to a same-host
-        prefill (``shared.handoff.ipc``), fixed for the engine's life. None under tensor parallelism: a
-        rank's pool holds its share of the KV heads, so its hand-offs arrive through a sink (``page_sink``)."""
+        prefill (``shared.handoff.ipc``), fixed for the engine's life. Under tensor parallelism a rank's pool
+        holds its share of the KV heads: rank 0 of a decode engine exports its landing cache in the target's
+        place (``page_sink`` in place), the other ranks nothing."""
         if self.tp is not None:
-            return []
+            return [] if self._landing is None else [self._landing.pool, *(c.pool for c in self.scheduler.caches[1:])]
         return [c.pool for c in self.scheduler.caches]
 
     def activate_handoff(self, req: Request, committed_len: int, draft_state: DraftState | None = None,
@@ -611,7 +640,13 @@ class Engine:
         """Under tensor parallelism, a collective: what arrived on rank 0 on every rank: each rank's share of
         the target's KV heads, the draft's pages, the draft state and outputs (the arguments rank 0 got)."""
         ids = self.page_ids(req)
-        scatter_pages(self._staged.pop(req.rid, None), self.cache, ids[0], self.tp)
+        landed, staged = self._landed.get(req.rid), self._staged.pop(req.rid, None)
+        if landed is not None:
+            scatter_pages(self._landing, landed, self.cache, ids[0], self.tp)
+        else:
+            scatter_pages(staged, None if staged is None else list(range(1, len(ids[0]) + 1)), self.cache, ids[0],
+                          self.tp)
+        self._land_off(req.rid)
         for cache, pages in zip(self.scheduler.caches[1:], ids[1:]):
             share_pages(cache, pages, self.tp)
         arrived = None if self.tp.rank != 0 else (
@@ -620,6 +655,12 @@ class Engine:
         committed_len, blob, output_ids, output_logprobs = self.tp.broadcast(arrived)
         return committed_len, None if blob is None else DraftState.from_bytes(blob, self.device), output_ids, \
             output_logprobs
+
+    def _land_off(self, rid: str) -> None:
+        """Free request ``rid``'s pages of the landing cache, if it holds any."""
+        landed = self._landed.pop(rid, None)
+        if landed is not None:
+            self._landing.allocator.free(landed)
 
     # ---- what the engine holds -------------------------------------------------------------------
     def load(self) -> EngineLoad:
@@ -637,7 +678,8 @@ class Engine:
 
     def is_idle_and_clean(self) -> bool:
         """True when no request runs and every cache is full again (the no-leak invariant)."""
-        return not self.scheduler.has_work() and all(c.is_full() for c in self.scheduler.caches)
+        return (not self.scheduler.has_work() and all(c.is_full() for c in self.scheduler.caches)
+                and (self._landing is None or self._landing.is_full()))
 
     # ---- the Python API --------------------------------------------------------------------------
     def run_until_done(self, max_steps: int | None = None) -> None:

@@ -288,11 +288,12 @@ def page_slots(pages: list[int], page_size: int, device: torch.device) -> torch.
     return slots.flatten().to(device)
 
 
-def staging_cache(layout: CacheLayout, num_kv_heads: int, num_pages: int) -> KVCache:
-    """A cache of ``num_pages`` pages (ids 1 .. n) shaped as ``layout`` but with ``num_kv_heads`` heads: one
-    request's K/V with every rank's heads, on its way out of or into a split engine."""
+def staging_cache(layout: CacheLayout, num_kv_heads: int, num_pages: int, shareable: bool = False) -> KVCache:
+    """A cache of ``num_pages`` pages (ids 1 .. n) shaped as ``layout`` but with ``num_kv_heads`` heads: K/V with
+    every rank's heads, on its way out of or into a split engine (``shareable``: a same-host prefill writes
+    into it)."""
     return KVCache(dataclasses.replace(layout, num_kv_heads=num_kv_heads, num_pages=num_pages, max_reqs=1,
-                                       max_context=num_pages * layout.page_size, shareable=False))
+                                       max_context=num_pages * layout.page_size, shareable=shareable))
 
 
 def gather_pages(cache: KVCache, pages: list[int], tp: TPGroup) -> KVCache | None:
@@ -314,13 +315,15 @@ def gather_pages_into(staging: KVCache | None, first: int, cache: KVCache, pages
         staging.pool[:, :, (first + 1) * ps:(first + 1 + len(pages)) * ps] = heads
 
 
-def scatter_pages(staging: KVCache | None, cache: KVCache, pages: list[int], tp: TPGroup) -> None:
-    """A collective, the reverse of ``gather_pages``: rank 0's ``staging`` (pages 1 .. n, every KV head) is
-    sent to every rank, which writes its own heads into ``pages`` of ``cache`` (in place)."""
+def scatter_pages(staging: KVCache | None, staged: list[int] | None, cache: KVCache, pages: list[int],
+                  tp: TPGroup) -> None:
+    """A collective, the reverse of ``gather_pages``: rank 0's pages ``staged`` of ``staging`` (every KV head;
+    None on the other ranks) are sent to every rank, which writes its own heads into ``pages`` of ``cache``
+    (in place)."""
     ps, lay = cache.page_size, cache.layout
     heads = lay.num_kv_heads * tp.size
     if tp.rank == 0:
-        every = staging.pool[:, :, ps:].contiguous()
+        every = staging.pool[:, :, page_slots(staged, ps, staging.pool.device)]
     else:
         every = torch.empty((2, lay.num_layers, len(pages) * ps, heads, lay.head_dim), dtype=lay.dtype,
                             device=lay.device)

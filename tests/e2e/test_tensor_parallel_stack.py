@@ -3,9 +3,8 @@ ranks (the service is rank 0, its follower a process it started), over each hand
 
 Greedy output equals the single-process engine's; the hand-off crosses between groups of different sizes (a
 TP-2 prefill gathers every KV head on rank 0 as its prompt's pages complete; a TP-2 decode receives them on
-rank 0 and gives each rank its heads); every pool is full again afterwards; the follower ends with its service.
-A tensor-parallel decode exports no pools (each rank holds a share of the heads), so a prefill reaches it over
-the gRPC stream whatever the stack asks for.
+rank 0, over ipc written in place into its landing cache, and gives each rank its heads); every pool is full
+again afterwards (the landing cache's too); the follower ends with its service.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from tests.e2e.conftest import start_stack
 PROMPTS = [[5, 17, 33, 2, 9], [(i * 37 + 11) % 500 for i in range(30)]]  # shorter than a chunk, several chunks
 NEW, CHUNK, MAX_CONTEXT = 12, 8, 64
 SPEC = SpecConfig(topk=2, steps=3, num_draft_tokens=6)
-CASES = [("prefill", "grpc-stream"), ("prefill", "ipc"), ("decode", "grpc-stream"), ("decode", "auto")]
+CASES = [("prefill", "grpc-stream"), ("prefill", "ipc"), ("decode", "grpc-stream"), ("decode", "ipc")]
 
 
 @pytest.fixture(scope="module")
