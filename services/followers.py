@@ -16,7 +16,9 @@ The engine loop runs these calls between steps only under tensor parallelism (``
 while the device computes a step would reach the followers after theirs.
 
 Followers die with rank 0: the end of the pipe (rank 0 closed it or exited) ends one, and one whose parent is
-gone (rank 0 killed while it waited in a collective) exits by itself.
+gone (rank 0 killed while it waited in a collective) exits by itself. A follower whose call fails (other than
+rank 0's refusal of a request, which rank 0 raises too) exits: the group is then broken, rank 0's later calls
+fail (the engine loop fails their requests) but its releases, which free its own pages.
 """
 
 from __future__ import annotations
@@ -110,7 +112,11 @@ class Leader:
         krefs = {k: self._ref(v) for k, v in kwargs.items()}
         if any(r is _GONE for r in (*refs, *krefs.values())):  # a no-op everywhere: rank 0's alone
             return getattr(self.engine, name)(*args, **kwargs)
-        self._send((name, refs, krefs))
+        try:
+            self._send((name, refs, krefs))
+        except RuntimeError:  # the group is broken: nothing but rank 0's own clean-up can run now
+            if name not in ("release", "abort"):
+                raise
         result = getattr(self.engine, name)(*args, **kwargs)
         self._serials.add(result)
         self._serials.prune(self.engine)

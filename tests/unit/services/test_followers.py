@@ -3,7 +3,8 @@
 Rank 0 here is a process of its own that starts a TP-2 decode engine (its follower a process it started over
 gloo) and is then killed with SIGKILL: it runs no clean-up, so the follower must notice by itself (its parent
 is gone) and exit rather than wait forever in its pipe or a collective. And a Leader closed in the ordinary
-way ends its follower with exit status 0.
+way ends its follower with exit status 0; one whose follower died refuses the calls that need the group but
+still frees its own pages.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from services.followers import start_engine
 from services.settings import DecodeSettings
@@ -65,3 +68,18 @@ def test_a_closed_leader_ends_its_follower_cleanly(tiny_model_dir):
     finally:
         leader.close()
     assert [p.exitcode for p in leader.ranks] == [0]
+
+
+def test_a_leader_whose_follower_died_refuses_calls_but_frees_its_own_pages(tiny_model_dir):
+    leader = start_engine("decode", DecodeSettings(model=str(tiny_model_dir / "target"), tensor_parallel=2,
+                                                   max_context=64, max_running=2))
+    try:
+        req = leader.reserve_handoff("r", [5, 6, 7], [8], [0.0], SamplingParams(max_new_tokens=4), 3)
+        leader.ranks[0].kill()
+        leader.ranks[0].join(10)
+        with pytest.raises(RuntimeError, match="broken"):
+            leader.step()
+        assert leader.broken is not None
+        assert leader.release(req, "abort") and leader.is_idle_and_clean()  # rank 0's pages back all the same
+    finally:
+        leader.close()
