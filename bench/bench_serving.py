@@ -106,11 +106,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--spec-draft-tokens", type=int)
     ap.add_argument("--spec-policy", choices=["fixed", "adaptive"], help="per decode step: always speculate, or "
                                                                          "speculate where it pays (default: fixed)")
+    ap.add_argument("--spec-candidates", help="with --spec-policy adaptive: the tree shapes it chooses among besides "
+                                              "the configured one (EYRIE_SPEC_CANDIDATES; default: chains of 1..3)")
     ap.add_argument("--prompts-file", help="text (or JSONL of {\"text\"}) the prompts are windows of, tokenized "
                                            "by the model's tokenizer (default: random token ids)")
     ap.add_argument("--transports", default="auto", help="one stack run per hand-off transport: auto, ipc, "
                                                          "grpc-stream (EYRIE_HANDOFF_TRANSPORT)")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--mps", choices=("auto", "on", "off"), default="auto",
+                    help="the stack's services under a private CUDA MPS daemon, as `eyrie up --mps` (default: auto, "
+                         "as eyrie up; the single-process engine never is)")
     ap.add_argument("--skip-stack", action="store_true")
     ap.add_argument("--gpu-memory-fraction", type=float, help="each engine's share of the GPU (EYRIE_GPU_MEMORY_"
                                                              "FRACTION; with it, leave --num-pages 0 to size pools)")
@@ -163,7 +168,8 @@ def engine_flags(args) -> dict:
             "num_pages": args.num_pages or None, "max_running": args.max_running, "max_context": args.max_context,
             "gpu_memory_fraction": args.gpu_memory_fraction,
             "chunk_size": args.chunk_size, "spec_topk": args.spec_topk, "spec_steps": args.spec_steps,
-            "spec_draft_tokens": args.spec_draft_tokens, "spec_policy": args.spec_policy}
+            "spec_draft_tokens": args.spec_draft_tokens, "spec_policy": args.spec_policy,
+            "spec_candidates": args.spec_candidates}
 
 
 def prompt_vocab(model: str) -> tuple[int, int]:
@@ -247,6 +253,8 @@ def engine_worker(plan_path: str, result_path: str) -> int:
     """In the subprocess: load the engine as the services would, warm it, run every point that fits."""
     plan = json.loads(Path(plan_path).read_text())
     watch_parent()
+    import torch
+
     from services.settings import EngineSettings
     from shared.engine import Engine
 
@@ -255,8 +263,11 @@ def engine_worker(plan_path: str, result_path: str) -> int:
     settings = EngineSettings(model=plan["model"], draft=plan["draft"],
                               **{k: v for k, v in plan["flags"].items() if v is not None})
     engine = Engine(settings.model, settings.draft, settings.engine_config())
+    reserved = torch.cuda.memory_reserved(engine.device) if engine.device.type == "cuda" else 0
     engine.capture_graphs()
     result["graph_capture_s"] = engine.graph_capture_s()  # per phase (an adaptive engine's plain step's too)
+    if engine.device.type == "cuda":  # the graphs' memory pools (every shape's, an adaptive engine's)
+        result["graph_capture_mib"] = round((torch.cuda.memory_reserved(engine.device) - reserved) / 2 ** 20, 1)
     vocab, text_ids = tuple(plan["vocab"]), prompt_text_ids(plan["model"], plan.get("prompts_file"))
     for p in map(Point.from_dict, plan["warmup"]):
         run_engine_point(engine, make_requests(p, vocab, text_ids), p.concurrency, plan["point_seconds"])
@@ -282,16 +293,18 @@ def spec_counters(engine) -> dict | None:
     if engine.spec_stats is None:
         return None
     t = engine.spec_stats.totals
-    return {"verify_steps": t.verify_steps, "committed_tokens": t.committed_tokens, **engine.spec_policy.choices}
+    return {"verify_steps": t.verify_steps, "committed_tokens": t.committed_tokens, **engine.spec_policy.choices,
+            **{f"shape:{n}": k for n, k in engine.spec_policy.shapes.items()}}
 
 
 def spec_delta(before: dict | None, after: dict | None) -> dict:
     """A point's speculation: accept length over its verifies, and the policy's steps of each kind."""
     if before is None:
         return {}
-    d = {k: after[k] - before[k] for k in after}
+    d = {k: after[k] - before.get(k, 0) for k in after}
     return {"spec": {"accept_length": d["committed_tokens"] / d["verify_steps"] if d["verify_steps"] else None,
-                     "verify_steps": d["verify_steps"], "spec_steps": d["spec"], "plain_steps": d["plain"]}}
+                     "verify_steps": d["verify_steps"], "spec_steps": d["spec"], "plain_steps": d["plain"],
+                     "shape_steps": {k[len("shape:"):]: n for k, n in d.items() if k.startswith("shape:") and n}}}
 
 
 def watch_parent() -> None:
@@ -338,11 +351,12 @@ def run_stack_phase(run: Run, model: str, draft: str | None, points: list[Point]
     t0 = time.perf_counter()
     prefill_flags = {"chunk_size": args.prefill_chunk_size} if args.prefill_chunk_size else None
     stack = ServingStack(model, draft, engine_flags(args), workdir / f"logs-{transport}", prefill_flags=prefill_flags,
-                         env={"EYRIE_HANDOFF_TRANSPORT": transport, **run.child_env()})
+                         env={"EYRIE_HANDOFF_TRANSPORT": transport, **run.child_env()}, mps=args.mps)
     out: dict = {"transport": transport, "points": [], "log_dir": str(stack.log_dir)}
     run.report["stacks"].append(out)  # saved with every point from now on
     try:
         stack.start(min(args.start_timeout_s, max(10.0, run.left() - 10)))
+        out["mps"] = stack.mps_daemon is not None
         drivers = {"grpc": GrpcDriver(stack.grpc_address, args.request_timeout_s),
                    "http": HttpDriver(stack.openai_address, args.request_timeout_s)}
         vocab, text_ids = prompt_vocab(model), prompt_text_ids(model, args.prompts_file)

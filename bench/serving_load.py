@@ -109,6 +109,9 @@ def summarize(point: Point, records: list[RequestRecord]) -> dict:
     end = max((r.arrivals[-1][0] for r in done), default=start)
     tokens = sum(r.tokens for r in records)
     ttfts = [r.ttft for r in done]
+    # The steady state: requests sent after the first ``concurrency`` (the first wave all arrive at once, so
+    # their TTFTs measure the ramp, not the steady state).
+    steady = [r.ttft for r in records[point.concurrency:] if r.arrivals]
     itls = [x for r in done for x in r.itls()]
     duration = end - start
     errors = sorted({r.error for r in records if r.error})
@@ -116,7 +119,11 @@ def summarize(point: Point, records: list[RequestRecord]) -> dict:
             "failed": sum(not r.ok for r in records), "errors": errors[:5], "duration_s": duration,
             "output_tokens": tokens, "output_tok_s": tokens / duration if duration > 0 else None,
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
-            "itl_p50_s": percentile(itls, 50), "itl_p99_s": percentile(itls, 99)}
+            "ttft_steady_p50_s": percentile(steady, 50), "ttft_steady_p99_s": percentile(steady, 99),
+            "itl_p50_s": percentile(itls, 50), "itl_p99_s": percentile(itls, 99),
+            # per request, in issue order: [sent (s after the point's first send), TTFT (s), output tokens]
+            "requests_detail": [[round(r.sent - start, 4), None if not r.arrivals else round(r.ttft, 4), r.tokens]
+                                for r in records]}
 
 
 # ---- the stack's clients -------------------------------------------------------------------------

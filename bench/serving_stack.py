@@ -68,8 +68,10 @@ class ServingStack:
     """Redis + prefill + decode + router; ``engine_flags`` go to prefill and decode (``--num-pages``, ...)."""
 
     def __init__(self, model: str, draft: str | None, engine_flags: dict, log_dir: Path,
-                 prefill_flags: dict | None = None, decode_flags: dict | None = None, env: dict | None = None):
+                 prefill_flags: dict | None = None, decode_flags: dict | None = None, env: dict | None = None,
+                 mps: str = "off"):
         self.model, self.draft, self.engine_flags = model, draft, engine_flags
+        self.mps, self.mps_daemon = mps, None  # as ``eyrie up --mps``: services/mps.py
         self.role_flags = {"prefill": prefill_flags or {}, "decode": decode_flags or {}}
         self.log_dir = log_dir
         self.env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -84,6 +86,12 @@ class ServingStack:
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + timeout_s
+        from services.mps import start_mps, want_mps
+
+        control = want_mps(self.mps, str(self.engine_flags.get("device", "cpu")))
+        if control is not None:
+            self.mps_daemon = start_mps(control)
+            self.env.update(self.mps_daemon.env)
         self.redis = EmbeddedRedis()
         redis = ["--redis-url", self.redis.start()]
         model = ["--model", self.model]
@@ -123,6 +131,9 @@ class ServingStack:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        if self.mps_daemon is not None:
+            self.mps_daemon.stop()
+            self.mps_daemon = None
         return codes
 
 

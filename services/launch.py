@@ -91,6 +91,10 @@ def add_up_flags(u) -> None:
     u.add_argument("--max-restarts", type=int, default=5, metavar="N",
                    help="restarts of a service that dies (with backoff) "
                         "before eyrie up stops the stack")
+    u.add_argument("--mps", choices=("auto", "on", "off"), default="auto",
+                   help="on a CUDA device, run the services under a private CUDA MPS daemon so that their kernels "
+                        "share the GPU instead of taking turns (auto: when nvidia-cuda-mps-control is on the PATH "
+                        "and no MPS daemon is set in the environment) (default: auto)")
     u.add_argument("--demo", action="store_true", help="send one demo request, print it, stop everything")
 
 
@@ -467,14 +471,39 @@ def _up_stack(args, cleanup: contextlib.ExitStack) -> Stack:
     if str(decode.device).startswith("cuda") and decode.gpu_memory_fraction is None:
         extra["gpu_memory_fraction"] = UP_GPU_MEMORY_FRACTION  # prefill and decode fit together on one GPU
     router_extra = {"max_context": engine["max_context"]} if "max_context" in engine else {}
+    env = {"EYRIE_API_KEY": api_key} if api_key else {}
+    env.update(_mps_env(args.mps, str(decode.device), cleanup))
     # Every service gets the key (they call each other with it), through the environment rather than argv.
     for role in ("prefill", "decode"):
         if getattr(args, role) < 1:
             _fail(f"--{role}: {getattr(args, role)}: at least 1 instance of each engine role")
     return Stack(model, draft, common.pop("redis_url", None), port, openai_port, extra,
-                 env={"EYRIE_API_KEY": api_key} if api_key else None, router_extra=router_extra,
+                 env=env or None, router_extra=router_extra,
                  log_dir=args.log_dir, common=common, config_file=args.config,
                  drain_timeout_s=decode.drain_timeout_s, replicas={"prefill": args.prefill, "decode": args.decode})
+
+
+def _mps_env(mode: str, device: str, cleanup: contextlib.ExitStack) -> dict[str, str]:
+    """The environment that puts the services under a private MPS daemon (``services/mps.py``), started here
+    and stopped after the services (``cleanup`` unwinds after the stack stopped); {} without one."""
+    from services.mps import start_mps, want_mps
+
+    try:
+        control = want_mps(mode, device)
+    except ValueError as e:
+        _fail(str(e))
+    if control is None:
+        return {}
+    try:
+        daemon = start_mps(control)
+    except RuntimeError as e:
+        if mode == "on":
+            _fail(str(e))
+        say(f"eyrie up: {e}; the services take turns on the GPU instead")
+        return {}
+    cleanup.callback(daemon.stop)
+    say(f"eyrie up: the services share the GPU under a private CUDA MPS daemon ({daemon.root})")
+    return daemon.env
 
 
 def _run_up(args, stack: Stack) -> int:

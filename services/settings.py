@@ -91,7 +91,12 @@ class EngineOptions(BaseSettings):
                                           "before this step's tokens reach the host, overlapping the host's "
                                           "bookkeeping (unset or `auto` = on with `cuda`)")
     spec_policy: str = Field(_engine("spec_policy"), description="per decode step: `fixed` always speculates; "
-                             "`adaptive` runs a plain step where it expects more tokens per second from one")
+                             "`adaptive` runs the tree shape (`EYRIE_SPEC_CANDIDATES`) or plain step it expects "
+                             "the most tokens per second from")
+    spec_candidates: str | None = Field(None, description="with `adaptive`: the tree shapes it chooses among "
+                                        "besides the configured one, comma-separated (`chain3`, `tree-k4-s3-n8`: "
+                                        "each within the configured tree); unset = chains of depth min(steps, 3) "
+                                        "down to 1")
     tensor_parallel: int = Field(_engine("tensor_parallel"), description="ranks the target is split over (heads, "
                                  "MLP columns, vocabulary, KV heads; one process per rank over NCCL on `cuda`, one "
                                  "GPU each from `device`'s, gloo on `cpu`); the draft head runs whole on every rank. "
@@ -130,6 +135,7 @@ class EngineOptions(BaseSettings):
                             max_running=self.max_running, max_context=self.max_context, chunk_size=self.chunk_size,
                             spec=spec, cuda_graph=self.cuda_graph, spec_draft_ahead=self.spec_draft_ahead,
                             gpu_memory_fraction=self.gpu_memory_fraction, spec_policy=self.spec_policy,
+                            spec_candidates=self.spec_candidates,
                             tensor_parallel=self.tensor_parallel)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 DEVICES = ("cpu", "cuda")
@@ -38,6 +40,35 @@ class SpecConfig(BaseModel):
         nodes in the target cache, the tree scratch or the padded extend in the draft caches."""
         return max(self.num_draft_tokens, self.topk * self.steps, self.steps + 1) + 1
 
+    @property
+    def name(self) -> str:
+        """``chain3`` (topk 1, 3 steps) or ``tree-k4-s3-n8``: the shape's name in settings, costs and reports."""
+        return f"chain{self.steps}" if self.topk == 1 else f"tree-k{self.topk}-s{self.steps}-n{self.num_draft_tokens}"
+
+    @classmethod
+    def parse(cls, name: str) -> SpecConfig:
+        """The shape ``name`` (``SpecConfig.name``'s form) stands for."""
+        chain = re.fullmatch(r"chain(\d+)", name.strip())
+        if chain:
+            return cls(topk=1, steps=int(chain[1]), num_draft_tokens=int(chain[1]) + 1)
+        tree = re.fullmatch(r"tree-k(\d+)-s(\d+)-n(\d+)", name.strip())
+        if tree is None:
+            raise ValueError(f"spec candidate {name!r} is neither chainS nor tree-kK-sS-nN (chain3, tree-k4-s3-n8)")
+        return cls(topk=int(tree[1]), steps=int(tree[2]), num_draft_tokens=int(tree[3]))
+
+    def holds(self, other: SpecConfig) -> bool:
+        """Whether ``other`` fits within this shape (topk, steps and verified nodes no larger): a worker
+        configured with this shape can run ``other`` from the same draft states and pages."""
+        return other.topk <= self.topk and other.steps <= self.steps and other.num_draft_tokens <= self.num_draft_tokens
+
+
+def default_candidates(spec: SpecConfig) -> tuple[SpecConfig, ...]:
+    """The adaptive policy's shapes when none are named: the configured one, then chains of depth
+    min(steps, 3) down to 1 (cheaper verifies for the batches where the configured one costs more than
+    it gains; one chain's acceptance predicts the shallower ones', ``shared/spec/policy.py``)."""
+    chains = [SpecConfig(topk=1, steps=d, num_draft_tokens=d + 1) for d in range(min(spec.steps, 3), 0, -1)]
+    return (spec, *[c for c in chains if c != spec])
+
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -70,6 +101,9 @@ class EngineConfig(BaseModel):
     # per second from one (shared/spec/policy.py). Fixed by default until the adaptive one is measured on
     # an H100 at every concurrency (issue 16); adaptive then, as it never loses by design.
     spec_policy: str = "fixed"
+    # The adaptive policy's speculative shapes (``SpecConfig.name``s, each within ``spec``); the configured
+    # ``spec`` is always one. None: ``default_candidates``. Fixed runs ``spec`` alone.
+    spec_candidates: tuple[str, ...] | None = None
     # Ranks the target is split over (shared/parallel.py): heads, MLP columns, vocabulary and KV heads.
     tensor_parallel: int = 1
 
@@ -77,6 +111,30 @@ class EngineConfig(BaseModel):
     def headroom(self) -> int:
         """Positions a decode step may touch past the committed length (1 without speculation)."""
         return self.spec.headroom if self.spec is not None else 1
+
+    def spec_shapes(self) -> tuple[SpecConfig, ...]:
+        """The speculative shapes the engine runs, the configured one first (it alone under ``fixed``)."""
+        spec = self.spec or SpecConfig()
+        if self.spec_policy == "fixed":
+            return (spec,)
+        if self.spec_candidates is None:
+            return default_candidates(spec)
+        named = [SpecConfig.parse(n) for n in self.spec_candidates]
+        return tuple(dict.fromkeys([spec, *named]))
+
+    @model_validator(mode="after")
+    def _candidates_fit(self) -> EngineConfig:
+        spec = self.spec or SpecConfig()
+        for name in self.spec_candidates or ():
+            if not spec.holds(SpecConfig.parse(name)):
+                raise ValueError(f"spec candidate {name} does not fit the configured shape {spec.name}: topk, steps "
+                                 "and num_draft_tokens must each be at most the configured ones")
+        return self
+
+    @field_validator("spec_candidates", mode="before")
+    @classmethod
+    def _candidate_list(cls, v):  # "chain1,chain3" from a setting
+        return (tuple(n.strip() for n in v.split(",") if n.strip()) or None) if isinstance(v, str) else v
 
     @field_validator("device")
     @classmethod

@@ -58,7 +58,7 @@ from shared.parallel import (
 from shared.request import Request, RequestError, Stage
 from shared.sampling import SamplingParams, request_seed, sample, top_logprobs, top_pairs
 from shared.scheduler import Scheduler, StepPlan
-from shared.spec.policy import Acceptance, MeasuredCost, SpecPolicy
+from shared.spec.policy import MeasuredCost, SpecPolicy
 from shared.spec.state import DraftState
 from shared.spec.stats import SpecRecorder
 from shared.spec.token_counts import SpecTokenCounts
@@ -155,8 +155,8 @@ class Engine:
         # engine loop of a service publishes the previous step's tokens then, so the stream threads' work
         # (and their hold on the GIL) overlaps the device instead of delaying this thread's next step.
         self.before_host_wait: Callable[[], None] | None = None
-        self.spec_policy = None if head is None else SpecPolicy(
-            config.spec_policy, Acceptance(self.speculator.spec.steps), MeasuredCost())
+        self.spec_policy = None if head is None else SpecPolicy.of(
+            config.spec_policy, [s.spec for s in self.speculator.shapes.values()], MeasuredCost())
         caches = [self.cache] + (self.speculator.caches if self.speculator else [])
         self.scheduler = Scheduler(caches, config.max_running, config.chunk_size, config.headroom,
                                    eos_ids=mc.eos_token_ids, prefill_only=role == "prefill", tokenizer=tokenizer,
@@ -363,26 +363,22 @@ class Engine:
         return zlib.crc32(repr(key).encode())
 
     def _run_spec_or_plain(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
-        """A speculative step, or a plain one where the policy expects more tokens per second from it
-        (``shared/spec/policy.py``); each is timed for the policy's costs, and a speculative step's
-        acceptance counted."""
+        """A speculative step of the tree shape the policy expects the most tokens per second from, or a
+        plain one (``shared/spec/policy.py``); each is timed for the policy's costs, and a speculative
+        step's acceptance counted."""
         policy, counts = self.spec_policy, self.speculator.stats.tokens
         t0 = time.perf_counter()
-        speculate = policy.speculate(len(reqs))
+        shape = policy.choose(len(reqs))
         if self.tp is not None and self.config.spec_policy != "fixed":  # a timed choice: rank 0's
-            speculate = self.tp.broadcast(speculate)
-        if speculate:
+            shape = self.tp.broadcast(shape)
+        if shape is not None:
             drafts, reached = counts.drafts, list(counts.accepted_per_pos)
-            events = self.speculator.decode_step(reqs, self.scheduler.joins_next(reqs))
-            policy.acceptance.observe_counts(counts.drafts - drafts,
-                                             [a - b for a, b in zip(counts.accepted_per_pos, reached)])
-            kind = "spec"
+            events = self.speculator.decode_step(reqs, self.scheduler.joins_next(reqs), shape)
+            policy.observe(shape, counts.drafts - drafts, [a - b for a, b in zip(counts.accepted_per_pos, reached)])
         else:
             self.speculator.drop_ahead()  # a draft launched ahead is stale after a plain step
             events = self._run_plain_step(reqs)
-            kind = "plain"
-        if isinstance(policy.cost, MeasuredCost):
-            policy.cost.record(kind, len(reqs), time.perf_counter() - t0)
+        policy.ran(shape or "plain", len(reqs), time.perf_counter() - t0)
         return events
 
     def _run_plain_step(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
@@ -731,7 +727,7 @@ class Engine:
 
     def phase_graphs(self) -> list[PhaseGraphs]:
         """The CUDA graph phases ``capture_graphs`` captures (the speculator's, else the target decode's)."""
-        return list(self.speculator.graphs.values()) if self.speculator is not None else [self.decode_graphs]
+        return self.speculator.phase_graphs() if self.speculator is not None else [self.decode_graphs]
 
     def graph_capture_s(self) -> dict[str, float]:
         """Seconds spent capturing each phase's CUDA graphs so far, by phase (those with a graph)."""

@@ -1,20 +1,23 @@
 """Speculation that never loses, measured: the adaptive policy against plain decoding and fixed speculation
 at Llama-3.1-8B's shape with a trained pair's acceptance (issue 16, part 5).
 
-    python -m bench.house.adaptive --out $OUT            # H100: ~9 min (bench/house/gpu_adaptive.sh)
+    python -m bench.house.adaptive --out $OUT            # H100: ~7 min (bench/house/gpu_adaptive.sh)
     python -m bench.house.adaptive --out /tmp/a --smoke  # the CPU form: small shapes, the script only
 
 1. ``bench.house.widen_tiny``: the tiny trained pair widened to 8B shape and 128256 ids (exact: its greedy
    output and acceptance are the tiny pair's), plus its held-out text;
 2. ``bench/bench_serving.py --skip-stack`` (the warmed single-process engine, greedy, prompts drawn from the
    held-out text so the head's acceptance is real) at each concurrency of ``--sweep`` for ``plain`` (no
-   head), ``chain3`` (EAGLE-3 chain of 3), ``tree`` (topk 4, 8 verified tokens) and ``adaptive``
-   (``--spec-policy adaptive`` on whichever fixed configuration was faster at the lowest concurrency);
-3. the table: each point's output tok/s and adaptive / max(plain, best fixed), the issue's bar being 0.95.
+   head), each fixed shape the adaptive policy chooses among: ``chain1``, ``chain2``, ``chain3`` (EAGLE-3
+   chains) and ``tree`` (topk 4, 4 steps, 8 verified tokens), and ``adaptive`` (``--spec-policy adaptive``
+   configured with the tree: its default candidates are the tree and the chains of 3, 2 and 1);
+3. the table: each point's output tok/s, the best fixed configuration and adaptive / max(plain, best fixed),
+   the issue's bar being 0.95.
 
-``OUT`` gets widen.json, plain.json, chain3.json, tree.json, adaptive.json (bench_serving's reports) and
-adaptive_table.json (the table and the settings): six files. Each run gets an even share of what is left of
-``--deadline-s``; a run's points that do not fit are skipped (listed in its JSON).
+``OUT`` gets plain.json, chain1.json, chain2.json, chain3.json, tree.json, adaptive.json (bench_serving's
+reports) and adaptive_table.json (the table, the settings and the widening's record): seven files. Each run
+gets an even share of what is left of ``--deadline-s``; a run's points that do not fit are skipped (listed in
+its JSON).
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 BAR = 0.95
-# name -> bench_serving flags; "adaptive" takes the flags of the faster fixed configuration at the lowest
-# concurrency.
+# name -> bench_serving flags: plain, then every shape the adaptive run chooses among (the tree's default
+# candidates, shared/config.default_candidates), the widest last.
 FIXED = {"plain": ["--draft", "none"],
-         "chain3": ["--spec-topk", "1", "--spec-steps", "3", "--spec-draft-tokens", "4"],
+         **{f"chain{d}": ["--spec-topk", "1", "--spec-steps", str(d), "--spec-draft-tokens", str(d + 1)]
+            for d in (1, 2, 3)},
          "tree": ["--spec-topk", "4", "--spec-steps", "4", "--spec-draft-tokens", "8"]}
+ADAPTIVE = FIXED["tree"] + ["--spec-policy", "adaptive"]  # chooses among the tree, the chains and plain steps
 # The sweep runs in this order (a run cut off by its deadline loses its last points); the table is sorted.
 GPU = dict(shape=[], heldout_bytes=400_000, vocab=128256, dtype="bfloat16", sweep="1,64,8,32", fixed="256:128",
            point_seconds=12.0, deadline_s=525.0, serving=[])
@@ -51,13 +56,13 @@ def log(line: str) -> None:
 
 def widen(out: Path, work: Path, settings: dict) -> dict:
     cmd = [sys.executable, "-m", "bench.house.widen_tiny", "--out", str(work / "pair"), "--vocab",
-           str(settings["vocab"]), "--dtype", settings["dtype"], "--record", str(out / "widen.json"),
+           str(settings["vocab"]), "--dtype", settings["dtype"], "--record", str(work / "widen.json"),
            "--heldout-bytes", str(settings["heldout_bytes"]),
            *settings["shape"]]
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     log(f"adaptive: widened in {time.perf_counter() - t0:.1f} s")
-    return json.loads((out / "widen.json").read_text())
+    return json.loads((work / "widen.json").read_text())
 
 
 def serve_bench(name: str, flags: list[str], pair: dict, out: Path, work: Path, settings: dict,
@@ -87,10 +92,12 @@ def tok_s(report: dict) -> dict[int, float]:
             if p["output_tok_s"] is not None}
 
 
-def faster_fixed(reports: dict[str, dict], low: int) -> str:
-    """The speculative configuration with more tok/s at concurrency ``low`` (chain3 when neither ran)."""
-    speeds = {n: tok_s(reports[n]).get(low, 0.0) for n in ("chain3", "tree")}
-    return max(speeds, key=lambda n: (speeds[n], n == "chain3"))
+def faster_fixed(reports: dict[str, dict], c: int) -> str | None:
+    """The fixed speculative configuration with the most tok/s at concurrency ``c`` (the first of ``FIXED``'s
+    order among those run on a tie, e.g. when none has the point; None before any ran)."""
+    names = [n for n in FIXED if n != "plain" and n in reports]
+    speeds = {n: tok_s(reports[n]).get(c, 0.0) for n in names}
+    return max(names, key=lambda n: (speeds[n], -names.index(n)), default=None)
 
 
 def table(reports: dict[str, dict], sweep: list[int]) -> list[dict]:
@@ -102,6 +109,7 @@ def table(reports: dict[str, dict], sweep: list[int]) -> list[dict]:
         best = max(fixed) if fixed else None
         ratio = speeds.get("adaptive") / best if best and speeds.get("adaptive") else None
         rows.append({"concurrency": c, "tok_s": speeds, "best_fixed_or_plain": best, "adaptive_ratio": ratio,
+                     "best_fixed": faster_fixed(reports, c),
                      "meets_bar": None if ratio is None else ratio >= BAR, "spec": accept})
     return rows
 
@@ -113,16 +121,17 @@ def point_spec(report: dict, c: int) -> dict | None:
     return None
 
 
-def print_table(rows: list[dict], names: list[str], adaptive_on: str) -> None:
-    print(f"\noutput tok/s, engine alone (adaptive on {adaptive_on}; bar adaptive / max(plain, fixed) >= {BAR})")
-    print("conc  " + "".join(f"{n:>10s}" for n in names) + "     ratio  accept(adaptive) spec/plain steps")
+def print_table(rows: list[dict], names: list[str]) -> None:
+    print(f"\noutput tok/s, engine alone (adaptive on the tree with its default shapes; bar adaptive / "
+          f"max(plain, fixed) >= {BAR})")
+    print("conc  " + "".join(f"{n:>10s}" for n in names) + "     ratio  accept(adaptive)  adaptive's steps by shape")
     for r in rows:
         cells = "".join(f"{r['tok_s'].get(n) or 0:10.1f}" for n in names)
         ratio = "-" if r["adaptive_ratio"] is None else f"{r['adaptive_ratio']:.3f}"
         s = r["spec"].get("adaptive") or {}
         accept = "-" if s.get("accept_length") is None else f"{s['accept_length']:.2f}"
-        print(f"{r['concurrency']:4d}  {cells}  {ratio:>8s}  {accept:>15s}  {s.get('spec_steps', '-')}/"
-              f"{s.get('plain_steps', '-')}")
+        steps = " ".join(f"{n}:{k}" for n, k in {**s.get("shape_steps", {}), "plain": s.get("plain_steps")}.items())
+        print(f"{r['concurrency']:4d}  {cells}  {ratio:>8s}  {accept:>15s}  {steps}")
 
 
 def run(args) -> dict:
@@ -135,20 +144,19 @@ def run(args) -> dict:
     sweep = sorted(int(c) for c in settings["sweep"].split(","))
     reports: dict[str, dict] = {}
     order = list(FIXED) + ["adaptive"]
-    result = {"settings": settings, "adaptive_on": None, "padding": pair["padding"]}
+    result = {"settings": settings, "adaptive_flags": ADAPTIVE, "padding": pair["padding"], "widen": pair}
     for i, name in enumerate(order):
         budget = (settings["deadline_s"] - (time.monotonic() - t0)) / (len(order) - i)
-        flags = FIXED.get(name)
-        if name == "adaptive":
-            result["adaptive_on"] = faster_fixed(reports, sweep[0])
-            flags = FIXED[result["adaptive_on"]] + ["--spec-policy", "adaptive"]
-        reports[name] = serve_bench(name, flags, pair, out, work, settings, budget)
+        reports[name] = serve_bench(name, FIXED.get(name, ADAPTIVE), pair, out, work, settings, budget)
         adaptive = reports.get("adaptive", {}).get("engine", {})
         result.update(rows=table(reports, sweep), wall_s=round(time.monotonic() - t0, 1),
                       policy_step_s=adaptive.get("policy_step_s"),
-                      graph_capture_s=adaptive.get("graph_capture_s"))  # its plain-step graphs' among them
+                      graph_capture_s=adaptive.get("graph_capture_s"),  # every shape's and the plain step's
+                      graph_capture_mib=adaptive.get("graph_capture_mib"),
+                      fixed_graph_capture_s=reports.get("tree", {}).get("engine", {}).get("graph_capture_s"),
+                      fixed_graph_capture_mib=reports.get("tree", {}).get("engine", {}).get("graph_capture_mib"))
         (out / "adaptive_table.json").write_text(json.dumps(result, indent=1))  # kept if the call is cut off
-    print_table(result["rows"], order, result["adaptive_on"])
+    print_table(result["rows"], order)
     return result
 
 

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # The adaptive speculation policy at Llama-3.1-8B's shape with real acceptance, in one device call (<= 9.5
 # minutes on an H100): models/tiny-pair widened to 8B shape and 128256 ids, then the warmed engine at
-# concurrency 1, 8, 32, 64 for plain decoding, a chain of 3, a tree (topk 4, 8 tokens) and the adaptive
-# policy, on prompts of held-out text (bench.house.adaptive). Run from the project root; carry ./.whl
+# concurrency 1, 8, 32, 64 for plain decoding, chains of 1, 2 and 3, a tree (topk 4, 4 steps, 8 tokens) and the
+# adaptive policy choosing among them per step, on prompts of held-out text (bench.house.adaptive). Run from the project root; carry ./.whl
 # (../shared/tools/gpu-wheels.sh) with the call.
 #
 #   OUT=/path bench/house/gpu_adaptive.sh            # the GPU run
 #   OUT=/path bench/house/gpu_adaptive.sh --smoke    # the CPU form: small shapes (tests/unit/training)
 #
 # Any other flag goes to python -m bench.house.adaptive (--sweep, --fixed, --point-seconds, --deadline-s).
-# $OUT gets widen.json, plain.json, chain3.json, tree.json, adaptive.json, adaptive_table.json and
-# adaptive.log (7 files); the table is printed at the end.
+# $OUT gets plain.json, chain1.json, chain2.json, chain3.json, tree.json, adaptive.json, adaptive_table.json and
+# adaptive.log (8 files, as many as a device call brings back); the table is printed at the end.
 set -uo pipefail
 OUT=${OUT:-out/adaptive}
 # The widened pair (~16 GB) goes to memory when /dev/shm has room: four engines load it, and a slow disk

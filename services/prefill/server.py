@@ -146,8 +146,12 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             if params.max_new_tokens > 1 and engine.starts_next(job.req):  # else: as its first chunk computes
                 self._start_hand_off(engine, job, job.req)
 
+        # Added while a step computes (``call_soon``): the request joins the next step instead of waiting for
+        # this one to end first (a prompt's time to first token). A split engine's ranks replay calls between
+        # steps only.
+        admit = self.loop.call_soon if self.loop.engine.tp is None else self.loop.call
         try:
-            self.loop.call(add).result()
+            admit(add).result()
         except RequestError as e:
             self._forget(job)
             self.log.event("refused", rid, field=e.field, message=str(e))

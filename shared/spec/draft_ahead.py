@@ -47,6 +47,7 @@ class LaunchedDraft:
     inp: DecodeInputs  # padded to the bucket, on the device
     tree: DraftTree
     seconds: float  # host time of launching it: the draft time of the step that uses it
+    shape: str  # the tree shape it was drafted with (``SpecConfig.name``)
 
     def rows_for(self, reqs: list[Request]) -> list[int] | None:
         """Each request's row here when ``reqs`` are some of this draft's requests, in its order, each
@@ -97,11 +98,14 @@ class DraftAhead:
                 for r in reqs]
         return caps if max(caps) <= self.room else None
 
-    def take(self, reqs: list[Request]) -> Drafted | None:
-        """The draft launched ahead for ``reqs`` (the rows of requests that ended since become
-        padding), or None: then the step drafts anew."""
+    def take(self, reqs: list[Request], shape: str) -> Drafted | None:
+        """The draft launched ahead for ``reqs`` with tree shape ``shape`` (the rows of requests that ended
+        since become padding), or None: then the step drafts anew (a step of another shape drops it)."""
         pending, self.pending = self.pending, None
         if pending is None:
+            return None
+        if pending.shape != shape:
+            self.dropped += 1
             return None
         rows = pending.rows_for(reqs)
         if rows is None:
@@ -117,16 +121,16 @@ class DraftAhead:
         return Drafted(inp, pending.tree, len(reqs), index, pending.seconds)
 
     def launch(self, reqs: list[Request], inp: DecodeInputs, out: StepOutput, caps: list[int],
-               draft: PhaseGraphs) -> float:
-        """Launch the next step's draft from this step's device output (the requests' rows); returns
-        the host time it took."""
+               draft: PhaseGraphs, shape: str) -> float:
+        """Launch the next step's draft of tree shape ``shape`` (``draft``: its draft phase) from this
+        step's device output (the requests' rows); returns the host time it took."""
         t0 = time.perf_counter()
         n = len(reqs)
         bs = draft.bucket(n) or n
         nxt = tree_map(lambda t: pad_rows(t, bs), self.next_inputs(inp, out, caps))
         tree = draft(nxt)
         seconds = time.perf_counter() - t0
-        self.pending = LaunchedDraft(list(reqs), [None] * n, nxt, tree, seconds)
+        self.pending = LaunchedDraft(list(reqs), [None] * n, nxt, tree, seconds, shape)
         return seconds
 
     def next_inputs(self, inp: DecodeInputs, out: StepOutput, caps: list[int]) -> DecodeInputs:

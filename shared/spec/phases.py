@@ -39,8 +39,8 @@ class DecodeInputs:
     L: torch.Tensor  # [B] int64 committed lengths
     bonus: torch.Tensor  # [B] int64 the token at position L (root of the tree)
     hidden: torch.Tensor  # [B, Hd] draft recurrent hidden state
-    topk_p: torch.Tensor  # [B, k] float32 first tree level probabilities
-    topk_ids: torch.Tensor  # [B, k] int64 first tree level target token ids
+    topk_p: torch.Tensor  # [B, K] float32 first tree level probabilities, most likely first (K: state_topk)
+    topk_ids: torch.Tensor  # [B, K] int64 first tree level target token ids
     sampling: SamplingRows  # [B] each request's temperature, top-k, top-p, seed (padding: greedy)
 
 
@@ -51,8 +51,8 @@ class StepOutput:
     tokens: torch.Tensor  # [B, steps+1] int64 committed tokens in order (first accept_len valid)
     logprobs: torch.Tensor  # [B, steps+1] float32 target log p of each committed token
     hidden: torch.Tensor  # [B, Hd] next draft state: recurrent hidden
-    topk_p: torch.Tensor  # [B, k] next draft state: first tree level
-    topk_ids: torch.Tensor  # [B, k]
+    topk_p: torch.Tensor  # [B, K] next draft state: first tree level (K: state_topk)
+    topk_ids: torch.Tensor  # [B, K]
     # With top logprobs asked for (eager steps only): each committed token's distribution's n best
     top_logprobs: torch.Tensor | None = None  # [B, steps+1, n] float32 log p, most likely first
     top_ids: torch.Tensor | None = None  # [B, steps+1, n] int64 their token ids
@@ -75,10 +75,14 @@ class SpecPhases:
     EAGLE and EAGLE-3, one per step for a multi-layer draft)."""
 
     def __init__(self, target: LlamaForCausalLM, target_cache: KVCache, draft_head: DraftHead,
-                 draft_caches: list[KVCache], spec: SpecConfig, capture_mode: str, aux_layers: tuple[int, ...]):
+                 draft_caches: list[KVCache], spec: SpecConfig, capture_mode: str, aux_layers: tuple[int, ...],
+                 state_topk: int | None = None):
         self.target, self.target_cache = target, target_cache
         self.draft_head, self.caches = draft_head, draft_caches
         self.spec = spec
+        # The first level's width the draft states carry (the widest shape's topk): a narrower shape drafts
+        # from its first ``spec.topk`` columns (most likely first) and leaves states of the full width.
+        self.state_topk = state_topk or spec.topk
         self.capture_mode, self.aux_layers = capture_mode, aux_layers
         k, steps = spec.topk, spec.steps
         # Which cache each draft loop forward runs on, and how many scratch slots precede it there.
@@ -101,7 +105,7 @@ class SpecPhases:
         k = self.spec.topk
         B = inp.L.numel()
         dev = inp.L.device
-        cand = Candidates.first_level(inp.topk_ids, inp.topk_p)
+        cand = Candidates.first_level(inp.topk_ids[:, :k], inp.topk_p[:, :k])
         leaf_idx = torch.arange(k, device=dev).expand(B, k)  # candidate index of each leaf
         leaf_hidden = inp.hidden.unsqueeze(1).expand(B, k, -1)
         ancestors = torch.zeros(B, k, 0, dtype=torch.bool, device=dev)  # over earlier forwards' leaves
@@ -219,9 +223,9 @@ class SpecPhases:
                           logprobs=path.logprobs, hidden=ext_hidden, topk_p=topk_p, topk_ids=topk_ids)
 
     def first_level(self, draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next tree's first level from the draft's logits [B, Vd]: probabilities [B, k] float32 and
-        target token ids [B, k] int64."""
-        topk_p, topk_draft = torch.softmax(draft_logits, dim=-1).topk(self.spec.topk, dim=-1)
+        """The next tree's first level from the draft's logits [B, Vd]: probabilities [B, K] float32 and
+        target token ids [B, K] int64, most likely first (K = ``state_topk``)."""
+        topk_p, topk_draft = torch.softmax(draft_logits, dim=-1).topk(self.state_topk, dim=-1)
         return topk_p, self.draft_head.to_target_ids(topk_draft)
 
     def _compact_target(self, inp: DecodeInputs, accept_index: torch.Tensor, valid: torch.Tensor) -> None:

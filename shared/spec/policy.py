@@ -1,25 +1,29 @@
-"""Speculation that never loses: per decode step, speculate or run a plain decode step.
+"""Speculation that never loses: per decode step, one of several speculative shapes, or a plain step.
 
-``fixed`` always speculates (the configured tree). ``adaptive`` compares expected output tokens per
-second: a speculative step commits ``E`` tokens per request (E = 1 + the expected accepted run, from
-the running per-position acceptance) in ``cost.spec_s(b)``, a plain step one token in
-``cost.decode_s(b)``; it speculates iff ``E * decode_s(b) > spec_s(b)``. At large batches the
-verify costs more than it saves (the recorded grid: 49.8 ms per EAGLE-3 iteration against a 17.9 ms
-decode step at batch 64 x 4096), and a head that stops being accepted costs every step it drafts.
+``fixed`` always speculates with the configured shape. ``adaptive`` compares expected output tokens per
+second: a speculative step of shape ``c`` commits ``E_c`` tokens per request (1 + the expected accepted
+run, from ``c``'s running per-position acceptance) in ``cost.spec_s(b, c)``, a plain step one token in
+``cost.decode_s(b)``; it runs the one with the most tokens per second (plain on a tie). At large batches
+the verify costs more than it saves (the recorded grid: 49.8 ms per EAGLE-3 iteration against a 17.9 ms
+decode step at batch 64 x 4096), and between there and batch 1 a shallower chain often beats the wide
+tree (recorded at 8B shape, batch 8: chain of 3 1305 tok/s, tree 1158).
 
-Both choices are lossless: a plain step's token is the target's, and its features still extend the
-draft (``Engine._run_plain_step``, under CUDA graphs as a plain engine's decode step is), so the next
-speculative step resumes from a complete draft state.
+Every choice is lossless: every shape resumes from the same draft state (the configured shape's
+first-level width, which narrower shapes take the first columns of) and leaves the draft KV complete up
+to the committed length; a plain step's token is the target's, and its features still extend the draft
+(``Engine._run_plain_step``).
 
-Acceptance decays (``decay`` per verify step) so it follows the traffic; while not speculating the
-policy speculates once every ``probe_every`` steps to keep it current, and each probe that leaves plain
-steps faster, having measured speculation no cheaper than expected (a probe faster than the estimate says
-the estimate is stale, e.g. a first step slowed by a one-time cost), doubles that interval (up to
-``max_probe_every``): a probe
-where speculation is far dearer (a head nobody accepts, a large batch) costs several plain steps, and
-probing at a fixed rate would cost up to a tenth of the throughput there. Step costs come from a
-``StepCost``: ``MeasuredCost`` times the engine's own steps (an average per batch-size bucket; a
-bucket not yet timed is tried), or any object with the two methods (the tests inject one).
+Acceptance is each shape's own (``Candidate.acceptance``): a tree's acceptance says little about a
+chain's, but the drafts of a chain of depth d are the first d of a deeper chain's, so a chain's verify
+steps also feed every shallower chain (``Candidate.chain``) exactly, and only the deepest chain needs probing.
+Acceptance decays (``decay`` per verify step) so it follows the traffic; each shape not chosen is run
+once every ``probe_every`` steps to keep its acceptance current, and each probe that leaves it still
+losing, having measured it no cheaper than expected (a probe faster than the estimate says the estimate
+is stale, e.g. a first step slowed by a one-time cost), doubles that shape's interval (up to
+``max_probe_every``): a probe of a shape that is far dearer (a head nobody accepts, a large batch) costs
+several plain steps. Step costs come from a ``StepCost``: ``MeasuredCost`` times the engine's own steps
+(an average per shape and batch-size bucket; a bucket not yet timed is tried), or any object with the
+two methods (the tests inject one).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ POLICIES = ("fixed", "adaptive")
 class StepCost(Protocol):
     def decode_s(self, batch: int) -> float | None: ...  # seconds of a plain decode step; None: unknown
 
-    def spec_s(self, batch: int) -> float | None: ...  # seconds of a speculative step; None: unknown
+    def spec_s(self, batch: int, shape: str) -> float | None: ...  # seconds of a step of that shape; None: unknown
 
 
 def bucket(batch: int) -> int:
@@ -43,9 +47,9 @@ def bucket(batch: int) -> int:
 
 @dataclass
 class MeasuredCost:
-    """Average seconds per step kind and batch-size bucket, from the steps the engine ran: the plain mean
-    of the first ``1 / weight`` steps (a first step slowed by a one-time cost weighs no more than the
-    others), a running average after."""
+    """Average seconds per step kind (``plain`` or a shape's name) and batch-size bucket, from the steps the
+    engine ran: the plain mean of the first ``1 / weight`` steps (a first step slowed by a one-time cost
+    weighs no more than the others), a running average after."""
 
     weight: float = 0.1  # of the newest step in the running average
     seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, bucket) -> seconds
@@ -60,8 +64,8 @@ class MeasuredCost:
     def decode_s(self, batch: int) -> float | None:
         return self.seconds.get(("plain", bucket(batch)))
 
-    def spec_s(self, batch: int) -> float | None:
-        return self.seconds.get(("spec", bucket(batch)))
+    def spec_s(self, batch: int, shape: str = "spec") -> float | None:
+        return self.seconds.get((shape, bucket(batch)))
 
 
 @dataclass
@@ -104,54 +108,124 @@ class Acceptance:
 
 
 @dataclass
+class Candidate:
+    """One speculative shape the policy may choose: its acceptance and its probes."""
+
+    name: str  # the shape's name (``SpecConfig.name``): the cost key
+    acceptance: Acceptance
+    chain: bool = False  # a chain: its verify steps predict every shallower chain's acceptance exactly
+    probe_interval: int = 0  # steps without it before the next probe (0: the policy's probe_every)
+    probe: tuple[int, int, float] | None = None  # (acceptance.observations, batch, spec_s) when its pending
+    # probe was chosen; None: no probe pending
+    idle: int = 0  # steps since it last ran
+
+    def covers(self, other: Candidate) -> bool:
+        """Whether this shape's verify steps measure ``other``'s acceptance too (a shallower chain's)."""
+        return self.chain and other.chain and other.acceptance.steps <= self.acceptance.steps
+
+    @property
+    def tokens(self) -> float | None:
+        return self.acceptance.expected_tokens()
+
+
+@dataclass
 class SpecPolicy:
     kind: str  # "fixed" or "adaptive"
-    acceptance: Acceptance
+    candidates: list[Candidate]  # the configured shape first: fixed always runs it
     cost: StepCost
-    probe_every: int = 16  # plain steps between two speculative probes of the acceptance ...
-    max_probe_every: int = 128  # ... doubled after each probe that found plain steps still faster, up to this
-    settled: float = 0.98  # a probe that lowers the speculative step's estimate below this share of it: unsettled
-    probe_interval: int = 0  # plain steps before the next probe (0: probe_every)
-    probe: tuple[int, int, float] | None = None  # (acceptance.observations, batch, spec_s) when the pending
-    # probe was chosen; None: no probe pending
-    plain_run: int = 0  # plain steps since the last speculative one
-    choices: dict[str, int] = field(default_factory=lambda: {"spec": 0, "plain": 0})
+    probe_every: int = 16  # steps between two probes of a shape not chosen ...
+    max_probe_every: int = 128  # ... doubled after each probe that found it still losing, up to this
+    settled: float = 0.98  # a probe that lowers the shape's estimate below this share of it: unsettled
+    choices: dict[str, int] = field(default_factory=lambda: {"spec": 0, "plain": 0})  # steps of each kind
+    shapes: dict[str, int] = field(default_factory=dict)  # speculative steps by shape
+    last: str | None = None  # the kind ("plain" or a shape) of the step that ran last
+    again: str | None = None  # a kind switched to, to run once more so that its own time is measured
 
     def __post_init__(self):
         if self.kind not in POLICIES:
             raise ValueError(f"spec policy must be one of {POLICIES}, got {self.kind!r}")
+        if not self.candidates:
+            raise ValueError("the spec policy needs at least one speculative shape")
 
-    def speculate(self, batch: int) -> bool:
-        """Whether this step of ``batch`` requests should speculate; counted in ``choices``."""
-        yes = self._decide(batch)
-        self.choices["spec" if yes else "plain"] += 1
-        self.plain_run = 0 if yes else self.plain_run + 1
-        return yes
+    @classmethod
+    def of(cls, kind: str, shapes: list, cost: StepCost) -> SpecPolicy:
+        """A policy over ``shapes`` (``SpecConfig``s, the configured one first)."""
+        return cls(kind, [Candidate(s.name, Acceptance(s.steps), chain=s.topk == 1) for s in shapes], cost)
 
-    def _decide(self, batch: int) -> bool:
+    def choose(self, batch: int) -> str | None:
+        """The shape this step of ``batch`` requests runs, None for a plain step; counted in ``choices``."""
+        if self.again is not None and self.kind == "adaptive":
+            name, self.again = (None if self.again == "plain" else self.again), None
+        else:
+            name = self._decide(batch)
+        self.choices["plain" if name is None else "spec"] += 1
+        if name is not None:
+            self.shapes[name] = self.shapes.get(name, 0) + 1
+        for c in self.candidates:
+            c.idle = 0 if c.name == name else c.idle + 1
+        return name
+
+    def ran(self, kind: str, batch: int, seconds: float) -> None:
+        """A step of ``kind`` ("plain" or a shape) took ``seconds`` on the host. Its time is the kind's own
+        only after a step of the same kind: the first step after a switch also waits for what the step before
+        left on the device (a draft launched ahead, a plain step's draft extend) and starts without a draft
+        of its own launched ahead, so it is not recorded, and the kind runs once more to be timed."""
+        if kind == self.last and isinstance(self.cost, MeasuredCost):
+            self.cost.record(kind, batch, seconds)
+        elif kind != self.last and self.last is not None:
+            self.again = kind
+        self.last = kind
+
+    def observe(self, shape: str, drafts: int, reached: list[int]) -> None:
+        """A verify step of ``shape``: ``drafts`` verified, ``reached[i]`` of them accepted up to position i
+        (counter increments, ``SpecTokenCounts``); every shape it covers learns from it too."""
+        ran = self._candidate(shape)
+        for c in self.candidates:
+            if c is ran or ran.covers(c):
+                c.acceptance.observe_counts(drafts, reached[:c.acceptance.steps])
+
+    def _candidate(self, shape: str) -> Candidate:
+        return next(c for c in self.candidates if c.name == shape)
+
+    def _decide(self, batch: int) -> str | None:
+        first = self.candidates[0]
         if self.kind == "fixed":
-            return True
-        tokens, spec_s, decode_s = self.acceptance.expected_tokens(), self.cost.spec_s(batch), \
-            self.cost.decode_s(batch)
-        if tokens is None or spec_s is None:
-            return True  # nothing known yet: measure speculation first
+            return first.name
+        spec_s = {c.name: self.cost.spec_s(batch, c.name) for c in self.candidates}
+        for c in self.candidates:  # what is not known yet is measured first
+            if c.tokens is None or spec_s[c.name] is None:
+                return c.name
+        decode_s = self.cost.decode_s(batch)
         if decode_s is None:
-            return False  # then a plain step, once, to know what it costs
-        if tokens * decode_s > spec_s:
-            self.probe_interval, self.probe = 0, None
-            return True
-        self._back_off_after_probe()
-        if self.plain_run + 1 < (self.probe_interval or self.probe_every):
-            return False
-        self.probe = (self.acceptance.observations, batch, spec_s)  # keep the acceptance current
-        return True
+            return None  # then a plain step, once, to know what it costs
+        best, best_rate = None, 1 / decode_s
+        for c in self.candidates:
+            if c.tokens / spec_s[c.name] > best_rate:
+                best, best_rate = c.name, c.tokens / spec_s[c.name]
+        for c in self.candidates:
+            if c.name == best:
+                c.probe_interval, c.probe = 0, None
+            else:
+                self._back_off_after_probe(c)
+        return self._probe(batch, best, spec_s) or best
 
-    def _back_off_after_probe(self) -> None:
-        """Plain steps still win after the pending probe was observed: probe half as often, unless the probe
+    def _probe(self, batch: int, best: str | None, spec_s: dict[str, float]) -> str | None:
+        """A shape not chosen whose acceptance is due for a probe (the longest idle), if any; a shape another
+        one's steps keep measuring (a shallower chain) is never probed for it."""
+        due = [c for c in self.candidates if c.name != best and c.idle + 1 >= (c.probe_interval or self.probe_every)
+               and not any(o is not c and o.covers(c) for o in self.candidates)]
+        if not due:
+            return None
+        c = max(due, key=lambda c: c.idle)
+        c.probe = (c.acceptance.observations, batch, spec_s[c.name])
+        return c.name
+
+    def _back_off_after_probe(self, c: Candidate) -> None:
+        """``c`` still loses after its pending probe was observed: probe it half as often, unless the probe
         ran enough faster than the estimate it was chosen with to lower it (the estimate is settling)."""
-        if self.probe is None or self.acceptance.observations == self.probe[0]:
+        if c.probe is None or c.acceptance.observations == c.probe[0]:
             return
-        _, batch, expected = self.probe
-        self.probe = None
-        if self.cost.spec_s(batch) >= self.settled * expected:
-            self.probe_interval = min(2 * (self.probe_interval or self.probe_every), self.max_probe_every)
+        _, batch, expected = c.probe
+        c.probe = None
+        if self.cost.spec_s(batch, c.name) >= self.settled * expected:
+            c.probe_interval = min(2 * (c.probe_interval or self.probe_every), self.max_probe_every)

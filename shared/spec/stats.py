@@ -131,18 +131,20 @@ class SpecRecorder:
         return [b for b in self.batches if b.step >= mark]
 
     def record(self, events: list[tuple[Request, list[int]]], verified: list[int], draft_s: float,
-               verify_s: float) -> None:
+               verify_s: float, steps: int | None = None) -> None:
         """One verify step, after its commit: ``events`` are (request, tokens it committed), ``verified``
-        the accepted drafts + bonus of each as verification found them (before a stop cut them)."""
-        self.tokens.record(verified)
+        the accepted drafts + bonus of each as verification found them (before a stop cut them); ``steps``:
+        the drafts each could accept (the step's tree depth; default the configured ``self.steps``)."""
+        steps = steps or self.steps
+        self.tokens.record(verified, steps)
         n = len(events)
         for (req, taken), accepted in zip(events, verified):
-            req.stats.add(SpecStats(verify_steps=1, accepted_drafts=accepted - 1, proposed_drafts=self.steps,
+            req.stats.add(SpecStats(verify_steps=1, accepted_drafts=accepted - 1, proposed_drafts=steps,
                                     committed_tokens=len(taken),  # a stop inside the run: only up to it
                                     draft_time_s=draft_s / n, verify_time_s=verify_s / n))
         batch = SpecBatchStats(step=self.num_batches, request_ids=[r.rid for r, _ in events],
                                committed=[len(toks) for _, toks in events], verified=verified,
-                               drafts_per_request=self.steps, draft_time_s=draft_s, verify_time_s=verify_s)
+                               drafts_per_request=steps, draft_time_s=draft_s, verify_time_s=verify_s)
         self.totals.add(batch.totals())
         if events:  # an empty step verifies nothing: no batch to report
             self.batches.append(batch)

@@ -30,11 +30,12 @@ class SpecTokenCounts:
         return SpecTokenCounts(self.steps, self.drafts, self.draft_tokens, self.accepted_tokens,
                                list(self.accepted_per_pos))
 
-    def record(self, verified: list[int]) -> None:
-        """One verify step: per request, the nodes verification accepted, root included (>= 1)."""
+    def record(self, verified: list[int], steps: int | None = None) -> None:
+        """One verify step: per request, the nodes verification accepted, root included (>= 1); ``steps``:
+        the step's draft positions (a shallower tree's; default ``self.steps``)."""
         for n in verified:
             self.drafts += 1
-            self.draft_tokens += self.steps
+            self.draft_tokens += steps or self.steps
             self.accepted_tokens += n - 1
             for pos in range(n - 1):
                 self.accepted_per_pos[pos] += 1

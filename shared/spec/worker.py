@@ -10,6 +10,12 @@ chunking (seed 000). Every per-token output of verification is gathered by one a
 A decode step (``SpecWorker.decode_step``) reads top to bottom: reserve pages, draft (or take the
 draft launched ahead: ``shared/spec/draft_ahead.py``), verify and extend, launch the next step's draft
 ahead, commit, record the statistics (``shared/spec/stats.py``).
+
+An adaptive engine's worker runs several tree shapes (``SpecShape``: the configured one and narrower or
+shallower ones, ``EngineConfig.spec_shapes``), one per step as the policy chooses. Every shape drafts from
+and leaves the same draft state (the first level at the configured topk, ``SpecPhases.state_topk``), reserves
+pages for the configured one (the widest) and extends the draft over every committed position on every draft
+cache, so the next step may run any shape. Each has its own phases and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,6 +59,15 @@ def shifted_tokens(req: Request, start: int, end: int) -> list[int]:
     return ids[start + 1:end + 1]
 
 
+@dataclass
+class SpecShape:
+    """One tree shape the worker can run a decode step with: its phases and their CUDA graphs."""
+
+    spec: SpecConfig
+    phases: SpecPhases
+    graphs: dict[str, PhaseGraphs]  # draft, verify, extend, verify_extend (the configured shape's: plain's too)
+
+
 class SpecWorker:
     def __init__(self, target: LlamaForCausalLM, target_cache: KVCache, draft: DraftHead, spec: SpecConfig,
                  config: EngineConfig, max_context: int, graph_failures: list[CaptureFailure] | None = None,
@@ -67,8 +83,6 @@ class SpecWorker:
                        for _ in range(self.cache_count(draft, spec))]
         self.capture_mode = "aux" if draft.kind == "eagle3" else "last"
         self.aux_layers = getattr(draft, "aux_layers", ())
-        self.phases = SpecPhases(self.target, self.target_cache, draft, self.caches, spec, self.capture_mode,
-                                 self.aux_layers)
         self.stats = SpecRecorder(spec.steps)
         # Each processed request's penalty rows, on the device across steps (the engine's: its prefill
         # samples with the same rows)
@@ -81,19 +95,37 @@ class SpecWorker:
         def flush() -> None:  # the step's slot reservations, on the device before a graph reads them
             flush_tables([target_cache, *self.caches])
 
-        self.graphs = {name: PhaseGraphs(name, getattr(self.phases, name), name in on, config.cuda_graph_max_bs,
-                                         failures, before_replay=flush)
-                       for name in ("draft", "verify", "extend")}
-        # Verify + acceptance + extend run as one graph when both phases are on, whatever the batch samples.
-        self.graphs["verify_extend"] = PhaseGraphs("verify_extend", self.phases.verify_extend,
-                                                   {"verify", "extend"} <= on, config.cuda_graph_max_bs, failures,
-                                                   before_replay=flush)
+        # The configured shape first (its graphs keep the phases' own names), then the policy's others.
+        self.shapes = {s.name: self._shape(s, on, config.cuda_graph_max_bs, failures, flush, s != spec)
+                       for s in dict.fromkeys([spec, *config.spec_shapes()[1:]])}
+        self.phases, self.graphs = self.shapes[spec.name].phases, self.shapes[spec.name].graphs
         if config.spec_policy == "adaptive":  # its plain steps' graphs (fixed never runs one: it has none)
             self.graphs.update(self._plain_graphs(on, config.cuda_graph_max_bs, failures, flush))
         ahead = config.spec_draft_ahead
         enabled = target_cache.layout.device.type == "cuda" if ahead is None else ahead
         room = min(cache.layout.max_context - self._draft_reach(c) for c, cache in enumerate(self.caches))
         self.ahead = DraftAhead(enabled, spec.steps, room, self.dtype)
+
+    def _shape(self, spec: SpecConfig, on: set[str], max_bs: int, failures: list[CaptureFailure],
+               flush: Callable[[], None], suffixed: bool) -> SpecShape:
+        """The phases of tree shape ``spec`` (states as wide as the configured shape's) and their graphs;
+        ``suffixed``: the graphs' names end with the shape's (``draft.chain1``), all but the configured's."""
+        if not self.spec.holds(spec):
+            raise ValueError(f"spec shape {spec.name} does not fit the configured {self.spec.name}")
+        phases = SpecPhases(self.target, self.target_cache, self.draft, self.caches, spec, self.capture_mode,
+                            self.aux_layers, state_topk=self.spec.topk)
+        tag = f".{spec.name}" if suffixed else ""
+        graphs = {name: PhaseGraphs(name + tag, getattr(phases, name), name in on, max_bs, failures,
+                                    before_replay=flush)
+                  for name in ("draft", "verify", "extend")}
+        # Verify + acceptance + extend run as one graph when both phases are on, whatever the batch samples.
+        graphs["verify_extend"] = PhaseGraphs("verify_extend" + tag, phases.verify_extend, {"verify", "extend"} <= on,
+                                              max_bs, failures, before_replay=flush)
+        return SpecShape(spec, phases, graphs)
+
+    def phase_graphs(self) -> list[PhaseGraphs]:
+        """Every shape's CUDA graph phases, and the plain step's."""
+        return list(self.graphs.values()) + [g for s in list(self.shapes.values())[1:] for g in s.graphs.values()]
 
     def _plain_graphs(self, on: set[str], max_bs: int, failures: list[CaptureFailure],
                       flush: Callable[[], None]) -> dict[str, PhaseGraphs]:
@@ -199,24 +231,28 @@ class SpecWorker:
         self._resume([reqs[i] for i in running], out.hidden, out.topk_p, out.topk_ids, running)
 
     # ---- one decode step -------------------------------------------------------------------------
-    def decode_step(self, reqs: list[Request], next_grows: bool = False) -> list[tuple[Request, list[int]]]:
+    def decode_step(self, reqs: list[Request], next_grows: bool = False,
+                    shape: str | None = None) -> list[tuple[Request, list[int]]]:
         """Draft, verify, accept, compact and extend for ``reqs``: host bookkeeping around four pure
         tensor phases (each can be replayed from a CUDA graph). ``next_grows``: the next decode step
-        runs a request this one does not (then no draft is launched ahead for it)."""
+        runs a request this one does not (then no draft is launched ahead for it). ``shape``: the tree
+        shape's name (``self.shapes``; None: the configured one)."""
+        sh = self.shapes[shape or self.spec.name]
         # Penalties, filters and grammar masks change only the target's logits at verify: the draft
         # launched ahead serves a batch using them too (their rows are built from the committed tokens).
         processed = any(uses_processing(r.params) for r in reqs)
         caps = self.ahead.caps(reqs, next_grows)
         self._reserve(reqs, caps)
         t0 = time.perf_counter()
-        drafted = self.ahead.take(reqs) or self._draft(reqs)
+        drafted = self.ahead.take(reqs, sh.spec.name) or self._draft(reqs, sh)
         t1 = time.perf_counter()
         top_n = max((r.params.top_logprobs for r in reqs), default=0)  # an empty batch runs the same path
-        out, inp = self._verify(drafted, reqs if processed else None, top_n)
+        out, inp = self._verify(drafted, sh, reqs if processed else None, top_n)
         # The per-token outputs the host needs start on their way to it (the one sync of the step) ...
         host, ready = self._to_host(out)
         # ... and the next step's draft goes to the device behind them, timed as that step's draft.
-        ahead_s = self.ahead.launch(reqs, inp, out, caps, self.graphs["draft"]) if caps is not None else 0.0
+        ahead_s = self.ahead.launch(reqs, inp, out, caps, sh.graphs["draft"], sh.spec.name) if caps is not None \
+            else 0.0
         if self.before_host_wait is not None:
             self.before_host_wait()
         if ready is not None:
@@ -226,44 +262,45 @@ class SpecWorker:
         verified = out.accept_len.tolist()
         events = self._commit(reqs, inp, out)
         self.ahead.committed(reqs)
-        self.stats.record(events, verified, draft_s=t1 - t0 + drafted.earlier_s, verify_s=t2 - t1)
+        self.stats.record(events, verified, draft_s=t1 - t0 + drafted.earlier_s, verify_s=t2 - t1, steps=sh.spec.steps)
         return events
 
-    def _verify_extend(self, inp: DecodeInputs, tree: DraftTree, processing: LogitsRows | None = None,
+    def _verify_extend(self, inp: DecodeInputs, tree: DraftTree, sh: SpecShape, processing: LogitsRows | None = None,
                        top_n: int = 0) -> StepOutput:
         """Verify, accept and extend: one graph, or the verify and extend graphs with the acceptance
         between them (eager) when only one of those phases is captured, or when the batch has penalties,
         filters or grammar masks (``processing``) or asks for ``top_n`` log-probabilities: those apply
         eagerly to the verify graph's logits (the one-graph path holds no buffers for them: batches
         without pay nothing)."""
-        g = self.graphs
+        g = sh.graphs
         split = processing is not None or top_n > 0 or (
             not g["verify_extend"].enabled and (g["verify"].enabled or g["extend"].enabled))
         if not split:
             return g["verify_extend"](inp, tree)
         logits, feats = g["verify"](inp, tree)
-        return self.phases.accept_extend(inp, tree, logits, feats, processing, top_n, extend=g["extend"])
+        return sh.phases.accept_extend(inp, tree, logits, feats, processing, top_n, extend=g["extend"])
 
     def drop_ahead(self) -> None:
         """No decode step is coming: forget the draft launched ahead."""
         self.ahead.drop()
 
-    def _draft(self, reqs: list[Request]) -> Drafted:
-        """Draft the tree from the requests' committed states. Padded rows: request row 0, length 0; an
-        empty batch runs one such row, the same path."""
+    def _draft(self, reqs: list[Request], sh: SpecShape | None = None) -> Drafted:
+        """Draft the tree of shape ``sh`` (the configured one by default) from the requests' committed
+        states. Padded rows: request row 0, length 0; an empty batch runs one such row, the same path."""
+        sh = sh or self.shapes[self.spec.name]
         n = len(reqs)
-        bs = self.graphs["draft"].bucket(n) or max(n, 1)
+        bs = sh.graphs["draft"].bucket(n) or max(n, 1)
         inp = tree_map(lambda t: pad_rows(t, bs), self._inputs(reqs))
-        return Drafted(inp, self.graphs["draft"](inp), n)
+        return Drafted(inp, sh.graphs["draft"](inp), n)
 
-    def _verify(self, d: Drafted, processed: list[Request] | None = None,
+    def _verify(self, d: Drafted, sh: SpecShape, processed: list[Request] | None = None,
                 top_n: int = 0) -> tuple[StepOutput, DecodeInputs]:
         """Verify the tree, accept (every row by its own rule, on the device), compact and extend; the
         requests' rows of the output and inputs. ``processed``: the requests whose penalties, filters
         and grammar masks apply (built now, from the committed tokens and grammar states, whoever drafted
         the tree); ``top_n``: the top log-probabilities the batch asks for."""
         rows = None if processed is None else self._logits_rows(processed, d)
-        out = self._verify_extend(d.inp, d.tree, rows, top_n)
+        out = self._verify_extend(d.inp, d.tree, sh, rows, top_n)
         return tree_map(d.take, out), tree_map(d.take, d.inp)
 
     def _logits_rows(self, reqs: list[Request], d: Drafted) -> LogitsRows | None:
@@ -307,16 +344,23 @@ class SpecWorker:
                                                                                           device=dev),
                                sampling=SamplingRows(temperature=torch.zeros(bs, device=dev), top_k=ints.clone(),
                                                      top_p=torch.zeros(bs, device=dev), seed=ints.clone()))
-            tree = g["draft"](inp)
-            if g["verify_extend"].capture:
-                g["verify_extend"](inp, tree)
-            if g["verify"].capture or g["extend"].capture:
-                logits, feats = g["verify"](inp, tree)
-                g["extend"](inp, tree, self.phases.accept(inp, tree, logits), logits, feats)
+            for sh in self.shapes.values():
+                self._capture_shape(sh, inp)
             if "plain" in g and g["plain"].capture:
                 logits, feats = g["plain"](ints, ints.clone(), ints.clone())
                 g["plain_extend"](inp.draft_rows, ints.clone(), ints.clone(), feats)
-        return sum(len(p.captured_sizes) for p in g.values())
+        return sum(len(p.captured_sizes) for p in self.phase_graphs())
+
+    @staticmethod
+    def _capture_shape(sh: SpecShape, inp: DecodeInputs) -> None:
+        """One shape's graphs at ``inp``'s batch size (padding rows), in the order a decode step runs them."""
+        g = sh.graphs
+        tree = g["draft"](inp)
+        if g["verify_extend"].capture:
+            g["verify_extend"](inp, tree)
+        if g["verify"].capture or g["extend"].capture:
+            logits, feats = g["verify"](inp, tree)
+            g["extend"](inp, tree, sh.phases.accept(inp, tree, logits), logits, feats)
 
     def _reserve(self, reqs: list[Request], caps: list[int] | None = None) -> None:
         """Pages for every position this step may write: verify nodes, tree scratch, extend; with
@@ -397,7 +441,7 @@ class SpecWorker:
         table = self.target_cache.req_to_token
         if table.table is table.host:  # on the CPU the table is its own mirror
             return
-        n = self.spec.num_draft_tokens
+        n = self.spec.num_draft_tokens  # the widest tree's: a smaller one's nodes past its own stay in place
         for b, r in enumerate(reqs):
             path = accept_index[b][:lens[b]]
             if path == list(range(len(path))):

@@ -28,7 +28,7 @@ class Cost:
     def decode_s(self, batch):
         return 0.01
 
-    def spec_s(self, batch):
+    def spec_s(self, batch, shape):
         self.calls += 1
         return self.spec(self.calls)
 
@@ -44,11 +44,11 @@ def switching():
 def adaptive(model_dir, kind, device, graphs, cost, **cfg):
     config = EngineConfig(**{"device": device, "page_size": 16, "chunk_size": 8, "cuda_graph": graphs,
                              "cuda_graph_max_bs": 8, "spec": SpecConfig(topk=2, steps=3, num_draft_tokens=6),
-                             "spec_policy": "adaptive", **cfg})
+                             "spec_policy": "adaptive", "spec_candidates": (), **cfg})  # one shape or plain
     engine = Engine(model_dir / "target", model_dir / kind, config)
     engine.spec_policy.cost = cost
     engine.spec_policy.probe_every = 10 ** 6  # no probe: a forced plain step stays plain
-    engine.spec_policy.acceptance.observe([2])
+    engine.spec_policy.candidates[0].acceptance.observe([2])
     return engine
 
 

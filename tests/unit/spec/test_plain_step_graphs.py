@@ -27,10 +27,11 @@ DEAR_SPEC = TableCost(decode=lambda b: 0.01, spec=lambda b: 1.0)  # speculation 
 
 def adaptive(models, kind: str, graphs: bool, cost, **cfg):
     """An adaptive engine whose acceptance is known, so that the injected ``cost`` alone decides."""
-    engine = models.engine(kind, topk=2, steps=3, ndt=6, cuda_graph=graphs, spec_policy="adaptive", **cfg)
+    engine = models.engine(kind, topk=2, steps=3, ndt=6, cuda_graph=graphs, spec_policy="adaptive",
+                           spec_candidates=(), **cfg)  # the configured shape or a plain step
     engine.spec_policy.cost = cost
     engine.spec_policy.probe_every = 10 ** 6  # no probe: a forced plain step stays plain
-    engine.spec_policy.acceptance.observe([2])
+    engine.spec_policy.candidates[0].acceptance.observe([2])
     return engine
 
 

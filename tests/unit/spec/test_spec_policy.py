@@ -16,7 +16,7 @@ import torch
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
 from shared.sampling import SamplingParams
-from shared.spec.policy import Acceptance, MeasuredCost, SpecPolicy, bucket
+from shared.spec.policy import Acceptance, Candidate, MeasuredCost, SpecPolicy, bucket
 
 
 class TableCost:
@@ -28,44 +28,53 @@ class TableCost:
     def decode_s(self, batch):
         return self.decode(batch)
 
-    def spec_s(self, batch):
+    def spec_s(self, batch, shape="spec"):
         return self.spec(batch)
 
 
 GRID = TableCost(decode=lambda b: 0.010 + 0.0001 * b, spec=lambda b: 0.020 + 0.0008 * b)  # spec dearer with b
 
 
+def single(kind: str, cost, steps: int = 3) -> SpecPolicy:
+    """A policy choosing between one speculative shape (named ``spec``) and plain steps."""
+    return SpecPolicy(kind, [Candidate("spec", Acceptance(steps))], cost)
+
+
+def speculates(p: SpecPolicy, batch: int) -> bool:
+    return p.choose(batch) is not None
+
+
 def policy(kind: str, accepted_nodes: int, steps: int = 3, cost=GRID) -> SpecPolicy:
-    p = SpecPolicy(kind, Acceptance(steps), cost)
+    p = single(kind, cost, steps)
     for _ in range(20):
-        p.acceptance.observe([accepted_nodes] * 4)
+        p.candidates[0].acceptance.observe([accepted_nodes] * 4)
     return p
 
 
 def test_adaptive_picks_none_when_acceptance_is_about_zero():
     p = policy("adaptive", accepted_nodes=1)
-    assert p.acceptance.expected_tokens() == pytest.approx(1.0)
-    assert [p.speculate(1) for _ in range(5)] == [False] * 5
-    assert policy("fixed", accepted_nodes=1).speculate(1) is True
+    assert p.candidates[0].acceptance.expected_tokens() == pytest.approx(1.0)
+    assert [speculates(p, 1) for _ in range(5)] == [False] * 5
+    assert speculates(policy("fixed", accepted_nodes=1), 1) is True
 
 
 def test_adaptive_speculates_when_acceptance_is_high_and_stops_at_large_batches():
     p = policy("adaptive", accepted_nodes=4)  # every draft of 3 accepted: 4 tokens per step
-    assert p.acceptance.expected_tokens() == pytest.approx(4.0)
-    assert p.speculate(1) and p.speculate(8)  # 4 x 10.1 ms > 20.8 ms
-    assert not p.speculate(64)  # 4 x 16.4 ms < 71.2 ms: verification costs more than it saves
+    assert p.candidates[0].acceptance.expected_tokens() == pytest.approx(4.0)
+    assert speculates(p, 1) and speculates(p, 8)  # 4 x 10.1 ms > 20.8 ms
+    assert not speculates(p, 64)  # 4 x 16.4 ms < 71.2 ms: verification costs more than it saves
     assert p.choices == {"spec": 2, "plain": 1}
 
 
 def test_adaptive_probes_acceptance_while_not_speculating_and_measures_unknown_costs_first():
     p = policy("adaptive", accepted_nodes=1)
-    picks = [p.speculate(1) for _ in range(2 * p.probe_every)]
+    picks = [speculates(p, 1) for _ in range(2 * p.probe_every)]
     assert picks.count(True) == 2 and picks[p.probe_every - 1] and picks[-1]
-    fresh = SpecPolicy("adaptive", Acceptance(3), MeasuredCost())
-    assert fresh.speculate(4) is True  # no acceptance yet: speculate to learn it
-    fresh.acceptance.observe([1, 1])
+    fresh = single("adaptive", MeasuredCost())
+    assert speculates(fresh, 4) is True  # no acceptance yet: speculate to learn it
+    fresh.candidates[0].acceptance.observe([1, 1])
     fresh.cost.record("spec", 4, 0.02)
-    assert fresh.speculate(3) is False  # plain never timed at this bucket: time it once
+    assert speculates(fresh, 3) is False  # plain never timed at this bucket: time it once
     fresh.cost.record("plain", 3, 0.01)
     assert fresh.cost.decode_s(4) == 0.01 and bucket(3) == bucket(4) == 4
 
@@ -95,17 +104,37 @@ class Alternating:
     def decode_s(self, batch):
         return 1.0
 
-    def spec_s(self, batch):
+    def spec_s(self, batch, shape="spec"):
         self.calls += 1
         return 0.5 if self.calls % 2 else 100.0
 
 
-def switching_engine(root, params_batch: int) -> Engine:
+class Rotating:
+    """Costs that make the next entry of ``order`` the fastest at each decision (a shape's name; None: a plain
+    step)."""
+
+    def __init__(self, order: list[str | None]):
+        self.order, self.turn = order, 0
+
+    def spec_s(self, batch, shape):
+        return 0.5 if shape == self.order[self.turn % len(self.order)] else 100.0
+
+    def decode_s(self, batch):  # asked once per decision, after every shape's cost
+        self.turn += 1
+        return 1.0
+
+
+def switching_engine(root, params_batch: int, every_shape: bool = False) -> Engine:
+    """An adaptive engine between its one configured shape and plain steps (``spec_candidates=()``), or, with
+    ``every_shape``, among its default shapes (the tree, chains of 3, 2, 1) and plain steps in turn."""
     config = EngineConfig(max_running=params_batch, max_context=128, spec_policy="adaptive",
+                          spec_candidates=None if every_shape else (),
                           spec=SpecConfig(topk=2, steps=3, num_draft_tokens=6))
     engine = Engine(root / "target", draft=root / "eagle3", config=config)
-    engine.spec_policy.cost = Alternating()
-    engine.spec_policy.acceptance.observe([2])  # known acceptance: the costs decide
+    names = list(engine.speculator.shapes)
+    engine.spec_policy.cost = Rotating([*names, None]) if every_shape else Alternating()
+    for c in engine.spec_policy.candidates:
+        c.acceptance.observe([2])  # known acceptance: the costs decide
     return engine
 
 
@@ -122,18 +151,31 @@ def test_greedy_equals_target_only_with_the_policy_switching_mid_request(oracle_
     assert engine.is_idle_and_clean()
 
 
-def test_sampled_tokens_keep_the_target_distribution_with_the_policy_switching(oracle_model_dir):
+TARGET_SAMPLES: dict[tuple, Counter] = {}  # the target-only engine's counts, computed once per prompt and n
+
+
+def target_samples(root, prompt: list[int], n: int) -> Counter:
+    key = (str(root), tuple(prompt), n)
+    if key not in TARGET_SAMPLES:
+        plain = Engine(root / "target", config=EngineConfig(max_running=1, max_context=64))
+        TARGET_SAMPLES[key] = Counter(tuple(plain.generate(prompt, SamplingParams(
+            max_new_tokens=3, ignore_eos=True, temperature=1.0, seed=seed))[0].token_ids[1:]) for seed in range(n))
+    return TARGET_SAMPLES[key]
+
+
+@pytest.mark.parametrize("every_shape", [False, True], ids=["one-shape", "every-shape"])
+def test_sampled_tokens_keep_the_target_distribution_with_the_policy_switching(oracle_model_dir, every_shape):
     """The third output token (decoded after one speculative or plain step) over 300 seeds, against the
     target-only engine's: a chi-square two-sample test over the tokens seen."""
     prompt, n = [5, 6, 7, 8], 300
-    plain = Engine(oracle_model_dir / "target", config=EngineConfig(max_running=1, max_context=64))
-    engine = switching_engine(oracle_model_dir, 1)
-    a, b = Counter(), Counter()
+    engine = switching_engine(oracle_model_dir, 1, every_shape)
+    a, b = target_samples(oracle_model_dir, prompt, n), Counter()
     for seed in range(n):
         params = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=1.0, seed=seed)
-        a[tuple(plain.generate(prompt, params)[0].token_ids[1:])] += 1
         b[tuple(engine.generate(prompt, params)[0].token_ids[1:])] += 1
     assert engine.spec_policy.choices["spec"] > 50 and engine.spec_policy.choices["plain"] > 50
+    if every_shape:
+        assert len(engine.spec_policy.shapes) == 4 and min(engine.spec_policy.shapes.values()) > 50
     keys = sorted(set(a) | set(b))
     obs = torch.tensor([[a[k] for k in keys], [b[k] for k in keys]], dtype=torch.float64)
     expected = obs.sum(1, keepdim=True) * obs.sum(0, keepdim=True) / obs.sum()
@@ -154,12 +196,12 @@ def dry_run(kind: str, cost: TableCost, batch: int, verified: list[int], steps: 
     ``verified`` (cycled), each step costing what ``cost`` says; the policy starts knowing nothing. With
     ``measured_first_spec``, the policy times the steps itself (``MeasuredCost``) and its first speculative
     step takes that many times its cost (a one-time cost)."""
-    p = SpecPolicy(kind, Acceptance(3), cost if measured_first_spec is None else MeasuredCost())
+    p = single(kind, cost if measured_first_spec is None else MeasuredCost())
     seconds = tokens = 0.0
     for _ in range(steps):
-        if p.speculate(batch):
+        if speculates(p, batch):
             nodes = [verified[(i + p.choices["spec"]) % len(verified)] for i in range(batch)]
-            p.acceptance.observe(nodes)
+            p.candidates[0].acceptance.observe(nodes)
             kind, took, made = "spec", cost.spec_s(batch) * (measured_first_spec or 1.0), sum(nodes)
             measured_first_spec = 1.0 if measured_first_spec else None
         else:
@@ -197,3 +239,25 @@ def test_measured_cost_is_a_plain_mean_of_the_first_steps_then_a_running_average
     assert cost.spec_s(4) == pytest.approx(2.0)  # (5 + 1 + 1 + 1) / 4
     cost.record("spec", 4, 0.0)
     assert cost.spec_s(4) == pytest.approx(1.5)  # then the newest step weighs 0.25
+
+
+def test_a_step_after_a_switch_is_not_taken_as_its_kinds_cost():
+    """A step that follows a step of another kind also pays for what that one left on the device (a draft
+    launched ahead): 15 ms more for a plain step after a speculative one. Timed that way, plain steps (10 ms
+    steady) would look dearer than speculative ones (20 ms for 1.5 tokens) and lose; the policy times each
+    kind on its second step in a row, repeats a kind it switched to, and settles on plain."""
+    p = single("adaptive", MeasuredCost())
+    steady, carried = {"plain": 0.010, "spec": 0.020}, {("spec", "plain"): 0.015, ("plain", "spec"): 0.005}
+    previous, kinds = None, []
+    for _ in range(600):
+        shape = p.choose(8)
+        kind = shape or "plain"
+        if shape is not None:
+            p.observe(shape, 8, [4, 0, 0])  # half the drafts accepted at the first position: 1.5 tokens a step
+        p.ran(kind, 8, steady[kind] + carried.get((previous, kind), 0.0))
+        previous = kind
+        kinds.append(kind)
+    assert p.cost.decode_s(8) == pytest.approx(0.010) and p.cost.spec_s(8, "spec") == pytest.approx(0.020)
+    assert kinds[-300:].count("plain") >= 0.9 * 300
+    switches = [i for i in range(1, len(kinds) - 1) if kinds[i] != kinds[i - 1]]
+    assert switches and all(kinds[i + 1] == kinds[i] for i in switches)  # every switch runs twice

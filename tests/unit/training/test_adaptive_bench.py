@@ -31,10 +31,10 @@ def test_text_prompts_are_seeded_windows_of_the_text():
 def test_table_compares_adaptive_with_the_best_of_plain_and_fixed_at_each_point():
     reports = {"plain": report({1: 100.0, 64: 3000.0}), "chain3": report({1: 220.0, 64: 2000.0}, 2.4),
                "tree": report({1: 240.0, 64: 1800.0}, 2.7), "adaptive": report({1: 235.0, 64: 2800.0}, 2.7)}
-    assert faster_fixed(reports, 1) == "tree"
+    assert faster_fixed(reports, 1) == "tree" and faster_fixed(reports, 64) == "chain3"
     rows = {r["concurrency"]: r for r in table(reports, [1, 64])}
     assert rows[1]["best_fixed_or_plain"] == 240.0 and rows[1]["adaptive_ratio"] == pytest.approx(235 / 240)
-    assert rows[1]["meets_bar"] is True
+    assert rows[1]["meets_bar"] is True and rows[1]["best_fixed"] == "tree"
     assert rows[64]["best_fixed_or_plain"] == 3000.0 and rows[64]["meets_bar"] is (2800 / 3000 >= BAR) is False
     assert rows[64]["spec"]["tree"]["accept_length"] == 2.7
 
