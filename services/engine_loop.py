@@ -89,7 +89,8 @@ class EngineLoop:
     def call_soon(self, fn: Callable[[Engine], object]) -> Future:
         """Run ``fn(engine)`` on the loop thread between steps or during one, while the device computes it.
         ``fn`` must leave alone what the step in flight holds: it may claim free pages and add requests
-        that join at the next step or later, never release a request or change a running one."""
+        that join at the next step or later, never release a request or change a running one. Under tensor
+        parallelism between steps only, as ``call``."""
         return self._put(self._soon, fn)
 
     def _put(self, calls: queue.Queue, fn: Callable[[Engine], object]) -> Future:
