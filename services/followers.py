@@ -131,6 +131,9 @@ class Leader:
         return value if value is None or isinstance(value, (str, int, float, bool)) else None
 
     def _send(self, message: tuple) -> None:
+        dead = [p.pid for p in self.ranks if not p.is_alive()]
+        if dead and self.broken is None:  # (a pipe's end may outlive its reader: checked, not waited for)
+            self.broken = f"followers {dead} exited"
         if self.broken is not None:
             raise RuntimeError(f"the tensor-parallel group is broken: {self.broken}")
         try:
