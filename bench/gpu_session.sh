@@ -12,6 +12,8 @@
 #   bench/gpu_session.sh attention  # paged decode / extend / verify attention vs copy bandwidth and SDPA
 #   bench/gpu_session.sh serving    # the stack vs the single-process engine, 8B shape (bench/bench_serving.py)
 #   bench/gpu_session.sh features   # a penalised EAGLE-3 iteration vs a plain one, batch 1 and 32 (bench_features.py)
+#   bench/gpu_session.sh tp-tests   # two GPUs: TP-2 over NCCL == one GPU (graphs on/off), TP services, the second GPU
+#   bench/gpu_session.sh tp         # two GPUs: 8B decode step TP 1 vs TP 2 vs its floor, IPC into a peer GPU (bench_tp.py)
 #
 # Several stages in one call run in the order given. Python packages the GPU image lacks come from
 # ./.whl (../shared/tools/gpu-wheels.sh on the CPU machine; carry .whl with the call).
@@ -67,12 +69,21 @@ for stage in "$@"; do
     attention)
       run attention 570 python3 bench/bench_attention.py --quick --out "$OUT/attention.json"
       ;;
+    tp-tests)
+      run tp_tests 540 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py \
+        tests/gpu/test_tensor_parallel_stack_gpu.py \
+        "tests/gpu/test_graphs_gpu.py::test_an_engine_on_the_second_gpu_stepped_from_another_thread"
+      ;;
+    tp)
+      run bench_tp 450 python3 bench/bench_tp.py --out "$OUT/tp.json"
+      ;;
     serving)
       run serving 575 python3 bench/bench_serving.py --workdir /tmp/serving --out "$OUT/serving.json"
       cp -r /tmp/serving/logs-* /tmp/serving/engine.log "$OUT/" 2>/dev/null
       ;;
     *)
-      echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention, serving)" >&2
+      echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention, serving," \
+        "features, tp-tests, tp)" >&2
       exit 2
       ;;
   esac

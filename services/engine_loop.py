@@ -67,6 +67,9 @@ class EngineLoop:
         # tokens a step, each a client's time to first token) publishes each step's at once.
         self.hold_tokens = hold_tokens
         self._held: list[tuple[Request, list[int]]] = []
+        # Under tensor parallelism every call runs between steps (``services/followers.py``): the followers
+        # replay rank 0's calls in order, and one made during a step would reach them after theirs.
+        self.between_steps_only = getattr(engine, "tp", None) is not None
         engine.set_host_wait_hook(self._while_device_runs)
 
     def start(self) -> EngineLoop:
@@ -86,7 +89,8 @@ class EngineLoop:
     def call_soon(self, fn: Callable[[Engine], object]) -> Future:
         """Run ``fn(engine)`` on the loop thread between steps or during one, while the device computes it.
         ``fn`` must leave alone what the step in flight holds: it may claim free pages and add requests
-        that join at the next step or later, never release a request or change a running one."""
+        that join at the next step or later, never release a request or change a running one. Under tensor
+        parallelism between steps only, as ``call``."""
         return self._put(self._soon, fn)
 
     def _put(self, calls: queue.Queue, fn: Callable[[Engine], object]) -> Future:
@@ -156,6 +160,8 @@ class EngineLoop:
         """The engine's host-wait hook: the previous step's tokens go out, then ``call_soon``'s calls and the
         service's ``while_stepping`` run, while the device computes this step."""
         self._publish_held()
+        if self.between_steps_only:
+            return
         self._serve(self._soon)
         if self.while_stepping is not None:
             try:

@@ -22,6 +22,7 @@ from services.common import (
     start_grpc_server,
 )
 from services.engine_loop import EngineLoop
+from services.followers import Leader, start_engine
 from services.logs import ServiceLog
 from services.settings import EngineSettings
 from shared.cuda_graphs import capture_progress
@@ -87,6 +88,19 @@ def wait_until(condition: Callable[[], bool], deadline: float, poll_s: float = 0
     return True
 
 
+def service_engine(role: str, settings: EngineSettings, engine: Engine | None,
+                   started: list[Callable[[], None]]) -> Engine | Leader:
+    """``engine``, or the one ``settings`` describe (under tensor parallelism rank 0's, its followers started
+    and their end added to ``started``, run after the loop has stopped: the undo list runs backwards)."""
+    if engine is None:
+        engine = start_engine(role, settings)
+        if isinstance(engine, Leader):
+            started.append(engine.close)
+    elif engine.role != role:
+        raise ValueError(f"a {role} service needs an engine of role {role!r}, got {engine.role!r}")
+    return engine
+
+
 def start_engine_service(role: str, settings: EngineSettings, engine: Engine | None,
                          make_servicer: Callable[[EngineLoop, Telemetry, str], EngineServicer],
                          add_fn: Callable, services: list[str]) -> ServiceHandle:
@@ -97,10 +111,7 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
     telemetry.set_state("loading")
     started: list[Callable[[], None]] = [telemetry.stop]  # undo list, should start-up fail half-way
     try:
-        if engine is None:
-            engine = Engine(settings.model, settings.draft, settings.engine_config(), role=role)
-        elif engine.role != role:
-            raise ValueError(f"a {role} service needs an engine of role {role!r}, got {engine.role!r}")
+        engine = service_engine(role, settings, engine, started)
         capture_graphs(engine, settings.cuda_graph, telemetry, log)
         loop = EngineLoop(engine, log=log, hold_tokens=role != "prefill")  # a prefill's first tokens go out at once
         servicer = make_servicer(loop, telemetry, instance_id)
@@ -142,6 +153,8 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
         servicer.close()
         server.stop(0).wait(1)
         loop.stop()
+        if isinstance(engine, Leader):
+            engine.close()  # the followers end with the loop's last call
         telemetry.stop()
         log.event("stopped", drained=drained, seconds=round(time.monotonic() - t0, 3))
 

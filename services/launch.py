@@ -103,8 +103,16 @@ class _Interrupted(BaseException):
     """SIGINT or SIGTERM while a service starts: stop what started, exit 0."""
 
 
-NO_TP_SERVICE = ("tensor_parallel: the prefill and decode services run one rank for now (a split hand-off between "
-                 "tensor-parallel groups is not built yet); give 1, or use eyrie generate --tensor-parallel N")
+def check_tensor_parallel(model: str, n: int) -> None:
+    """Exit 2 naming the split when ``n`` ranks cannot share the target's heads (before anything starts)."""
+    if n > 1 and (Path(model) / "config.json").exists():
+        from shared.model.config import ModelConfig
+        from shared.parallel import check_split
+
+        try:
+            check_split(ModelConfig.from_dir(model), n)
+        except ValueError as e:
+            _fail(str(e))
 
 
 def _interrupt(*_) -> None:
@@ -151,13 +159,12 @@ def _serve_settings(args):
         _fail(f"--config: {e}")
     if not settings.model:
         _fail("model: give --model DIR or EYRIE_MODEL")
-    if getattr(settings, "tensor_parallel", 1) > 1:
-        _fail(NO_TP_SERVICE)
     if not (Path(settings.model) / "config.json").exists():
         _fail(f"model: {settings.model} is not a checkpoint directory (no config.json)")
     draft = getattr(settings, "draft", None)
     if draft is not None and not (Path(draft) / "config.json").exists():
         _fail(f"draft: {draft} is not a checkpoint directory (no config.json)")
+    check_tensor_parallel(settings.model, getattr(settings, "tensor_parallel", 1))
     ports = [("grpc_port", settings.grpc_port), ("http_port", settings.http_port),
              ("openai_port", getattr(settings, "openai_port", None))]
     for name, port in ports:
@@ -443,8 +450,6 @@ def _up_stack(args, cleanup: contextlib.ExitStack) -> Stack:
         _fail(describe_error(e, {**engine, **common, **router}))
     except SettingsFileError as e:
         _fail(f"--config: {e}")
-    if decode.tensor_parallel > 1:
-        _fail(NO_TP_SERVICE)
     model, draft = decode.model, decode.draft
     if model is None:  # the tiny trained pair when present (shared/model/default_pair.py), else a random one
         from shared.model.default_pair import trained_tiny_pair
@@ -456,6 +461,7 @@ def _up_stack(args, cleanup: contextlib.ExitStack) -> Stack:
         model = str(out / "target")
         draft = draft if "draft" in decode.model_fields_set else str(out / "eagle3")
     check_checkpoints(model, draft)
+    check_tensor_parallel(model, decode.tensor_parallel)
     port = int(router.pop("grpc_port", UP_GRPC_PORT)) or free_port()
     openai_port = router.pop("openai_port", None)
     for name, value in (("grpc_port", port), ("openai_port", openai_port)):

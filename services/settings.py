@@ -100,7 +100,7 @@ class EngineOptions(BaseSettings):
     tensor_parallel: int = Field(_engine("tensor_parallel"), description="ranks the target is split over (heads, "
                                  "MLP columns, vocabulary, KV heads; one process per rank over NCCL on `cuda`, one "
                                  "GPU each from `device`'s, gloo on `cpu`); the draft head runs whole on every rank. "
-                                 "`eyrie generate` only: `serve` and `up` refuse more than 1 for now")
+                                 "A service is rank 0 and starts the other ranks as followers")
     handoff_transport: str = Field("auto", description="the hand-off's data transport: `auto` (ipc on one host when "
                                    "the decode pools are reachable, else the gRPC stream), `ipc` or `grpc-stream` "
                                    "(on a decode instance, `grpc-stream` stops it exporting its pools)")

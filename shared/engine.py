@@ -47,6 +47,7 @@ from shared.model.tokenizer import Tokenizer
 from shared.parallel import (
     TPGroup,
     gather_pages,
+    gather_pages_into,
     local_config,
     rank_device,
     scatter_pages,
@@ -101,6 +102,9 @@ class EngineLoad:
     spec_tokens: SpecTokenCounts | None = None  # token-level speculation counts so far (None without a draft)
 
 
+LANDING_REQUESTS = 4  # a split decode engine's in-place hand-offs in flight at once (more are refused: no room)
+
+
 class Engine:
     def __init__(self, model: str | Path | LlamaForCausalLM, draft: str | Path | None = None,
                  config: EngineConfig | None = None, tokenizer: Tokenizer | None = None,
@@ -115,7 +119,9 @@ class Engine:
             raise ValueError(f"tensor_parallel={config.tensor_parallel} needs a group of that many ranks "
                              f"(got {tp.size if tp is not None else 'none'})")
         self.tp = tp
-        self._staged: dict[str, KVCache] = {}  # under TP, on rank 0: hand-offs received, every KV head, by id
+        self._staged: dict[str, KVCache] = {}  # under TP, on rank 0: hand-offs' target K/V, every KV head, by id
+        self._gathered: dict[str, int] = {}  # under TP, every rank: a fed hand-off's target pages gathered so far
+        self._landed: dict[str, list[int]] = {}  # under TP, decode rank 0: in-place hand-offs' landing pages, by id
         if tp is not None:  # rank r takes the r-th GPU from the configured one
             config = config.model_copy(update={"device": rank_device(config.device, tp.rank)})
         if role == "decode" and not config.shareable_kv:  # a same-host prefill writes into its pools
@@ -140,6 +146,7 @@ class Engine:
             shard_target(self.model, tp, self.device)
         self.config = config = self._fit_pools(config, head, allocated)
         self.cache = make_cache(local_config(mc, tp), mc.num_hidden_layers, config, self.max_context)
+        self._landing = self._landing_cache()
         self.graph_failures: list[CaptureFailure] = []  # CUDA graphs that failed to capture (phase eager)
         self.penalty_rows = RowsCache()  # requests' penalty rows, on the device across steps (and the speculator's)
         self.speculator = None if head is None else SpecWorker.load(
@@ -161,9 +168,25 @@ class Engine:
                                          self.graph_failures, before_replay=lambda: flush_tables([self.cache]))
         self._ids = itertools.count()
 
+    def _landing_cache(self) -> KVCache | None:
+        """Rank 0 of a split decode engine: where same-host prefills write hand-offs in place (``kv_pools``),
+        every KV head; None elsewhere."""
+        pages = self._landing_pages(self.config)
+        if not pages:
+            return None
+        return staging_cache(self.cache.layout, self.model.config.num_key_value_heads, pages, shareable=True)
+
+    def _landing_pages(self, config: EngineConfig) -> int:
+        """The landing cache's pages (``_landing_cache``): room for ``LANDING_REQUESTS`` requests of the whole
+        context on rank 0 of a split decode engine, 0 elsewhere."""
+        if self.tp is None or self.tp.rank != 0 or self.role != "decode":
+            return 0
+        return LANDING_REQUESTS * -(-(self.max_context + config.headroom) // config.page_size)
+
     def _fit_pools(self, config: EngineConfig, head: DraftHead | None, allocated_before: int) -> EngineConfig:
         """On a GPU without ``num_pages``: the page count that keeps this engine, weights (loaded since
-        ``allocated_before``), reserve and every pool, within ``gpu_memory_fraction`` of the device."""
+        ``allocated_before``), reserve and every pool, within ``gpu_memory_fraction`` of the device (under
+        tensor parallelism a collective: the least of the ranks' counts)."""
         if self.device.type != "cuda" or config.num_pages is not None:
             return config
         mc, positions = self.model.config, self.max_context + config.headroom
@@ -171,10 +194,13 @@ class Engine:
         if head is not None:
             per_page += (SpecWorker.cache_count(head, config.spec or SpecConfig())
                          * page_bytes(head.config, head.layers_per_cache, config))
+        landing = self._landing_pages(config) * page_bytes(mc, mc.num_hidden_layers, config)  # whole heads
         pages = pages_within_budget(
             config.gpu_memory_fraction or DEFAULT_GPU_MEMORY_FRACTION, device_memory(self.device, allocated_before),
-            activation_reserve(mc, config, self.max_context), per_page,
+            activation_reserve(mc, config, self.max_context) + landing, per_page,
             request_pages=-(-positions // config.page_size), most_pages=default_pages(config, positions))
+        if self.tp is not None:  # the ranks' pools must hold the same pages: the least free GPU sizes them all
+            pages = self.tp.least(pages)
         return config.model_copy(update={"num_pages": pages})
 
     @property
@@ -272,8 +298,14 @@ class Engine:
         if not self.scheduler.holds(req):
             return False
         self._staged.pop(req.rid, None)
+        self._gathered.pop(req.rid, None)
+        self._land_off(req.rid)
         self.scheduler.retire(req, reason)
         return True
+
+    def holds(self, req: Request) -> bool:
+        """Whether ``req`` is still this engine's request (not ended, nor replaced by one under its id)."""
+        return self.scheduler.holds(req)
 
     def live_requests(self) -> list[Request]:
         """Every request not yet ended, waiting or running."""
@@ -492,11 +524,18 @@ class Engine:
         return PageSource(req.rid, self.scheduler.caches, self.page_ids(req), encode_draft_state(req))
 
     def _gathered_source(self, req: Request, fed: bool) -> PageSource | None:
-        """Under tensor parallelism, a collective: on rank 0 the source of a parked request's hand-off with
-        every rank's KV heads gathered into a cache of their own (the draft's caches are whole on every
-        rank already), so that it fits a decode engine of any split; None on the other ranks."""
+        """Under tensor parallelism, on rank 0 the source of a request's hand-off with every rank's KV heads
+        gathered into a cache of its own (the draft's caches are whole on every rank already), so that it fits
+        a decode engine of any split; None on the other ranks. Parked: a collective, every page gathered now.
+        ``fed``: the cache is sized for the prompt and each ``handoff_increment`` gathers the pages completed
+        since the last one (a collective then)."""
         if fed:
-            raise ValueError("a tensor-parallel prefill hands a request off once its prompt is done (fed=False)")
+            self._gathered[req.rid] = 0
+            if self.tp.rank != 0:
+                return None
+            self._staged[req.rid] = staging_cache(self.cache.layout, self.model.config.num_key_value_heads,
+                                                  self.cache.pages_for(req.prefill_len))
+            return PageSource(req.rid, [self._staged[req.rid], *self.scheduler.caches[1:]], [], b"", feed=PageFeed())
         ids = self.page_ids(req)
         staging = gather_pages(self.cache, ids[0], self.tp)
         if staging is None:
@@ -513,6 +552,8 @@ class Engine:
         page_ids = self.page_ids(req)
         parked = req.stage is Stage.HANDOFF
         done = [len(p) if parked else req.kv_len // c.page_size for c, p in zip(self.scheduler.caches, page_ids)]
+        if self.tp is not None:  # a collective: the target's pages come from the staging cache (``page_source``)
+            page_ids[0] = self._gather_done(req, page_ids[0], done[0])
         written = None
         if self.device.type == "cuda":
             with self.on_device():
@@ -521,6 +562,16 @@ class Engine:
         last = Prefilled(encode_draft_state(req), tuple(req.output_ids[req.resumed:]),
                          tuple(req.output_logprobs[req.resumed:])) if parked else None
         return Increment(page_ids, done, written, last)
+
+    def _gather_done(self, req: Request, pages: list[int], done: int) -> list[int]:
+        """Under tensor parallelism, a collective: ``req``'s target pages completed since the last increment
+        (``pages[:done]`` are final) gathered, every KV head, into its staging cache on rank 0; the staging
+        cache's ids of ``pages``."""
+        first = self._gathered[req.rid]
+        if done > first:
+            gather_pages_into(self._staged.get(req.rid), first, self.cache, pages[first:done], self.tp)
+            self._gathered[req.rid] = done
+        return list(range(1, len(pages) + 1))
 
     def reserve_handoff(self, rid: str, prompt_ids: list[int], output_ids: list[int],
                         output_logprobs: list[float], params: SamplingParams, committed_len: int) -> Request | None:
@@ -536,7 +587,8 @@ class Engine:
     def page_sink(self, req: Request, guard: PageGuard, in_place: bool = False) -> PageSink | None:
         """Decode role: the receiving side of ``req``'s transfer, writing into its reserved pages (or, with
         ``in_place``, checking that the sender wrote them itself); None when ``req`` is no longer this
-        engine's request waiting for its K/V (it was aborted)."""
+        engine's request waiting for its K/V (it was aborted), or, in place into a split engine, when its
+        landing cache has no room now."""
         if not self.scheduler.holds(req) or req.stage is not Stage.RECEIVING:
             return None
         if self.tp is not None:
@@ -546,12 +598,17 @@ class Engine:
     def _staged_sink(self, req: Request, guard: PageGuard, in_place: bool) -> PageSink | None:
         """Under tensor parallelism, on rank 0: a sink writing the target's K/V, every KV head, into a cache
         of its own, from which ``activate_handoff`` gives each rank its heads (the draft's K/V lands in rank
-        0's pages, copied to the others then). None on the other ranks."""
-        if in_place:
-            raise ValueError("a tensor-parallel decode engine receives hand-offs through a sink, not in place")
+        0's pages, copied to the others then). ``in_place``: the sender writes the target's K/V into pages of
+        the landing cache (``kv_pools``) instead; None when it has no room now. None on the other ranks."""
         if self.tp.rank != 0:
             return None
         ids = self.page_ids(req)
+        if in_place:
+            if self._landing is None or self._landing.num_free_pages < len(ids[0]):
+                return None
+            landed = self._landed[req.rid] = self._landing.allocator.alloc(len(ids[0]))
+            return PageSink(req.rid, [self._landing, *self.scheduler.caches[1:]], [landed, *ids[1:]], guard,
+                            in_place=True)
         staging = self._staged[req.rid] = staging_cache(self.cache.layout, self.model.config.num_key_value_heads,
                                                         len(ids[0]))
         return PageSink(req.rid, [staging, *self.scheduler.caches[1:]], [list(range(1, len(ids[0]) + 1)), *ids[1:]],
@@ -559,7 +616,11 @@ class Engine:
 
     def kv_pools(self) -> list[torch.Tensor]:
         """Per cache (target first), its whole K/V pool: what a decode engine exports to a same-host
-        prefill (``shared.handoff.ipc``), fixed for the engine's life."""
+        prefill (``shared.handoff.ipc``), fixed for the engine's life. Under tensor parallelism a rank's pool
+        holds its share of the KV heads: rank 0 of a decode engine exports its landing cache in the target's
+        place (``page_sink`` in place), the other ranks nothing."""
+        if self.tp is not None:
+            return [] if self._landing is None else [self._landing.pool, *(c.pool for c in self.scheduler.caches[1:])]
         return [c.pool for c in self.scheduler.caches]
 
     def activate_handoff(self, req: Request, committed_len: int, draft_state: DraftState | None = None,
@@ -581,14 +642,27 @@ class Engine:
         """Under tensor parallelism, a collective: what arrived on rank 0 on every rank: each rank's share of
         the target's KV heads, the draft's pages, the draft state and outputs (the arguments rank 0 got)."""
         ids = self.page_ids(req)
-        scatter_pages(self._staged.pop(req.rid, None), self.cache, ids[0], self.tp)
+        landed, staged = self._landed.get(req.rid), self._staged.pop(req.rid, None)
+        if landed is not None:
+            scatter_pages(self._landing, landed, self.cache, ids[0], self.tp)
+        else:
+            scatter_pages(staged, None if staged is None else list(range(1, len(ids[0]) + 1)), self.cache, ids[0],
+                          self.tp)
+        self._land_off(req.rid)
         for cache, pages in zip(self.scheduler.caches[1:], ids[1:]):
             share_pages(cache, pages, self.tp)
-        blob = None if draft_state is None else draft_state.to_bytes()
-        committed_len, blob, output_ids, output_logprobs = self.tp.broadcast(
-            (committed_len, blob, list(output_ids), list(output_logprobs)))
+        arrived = None if self.tp.rank != 0 else (
+            committed_len, None if draft_state is None else draft_state.to_bytes(), list(output_ids),
+            list(output_logprobs))
+        committed_len, blob, output_ids, output_logprobs = self.tp.broadcast(arrived)
         return committed_len, None if blob is None else DraftState.from_bytes(blob, self.device), output_ids, \
             output_logprobs
+
+    def _land_off(self, rid: str) -> None:
+        """Free request ``rid``'s pages of the landing cache, if it holds any."""
+        landed = self._landed.pop(rid, None)
+        if landed is not None:
+            self._landing.allocator.free(landed)
 
     # ---- what the engine holds -------------------------------------------------------------------
     def load(self) -> EngineLoad:
@@ -606,7 +680,8 @@ class Engine:
 
     def is_idle_and_clean(self) -> bool:
         """True when no request runs and every cache is full again (the no-leak invariant)."""
-        return not self.scheduler.has_work() and all(c.is_full() for c in self.scheduler.caches)
+        return (not self.scheduler.has_work() and all(c.is_full() for c in self.scheduler.caches)
+                and (self._landing is None or self._landing.is_full()))
 
     # ---- the Python API --------------------------------------------------------------------------
     def run_until_done(self, max_steps: int | None = None) -> None:

@@ -24,7 +24,11 @@ Hand-offs leave and enter a split engine with every KV head (``gather_pages``, `
 prefill group and a decode group of different sizes fit each other.
 
 Collectives run over NCCL on CUDA devices and gloo on the CPU; host objects (requests, decisions, plan
-digests) always go over a gloo group, so they never wait on the device.
+digests) always go over a gloo group, so they never wait on the device. On CUDA the device collectives of a
+forward (the blocks' all-reduces, the embedding's, the LM head's all-gather) are captured inside the engine's
+CUDA graphs like any kernel: NCCL runs them on the capture stream's fork and the graph replays them. Every
+rank captures and replays the same graphs in the same order (the same plans), the communicator exists
+before the first capture (``warm_up``), and nothing inside a captured phase talks over gloo.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ from shared.memory.kv_cache import CacheLayout, KVCache
 from shared.model.config import ModelConfig
 
 TIMEOUT = timedelta(minutes=5)  # a rank that stops answering fails the others' collectives after this
+# torch >= 2.13 names it all_gather_single; before, all_gather_into_tensor (same arguments)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -64,10 +70,12 @@ class TPGroup:
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """The ranks' ``x`` side by side along ``dim`` (n -> size * n), rank 0's first."""
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
+        """The ranks' ``x`` side by side along ``dim`` (n -> size * n), rank 0's first. One output tensor
+        (no list of parts), so that inside a CUDA graph the collective writes one buffer of the graph's pool."""
+        stacked = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        _all_gather_single(stacked, x.contiguous(), group=self.group)
+        d = dim % x.dim()
+        return stacked.view(self.size, *x.shape).movedim(0, d).flatten(d, d + 1)
 
     def share(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``x`` on every rank, in place (``x``: contiguous, the same shape everywhere)."""
@@ -79,6 +87,12 @@ class TPGroup:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
+
+    def least(self, value: int) -> int:
+        """The smallest of the ranks' ``value``s, on every rank."""
+        x = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.control)
+        return int(x)
 
     def agree(self, value: int, what: str) -> None:
         """Check that every rank computed rank 0's ``value`` (a digest of ``what``)."""
@@ -107,13 +121,28 @@ def rank_device(device: str, rank: int) -> str:
 
 def init_group(size: int, rank: int, address: str, device: str) -> TPGroup:
     """Join the group of ``size`` ranks meeting at ``address`` (``host:port``, rank 0 listens there)."""
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(torch.device(rank_device(device, rank)))
-    dist.init_process_group(backend, init_method=f"tcp://{address}", world_size=size, rank=rank, timeout=TIMEOUT)
-    group = dist.group.WORLD
-    control = group if backend == "gloo" else dist.new_group(backend="gloo", timeout=TIMEOUT)
-    return TPGroup(rank=rank, size=size, group=group, control=control)
+    if not device.startswith("cuda"):
+        dist.init_process_group("gloo", init_method=f"tcp://{address}", world_size=size, rank=rank, timeout=TIMEOUT)
+        return TPGroup(rank=rank, size=size, group=dist.group.WORLD, control=dist.group.WORLD)
+    gpu = torch.device(rank_device(device, rank))
+    torch.cuda.set_device(gpu)
+    dist.init_process_group("nccl", init_method=f"tcp://{address}", world_size=size, rank=rank, timeout=TIMEOUT,
+                            device_id=gpu)  # the communicator bound to this rank's GPU
+    tp = TPGroup(rank=rank, size=size, group=dist.group.WORLD, control=dist.new_group(backend="gloo", timeout=TIMEOUT))
+    warm_up(tp, gpu)
+    return tp
+
+
+def warm_up(tp: TPGroup, gpu: torch.device) -> None:
+    """One of each device collective the engine runs, completed before anything else: the NCCL communicator
+    is created by the first collective, which must not happen inside a CUDA graph's capture."""
+    x = torch.ones(8, device=gpu)
+    tp.all_reduce(x)
+    tp.all_gather(x)
+    tp.share(x)
+    torch.cuda.synchronize(gpu)
+    if int(x[0]) != tp.size:
+        raise RuntimeError(f"tensor-parallel rank {tp.rank}: the warm-up all-reduce gave {float(x[0])}, not {tp.size}")
 
 
 def free_address() -> str:
@@ -259,33 +288,42 @@ def page_slots(pages: list[int], page_size: int, device: torch.device) -> torch.
     return slots.flatten().to(device)
 
 
-def staging_cache(layout: CacheLayout, num_kv_heads: int, num_pages: int) -> KVCache:
-    """A cache of ``num_pages`` pages (ids 1 .. n) shaped as ``layout`` but with ``num_kv_heads`` heads: one
-    request's K/V with every rank's heads, on its way out of or into a split engine."""
+def staging_cache(layout: CacheLayout, num_kv_heads: int, num_pages: int, shareable: bool = False) -> KVCache:
+    """A cache of ``num_pages`` pages (ids 1 .. n) shaped as ``layout`` but with ``num_kv_heads`` heads: K/V with
+    every rank's heads, on its way out of or into a split engine (``shareable``: a same-host prefill writes
+    into it)."""
     return KVCache(dataclasses.replace(layout, num_kv_heads=num_kv_heads, num_pages=num_pages, max_reqs=1,
-                                       max_context=num_pages * layout.page_size, shareable=False))
+                                       max_context=num_pages * layout.page_size, shareable=shareable))
 
 
 def gather_pages(cache: KVCache, pages: list[int], tp: TPGroup) -> KVCache | None:
     """A collective: ``pages`` of ``cache`` with every rank's KV heads (rank 0's first, as the heads were
     split), on rank 0 in a ``staging_cache`` where they are pages 1 .. n in order; None on the others.
     What a split prefill sends to a decode engine of any split (the heads mapped back to the whole model's)."""
-    ps = cache.page_size
-    heads = tp.all_gather(cache.pool[:, :, page_slots(pages, ps, cache.pool.device)], dim=-2)
-    if tp.rank != 0:
-        return None
-    staging = staging_cache(cache.layout, heads.shape[-2], len(pages))
-    staging.pool[:, :, ps:] = heads
+    staging = staging_cache(cache.layout, cache.layout.num_kv_heads * tp.size, len(pages)) if tp.rank == 0 else None
+    gather_pages_into(staging, 0, cache, pages, tp)
     return staging
 
 
-def scatter_pages(staging: KVCache | None, cache: KVCache, pages: list[int], tp: TPGroup) -> None:
-    """A collective, the reverse of ``gather_pages``: rank 0's ``staging`` (pages 1 .. n, every KV head) is
-    sent to every rank, which writes its own heads into ``pages`` of ``cache`` (in place)."""
+def gather_pages_into(staging: KVCache | None, first: int, cache: KVCache, pages: list[int], tp: TPGroup) -> None:
+    """A collective: ``pages`` of ``cache`` with every rank's KV heads written on rank 0 into pages ``first + 1``
+    .. ``first + len(pages)`` of ``staging`` (a ``staging_cache``; None on the other ranks), in place: a fed
+    hand-off's pages, gathered as its prefill completes them."""
+    ps = cache.page_size
+    heads = tp.all_gather(cache.pool[:, :, page_slots(pages, ps, cache.pool.device)], dim=-2)
+    if tp.rank == 0:
+        staging.pool[:, :, (first + 1) * ps:(first + 1 + len(pages)) * ps] = heads
+
+
+def scatter_pages(staging: KVCache | None, staged: list[int] | None, cache: KVCache, pages: list[int],
+                  tp: TPGroup) -> None:
+    """A collective, the reverse of ``gather_pages``: rank 0's pages ``staged`` of ``staging`` (every KV head;
+    None on the other ranks) are sent to every rank, which writes its own heads into ``pages`` of ``cache``
+    (in place)."""
     ps, lay = cache.page_size, cache.layout
     heads = lay.num_kv_heads * tp.size
     if tp.rank == 0:
-        every = staging.pool[:, :, ps:].contiguous()
+        every = staging.pool[:, :, page_slots(staged, ps, staging.pool.device)]
     else:
         every = torch.empty((2, lay.num_layers, len(pages) * ps, heads, lay.head_dim), dtype=lay.dtype,
                             device=lay.device)

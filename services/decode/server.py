@@ -90,7 +90,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.schema = loop.schema
         self.transport = transport or GrpcStreamTransport()  # receives both transports' transfers
         forced = settings.handoff_transport
-        self.exported = export_pools(loop.kv_pools) if forced != "grpc-stream" else b""  # once, for every prefill
+        # Once, for every prefill (a tensor-parallel engine's: its landing cache and draft pools, on rank 0).
+        self.exported = export_pools(loop.kv_pools) if forced != "grpc-stream" and loop.kv_pools else b""
         self.offered = [t for t in ("ipc", "grpc-stream") if forced in ("auto", t) and (t != "ipc" or self.exported)]
         self._lock = threading.Lock()
         self._incoming: dict[str, Incoming] = {}
@@ -154,7 +155,11 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                                          list(request.output_logprobs), params, request.committed_len)
             if req is None:
                 return None, None
-            return req, engine.page_sink(req, guard, request.in_place)
+            sink = engine.page_sink(req, guard, request.in_place)
+            if sink is None:  # no room to land it in place now (a tensor-parallel engine): refused as if full
+                engine.release(req, "abort")
+                return None, None
+            return req, sink
 
         try:
             req, sink = self.loop.call_soon(reserve).result()  # free pages only: served mid-step too

@@ -147,11 +147,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 self._start_hand_off(engine, job, job.req)
 
         # Added while a step computes (``call_soon``): the request joins the next step instead of waiting for
-        # this one to end first (a prompt's time to first token). A split engine's ranks replay calls between
-        # steps only.
-        admit = self.loop.call_soon if self.loop.engine.tp is None else self.loop.call
+        # this one to end first (a prompt's time to first token). A split engine's loop serves it between steps
+        # (its ranks replay calls in order: ``services/followers.py``).
         try:
-            admit(add).result()
+            self.loop.call_soon(add).result()
         except RequestError as e:
             self._forget(job)
             self.log.event("refused", rid, field=e.field, message=str(e))

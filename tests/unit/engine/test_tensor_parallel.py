@@ -20,8 +20,8 @@ references run in this process, with the same functions. What is checked:
   its own, checked exactly), which generates the target's greedy output (EAGLE tree page 16, multi-layer page 1);
 * under the adaptive policy (a timed choice each step: rank 0's) the ranks stay in step;
 * a rank whose step digest differs from rank 0's stops with an error naming the divergence;
-* ``eyrie generate --tensor-parallel 2`` prints what TP 1 prints; a split the target's heads do not allow, and
-  the services (one rank for now), exit 2 with one line.
+* ``eyrie generate --tensor-parallel 2`` prints what TP 1 prints; a split the target's heads do not allow exits
+  2 with one line, from ``generate`` and from ``serve`` (the services under tensor parallelism: tests/e2e).
 """
 
 from __future__ import annotations
@@ -205,8 +205,10 @@ def test_generate_tensor_parallel_2_prints_what_tp_1_prints(tiny_model_dir):
     (["generate"], ["--tensor-parallel", "3", "--prompt-ids", "5"],
      "tensor_parallel=3 does not divide the target's num_attention_heads (4)"),
     (["generate"], ["--tensor-parallel", "0", "--prompt-ids", "5"], "tensor_parallel"),
-    (["serve", "decode"], ["--tensor-parallel", "2"], "tensor_parallel: the prefill and decode services run one rank"),
-    (["serve", "prefill"], ["--tensor-parallel", "2"], "tensor_parallel: the prefill and decode services run one rank"),
+    (["serve", "decode"], ["--tensor-parallel", "3"],
+     "tensor_parallel=3 does not divide the target's num_attention_heads (4)"),
+    (["serve", "prefill"], ["--tensor-parallel", "3"],
+     "tensor_parallel=3 does not divide the target's num_attention_heads (4)"),
 ])
 def test_a_split_that_cannot_run_exits_2_with_one_line(tiny_model_dir, capsys, command, flags, says):
     with pytest.raises(SystemExit) as exit_:

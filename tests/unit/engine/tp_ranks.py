@@ -6,6 +6,7 @@ tiny models and returns what the test compares; ``run_group`` runs one on every 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -89,8 +90,33 @@ def engine_outputs(tp: TPGroup | None, root: str, cases: list[tuple], prompts: l
             "tokens": [r.token_ids for r in got], "logprobs": [r.logprobs for r in got],
             "finish": [r.finish_reason for r in got], "clean": engine.is_idle_and_clean(),
             "accept_length": [r.spec_stats["accept_length"] for r in got] if kind else None,
-            "kv_heads": engine.cache.layout.num_kv_heads}
+            "kv_heads": engine.cache.layout.num_kv_heads,
+            "graphs": sum(len(g.captured_sizes) for g in engine.phase_graphs()),
+            "graph_failures": [f.as_dict() for f in engine.graph_failures]}
     return results
+
+
+def graphed_collectives(tp: TPGroup, device: str, replays: int) -> dict:
+    """The device collectives captured in a CUDA graph (``PhaseGraphs``, as the engine captures its phases)
+    and replayed on new inputs: whether every replay gave what the same collectives give eagerly."""
+    from shared.cuda_graphs import PhaseGraphs
+
+    gpu = torch.device(rank_device(device, tp.rank))
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * (tp.rank + 1)
+        return tp.all_reduce(y.clone()), tp.all_gather(y, dim=-1)
+
+    graphs = PhaseGraphs("collectives", fn, True, 4)
+    same = []
+    with torch.cuda.device(gpu) if gpu.type == "cuda" else contextlib.nullcontext():
+        for i in range(replays):
+            x = torch.arange(4 * 3, dtype=torch.float32, device=gpu).view(4, 3) + 100 * i  # the same on every rank
+            summed, gathered = graphs(x)
+            want_sum = x * sum(r + 1 for r in range(tp.size))
+            want_gathered = torch.cat([x * (r + 1) for r in range(tp.size)], dim=-1)
+            same.append(torch.equal(summed, want_sum) and torch.equal(gathered, want_gathered))
+    return {"same": same, "captured": graphs.captured_sizes, "failures": [f.as_dict() for f in graphs.failures]}
 
 
 # ---- sampling --------------------------------------------------------------------------------------
