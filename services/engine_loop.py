@@ -197,9 +197,13 @@ class EngineLoop:
         return self._serve(self._soon) + self._serve(self._calls)
 
     def _serve(self, calls: queue.Queue) -> int:
-        """Run the calls queued in ``calls``, answering each future; how many ran."""
+        """Run the calls queued in ``calls``, answering each future; how many ran. Before each of ``call``'s
+        calls, every ``call_soon`` call queued by then runs: a call never overtakes one queued before it (an
+        abort queued after its request's admission sees the request)."""
         done = 0
         while True:
+            if calls is self._calls:
+                done += self._serve(self._soon)
             try:
                 fn, fut = calls.get_nowait()
             except queue.Empty:

@@ -154,8 +154,9 @@ def wait_until(condition, timeout: float = 30.0) -> None:
 
 
 def queued(loop, name: str, rid: str) -> bool:
-    """Whether the prefill servicer's engine-loop call ``name`` (add / abort) for ``rid`` waits in the queue."""
-    for fn, _ in list(loop._calls.queue):
+    """Whether the prefill servicer's engine-loop call ``name`` (add / abort) for ``rid`` waits in a queue (an
+    admission goes through ``call_soon``, served first, an abort through ``call``)."""
+    for fn, _ in list(loop._soon.queue) + list(loop._calls.queue):
         cells = [c.cell_contents for c in fn.__closure__ or ()]
         if fn.__name__ == name and any(getattr(c, "rid", None) == rid for c in cells):
             return True

@@ -73,6 +73,27 @@ def test_call_soon_runs_in_the_step_in_flight_and_call_after_it():
         loop.stop()
 
 
+def test_a_call_never_overtakes_a_call_soon_queued_before_it():
+    """A call holds the loop; an admission (call_soon) and then an abort (call) queue behind it: the
+    admission runs first, so the abort finds the request (in queue order, whichever queue)."""
+    engine = HeldStep()
+    engine.work = False
+    loop = EngineLoop(engine).start()
+    order, gate, entered = [], threading.Event(), threading.Event()
+    try:
+        loop.call(lambda e: (entered.set(), gate.wait(10)))
+        assert entered.wait(5)
+        later = [loop.call(lambda e: order.append("second call"))]
+        soon = loop.call_soon(lambda e: order.append("admission"))
+        abort = loop.call(lambda e: order.append("abort"))
+        gate.set()
+        assert abort.result(5) is None and soon.done() and later[0].done()
+        assert order.index("admission") < order.index("abort")
+    finally:
+        gate.set()
+        loop.stop()
+
+
 def test_a_hand_off_reserved_mid_step_leaves_the_running_request_exact(tiny_model_dir):
     """An engine steps one request while another's reservation is made in the host-wait hook: the running
     request's tokens equal a run without it, and every page comes back."""
