@@ -14,6 +14,8 @@ the reference otherwise, so the CPU's shared-memory pools take the same call.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -53,23 +55,27 @@ def copy_pages_ref(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], d
         dst[:, :, d * page_size:(d + n) * page_size] = src[:, :, s * page_size:(s + n) * page_size]
 
 
-# Bytes per program and warps per program on CUDA (bench/tune_page_copy.py sweeps them on an H100:
-# docs/benchmarks.md). A page-plane larger than BLOCK_BYTES is split over several programs, so every program
-# issues its loads at once instead of looping over a dependent chain of blocks.
-BLOCK_BYTES = 32768
-NUM_WARPS = 8
-WORD_BYTES = 8  # the copy moves raw bytes as words of this size (the widest integer dtype dividing a page-plane)
+@dataclass
+class KernelSettings:
+    """The kernel's launch settings on CUDA (bench/tune_page_copy.py sweeps them on an H100: docs/benchmarks.md).
+    A page-plane larger than a block is split over several programs, so every program issues its loads at once
+    instead of looping over a dependent chain of blocks."""
+
+    block_bytes: int = 32768  # bytes of one page-plane per program
+    num_warps: int = 8
+    pages_per_program: int = 1
+    word_bytes: int = 8  # the bytes move as words of this size (the widest integer dtype dividing a row)
+    flat_grid: bool = False  # a 2D grid (page x block, plane) instead of 3D (page, plane, block)
+
+
+KERNEL = KernelSettings()
 
 
 def copy_pages(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst_pages: list[int], page_size: int,
-               backend: str = "auto", block: int | None = None, num_warps: int = NUM_WARPS, pages_per_program: int = 1,
-               word_bytes: int = WORD_BYTES, flat_grid: bool = False) -> None:
+               backend: str = "auto", block: int | None = None, settings: KernelSettings | None = None) -> None:
     """As ``copy_pages_ref``, in one launch on CUDA (queued on the current stream; the caller synchronises).
-
-    ``block``: elements (of the pools' dtype) per program, default ``BLOCK_BYTES`` worth; ``pages_per_program``:
-    pages each program copies (one plane, a block of each); ``word_bytes``: the width of each element the kernel
-    moves (the pools' bytes read as int16/32/64 words); ``flat_grid``: programs on a 2D grid (page x block, plane)
-    instead of 3D. The defaults are what the sweep chose; the others are there to sweep."""
+    ``settings``: the launch (default ``KERNEL``, what the sweep chose); ``block``: elements of the pools' dtype
+    per program, instead of the settings' ``block_bytes``."""
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
     use_triton = triton is not None and (backend == "triton" or (backend == "auto" and src.is_cuda))
@@ -79,16 +85,17 @@ def copy_pages(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst_p
     _check(dst, src)
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"{len(src_pages)} source pages, {len(dst_pages)} destination pages")
+    k = settings or KERNEL
     ids = page_ids(src_pages, dst_pages, src.device)
-    src_w, dst_w = as_words(src, word_bytes), as_words(dst, word_bytes)
+    src_w, dst_w = as_words(src, k.word_bytes), as_words(dst, k.word_bytes)
     n, planes = len(src_pages), src.shape[0] * src.shape[1]
     page = page_size * src_w.shape[3] * src_w.shape[4]  # words of one page of one plane
-    block = BLOCK_BYTES // src.element_size() if block is None else block
-    block = triton.next_power_of_2(max(1, min(block * src.element_size() // src_w.element_size(), page)))
-    groups, blocks = triton.cdiv(n, pages_per_program), triton.cdiv(page, block)
-    grid = (groups * blocks, planes) if flat_grid else (groups, planes, blocks)
+    block_bytes = k.block_bytes if block is None else block * src.element_size()
+    block = triton.next_power_of_2(max(1, min(block_bytes // src_w.element_size(), page)))
+    groups, blocks = triton.cdiv(n, k.pages_per_program), triton.cdiv(page, block)
+    grid = (groups * blocks, planes) if k.flat_grid else (groups, planes, blocks)
     _copy_pages_kernel[grid](src_w, dst_w, ids, n, src_w[0, 0].numel(), dst_w[0, 0].numel(), PAGE=page,
-                             BLOCK=block, PAGES=pages_per_program, FLAT=flat_grid, num_warps=num_warps)
+                             BLOCK=block, PAGES=k.pages_per_program, FLAT=k.flat_grid, num_warps=k.num_warps)
 
 
 def as_words(pool: torch.Tensor, word_bytes: int) -> torch.Tensor:
@@ -138,5 +145,5 @@ if triton is not None:
                     tl.store(dst_at, tl.load(src_at, mask=offs < PAGE), mask=offs < PAGE)
 
 
-__all__ = ["BLOCK_BYTES", "NUM_WARPS", "WORD_BYTES", "as_words", "copy_pages", "copy_pages_ref", "page_ids",
+__all__ = ["KERNEL", "KernelSettings", "as_words", "copy_pages", "copy_pages_ref", "page_ids",
            "page_runs"]

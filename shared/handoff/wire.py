@@ -384,13 +384,16 @@ def split_lanes(source: PageSource, streams: int) -> list[Lane]:
 
 
 class SharedIncrements:
-    """One source's increments, taken once and read by each stream of the hand-off on its own thread."""
+    """One source's increments, taken once and read by each stream of the hand-off on its own thread. A stream
+    never waits for the next increment while another wants one already taken (the engine may be waiting for
+    those pages to arrive before it computes the next)."""
 
     def __init__(self, increments: Iterator[Increment]):
         self._increments = increments
         self._seen: list[Increment] = []
         self._error: BaseException | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _seen and _error; never held while waiting
+        self._taking = threading.Lock()  # held by the one stream taking the next increment
 
     def reader(self) -> Iterator[Increment]:
         i = 0
@@ -402,17 +405,24 @@ class SharedIncrements:
             i += 1
 
     def _get(self, i: int) -> Increment:
-        with self._lock:  # the first reader past the end takes the next one; the others wait for it
-            if i < len(self._seen):
-                return self._seen[i]
-            if self._error is not None:
-                raise self._error
-            try:
-                self._seen.append(next(self._increments))
-            except BaseException as e:  # TransferCancelled: every stream stops
-                self._error = e
-                raise
-            return self._seen[i]
+        while True:
+            with self._lock:
+                if i < len(self._seen):
+                    return self._seen[i]
+                if self._error is not None:
+                    raise self._error
+            with self._taking:
+                with self._lock:
+                    if i < len(self._seen) or self._error is not None:
+                        continue  # another stream took it (or failed) meanwhile
+                try:
+                    inc = next(self._increments)
+                except BaseException as e:  # TransferCancelled: every stream stops
+                    with self._lock:
+                        self._error = e
+                    raise
+                with self._lock:
+                    self._seen.append(inc)
 
 
 def iter_chunks(source: PageSource, chunk_bytes: int = 4 << 20,

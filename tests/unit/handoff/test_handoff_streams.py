@@ -133,13 +133,27 @@ def test_the_streams_read_one_feed_each_increment_once_and_stop_together_when_ca
     srcs, dsts, src_pages, dst_pages = pair()
     source = PageSource("r", srcs, [], b"", feed=PageFeed())
     lanes = split_lanes(source, 3)
+    chunked = [[] for _ in lanes]
+
+    def read(lane):
+        for chunk in iter_chunks(source, page_bytes(srcs[0]), lane=lane):
+            chunked[lane.index].append(chunk)
+
     with ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(lambda lane: list(iter_chunks(source, page_bytes(srcs[0]), lane=lane)), lane)
-                   for lane in lanes]
-        source.feed.put(Increment(src_pages, [2, 2]))
-        time.sleep(0.05)
-        source.feed.put(Increment(src_pages, [5, 5], last=Prefilled(b"state", (11,), (-0.5,))))
-        chunked = [f.result(10) for f in futures]
+        futures = [pool.submit(read, lane) for lane in lanes]
+        try:
+            source.feed.put(Increment(src_pages, [2, 2]))
+            # Every stream sends the first increment's pages while the next one has not come (the engine may wait
+            # for them before it computes more): no stream waits behind another's wait for the next increment.
+            deadline = time.monotonic() + 10
+            while not all(chunked) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert [bool(c) for c in chunked] == [True] * 3 and not any(f.done() for f in futures)
+            source.feed.put(Increment(src_pages, [5, 5], last=Prefilled(b"state", (11,), (-0.5,))))
+            for f in futures:
+                f.result(10)
+        finally:
+            source.guard.cancel()  # after a failed check, the streams stop rather than wait for more
     sink = PageSink("r", dsts, dst_pages)
     for chunks in chunked:
         for c in chunks:

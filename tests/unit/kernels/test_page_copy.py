@@ -63,8 +63,10 @@ def test_every_kernel_variant_equals_the_reference(pages_per_program, word_bytes
     dst = dst_ref.clone()
     src_pages, dst_pages = [5, 1, 6, 2, 7], [2, 3, 11, 8, 0]
     copy_pages_ref(dst_ref, src, src_pages, dst_pages, 2)
-    copy_pages(dst, src, src_pages, dst_pages, 2, backend="triton", block=block,
-               pages_per_program=pages_per_program, word_bytes=word_bytes, flat_grid=flat_grid)
+    from kernels.page_copy import KernelSettings
+
+    settings = KernelSettings(pages_per_program=pages_per_program, word_bytes=word_bytes, flat_grid=flat_grid)
+    copy_pages(dst, src, src_pages, dst_pages, 2, backend="triton", block=block, settings=settings)
     assert torch.equal(dst, dst_ref)
 
 
