@@ -392,8 +392,8 @@ class SharedIncrements:
         self._increments = increments
         self._seen: list[Increment] = []
         self._error: BaseException | None = None
-        self._lock = threading.Lock()  # guards _seen and _error; never held while waiting
-        self._taking = threading.Lock()  # held by the one stream taking the next increment
+        self._taking = False  # a stream is waiting for the next increment (outside the lock)
+        self._changed = threading.Condition()
 
     def reader(self) -> Iterator[Increment]:
         i = 0
@@ -405,24 +405,28 @@ class SharedIncrements:
             i += 1
 
     def _get(self, i: int) -> Increment:
-        while True:
-            with self._lock:
-                if i < len(self._seen):
-                    return self._seen[i]
+        with self._changed:
+            while i >= len(self._seen):
                 if self._error is not None:
                     raise self._error
-            with self._taking:
-                with self._lock:
-                    if i < len(self._seen) or self._error is not None:
-                        continue  # another stream took it (or failed) meanwhile
-                try:
-                    inc = next(self._increments)
-                except BaseException as e:  # TransferCancelled: every stream stops
-                    with self._lock:
-                        self._error = e
-                    raise
-                with self._lock:
-                    self._seen.append(inc)
+                if not self._taking:
+                    self._taking = True
+                    break
+                self._changed.wait()
+            else:
+                return self._seen[i]
+        try:
+            inc = next(self._increments)
+        except BaseException as e:  # TransferCancelled: every stream stops
+            with self._changed:
+                self._error, self._taking = e, False
+                self._changed.notify_all()
+            raise
+        with self._changed:
+            self._seen.append(inc)
+            self._taking = False
+            self._changed.notify_all()
+            return self._seen[i]
 
 
 def iter_chunks(source: PageSource, chunk_bytes: int = 4 << 20,
