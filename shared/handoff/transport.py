@@ -17,7 +17,10 @@ Two transports, chosen per decode address at the handshake (``negotiate``):
   and waits for the acknowledgement.
 - ``GrpcStreamTransport`` ("grpc-stream"): any network. Page-aligned chunks over the
   ``Decode.Transfer`` client stream, opened as the prefill starts: each prefill step's pages are sent
-  while the next step computes (gRPC flow control bounds the bytes in flight).
+  while the next step computes (gRPC flow control bounds the bytes in flight). One stream in Python tops
+  out near 1-2 GB/s, so a hand-off is split over ``streams`` parallel calls, each on a connection of its
+  own with a range of the (cache, layer) planes (``shared.handoff.wire.Lane``); the receiver completes it
+  when the last call ends, and any call failing fails the whole hand-off.
 
 Both send from a ``PageSource``'s increments (``shared.handoff.wire``): one per prefill step of the
 request, the last with the draft state; a source built after the prompt ran has one increment.
