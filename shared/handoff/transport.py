@@ -186,11 +186,14 @@ class GrpcStreamTransport(Transport):
         self.streams = streams
 
     def send(self, address: str, source: PageSource, timeout: float) -> pb.TransferAck:
-        calls = [self.channels.transfer_call(address, lane.index).future(self._messages(source, lane), timeout=timeout)
-                 for lane in split_lanes(source, self.streams)]
+        lanes = split_lanes(source, self.streams)
+        streams = [self._messages(source)] if len(lanes) == 1 else [self._messages(source, lane) for lane in lanes]
+        calls = [self.channels.transfer_call(address, lane).future(messages, timeout=timeout)
+                 for lane, messages in enumerate(streams)]
         return await_acks(calls, source)
 
-    def _messages(self, source: PageSource, lane: Lane) -> Iterator[bytes]:
+    def _messages(self, source: PageSource, lane: Lane | None = None) -> Iterator[bytes]:
+        """One stream's serialized chunks: the whole hand-off's, or (``lane``) its share of the planes."""
         # Serialized here, each chunk's payload copied once from the pages. A cancelled transfer just stops
         # sending: the receiver sees an incomplete transfer and frees its reservation, and ``send`` cancels
         # the call (no exception inside gRPC's sending thread).
