@@ -10,7 +10,7 @@
   (one ``copy_`` of a contiguous tensor) as the reference (issue 14: IPC >= 80% of it).
 
 Usage: ``python bench/bench_handoff.py [--tokens 4096] [--layers 8] [--device cpu] [--chunk-mb 4]
-[--repeat 5] [--transports grpc-stream,ipc] [--cross-process] [--contiguous] [--json out.json]``.
+[--repeat 5] [--streams 1,4] [--transports grpc-stream,ipc] [--cross-process] [--contiguous] [--json out.json]``.
 Prints the settings with the figures (the median of the repeats, and the best); the floor for
 grpc-stream is 1.5 GB/s (issue 14).
 """
@@ -22,6 +22,7 @@ import json
 import multiprocessing as mp
 import statistics
 import sys
+import threading
 import time
 from concurrent import futures
 from pathlib import Path
@@ -66,57 +67,81 @@ def filled_source(args) -> KVCache:
 class Receiver(pb_grpc.DecodeServicer):
     def __init__(self, dst: KVCache, pages: list[int]):
         self.dst, self.pages, self.transport = dst, pages, GrpcStreamTransport()
+        self.sinks: dict[str, PageSink] = {}  # one per hand-off, shared by its parallel streams
+        self.lock = threading.Lock()
+
+    def sink(self, rid: str) -> PageSink:
+        with self.lock:
+            return self.sinks.setdefault(rid, PageSink(rid, [self.dst], [self.pages]))
 
     def Transfer(self, request_iterator, context):  # noqa: N802
-        got = self.transport.receive(request_iterator, lambda rid: PageSink(rid, [self.dst], [self.pages]))
+        got = self.transport.receive(request_iterator, self.sink)
         return pb.TransferAck(bytes=got.bytes, chunks=got.chunks)
 
 
 def serve_receiver(args, conn) -> None:
     """The receiving side in a process of its own (as the decode service is): serves Decode.Transfer into
-    a cache of its own, sends its port, then, when asked, whether every page arrived intact."""
+    a cache of its own, sends its port, then its CPU seconds for each hand-off it is told to time ("start",
+    "stop"), and at "done" whether every page arrived intact."""
     src_pages, dst_pages = pages(args)
     dst = make_cache(args, True)
-    server = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_receive_message_length", 256 << 20)])
+    server = grpc.server(futures.ThreadPoolExecutor(2 * max(stream_counts(args)) + 2),
+                         options=[("grpc.max_receive_message_length", 256 << 20)])
     add_decode_servicer(Receiver(dst, dst_pages), server)  # as the decode service registers it
     conn.send(server.add_insecure_port("127.0.0.1:0"))
     server.start()
-    conn.recv()  # the sender starts
-    cpu = time.process_time()
-    conn.recv()  # the sender is done
-    cpu = time.process_time() - cpu
+    while (msg := conn.recv()) != "done":
+        if msg == "start":
+            cpu = time.process_time()
+        else:
+            conn.send(time.process_time() - cpu)
     src, ps = filled_source(args), args.page_size
-    conn.send((cpu, all(torch.equal(dst.pool[:, :, d * ps:(d + 1) * ps], src.pool[:, :, s * ps:(s + 1) * ps])
-                        for s, d in zip(src_pages, dst_pages))))
+    conn.send(all(torch.equal(dst.pool[:, :, d * ps:(d + 1) * ps], src.pool[:, :, s * ps:(s + 1) * ps])
+                  for s, d in zip(src_pages, dst_pages)))
     server.stop(0)
 
 
-def bench_grpc(args, src: KVCache, src_pages: list[int]) -> dict:
+def stream_counts(args) -> list[int]:
+    return [int(k) for k in str(args.streams).split(",")]
+
+
+def bench_grpc(args, src: KVCache, src_pages: list[int]) -> list[dict]:
+    """One result per stream count, the counts run in turn in every round (a shared machine's load moves
+    them alike)."""
     conn, child_conn = mp.Pipe()
     receiver = mp.get_context("spawn").Process(target=serve_receiver, args=(args, child_conn), daemon=True)
     receiver.start()
     port = conn.recv()
-    transport = GrpcStreamTransport(chunk_bytes=args.chunk_mb << 20)
-    conn.send("start")
-    cpu = time.process_time()
+    counts = stream_counts(args)
+    transports = {k: GrpcStreamTransport(chunk_bytes=args.chunk_mb << 20, streams=k) for k in counts}
+    times = {k: [] for k in counts}
+    cpu = {k: [0.0, 0.0] for k in counts}  # sender, receiver CPU seconds
+    nbytes = 0
     try:
-        times, nbytes = [], 0
-        for _ in range(args.repeat):
-            t0 = time.perf_counter()
-            ack = transport.send(f"127.0.0.1:{port}", PageSource("r", [src], [src_pages], b""), timeout=120)
-            times.append(time.perf_counter() - t0)
-            nbytes = ack.bytes
+        for i in range(args.repeat + 1):  # the first round opens the connections and warms
+            for k in counts:
+                conn.send("start")
+                c0, t0 = time.process_time(), time.perf_counter()
+                ack = transports[k].send(f"127.0.0.1:{port}", PageSource(f"r{i}-{k}", [src], [src_pages], b""),
+                                         timeout=120)
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
+                conn.send("stop")
+                received_cpu = conn.recv()
+                nbytes = ack.bytes
+                if i:
+                    times[k].append(dt)
+                    cpu[k][0] += dc
+                    cpu[k][1] += received_cpu
     finally:
-        cpu = time.process_time() - cpu
-        transport.close()
+        for t in transports.values():
+            t.close()
         conn.send("done")
-    receiver_cpu, intact = conn.recv()
-    assert intact, "the pages did not arrive intact"
+    assert conn.recv(), "the pages did not arrive intact"
     receiver.join(30)
     # CPU seconds per GB on each side (every thread of the process): the figure a loaded machine moves least.
-    per_gb = {"sender_cpu_s_per_gb": cpu / (nbytes * args.repeat / 1e9),
-              "receiver_cpu_s_per_gb": receiver_cpu / (nbytes * args.repeat / 1e9)}
-    return {"transport": "grpc-stream", **figures(nbytes, times), "chunk_mb": args.chunk_mb, **per_gb}
+    gb = nbytes * args.repeat / 1e9
+    return [{"transport": "grpc-stream", **figures(nbytes, times[k]), "chunk_mb": args.chunk_mb, "streams": k,
+             "sender_cpu_s_per_gb": cpu[k][0] / gb, "receiver_cpu_s_per_gb": cpu[k][1] / gb} for k in counts]
 
 
 def figures(nbytes: int, times: list[float]) -> dict:
@@ -136,7 +161,7 @@ def bench_ipc(args, src: KVCache, src_pages: list[int]) -> dict:
         nbytes = write_in_place(PageSource("r", [src], [src_pages], b""), pools, [dst_pages],
                                 time.monotonic() + 60).bytes
         times.append(time.perf_counter() - t0)
-    return {"transport": "ipc", **figures(nbytes, times)}
+    return [{"transport": "ipc", **figures(nbytes, times)}]
 
 
 def _hold_pools(args, conn) -> None:
@@ -201,6 +226,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--chunk-mb", type=int, default=4)
+    ap.add_argument("--streams", default="1,4", help="grpc-stream: parallel streams per hand-off (a list: each "
+                    "count in turn, every round)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--transports", default="grpc-stream,ipc")
     ap.add_argument("--cross-process", action="store_true", help="also: the pools in a second process (ipc)")
@@ -209,7 +236,7 @@ def main() -> None:
     args = ap.parse_args()
     src, src_pages = filled_source(args), pages(args)[0]
     benches = {"grpc-stream": bench_grpc, "ipc": bench_ipc}
-    results = [benches[t](args, src, src_pages) for t in args.transports.split(",")]
+    results = [r for t in args.transports.split(",") for r in benches[t](args, src, src_pages)]
     if args.cross_process:
         results.append(bench_cross_process(args, src, src_pages))
         results.append(d2d_copy(args, results[-1]["bytes"]))
@@ -217,7 +244,7 @@ def main() -> None:
     settings = {k: v for k, v in vars(args).items() if k != "json"}
     print(f"hand-off of {args.tokens} tokens, {settings}")
     for r in results:
-        floor = f" (floor {GRPC_FLOOR_GBPS} GB/s)" if r["transport"] == "grpc-stream" else ""
+        floor = f" ({r['streams']} streams; floor {GRPC_FLOOR_GBPS} GB/s)" if r["transport"] == "grpc-stream" else ""
         if "of_device_copy" in r:
             floor = f" ({r['of_device_copy']:.2f} of the device copy; target 0.8)"
         print(f"  {r['transport']:12s} {r['bytes'] / 1e6:9.1f} MB in {r['seconds'] * 1e3:8.2f} ms (median of "

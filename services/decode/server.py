@@ -6,7 +6,8 @@ A request's life here:
   reason) and the router places it elsewhere. From here on its tokens are buffered for ``Stream``. The
   prefill service reserves as a request's prefill starts, naming no output token: its pages then arrive
   chunk by chunk while the prompt is still being prefilled, and the first token with the last chunk.
-- ``Transfer``: the chunks are written straight into the reserved pages while the request is
+- ``Transfer``: (one call, or several in parallel each with a range of the layers: the last one to end
+  completes the hand-off) the chunks are written straight into the reserved pages while the request is
   RECEIVING (nothing else touches them; an abort cancels the request's ``PageGuard`` before the pages
   can go back to the pool), checked (checksums, order, sizes, coverage, the draft state's shape), and
   the request is activated: it resumes straight into draft() from the transferred state. The
@@ -194,11 +195,11 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         def open_sink(rid: str) -> PageSink:
             with self._lock:
                 inc = self._incoming.get(rid)
-                if inc is None or inc.receiving:
+                if inc is None or (inc.receiving and not inc.sink.takes_another_stream()):
                     raise NoReservation(f"request_id: {rid!r} has no reservation waiting for a transfer here")
-                inc.receiving = True
+                first, inc.receiving = not inc.receiving, True  # or another stream of a split hand-off
             opened.append(inc)
-            if inc.in_place:  # the sender opens the call only after its last write
+            if first and inc.in_place:  # the sender opens the call only after its last write
                 self._writer_done(inc)
             if inc.guard.cancelled:
                 raise TransferCancelled(f"{rid} was aborted before its transfer")
@@ -207,6 +208,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         try:
             received = self.transport.receive(request_iterator, open_sink)
             inc = opened[0]
+            if not received.complete:  # one of several streams: the last one to end activates the request
+                return pb.TransferAck(bytes=received.bytes, chunks=received.chunks)
             state = decode_draft_state(received.draft_state, self.schema, inc.committed_len, self.loop.device)
             check_first_token(inc, received)
         except NoReservation as e:

@@ -112,7 +112,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.client = DecodeClient(self.channels, self.schema)
         # The transports, one chosen per decode instance at its handshake (``transport``: always that one).
         self.transports: dict[str, Transport] = {
-            "grpc-stream": GrpcStreamTransport(self.channels, settings.handoff_chunk_bytes),
+            "grpc-stream": GrpcStreamTransport(self.channels, settings.handoff_chunk_bytes, settings.handoff_streams),
             "ipc": IpcTransport(self.channels)}
         self.fixed_transport = transport
         self._chosen: dict[str, str] = {}  # decode address -> the transport logged for it

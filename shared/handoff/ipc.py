@@ -23,6 +23,7 @@ import os
 import socket
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -190,27 +191,20 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 def _write_increment(source: PageSource, pools: list[torch.Tensor], dest_page_ids: list[list[int]],
                      inc: Increment, sent: list[int], side) -> int:
-    """Copy pages [sent[c], inc.done[c]) of each cache (every plane; one launch per cache on CUDA), then
-    (CUDA) wait for them, so that no copy is in flight once the guard is let go."""
+    """Copy pages [sent[c], inc.done[c]) of each cache (every plane; one launch per cache on CUDA, all queued
+    on ``side`` before the one wait), then (CUDA) wait for them, so that no copy is in flight once the guard is
+    let go."""
     written = 0
-    for cache, pool, src, dst, lo, hi in zip(source.caches, pools, inc.page_ids, dest_page_ids, sent, inc.done):
-        if hi > len(dst) or (inc.last is not None and hi != len(dst)):
-            raise TransferError(f"{hi} pages to send, {len(dst)} reserved")
-        if hi > lo:
-            _copy(pool, cache, src[lo:hi], dst[lo:hi], side)
-        written += (hi - lo) * cache.page_size * cache.pool[:, :, 0].numel() * cache.pool.element_size()
+    with torch.cuda.stream(side) if side is not None else nullcontext():
+        for cache, pool, src, dst, lo, hi in zip(source.caches, pools, inc.page_ids, dest_page_ids, sent, inc.done):
+            if hi > len(dst) or (inc.last is not None and hi != len(dst)):
+                raise TransferError(f"{hi} pages to send, {len(dst)} reserved")
+            if hi > lo:
+                copy_pages(pool, cache.pool, src[lo:hi], dst[lo:hi], cache.page_size)
+            written += (hi - lo) * cache.page_size * cache.pool[:, :, 0].numel() * cache.pool.element_size()
     if side is not None:
         side.synchronize()
     return written
-
-
-def _copy(pool: torch.Tensor, cache, src: list[int], dst: list[int], side) -> None:
-    """Every plane of the pages, one launch on CUDA (``kernels.page_copy``), queued on ``side``."""
-    if side is None:
-        copy_pages(pool, cache.pool, src, dst, cache.page_size)
-        return
-    with torch.cuda.stream(side):
-        copy_pages(pool, cache.pool, src, dst, cache.page_size)
 
 
 __all__ = ["PoolHandle", "TransferCancelled", "Written", "export_pools", "host_id", "open_pools", "reachable",

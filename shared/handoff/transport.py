@@ -17,7 +17,10 @@ Two transports, chosen per decode address at the handshake (``negotiate``):
   and waits for the acknowledgement.
 - ``GrpcStreamTransport`` ("grpc-stream"): any network. Page-aligned chunks over the
   ``Decode.Transfer`` client stream, opened as the prefill starts: each prefill step's pages are sent
-  while the next step computes (gRPC flow control bounds the bytes in flight).
+  while the next step computes (gRPC flow control bounds the bytes in flight). One stream in Python tops
+  out near 1-2 GB/s, so a hand-off is split over ``streams`` parallel calls, each on a connection of its
+  own with a range of the (cache, layer) planes (``shared.handoff.wire.Lane``); the receiver completes it
+  when the last call ends, and any call failing fails the whole hand-off.
 
 Both send from a ``PageSource``'s increments (``shared.handoff.wire``): one per prefill step of the
 request, the last with the draft state; a source built after the prompt ran has one increment.
@@ -43,6 +46,7 @@ from shared.handoff.ipc import host_id, open_pools, reachable, write_in_place
 from shared.handoff.schema import HandoffSchema
 from shared.handoff.wire import (
     FEED_POLL_S,
+    Lane,
     PageSink,
     PageSource,
     Received,
@@ -51,6 +55,7 @@ from shared.handoff.wire import (
     as_wire,
     iter_chunks,
     parse_wire,
+    split_lanes,
 )
 
 _DECODE = pb.DESCRIPTOR.services_by_name["Decode"]
@@ -79,25 +84,28 @@ class ChannelPool:
                  open_channel: Callable[[str, list], grpc.Channel] | None = None):
         """``open_channel(address, options)`` makes each channel (the services pass one that adds the
         API key to every call); default ``grpc.insecure_channel``."""
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: dict[tuple[str, int], grpc.Channel] = {}  # (address, lane) -> its channel
         self._lock = threading.Lock()
         self._options = [("grpc.max_send_message_length", max_message_bytes),
                          ("grpc.max_receive_message_length", max_message_bytes)]
         self._open = open_channel or (lambda address, options: grpc.insecure_channel(address, options=options))
 
-    def channel(self, address: str) -> grpc.Channel:
+    def channel(self, address: str, lane: int = 0) -> grpc.Channel:
+        """The channel to ``address``; ``lane`` > 0: one more channel with a TCP connection of its own (a
+        hand-off's parallel streams on one connection would share its one reading thread)."""
         with self._lock:
-            ch = self._channels.get(address)
+            ch = self._channels.get((address, lane))
             if ch is None:
-                ch = self._channels[address] = self._open(address, self._options)
+                options = self._options + ([("grpc.use_local_subchannel_pool", 1)] if lane else [])
+                ch = self._channels[(address, lane)] = self._open(address, options)
         return ch
 
     def decode_stub(self, address: str) -> pb_grpc.DecodeStub:
         return pb_grpc.DecodeStub(self.channel(address))
 
-    def transfer_call(self, address: str) -> grpc.StreamUnaryMultiCallable:
+    def transfer_call(self, address: str, lane: int = 0) -> grpc.StreamUnaryMultiCallable:
         """``Decode.Transfer`` taking messages already serialized (``shared.handoff.wire.as_wire``)."""
-        return self.channel(address).stream_unary(TRANSFER_METHOD, request_serializer=None,
+        return self.channel(address, lane).stream_unary(TRANSFER_METHOD, request_serializer=None,
                                                   response_deserializer=pb.TransferAck.FromString)
 
     def close(self) -> None:
@@ -168,20 +176,29 @@ class Transport(ABC):
 class GrpcStreamTransport(Transport):
     name = "grpc-stream"
 
-    def __init__(self, channels: ChannelPool | None = None, chunk_bytes: int = 4 << 20):
+    def __init__(self, channels: ChannelPool | None = None, chunk_bytes: int = 4 << 20, streams: int = 1):
+        """``streams``: the parallel Transfer calls a hand-off is split over (by ranges of its (cache, layer)
+        planes, each call on a connection of its own; at most one per plane)."""
         self.channels = channels or ChannelPool()
         self.chunk_bytes = chunk_bytes
+        if streams < 1:
+            raise ValueError(f"handoff_streams must be at least 1, got {streams}")
+        self.streams = streams
 
     def send(self, address: str, source: PageSource, timeout: float) -> pb.TransferAck:
-        call = self.channels.transfer_call(address).future(self._messages(source), timeout=timeout)
-        return await_ack(call, source)
+        lanes = split_lanes(source, self.streams)
+        streams = [self._messages(source)] if len(lanes) == 1 else [self._messages(source, lane) for lane in lanes]
+        calls = [self.channels.transfer_call(address, lane).future(messages, timeout=timeout)
+                 for lane, messages in enumerate(streams)]
+        return await_acks(calls, source)
 
-    def _messages(self, source: PageSource) -> Iterator[bytes]:
+    def _messages(self, source: PageSource, lane: Lane | None = None) -> Iterator[bytes]:
+        """One stream's serialized chunks: the whole hand-off's, or (``lane``) its share of the planes."""
         # Serialized here, each chunk's payload copied once from the pages. A cancelled transfer just stops
         # sending: the receiver sees an incomplete transfer and frees its reservation, and ``send`` cancels
         # the call (no exception inside gRPC's sending thread).
         try:
-            yield from read_ahead(iter_chunks(source, self.chunk_bytes, encode=as_wire), READ_AHEAD)
+            yield from read_ahead(iter_chunks(source, self.chunk_bytes, encode=as_wire, lane=lane), READ_AHEAD)
         except TransferCancelled:
             return
 
@@ -252,19 +269,43 @@ def read_ahead(messages: Iterator, depth: int) -> Iterator:
 
 def await_ack(call, source: PageSource) -> pb.TransferAck:
     """The Transfer call's acknowledgement; a cancelled guard cancels the call (TransferCancelled)."""
-    while True:
-        try:
-            return call.result(timeout=0.05)
-        except grpc.FutureTimeoutError:
+    return await_acks([call], source)
+
+
+def await_acks(calls: list, source: PageSource) -> pb.TransferAck:
+    """The acknowledgement of a hand-off sent over ``calls`` (its parallel streams): the first call to fail
+    cancels the others and raises; a cancelled guard cancels them all (TransferCancelled). Each stream's
+    acknowledgement counts its own bytes, the one that completed the hand-off every stream's: that one is
+    returned."""
+    changed = threading.Event()
+    for call in calls:
+        call.add_done_callback(lambda _: changed.set())
+    try:
+        while True:
+            changed.clear()
+            if all(call.done() for call in calls):
+                return max((_ack(call, source) for call in calls), key=lambda ack: ack.bytes)
+            for call in calls:
+                if call.done():
+                    _ack(call, source)  # raises if it failed
             if source.guard.cancelled:
-                call.cancel()
-                raise TransferCancelled(f"{source.rid}: released during its transfer") from None
-        except grpc.FutureCancelledError:
-            raise TransferCancelled(f"{source.rid}: transfer cancelled") from None
-        except grpc.RpcError:  # the receiver's answer to a transfer that stopped short because it was cancelled
-            if source.guard.cancelled:
-                raise TransferCancelled(f"{source.rid}: released during its transfer") from None
-            raise
+                raise TransferCancelled(f"{source.rid}: released during its transfer")
+            changed.wait(0.05)
+    finally:
+        for call in calls:
+            call.cancel()  # no-op on a call that ended
+
+
+def _ack(call, source: PageSource) -> pb.TransferAck:
+    """A finished call's acknowledgement, or its failure as the sender raises it."""
+    try:
+        return call.result()
+    except grpc.FutureCancelledError:
+        raise TransferCancelled(f"{source.rid}: transfer cancelled") from None
+    except grpc.RpcError:  # the receiver's answer to a transfer that stopped short because it was cancelled
+        if source.guard.cancelled:
+            raise TransferCancelled(f"{source.rid}: released during its transfer") from None
+        raise
 
 
 class IpcTransport(GrpcStreamTransport):

@@ -50,11 +50,13 @@ class TransferCancelled(RuntimeError):
 
 
 class PageGuard:
-    """Orders a transfer's page accesses against the release of those pages."""
+    """Orders a transfer's page accesses against the release of those pages. Accesses may overlap (the
+    streams of one hand-off write their pages at once); ``cancel`` waits until none is in progress."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._cancelled = False
+        self._active = 0  # accesses in progress
 
     @property
     def cancelled(self) -> bool:
@@ -62,16 +64,24 @@ class PageGuard:
 
     @contextmanager
     def access(self):
-        with self._lock:
+        with self._cond:
             if self._cancelled:
                 raise TransferCancelled("the request was released during its transfer")
+            self._active += 1
+        try:
             yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                if not self._active:
+                    self._cond.notify_all()
 
     def cancel(self) -> bool:
-        """Forbid every later access (waits for the one in progress); True if this call cancelled it."""
-        with self._lock:
+        """Forbid every later access (waits for those in progress); True if this call cancelled it."""
+        with self._cond:
             first = not self._cancelled
             self._cancelled = True
+            self._cond.wait_for(lambda: self._active == 0)
             return first
 
 
@@ -353,27 +363,99 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
+@dataclass(frozen=True)
+class Lane:
+    """One of the parallel streams a hand-off is split over (one gRPC stream tops out near 1-2 GB/s in Python):
+    a contiguous range of the (cache, layer) planes, every increment's pages of those planes."""
+
+    index: int  # this stream's number, 0 .. count - 1 (stream 0's last chunk carries the draft state)
+    count: int  # the streams the hand-off is split over
+    planes: frozenset[tuple[int, int]]  # the (cache, layer) pairs this stream sends
+    increments: Callable[[], Iterator[Increment]]  # this stream's reader of the source's increments
+
+
+def split_lanes(source: PageSource, streams: int) -> list[Lane]:
+    """``source`` split over ``streams`` parallel streams (at most one per plane) by ranges of its (cache,
+    layer) planes; each stream reads every increment (``SharedIncrements``: the source's feed is taken once)."""
+    planes = [(c, layer) for c, cache in enumerate(source.caches) for layer in range(cache.layout.num_layers)]
+    k = max(1, min(streams, len(planes)))
+    read = source.increments if k == 1 else SharedIncrements(source.increments()).reader
+    return [Lane(i, k, frozenset(planes[i * len(planes) // k:(i + 1) * len(planes) // k]), read) for i in range(k)]
+
+
+class SharedIncrements:
+    """One source's increments, taken once and read by each stream of the hand-off on its own thread. A stream
+    never waits for the next increment while another wants one already taken (the engine may be waiting for
+    those pages to arrive before it computes the next)."""
+
+    def __init__(self, increments: Iterator[Increment]):
+        self._increments = increments
+        self._seen: list[Increment] = []
+        self._error: BaseException | None = None
+        self._taking = False  # a stream is waiting for the next increment (outside the lock)
+        self._changed = threading.Condition()
+
+    def reader(self) -> Iterator[Increment]:
+        i = 0
+        while True:
+            inc = self._get(i)
+            yield inc
+            if inc.last is not None:
+                return
+            i += 1
+
+    def _get(self, i: int) -> Increment:
+        with self._changed:
+            while i >= len(self._seen):
+                if self._error is not None:
+                    raise self._error
+                if not self._taking:
+                    self._taking = True
+                    break
+                self._changed.wait()
+            else:
+                return self._seen[i]
+        try:
+            inc = next(self._increments)
+        except BaseException as e:  # TransferCancelled: every stream stops
+            with self._changed:
+                self._error, self._taking = e, False
+                self._changed.notify_all()
+            raise
+        with self._changed:
+            self._seen.append(inc)
+            self._taking = False
+            self._changed.notify_all()
+            return self._seen[i]
+
+
 def iter_chunks(source: PageSource, chunk_bytes: int = 4 << 20,
-                encode: Callable[[pb.KVChunk, memoryview, memoryview], object] = as_message) -> Iterator:
+                encode: Callable[[pb.KVChunk, memoryview, memoryview], object] = as_message,
+                lane: Lane | None = None) -> Iterator:
     """The request's pages as chunks, each increment's as soon as it comes, each slice read when it is
     asked for. ``encode(header, k, v)`` makes each message from its header (every field but ``k`` and ``v``)
     and its K and V bytes (valid during the call only): a KVChunk (``as_message``), or its serialized
-    bytes (``as_wire``: what the gRPC stream sends)."""
+    bytes (``as_wire``: what the gRPC stream sends). With a ``lane``, only that stream's planes, its chunks
+    numbered on their own (each stream ends with a last chunk; stream 0's carries the draft state)."""
     staging = Staging(source.caches[0].pool.device)
     sent, seq = [0] * len(source.caches), 0
-    for inc in source.increments():
+    lanes = {} if lane is None or lane.count == 1 else {"stream": lane.index, "streams": lane.count}
+    for inc in (lane.increments() if lane is not None else source.increments()):
         staging.after(inc.written)
         done_pages = [pages[:n] for pages, n in zip(inc.page_ids, inc.done)]
         slices = plan_slices(source.caches, done_pages, chunk_bytes, sent)
+        if lane is not None:
+            slices = [s for s in slices if (s.cache, s.layer) in lane.planes]
         sent = list(inc.done)
         headers = [pb.KVChunk(request_id=source.rid, seq=seq + i, cache=s.cache, layer=s.layer, first_page=s.first,
-                              num_pages=s.count) for i, s in enumerate(slices)]
+                              num_pages=s.count, **lanes) for i, s in enumerate(slices)]
         if inc.last is not None:
             if not headers:  # nothing left to send but the state
-                headers.append(pb.KVChunk(request_id=source.rid, seq=seq))
-            headers[-1].MergeFrom(pb.KVChunk(last=True, total_chunks=seq + len(headers),
-                                             draft_state=inc.last.draft_state, output_ids=inc.last.output_ids,
-                                             output_logprobs=inc.last.output_logprobs))
+                headers.append(pb.KVChunk(request_id=source.rid, seq=seq, **lanes))
+            headers[-1].MergeFrom(pb.KVChunk(last=True, total_chunks=seq + len(headers)))
+            if lane is None or lane.index == 0:
+                headers[-1].MergeFrom(pb.KVChunk(draft_state=inc.last.draft_state, output_ids=inc.last.output_ids,
+                                                 output_logprobs=inc.last.output_logprobs))
         yield from _read_slices(source, staging, slices, headers, encode)
         seq += len(headers)
 
@@ -411,6 +493,7 @@ class Received:
     chunks: int
     output_ids: list[int] = field(default_factory=list)  # the first token, when the reservation named none
     output_logprobs: list[float] = field(default_factory=list)
+    complete: bool = True  # False: one stream of several ended (its own bytes and chunks), others are to come
 
 
 def scatter(layer: torch.Tensor, page_ids: list[int], data: torch.Tensor, page_size: int) -> None:
@@ -438,7 +521,8 @@ def _pages_as_bytes(t: torch.Tensor, page_size: int):
 
 
 class PageSink:
-    """Writes one request's chunks into the pages reserved for it, checking each one."""
+    """Writes one request's chunks into the pages reserved for it, checking each one. A hand-off split over
+    several streams (``Lane``) writes through one sink from each stream's thread at once."""
 
     def __init__(self, rid: str, caches: list[KVCache], page_ids: list[list[int]], guard: PageGuard | None = None,
                  in_place: bool = False):
@@ -449,20 +533,34 @@ class PageSink:
         self.written = [torch.zeros(c.layout.num_layers, len(p), dtype=torch.int32) for c, p in zip(caches, page_ids)]
         self.received = 0
         self.bytes = 0
+        self.streams: int | None = None  # the streams the sender split the hand-off over (from its first chunk)
+        self._next_seq: dict[int, int] = {}  # per stream, the seq its next chunk must have
+        self._stream_bytes: dict[int, int] = {}
+        self._ended: set[int] = set()  # streams whose last chunk was checked
+        self._final: pb.KVChunk | None = None  # stream 0's last chunk (the draft state, the first token)
+        self._lock = threading.Lock()
+
+    def takes_another_stream(self) -> bool:
+        """Whether another Transfer call may still join this hand-off (its stream count not yet known, or more
+        than the calls that ended)."""
+        with self._lock:
+            return not self.in_place and (self.streams is None or 1 < self.streams > len(self._ended))
 
     def write(self, chunk: pb.KVChunk) -> None:
         where = f"chunk {chunk.seq} (cache {chunk.cache}, layer {chunk.layer})"
         if chunk.request_id != self.rid:
             raise TransferError(f"{where} belongs to {chunk.request_id!r}, the transfer is for {self.rid!r}")
-        if chunk.seq != self.received:
-            raise TransferError(f"{where} arrived as chunk {self.received}: chunks lost or out of order")
+        stream = self._take_seq(chunk, where)
         k_bytes, v_bytes = chunk.k, chunk.v  # read once: each read of a message's bytes field copies them
         if checksum(k_bytes, v_bytes) != chunk.crc32:
             raise TransferError(f"{where} failed its CRC32C check")
         if chunk.in_place or self.in_place:
             return self._written_in_place(chunk, where)
-        self.received += 1
-        self.bytes += len(k_bytes) + len(v_bytes) + len(chunk.draft_state)
+        with self._lock:
+            self.received += 1
+            n = len(k_bytes) + len(v_bytes) + len(chunk.draft_state)
+            self.bytes += n
+            self._stream_bytes[stream] = self._stream_bytes.get(stream, 0) + n
         if chunk.num_pages == 0:
             if k_bytes or v_bytes:
                 raise TransferError(f"{where} has bytes but no pages")
@@ -476,15 +574,33 @@ class PageSink:
             raise TransferError(f"{where} has {len(k_bytes)} K and {len(v_bytes)} V bytes for {chunk.num_pages} "
                                 f"pages, expected {expected} each (page size, heads, head dim or dtype differ)")
         span = slice(chunk.first_page, chunk.first_page + chunk.num_pages)
-        done = self.written[chunk.cache][chunk.layer, span]
-        if bool((done > 0).any()):
-            raise TransferError(f"{where} writes pages [{span.start}, {span.stop}) a second time")
+        with self._lock:  # claimed before the write: two streams never write one page
+            done = self.written[chunk.cache][chunk.layer, span]
+            if bool((done > 0).any()):
+                raise TransferError(f"{where} writes pages [{span.start}, {span.stop}) a second time")
+            done += 1
         dtype = cache.k[0].dtype
         k, v = _view(k_bytes, dtype, shape), _view(v_bytes, dtype, shape)  # no copy: read once, into the pages
         with self.guard.access():
             scatter(cache.k[chunk.layer], pages[span], k, ps)
             scatter(cache.v[chunk.layer], pages[span], v, ps)
-        done += 1
+
+    def _take_seq(self, chunk: pb.KVChunk, where: str) -> int:
+        """Check the chunk's stream and its place in it; returns the stream."""
+        stream, streams = chunk.stream, chunk.streams or 1
+        with self._lock:
+            if self.streams is None:
+                self.streams = streams
+            if streams != self.streams or stream >= streams:
+                raise TransferError(f"{where} is of stream {stream} of {streams}; the hand-off came in "
+                                    f"{self.streams} streams")
+            if stream in self._ended:
+                raise TransferError(f"{where} arrived after the last chunk of its stream {stream}")
+            expected = self._next_seq.get(stream, 0)
+            if chunk.seq != expected:
+                raise TransferError(f"{where} arrived as chunk {expected}: chunks lost or out of order")
+            self._next_seq[stream] = expected + 1
+        return stream
 
     def _written_in_place(self, chunk: pb.KVChunk, where: str) -> None:
         """The sender wrote every page of every cache itself: one message, then the end."""
@@ -511,16 +627,28 @@ class PageSink:
                                 f"the request has {len(pages)} reserved here")
 
     def finish(self, last: pb.KVChunk | None) -> Received:
-        """Check the transfer is complete; returns what arrived (the draft state bytes among it)."""
+        """Check the transfer is complete; returns what arrived (the draft state bytes among it). Of a hand-off
+        over several streams, each stream's end is checked, and the last stream to end checks the whole."""
         if last is None or not last.last:
             raise TransferError(f"the transfer of {self.rid!r} ended before its last chunk "
                                 f"({self.received} chunks received)")
-        if last.total_chunks != self.received:
-            raise TransferError(f"received {self.received} chunks, the sender sent {last.total_chunks}")
+        with self._lock:
+            stream = last.stream
+            sent = self._next_seq.get(stream, 0)
+            if last.total_chunks != sent:
+                raise TransferError(f"received {sent} chunks, the sender sent {last.total_chunks}")
+            if stream == 0:
+                self._final = last
+            elif last.draft_state or last.output_ids:
+                raise TransferError(f"stream {stream} carries the draft state; only stream 0 does")
+            self._ended.add(stream)
+            if len(self._ended) < (self.streams or 1):
+                return Received(self.rid, b"", self._stream_bytes.get(stream, 0), sent, complete=False)
         for c, w in enumerate(self.written):
             if w.numel() and not bool((w == 1).all()):
                 missing = int((w == 0).sum())
                 raise TransferError(f"cache {c}: {missing} (layer, page) pairs of {w.numel()} never arrived")
+        last = self._final
         return Received(self.rid, last.draft_state, self.bytes, self.received, list(last.output_ids),
                         list(last.output_logprobs))
 

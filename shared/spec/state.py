@@ -15,8 +15,8 @@ import torch
 
 # The hand-off's version, sent in every draft state and compared at the handshake
 # (shared/handoff/schema.py): bump when the wire format (shared/handoff/wire.py) or this layout changes.
-SCHEMA_VERSION = 3  # 2: chunks checksummed with CRC32C, not zlib's CRC32; 3: no generator state (every draw
-# is a function of the seed and a position)
+SCHEMA_VERSION = 4  # 2: chunks checksummed with CRC32C, not zlib's CRC32; 3: no generator state (every draw
+# is a function of the seed and a position); 4: a hand-off may come over several parallel streams (KVChunk.streams)
 
 
 @dataclass

@@ -314,7 +314,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., pages: _Optional[_Iterable[_Union[PageList, _Mapping]]] = ..., write_deadline: _Optional[float] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("request_id", "cache", "layer", "first_page", "num_pages", "k", "v", "crc32", "draft_state", "last", "total_chunks", "seq", "in_place", "in_place_bytes", "output_ids", "output_logprobs")
+    __slots__ = ("request_id", "cache", "layer", "first_page", "num_pages", "k", "v", "crc32", "draft_state", "last", "total_chunks", "seq", "in_place", "in_place_bytes", "output_ids", "output_logprobs", "stream", "streams")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +331,8 @@ class KVChunk(_message.Message):
     IN_PLACE_BYTES_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cache: int
     layer: int
@@ -347,7 +349,9 @@ class KVChunk(_message.Message):
     in_place_bytes: int
     output_ids: _containers.RepeatedScalarFieldContainer[int]
     output_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[str] = ..., cache: _Optional[int] = ..., layer: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ..., crc32: _Optional[int] = ..., draft_state: _Optional[bytes] = ..., last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., seq: _Optional[int] = ..., in_place: _Optional[bool] = ..., in_place_bytes: _Optional[int] = ..., output_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    stream: int
+    streams: int
+    def __init__(self, request_id: _Optional[str] = ..., cache: _Optional[int] = ..., layer: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ..., crc32: _Optional[int] = ..., draft_state: _Optional[bytes] = ..., last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., seq: _Optional[int] = ..., in_place: _Optional[bool] = ..., in_place_bytes: _Optional[int] = ..., output_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., stream: _Optional[int] = ..., streams: _Optional[int] = ...) -> None: ...
 
 class TransferAck(_message.Message):
     __slots__ = ("bytes", "chunks")

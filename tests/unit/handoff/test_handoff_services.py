@@ -57,7 +57,8 @@ def config(draft=DRAFT, **kw):
 class Stack:
     """One prefill and one decode instance (engines built in memory), and a driver for them."""
 
-    def __init__(self, models, redis_url, prefill_draft=DRAFT, transport="grpc-stream", **decode_settings):
+    def __init__(self, models, redis_url, prefill_draft=DRAFT, transport="grpc-stream", handoff_streams=1,
+                 **decode_settings):
         self.transport = transport  # the hand-off's data transport, forced on the prefill side
         self.prefill_engine = make_engine(models, prefill_draft, config(prefill_draft), role="prefill")
         decode_engine = make_engine(models, DRAFT, config(), role="decode")
@@ -66,7 +67,8 @@ class Stack:
         # that the abort tests count.
         common = dict(redis_url=redis_url, heartbeat_s=60, registry_ttl_s=120)
         self.prefill = start_prefill(PrefillSettings(**common, handoff_chunk_bytes=smallest, handoff_timeout_s=20,
-                                                     handoff_transport=transport), self.prefill_engine)
+                                                     handoff_transport=transport, handoff_streams=handoff_streams),
+                                     self.prefill_engine)
         try:
             self.decode = start_decode(DecodeSettings(**common, **decode_settings), decode_engine)
         except BaseException:
@@ -301,6 +303,52 @@ def test_a_transfer_broken_off_mid_way_frees_the_reservation(stack):
     assert stack.clean()
     with pytest.raises(grpc.RpcError) as err:
         list(stack.dstub.Stream(pb.StreamRequest(request_id=rid), timeout=5))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_hand_off_over_several_streams_equals_the_single_process_engine(models, redis_url, single):
+    """The prefill splits each hand-off over 3 streams (target layers and the draft cache apart, one connection
+    each), its pages arriving while the prompt is prefilled: output as in one process, every page back."""
+    s = Stack(models, redis_url, handoff_streams=3)
+    try:
+        for prompt, params, want in [(LONG, GREEDY, single[1]), (LONG, SAMPLED, single[2])]:
+            tokens, finish, events = s.generate(prompt, params)
+            assert tokens == want.token_ids and finish.reason == "length"
+            assert events[1].handed_off.bytes > 0
+        assert s.clean()
+    finally:
+        s.stop()
+
+
+def test_a_stream_broken_off_mid_way_fails_the_hand_off_over_several_and_frees_the_reservation(stream_stack):
+    """Streams 0 and 2 of three end (each acknowledged for its own share: the hand-off is not complete), stream
+    1 breaks off after two chunks: the decode side frees the reservation and the request never streams."""
+    from shared.handoff.wire import split_lanes
+
+    rid = stream_stack.rid()
+    reserve_directly(stream_stack, rid)
+    caches = stream_stack.prefill_engine.scheduler.caches
+    source = PageSource(rid, caches, [list(range(1, c.pages_for(len(LONG)) + 1)) for c in caches], b"")
+    lanes = [list(iter_chunks(source, page_bytes(caches[0]), lane=lane)) for lane in split_lanes(source, 3)]
+    sent_two, hang = threading.Event(), threading.Event()
+
+    def broken(chunks):
+        yield from chunks[:2]
+        sent_two.set()
+        hang.wait(10)  # the sender stalls, then goes away
+
+    whole = [stream_stack.dstub.Transfer.future(iter(lanes[i]), timeout=20) for i in (0, 2)]
+    call = stream_stack.dstub.Transfer.future(broken(lanes[1]), timeout=20)
+    acks = [f.result(10) for f in whole]
+    assert [a.chunks for a in acks] == [len(lanes[0]), len(lanes[2])]
+    assert sent_two.wait(5)
+    sink = stream_stack.decode.extra["servicer"]._incoming[rid].sink
+    wait_until(lambda: sink._next_seq.get(1, 0) > 0, timeout=10)  # the decode side read the broken stream's first
+    call.cancel()
+    hang.set()
+    assert stream_stack.clean()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stream_stack.dstub.Stream(pb.StreamRequest(request_id=rid), timeout=5))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 

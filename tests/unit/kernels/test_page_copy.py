@@ -48,3 +48,33 @@ def test_page_runs_coalesce_only_what_is_contiguous_on_both_sides():
 def test_pools_of_different_shapes_are_refused_naming_them():
     with pytest.raises(ValueError, match="pools differ in shape"):
         copy_pages(pool(8, 1, heads=2), pool(8, 1, heads=4), [1], [1], 1, backend="triton")
+
+
+@pytest.mark.parametrize("pages_per_program, word_bytes, flat_grid, block", [
+    (2, 8, False, 4096),  # 5 pages: the last program has one
+    (3, 4, True, 16),  # a page split over programs on the 2D grid
+    (1, 2, True, 4096),
+    (4, 1, False, 32),
+])
+def test_every_kernel_variant_equals_the_reference(pages_per_program, word_bytes, flat_grid, block):
+    """The variants bench/tune_page_copy.py sweeps copy the same bytes: pages per program, the word width the
+    bytes move in, the 2D grid."""
+    src, dst_ref = pool(8 * 2, seed=1), pool(12 * 2, seed=2)
+    dst = dst_ref.clone()
+    src_pages, dst_pages = [5, 1, 6, 2, 7], [2, 3, 11, 8, 0]
+    copy_pages_ref(dst_ref, src, src_pages, dst_pages, 2)
+    from kernels.page_copy import KernelSettings
+
+    settings = KernelSettings(pages_per_program=pages_per_program, word_bytes=word_bytes, flat_grid=flat_grid)
+    copy_pages(dst, src, src_pages, dst_pages, 2, backend="triton", block=block, settings=settings)
+    assert torch.equal(dst, dst_ref)
+
+
+def test_bytes_move_as_the_widest_word_that_divides_a_row():
+    from kernels.page_copy import as_words
+
+    assert as_words(pool(4, 1, dim=8), 8).dtype == torch.int64  # 16-byte rows
+    assert as_words(pool(4, 1, dim=6), 8).dtype == torch.int32  # 12-byte rows
+    assert as_words(pool(4, 1, dim=3), 8).dtype == torch.int16
+    odd = pool(4, 1, dim=8)
+    assert as_words(odd, 8).data_ptr() == odd.data_ptr()  # the same memory, not a copy
