@@ -24,6 +24,8 @@ LONGEST_FIRST = (
     "tests/unit/spec/test_sampling_lossless.py",  # ~4 min: 27000 sampled requests
     "tests/unit/training/test_gpu_scripts.py",  # ~3 min: the house and adaptive scripts' CPU forms
     "tests/unit/engine/test_tensor_parallel.py",  # ~2 min: two gloo ranks
+    "tests/unit/spec/test_penalties_sampled.py",  # ~2 min: chi-square tests with penalties
+    "tests/unit/spec/test_spec_policy.py",  # ~2 min: sampled law with the policy switching
     "tests/unit/kernels/test_compile_sm90.py",  # ~1.5 min: ptxas on 20 launches
 )  # then tests/e2e (first in collection order anyway: failover, lifecycle, chaos)
 
