@@ -15,8 +15,30 @@ if not torch.cuda.is_available():
 
 LEFT_RUNNING = "engines_left_running"
 
+# Under pytest-xdist (.ci/run: two workers on a 2-core machine) each worker is a process of its own.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+# The files that take a minute or more on the CI machine, longest first: with `--dist loadfile
+# --no-loadscope-reorder` the workers take files in collection order, so these go out first and no long
+# file starts last while the other worker sits idle.
+LONGEST_FIRST = (
+    "tests/unit/spec/test_sampling_lossless.py",  # ~4 min: 27000 sampled requests
+    "tests/unit/training/test_gpu_scripts.py",  # ~3 min: the house and adaptive scripts' CPU forms
+    "tests/unit/engine/test_tensor_parallel.py",  # ~2 min: two gloo ranks
+    "tests/unit/spec/test_penalties_sampled.py",  # ~2 min: chi-square tests with penalties
+    "tests/unit/spec/test_spec_policy.py",  # ~2 min: sampled law with the policy switching
+    "tests/unit/kernels/test_compile_sm90.py",  # ~1.5 min: ptxas on 20 launches
+)  # then tests/e2e (first in collection order anyway: failover, lifecycle, chaos)
+
+
+def longest_first(item) -> int:
+    """The item's place in the hand-out order: its file's index in LONGEST_FIRST, after them all if absent."""
+    path = item.nodeid.split("::")[0]  # relative to the repository root (pyproject.toml)
+    return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
 
 def pytest_configure(config):
+    if XDIST_WORKER:  # two workers of two spinning intra-op threads each stall one another on two cores
+        torch.set_num_threads(1)
     config.addinivalue_line(
         "markers", f"{LEFT_RUNNING}(reason): the test leaves its engines mid-request on purpose, so the "
                    "end-of-test pool check (engine_pools_checked) skips it; rare, and the reason says why")
@@ -75,6 +97,8 @@ def engine_pools_checked(request, monkeypatch):
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects: `pytest tests/gpu tests/unit -m gpu` is the whole GPU suite
 def pytest_collection_modifyitems(config, items):
+    if XDIST_WORKER:
+        items.sort(key=longest_first)  # stable: the rest keep their order
     if torch.cuda.is_available():
         for item in items:  # the kernel tests run their Triton kernels on the GPU when there is one
             if "tests/unit/kernels/" in item.nodeid.replace("\\", "/") or item.nodeid.startswith("unit/kernels/"):

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -124,13 +127,17 @@ def test_serve_honours_a_yaml_config_file(tmp_path, tiny_model_dir, redis_url):
         proc.kill()
 
 
-def test_up_demo_prints_text_on_stdout_no_log_lines_and_removes_its_model(tmp_path):
-    env = {**os.environ, "TMPDIR": str(tmp_path), "EYRIE_API_KEY": ""}
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "up", "--demo", "--grpc-port", "0"],
-                          capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = proc.stdout.splitlines()
-    assert out[0].startswith("eyrie up: router on ") and len(out) >= 2  # the ready line, then the demo's text
-    assert not any(line.lstrip().startswith("{") for line in proc.stdout.splitlines() + proc.stderr.splitlines())
-    assert "finish_reason length" in proc.stderr
-    assert emptied(tmp_path), "eyrie up left its temporary model behind"
+def test_up_demo_prints_text_on_stdout_no_log_lines_and_removes_its_model():
+    tmp = Path(tempfile.mkdtemp(prefix="eyrie-demo-"))  # short: torch's shared-memory manager puts a socket here
+    try:
+        env = {**os.environ, "TMPDIR": str(tmp), "EYRIE_API_KEY": ""}
+        proc = subprocess.run([sys.executable, "-m", "services.cli", "up", "--demo", "--grpc-port", "0"],
+                              capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out = proc.stdout.splitlines()
+        assert out[0].startswith("eyrie up: router on ") and len(out) >= 2  # the ready line, then the demo's text
+        assert not any(line.lstrip().startswith("{") for line in proc.stdout.splitlines() + proc.stderr.splitlines())
+        assert "finish_reason length" in proc.stderr
+        assert emptied(tmp), "eyrie up left its temporary model behind"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -7,6 +7,7 @@ streams; complete Redis records; bad requests; aborts and disconnects leak nothi
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -45,16 +46,22 @@ def test_the_matrix_is_complete():
     assert len(LONG) > 3 * CHUNK > CHUNK > len(SHORT)
 
 
+@functools.cache
+def single_process(model_dir, draft: str, topk: int, page_size: int) -> list[list[int]]:
+    """The single-process engine's greedy output for SHORT and LONG in one configuration (once for both
+    transports)."""
+    engine = Engine(model_dir / "target", model_dir / draft,
+                    EngineConfig(page_size=page_size, chunk_size=CHUNK, spec=spec_config(topk), max_context=MAX_CONTEXT,
+                                 max_running=4))
+    return [r.token_ids for r in engine.generate([SHORT, LONG], SamplingParams(max_new_tokens=NEW, ignore_eos=True))]
+
+
 @pytest.mark.parametrize("transport", CPU_TRANSPORTS)
 @pytest.mark.parametrize("draft, topk, page_size", CASES, ids=[f"{d}-topk{k}-page{p}" for d, k, p in CASES])
 def test_greedy_through_the_stack_equals_engine_and_target(redis_url, oracle_model_dir, target_only, draft, topk,
                                                            page_size, transport):
     spec = spec_config(topk)
-    engine = Engine(oracle_model_dir / "target", oracle_model_dir / draft,
-                    EngineConfig(page_size=page_size, chunk_size=CHUNK, spec=spec, max_context=MAX_CONTEXT,
-                                 max_running=4))
-    single = [r.token_ids for r in engine.generate([SHORT, LONG], SamplingParams(max_new_tokens=NEW, ignore_eos=True))]
-    assert single == target_only
+    assert single_process(oracle_model_dir, draft, topk, page_size) == target_only
     stack = start_stack(redis_url, oracle_model_dir, draft, page_size=page_size, chunk_size=CHUNK, spec_topk=topk,
                         spec_steps=spec.steps, spec_draft_tokens=spec.num_draft_tokens, max_context=MAX_CONTEXT,
                         max_running=4, transport=transport)

@@ -8,9 +8,11 @@ import contextlib
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,8 +33,9 @@ class Up:
     """``eyrie up`` in its own process group and temporary directory, its stdout read line by line."""
 
     def __init__(self, tmp_path: Path, model_dir: Path, *args: str):
-        self.tmp = tmp_path / "tmp"  # TMPDIR of eyrie up: an embedded Redis would make its directory here
-        self.tmp.mkdir()
+        # TMPDIR of eyrie up, where an embedded Redis and torch's shared-memory manager make their directories:
+        # short, as the manager's Unix socket path must fit in 108 bytes (under pytest-xdist tmp_path is longer).
+        self.tmp = Path(tempfile.mkdtemp(prefix="eyrie-up-"))
         self.stderr_path = tmp_path / "up.stderr"
         env = {**os.environ, "TMPDIR": str(self.tmp), "EYRIE_API_KEY": ""}
         cmd = [sys.executable, "-m", "services.cli", "up", "--grpc-port", "0", "--model", str(model_dir / "target"),
@@ -81,6 +84,7 @@ class Up:
         for p in [*self.descendants(), psutil.Process(self.proc.pid)] if self.proc.poll() is None else []:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def gone(proc: psutil.Process, timeout: float = 10) -> bool:
