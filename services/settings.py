@@ -145,7 +145,7 @@ class EngineSettings(EngineOptions, CommonSettings):
 
 class PrefillSettings(EngineSettings):
     handoff_chunk_bytes: int = Field(4 << 20, description="largest KV chunk of the prefill -> decode hand-off")
-    handoff_streams: int = Field(1, ge=1, description="parallel gRPC streams (each on a connection of its own) a "
+    handoff_streams: int = Field(2, ge=1, description="parallel gRPC streams (each on a connection of its own) a "
                                  "grpc-stream hand-off is split over, by ranges of its layers (more than 1 pays "
                                  "where cores are free: docs/benchmarks.md)")
     handoff_timeout_s: float = Field(60.0, description="seconds a hand-off may take")
