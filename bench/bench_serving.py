@@ -113,8 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--transports", default="auto", help="one stack run per hand-off transport: auto, ipc, "
                                                          "grpc-stream (EYRIE_HANDOFF_TRANSPORT)")
     ap.add_argument("--skip-engine", action="store_true")
-    ap.add_argument("--mps", choices=("auto", "on", "off"), default="auto",
-                    help="the stack's services under a private CUDA MPS daemon, as `eyrie up --mps` (default: auto, "
+    ap.add_argument("--mps", choices=("auto", "on", "off"), default="off",
+                    help="the stack's services under a private CUDA MPS daemon, as `eyrie up --mps` (default: off, "
                          "as eyrie up; the single-process engine never is)")
     ap.add_argument("--skip-stack", action="store_true")
     ap.add_argument("--gpu-memory-fraction", type=float, help="each engine's share of the GPU (EYRIE_GPU_MEMORY_"

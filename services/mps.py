@@ -2,11 +2,11 @@
 
 Two processes on one GPU without MPS take turns on the whole device (time slices): a prompt's prefill waits
 behind the decode service's steps and the other way round. Measured on an H100 at 32 concurrent streams
-(8B shape, ``bench/profile_ttft.sh``): 512-token prefills took ~100 ms each instead of ~20, the stack's TTFT
-p50 was 0.176 s, and it was 0.085 s with both services under one MPS server (which runs their kernels side by
-side on the SMs), with 13% more output tok/s. So ``eyrie up`` on a CUDA device starts a private MPS control
-daemon for its services (``--mps auto``, the default, when ``nvidia-cuda-mps-control`` is on the PATH and no
-MPS daemon is already named by ``CUDA_MPS_PIPE_DIRECTORY``), and stops it with them.
+(8B shape, ``bench/profile_ttft.sh``, both in one call): time-sliced 2442 output tok/s and TTFT p50 0.195 s;
+under one MPS server (which runs both processes' kernels side by side on the SMs) 1849 tok/s and 0.093 s. A
+trade, not a gain, so ``eyrie up --mps on`` (or ``auto``: when ``nvidia-cuda-mps-control`` is on the PATH and
+no MPS daemon is already named by ``CUDA_MPS_PIPE_DIRECTORY``) starts a private MPS control daemon for its
+services and stops it with them; the default is off.
 
 Private: its pipe and log directories are a temporary directory of this run, passed to the services through
 ``CUDA_MPS_PIPE_DIRECTORY`` / ``CUDA_MPS_LOG_DIRECTORY``; processes outside the stack never connect to it. The
