@@ -192,6 +192,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed_writes(pools: list[torch.Tensor], src: KVCache, src_pages: list[int], dst_pages: list[int],
+                 repeat: int) -> tuple[int, list[float]]:
+    """``repeat`` + 1 in-place writes of ``src``'s pages into ``pools`` (the first maps and warms, and is not
+    kept): the bytes of one, and the seconds of each of the others."""
+    times, nbytes = [], 0
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        nbytes = write_in_place(PageSource("r", [src], [src_pages], b""), pools, [dst_pages],
+                                time.monotonic() + 60).bytes
+        times.append(time.perf_counter() - t0)
+    return nbytes, times[1:]
+
+
 def bench_cross_process(args, src: KVCache, src_pages: list[int]) -> dict:
     dst_pages = pages(args)[1]
     ctx = mp.get_context("spawn")
@@ -199,13 +212,7 @@ def bench_cross_process(args, src: KVCache, src_pages: list[int]) -> dict:
     proc = ctx.Process(target=_hold_pools, args=(args, child), daemon=True)
     proc.start()
     try:
-        pools = open_pools(parent.recv())
-        times, nbytes = [], 0
-        for _ in range(args.repeat + 1):  # the first one maps and warms
-            t0 = time.perf_counter()
-            nbytes = write_in_place(PageSource("r", [src], [src_pages], b""), pools, [dst_pages],
-                                    time.monotonic() + 60).bytes
-            times.append(time.perf_counter() - t0)
+        nbytes, times = timed_writes(open_pools(parent.recv()), src, src_pages, dst_pages, args.repeat)
         parent.send("done")
         landed = parent.recv()
     finally:
@@ -213,7 +220,7 @@ def bench_cross_process(args, src: KVCache, src_pages: list[int]) -> dict:
         if proc.is_alive():
             proc.kill()
     assert landed > 0, "the writes did not reach the other process's pools"
-    return {"transport": "ipc-cross-process", **figures(nbytes, times[1:]), "runs": len(src_pages)}
+    return {"transport": "ipc-cross-process", **figures(nbytes, times), "runs": len(src_pages)}
 
 
 def main() -> None:

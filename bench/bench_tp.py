@@ -38,12 +38,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_decode import kv_bytes, read_bytes, warm_up_gpu  # noqa: E402
-from bench.bench_handoff import _hold_pools, figures, make_cache, pages  # noqa: E402
+from bench.bench_handoff import _hold_pools, figures, make_cache, pages, timed_writes  # noqa: E402
 from bench.common import build_target, copy_bandwidth, engine_config, llama8b_config, write_json  # noqa: E402
 from bench.timing import timer_ms  # noqa: E402
 from shared.engine import Engine  # noqa: E402
-from shared.handoff import PageSource  # noqa: E402
-from shared.handoff.ipc import open_pools, write_in_place  # noqa: E402
+from shared.handoff.ipc import open_pools  # noqa: E402
 from shared.model.factory import PRESETS, llama_hf_config  # noqa: E402
 from shared.parallel import TPGroup, free_address, rank_device, start_ranks  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
@@ -252,20 +251,14 @@ def ipc_write(dst_args, src, src_pages: list[int], dst_pages: list[int], repeat:
     try:
         if not parent.poll(120):
             raise RuntimeError("the process holding the pools did not export them within 120 s")
-        pools = open_pools(parent.recv())
-        times, nbytes = [], 0
-        for _ in range(repeat + 1):  # the first one maps and warms
-            t0 = time.perf_counter()
-            nbytes = write_in_place(PageSource("r", [src], [src_pages], b""), pools, [dst_pages],
-                                    time.monotonic() + 60).bytes
-            times.append(time.perf_counter() - t0)
+        nbytes, times = timed_writes(open_pools(parent.recv()), src, src_pages, dst_pages, repeat)
         parent.send("done")
         landed = parent.recv()
     finally:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
-    return {"transport": "ipc write_in_place", **figures(nbytes, times[1:]), "landed": landed > 0}
+    return {"transport": "ipc write_in_place", **figures(nbytes, times), "landed": landed > 0}
 
 
 def sync(*devices: str) -> None:
