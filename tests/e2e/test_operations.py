@@ -171,11 +171,11 @@ def test_health_is_503_capturing_while_graphs_are_captured(redis_url, tiny_model
     """With cuda_graph on, an engine that can capture ahead does so before the service serves: /health says
     503 capturing (after loading) until it is done, gRPC health is not up yet, and no registry entry exists."""
     import services.decode.server as decode_server
-    import services.engine_service as engine_service
+    import services.followers as followers  # where the services build their engine (start_engine)
     from services.settings import DecodeSettings
     from shared.metadata import Registry
 
-    real_engine = engine_service.Engine
+    real_engine = followers.Engine
     gate, capturing = threading.Event(), threading.Event()
 
     def engine_that_captures(*args, **kwargs):
@@ -188,7 +188,7 @@ def test_health_is_503_capturing_while_graphs_are_captured(redis_url, tiny_model
         engine.capture_graphs = capture_graphs
         return engine
 
-    monkeypatch.setattr(engine_service, "Engine", engine_that_captures)
+    monkeypatch.setattr(followers, "Engine", engine_that_captures)
     port = free_port()
     settings = DecodeSettings(model=str(tiny_model_dir / "target"), redis_url=redis_url, http_port=port,
                               page_size=4, max_context=64, cuda_graph=True, instance_id="decode-capturing")
@@ -241,11 +241,11 @@ def test_model_info(stack):
 
 
 def test_health_is_503_while_loading(redis_url, tiny_model_dir, monkeypatch):
-    import services.engine_service as engine_service
+    import services.followers as followers  # where the services build their engine (start_engine)
     import services.prefill.server as prefill_server
     from services.settings import PrefillSettings
 
-    real_engine = engine_service.Engine
+    real_engine = followers.Engine
     gate, loading = threading.Event(), threading.Event()
 
     def slow_engine(*args, **kwargs):
@@ -253,7 +253,7 @@ def test_health_is_503_while_loading(redis_url, tiny_model_dir, monkeypatch):
         assert gate.wait(10)
         return real_engine(*args, **kwargs)
 
-    monkeypatch.setattr(engine_service, "Engine", slow_engine)  # where the services build their engine
+    monkeypatch.setattr(followers, "Engine", slow_engine)  # where the services build their engine
     port = free_port()
     settings = PrefillSettings(model=str(tiny_model_dir / "target"), redis_url=redis_url, http_port=port,
                                max_context=64)
