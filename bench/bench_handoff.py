@@ -205,20 +205,28 @@ def timed_writes(pools: list[torch.Tensor], src: KVCache, src_pages: list[int], 
     return nbytes, times[1:]
 
 
-def bench_cross_process(args, src: KVCache, src_pages: list[int]) -> dict:
-    dst_pages = pages(args)[1]
+def writes_into_another_process(dst_args, src: KVCache, src_pages: list[int], dst_pages: list[int],
+                                repeat: int) -> tuple[int, list[float], float]:
+    """``timed_writes`` into pools a spawned process holds (``_hold_pools`` with ``dst_args``): bytes, seconds,
+    and that process's sum of its pools afterwards (> 0: the writes landed in its memory)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_hold_pools, args=(args, child), daemon=True)
+    proc = ctx.Process(target=_hold_pools, args=(dst_args, child), daemon=True)
     proc.start()
     try:
-        nbytes, times = timed_writes(open_pools(parent.recv()), src, src_pages, dst_pages, args.repeat)
+        if not parent.poll(120):
+            raise RuntimeError("the process holding the pools did not export them within 120 s")
+        nbytes, times = timed_writes(open_pools(parent.recv()), src, src_pages, dst_pages, repeat)
         parent.send("done")
-        landed = parent.recv()
+        return nbytes, times, parent.recv()
     finally:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
+
+
+def bench_cross_process(args, src: KVCache, src_pages: list[int]) -> dict:
+    nbytes, times, landed = writes_into_another_process(args, src, src_pages, pages(args)[1], args.repeat)
     assert landed > 0, "the writes did not reach the other process's pools"
     return {"transport": "ipc-cross-process", **figures(nbytes, times), "runs": len(src_pages)}
 

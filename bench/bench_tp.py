@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import multiprocessing as mp
 import sys
 import tempfile
 import time
@@ -38,11 +37,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_decode import kv_bytes, read_bytes, warm_up_gpu  # noqa: E402
-from bench.bench_handoff import _hold_pools, figures, make_cache, pages, timed_writes  # noqa: E402
+from bench.bench_handoff import figures, make_cache, pages, writes_into_another_process  # noqa: E402
 from bench.common import build_target, copy_bandwidth, engine_config, llama8b_config, write_json  # noqa: E402
 from bench.timing import timer_ms  # noqa: E402
 from shared.engine import Engine  # noqa: E402
-from shared.handoff.ipc import open_pools  # noqa: E402
 from shared.model.factory import PRESETS, llama_hf_config  # noqa: E402
 from shared.parallel import TPGroup, free_address, rank_device, start_ranks  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
@@ -244,20 +242,7 @@ def peer_copy(src_dev: str, dst_dev: str, nbytes: int, repeat: int) -> dict:
 
 def ipc_write(dst_args, src, src_pages: list[int], dst_pages: list[int], repeat: int) -> dict:
     """``write_in_place`` from this process into pools a second process holds on ``dst_args.device``."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_hold_pools, args=(dst_args, child), daemon=True)
-    proc.start()
-    try:
-        if not parent.poll(120):
-            raise RuntimeError("the process holding the pools did not export them within 120 s")
-        nbytes, times = timed_writes(open_pools(parent.recv()), src, src_pages, dst_pages, repeat)
-        parent.send("done")
-        landed = parent.recv()
-    finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
+    nbytes, times, landed = writes_into_another_process(dst_args, src, src_pages, dst_pages, repeat)
     return {"transport": "ipc write_in_place", **figures(nbytes, times), "landed": landed > 0}
 
 
