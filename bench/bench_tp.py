@@ -42,7 +42,7 @@ from bench.common import build_target, copy_bandwidth, engine_config, llama8b_co
 from bench.timing import timer_ms  # noqa: E402
 from shared.engine import Engine  # noqa: E402
 from shared.model.factory import PRESETS, llama_hf_config  # noqa: E402
-from shared.parallel import TPGroup, free_address, rank_device, start_ranks  # noqa: E402
+from shared.parallel import TPGroup, free_address, join_ranks, rank_device, start_ranks  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 GPU = dict(device="cuda", dtype="bfloat16", batches="1,32", context=1024, iters=30, handoff_tokens=4096, repeat=5,
@@ -186,12 +186,7 @@ def run_tp2(args, deadline: float) -> list[dict]:
     """The TP-2 rows: rank 0's, each with the slower rank's graph time beside it."""
     with tempfile.TemporaryDirectory(prefix="eyrie-bench-tp-") as out:
         procs = start_ranks(range(2), 2, free_address(), args.device, _tp2_rank, (out, args))
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        codes = [p.exitcode for p in procs]
+        codes = join_ranks(procs, deadline)
         if codes != [0, 0]:
             raise RuntimeError(f"the TP-2 ranks exited with {codes} (their stderr says why)")
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]

@@ -37,6 +37,7 @@ import dataclasses
 import multiprocessing
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -171,6 +172,18 @@ def start_ranks(ranks: range, size: int, address: str, device: str, fn: Callable
     for p in procs:
         p.start()
     return procs
+
+
+def join_ranks(procs: list, deadline: float) -> list[int | None]:
+    """Wait for ``start_ranks``'s processes until ``deadline`` (``time.monotonic``), kill what is still running
+    then; their exit codes (0: the rank's function returned)."""
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    return [p.exitcode for p in procs]
 
 
 # ---- splitting a loaded target ---------------------------------------------------------------------

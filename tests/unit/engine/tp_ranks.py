@@ -17,7 +17,7 @@ from shared.engine import Engine
 from shared.forward_batch import build_forward_batch
 from shared.memory.sizing import make_cache
 from shared.model.loader import load_target
-from shared.parallel import TPGroup, free_address, local_config, rank_device, shard_target, start_ranks
+from shared.parallel import TPGroup, free_address, join_ranks, local_config, rank_device, shard_target, start_ranks
 from shared.sampling import SamplingParams
 from tests.unit.spec.spec_helpers import add_feature_path, load_models
 
@@ -31,13 +31,7 @@ def run_group(size: int, fn, *args, device: str = "cpu") -> list:
 
     with tempfile.TemporaryDirectory(prefix="eyrie-tp-") as out:
         procs = start_ranks(range(size), size, free_address(), device, _saved, (out, fn, *args))
-        deadline = time.monotonic() + RANK_TIMEOUT_S
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        codes = [p.exitcode for p in procs]
+        codes = join_ranks(procs, time.monotonic() + RANK_TIMEOUT_S)
         assert codes == [0] * size, f"ranks exited with {codes} (their stderr says why)"
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(size)]
 
