@@ -192,18 +192,21 @@ def test_the_guard_lets_streams_write_at_once_and_cancel_waits_for_all_of_them()
 
 
 class OneStreamFails(pb_grpc.DecodeServicer):
-    """Stream 1 refuses its second chunk; every other stream, after its first chunk, waits for its call to be
-    cancelled (and counts it)."""
+    """Stream 1 refuses its second chunk once every other stream has written its first; each other stream then
+    waits for its call to be cancelled (and counts it). Stream 1 waiting keeps the others' first chunks from
+    racing the abort (a stream cancelled before its handler saw a chunk would count nothing)."""
 
-    def __init__(self, sink: PageSink):
-        self.sink, self.cancelled = sink, threading.Semaphore(0)
+    def __init__(self, sink: PageSink, others: int = 2):
+        self.sink, self.cancelled, self.arrived, self.others = sink, threading.Semaphore(0), threading.Semaphore(0), others
 
     def Transfer(self, request_iterator, context):  # noqa: N802
         for i, chunk in enumerate(request_iterator):
             if chunk.stream == 1 and i == 1:
+                assert all(self.arrived.acquire(timeout=5) for _ in range(self.others))
                 context.abort(grpc.StatusCode.DATA_LOSS, "stream 1: chunk 1 refused")
             self.sink.write(chunk)
             if chunk.stream != 1:
+                self.arrived.release()
                 deadline = time.monotonic() + 10
                 while context.is_active() and time.monotonic() < deadline:
                     time.sleep(0.01)
