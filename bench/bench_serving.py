@@ -112,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                            "by the model's tokenizer (default: random token ids)")
     ap.add_argument("--transports", default="auto", help="one stack run per hand-off transport: auto, ipc, "
                                                          "grpc-stream (EYRIE_HANDOFF_TRANSPORT)")
+    ap.add_argument("--local-prefill", default="0", help="one stack run per value: prompts of at most this many "
+                    "tokens are prefilled on the decode instance (EYRIE_LOCAL_PREFILL_MAX_TOKENS; 0 = every prompt "
+                    "through the prefill service)")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--mps", choices=("auto", "on", "off"), default="off",
                     help="the stack's services under a private CUDA MPS daemon, as `eyrie up --mps` (default: off, "
@@ -344,15 +347,21 @@ def timed(fn) -> float:
 
 # ---- the stack side --------------------------------------------------------------------------------
 def run_stack_phase(run: Run, model: str, draft: str | None, points: list[Point], transport: str,
-                    workdir: Path) -> dict:
-    from bench.serving_stack import ServingStack, handoff_delta, handoff_totals
+                    workdir: Path, local_prefill: int = 0) -> dict:
+    """One stack run over ``points``: hand-offs over ``transport``; prompts of at most ``local_prefill`` tokens
+    prefilled on the decode instance (conditional disaggregation, 0 = none)."""
+    from bench.serving_stack import ServingStack, handoff_delta, handoff_totals, local_prefills
 
     args = run.args
     t0 = time.perf_counter()
+    label = transport + (f"+local{local_prefill}" if local_prefill else "")
     prefill_flags = {"chunk_size": args.prefill_chunk_size} if args.prefill_chunk_size else None
-    stack = ServingStack(model, draft, engine_flags(args), workdir / f"logs-{transport}", prefill_flags=prefill_flags,
-                         env={"EYRIE_HANDOFF_TRANSPORT": transport, **run.child_env()}, mps=args.mps)
-    out: dict = {"transport": transport, "points": [], "log_dir": str(stack.log_dir)}
+    env = {"EYRIE_HANDOFF_TRANSPORT": transport, "EYRIE_LOCAL_PREFILL_MAX_TOKENS": str(local_prefill),
+           **run.child_env()}
+    stack = ServingStack(model, draft, engine_flags(args), workdir / f"logs-{label}", prefill_flags=prefill_flags,
+                         env=env, mps=args.mps)
+    out: dict = {"transport": transport, "label": label, "local_prefill_max_tokens": local_prefill, "points": [],
+                 "log_dir": str(stack.log_dir)}
     run.report["stacks"].append(out)  # saved with every point from now on
     try:
         stack.start(min(args.start_timeout_s, max(10.0, run.left() - 10)))
@@ -365,7 +374,7 @@ def run_stack_phase(run: Run, model: str, draft: str | None, points: list[Point]
         out["startup_s"] = round(time.perf_counter() - t0, 2)
         first = handoff_totals(stack.metrics("prefill"))
         for api, p in stack_order(points, args.apis.split(",")):
-            if not run.fits(p, f"stack[{transport}] {api}"):
+            if not run.fits(p, f"stack[{label}] {api}"):
                 continue
             before = handoff_totals(stack.metrics("prefill"))
             records = run_closed_loop(drivers[api], make_requests(p, vocab, text_ids), p.concurrency,
@@ -373,12 +382,13 @@ def run_stack_phase(run: Run, model: str, draft: str | None, points: list[Point]
             result = {"api": api, **summarize(p, records),
                       "handoff": handoff_delta(before, handoff_totals(stack.metrics("prefill")))}
             out["points"].append(result)
-            print(format_point(f"stack[{transport}] {api}", result), flush=True)
+            print(format_point(f"stack[{label}] {api}", result), flush=True)
             run.save()
         out["handoff"] = handoff_delta(first, handoff_totals(stack.metrics("prefill")))
+        out["local_prefills"] = local_prefills(stack.metrics("decode"))  # warm-up included
     except (RuntimeError, TimeoutError, OSError) as e:
         out["error"] = f"{type(e).__name__}: {e}"
-        print(f"stack[{transport}]: {out['error']}", file=sys.stderr, flush=True)
+        print(f"stack[{label}]: {out['error']}", file=sys.stderr, flush=True)
     finally:
         out["exit_codes"] = stack.stop()
     return out
@@ -435,13 +445,13 @@ def print_summary(report: dict) -> None:
         print(format_point("engine", p))
     for stack in report.get("stacks", []):
         for p in stack["points"]:
-            print(format_point(f"stack[{stack['transport']}] {p['api']}", p))
+            print(format_point(f"stack[{stack.get('label', stack['transport'])}] {p['api']}", p))
         for name, h in stack.get("handoff", {}).items():
             share = div(h.get("gbps"), device["d2d_copy_gbps"]) if device else None
             print(f"hand-off [{name}]: {h['bytes'] / 1e9:.3f} GB in {h['seconds']:.3f} s over {h['count']:.0f} "
                   f"hand-offs: {fmt(h.get('gbps'), 1, 2)} GB/s ({fmt(share, 100, 1)}% of the device copy)")
         for r in stack.get("ratios", []):
-            print(f"stack[{stack['transport']}]/engine {r['api']:4s} {r['point']:10s} tok/s "
+            print(f"stack[{stack.get('label', stack['transport'])}]/engine {r['api']:4s} {r['point']:10s} tok/s "
                   f"{fmt(r['output_tok_s_ratio'], 1, 2)}  TTFT p50 {fmt(r['ttft_p50_s_ratio'], 1, 2)}  "
                   f"ITL p50 {fmt(r['itl_p50_s_ratio'], 1, 2)}")
     if report["skipped"]:
@@ -481,9 +491,10 @@ def main(argv: list[str] | None = None) -> int:
         run.save()
     run.report["stacks"] = []
     if not args.skip_stack:
-        for transport in args.transports.split(","):
-            run_stack_phase(run, model, draft, points, transport, workdir)
-            run.save()
+        for local in (int(n) for n in args.local_prefill.split(",")):
+            for transport in args.transports.split(","):
+                run_stack_phase(run, model, draft, points, transport, workdir, local)
+                run.save()
     run.save()
     print_summary(run.report)
     return 0

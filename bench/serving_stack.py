@@ -158,6 +158,12 @@ def handoff_totals(metrics_text: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def local_prefills(metrics_text: str) -> float:
+    """Prompts a decode service prefilled itself (``eyrie_local_prefills_total``)."""
+    return sum(s.value for family in text_string_to_metric_families(metrics_text) for s in family.samples
+               if s.name == "eyrie_local_prefills_total")
+
+
 def handoff_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
     """What moved between two ``handoff_totals``, with each transport's bandwidth (bytes over hand-off time:
     the whole hand-off, reserve and acknowledgement included)."""

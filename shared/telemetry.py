@@ -112,6 +112,8 @@ class Telemetry:
                                                 "Generated tokens per finished request", buckets=TOKEN_BUCKETS)
         self.requests_total = metric(Counter, "requests", "Requests ended on this instance, by outcome", ["outcome"])
         self.errors_total = metric(Counter, "errors", "Errors and refusals, by kind", ["kind"])
+        self.local_prefills_total = metric(Counter, "local_prefills", "Prompts prefilled on their decode instance "
+                                           "rather than handed off (EYRIE_LOCAL_PREFILL_MAX_TOKENS)")
         # Latency.
         self.ttft_seconds = seconds("time_to_first_token_seconds", "Time to first token")
         self.inter_token_seconds = seconds("inter_token_latency_seconds", "Time between streamed tokens")

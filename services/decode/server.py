@@ -71,7 +71,8 @@ class Incoming:
     req: Request  # the engine's request (identity guards against a re-placed request of the same id)
     committed_len: int
     events: queue.Queue  # token events from Reserve on (then, on an abort, the reason as a str)
-    sink: PageSink  # writes (or, in place, checks) the reserved pages; stops once ``guard`` is cancelled
+    sink: PageSink | None  # writes (or, in place, checks) the reserved pages; stops once ``guard`` is cancelled
+    # (None: admitted to be prefilled here, ``Admit``: no transfer comes)
     attach_deadline: float
     guard: PageGuard = field(default_factory=PageGuard)
     receiving: bool = False  # a Transfer has opened
@@ -187,6 +188,41 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                                   if request.in_place else [],
                                   write_deadline=inc.attach_deadline if request.in_place else 0.0)
 
+    def Admit(self, request: pb.AdmitRequest, context):  # noqa: N802
+        """A prompt prefilled here (conditional disaggregation): the engine takes it as a new request and folds
+        its prefill into the decode steps, as the single-process engine does; its tokens, the first one
+        included, go to ``Stream``. Refused (``accepted=false``) when the engine cannot hold it."""
+        rid = request.request_id
+        if not rid:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+        try:
+            params = sampling_from_pb(request.sampling)
+        except ValidationError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{validation_message(e)}")
+        with self._lock:
+            if rid in self._incoming or rid in self._reserving:
+                return pb.ReserveResponse(accepted=False, reason=f"request_id: {rid!r} is already here")
+            self._reserving.add(rid)
+        events = self.loop.subscribe(rid)
+        try:
+            try:  # joins the next step, as a prefill service's request does (served while a step computes)
+                req = self.loop.call_soon(lambda engine: engine.add_request(
+                    list(request.prompt_ids), params, rid=rid)).result()
+            except (RequestError, RuntimeError) as e:  # cannot hold it (or the loop stopped): place it elsewhere
+                self.loop.unsubscribe(rid, events)
+                self.log.event("refused", rid, reason=str(e), kind="admit")
+                return pb.ReserveResponse(accepted=False, reason=str(e))
+            inc = Incoming(rid, req, len(request.prompt_ids), events, None, receiving=True, writer_done=True,
+                           attach_deadline=time.monotonic() + self.settings.stream_attach_timeout_s)
+            with self._lock:
+                self._incoming[rid] = inc
+        finally:
+            with self._lock:
+                self._reserving.discard(rid)
+        self.telemetry.local_prefills_total.inc()
+        self.log.event("admitted", rid, prompt_tokens=len(request.prompt_ids), max_new_tokens=params.max_new_tokens)
+        return pb.ReserveResponse(accepted=True)
+
     # ---- the transfer ----------------------------------------------------------------------------
     def Transfer(self, request_iterator, context):  # noqa: N802
         t0 = time.perf_counter()
@@ -195,7 +231,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         def open_sink(rid: str) -> PageSink:
             with self._lock:
                 inc = self._incoming.get(rid)
-                if inc is None or (inc.receiving and not inc.sink.takes_another_stream()):
+                if inc is None or inc.sink is None or (inc.receiving and not inc.sink.takes_another_stream()):
                     raise NoReservation(f"request_id: {rid!r} has no reservation waiting for a transfer here")
                 first, inc.receiving = not inc.receiving, True  # or another stream of a split hand-off
             opened.append(inc)
@@ -277,9 +313,10 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 idle_deadline = time.monotonic() + self.settings.stream_idle_timeout_s
                 now = time.perf_counter()
                 if ev.token_ids:
-                    self.telemetry.inter_token_seconds.observe((now - last) / len(ev.token_ids))
-                    if first:  # the first token this instance generated (the prefill side sampled the one before)
-                        self.log.event("first_token", rid, tokens=len(ev.token_ids))
+                    if not (first and inc.sink is None):  # an admitted prompt's first token: a time to first token
+                        self.telemetry.inter_token_seconds.observe((now - last) / len(ev.token_ids))
+                    if first:  # the first token this instance generated (after a hand-off, the prefill side
+                        self.log.event("first_token", rid, tokens=len(ev.token_ids))  # sampled the one before)
                         first = False
                 last = now
                 msg = pb.GenerateResponse(request_id=rid, token_ids=ev.token_ids, logprobs=ev.logprobs,

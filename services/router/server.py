@@ -147,6 +147,7 @@ class Active:
     prefill: InstanceInfo | None = None
     decode: InstanceInfo | None = None
     output_tokens: int = 0
+    ttft: float | None = None  # seconds to the first token the client got
     placements: list[dict] = field(default_factory=list)  # each: prefill, decode, reason (recorded in Redis)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -391,7 +392,7 @@ class RouterCore:
         sent: list[int] = []  # tokens the client has
         sent_logprobs: list[float] = []  # theirs
         avoid: set[str] = set()  # decode instances whose stream broke
-        reason, ttft, broken, failovers = "new request", None, None, 0
+        reason, broken, failovers = "new request", None, 0
         while True:
             try:
                 first, handoff = self._place(active, ids, params, t0, avoid, reason, sent, sent_logprobs)
@@ -399,9 +400,9 @@ class RouterCore:
                 if broken is None or active.cancelled.is_set():
                     raise
                 raise RouterError(e.code, f"{broken.message}; no instance took it over: {e.message}") from None
-            if first is not None:  # a new placement's first token (a failover's resumes after the client's)
-                out, ttft = self._first_message(active, len(ids), params, first, detok, return_logprobs, t0)
-                yield out
+            if first is not None:  # a new placement's first token (a failover's resumes after the client's;
+                out = self._first_message(active, len(ids), params, first, detok, return_logprobs, t0)  # a
+                yield out  # prompt prefilled on its decode instance streams its first token from there)
                 if out.HasField("finish"):
                     return
                 sent.append(first[0])
@@ -409,7 +410,7 @@ class RouterCore:
             try:
                 if handoff is not None:  # the first token went out before the hand-off ended: it ends now
                     self._await_handoff(active, handoff)
-                for out in self._stream(active, len(ids), params.max_new_tokens - len(sent), detok, t0, ttft):
+                for out in self._stream(active, len(ids), params.max_new_tokens - len(sent), detok, t0):
                     sent += out.token_ids
                     sent_logprobs += out.logprobs  # kept for a failover; the client gets them if it asked
                     if not return_logprobs:
@@ -428,15 +429,19 @@ class RouterCore:
                 self._count_error("failover")
                 self._abort_remote(active)  # a decode instance whose stream broke may still hold the request
 
-    def _first_message(self, active: Active, prompt_tokens: int, params: SamplingParams, first: tuple,
-                       detok: TextStream, return_logprobs: bool, t0: float) -> tuple[pb.GenerateResponse, float]:
-        """The client's message for the prefill's first token (with ``finish`` when the request ended there),
-        and the time to it."""
-        token, logprob, finish_reason, top = first
-        ttft = time.perf_counter() - t0
+    def _first_token(self, active: Active, t0: float) -> float:
+        """The first token reaches the client now: its time to first token, kept in ``active.ttft``."""
+        active.ttft = ttft = time.perf_counter() - t0
         if self.telemetry:
             self.telemetry.ttft_seconds.observe(ttft)
         self.log.event("first_token", active.rid, ttft_s=round(ttft, 6))
+        return ttft
+
+    def _first_message(self, active: Active, prompt_tokens: int, params: SamplingParams, first: tuple,
+                       detok: TextStream, return_logprobs: bool, t0: float) -> pb.GenerateResponse:
+        """The client's message for the prefill's first token (with ``finish`` when the request ended there)."""
+        token, logprob, finish_reason, top = first
+        ttft = self._first_token(active, t0)
         out = pb.GenerateResponse(request_id=active.rid, token_ids=[token],
                                   text=detok.push([token], bool(finish_reason)))
         if return_logprobs:
@@ -449,7 +454,7 @@ class RouterCore:
                 prompt_tokens=prompt_tokens, completion_tokens=1), ttft_s=ttft,
                 latency_s=time.perf_counter() - t0, stop_str=detok.matched or ""))
             self._finished(active.rid, out.finish)
-        return out, ttft
+        return out
 
     def _place(self, active: Active, ids: list[int], params: SamplingParams, t0: float, avoid_decode: set[str],
                reason: str, resume: list[int], resume_logprobs: list[float]):
@@ -458,6 +463,9 @@ class RouterCore:
         the tokens the client has (a failover: the decode side goes on after them); returns the first token
         (None when resuming)."""
         left = params.max_new_tokens - len(resume)
+        if not resume and len(ids) <= self.settings.local_prefill_max_tokens and \
+                self._admit_local(active, ids, params, t0, avoid_decode, reason):
+            return None, None
         deadline = time.monotonic() + self.settings.placement_timeout_s
         avoid: dict[str, set[str]] = {"prefill": set(), "decode": set(avoid_decode)}
         full: set[str] = set()  # decode instances that said "no room now": tried again once all are full
@@ -511,6 +519,48 @@ class RouterCore:
             finally:  # from here the stream phase accounts for the decode side (or nobody, on failure)
                 self.ledger.done(prefill.instance_id, p_key)
                 self.ledger.done(decode.instance_id, d_key)
+
+    def _admit_local(self, active: Active, ids: list[int], params: SamplingParams, t0: float,
+                     avoid_decode: set[str], reason: str) -> bool:
+        """Conditional disaggregation: a short prompt goes straight to the least loaded decode instance, which
+        prefills it inside its decode steps (as the single-process engine does: no second forward over the
+        weights, no hand-off); its first token then comes through ``Stream``. False (the request goes to a
+        prefill instance) when no decode instance is live or the one chosen refuses or cannot be reached."""
+        decode, d_key = self._pick("decode", avoid_decode, len(ids) + params.max_new_tokens)
+        if decode is None:
+            return False
+        rid = active.rid
+        try:
+            self._check_cancelled(active)
+            active.prefill, active.decode = None, decode  # an abort from here on reaches the decode instance
+            lost = False
+            try:
+                reply = self._stub(pb_grpc.DecodeStub, decode.grpc_address).Admit(
+                    pb.AdmitRequest(request_id=rid, prompt_ids=ids, sampling=sampling_to_pb(params)),
+                    timeout=self.settings.placement_timeout_s)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # the engine refused what the router let through
+                    raise RouterError(e.code(), e.details() or "") from None
+                reply, lost = pb.ReserveResponse(accepted=False, reason=f"{e.code().name}: {e.details()}"), True
+            if not reply.accepted:
+                if lost:  # a deadline or a broken connection may have left it admitted there
+                    self._abort_remote(active)
+                active.decode = None
+                self.log.event("replaced", rid, role="decode", instance=decode.instance_id, kind="local_prefill",
+                               reason=reply.reason)
+                return False
+        finally:
+            self.ledger.done(decode.instance_id, d_key)
+        self.log.event("placed", rid, prefill=None, decode=decode.instance_id, local_prefill=True)
+        active.placements.append({"prefill": decode.instance_id, "decode": decode.instance_id, "reason": reason,
+                                  "local_prefill": True})
+        self.records.transition(rid, "prefilling", prefill_instance=decode.instance_id,
+                                decode_instance=decode.instance_id, placements=active.placements)
+        if self.telemetry:
+            self.telemetry.stage_seconds.labels("placement").observe(time.perf_counter() - t0)
+        if self.telemetry:
+            self.telemetry.local_prefills_total.inc()
+        return True
 
     def _prefill(self, active: Active, request: pb.PrefillRequest, p_key: int):
         """Run the prefill + hand-off; returns (the first token: (token, logprob, finish reason, its top
@@ -597,9 +647,9 @@ class RouterCore:
         return RouterError(grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.UNKNOWN else code,
                            f"prefill instance {prefill.instance_id}: {msg}")
 
-    def _stream(self, active: Active, prompt_tokens: int, budget: int, detok: TextStream, t0: float, ttft: float):
+    def _stream(self, active: Active, prompt_tokens: int, budget: int, detok: TextStream, t0: float):
         """The decode instance's messages as the client's; _Broken when its stream breaks (``budget``: the
-        tokens it may still generate)."""
+        tokens it may still generate). The first token of a prompt prefilled there comes from it too."""
         rid, decode = active.rid, active.decode
         d_key = self.ledger.place(decode.instance_id, budget, arrived=True)
         t1 = time.perf_counter()
@@ -610,6 +660,9 @@ class RouterCore:
         try:
             for msg in stream:
                 self._check_cancelled(active)
+                if active.ttft is None and msg.token_ids:  # a prompt prefilled on its decode instance
+                    self._first_token(active, t0)
+                    self.records.transition(rid, "decoding")
                 active.output_tokens += len(msg.token_ids)
                 final = msg.HasField("finish")
                 out = pb.GenerateResponse(request_id=rid, token_ids=msg.token_ids, logprobs=msg.logprobs,
@@ -623,7 +676,7 @@ class RouterCore:
                                           f"{msg.finish.reason}")
                     out.finish.CopyFrom(msg.finish)
                     out.finish.stop_str = detok.matched or ""
-                    out.finish.ttft_s, out.finish.latency_s = ttft, time.perf_counter() - t0
+                    out.finish.ttft_s, out.finish.latency_s = active.ttft or 0.0, time.perf_counter() - t0
                     out.finish.usage.prompt_tokens = prompt_tokens
                     out.finish.usage.completion_tokens = active.output_tokens
                     if self.telemetry:

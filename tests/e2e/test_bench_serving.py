@@ -44,3 +44,24 @@ def test_smoke_run_measures_every_point_on_both_sides_and_completes_every_reques
     assert stack["handoff"]["ipc"]["count"] == sum(p["issued"] for p in stack["points"])
     assert len(stack["ratios"]) == len(stack["points"])
     assert all(r["output_tok_s_ratio"] > 0 for r in stack["ratios"])
+
+
+def test_smoke_run_with_local_prefill_prefills_short_prompts_on_the_decode_service(tmp_path):
+    """``--local-prefill 40``: the fixed workload's 32-token prompts are prefilled on the decode service (no
+    hand-off), the mixed workload's longer ones (8..48 tokens) partly handed off; every request completes."""
+    out = tmp_path / "serving.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run([sys.executable, "bench/bench_serving.py", "--smoke", "--skip-engine", "--sweep", "2",
+                          "--workloads", "fixed,mixed", "--apis", "grpc", "--local-prefill", "40", "--deadline-s",
+                          "300", "--out", str(out), "--workdir", str(tmp_path / "work")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=320)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [stack] = json.loads(out.read_text())["stacks"]
+    assert "error" not in stack and stack["label"] == "auto+local40" and stack["local_prefill_max_tokens"] == 40
+    assert [p["point"] for p in stack["points"]] == ["fixed/c2", "mixed/c2"]
+    assert all(p["issued"] == p["completed"] and p["failed"] == 0 for p in stack["points"])
+    handed_off = sum(h["count"] for h in stack.get("handoff", {}).values())
+    issued = sum(p["issued"] for p in stack["points"])
+    # The fixed point's requests and the warm-up's never reach the prefill service; some mixed ones may.
+    assert stack["local_prefills"] >= stack["points"][0]["issued"] and handed_off < issued

@@ -263,6 +263,16 @@ class PrefillEvent(_message.Message):
     handed_off: HandedOff
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., handed_off: _Optional[_Union[HandedOff, _Mapping]] = ...) -> None: ...
 
+class AdmitRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_ids", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
 class HandshakeResponse(_message.Message):
     __slots__ = ("instance_id", "host_id", "transports", "pools")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -364,6 +364,11 @@ class DecodeStub:
                 request_serializer=eyrie_dot_v1_dot_eyrie__pb2.AbortRequest.SerializeToString,
                 response_deserializer=eyrie_dot_v1_dot_eyrie__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Admit = channel.unary_unary(
+                '/eyrie.v1.Decode/Admit',
+                request_serializer=eyrie_dot_v1_dot_eyrie__pb2.AdmitRequest.SerializeToString,
+                response_deserializer=eyrie_dot_v1_dot_eyrie__pb2.ReserveResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -408,6 +413,16 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Admit(self, request, context):
+        """A prompt this instance prefills itself (conditional disaggregation: the router sends prompts of at most
+        EYRIE_LOCAL_PREFILL_MAX_TOKENS here, where the engine folds them into its decode steps); the tokens then
+        come through Stream, the first one included. accepted=false (with the reason) when this instance cannot
+        hold it: the router places it on a prefill instance instead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -435,6 +450,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=eyrie_dot_v1_dot_eyrie__pb2.AbortRequest.FromString,
                     response_serializer=eyrie_dot_v1_dot_eyrie__pb2.AbortResponse.SerializeToString,
+            ),
+            'Admit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Admit,
+                    request_deserializer=eyrie_dot_v1_dot_eyrie__pb2.AdmitRequest.FromString,
+                    response_serializer=eyrie_dot_v1_dot_eyrie__pb2.ReserveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -576,6 +596,33 @@ class Decode:
             '/eyrie.v1.Decode/Abort',
             eyrie_dot_v1_dot_eyrie__pb2.AbortRequest.SerializeToString,
             eyrie_dot_v1_dot_eyrie__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Admit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/eyrie.v1.Decode/Admit',
+            eyrie_dot_v1_dot_eyrie__pb2.AdmitRequest.SerializeToString,
+            eyrie_dot_v1_dot_eyrie__pb2.ReserveResponse.FromString,
             options,
             channel_credentials,
             insecure,
