@@ -197,7 +197,8 @@ class OneStreamFails(pb_grpc.DecodeServicer):
     racing the abort (a stream cancelled before its handler saw a chunk would count nothing)."""
 
     def __init__(self, sink: PageSink, others: int = 2):
-        self.sink, self.cancelled, self.arrived, self.others = sink, threading.Semaphore(0), threading.Semaphore(0), others
+        self.sink, self.others = sink, others
+        self.cancelled, self.arrived = threading.Semaphore(0), threading.Semaphore(0)
 
     def Transfer(self, request_iterator, context):  # noqa: N802
         for i, chunk in enumerate(request_iterator):
