@@ -11,6 +11,7 @@
 #   bench/gpu_session.sh spec-grid  # every speculative phase, graph and eager, batch 1..64 x context 1k..8k
 #   bench/gpu_session.sh attention  # paged decode / extend / verify attention vs copy bandwidth and SDPA
 #   bench/gpu_session.sh serving    # the stack vs the single-process engine, 8B shape (bench/bench_serving.py)
+#   bench/gpu_session.sh local      # c32 and c1, the stack with short prompts prefilled on the decode service, then without
 #   bench/gpu_session.sh features   # a penalised EAGLE-3 iteration vs a plain one, batch 1 and 32 (bench_features.py)
 #   bench/gpu_session.sh tp-tests   # two GPUs: TP-2 over NCCL == one GPU (graphs on/off), TP services, the second GPU
 #   bench/gpu_session.sh tp         # two GPUs: 8B decode step TP 1 vs TP 2 vs its floor, IPC into a peer GPU (bench_tp.py)
@@ -77,13 +78,18 @@ for stage in "$@"; do
     tp)
       run bench_tp 450 python3 bench/bench_tp.py --out "$OUT/tp.json"
       ;;
+    local)  # conditional disaggregation (short prompts prefilled on the decode service) vs the engine, then without
+      run serving_local 420 python3 bench/bench_serving.py --workdir /tmp/serving --workloads fixed --sweep 32,1 \
+        --apis grpc --waves 4 --local-prefill 1024,0 --deadline-s 400 --out "$OUT/serving_local.json"
+      cp -r /tmp/serving/logs-* /tmp/serving/engine.log "$OUT/" 2>/dev/null
+      ;;
     serving)
       run serving 575 python3 bench/bench_serving.py --workdir /tmp/serving --out "$OUT/serving.json"
       cp -r /tmp/serving/logs-* /tmp/serving/engine.log "$OUT/" 2>/dev/null
       ;;
     *)
       echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention, serving," \
-        "features, tp-tests, tp)" >&2
+        "features, tp-tests, tp, local)" >&2
       exit 2
       ;;
   esac
