@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_helpers import KINDS, PROMPTS, assert_same_greedy
+from spec_helpers import KINDS, PROMPTS, CountingModel, assert_same_greedy
 from test_plain_step_graphs import DEAR_SPEC, adaptive
 
 from shared.sampling import SamplingParams
@@ -21,20 +21,6 @@ from shared.scheduler import StepPlan
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 ARRIVALS = [0, 2, 3, 3, 6]  # the step before which each of PROMPTS arrives: most arrive while others decode
 CHUNK = 8  # prefill tokens per step: the 53- and 37-token prompts take several steps beside the decode rows
-
-
-class CountingModel:
-    """The target as the engine calls it, counting its forwards."""
-
-    def __init__(self, model):
-        self.model, self.calls = model, 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.model(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
 
 
 class Staggered:
