@@ -11,7 +11,7 @@ tree (recorded at 8B shape, batch 8: chain of 3 1305 tok/s, tree 1158).
 Every choice is lossless: every shape resumes from the same draft state (the configured shape's
 first-level width, which narrower shapes take the first columns of) and leaves the draft KV complete up
 to the committed length; a plain step's token is the target's, and its features still extend the draft
-(``Engine._run_plain_step``).
+(``Engine._run_plain_step``; with arriving prefill chunks in the same target forward, ``Engine._run_with_draft``).
 
 Acceptance is each shape's own (``Candidate.acceptance``): a tree's acceptance says little about a
 chain's, but the drafts of a chain of depth d are the first d of a deeper chain's, so a chain's verify
