@@ -124,3 +124,38 @@ def test_a_fixed_engine_captures_no_plain_step_graphs_and_capture_times_are_per_
     fixed_s, adaptive_s = fixed.graph_capture_s(), adaptive_engine.graph_capture_s()
     assert set(adaptive_s) - set(fixed_s) == {"plain", "plain_extend"}  # reported with the other phases
     assert all(s > 0 for s in adaptive_s.values())
+
+
+def folding(engine) -> tuple[list, object]:
+    """The engine's policy forced to a plain step on each step with prefill chunks (they fold into its target
+    forward, ``Engine._run_with_draft``) and to its shape on the others; the plans it ran and its counted target."""
+    from tests.unit.spec.spec_helpers import CountingModel
+
+    plans, schedule, shape = [], engine.scheduler.schedule, next(iter(engine.speculator.shapes))
+    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    engine.spec_policy.choose = lambda batch: None if plans[-1].prefill else shape
+    engine.model = CountingModel(engine.model)
+    return plans, engine.model
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp"])
+def test_prefill_folded_into_plain_steps_then_replayed_speculation_equals_the_target(oracle_model_dir, cpu_reference,
+                                                                                      kind):
+    """With graphs captured: the chunks of the prompts arriving behind the first run in the plain steps' one
+    eager target forward, and the replayed speculative steps after them resume from those steps' draft states."""
+    engine = adaptive(oracle_model_dir, kind, "cuda", True, plain_only())
+    engine.capture_graphs()
+    plans, model = folding(engine)
+    reqs = [engine.add_request(PROMPTS[0], PARAMS)]
+    forwards = []
+    while engine.scheduler.has_work() or len(reqs) < len(PROMPTS):
+        if len(plans) in (2, 3) and len(reqs) < len(PROMPTS):
+            reqs.append(engine.add_request(PROMPTS[len(reqs)], PARAMS))  # arriving while the first decodes
+        before = model.calls
+        engine.step()
+        forwards.append(model.calls - before)
+    assert [engine.result(r).token_ids for r in reqs] == cpu_reference
+    mixed = [i for i, p in enumerate(plans) if p.prefill and p.decode]
+    assert len(mixed) >= 3 and all(forwards[i] == 1 for i in mixed)
+    assert engine.spec_stats.totals.accept_length > 1.3  # the speculative steps after them still accept
+    assert engine.is_idle_and_clean()

@@ -19,6 +19,7 @@ references run in this process, with the same functions. What is checked:
 * and back: a TP-1 prefill hands off to a TP-2 decode engine (rank 0 receives every KV head, each rank keeps
   its own, checked exactly), which generates the target's greedy output (EAGLE tree page 16, multi-layer page 1);
 * under the adaptive policy (a timed choice each step: rank 0's) the ranks stay in step;
+  and when rank 0 picks plain steps, the prefill chunks folded into them run alike on every rank;
 * a rank whose step digest differs from rank 0's stops with an error naming the divergence;
 * ``eyrie generate --tensor-parallel 2`` prints what TP 1 prints; a split the target's heads do not allow exits
   2 with one line, from ``generate`` and from ``serve`` (the services under tensor parallelism: tests/e2e).
@@ -85,6 +86,7 @@ def tp2(odd_target, oracle_root, small_vocab):
             "greedy": ("engine_outputs", (str(oracle_root), CASES, PROMPTS, GREEDY)),
             "sampled": ("sampled_outputs", (str(small_vocab[0]), *SAMPLED)),
             "adaptive": ("engine_outputs", (str(oracle_root), ADAPTIVE, PROMPTS, GREEDY, "cpu", False, "adaptive")),
+            "folded": ("folded_prefills", (str(oracle_root), PROMPTS, GREEDY[0])),
             **{f"handoff {kind}": ("handoff_to_one_rank", (str(oracle_root), kind, page_size, PROMPTS, GREEDY[0]))
                for kind, page_size in HANDOFFS},
             **{f"handback {kind}": ("handoff_from_one_rank", (str(oracle_root), kind, page_size, PROMPTS, GREEDY[0]))
@@ -144,6 +146,15 @@ def test_ranks_follow_rank_0s_timed_choice_under_the_adaptive_policy(tp2, target
     for rank in tp2:
         got = rank["adaptive"][ADAPTIVE[0]]
         assert got["tokens"] == target_tokens and got["clean"]
+
+
+def test_ranks_fold_prefill_chunks_into_rank_0s_plain_steps_alike(tp2, target_tokens):
+    """Rank 0 picks plain steps (speculation made dear); rank 1, timing its own, follows: the later prefill chunks
+    run in the decode steps' one target forward on both, and both give the target's greedy output."""
+    a, b = tp2[0]["folded"], tp2[1]["folded"]
+    assert a["tokens"] == b["tokens"] == target_tokens and a["clean"] and b["clean"]
+    assert a["choices"]["spec"] == 0 and len(a["mixed"]) >= 2 and a["mixed"] == b["mixed"]
+    assert a["forwards"] == b["forwards"] == [1] * len(a["forwards"])
 
 
 def test_tp2_sampled_speculation_keeps_the_target_distribution(tp2, small_vocab):

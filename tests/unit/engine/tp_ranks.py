@@ -19,7 +19,7 @@ from shared.memory.sizing import make_cache
 from shared.model.loader import load_target
 from shared.parallel import TPGroup, free_address, join_ranks, local_config, rank_device, shard_target, start_ranks
 from shared.sampling import SamplingParams
-from tests.unit.spec.spec_helpers import add_feature_path, load_models
+from tests.unit.spec.spec_helpers import CountingModel, add_feature_path, load_models
 
 RANK_TIMEOUT_S = 240  # one group's whole run, start-up included
 
@@ -88,6 +88,41 @@ def engine_outputs(tp: TPGroup | None, root: str, cases: list[tuple], prompts: l
             "graphs": sum(len(g.captured_sizes) for g in engine.phase_graphs()),
             "graph_failures": [f.as_dict() for f in engine.graph_failures]}
     return results
+
+
+class DearSpec:
+    """Step costs under which speculation never pays: an adaptive policy runs plain steps only."""
+
+    def decode_s(self, batch: int) -> float:
+        return 0.01
+
+    def spec_s(self, batch: int, shape: str) -> float:
+        return 1.0
+
+
+def folded_prefills(tp: TPGroup, root: str, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """An adaptive EAGLE engine (tree, chunks of 8) whose rank 0 finds speculation dear: the prompts' later chunks
+    run in the plain decode steps' target forwards (``Engine._run_with_draft``); the other ranks, timing their
+    own steps, must follow rank 0's choice. The tokens, target forwards per step, and which steps were mixed."""
+    models = add_feature_path(load_models(Path(root)))
+    config = EngineConfig(page_size=16, chunk_size=8, max_running=8, max_context=160, spec=SHAPES["tree"],
+                          tensor_parallel=tp.size, spec_policy="adaptive", spec_candidates=())
+    engine = Engine(models.target, models.drafts["eagle"], config, tp=tp)
+    policy = engine.spec_policy
+    if tp.rank == 0:
+        policy.cost, policy.probe_every = DearSpec(), 10 ** 6
+        policy.candidates[0].acceptance.observe([2])
+    plans, model = [], CountingModel(engine.model)
+    schedule, engine.model = engine.scheduler.schedule, model
+    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    reqs, forwards = [engine.add_request(p, params) for p in prompts], []
+    while engine.scheduler.has_work():
+        before = model.calls
+        engine.step()
+        forwards.append(model.calls - before)
+    return {"tokens": [engine.result(r).token_ids for r in reqs], "forwards": forwards,
+            "clean": engine.is_idle_and_clean(), "choices": dict(policy.choices),
+            "mixed": [i for i, p in enumerate(plans) if p.prefill and p.decode]}
 
 
 def graphed_collectives(tp: TPGroup, device: str, replays: int) -> dict:

@@ -96,6 +96,20 @@ def assert_same_greedy(got: list[GenerationResult], want: list[GenerationResult]
         assert g.finish_reason == w.finish_reason
 
 
+class CountingModel:
+    """A target as an engine calls it (``engine.model``), counting its forwards."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
 def run_steps(engine: Engine) -> list[list[tuple[str, list[int]]]]:
     """Step the engine until done; per step, the (request id, tokens committed) events."""
     steps = []
