@@ -89,7 +89,9 @@ def guidellm_points(path: Path) -> dict[int, dict]:
             "itl_request_mean_p50_s": statistics.median(itl) if itl else None, "itl_token_p50_s": None,
             "output_tok_s": tokens / window if window > 0 else None,
             "output_tok_s_reported": tokens / b["duration"] if b["duration"] > 0 else None,
-            "occupancy": busy / (window * streams) if window > 0 else None}
+            "occupancy": busy / (window * streams) if window > 0 else None,
+            # guidellm's own: how late each request went out after the time its scheduler set for it
+            "dispatch_delay_p50_s": statistics.median(r["request_dispatch_delay"] for r in ok) if ok else None}
     return out
 
 

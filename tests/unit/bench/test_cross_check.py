@@ -11,7 +11,7 @@ from bench.cross_check import compare, format_row, guidellm_points
 
 def request(start: float, ttft_ms: float, itl_ms: float, last: float, tokens: int = 16) -> dict:
     """The fields of one successful request in guidellm 0.8.1's JSON that the cross-check reads."""
-    return {"request_start_time": start, "time_to_first_token_ms": ttft_ms, "inter_token_latency_ms": itl_ms,
+    return {"request_start_time": start, "request_dispatch_delay": 0.01, "time_to_first_token_ms": ttft_ms, "inter_token_latency_ms": itl_ms,
             "output_tokens": tokens, "info": {"timings": {"last_token_iteration": last}}}
 
 
@@ -27,7 +27,7 @@ def test_guidellm_points_use_the_window_from_first_send_to_last_token_and_the_me
     assert c == 2 and p["completed"] == 4 and p["failed"] == 1
     assert p["ttft_p50_s"] == pytest.approx(0.055) and p["itl_request_mean_p50_s"] == pytest.approx(0.0115)
     assert p["output_tok_s"] == pytest.approx(64 / 1.0) and p["output_tok_s_reported"] == pytest.approx(64 / 1.25)
-    assert p["occupancy"] == pytest.approx(1.7 / 2.0)
+    assert p["occupancy"] == pytest.approx(1.7 / 2.0) and p["dispatch_delay_p50_s"] == pytest.approx(0.01)
 
 
 def test_compare_gives_guidellm_over_each_run_of_ours_and_whether_it_lies_outside_them():
