@@ -11,7 +11,8 @@ from bench.cross_check import compare, format_row, guidellm_points
 
 def request(start: float, ttft_ms: float, itl_ms: float, last: float, tokens: int = 16) -> dict:
     """The fields of one successful request in guidellm 0.8.1's JSON that the cross-check reads."""
-    return {"request_start_time": start, "request_dispatch_delay": 0.01, "time_to_first_token_ms": ttft_ms, "inter_token_latency_ms": itl_ms,
+    return {"request_start_time": start, "request_dispatch_delay": 0.01, "time_to_first_token_ms": ttft_ms,
+            "inter_token_latency_ms": itl_ms,
             "output_tokens": tokens, "info": {"timings": {"last_token_iteration": last}}}
 
 
