@@ -400,9 +400,11 @@ class RouterCore:
                 if broken is None or active.cancelled.is_set():
                     raise
                 raise RouterError(e.code, f"{broken.message}; no instance took it over: {e.message}") from None
-            if first is not None:  # a new placement's first token (a failover's resumes after the client's;
-                out = self._first_message(active, len(ids), params, first, detok, return_logprobs, t0)  # a
-                yield out  # prompt prefilled on its decode instance streams its first token from there)
+            # A new placement's first token. A failover resumes after the client's tokens, and a prompt prefilled
+            # on its decode instance streams its first token from there: neither has one here.
+            if first is not None:
+                out = self._first_message(active, len(ids), params, first, detok, return_logprobs, t0)
+                yield out
                 if out.HasField("finish"):
                     return
                 sent.append(first[0])
