@@ -19,10 +19,12 @@ A request's life here:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -53,6 +55,7 @@ from shared.handoff import (
 from shared.handoff.ipc import export_pools, host_id
 from shared.handoff.transport import add_decode_servicer
 from shared.request import Request, RequestError
+from shared.sampling import SamplingParams
 from shared.telemetry import Telemetry
 
 SERVICES = [full_name("Decode")]
@@ -117,15 +120,34 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         return pb.HandshakeResponse(instance_id=self.instance_id, host_id=host_id(), transports=self.offered,
                                     pools=self.exported if "ipc" in self.offered else b"")
 
+    @staticmethod
+    def _params(request: pb.ReserveRequest | pb.AdmitRequest, context) -> SamplingParams:
+        """The request's sampling parameters; INVALID_ARGUMENT for an empty id or bad parameters."""
+        if not request.request_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+        try:
+            return sampling_from_pb(request.sampling)
+        except ValidationError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{validation_message(e)}")
+
+    @contextlib.contextmanager
+    def _claimed(self, rid: str) -> Iterator[bool]:
+        """``rid`` held as being taken in here (True), or False when it is here already or being taken in."""
+        with self._lock:
+            taken = rid in self._incoming or rid in self._reserving
+            if not taken:
+                self._reserving.add(rid)
+        try:
+            yield not taken
+        finally:
+            if not taken:
+                with self._lock:
+                    self._reserving.discard(rid)
+
     def Reserve(self, request: pb.ReserveRequest, context):  # noqa: N802
         rid = request.request_id
         self._check_schema(request.schema, context, rid)
-        if not rid:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
-        try:
-            params = sampling_from_pb(request.sampling)
-        except ValidationError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{validation_message(e)}")
+        params = self._params(request, context)
         # The token at committed_len (the bonus) must be known, or be the first token, still to come with the
         # last chunk when the reservation names no output (made as the prefill starts: committed_len = the prompt).
         to_come = 0 if request.output_ids else 1
@@ -134,19 +156,13 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"committed_len: {request.committed_len} is not in "
                                                             f"[1, {known}) for {known} known tokens, or not the "
                                                             "prompt's length without an output token")
-        with self._lock:
-            if rid in self._incoming or rid in self._reserving:
+        with self._claimed(rid) as claimed:
+            if not claimed:
                 return pb.ReserveResponse(accepted=False, reason=f"request_id: {rid!r} is already here")
-            self._reserving.add(rid)
-        if request.in_place and "ipc" not in self.offered:
-            with self._lock:
-                self._reserving.discard(rid)
-            return pb.ReserveResponse(accepted=False, reason=f"this decode instance offers {self.offered}, not ipc")
-        try:
+            if request.in_place and "ipc" not in self.offered:
+                return pb.ReserveResponse(accepted=False,
+                                          reason=f"this decode instance offers {self.offered}, not ipc")
             return self._reserve(rid, request, params)
-        finally:
-            with self._lock:
-                self._reserving.discard(rid)
 
     def _reserve(self, rid: str, request: pb.ReserveRequest, params) -> pb.ReserveResponse:
         events = self.loop.subscribe(rid)
@@ -193,18 +209,11 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         its prefill into the decode steps, as the single-process engine does; its tokens, the first one
         included, go to ``Stream``. Refused (``accepted=false``) when the engine cannot hold it."""
         rid = request.request_id
-        if not rid:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
-        try:
-            params = sampling_from_pb(request.sampling)
-        except ValidationError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{validation_message(e)}")
-        with self._lock:
-            if rid in self._incoming or rid in self._reserving:
+        params = self._params(request, context)
+        with self._claimed(rid) as claimed:
+            if not claimed:
                 return pb.ReserveResponse(accepted=False, reason=f"request_id: {rid!r} is already here")
-            self._reserving.add(rid)
-        events = self.loop.subscribe(rid)
-        try:
+            events = self.loop.subscribe(rid)
             try:  # joins the next step, as a prefill service's request does (served while a step computes)
                 req = self.loop.call_soon(lambda engine: engine.add_request(
                     list(request.prompt_ids), params, rid=rid)).result()
@@ -216,9 +225,6 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                            attach_deadline=time.monotonic() + self.settings.stream_attach_timeout_s)
             with self._lock:
                 self._incoming[rid] = inc
-        finally:
-            with self._lock:
-                self._reserving.discard(rid)
         self.telemetry.local_prefills_total.inc()
         self.log.event("admitted", rid, prompt_tokens=len(request.prompt_ids), max_new_tokens=params.max_new_tokens)
         return pb.ReserveResponse(accepted=True)

@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
+from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.decode.server import DecodeServicer
 from shared.config import EngineConfig
 from shared.engine import Engine
@@ -175,3 +176,23 @@ def test_a_prompt_the_decode_engine_refuses_goes_to_a_prefill_instance(redis_url
         assert s.wait_clean()
     finally:
         s.stop()
+
+
+def test_admit_directly_refuses_a_duplicate_and_bad_input_and_takes_the_id_again_once_it_ended(stack, target_only):
+    decode = pb_grpc.DecodeStub(grpc.insecure_channel(stack.decodes[0].grpc_address))
+    admit = pb.AdmitRequest(request_id="lp-direct", prompt_ids=SHORT,
+                            sampling=pb.SamplingParams(max_new_tokens=4, ignore_eos=True))
+    for round_ in range(2):  # the id is free again once its stream ended
+        assert decode.Admit(admit, timeout=10).accepted, round_
+        again = decode.Admit(admit, timeout=10)
+        assert not again.accepted and "already here" in again.reason
+        tokens = [t for msg in decode.Stream(pb.StreamRequest(request_id="lp-direct"), timeout=30)
+                  for t in msg.token_ids]
+        assert tokens == target_only[0][:4]
+    for bad, field in ((pb.AdmitRequest(prompt_ids=SHORT), "request_id"),
+                       (pb.AdmitRequest(request_id="lp-bad", prompt_ids=SHORT,
+                                        sampling=pb.SamplingParams(temperature=-1)), "sampling.temperature")):
+        with pytest.raises(grpc.RpcError) as err:
+            decode.Admit(bad, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(field)
+    assert stack.wait_clean()
