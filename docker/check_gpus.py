@@ -1,18 +1,21 @@
 """Check a compose profile's GPU plan: which engine runs on which GPU, and whether they fit together.
 
     docker compose --profile gpu8 config | python docker/check_gpus.py --profile gpu8
+    docker compose --profile gpu8-tp config | python docker/check_gpus.py --profile gpu8-tp
     docker compose --profile gpu config | python docker/check_gpus.py --profile gpu --scale decode=2
 
 Reads the resolved file (``docker compose config``: anchors merged, variables substituted) and prints one
 line per problem (exit 1), or the plan (exit 0). The rules, for the prefill and decode services of the
 profile (``--scale`` counts a service's replicas, which share its reservation):
 
-- a service on ``cuda`` reserves exactly one GPU (one NVIDIA device, one id in ``device_ids``);
+- a service on ``cuda`` reserves exactly one GPU per tensor-parallel rank (``EYRIE_TENSOR_PARALLEL``, default
+  1), each by its id in ``device_ids`` (NVIDIA devices, no id twice): its ranks run on them, rank r on the r-th;
 - a GPU that several engines share bounds each one: ``EYRIE_GPU_MEMORY_FRACTION`` (or ``EYRIE_NUM_PAGES``),
   else the first to start takes 0.9 of the GPU and the others only what it left; and the fractions on it
-  sum to 1 at most;
+  sum to 1 at most (a split engine's fraction is its share of each of its GPUs);
 - every engine of the profile agrees on what a hand-off carries (model, draft, dtype, page size, tree shape,
-  device kind): any prefill instance may hand off to any decode instance.
+  device kind): any prefill instance may hand off to any decode instance. Tensor-parallel sizes may differ
+  (a hand-off carries every KV head, and each side splits them its own way).
 """
 
 from __future__ import annotations
@@ -86,11 +89,11 @@ def problems(config: dict, profile: str, scale: dict[str, int] | None = None) ->
             if e.gpus:
                 out.append(f"{e.name}: reserves GPU {', '.join(e.gpus)} but EYRIE_DEVICE is not cuda")
             continue
-        if len(e.gpus) != 1:
-            out.append(f"{e.name}: reserves {len(e.gpus)} GPUs ({', '.join(e.gpus) or 'none'}); an engine runs "
-                       "on exactly one (services refuse --tensor-parallel > 1)")
-            continue
-        by_gpu[e.gpus[0]].append(e)
+        wrong = _rank_gpus(e)
+        out += [f"{e.name}: {w}" for w in wrong]
+        if not wrong:
+            for gpu in e.gpus:
+                by_gpu[gpu].append(e)
     for gpu, sharing in sorted(by_gpu.items()):
         out += _shared_gpu(gpu, sharing)
     for role in ENGINE_ROLES:
@@ -103,6 +106,26 @@ def problems(config: dict, profile: str, scale: dict[str, int] | None = None) ->
             out.append(f"{e.name} and {first.name} disagree on {', '.join(differ)}: a hand-off between them is "
                        "refused")
     return out
+
+
+def tensor_parallel(e: Engine) -> int | None:
+    """The engine's ranks (``EYRIE_TENSOR_PARALLEL``, 1 when unset), or None when that is no positive integer."""
+    text = e.env.get("EYRIE_TENSOR_PARALLEL", "").strip() or "1"
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+def _rank_gpus(e: Engine) -> list[str]:
+    """What is wrong with a cuda engine's GPUs for its ranks: one GPU each, named once."""
+    n = tensor_parallel(e)
+    if n is None:
+        return [f"EYRIE_TENSOR_PARALLEL={e.env['EYRIE_TENSOR_PARALLEL']!r} is not a positive integer"]
+    twice = sorted({g for g in e.gpus if e.gpus.count(g) > 1})
+    if twice:
+        return [f"names GPU {', '.join(twice)} twice in device_ids (one GPU per tensor-parallel rank)"]
+    if len(e.gpus) != n:
+        return [f"reserves {len(e.gpus)} GPU{'' if len(e.gpus) == 1 else 's'} ({', '.join(e.gpus) or 'none'}) "
+                f"but runs {n} tensor-parallel rank{'' if n == 1 else 's'} (EYRIE_TENSOR_PARALLEL): one GPU each"]
+    return []
 
 
 def _shared_gpu(gpu: str, sharing: list[Engine]) -> list[str]:
@@ -123,14 +146,16 @@ def _shared_gpu(gpu: str, sharing: list[Engine]) -> list[str]:
 
 
 def plan(config: dict, profile: str, scale: dict[str, int] | None = None) -> str:
-    """One line per engine: its GPU, role, replicas and memory fraction, in GPU order."""
+    """One line per engine: its GPUs, role, replicas, tensor-parallel size and memory fraction, in GPU order."""
     lines = []
     for e in sorted(engines(config, profile, scale or {}), key=lambda e: (e.gpus, e.name)):
         if not e.env.get("EYRIE_DEVICE", "").startswith("cuda"):
             lines.append(f"{e.env.get('EYRIE_DEVICE') or 'cpu'}: {e.name} ({e.role}) x{e.replicas}")
             continue
         fraction = e.env.get("EYRIE_GPU_MEMORY_FRACTION") or "0.9 (default)"
-        lines.append(f"GPU {','.join(e.gpus)}: {e.name} ({e.role}) x{e.replicas}, memory fraction {fraction}")
+        split = f", tensor parallel {len(e.gpus)}" if len(e.gpus) > 1 else ""
+        lines.append(f"GPU{'s' if len(e.gpus) > 1 else ''} {','.join(e.gpus)}: {e.name} ({e.role}) x{e.replicas}"
+                     f"{split}, memory fraction {fraction}{' per GPU' if split else ''}")
     return "\n".join(lines)
 
 
@@ -143,7 +168,7 @@ def _scale(text: str) -> tuple[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--profile", required=True, help="the profile to check (gpu, gpu2, gpu8, ...)")
+    p.add_argument("--profile", required=True, help="the profile to check (gpu, gpu2, gpu8, gpu4-tp, gpu8-tp, ...)")
     p.add_argument("--scale", type=_scale, action="append", default=[], metavar="SERVICE=N",
                    help="replicas of a service, as docker compose up --scale gives them")
     p.add_argument("file", nargs="?", default="-", help="the resolved compose file (default: stdin)")
