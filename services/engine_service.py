@@ -10,6 +10,8 @@ cancelled, gRPC stopped, loop stopped.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -139,10 +141,26 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
     set_serving(health, services, True)
     telemetry.set_state("ready")
     log.event("started", grpc=grpc_address, http=http_address, **facts)
+    fatal, stopping = threading.Event(), threading.Event()  # fatal: the service cannot serve any more
+
+    def on_broken(reason: str) -> None:
+        """A split engine whose follower died: out of service (health, registry) at once; ``fatal`` tells the
+        process to exit (``eyrie serve`` exits 1: its supervisor, compose or ``eyrie up``, starts it again)."""
+        log.event("tensor_parallel_group_broken", level=logging.ERROR, reason=reason)
+        telemetry.errors_total.labels("tensor_parallel_group_broken").inc()
+        telemetry.not_ready = f"the tensor-parallel group is broken: {reason}"
+        set_serving(health, services, False)
+        heartbeat.stop()
+        fatal.set()
+
+    if isinstance(engine, Leader):
+        threading.Thread(target=watch_group, args=(engine, stopping, on_broken), name=f"{role}-tp-watch",
+                         daemon=True).start()
 
     def stop(drain_s: float = 2.0) -> None:
         """Drain (503, out of the registry, in-flight requests finish up to ``drain_s``), then stop."""
         log.event("stopping", drain_s=drain_s)
+        stopping.set()
         t0 = time.monotonic()
         telemetry.set_state("draining")
         set_serving(health, services, False)
@@ -159,4 +177,16 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
         log.event("stopped", drained=drained, seconds=round(time.monotonic() - t0, 3))
 
     return ServiceHandle(role=role, instance_id=instance_id, grpc_address=grpc_address, http_address=http_address,
-                         stop=stop, engine_loop=loop, extra={"servicer": servicer, "telemetry": telemetry})
+                         stop=stop, engine_loop=loop, extra={"servicer": servicer, "telemetry": telemetry,
+                                                             "fatal": fatal})
+
+
+def watch_group(leader: Leader, stopping: threading.Event, on_broken: Callable[[str], None],
+                poll_s: float = 0.5) -> None:
+    """Until ``stopping``: call ``on_broken`` once when ``leader``'s group breaks (a follower exited), whether or
+    not a step or call ran into it yet (an idle service would otherwise look healthy with a dead rank)."""
+    while not stopping.wait(poll_s):
+        reason = leader.group_failure()
+        if reason is not None:
+            on_broken(reason)
+            return

@@ -130,11 +130,15 @@ class Leader:
             return _GONE if serial is None or not self.engine.holds(value) else RequestRef(serial)
         return value if value is None or isinstance(value, (str, int, float, bool)) else None
 
-    def _send(self, message: tuple) -> None:
-        dead = [p.pid for p in self.ranks if not p.is_alive()]
+    def group_failure(self) -> str | None:
+        """Why the group can no longer step together (a follower exited, or could not be reached), or None."""
+        dead = [f"rank {r} (pid {p.pid}, exit {p.exitcode})" for r, p in enumerate(self.ranks, 1) if not p.is_alive()]
         if dead and self.broken is None:  # (a pipe's end may outlive its reader: checked, not waited for)
-            self.broken = f"followers {dead} exited"
-        if self.broken is not None:
+            self.broken = f"follower {', '.join(dead)} exited"
+        return self.broken
+
+    def _send(self, message: tuple) -> None:
+        if self.group_failure() is not None:
             raise RuntimeError(f"the tensor-parallel group is broken: {self.broken}")
         try:
             for pipe in self._pipes:

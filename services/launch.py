@@ -140,8 +140,13 @@ def cmd_serve(args) -> int:
     print(json.dumps({"role": args.role, "instance_id": handle.instance_id, "grpc": handle.grpc_address,
                       "http": handle.http_address, "openai": handle.extra.get("openai_address")}), flush=True)
     _watch_parent(stop)
-    stop.wait()
+    fatal = handle.extra.get("fatal") or threading.Event()
+    while not stop.wait(0.2) and not fatal.is_set():
+        pass
     handle.stop(settings.drain_timeout_s)  # drains: in-flight requests finish (up to the deadline)
+    if fatal.is_set():  # e.g. a split engine lost a rank: exit non-zero, so that its supervisor restarts it
+        print(f"eyrie serve {args.role}: {handle.extra['telemetry'].not_ready}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
