@@ -283,7 +283,8 @@ class VocabParallelEmbedding(nn.Module):
 @torch.no_grad()
 def shard_target(model: nn.Module, tp: TPGroup, device: torch.device) -> nn.Module:
     """Keep this rank's share of a loaded (fused) target's weights, on ``device``; the rest (norms, the
-    rotary tables) moves there whole. In place; a target already split for ``tp`` is returned as is."""
+    rotary tables) moves there whole. In place; a target already split for ``tp`` is returned as is. (A target
+    on disk is not loaded whole to be split: ``shared/model/shard_loader.py`` reads only the rank's share.)"""
     if model.tp is tp:
         return model
     if model.tp is not None:
