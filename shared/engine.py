@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import time
 import zlib
@@ -43,6 +44,7 @@ from shared.memory.sizing import (
 from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.model.loader import load_target
+from shared.model.shard_loader import load_target_shard, read_lm_head
 from shared.model.tokenizer import Tokenizer
 from shared.parallel import (
     TPGroup,
@@ -131,18 +133,23 @@ class Engine:
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise RequestError("device", "cuda was asked for but no CUDA device is available")
         allocated = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        lm_head = None  # reads the whole target's LM head for a draft that copies it, once the target is split
         if isinstance(model, LlamaForCausalLM):
             self.model = model
         else:
-            self.model = load_target(model, config.dtype, "cpu" if tp is not None else config.device)
+            if tp is None:
+                self.model = load_target(model, config.dtype, config.device)
+            else:  # each rank reads only its share of the checkpoint
+                self.model = load_target_shard(model, tp, config.dtype, config.device)
+                lm_head = functools.partial(read_lm_head, model)
             if tokenizer is None and (Path(model) / "tokenizer.json").exists():
                 tokenizer = Tokenizer(model)
         self.tokenizer = tokenizer
         mc = self.model.config
         self.max_context = min(config.max_context or mc.max_position_embeddings, mc.max_position_embeddings)
         head = draft if draft is None or isinstance(draft, DraftHead) else load_draft(
-            draft, self.model, config.dtype, config.device)  # before the pools: they are sized after the weights
-        if tp is not None:  # after the draft's load, which may copy the whole LM head (EAGLE-3)
+            draft, self.model, config.dtype, config.device, lm_head)  # before the pools: sized after the weights
+        if tp is not None:  # a target passed in whole: split after the draft's load, which may copy its LM head
             shard_target(self.model, tp, self.device)
         self.config = config = self._fit_pools(config, head, allocated)
         self.cache = make_cache(local_config(mc, tp), mc.num_hidden_layers, config, self.max_context)

@@ -247,11 +247,17 @@ def _split_mlp(mlp, tp: TPGroup, device: torch.device) -> None:
     mlp.tp = tp
 
 
+def vocab_range(vocab_size: int, tp: TPGroup) -> tuple[int, int]:
+    """The first token id of this rank's vocabulary rows and how many rows each rank holds (ceil(V / size):
+    the last rank's run past V, padded with zero rows)."""
+    per = -(-vocab_size // tp.size)
+    return tp.rank * per, per
+
+
 def vocab_shard(weight: torch.Tensor, tp: TPGroup) -> tuple[torch.Tensor, int]:
     """This rank's rows of a [V, H] vocabulary table (the last rank's padded with zero rows up to
     ceil(V / size)) and the first token id they hold."""
-    per = -(-weight.shape[0] // tp.size)
-    start = tp.rank * per
+    start, per = vocab_range(weight.shape[0], tp)
     part = weight[start:start + per]
     if part.shape[0] < per:
         part = torch.cat([part, part.new_zeros(per - part.shape[0], weight.shape[1])])
@@ -277,7 +283,8 @@ class VocabParallelEmbedding(nn.Module):
 @torch.no_grad()
 def shard_target(model: nn.Module, tp: TPGroup, device: torch.device) -> nn.Module:
     """Keep this rank's share of a loaded (fused) target's weights, on ``device``; the rest (norms, the
-    rotary tables) moves there whole. In place; a target already split for ``tp`` is returned as is."""
+    rotary tables) moves there whole. In place; a target already split for ``tp`` is returned as is. (A target
+    on disk is not loaded whole to be split: ``shared/model/shard_loader.py`` reads only the rank's share.)"""
     if model.tp is tp:
         return model
     if model.tp is not None:

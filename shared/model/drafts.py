@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -289,7 +290,21 @@ def check_matches_target(path: Path, config: ModelConfig, target: LlamaForCausal
                                   f"outside the target vocabulary [0, {t.vocab_size})")
 
 
-def load_draft(path: str | Path, target: LlamaForCausalLM, dtype="float32", device="cpu") -> DraftHead:
+def whole_lm_head(target: LlamaForCausalLM, read: Callable[[], torch.Tensor] | None) -> torch.Tensor:
+    """The whole target's LM head weight [V, H]: ``read()`` when given, else the target's own (not split)."""
+    if read is not None:
+        return read()
+    if target.tp is not None:
+        raise ValueError("the target is split over tensor-parallel ranks: the draft needs a reader of its whole "
+                         "LM head (target_lm_head)")
+    return target.lm_head.weight.detach()
+
+
+def load_draft(path: str | Path, target: LlamaForCausalLM, dtype="float32", device="cpu",
+               target_lm_head: Callable[[], torch.Tensor] | None = None) -> DraftHead:
+    """The draft head at ``path`` for ``target``. ``target_lm_head``: reads the whole target's LM head weight
+    [V, H], which an EAGLE-3 head without its own copies; needed when ``target`` is already split over
+    tensor-parallel ranks (each holds only its vocabulary rows), else the target's own is copied."""
     t0 = time.perf_counter()
     path = Path(path)
     dtype, device = parse_dtype(dtype), torch.device(device)
@@ -323,7 +338,7 @@ def load_draft(path: str | Path, target: LlamaForCausalLM, dtype="float32", devi
             # SGLang: a head without its own LM head (no draft_vocab_size) loads the target's.
             if vd != target.config.vocab_size:
                 raise CheckpointError(f"{path}: no lm_head.weight for a draft vocabulary of {vd}")
-            state["lm_head.weight"] = target.lm_head.weight.detach()
+            state["lm_head.weight"] = whole_lm_head(target, target_lm_head)
     else:
         head = build_module(MultiLayerDraft, config, dtype, device, target)
     if "embed_tokens.weight" in state:

@@ -222,9 +222,11 @@ class DecoderLayer(nn.Module):
 
 
 def fuse_projections(module: nn.Module) -> nn.Module:
-    """Merge q/k/v and gate/up GEMMs of every layer (after the checkpoint is loaded)."""
-    for m in list(module.modules()):
-        if isinstance(m, (Attention, MLP)) and getattr(m, "qkv_weight", None) is None \
-                and getattr(m, "gate_up_weight", None) is None:
+    """Merge q/k/v and gate/up GEMMs of every layer (after the checkpoint is loaded). Only the blocks are listed
+    first, not their projections: each block's separate weights are freed as it fuses, so the model's memory
+    grows by one block's projections at most, not by all of them."""
+    blocks = [m for m in module.modules() if isinstance(m, (Attention, MLP))]
+    for m in blocks:
+        if getattr(m, "qkv_weight", None) is None and getattr(m, "gate_up_weight", None) is None:
             m.fuse()
     return module

@@ -24,7 +24,7 @@ log = logging.getLogger("eyrie.weights")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-__all__ = ["CheckpointError", "load_target", "load_weights", "log_loaded", "read_state_dict"]
+__all__ = ["CheckpointError", "load_target", "load_weights", "log_loaded", "read_state_dict", "read_tensor"]
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -59,9 +59,13 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             try:
                 state.update(_read_file(file))
             except (OSError, SafetensorError, RuntimeError, ValueError) as e:
-                raise CheckpointError(f"{file}: cannot read the weights: {str(e).splitlines()[0]}") from None
+                raise unreadable(file, e) from None
             bar.update(file.stat().st_size)
     return state
+
+
+def unreadable(file: Path, e: Exception) -> CheckpointError:
+    return CheckpointError(f"{file}: cannot read the weights: {str(e).splitlines()[0]}")
 
 
 def _read_file(file: Path) -> dict[str, torch.Tensor]:
@@ -69,6 +73,38 @@ def _read_file(file: Path) -> dict[str, torch.Tensor]:
         return torch.load(file, map_location="cpu", weights_only=True)
     with safe_open(str(file), framework="pt") as f:
         return {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+
+
+def tensor_shapes(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Each tensor of the safetensors ``files``: the file that holds it and its shape (read from the headers
+    only, no weights)."""
+    found = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                found.update({key: (file, tuple(f.get_slice(key).get_shape())) for key in f.keys()})  # noqa: SIM118
+        except (OSError, SafetensorError, RuntimeError, ValueError) as e:
+            raise unreadable(file, e) from None
+    return found
+
+
+def read_tensor(path: str | Path, name: str) -> torch.Tensor:
+    """One tensor of the checkpoint at ``path``, whole (a ``.bin`` checkpoint is read whole to find it)."""
+    files = checkpoint_files(Path(path))
+    if any(f.suffix == ".bin" for f in files):
+        state = read_state_dict(path)
+        if name not in state:
+            raise CheckpointError(f"{path}: no tensor {name}")
+        return state[name]
+    shapes = tensor_shapes(files)
+    if name not in shapes:
+        raise CheckpointError(f"{path}: no tensor {name}")
+    file = shapes[name][0]
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return f.get_tensor(name).clone()  # memory of its own, not the file's mapping
+    except (OSError, SafetensorError, RuntimeError, ValueError) as e:
+        raise unreadable(file, e) from None
 
 
 def log_loaded(path: str | Path, kind: str, module: nn.Module, t0: float) -> None:
@@ -115,13 +151,16 @@ def load_target(path: str | Path, dtype="float32", device="cpu") -> LlamaForCaus
     state = read_state_dict(path)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    if config.norm_weight_offset:  # Gemma's (1 + w): one multiply per norm, as Llama's
-        state = {k: v + config.norm_weight_offset if _is_norm(k) else v for k, v in state.items()}
+    state = {k: fold_norm_offset(k, v, config) for k, v in state.items()}
     load_weights(model, state)
     model = fuse_projections(model).eval()
     log_loaded(path, "target", model, t0)
     return model
 
 
-def _is_norm(name: str) -> bool:
-    return name.endswith("norm.weight")
+def fold_norm_offset(name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Checkpoint tensor ``name`` with Gemma's (1 + w) folded into a norm's weight (in the checkpoint's dtype,
+    before the cast to the model's): one multiply per norm at run time, as Llama's."""
+    if config.norm_weight_offset and name.endswith("norm.weight"):
+        return tensor + config.norm_weight_offset
+    return tensor

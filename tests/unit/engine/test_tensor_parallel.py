@@ -18,6 +18,8 @@ references run in this process, with the same functions. What is checked:
   (page size 1);
 * and back: a TP-1 prefill hands off to a TP-2 decode engine (rank 0 receives every KV head, each rank keeps
   its own, checked exactly), which generates the target's greedy output (EAGLE tree page 16, multi-layer page 1);
+* engines built from checkpoint paths, each rank reading only its share of the target, give TP 1's greedy
+  output for EAGLE and for an EAGLE-3 head that copies the target's whole LM head at load;
 * under the adaptive policy (a timed choice each step: rank 0's) the ranks stay in step;
   and when rank 0 picks plain steps, the prefill chunks folded into them run alike on every rank;
 * a rank whose step digest differs from rank 0's stops with an error naming the divergence;
@@ -28,6 +30,7 @@ references run in this process, with the same functions. What is checked:
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -36,12 +39,13 @@ from collections import Counter
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tp_ranks import RANK_TIMEOUT_S, engine_outputs, forward_logits, run_group
+from tp_ranks import RANK_TIMEOUT_S, engine_outputs, forward_logits, path_outputs, run_group
 
 from services.cli import main
 from shared.config import EngineConfig
 from shared.engine import Engine
 from shared.model.factory import make_tiny_target
+from shared.model.loader import load_target
 from shared.parallel import TPGroup, rank_device, vocab_shard
 from shared.sampling import SamplingParams
 from tests.oracle_model import make_oracle_model
@@ -80,13 +84,29 @@ def oracle_root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tp2(odd_target, oracle_root, small_vocab):
+def path_drafts(oracle_root, tmp_path_factory) -> dict[str, str]:
+    """Draft directories for engines built from paths: EAGLE (the target's LM head at run time) and the oracle's
+    EAGLE-3 head without an LM head of its own (SGLang: no draft_vocab_size), which copies the target's at load."""
+    out = tmp_path_factory.mktemp("borrowing") / "eagle3"
+    shutil.copytree(oracle_root / "eagle3", out)
+    state = load_file(out / "model.safetensors")
+    del state["lm_head.weight"]
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["draft_vocab_size"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    return {"eagle": str(oracle_root / "eagle"), "eagle3 borrowing": str(out)}
+
+
+@pytest.fixture(scope="module")
+def tp2(odd_target, oracle_root, small_vocab, path_drafts):
     """Every TP-2 workload, run once on two gloo ranks: each rank's results."""
     jobs = {"logits": ("forward_logits", (str(odd_target), PROMPTS)),
             "greedy": ("engine_outputs", (str(oracle_root), CASES, PROMPTS, GREEDY)),
             "sampled": ("sampled_outputs", (str(small_vocab[0]), *SAMPLED)),
             "adaptive": ("engine_outputs", (str(oracle_root), ADAPTIVE, PROMPTS, GREEDY, "cpu", False, "adaptive")),
             "folded": ("folded_prefills", (str(oracle_root), PROMPTS, GREEDY[0])),
+            "paths": ("path_outputs", (str(oracle_root / "target"), path_drafts, PROMPTS, GREEDY[0])),
             **{f"handoff {kind}": ("handoff_to_one_rank", (str(oracle_root), kind, page_size, PROMPTS, GREEDY[0]))
                for kind, page_size in HANDOFFS},
             **{f"handback {kind}": ("handoff_from_one_rank", (str(oracle_root), kind, page_size, PROMPTS, GREEDY[0]))
@@ -138,6 +158,25 @@ def test_tp2_greedy_output_equals_tp1_for_every_draft_kind_tree_and_page_size(tp
             assert got["kv_heads"] * 2 == ref["kv_heads"]
     # The oracle drafts are really accepted, so accepted runs were compacted in the split pools too.
     assert all(max(want[c]["accept_length"]) > 1.4 for c in CASES if c[0] is not None)
+
+
+def test_engines_loading_their_share_from_the_checkpoint_give_tp1s_greedy_output(tp2, oracle_root, path_drafts,
+                                                                                  target_tokens):
+    """Built from paths, each rank reads its share of the target (``load_target_shard``); a draft that borrows the
+    target's LM head at run time (EAGLE) or copies it at load (EAGLE-3 without its own: the whole head read from
+    the checkpoint) gives TP 1's tokens and acceptance."""
+    want = path_outputs(None, str(oracle_root / "target"), path_drafts, PROMPTS, GREEDY[0])
+    whole_head = load_target(oracle_root / "target").lm_head.weight
+    assert torch.equal(want["eagle3 borrowing"]["lm_head"], whole_head)
+    for name, ref in want.items():
+        assert ref["tokens"] == target_tokens and max(ref["accept_length"]) > 1.4, name
+        for r, rank in enumerate(tp2):
+            got = rank["paths"][name]
+            assert got["split"] and not ref["split"]
+            assert got["tokens"] == ref["tokens"] and got["accept_length"] == ref["accept_length"], f"{name} rank {r}"
+            assert got["clean"], f"{name} rank {r}: pages or request slots left allocated"
+            if ref["lm_head"] is not None:
+                assert torch.equal(got["lm_head"], whole_head), f"{name} rank {r}: not the whole LM head"
 
 
 def test_ranks_follow_rank_0s_timed_choice_under_the_adaptive_policy(tp2, target_tokens):

@@ -90,6 +90,25 @@ def engine_outputs(tp: TPGroup | None, root: str, cases: list[tuple], prompts: l
     return results
 
 
+def path_outputs(tp: TPGroup | None, target: str, drafts: dict[str, str], prompts: list[list[int]],
+                 params: SamplingParams) -> dict:
+    """Engines built from checkpoint directories (under TP each rank reads its share of the target), one per
+    draft of ``drafts`` (name -> directory), EAGLE chain, page size 16, chunks of 8: the tokens, accept lengths,
+    whether the pools were free again, whether the target was split, and the draft's LM head (None: it borrows
+    the target's at run time)."""
+    results = {}
+    for name, draft in drafts.items():
+        config = EngineConfig(page_size=16, chunk_size=8, max_running=8, max_context=160, spec=SHAPES["chain"],
+                              tensor_parallel=tp.size if tp else 1)
+        engine = Engine(target, draft, config, tp=tp)
+        got = engine.generate(prompts, params)
+        head = getattr(engine.speculator.draft, "lm_head", None)
+        results[name] = {"tokens": [r.token_ids for r in got], "clean": engine.is_idle_and_clean(),
+                         "accept_length": [r.spec_stats["accept_length"] for r in got],
+                         "split": engine.model.tp is not None, "lm_head": None if head is None else head.weight}
+    return results
+
+
 class DearSpec:
     """Step costs under which speculation never pays: an adaptive policy runs plain steps only."""
 
