@@ -115,13 +115,7 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
     try:
         engine = service_engine(role, settings, engine, started)
         capture_graphs(engine, settings.cuda_graph, telemetry, log)
-        loop = EngineLoop(engine, log=log, hold_tokens=role != "prefill")  # a prefill's first tokens go out at once
-        servicer = make_servicer(loop, telemetry, instance_id)
-        loop.after_step, loop.before_fail = servicer.after_step, servicer.before_fail
-        loop.while_stepping = servicer.while_stepping
-        loop.start()
-        started.append(loop.stop)
-        started.append(servicer.close)
+        loop, servicer = start_loop(engine, role, make_servicer, log, telemetry, instance_id, started)
         server, port, health = start_grpc_server(
             settings.host, settings.grpc_port, [(add_fn, servicer)], services, api_key=settings.api_key,
             on_denied=lambda: telemetry.errors_total.labels("unauthenticated").inc())
@@ -142,20 +136,10 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
     telemetry.set_state("ready")
     log.event("started", grpc=grpc_address, http=http_address, **facts)
     fatal, stopping = threading.Event(), threading.Event()  # fatal: the service cannot serve any more
-
-    def on_broken(reason: str) -> None:
-        """A split engine whose follower died: out of service (health, registry) at once; ``fatal`` tells the
-        process to exit (``eyrie serve`` exits 1: its supervisor, compose or ``eyrie up``, starts it again)."""
-        log.event("tensor_parallel_group_broken", level=logging.ERROR, reason=reason)
-        telemetry.errors_total.labels("tensor_parallel_group_broken").inc()
-        telemetry.not_ready = f"the tensor-parallel group is broken: {reason}"
-        set_serving(health, services, False)
-        heartbeat.stop()
-        fatal.set()
-
-    if isinstance(engine, Leader):
-        threading.Thread(target=watch_group, args=(engine, stopping, on_broken), name=f"{role}-tp-watch",
-                         daemon=True).start()
+    if isinstance(engine, Leader):  # out of service: gRPC health, and out of the registry (no more placements)
+        out_of_service = lambda: (set_serving(health, services, False), heartbeat.stop())  # noqa: E731
+        threading.Thread(target=watch_group, args=(engine, stopping, log, telemetry, out_of_service, fatal),
+                         name=f"{role}-tp-watch", daemon=True).start()
 
     def stop(drain_s: float = 2.0) -> None:
         """Drain (503, out of the registry, in-flight requests finish up to ``drain_s``), then stop."""
@@ -181,12 +165,31 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
                                                              "fatal": fatal})
 
 
-def watch_group(leader: Leader, stopping: threading.Event, on_broken: Callable[[str], None],
-                poll_s: float = 0.5) -> None:
-    """Until ``stopping``: call ``on_broken`` once when ``leader``'s group breaks (a follower exited), whether or
-    not a step or call ran into it yet (an idle service would otherwise look healthy with a dead rank)."""
+def start_loop(engine: Engine | Leader, role: str, make_servicer: Callable, log: ServiceLog, telemetry: Telemetry,
+               instance_id: str, started: list[Callable[[], None]]) -> tuple[EngineLoop, EngineServicer]:
+    """The service's engine loop, running, and its servicer wired to it (both added to the undo list)."""
+    loop = EngineLoop(engine, log=log, hold_tokens=role != "prefill")  # a prefill's first tokens go out at once
+    servicer = make_servicer(loop, telemetry, instance_id)
+    loop.after_step, loop.before_fail = servicer.after_step, servicer.before_fail
+    loop.while_stepping = servicer.while_stepping
+    loop.start()
+    started.append(loop.stop)
+    started.append(servicer.close)
+    return loop, servicer
+
+
+def watch_group(leader: Leader, stopping: threading.Event, log: ServiceLog, telemetry: Telemetry,
+                out_of_service: Callable[[], object], fatal: threading.Event, poll_s: float = 0.5) -> None:
+    """Until ``stopping``: when ``leader``'s group breaks (a follower exited), whether or not a step or call ran
+    into it yet (an idle service would otherwise look healthy with a dead rank), take the service out of service
+    (health, registry) at once and set ``fatal``: the process should exit (``eyrie serve`` exits 1, and its
+    supervisor, compose or ``eyrie up``, starts it again)."""
     while not stopping.wait(poll_s):
         reason = leader.group_failure()
         if reason is not None:
-            on_broken(reason)
+            log.event("tensor_parallel_group_broken", level=logging.ERROR, reason=reason)
+            telemetry.errors_total.labels("tensor_parallel_group_broken").inc()
+            telemetry.not_ready = f"the tensor-parallel group is broken: {reason}"
+            out_of_service()
+            fatal.set()
             return

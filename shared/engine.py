@@ -133,17 +133,9 @@ class Engine:
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise RequestError("device", "cuda was asked for but no CUDA device is available")
         allocated = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        lm_head = None  # reads the whole target's LM head for a draft that copies it, once the target is split
-        if isinstance(model, LlamaForCausalLM):
-            self.model = model
-        else:
-            if tp is None:
-                self.model = load_target(model, config.dtype, config.device)
-            else:  # each rank reads only its share of the checkpoint
-                self.model = load_target_shard(model, tp, config.dtype, config.device)
-                lm_head = functools.partial(read_lm_head, model)
-            if tokenizer is None and (Path(model) / "tokenizer.json").exists():
-                tokenizer = Tokenizer(model)
+        self.model, lm_head = self._load_target(model, config, tp)
+        if tokenizer is None and not isinstance(model, LlamaForCausalLM) and (Path(model) / "tokenizer.json").exists():
+            tokenizer = Tokenizer(model)
         self.tokenizer = tokenizer
         mc = self.model.config
         self.max_context = min(config.max_context or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -174,6 +166,17 @@ class Engine:
         self.decode_graphs = PhaseGraphs("decode", self._decode_phase, "decode" in graphs_on, config.cuda_graph_max_bs,
                                          self.graph_failures, before_replay=lambda: flush_tables([self.cache]))
         self._ids = itertools.count()
+
+    @staticmethod
+    def _load_target(model: str | Path | LlamaForCausalLM, config: EngineConfig, tp: TPGroup | None
+                     ) -> tuple[LlamaForCausalLM, Callable | None]:
+        """The target (under tensor parallelism from a checkpoint: this rank's share only, read slice by slice)
+        and, then, a reader of the whole target's LM head for a draft that copies it (else None)."""
+        if isinstance(model, LlamaForCausalLM):
+            return model, None
+        if tp is None:
+            return load_target(model, config.dtype, config.device), None
+        return load_target_shard(model, tp, config.dtype, config.device), functools.partial(read_lm_head, model)
 
     def _landing_cache(self) -> KVCache | None:
         """Rank 0 of a split decode engine: where same-host prefills write hand-offs in place (``kv_pools``),
