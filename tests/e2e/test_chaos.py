@@ -222,8 +222,20 @@ def test_chaos_loses_nothing_and_changes_no_token(chaos_stack):
 
 
 def _decode_dies_mid_stream(stack: ChaosStack, rng: random.Random, stop: threading.Event) -> None:
+    """Kill decode-a once streams are under way on both decode instances (on a loaded machine a fixed 1.5 s
+    could come before any request reached decode-a: then no failover, nothing to check)."""
     stop.wait(1.5)
+    deadline = time.monotonic() + 10
+    while len(mid_stream_decodes(stack)) < 2 and time.monotonic() < deadline and not stop.is_set():
+        time.sleep(0.02)
     stack.kill("decode-a")
+
+
+def mid_stream_decodes(stack: ChaosStack) -> set[str]:
+    """The decode instances on which some request is streaming past its first token now."""
+    with stack.core._lock:
+        active = list(stack.core._active.values())
+    return {a.decode.instance_id for a in active if a.decode is not None and a.output_tokens >= 2}
 
 
 def _redis_away_while_requests_end(stack: ChaosStack, rng: random.Random, stop: threading.Event) -> None:
