@@ -16,19 +16,11 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.engine_service import wait_until
 from services.followers import Leader
 from shared.metadata import Registry, connect
 from tests.e2e.conftest import start_stack
 from tests.e2e.test_operations import http_get
-
-
-def wait_for(condition, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_a_dead_follower_takes_the_service_out_of_health_and_the_registry(redis_url, oracle_model_dir):
@@ -43,7 +35,7 @@ def test_a_dead_follower_takes_the_service_out_of_health_and_the_registry(redis_
         assert decode.instance_id in [i.instance_id for i in registry.instances("decode")]
         assert http_get(decode.http_address, "/health")[0] == 200
         leader.ranks[0].kill()  # the follower dies while the service is idle
-        assert wait_for(decode.extra["fatal"].is_set)
+        assert wait_until(decode.extra["fatal"].is_set, time.monotonic() + 15)
         code, body = http_get(decode.http_address, "/health")
         assert code == 503, body
         health = json.loads(body)
