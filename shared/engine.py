@@ -56,6 +56,7 @@ from shared.parallel import (
     shard_target,
     share_pages,
     staging_cache,
+    staging_pages,
 )
 from shared.request import Request, RequestError, Stage
 from shared.sampling import SamplingParams, request_seed, sample, top_logprobs, top_pairs
@@ -576,7 +577,7 @@ class Engine:
         staging = gather_pages(self.cache, ids[0], self.tp)
         if staging is None:
             return None
-        return PageSource(req.rid, [staging, *self.scheduler.caches[1:]], [list(range(1, len(ids[0]) + 1)), *ids[1:]],
+        return PageSource(req.rid, [staging, *self.scheduler.caches[1:]], [staging_pages(len(ids[0])), *ids[1:]],
                           encode_draft_state(req))
 
     def handoff_increment(self, req: Request) -> Increment:
@@ -607,7 +608,7 @@ class Engine:
         if done > first:
             gather_pages_into(self._staged.get(req.rid), first, self.cache, pages[first:done], self.tp)
             self._gathered[req.rid] = done
-        return list(range(1, len(pages) + 1))
+        return staging_pages(len(pages))
 
     def reserve_handoff(self, rid: str, prompt_ids: list[int], output_ids: list[int],
                         output_logprobs: list[float], params: SamplingParams, committed_len: int) -> Request | None:
@@ -647,7 +648,7 @@ class Engine:
                             in_place=True)
         staging = self._staged[req.rid] = staging_cache(self.cache.layout, self.model.config.num_key_value_heads,
                                                         len(ids[0]))
-        return PageSink(req.rid, [staging, *self.scheduler.caches[1:]], [list(range(1, len(ids[0]) + 1)), *ids[1:]],
+        return PageSink(req.rid, [staging, *self.scheduler.caches[1:]], [staging_pages(len(ids[0])), *ids[1:]],
                         guard)
 
     def kv_pools(self) -> list[torch.Tensor]:
@@ -682,7 +683,7 @@ class Engine:
         if landed is not None:
             scatter_pages(self._landing, landed, self.cache, ids[0], self.tp)
         else:
-            scatter_pages(staged, None if staged is None else list(range(1, len(ids[0]) + 1)), self.cache, ids[0],
+            scatter_pages(staged, None if staged is None else staging_pages(len(ids[0])), self.cache, ids[0],
                           self.tp)
         self._land_off(req.rid)
         for cache, pages in zip(self.scheduler.caches[1:], ids[1:]):

@@ -258,10 +258,14 @@ def vocab_shard(weight: torch.Tensor, tp: TPGroup) -> tuple[torch.Tensor, int]:
     """This rank's rows of a [V, H] vocabulary table (the last rank's padded with zero rows up to
     ceil(V / size)) and the first token id they hold."""
     start, per = vocab_range(weight.shape[0], tp)
-    part = weight[start:start + per]
-    if part.shape[0] < per:
-        part = torch.cat([part, part.new_zeros(per - part.shape[0], weight.shape[1])])
-    return part, start
+    return pad_vocab_rows(weight[start:start + per], per), start
+
+
+def pad_vocab_rows(part: torch.Tensor, rows: int) -> torch.Tensor:
+    """``part`` (a rank's vocabulary rows) with zero rows up to ``rows`` (the last rank's run past V)."""
+    if part.shape[0] >= rows:
+        return part
+    return torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -314,6 +318,11 @@ def staging_cache(layout: CacheLayout, num_kv_heads: int, num_pages: int, sharea
     into it)."""
     return KVCache(dataclasses.replace(layout, num_kv_heads=num_kv_heads, num_pages=num_pages, max_reqs=1,
                                        max_context=num_pages * layout.page_size, shareable=shareable))
+
+
+def staging_pages(n: int) -> list[int]:
+    """The ids of a ``staging_cache``'s ``n`` pages, in order."""
+    return list(range(1, n + 1))
 
 
 def gather_pages(cache: KVCache, pages: list[int], tp: TPGroup) -> KVCache | None:

@@ -267,11 +267,6 @@ def read_ahead(messages: Iterator, depth: int) -> Iterator:
         stop.set()
 
 
-def await_ack(call, source: PageSource) -> pb.TransferAck:
-    """The Transfer call's acknowledgement; a cancelled guard cancels the call (TransferCancelled)."""
-    return await_acks([call], source)
-
-
 def await_acks(calls: list, source: PageSource) -> pb.TransferAck:
     """The acknowledgement of a hand-off sent over ``calls`` (its parallel streams): the first call to fail
     cancels the others and raises; a cancelled guard cancels them all (TransferCancelled). Each stream's
@@ -339,7 +334,7 @@ class IpcTransport(GrpcStreamTransport):
                          in_place_bytes=written.bytes, draft_state=written.last.draft_state,
                          output_ids=written.last.output_ids, output_logprobs=written.last.output_logprobs)
         call = self.channels.decode_stub(address).Transfer.future(iter([msg]), timeout=timeout)
-        return await_ack(call, source)
+        return await_acks([call], source)
 
     def close(self) -> None:
         with self._lock:

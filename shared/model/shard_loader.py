@@ -42,7 +42,15 @@ from shared.model.loader import (
     tensor_shapes,
     unreadable,
 )
-from shared.parallel import TPGroup, VocabParallelEmbedding, check_split, local_config, shard_target, vocab_range
+from shared.parallel import (
+    TPGroup,
+    VocabParallelEmbedding,
+    check_split,
+    local_config,
+    pad_vocab_rows,
+    shard_target,
+    vocab_range,
+)
 
 ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # column-parallel: their output rows
 COLUMN_SPLIT = ("o_proj", "down_proj")  # row-parallel: their input columns; their bias added once
@@ -133,8 +141,8 @@ def _rank_tensor(file: Path, name: str, local: tuple[int, ...], config: ModelCon
         part = fold_norm_offset(name, read_share(file, name, how, tp), config).to(dtype)
     except (OSError, SafetensorError, RuntimeError) as e:
         raise unreadable(file, e) from None
-    if part.shape[0] < local[0]:  # the last rank's vocabulary rows past V
-        part = torch.cat([part, part.new_zeros(local[0] - part.shape[0], *local[1:])])
+    if how == "vocab":
+        part = pad_vocab_rows(part, local[0])
     return torch.empty(local, dtype=dtype, device=device).copy_(part)
 
 
