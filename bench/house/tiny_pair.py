@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from bench.house.train_target import EOS, TINY, HouseConfig, build_house
+from bench.house.train_target import EOS, TINY, HouseConfig, build_house, chat_renderer
 
 DEMO_PROMPT = "def fibonacci(n):"
 # Standard-library packages present in every CPython (the same files on the CPU and the GPU machine for
@@ -144,7 +144,7 @@ def build_pair(out: Path, work: Path, smoke: bool, target_overrides: dict, head_
     head_cfg = TrainConfig(target=str(work / "target"), corpus=[str(work / "target" / "corpus" / "train.jsonl")],
                            out=str(work / "eagle3"), kind="eagle3", **{**(SMOKE_HEAD if smoke else HEAD),
                                                                         **head_overrides})
-    head = train_draft(head_cfg)
+    head = train_draft(head_cfg, chat_renderer(work / "target"))  # chat records rendered as the router does
     log(f"tiny-pair: head trained in {head['seconds']} s, accept length {head['evals'][-1]['accept_length']}")
     prompt_len = 16 if smoke else 64
     cpu = cpu_acceptance(work / "target", work / "eagle3", cpu_prompts, prompt_len, cpu_new_tokens)

@@ -45,6 +45,18 @@ TRAIN_PACKAGES = ("torch", "transformers", "sympy", "scipy", "numpy", "networkx"
                   "openai", "huggingface_hub", "mpmath", "redis", "triton", "pydantic", "hypothesis", "_pytest",
                   "google.protobuf", "fsspec", "grpc", "jinja2", "anyio", "urllib3", "httpx")
 HELDOUT_PACKAGES = ("requests", "click", "packaging", "idna", "yaml", "filelock", "tqdm")
+# The chat template written with the tokenizer: turns as Python comments ("# user: ..."), the assistant's
+# reply as plain code ended by EOS, so a chat prompt reads as a commented Python file to a model trained on
+# Python; ``chat_documents`` puts chats in this format into the training corpus.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}{{ '# assistant:\\n' + m['content'] + eos_token + '\\n' }}"
+    "{% else %}{{ '# ' + m['role'] + ': ' + m['content'] | replace('\\n', '\\n# ') }}{{ '\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '# assistant:\\n' }}{% endif %}"
+)
+CHAT_ASK = "Continue this Python module:\n"  # a chat document's question, before the module's opening lines
+CHAT_EVERY = 4  # every this many training documents, one more as a chat (0 = no chats)
 SAMPLE_PROMPTS = ("def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(",
                   "class Config:\n    def __init__(self, ", "    for i in range(len(")
 
@@ -76,6 +88,7 @@ class HouseConfig:
     eval_windows: int = 64
     log_every: int = 10
     sample_tokens: int = 48
+    chat_every: int = CHAT_EVERY  # every this many training documents, one more as a chat (0 = none)
     seed: int = 0
     device: str = "cuda"
     dtype: str = "bfloat16"  # autocast dtype on CUDA; the saved checkpoint's dtype
@@ -159,6 +172,32 @@ def assemble_corpus(cfg: HouseConfig) -> tuple[list[str], list[str], list[Packag
         raise SystemExit(f"house: no {'training' if not train else 'held-out'} package is installed "
                          f"(looked for {list(cfg.train_packages if not train else cfg.heldout_packages)})")
     return train, held, packages, missing
+
+
+def chat_documents(texts: list[str], every: int = CHAT_EVERY, ask_lines: int = 12,
+                   answer_chars: int = 4000) -> list[list[dict]]:
+    """Chats made of every ``every``-th document: the user asks to continue a module and gives its first
+    ``ask_lines`` lines, the assistant answers with what follows (up to ``answer_chars``, whole lines)."""
+    chats = []
+    for text in texts[::every] if every else []:
+        lines = text.splitlines(keepends=True)
+        if len(lines) <= ask_lines:
+            continue
+        answer = "".join(lines[ask_lines:])
+        cut = answer.rfind("\n", 0, answer_chars)
+        answer = answer if len(answer) <= answer_chars else answer[:cut + 1 if cut >= 0 else answer_chars]
+        chats.append([{"role": "user", "content": CHAT_ASK + "".join(lines[:ask_lines]).rstrip("\n")},
+                      {"role": "assistant", "content": answer.rstrip("\n")}])
+    return chats
+
+
+def chat_renderer(model_dir: Path):
+    """Whole conversations rendered with the chat template written in ``model_dir`` (as the router renders
+    prompts, and ``eyrie train-draft`` its chat records)."""
+    from services.router.openai_http import ChatTemplate
+
+    template = ChatTemplate(model_dir)
+    return lambda messages: template.render(messages, add_generation_prompt=False)
 
 
 # ---- tokenizer ------------------------------------------------------------------------------------
@@ -278,21 +317,28 @@ def train(cfg: HouseConfig, model, stream: torch.Tensor, held: torch.Tensor, log
 
 
 # ---- writing --------------------------------------------------------------------------------------
-def write_house(out: Path, cfg: HouseConfig, hf_cfg: dict, model, tok) -> None:
-    dtype = getattr(torch, cfg.dtype)
-    state = {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}
-    write_checkpoint(out, {**hf_cfg, "torch_dtype": cfg.dtype}, state)
+def write_tokenizer(out: Path, tok, max_length: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": hf_cfg["max_position_embeddings"]}, indent=1))
+        "model_max_length": max_length, "chat_template": CHAT_TEMPLATE}, indent=1))
 
 
-def write_documents(path: Path, texts: list[str]) -> None:
+def write_house(out: Path, cfg: HouseConfig, hf_cfg: dict, model) -> None:
+    dtype = getattr(torch, cfg.dtype)
+    state = {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}
+    write_checkpoint(out, {**hf_cfg, "torch_dtype": cfg.dtype}, state)
+
+
+def write_documents(path: Path, texts: list[str], chats: list[list[dict]] = ()) -> None:
+    """JSONL for ``eyrie train-draft --corpus``: the texts, then the chats as ``messages`` records."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for t in texts:
             f.write(json.dumps({"text": t}) + "\n")
+        for messages in chats:
+            f.write(json.dumps({"messages": messages}) + "\n")
 
 
 def greedy_samples(out: Path, cfg: HouseConfig) -> list[dict]:
@@ -314,22 +360,27 @@ def build_house(cfg: HouseConfig, log=lambda line: print(line, file=sys.stderr))
     log(f"house: {len(train_texts)} training and {len(held_texts)} held-out files from {len(packages)} packages")
     tok = train_tokenizer(train_texts, cfg)
     eos = tok.token_to_id(EOS)
-    stream, held = token_stream(tok, train_texts, eos), token_stream(tok, held_texts, eos)
     reserved = pad_vocabulary(tok, cfg.vocab_size)
-    prep_s = time.perf_counter() - t0
     hf_cfg = model_config(cfg)
+    write_tokenizer(out, tok, hf_cfg["max_position_embeddings"])
+    chats = chat_documents(train_texts, cfg.chat_every)
+    render = chat_renderer(out)
+    stream = token_stream(tok, train_texts + [render(m) for m in chats], eos)
+    held = token_stream(tok, held_texts, eos)
+    prep_s = time.perf_counter() - t0
     torch.manual_seed(cfg.seed)
     model = new_llama(ModelConfig.from_hf_dict(hf_cfg), torch.device(cfg.device))
     params = sum(p.numel() for p in model.parameters())
     log(f"house: {params / 1e6:.1f}M parameters, {stream.numel()} training tokens; training")
     result = train(cfg, model, stream, held, log)
-    write_house(out, cfg, hf_cfg, model, tok)
-    write_documents(out / "corpus" / "train.jsonl", train_texts)
+    write_house(out, cfg, hf_cfg, model)
+    write_documents(out / "corpus" / "train.jsonl", train_texts, chats)
     write_documents(out / "corpus" / "heldout.jsonl", held_texts)
     summary = {
         "out": str(out), "device": torch.cuda.get_device_name() if cfg.device.startswith("cuda") else cfg.device,
         "python": sys.version.split()[0], "torch": torch.__version__,
         "packages": [asdict(p) for p in packages], "missing_packages": missing,
+        "chats": len(chats),
         "tokenizer": {"bpe_vocab": cfg.bpe_vocab, "vocab_size": cfg.vocab_size, "reserved": reserved,
                       "train_tokens": stream.numel(), "heldout_tokens": held.numel()},
         "model": {k: hf_cfg[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -18,28 +18,38 @@ import time
 from pathlib import Path
 
 import grpc
+import openai
 import psutil
 import pytest
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
+from services.router.openai_http import ChatTemplate
+from shared.config import EngineConfig
+from shared.engine import Engine
 from shared.metadata import EmbeddedRedis, Registry, RequestStore, connect
+from shared.model.default_pair import trained_tiny_pair
+from shared.model.tokenizer import Tokenizer
+from shared.sampling import SamplingParams
 from tests.e2e.conftest import emptied
 
 READY = re.compile(r"eyrie up: router on (\S+) .*redis (\S+), ready in")
+OPENAI = re.compile(r"OpenAI (http://\S+/v1)\)")
 
 
 class Up:
     """``eyrie up`` in its own process group and temporary directory, its stdout read line by line."""
 
-    def __init__(self, tmp_path: Path, model_dir: Path, *args: str):
+    def __init__(self, tmp_path: Path, model_dir: Path | None, *args: str):
+        """``model_dir`` None: no ``--model``, so ``up`` serves the default pair (``models/tiny-pair``)."""
         # TMPDIR of eyrie up, where an embedded Redis and torch's shared-memory manager make their directories:
         # short, as the manager's Unix socket path must fit in 108 bytes (under pytest-xdist tmp_path is longer).
         self.tmp = Path(tempfile.mkdtemp(prefix="eyrie-up-"))
         self.stderr_path = tmp_path / "up.stderr"
         env = {**os.environ, "TMPDIR": str(self.tmp), "EYRIE_API_KEY": ""}
-        cmd = [sys.executable, "-m", "services.cli", "up", "--grpc-port", "0", "--model", str(model_dir / "target"),
-               "--draft", str(model_dir / "eagle"), "--page-size", "4", "--chunk-size", "8", *args]
+        model = [] if model_dir is None else ["--model", str(model_dir / "target"), "--draft", str(model_dir / "eagle")]
+        cmd = [sys.executable, "-m", "services.cli", "up", "--grpc-port", "0", *model, "--page-size", "4",
+               "--chunk-size", "8", *args]
         with open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
                                          start_new_session=True)
@@ -196,3 +206,37 @@ def test_replicas_prefill_2_decode_2(tmp_path, tiny_model_dir):
     finally:
         up.kill()
         server.stop()
+
+
+def test_openai_client_chat_against_up_serving_the_default_pair(tmp_path):
+    """What a new user tries first: ``eyrie up`` with no model (the shipped tiny pair, its chat template) and
+    the ``openai`` client's chat call, streamed and not; both are the engine's greedy continuation of the
+    template's prompt."""
+    pair = trained_tiny_pair()
+    assert pair is not None and ChatTemplate(pair.target).source, "models/tiny-pair ships with a chat template"
+    messages = [{"role": "system", "content": "You write short Python functions."},
+                {"role": "user", "content": "Add two numbers.\nName it add."}]
+    up = Up(tmp_path, None, "--openai-port", "0")
+    try:
+        up.ready()
+        base_url = OPENAI.search(up.ready_line).group(1)
+        with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120) as client:
+            model = client.models.list().data[0].id
+            full = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+            chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=12,
+                                                         temperature=0, stream=True))
+        assert up.ctrl_c() == 0, up.stderr()[-3000:]
+    finally:
+        up.kill()
+    prompt = ChatTemplate(pair.target).render(messages)
+    assert prompt.endswith("# assistant:\n")
+    want = Engine(pair.target, config=EngineConfig(max_running=1, max_context=512)).generate(
+        prompt, SamplingParams(max_new_tokens=12))[0]
+    text = full.choices[0].message.content
+    assert text and text == want.text
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.prompt_tokens == len(Tokenizer(pair.target).encode(prompt))
+    assert full.usage.completion_tokens == len(want.token_ids)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]

@@ -15,7 +15,16 @@ import pytest
 import torch
 from training_helpers import engine_logits
 
-from bench.house.train_target import TINY, HouseConfig, assemble_corpus, build_house
+from bench.house.train_target import (
+    CHAT_ASK,
+    CHAT_EVERY,
+    CHAT_TEMPLATE,
+    TINY,
+    HouseConfig,
+    assemble_corpus,
+    build_house,
+)
+from services.router.openai_http import ChatTemplate
 from shared.config import EngineConfig
 from shared.engine import Engine
 from shared.model.tokenizer import Tokenizer
@@ -80,3 +89,32 @@ def test_corpus_holds_out_whole_packages_in_a_fixed_order():
     assert len(held) == packages[-1].files and sum(map(len, held)) == packages[-1].bytes
     capped = assemble_corpus(replace(cfg, max_package_bytes=20_000))[2]
     assert all(p.bytes <= 20_000 or p.files == 1 for p in capped)
+
+
+def test_house_writes_the_chat_template_and_trains_on_chats_rendered_with_it(house):
+    out, summary = house
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == CHAT_TEMPLATE
+    records = [json.loads(line) for line in (out / "corpus" / "train.jsonl").read_text().splitlines()]
+    chats = [r["messages"] for r in records if "messages" in r]
+    texts = [r["text"] for r in records if "text" in r]
+    assert summary["chats"] == len(chats) > 0 and len(chats) <= len(texts[::CHAT_EVERY])
+    first = chats[0]
+    assert first[0]["content"].startswith(CHAT_ASK) and first[1]["role"] == "assistant"
+    # the question is a module's opening lines, the answer what follows them
+    opening = first[0]["content"][len(CHAT_ASK):]
+    source = next(t for t in texts if t.startswith(opening))
+    assert source[len(opening):].lstrip("\n").startswith(first[1]["content"][:200])
+    rendered = ChatTemplate(out).render(first, add_generation_prompt=False)
+    assert rendered.startswith("# user: " + CHAT_ASK.rstrip("\n")) and rendered.endswith("<|end_of_text|>\n")
+    tok = Tokenizer(out)
+    assert tok.encode(rendered).count(tok.token_id("<|end_of_text|>")) == 1  # the turn ends in EOS itself
+    prompt = ChatTemplate(out).render(first[:1])
+    assert rendered.startswith(prompt)  # a chat request's prompt is how the trained chats begin
+
+
+def test_the_shipped_pair_carries_the_house_chat_template():
+    from shared.model.default_pair import DEFAULT_DIR
+
+    config = json.loads((DEFAULT_DIR / "target" / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == CHAT_TEMPLATE
