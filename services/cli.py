@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--preset", default="tiny", help="model shape (shared/model/factory.py PRESETS)")
     m.add_argument("out_dir", help="directory to write: target/, eagle/, eagle3/ and mtp/ under it")
     m.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    m.add_argument("--fp8", choices=("channel", "block"), help="write the target as an FP8 checkpoint: "
+                   "`channel` = compressed-tensors (per-channel weight scales, dynamic per-token activations, as "
+                   "RedHatAI's *-FP8-dynamic), `block` = the fp8 format with 128x128 weight blocks (as Qwen3's and "
+                   "DeepSeek-V3's); norms, embeddings, the LM head and the draft heads stay unquantized")
     m.set_defaults(func=cmd_make_model)
 
     t = sub.add_parser("train-draft", help="train an EAGLE-3, EAGLE or multi-layer draft head for a target")
@@ -152,7 +156,7 @@ def cmd_make_model(args) -> int:
     from shared.model.factory import make_model
 
     try:
-        out = make_model(args.preset, args.out_dir, args.seed)
+        out = make_model(args.preset, args.out_dir, args.seed, fp8=args.fp8)
     except ValueError as e:
         _fail(str(e))
     print(out)

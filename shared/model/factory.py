@@ -91,13 +91,68 @@ def make_tiny_target(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
     return out
 
 
-def make_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the preset's target (and, where defined, its draft heads) under out_dir."""
+def make_model(preset: str, out_dir: str | Path, seed: int = 0, fp8: str | None = None) -> Path:
+    """Write the preset's target (and, where defined, its draft heads) under out_dir; ``fp8`` ("channel" or
+    "block"): the target as an FP8 checkpoint of that format (``quantize_checkpoint``), the heads as they are."""
     if preset != "tiny":
         raise ValueError(f"preset: {preset!r} cannot be written to disk here (known: tiny)")
     target = make_tiny_target(out_dir, seed)
     write_random_drafts(target, Path(out_dir), seed)
+    if fp8 is not None:
+        quantize_checkpoint(target, fp8)
     return Path(out_dir)
+
+
+FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FP8_BLOCK = [128, 128]  # Qwen3's and DeepSeek-V3's weight_block_size
+
+
+def fp8_quantization_config(kind: str, block: list[int] = FP8_BLOCK) -> dict:
+    """``quantization_config`` as the FP8 checkpoints write it: compressed-tensors' (llm-compressor's
+    FP8_DYNAMIC scheme, RedHatAI's ``*-FP8-dynamic``) or the block-wise ``fp8`` one (Qwen3-FP8, DeepSeek-V3)."""
+    if kind == "block":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": block}
+    if kind != "channel":
+        raise ValueError(f"fp8: {kind!r} is not one of channel, block")
+    weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False,
+               "group_size": None, "block_structure": None, "observer": "minmax"}
+    acts = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True,
+            "group_size": None, "block_structure": None, "observer": None}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
+                                          "output_activations": None}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None}
+
+
+def fp8_state(state: dict[str, torch.Tensor], kind: str, block: list[int] = FP8_BLOCK) -> dict[str, torch.Tensor]:
+    """``state`` with every decoder-layer projection weight in FP8 beside its scale (``weight_scale`` [N, 1]
+    for per-channel, ``weight_scale_inv`` [N/bn, K/bk] for blocks); everything else as it was."""
+    from shared.model.fp8 import quantize
+
+    out = {}
+    for name, tensor in state.items():
+        parts = name.split(".")
+        if name.startswith("model.layers.") and parts[-2] in FP8_PROJECTIONS and parts[-1] == "weight":
+            q, scale = quantize(tensor, kind, tuple(block))
+            module = name.removesuffix(".weight")
+            out[name] = q
+            out[f"{module}.weight_scale" if kind == "channel" else f"{module}.weight_scale_inv"] = scale
+        else:
+            out[name] = tensor
+    return out
+
+
+def quantize_checkpoint(target_dir: Path, kind: str, block: list[int] = FP8_BLOCK) -> Path:
+    """Rewrite the checkpoint in ``target_dir`` as an FP8 one of ``kind`` (its config gains the format's
+    ``quantization_config``)."""
+    from safetensors.torch import load_file
+
+    with open(target_dir / "config.json") as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = fp8_quantization_config(kind, block)
+    state = fp8_state(load_file(str(target_dir / "model.safetensors")), kind, block)
+    write_checkpoint(target_dir, cfg, state)
+    return target_dir
 
 
 def _rand(gen: torch.Generator, rows: int, cols: int) -> torch.Tensor:

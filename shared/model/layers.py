@@ -11,10 +11,10 @@ from torch import nn
 
 from kernels.extend_attention import extend_attention
 from kernels.fused import rope_store, silu_mul
-from kernels.gemv import linear
 from kernels.norm_rope import apply_rope, rms_norm
 from shared.forward_batch import ForwardBatch
 from shared.model.config import ModelConfig, RopeConfig
+from shared.model.fp8 import cat_weights, linear  # dense weights: kernels/gemv.py; FP8 ones: their scales
 
 
 class RMSNorm(nn.Module):
@@ -111,7 +111,7 @@ class Attention(nn.Module):
     def fuse(self) -> None:
         """Concatenate q/k/v projections after loading (checkpoints name them separately)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_weight = torch.cat([p.weight for p in projs])
+        self.qkv_weight = cat_weights([p.weight for p in projs])
         self.qkv_bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
         del self.q_proj, self.k_proj, self.v_proj
 
@@ -169,7 +169,7 @@ class MLP(nn.Module):
 
     @torch.no_grad()
     def fuse(self) -> None:
-        self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        self.gate_up_weight = cat_weights([self.gate_proj.weight, self.up_proj.weight])
         if self.gate_proj.bias is not None:
             self.gate_up_bias = torch.cat([self.gate_proj.bias, self.up_proj.bias])
         del self.gate_proj, self.up_proj

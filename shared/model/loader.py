@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
+from shared.model import fp8
 from shared.model.config import CheckpointError, ModelConfig
 from shared.model.layers import fuse_projections
 from shared.model.llama import LlamaForCausalLM
@@ -152,10 +153,34 @@ def load_target(path: str | Path, dtype="float32", device="cpu") -> LlamaForCaus
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     state = {k: fold_norm_offset(k, v, config) for k, v in state.items()}
+    quantized = fp8_weights(path, state, model)
     load_weights(model, state)
     model = fuse_projections(model).eval()
-    log_loaded(path, "target", model, t0)
+    if quantized:
+        fp8.prepare(model)
+    log_loaded(path, "target" + (f" (FP8, {quantized} projections)" if quantized else ""), model, t0)
     return model
+
+
+def checkpoint_fp8_format(path: str | Path) -> fp8.Fp8Format | None:
+    """The FP8 format the checkpoint at ``path`` declares in ``config.json`` (None: not quantized)."""
+    with open(Path(path) / "config.json") as f:
+        return fp8.fp8_format(json.load(f))
+
+
+def fp8_weights(path: Path, state: dict[str, torch.Tensor], model: nn.Module) -> int:
+    """Prepare an FP8 checkpoint's ``state`` for ``load_weights`` (in place): its scales taken out and given to
+    the model's projections, which become FP8. Returns how many; 0 for a checkpoint that is not FP8 (FP8
+    tensors without a ``quantization_config`` are a ``CheckpointError``)."""
+    fmt = checkpoint_fp8_format(path)
+    if fmt is None:
+        stray = next((k for k, v in state.items() if v.dtype == fp8.FP8), None)
+        if stray is not None:
+            raise CheckpointError(f"{stray}: FP8 weights, but config.json has no quantization_config")
+        return 0
+    quantized = fp8.split_state(state, fmt)
+    fp8.to_fp8_modules(model, quantized)
+    return len(quantized)
 
 
 def fold_norm_offset(name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:

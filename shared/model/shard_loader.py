@@ -34,6 +34,7 @@ from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import (
     build_module,
     checkpoint_files,
+    checkpoint_fp8_format,
     fold_norm_offset,
     load_target,
     log_loaded,
@@ -96,6 +97,10 @@ def load_target_shard(path: str | Path, tp: TPGroup, dtype="float32", device="cp
     """Rank ``tp.rank``'s share of the target at ``path``, split for ``tp`` and on ``device`` (``model.tp`` set):
     what ``shard_target(load_target(path, dtype), tp, device)`` gives, reading only this rank's share."""
     path, device = Path(path), torch.device(device)
+    fmt = checkpoint_fp8_format(path)
+    if fmt is not None:  # a rank's rows of a block-scaled weight need its scale rows: not written yet
+        raise CheckpointError(f"{path}: an FP8 checkpoint ({fmt.kind} scales) cannot be split over "
+                              f"{tp.size} tensor-parallel ranks yet: serve it with tensor_parallel 1")
     files = checkpoint_files(path)
     if any(f.suffix == ".bin" for f in files):
         return shard_target(load_target(path, dtype, "cpu"), tp, device)
