@@ -105,7 +105,7 @@ def is_fp8(weight: torch.Tensor) -> bool:
 
 def expand_scale(scale: torch.Tensor, block: tuple[int, int], n: int, k: int) -> torch.Tensor:
     """[N, K] float32: each weight element's scale."""
-    bn, bk = block
+    bn, bk = min(block[0], n), min(block[1], k)
     return scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
 
 
@@ -158,6 +158,8 @@ def split_state(state: dict[str, torch.Tensor], fmt: Fp8Format) -> dict[str, tup
     quantized = {}
     for key in [k for k, v in state.items() if k.endswith(".weight") and v.dtype == FP8]:
         module = key.removesuffix(".weight")
+        if state[key].dim() != 2:
+            raise CheckpointError(f"{key}: FP8, but {module} is not a projection (a {state[key].dim()}-d tensor)")
         found = [f"{module}.{s}" for s in SCALE_SUFFIXES if f"{module}.{s}" in state]
         if not found:
             raise CheckpointError(f"{key}: an FP8 weight without its scale ({module}.weight_scale"
