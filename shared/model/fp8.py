@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -254,7 +255,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not x.is_cuda:
         return F.linear(x, dequantize(weight, x.dtype), bias)
     rows = x.numel() // x.shape[-1]
-    if rows <= MAX_ROWS:
+    if rows <= MAX_ROWS and os.environ.get("EYRIE_FP8_GEMV", "1") != "0":  # 0: torch._scaled_mm for every size
         from kernels.fp8_gemv import fp8_linear
 
         return fp8_linear(x, weight, weight.fp8_scale, weight.fp8_block, bias)
