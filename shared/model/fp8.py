@@ -11,7 +11,8 @@ dtype and every call site stays as it is; fused q/k/v and gate/up weights concat
 
 How the product is computed:
 
-* CPU (and CI): the weight dequantized to float32 (``dequantize``), times the activations as they are.
+* CPU (and CI): the weight dequantized (``dequantize``, once per weight: ``dequantized``), times the
+  activations as they are.
 * CUDA, up to 16 rows (decode, verify, draft): ``kernels/fp8_gemv.py``, which reads the FP8 bytes once and
   scales in registers (the batch-1 step reads half the bytes of bf16).
 * CUDA, more rows (prefill chunks): ``torch._scaled_mm`` on Hopper with the activations quantized
@@ -114,6 +115,15 @@ def dequantize(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
     """The FP8 ``weight`` (marked) as ``dtype``: ``fp8 * scale`` element by element."""
     n, k = weight.shape
     return (weight.float() * expand_scale(weight.fp8_scale, weight.fp8_block, n, k)).to(dtype)
+
+
+def dequantized(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize(weight, dtype)``, computed once per weight and dtype and kept beside it (the CPU's product:
+    FP8 saves no time there, and dequantizing on every call would cost more than the product)."""
+    cache = weight.__dict__.setdefault("fp8_dequantized", {})
+    if dtype not in cache:
+        cache[dtype] = dequantize(weight, dtype)
+    return cache[dtype]
 
 
 def quantize(w: torch.Tensor, kind: str, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,7 +263,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not is_fp8(weight):
         return dense_linear(x, weight, bias)
     if not x.is_cuda:
-        return F.linear(x, dequantize(weight, x.dtype), bias)
+        return F.linear(x, dequantized(weight, x.dtype), bias)
     rows = x.numel() // x.shape[-1]
     if rows <= MAX_ROWS and os.environ.get("EYRIE_FP8_GEMV", "1") != "0":  # 0: torch._scaled_mm for every size
         from kernels.fp8_gemv import fp8_linear
