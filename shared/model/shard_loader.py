@@ -16,7 +16,10 @@ What a rank keeps of each checkpoint tensor (``how_split``), as ``shard_target``
   rows past V;
 * ``whole``: everything else (norms, Qwen3's q/k norms).
 
-``.bin`` checkpoints (``torch.load``) cannot be read in part: they are loaded whole and split.
+An FP8 checkpoint's projections (``shared/model/fp8.py``) keep their FP8 bytes: a rank reads its rows or columns
+of each and the part of its scale that covers them (per-channel scales by row; block scales by block, so a share
+must start on a block boundary). ``.bin`` checkpoints (``torch.load``) cannot be read in part: they are loaded
+whole and split (FP8 ones are refused).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from shared.model import fp8
 from shared.model.config import CheckpointError, ModelConfig
 from shared.model.layers import RotaryEmbedding, fuse_projections
 from shared.model.llama import LlamaForCausalLM
@@ -98,11 +102,10 @@ def load_target_shard(path: str | Path, tp: TPGroup, dtype="float32", device="cp
     what ``shard_target(load_target(path, dtype), tp, device)`` gives, reading only this rank's share."""
     path, device = Path(path), torch.device(device)
     fmt = checkpoint_fp8_format(path)
-    if fmt is not None:  # a rank's rows of a block-scaled weight need its scale rows: not written yet
-        raise CheckpointError(f"{path}: an FP8 checkpoint ({fmt.kind} scales) cannot be split over "
-                              f"{tp.size} tensor-parallel ranks yet: serve it with tensor_parallel 1")
     files = checkpoint_files(path)
     if any(f.suffix == ".bin" for f in files):
+        if fmt is not None:
+            raise CheckpointError(f"{path}: an FP8 checkpoint in .bin files cannot be split: use safetensors")
         return shard_target(load_target(path, dtype, "cpu"), tp, device)
     t0 = time.perf_counter()
     config = ModelConfig.from_dir(path)
@@ -112,15 +115,61 @@ def load_target_shard(path: str | Path, tp: TPGroup, dtype="float32", device="cp
     model = build_module(LlamaForCausalLM, rank_shapes(config, tp), dtype, META)
     model.config = config  # the whole model's: the vocabulary the logits are cut to, the heads a hand-off carries
     whole = dict(build_module(LlamaForCausalLM, config, dtype, META).named_parameters())  # shapes to check against
-    found = _check_names(tensor_shapes(files), whole, config)
+    shapes = tensor_shapes(files)
+    scales = _fp8_scales(shapes, fmt)  # taken out of shapes
+    found = _check_names(shapes, whole, config)
     for name, param in model.named_parameters():
         file, shape = found[name]
         if shape != tuple(whole[name].shape):
             raise CheckpointError(f"{name}: checkpoint shape {shape} != model {tuple(whole[name].shape)}")
-        _set_param(model, name, _rank_tensor(file, name, tuple(param.shape), config, tp, dtype, device))
+        if name.removesuffix(".weight") in scales:
+            _set_fp8(model, name, file, shape, scales[name.removesuffix(".weight")], fmt, tp, device)
+        else:
+            _set_param(model, name, _rank_tensor(file, name, tuple(param.shape), config, tp, dtype, device))
     _join(model, config, tp, device)
+    if scales:
+        fp8.prepare(model)
     log_loaded(path, f"target (tensor-parallel rank {tp.rank} of {tp.size})", model, t0)
     return model
+
+
+def _fp8_scales(shapes: dict, fmt: fp8.Fp8Format | None) -> dict[str, tuple[str, Path]]:
+    """An FP8 checkpoint's weight scales, taken out of ``shapes`` (in place): {module: (scale name, its file)}.
+    Static activation scales are refused by name."""
+    if fmt is None:
+        return {}
+    static = [k for k in shapes if k.endswith(("input_scale", "activation_scale"))]
+    if static:
+        raise CheckpointError(f"{static[0]}: static activation scales are not supported (dynamic FP8 only)")
+    names = [k for k in shapes if k.endswith(fp8.SCALE_SUFFIXES)]
+    return {k.rsplit(".", 1)[0]: (k, shapes.pop(k)[0]) for k in names}
+
+
+def _set_fp8(model: nn.Module, name: str, file: Path, shape: tuple[int, ...], scale_at: tuple[str, Path],
+             fmt: fp8.Fp8Format, tp: TPGroup, device: torch.device) -> None:
+    """This rank's rows (q/k/v, gate/up) or columns (o, down) of FP8 weight ``name`` and the scales that cover
+    them (per-channel scales by row; block scales by block, so a rank's share must start on a block)."""
+    how = how_split(name)
+    try:
+        part = read_share(file, name, how, tp)
+        with safe_open(str(scale_at[1]), framework="pt") as f:
+            whole_scale = f.get_tensor(scale_at[0])
+    except (OSError, SafetensorError, RuntimeError) as e:
+        raise unreadable(file, e) from None
+    if part.dtype != fp8.FP8 or how not in ("rows", "columns"):
+        raise CheckpointError(f"{name}: a scale ({scale_at[0]}) beside a weight that is not an FP8 projection")
+    scale, block = fp8.checkpoint_scale(torch.empty(shape, device=META), whole_scale, fmt, scale_at[0])
+    span = tp.span(shape[0] if how == "rows" else shape[1], name)
+    # the scale's rows or columns this share covers (none to cut: the columns of per-channel scales)
+    step = block[0] if how == "rows" else (block[1] if block[1] < shape[1] else None)
+    if step is not None:
+        if span.start % step:
+            raise CheckpointError(f"{name}: rank {tp.rank}'s share starts at {span.start}, inside a scale block "
+                                  f"of {step}: {tp.size} ranks cannot split this FP8 weight")
+        cut = slice(span.start // step, -(-span.stop // step))
+        scale = scale[cut] if how == "rows" else scale[:, cut]
+    _set_param(model, name, torch.empty(part.shape, dtype=fp8.FP8, device=device).copy_(part))
+    fp8.mark(model.get_parameter(name), scale.contiguous().to(device), block)
 
 
 def _check_names(found: dict, whole: dict, config: ModelConfig) -> dict:

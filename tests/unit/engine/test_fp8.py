@@ -24,6 +24,7 @@ from shared.model.config import CheckpointError
 from shared.model.factory import fp8_quantization_config, make_model, quantize_checkpoint, write_checkpoint
 from shared.model.loader import load_target
 from shared.model.shard_loader import load_target_shard
+from shared.parallel import TPGroup
 from shared.sampling import SamplingParams
 from tests.oracle_model import make_oracle_model
 
@@ -208,18 +209,6 @@ def test_bad_fp8_checkpoints_are_refused_naming_the_tensor(tmp_path, problem, ma
         load_target(target)
 
 
-def test_tensor_parallel_loading_of_fp8_is_refused_by_name(fp8_pair):
-    kind, out = fp8_pair
-    with pytest.raises(CheckpointError, match=f"an FP8 checkpoint \\({kind} scales\\) cannot be split over 2"):
-        load_target_shard(out / "target", TwoRanks())
-
-
-class TwoRanks:
-    """What the loader reads of a TPGroup before it opens a file: rank 0 of 2 (no process group needed)."""
-
-    rank, size = 0, 2
-
-
 def test_make_model_cli_writes_fp8_and_refuses_an_unknown_format(tmp_path):
     cmd = [sys.executable, "-m", "services.cli", "make-model", str(tmp_path / "m"), "--fp8", "block"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -257,3 +246,42 @@ def test_speculation_against_an_fp8_target_is_greedy_lossless(fp8_oracle, head, 
     assert [r.token_ids for r in got] == want
     assert spec.spec_stats.totals.accept_length > 1.5  # the drafts were really accepted, not only verified
     assert spec.is_idle_and_clean() and plain.is_idle_and_clean()
+
+
+@pytest.mark.parametrize("kind, block", [("channel", [128, 128]), ("block", [16, 16])])
+def test_each_tensor_parallel_rank_loads_its_share_of_the_fp8_weights_and_scales(tmp_path, kind, block):
+    """Rank r of 2 reads its rows (q/k/v, gate/up) or columns (o, down) of each FP8 weight with the scales
+    covering them: dequantized, exactly the share the dense twin's rank r holds."""
+    make_model("tiny", tmp_path)
+    quantize_checkpoint(tmp_path / "target", kind, block)
+    twin = dequantized_twin(tmp_path / "target", tmp_path / "twin")
+    for rank in (0, 1):
+        tp = TPGroup(rank=rank, size=2, group=None, control=None)  # loading needs no collective
+        shard, dense = load_target_shard(tmp_path / "target", tp), load_target_shard(twin, tp)
+        for mine, theirs in zip(shard.model.layers, dense.model.layers):
+            for a, b in ((mine.self_attn.qkv_weight, theirs.self_attn.qkv_weight),
+                         (mine.self_attn.o_proj.weight, theirs.self_attn.o_proj.weight),
+                         (mine.mlp.gate_up_weight, theirs.mlp.gate_up_weight),
+                         (mine.mlp.down_proj.weight, theirs.mlp.down_proj.weight)):
+                assert a.dtype == fp8.FP8 and torch.equal(fp8.dequantize(a), b)
+
+
+def test_a_split_that_cuts_a_scale_block_is_refused_by_name(tmp_path):
+    make_model("tiny", tmp_path)
+    quantize_checkpoint(tmp_path / "target", "block", [48, 32])  # q has 64 rows: rank 1's 32 start inside a block
+    with pytest.raises(CheckpointError, match="q_proj.weight: rank 1's share starts at 32, inside a scale block"):
+        load_target_shard(tmp_path / "target", TPGroup(rank=1, size=2, group=None, control=None))
+
+
+def test_an_fp8_target_split_over_two_ranks_generates_what_one_does(tmp_path):
+    """``eyrie generate --tensor-parallel 2`` (two gloo ranks) on an FP8 checkpoint of 16 x 16 blocks: the greedy
+    tokens of one rank."""
+    make_model("tiny", tmp_path)
+    quantize_checkpoint(tmp_path / "target", "block", [16, 16])
+    want = Engine(tmp_path / "target", config=EngineConfig()).generate(PROMPTS[1], GREEDY)[0].token_ids
+    ids = ",".join(map(str, PROMPTS[1]))
+    done = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--model", str(tmp_path / "target"),
+                           "--tensor-parallel", "2", "--prompt-ids", ids, "--max-new-tokens", "24", "--ignore-eos",
+                           "--json"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["token_ids"] == want
