@@ -1,11 +1,12 @@
 """Before an engine service says it is ready: one request through its engine, then its memory peak.
 
-The warm-up request is a prompt of one full prefill chunk (the largest step a prefill runs) and, on a decode
-engine, a few output tokens (its decode and speculative steps, graphs replayed). Then, on a GPU, the
-process's peak (PyTorch's ``max_memory_reserved`` and the memory outside it, by NVML) is logged, exported on
-/metrics and, where the configuration set ``gpu_memory_fraction``, checked against that fraction of the
-device. Either failing stops start-up with one line naming why: the service never turns ready (no 200 on
-/health, no SERVING on gRPC health, no entry in Redis), and ``eyrie serve`` exits 2.
+The warm-up request is a prompt of one full prefill chunk (the largest step a prefill runs; off a GPU a
+short one) and, on a decode engine, a few output tokens (its decode and speculative steps, graphs
+replayed). Then, on a GPU, the process's peak (PyTorch's ``max_memory_reserved`` and the memory outside
+it, by NVML) is logged, exported on /metrics and, where the configuration set ``gpu_memory_fraction``,
+checked against that fraction of the device. Either failing stops start-up with one line naming why: the
+service never turns ready (no 200 on /health, no SERVING on gRPC health, no entry in Redis), and
+``eyrie serve`` exits 2.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from shared.sampling import SamplingParams
 from shared.telemetry import Telemetry
 
 WARMUP_OUTPUT = 4  # output tokens of a decode engine's warm-up request
+CPU_WARMUP_TOKENS = 16  # the warm-up prompt off a GPU (on one: a full prefill chunk)
 
 
 def warm_up(engine) -> dict:
@@ -28,7 +30,10 @@ def warm_up(engine) -> dict:
     after; a ``RequestError`` (field ``warmup``) naming what failed."""
     config, prefill = engine.config, engine.role == "prefill"
     output = 1 if prefill else WARMUP_OUTPUT
-    n = max(1, min(config.chunk_size or engine.max_context, engine.max_context - config.headroom - output - 1))
+    chunk = config.chunk_size or engine.max_context
+    if engine.device.type != "cuda":  # no memory peak to reach off a GPU: a short prompt proves the engine works
+        chunk = min(chunk, CPU_WARMUP_TOKENS)
+    n = max(1, min(chunk, engine.max_context - config.headroom - output - 1))
     vocab = engine.model.config.vocab_size
     ids = [1 + i % (vocab - 1) for i in range(n)]
     t0, req = time.perf_counter(), None

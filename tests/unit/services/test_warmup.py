@@ -20,7 +20,7 @@ from services.decode import server as decode_server
 from services.launch import free_port
 from services.prefill import server as prefill_server
 from services.settings import DecodeSettings, PrefillSettings
-from services.warmup import warm_up
+from services.warmup import CPU_WARMUP_TOKENS, warm_up
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
 from shared.metadata import Registry, connect
@@ -91,12 +91,12 @@ def test_a_failing_warm_up_keeps_the_service_out_of_service_and_stops_its_start(
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_warm_up_runs_a_full_chunk_and_gives_every_page_back(tiny_model_dir, role):
+def test_a_warm_up_runs_a_short_prompt_off_a_gpu_and_gives_every_page_back(tiny_model_dir, role):
     engine = Engine(str(tiny_model_dir / "target"), str(tiny_model_dir / "eagle3"),
                     EngineConfig(page_size=4, max_context=128, chunk_size=48, spec=SpecConfig(topk=1, steps=3)),
                     role=role)
     facts = warm_up(engine)
-    assert facts["prompt_tokens"] == 48
+    assert facts["prompt_tokens"] == CPU_WARMUP_TOKENS  # on a GPU: the 48-token chunk
     assert facts["output_tokens"] == (1 if role == "prefill" else 4)
     assert engine.is_idle_and_clean() and not engine.requests
 
