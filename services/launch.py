@@ -510,6 +510,8 @@ def _up_devices(args, device: str) -> dict[str, list[str]]:
             out[role] = [device] * count
             continue
         out[role] = [d.strip() for d in listed.split(",") if d.strip()]
+        if not out[role]:
+            _fail(f"--{role}-devices {listed!r}: at least one device each")
         if count not in (1, len(out[role])):
             _fail(f"--{role} {count} and --{role}-devices {listed!r} ({len(out[role])} devices) disagree: "
                   f"give one of them")
@@ -520,9 +522,8 @@ def device_plan(prefill: list[str], decode: list[str], fraction: float | None = 
     """Per engine service of a stack (``prefill``, ``prefill-2``, ..., ``decode``, ...): its ``device`` and,
     on a CUDA device that several engines share, its ``gpu_memory_fraction``: ``fraction`` when given, else
     an even share of ``UP_GPU_SHARE``. Raises ValueError naming a device that is no device, a mix of kinds
-    (a hand-off needs both sides on one kind), or fractions that overfill a shared GPU."""
-    if not prefill or not decode:
-        raise ValueError("--prefill-devices and --decode-devices: at least one device each")
+    (a hand-off needs both sides on one kind), or fractions that overfill a shared GPU. (No prefill device: the
+    decode instances prefill every prompt themselves, as the serving benchmark's colocated layouts run.)"""
     for d in prefill + decode:
         if not (d == "cpu" or d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit())):
             raise ValueError(f"device {d!r}: expected cpu, cuda or cuda:N")
