@@ -169,6 +169,8 @@ class LayoutRun:
             text = self.stack.metrics(name)
             found[name] = {"gpu_memory": gpu_memory(text), "handoff": handoff_totals(text),
                            "local_prefills": local_prefills(text)}
+            if found[name]["gpu_memory"]:
+                print(f"{self.name:6s} {name}: GPU memory {found[name]['gpu_memory']}", flush=True)
         self.out["services"] = found
 
 
