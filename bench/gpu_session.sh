@@ -17,6 +17,7 @@
 #   bench/gpu_session.sh tp         # two GPUs: 8B decode step TP 1 vs TP 2 vs its floor, IPC into a peer GPU (bench_tp.py)
 #   bench/gpu_session.sh memory     # one GPU: prefill + decode at 0.45 each, EAGLE-3, 8B shape: served, peaks within 0.45
 #   bench/gpu_session.sh layouts    # two GPUs: colo1, pd1, pd2, colo2 as users deploy them, 8B-shaped pair, one table, ~8 min
+#                                   # (LAYOUT_TRANSPORT=grpc-stream: every layout's hand-off transport; default auto)
 #   bench/gpu_session.sh layouts4   # four GPUs: pd4 (1P3D) vs colo4, the same workloads and goodput, ~6 min
 #
 # Several stages in one call run in the order given. Python packages the GPU image lacks come from
@@ -101,7 +102,8 @@ for stage in "$@"; do
       if [ "$stage" = layouts ]; then which=colo1,pd1,pd2,colo2 deadline=420; else which=pd4,colo4 deadline=300; fi
       run "$stage" $((deadline + 30)) python3 bench/bench_serving.py --layouts "$which" \
         --model /tmp/wide/target --draft /tmp/wide/eagle3 --prompts-file /tmp/wide/heldout.jsonl \
-        --workdir "/tmp/$stage" --deadline-s "$deadline" --mixed-seconds 10 --point-seconds 15 --out "$OUT/$stage.json"
+        --workdir "/tmp/$stage" --deadline-s "$deadline" --mixed-seconds 10 --point-seconds 15 --request-timeout-s 90 \
+        --transports "${LAYOUT_TRANSPORT:-auto}" --out "$OUT/$stage.json"
       for d in /tmp/"$stage"/logs-*; do mkdir -p "$OUT/$(basename "$d")" && cp "$d"/*.log "$OUT/$(basename "$d")/"; done
       cat "$OUT/$stage.md" 2>/dev/null
       ;;

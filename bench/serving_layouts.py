@@ -20,7 +20,8 @@ at each ``--sweep`` concurrency), the long-prompt TTFT (``--probe``), and the mi
 ("quiet"), then again while a ``--arrivals`` prompt (PROMPT:OUTPUT:INTERVAL_S) arrives every interval
 ("with arrivals"). Goodput: requests per second whose TTFT and own inter-token latency p99 both meet the
 SLO (``--slo-ttft-s``, ``--slo-itl-s``). Writes the JSON (``--out``, rewritten after every point) and a
-markdown table beside it (``.md``), and prints the table. Each engine service's memory peak (its
+markdown table beside it (``.md``), and prints the table. ``--transports`` (one value) is every layout's
+``EYRIE_HANDOFF_TRANSPORT``. Each engine service's memory peak (its
 ``eyrie_gpu_memory_*`` gauges), hand-offs and local prefills are recorded under ``services``.
 """
 
@@ -142,7 +143,9 @@ class LayoutRun:
         placed = instances(self.name, args.device)
         self.out["instances"] = [{"role": role, **own} for role, own in placed]
         local = args.max_context if colo else 0  # colocated: every prompt prefilled on its decode instance
-        env = {"EYRIE_LOCAL_PREFILL_MAX_TOKENS": str(local), **self.run.child_env()}
+        env = {"EYRIE_LOCAL_PREFILL_MAX_TOKENS": str(local), "EYRIE_HANDOFF_TRANSPORT": args.transports,
+               **self.run.child_env()}
+        self.out["transport"] = args.transports
         self.stack = ServingStack(self.model, self.draft, flags, Path(self.out["log_dir"]), env=env, instances=placed)
         t0 = time.perf_counter()
         self.stack.start(min(args.start_timeout_s, budget_s))
@@ -301,6 +304,8 @@ def run_layouts(run, model: str, draft: str | None, workdir: Path) -> None:
 
         gpus = torch.cuda.device_count()
         run.report["device"] = f"{gpus} x {torch.cuda.get_device_name(0)}"
+    if "," in args.transports:
+        raise SystemExit("--layouts takes one --transports value (EYRIE_HANDOFF_TRANSPORT of every layout)")
     names, left_out = parse_layouts(args.layouts, gpus)
     run.report.update(layouts=[], left_out=left_out, slo={"ttft_s": args.slo_ttft_s, "itl_s": args.slo_itl_s})
     flags = {**engine_flags(args), "device": None, "gpu_memory_fraction": None}  # each instance its own

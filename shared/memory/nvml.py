@@ -35,7 +35,7 @@ def pci_bus_id(device) -> str:
     import torch
 
     p = torch.cuda.get_device_properties(device)
-    return f"{p.pci_domain_id:08x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+    return f"{p.pci_domain_id:08X}:{p.pci_bus_id:02X}:{p.pci_device_id:02X}.0"
 
 
 def process_used_bytes(device) -> int | None:
