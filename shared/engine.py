@@ -234,6 +234,7 @@ class Engine:
                 self.step_peaks = profile_steps(self.model, config, self.max_context, capture,
                                                 tuple(getattr(head, "aux_layers", ())), decodes=decodes)
         except torch.OutOfMemoryError as e:
+            torch.cuda.empty_cache()  # the failed step's blocks: what is free is what the pools could have
             free, total = torch.cuda.mem_get_info(self.device)
             raise RequestError("gpu_memory_fraction", (
                 f"the profile run of the largest steps (a {config.chunk_size or self.max_context}-token chunk, "
