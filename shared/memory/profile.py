@@ -20,8 +20,9 @@ from shared.model.loader import parse_dtype
 
 def profile_steps(model, config: EngineConfig, max_context: int, capture: str = "none",
                   aux_layers: tuple[int, ...] = (), decodes: bool = True) -> StepPeaks:
-    """Run ``model``'s largest steps once on ``config.device`` (a CUDA device) and measure their peaks;
-    ``decodes``: False for a prefill engine (its steps are prefill chunks only, and it captures no graph)."""
+    """Run ``model``'s largest steps once on ``config.device`` and measure their peaks (0 off CUDA, where only
+    the steps run); ``decodes``: False for a prefill engine (its steps are prefill chunks only, and it captures
+    no graph)."""
     device = torch.device(config.device)
     chunk = min(config.chunk_size or max_context, max_context)
     width = config.spec.num_draft_tokens if config.spec is not None else 1
@@ -33,9 +34,11 @@ def profile_steps(model, config: EngineConfig, max_context: int, capture: str = 
     for name, rows in steps.items():
         peaks[name] = _step_peak(model, cache, rows, device, capture, aux_layers) if rows else 0
     del cache
-    torch.cuda.empty_cache()
-    used = process_used_bytes(device)
-    non_torch = None if used is None else max(0, used - torch.cuda.memory_reserved(device))
+    non_torch = None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        used = process_used_bytes(device)
+        non_torch = None if used is None else max(0, used - torch.cuda.memory_reserved(device))
     return StepPeaks(prefill=peaks["prefill"], decode=peaks["decode"], graph=peaks["graph"], non_torch=non_torch)
 
 
@@ -64,17 +67,31 @@ def _step_peak(model, cache: KVCache, rows: list[tuple[int, bool]], device: torc
             logit_rows += [len(pos) - 1] if last_only else range(len(pos) - n, len(pos))
         ids = torch.ones(len(pos), dtype=torch.int64)
         positions = torch.tensor(pos, dtype=torch.int64)
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()  # the previous step's cached blocks would hide this step's need
-        before = torch.cuda.memory_reserved(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        before = _reset_peak(device)
         batch = build_forward_batch(cache, [h.row for h in handles], [0] * len(rows), [n for n, _ in rows], ids,
                                     positions, positions, logits_rows=torch.tensor(logit_rows, dtype=torch.int64))
         out = model(batch, cache, capture=capture, aux_layers=aux_layers)
         probs = torch.softmax(out.logits, dim=-1), torch.log_softmax(out.logits, dim=-1)
-        torch.cuda.synchronize(device)
         del out, probs, batch
-        return max(0, torch.cuda.max_memory_reserved(device) - before)
+        return _peak_since(device, before)
     finally:
         for h in handles:
             cache.close(h)
+
+
+def _reset_peak(device: torch.device) -> int:
+    """On CUDA: the allocator emptied of cached blocks (the previous step's would hide this step's need), its
+    peak statistics reset; what it reserves now. 0 elsewhere."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_reserved(device)
+
+
+def _peak_since(device: torch.device, before: int) -> int:
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    return max(0, torch.cuda.max_memory_reserved(device) - before)

@@ -98,3 +98,35 @@ def test_nvml_usage_is_this_processs_entry_or_none():
     assert own_usage(infos, 42) == 3 * GiB
     assert own_usage(infos, 7) is None  # not listed (a container's own process ids)
     assert own_usage([_ProcessInfo(pid=42, usedGpuMemory=NOT_AVAILABLE)], 42) is None
+
+
+class Recording:
+    """The target, recording each forward's token count, logits rows and what it captured."""
+
+    def __init__(self, model):
+        self.model, self.config, self.calls = model, model.config, []
+
+    def __call__(self, batch, cache, capture="none", aux_layers=()):
+        out = self.model(batch, cache, capture=capture, aux_layers=aux_layers)
+        self.calls.append((batch.num_tokens, out.logits.shape[0], out.aux_hidden is not None))
+        return out
+
+
+@pytest.mark.parametrize("decodes", [True, False])
+def test_the_profile_run_runs_a_full_chunk_and_the_largest_eager_and_graph_decode_steps(tiny_model_dir, decodes):
+    """The forwards the reserve is measured on (their peaks are read on CUDA only: 0 here, NVML unread)."""
+    from shared.memory.profile import profile_steps
+    from shared.model.loader import load_target
+
+    target = Recording(load_target(tiny_model_dir / "target", "float32", "cpu"))
+    config = EngineConfig(page_size=4, max_running=40, chunk_size=96, cuda_graph=True, spec=SPEC)
+    peaks = profile_steps(target, config, max_context=256, capture="aux", aux_layers=(0, 1), decodes=decodes)
+    width = SPEC.num_draft_tokens
+    steps = [(96, 1, True)]  # the chunk: its last position's logits, the draft's features captured
+    if decodes:  # every row of the largest eager step (max_running) and of the largest captured one (32)
+        steps += [(40 * width, 40 * width, True), (32 * width, 32 * width, True)]
+    assert target.calls == steps
+    assert peaks == StepPeaks(prefill=0, decode=0, graph=0, non_torch=None)
+    chunked_whole = profile_steps(target, EngineConfig(page_size=4, max_running=2, chunk_size=None), max_context=64,
+                                  decodes=False)  # whole prompts: a step is one max_context prompt
+    assert target.calls[-1] == (64, 1, False) and chunked_whole.non_torch is None
