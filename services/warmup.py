@@ -29,7 +29,7 @@ def warm_up(engine) -> dict:
     """One request through ``engine`` (an ``Engine`` or a tensor-parallel ``Leader``), its pages released
     after; a ``RequestError`` (field ``warmup``) naming what failed."""
     config, prefill = engine.config, engine.role == "prefill"
-    output = 1 if prefill else WARMUP_OUTPUT
+    output = 1 if prefill else max(1, min(WARMUP_OUTPUT, engine.max_context - 2))  # a tiny context: fewer
     chunk = config.chunk_size or engine.max_context
     if engine.device.type != "cuda":  # no memory peak to reach off a GPU: a short prompt proves the engine works
         chunk = min(chunk, CPU_WARMUP_TOKENS)
