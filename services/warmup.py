@@ -34,7 +34,7 @@ def warm_up(engine) -> dict:
     if engine.device.type != "cuda":  # no memory peak to reach off a GPU: a short prompt proves the engine works
         chunk = min(chunk, CPU_WARMUP_TOKENS)
     n = max(1, min(chunk, engine.max_context - config.headroom - output - 1))
-    vocab = engine.model.config.vocab_size
+    vocab = engine.handoff_schema().vocab_size
     ids = [1 + i % (vocab - 1) for i in range(n)]
     t0, req = time.perf_counter(), None
     try:
