@@ -1,10 +1,11 @@
 """The start-up profile run: what an engine's largest steps take, measured before its KV pools are sized.
 
 As vLLM's profile run: on a throwaway cache just large enough, the target runs a full prefill chunk (with
-the features an EAGLE draft reads), the largest eager decode step (every row's logits, as a verify step) and
-the largest graph-captured one, each followed by the sampler's float32 work over its logits. Each step's
-peak above what the allocator held before it, and the memory outside PyTorch then (NVML), become the
-reserve the pools leave free (``shared/memory/sizing.profiled_reserve``)."""
+the features an EAGLE draft reads; on a decode engine beside a plain step's rows, as a step may fold
+them), the largest eager decode step (every row's logits, as a verify step) and the largest
+graph-captured one, each followed by the sampler's float32 work over its logits. Each step's peak above
+what the allocator held before it, and the memory outside PyTorch then (NVML), become the reserve the
+pools leave free (``shared/memory/sizing.profiled_reserve``)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ def profile_steps(model, config: EngineConfig, max_context: int, capture: str = 
     width = config.spec.num_draft_tokens if config.spec is not None else 1
     graph_rows = min(config.max_running, config.cuda_graph_max_bs) if config.cuda_graph and decodes else 0
     cache = _throwaway_cache(model.config, config, chunk, width, device)
-    steps = {"prefill": [(chunk, True)], "decode": [(width, False)] * (config.max_running if decodes else 0),
+    running = config.max_running if decodes else 0
+    # A decode engine's prefill chunk may share its forward with a plain step's rows (one token each).
+    steps = {"prefill": [(chunk, True)] + [(1, False)] * running, "decode": [(width, False)] * running,
              "graph": [(width, False)] * graph_rows}
     peaks = {}
     for name, rows in steps.items():
@@ -43,12 +46,13 @@ def profile_steps(model, config: EngineConfig, max_context: int, capture: str = 
 
 
 def _throwaway_cache(mc, config: EngineConfig, chunk: int, width: int, device: torch.device) -> KVCache:
-    """Room for one chunk, or for ``max_running`` rows of ``width`` positions, whichever needs more pages."""
+    """Room for one chunk beside ``max_running`` one-token rows, or for ``max_running`` rows of ``width``
+    positions, whichever needs more pages."""
     ps = config.page_size
-    pages = max(-(-chunk // ps), config.max_running * -(-width // ps))
+    pages = max(-(-chunk // ps) + config.max_running, config.max_running * -(-width // ps))
     return KVCache(CacheLayout(num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
                                head_dim=mc.head_dim, dtype=parse_dtype(config.dtype), device=device, page_size=ps,
-                               num_pages=pages, max_reqs=max(config.max_running, 1),
+                               num_pages=pages, max_reqs=config.max_running + 1,
                                max_context=max(chunk, width) + config.headroom))
 
 

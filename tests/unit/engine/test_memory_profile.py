@@ -123,8 +123,9 @@ def test_the_profile_run_runs_a_full_chunk_and_the_largest_eager_and_graph_decod
     peaks = profile_steps(target, config, max_context=256, capture="aux", aux_layers=(0, 1), decodes=decodes)
     width = SPEC.num_draft_tokens
     steps = [(96, 1, True)]  # the chunk: its last position's logits, the draft's features captured
-    if decodes:  # every row of the largest eager step (max_running) and of the largest captured one (32)
-        steps += [(40 * width, 40 * width, True), (32 * width, 32 * width, True)]
+    if decodes:  # the chunk beside a plain step's rows; every row of the largest eager step (max_running)
+        # and of the largest captured one (32)
+        steps = [(96 + 40, 1 + 40, True), (40 * width, 40 * width, True), (32 * width, 32 * width, True)]
     assert target.calls == steps
     assert peaks == StepPeaks(prefill=0, decode=0, graph=0, non_torch=None)
     chunked_whole = profile_steps(target, EngineConfig(page_size=4, max_running=2, chunk_size=None), max_context=64,
