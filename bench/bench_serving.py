@@ -24,6 +24,8 @@ and listed. An outside load generator (guidellm) as a cross-check of the same en
     python bench/bench_serving.py --out out/serving.json                  # H100: the 8B shape, ~9 min
     python bench/bench_serving.py --smoke --out /tmp/smoke.json           # tiny model on the CPU, < 1 min
     python bench/bench_serving.py --transports grpc-stream --workloads fixed --sweep 1,32   # another transport
+    python bench/bench_serving.py --layouts colo1,pd1,pd2,colo2 --model DIR/target --draft DIR/eagle3 \
+        --prompts-file DIR/heldout.jsonl --out out/layouts.json   # layouts as deployed (bench/serving_layouts.py)
 
 ``--smoke`` checks the script end to end (CI runs it); its figures mean nothing.
 """
@@ -62,6 +64,12 @@ SMOKE_DEFAULTS = dict(preset="tiny", device="cpu", dtype="float32", cuda_graph=F
                       mixed_prompt="8:48", mixed_output="2:12", probe="200:4", num_pages=None, max_running=4,
                       max_context=512, chunk_size=64, point_seconds=10.0, deadline_s=150.0, start_timeout_s=120.0,
                       waves=1, min_requests=2, probe_requests=1, engine_budget_s=100.0)
+# --layouts (bench/serving_layouts.py): the issue's workloads, pools sized by each engine's memory fraction.
+LAYOUT_GPU_DEFAULTS = dict(sweep="1,32,64,128", fixed="512:256", probe="3584:8", num_pages=0, waves=1, min_requests=1,
+                           probe_requests=2, point_seconds=20.0, streams="32:256:384", arrivals="2048:32:0.5",
+                           mixed_seconds=12.0)
+LAYOUT_SMOKE_DEFAULTS = dict(sweep="1,2", fixed="32:8", probe="200:4", waves=1, min_requests=2, probe_requests=1,
+                             point_seconds=10.0, streams="2:16:12", arrivals="64:4:0.5", mixed_seconds=3.0)
 # The smoke run's processes use one CPU thread each: on a small shared machine torch's default (a thread per
 # core, spinning at every barrier) makes a tiny model's step ten times slower.
 SMOKE_ENV = {"OMP_NUM_THREADS": "1"}
@@ -122,8 +130,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--skip-stack", action="store_true")
     ap.add_argument("--gpu-memory-fraction", type=float, help="each engine's share of the GPU (EYRIE_GPU_MEMORY_"
                                                              "FRACTION; with it, leave --num-pages 0 to size pools)")
+    ap.add_argument("--layouts", help="instead of the stack against the engine: each layout as users deploy it "
+                    "(colo1, pd1, pd2, colo2, pd4, colo4: bench/serving_layouts.py), one table")
+    ap.add_argument("--streams", help="--layouts' mixed workload: CONCURRENCY:PROMPT:OUTPUT of the closed-loop streams")
+    ap.add_argument("--arrivals", help="--layouts' mixed workload: PROMPT:OUTPUT:INTERVAL_S of the prompts arriving "
+                    "while the streams run")
+    ap.add_argument("--mixed-seconds", type=float, help="--layouts' mixed workload: seconds the streams are issued "
+                    "for, quiet and then with arrivals (default 12)")
+    ap.add_argument("--slo-ttft-s", type=float, default=1.0, help="goodput's SLO: TTFT at most this (default 1 s)")
+    ap.add_argument("--slo-itl-s", type=float, default=0.05, help="goodput's SLO: a request's inter-token latency "
+                    "p99 at most this (default 50 ms)")
     ap.add_argument("--engine-worker", nargs=2, metavar=("PLAN", "RESULT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.layouts:
+        for k, v in (LAYOUT_SMOKE_DEFAULTS if args.smoke else LAYOUT_GPU_DEFAULTS).items():
+            if getattr(args, k, None) is None:
+                setattr(args, k, v)
     for k, v in (SMOKE_DEFAULTS if args.smoke else GPU_DEFAULTS).items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
@@ -485,6 +507,12 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="eyrie-serving-"))
     workdir.mkdir(parents=True, exist_ok=True)
     model, draft = prepare_model(run, workdir)
+    if args.layouts:
+        from bench.serving_layouts import run_layouts
+
+        run_layouts(run, model, draft, workdir)
+        run.save()
+        return 0
     points = build_points(args)
     if not args.skip_engine:
         run.report["engine"] = run_engine_phase(run, model, draft, points, workdir)

@@ -16,6 +16,10 @@
 #   bench/gpu_session.sh features   # a penalised EAGLE-3 iteration vs a plain one, batch 1 and 32 (bench_features.py)
 #   bench/gpu_session.sh tp-tests   # two GPUs: TP-2 over NCCL == one GPU (graphs on/off), TP services, the second GPU
 #   bench/gpu_session.sh tp         # two GPUs: 8B decode step TP 1 vs TP 2 vs its floor, IPC into a peer GPU (bench_tp.py)
+#   bench/gpu_session.sh memory     # one GPU: prefill + decode at 0.45 each, EAGLE-3, 8B shape: served, peaks within 0.45
+#   bench/gpu_session.sh layouts    # two GPUs: colo1, pd1, pd2, colo2 as users deploy them, 8B-shaped pair, one table, ~8 min
+#                                   # (LAYOUT_TRANSPORT=grpc-stream: every layout's hand-off transport; default auto)
+#   bench/gpu_session.sh layouts4   # four GPUs: pd4 (1P3D) vs colo4, the same workloads and goodput, ~6 min
 #
 # Several stages in one call run in the order given. Python packages the GPU image lacks come from
 # ./.whl (../shared/tools/gpu-wheels.sh on the CPU machine; carry .whl with the call).
@@ -92,9 +96,25 @@ for stage in "$@"; do
       run serving 575 python3 bench/bench_serving.py --workdir /tmp/serving --out "$OUT/serving.json"
       cp -r /tmp/serving/logs-* /tmp/serving/engine.log "$OUT/" 2>/dev/null
       ;;
+    memory)  # the widened pair once (/tmp/wide), then tests/gpu/test_memory_promise_gpu.py on it
+      [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
+      EYRIE_WIDE_PAIR=/tmp/wide run memory 540 python3 -m pytest -q -s -p no:cacheprovider \
+        tests/gpu/test_memory_promise_gpu.py
+      cp /tmp/wide/widen.json "$OUT/" 2>/dev/null
+      ;;
+    layouts|layouts4)  # the layouts as users deploy them, the widened pair built once (/tmp/wide), one table
+      [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
+      if [ "$stage" = layouts ]; then which=colo1,pd1,pd2,colo2 deadline=420; else which=pd4,colo4 deadline=300; fi
+      run "$stage" $((deadline + 30)) python3 bench/bench_serving.py --layouts "$which" \
+        --model /tmp/wide/target --draft /tmp/wide/eagle3 --prompts-file /tmp/wide/heldout.jsonl \
+        --workdir "/tmp/$stage" --deadline-s "$deadline" --mixed-seconds 10 --point-seconds 15 --request-timeout-s 90 \
+        --transports "${LAYOUT_TRANSPORT:-auto}" --out "$OUT/$stage.json"
+      for d in /tmp/"$stage"/logs-*; do mkdir -p "$OUT/$(basename "$d")" && cp "$d"/*.log "$OUT/$(basename "$d")/"; done
+      cat "$OUT/$stage.md" 2>/dev/null
+      ;;
     *)
       echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention, serving," \
-        "features, tp-tests, tp, local)" >&2
+        "features, tp-tests, tp, local, memory, layouts, layouts4)" >&2
       exit 2
       ;;
   esac

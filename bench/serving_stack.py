@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class ServiceProcess:
-    def __init__(self, role: str, flags: list[str], env: dict, log_dir: Path):
-        self.role = role
-        self.log = open(log_dir / f"{role}.log", "ab")  # noqa: SIM115 (closed in stop)
+    def __init__(self, role: str, flags: list[str], env: dict, log_dir: Path, name: str | None = None):
+        self.role, self.name = role, name or role  # name: "decode-2" for a layout's second decode instance
+        self.log = open(log_dir / f"{self.name}.log", "ab")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", role, *flags], cwd=ROOT,
                                      env=env, stdout=subprocess.PIPE, stderr=self.log, start_new_session=True)
         self._lines: queue.Queue = queue.Queue()
@@ -47,10 +47,10 @@ class ServiceProcess:
             except json.JSONDecodeError:
                 continue
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.role} exited with status {self.proc.returncode} while starting "
+                raise RuntimeError(f"{self.name} exited with status {self.proc.returncode} while starting "
                                    f"(log: {self.log.name})")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.role} printed no ready line in time (log: {self.log.name})")
+                raise TimeoutError(f"{self.name} printed no ready line in time (log: {self.log.name})")
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         if self.proc.poll() is None:
@@ -65,14 +65,17 @@ class ServiceProcess:
 
 
 class ServingStack:
-    """Redis + prefill + decode + router; ``engine_flags`` go to prefill and decode (``--num-pages``, ...)."""
+    """Redis + prefill + decode + router; ``engine_flags`` go to prefill and decode (``--num-pages``, ...).
+    ``instances``: the engine services as (role, their own flags: a device, a memory fraction), in start
+    order, instead of one prefill and one decode; the second of a role is named ``{role}-2``, and so on."""
 
     def __init__(self, model: str, draft: str | None, engine_flags: dict, log_dir: Path,
                  prefill_flags: dict | None = None, decode_flags: dict | None = None, env: dict | None = None,
-                 mps: str = "off"):
+                 mps: str = "off", instances: list[tuple[str, dict]] | None = None):
         self.model, self.draft, self.engine_flags = model, draft, engine_flags
         self.mps, self.mps_daemon = mps, None  # as ``eyrie up --mps``: services/mps.py
         self.role_flags = {"prefill": prefill_flags or {}, "decode": decode_flags or {}}
+        self.instances = instances if instances is not None else [("prefill", {}), ("decode", {})]
         self.log_dir = log_dir
         self.env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                     "EYRIE_PARENT_PID": str(os.getpid()), **(env or {})}
@@ -96,11 +99,13 @@ class ServingStack:
         redis = ["--redis-url", self.redis.start()]
         model = ["--model", self.model]
         try:
-            engines = [self._spawn(role, [*redis, *model, *flag_list({"draft": self.draft, **self.engine_flags,
-                                                                       **self.role_flags[role]})])
-                       for role in ("prefill", "decode")]
-            for p in engines:  # both load at once; each is registered by its ready line
-                self.ready[p.role] = p.ready(deadline)
+            engines = []
+            for role, own in self.instances:
+                k = sum(1 for p in engines if p.role == role) + 1
+                flags = flag_list({"draft": self.draft, **self.engine_flags, **self.role_flags[role], **own})
+                engines.append(self._spawn(role, [*redis, *model, *flags], role if k == 1 else f"{role}-{k}"))
+            for p in engines:  # all load at once; each is registered by its ready line
+                self.ready[p.name] = p.ready(deadline)
             router = self._spawn("router", [*redis, *model, "--openai-port", "0"])
             self.ready["router"] = router.ready(deadline)
         except BaseException:
@@ -108,8 +113,8 @@ class ServingStack:
             raise
         return self
 
-    def _spawn(self, role: str, flags: list[str]) -> ServiceProcess:
-        p = ServiceProcess(role, [*flags, "--grpc-port", "0", "--http-port", "0"], self.env, self.log_dir)
+    def _spawn(self, role: str, flags: list[str], name: str | None = None) -> ServiceProcess:
+        p = ServiceProcess(role, [*flags, "--grpc-port", "0", "--http-port", "0"], self.env, self.log_dir, name)
         self.procs.append(p)
         return p
 
@@ -126,7 +131,7 @@ class ServingStack:
             return r.read().decode()
 
     def stop(self) -> dict[str, int | None]:
-        codes = {p.role: p.stop() for p in self.procs}
+        codes = {p.name: p.stop() for p in self.procs}
         self.procs.clear()
         if self.redis is not None:
             self.redis.stop()

@@ -1,7 +1,9 @@
 """Start-up and shutdown shared by the two engine services (prefill and decode).
 
 Order matters for health: telemetry answers 503 ("loading") from the first moment, the engine loads,
-CUDA graphs are captured (503 "capturing", when on and the engine can capture ahead), its loop starts,
+CUDA graphs are captured (503 "capturing", when on and the engine can capture ahead), one warm-up request
+runs and the memory peak is checked (503 "warming_up", ``services/warmup.py``: a failure stops start-up
+here), its loop starts,
 gRPC starts with every health status NOT_SERVING, the instance registers in Redis, and only then do
 gRPC health and ``/health`` turn to SERVING / 200. ``stop`` reverses it: draining
 (503, NOT_SERVING), deregistered, the requests in flight finish (up to the drain deadline), what is left
@@ -27,6 +29,7 @@ from services.engine_loop import EngineLoop
 from services.followers import Leader, start_engine
 from services.logs import ServiceLog
 from services.settings import EngineSettings
+from services.warmup import check_ready
 from shared.cuda_graphs import capture_progress
 from shared.engine import Engine, EngineLoad
 from shared.metadata import Heartbeat, InstanceInfo, Registry, connect
@@ -76,6 +79,12 @@ def capture_graphs(engine: Engine, enabled: bool, telemetry: Telemetry, log: Ser
               failed=len(engine.graph_failures), phase_seconds=engine.graph_capture_s())
 
 
+def prepare(engine: Engine | Leader, settings: EngineSettings, telemetry: Telemetry, log: ServiceLog) -> None:
+    """Before serving: CUDA graphs captured, one warm-up request, the memory peak checked (``check_ready``)."""
+    capture_graphs(engine, settings.cuda_graph, telemetry, log)
+    check_ready(engine, settings.gpu_memory_fraction is not None, telemetry, log)
+
+
 def idle(load: EngineLoad) -> bool:
     """No request holds pages or waits for admission."""
     return load.running == 0 and load.queued == 0
@@ -114,7 +123,7 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
     started: list[Callable[[], None]] = [telemetry.stop]  # undo list, should start-up fail half-way
     try:
         engine = service_engine(role, settings, engine, started)
-        capture_graphs(engine, settings.cuda_graph, telemetry, log)
+        prepare(engine, settings, telemetry, log)
         loop, servicer = start_loop(engine, role, make_servicer, log, telemetry, instance_id, started)
         server, port, health = start_grpc_server(
             settings.host, settings.grpc_port, [(add_fn, servicer)], services, api_key=settings.api_key,

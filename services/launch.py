@@ -31,7 +31,7 @@ def free_port() -> int:
 
 UP_COMMON = ("redis_url", "api_key", "log_level", "model_name", "drain_timeout_s")  # every service of the stack
 UP_ROUTER = ("grpc_port", "openai_port")  # the router's own
-UP_GPU_MEMORY_FRACTION = 0.45  # prefill and decode share the GPU under `eyrie up`: 0.9 of it together
+UP_GPU_SHARE = 0.9  # the part of a GPU that the engines sharing it under `eyrie up` split evenly (0.45 each of two)
 UP_GRPC_PORT = 50051  # eyrie up's router port (eyrie client's default)
 
 
@@ -88,6 +88,12 @@ def add_up_flags(u) -> None:
     u.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill instances (replicas; each its "
                    "own process, registered in Redis) (default: 1)")
     u.add_argument("--decode", type=int, default=1, metavar="N", help="decode instances (replicas) (default: 1)")
+    u.add_argument("--prefill-devices", metavar="LIST", help="one prefill instance per device listed, e.g. cuda:0 "
+                   "(instead of --prefill N on --device); a device listed more than once, here or in "
+                   "--decode-devices, is shared: its engines split 0.9 of it evenly unless --gpu-memory-fraction "
+                   "is given")
+    u.add_argument("--decode-devices", metavar="LIST", help="one decode instance per device listed, e.g. "
+                   "cuda:1,cuda:2,cuda:3 (1P3D with --prefill-devices cuda:0)")
     u.add_argument("--max-restarts", type=int, default=5, metavar="N",
                    help="restarts of a service that dies (with backoff) "
                         "before eyrie up stops the stack")
@@ -237,12 +243,14 @@ class Stack:
     def __init__(self, model: str, draft: str | None, redis_url: str | None, router_port: int,
                  openai_port: int | None = None, extra: dict | None = None, env: dict | None = None,
                  router_extra: dict | None = None, log_dir: str | Path | None = None, common: dict | None = None,
-                 config_file: str | None = None, drain_timeout_s: float = 30.0, replicas: dict[str, int] | None = None):
+                 config_file: str | None = None, drain_timeout_s: float = 30.0, replicas: dict[str, int] | None = None,
+                 per_name: dict[str, dict] | None = None):
         self.model, self.draft, self.router_port, self.openai_port = model, draft, router_port, openai_port
         counts = {"prefill": 1, "decode": 1, **(replicas or {})}
         # Every service's name, in start order: a second decode replica is "decode-2", and so on.
         self.names = [role if k == 0 else f"{role}-{k + 1}" for role in ROLES for k in range(counts.get(role, 1))]
         self.extra = extra or {}  # engine flags (prefill and decode)
+        self.per_name = per_name or {}  # one engine service's own flags (its device, its memory fraction), by name
         self.router_extra = router_extra or {}
         self.common = common or {}  # flags of every service
         self.config_file = config_file
@@ -275,7 +283,7 @@ class Stack:
             router += ["--openai-port", str(self.openai_port)]
         for name in self.names:
             self.http[name] = f"127.0.0.1:{free_port()}"
-            own = router if name == "router" else engine
+            own = router if name == "router" else [*engine, *_as_flags(self.per_name.get(name, {}))]
             self.flags[name] = [*common, *own, "--http-port", self.http[name].rsplit(":", 1)[1]]
             self._spawn(name)
         self.wait_ready(timeout)
@@ -474,19 +482,69 @@ def _up_stack(args, cleanup: contextlib.ExitStack) -> Stack:
         if value and not port_free("127.0.0.1", int(value)):
             _fail(f"{name}: port {value} on 127.0.0.1 is in use (give --{name.replace('_', '-')} 0 for any free port)")
     extra = {k: v for k, v in engine.items() if k not in ("model", "draft")}
-    if str(decode.device).startswith("cuda") and decode.gpu_memory_fraction is None:
-        extra["gpu_memory_fraction"] = UP_GPU_MEMORY_FRACTION  # prefill and decode fit together on one GPU
+    devices = _up_devices(args, str(decode.device))
+    try:
+        per_name = device_plan(devices["prefill"], devices["decode"], decode.gpu_memory_fraction)
+    except ValueError as e:
+        _fail(str(e))
     router_extra = {"max_context": engine["max_context"]} if "max_context" in engine else {}
     env = {"EYRIE_API_KEY": api_key} if api_key else {}
-    env.update(_mps_env(args.mps, str(decode.device), cleanup))
+    env.update(_mps_env(args.mps, devices["decode"][0], cleanup))
     # Every service gets the key (they call each other with it), through the environment rather than argv.
-    for role in ("prefill", "decode"):
-        if getattr(args, role) < 1:
-            _fail(f"--{role}: {getattr(args, role)}: at least 1 instance of each engine role")
     return Stack(model, draft, common.pop("redis_url", None), port, openai_port, extra,
                  env=env or None, router_extra=router_extra,
                  log_dir=args.log_dir, common=common, config_file=args.config,
-                 drain_timeout_s=decode.drain_timeout_s, replicas={"prefill": args.prefill, "decode": args.decode})
+                 drain_timeout_s=decode.drain_timeout_s, per_name=per_name,
+                 replicas={role: len(d) for role, d in devices.items()})
+
+
+def _up_devices(args, device: str) -> dict[str, list[str]]:
+    """Each engine role's devices, one instance each: ``--prefill-devices`` / ``--decode-devices``, else
+    ``--prefill`` / ``--decode`` instances on ``device`` (exit 2 naming a bad list)."""
+    out = {}
+    for role in ("prefill", "decode"):
+        listed, count = getattr(args, f"{role}_devices"), getattr(args, role)
+        if count < 1:
+            _fail(f"--{role}: {count}: at least 1 instance of each engine role")
+        if listed is None:
+            out[role] = [device] * count
+            continue
+        out[role] = [d.strip() for d in listed.split(",") if d.strip()]
+        if not out[role]:
+            _fail(f"--{role}-devices {listed!r}: at least one device each")
+        if count not in (1, len(out[role])):
+            _fail(f"--{role} {count} and --{role}-devices {listed!r} ({len(out[role])} devices) disagree: "
+                  f"give one of them")
+    return out
+
+
+def device_plan(prefill: list[str], decode: list[str], fraction: float | None = None) -> dict[str, dict]:
+    """Per engine service of a stack (``prefill``, ``prefill-2``, ..., ``decode``, ...): its ``device`` and,
+    on a CUDA device that several engines share, its ``gpu_memory_fraction``: ``fraction`` when given, else
+    an even share of ``UP_GPU_SHARE``. Raises ValueError naming a device that is no device, a mix of kinds
+    (a hand-off needs both sides on one kind), or fractions that overfill a shared GPU. (No prefill device: the
+    decode instances prefill every prompt themselves, as the serving benchmark's colocated layouts run.)"""
+    for d in prefill + decode:
+        if not (d == "cpu" or d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit())):
+            raise ValueError(f"device {d!r}: expected cpu, cuda or cuda:N")
+    kinds = {d.split(":")[0] for d in prefill + decode}
+    if len(kinds) > 1:
+        raise ValueError(f"devices {','.join(prefill + decode)}: every engine on one kind of device (cpu or cuda): "
+                         f"a hand-off needs both sides on the same kind")
+    normal = [("cuda:0" if d == "cuda" else d) for d in prefill + decode]
+    sharing = {d: normal.count(d) for d in normal}
+    out = {}
+    for i, (role, d) in enumerate([("prefill", d) for d in prefill] + [("decode", d) for d in decode]):
+        k = sum(1 for name in out if role_of(name) == role)
+        flags = {"device": d}
+        if kinds == {"cuda"} and sharing[normal[i]] > 1:
+            share = fraction if fraction is not None else round(UP_GPU_SHARE / sharing[normal[i]], 4)
+            if share * sharing[normal[i]] > 1.0 + 1e-9:
+                raise ValueError(f"{normal[i]} is shared by {sharing[normal[i]]} engines of gpu_memory_fraction "
+                                 f"{share}: {share * sharing[normal[i]]:.2f} of the GPU (> 1)")
+            flags["gpu_memory_fraction"] = share
+        out[role if k == 0 else f"{role}-{k + 1}"] = flags
+    return out
 
 
 def _mps_env(mode: str, device: str, cleanup: contextlib.ExitStack) -> dict[str, str]:

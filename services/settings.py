@@ -105,9 +105,11 @@ class EngineOptions(BaseSettings):
                                    "the decode pools are reachable, else the gRPC stream), `ipc` or `grpc-stream` "
                                    "(on a decode instance, `grpc-stream` stops it exporting its pools)")
     gpu_memory_fraction: float | None = Field(None, description="on a GPU without `num_pages`: the most of the "
-                                              "device's memory this engine takes (weights, activation reserve, KV "
-                                              "pools), as vLLM's gpu_memory_utilization; unset = 0.9 (`eyrie up` "
-                                              "gives prefill and decode 0.45 each)")
+                                              "device's memory this engine takes (weights, measured activation and "
+                                              "graph reserve, KV pools), as vLLM's gpu_memory_utilization; set, the "
+                                              "process's peak after warm-up is held to it (exit 2 past it); unset = "
+                                              "0.9 (`eyrie up` splits 0.9 of a shared GPU evenly: prefill and "
+                                              "decode 0.45 each)")
 
     @field_validator("handoff_transport")
     @classmethod

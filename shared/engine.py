@@ -33,13 +33,17 @@ from shared.handoff.schema import HandoffSchema
 from shared.handoff.wire import Increment, PageFeed, PageGuard, PageSink, PageSource, Prefilled, encode_draft_state
 from shared.logits_process import RowsCache, add_grammar, process_logits
 from shared.memory.kv_cache import KVCache, flush_tables
+from shared.memory.profile import profile_steps
 from shared.memory.sizing import (
     activation_reserve,
     default_pages,
     device_memory,
+    draft_phase_reserve,
+    graph_target_phases,
     make_cache,
     page_bytes,
     pages_within_budget,
+    profiled_reserve,
 )
 from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import LlamaForCausalLM, TargetOutput
@@ -144,6 +148,7 @@ class Engine:
             draft, self.model, config.dtype, config.device, lm_head)  # before the pools: sized after the weights
         if tp is not None:  # a target passed in whole: split after the draft's load, which may copy its LM head
             shard_target(self.model, tp, self.device)
+        self.load_peak, self.step_peaks = 0, None  # on one GPU: set by the profile run (``_step_reserve``)
         self.config = config = self._fit_pools(config, head, allocated)
         self.cache = make_cache(local_config(mc, tp), mc.num_hidden_layers, config, self.max_context)
         self._landing = self._landing_cache()
@@ -208,11 +213,36 @@ class Engine:
         landing = self._landing_pages(config) * page_bytes(mc, mc.num_hidden_layers, config)  # whole heads
         pages = pages_within_budget(
             config.gpu_memory_fraction or DEFAULT_GPU_MEMORY_FRACTION, device_memory(self.device, allocated_before),
-            activation_reserve(mc, config, self.max_context) + landing, per_page,
+            self._step_reserve(config, head) + landing, per_page,
             request_pages=-(-positions // config.page_size), most_pages=default_pages(config, positions))
         if self.tp is not None:  # the ranks' pools must hold the same pages: the least free GPU sizes them all
             pages = self.tp.least(pages)
         return config.model_copy(update={"num_pages": pages})
+
+    def _step_reserve(self, config: EngineConfig, head: DraftHead | None) -> int:
+        """The bytes the steps need beside weights and pools: measured by a profile run of the largest steps
+        on one GPU (``shared/memory/profile.py``), estimated from the shapes under tensor parallelism (whose
+        forwards are collectives)."""
+        mc = self.model.config
+        if self.tp is not None:
+            return activation_reserve(mc, config, self.max_context)
+        self.load_peak = torch.cuda.max_memory_reserved(self.device)  # the profile resets the peak statistics
+        capture = "none" if head is None else ("aux" if head.kind == "eagle3" else "last")
+        decodes = self.role != "prefill"  # a prefill engine runs no decode step and captures no graph
+        try:
+            with self.on_device():
+                self.step_peaks = profile_steps(self.model, config, self.max_context, capture,
+                                                tuple(getattr(head, "aux_layers", ())), decodes=decodes)
+        except torch.OutOfMemoryError as e:
+            torch.cuda.empty_cache()  # the failed step's blocks: what is free is what the pools could have
+            free, total = torch.cuda.mem_get_info(self.device)
+            raise RequestError("gpu_memory_fraction", (
+                f"the profile run of the largest steps (a {config.chunk_size or self.max_context}-token chunk, "
+                f"{config.max_running} decode rows) ran out of memory with {free / 2**30:.2f} of "
+                f"{total / 2**30:.2f} GiB free after the weights: lower chunk_size or max_running, or give the "
+                f"engine more of the GPU")) from e
+        draft = draft_phase_reserve(head.config if head is not None else mc, config) if decodes else 0
+        return profiled_reserve(self.step_peaks, graph_target_phases(config) if decodes else 0, draft)
 
     @property
     def requests(self) -> Mapping[str, Request]:
@@ -762,8 +792,9 @@ class Engine:
         """Capture every enabled CUDA graph of every batch-size bucket now, so serving starts without
         capture pauses (the services do this while /health says ``capturing``). Runs on padding rows
         only (request row 0, length 0: the sink page), as capture always does. Returns how many graphs
-        exist afterwards; nothing happens off CUDA."""
-        if self.device.type != "cuda":
+        exist afterwards; nothing happens off CUDA, nor on a prefill engine (it runs no decode step: its pools
+        were sized without graph memory)."""
+        if self.device.type != "cuda" or self.role == "prefill":
             return 0
         with self.on_device():
             return self._capture_graphs()

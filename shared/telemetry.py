@@ -31,7 +31,7 @@ from shared.spec.token_counts import SpecTokenCounts
 OPEN_PATHS = ("/health",)
 
 
-STATES = ("loading", "capturing", "ready", "draining")
+STATES = ("loading", "capturing", "warming_up", "ready", "draining")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 PREFIX = "eyrie_"  # vLLM's names under Eyrie's prefix (not "eyrie:": promtool refuses colons, kept for recording
@@ -131,6 +131,10 @@ class Telemetry:
         self.graph_capture_failures = metric(Counter, "graph_capture_failures", "CUDA graphs that failed to "
                                              "capture, by phase (the phase then runs eagerly)", ["phase"])
         self.graph_failures: list[dict] = []  # served in /health's "graphs" details
+        self.gpu_memory_peak = metric(Gauge, "gpu_memory_peak_bytes", "This process's GPU memory at its peak after "
+                                      "warm-up, by part (torch: max_memory_reserved; non_torch: NVML's figure less "
+                                      "PyTorch's; total)", ["part"])
+        self.gpu_memory_budget = metric(Gauge, "gpu_memory_budget_bytes", "gpu_memory_fraction x the GPU's memory")
         self._server = HttpServer(self._app(api_key), host, port, name=f"{service}-http")
 
 
@@ -215,6 +219,21 @@ class Telemetry:
         self.generation_tokens.inc(generation_tokens)
         self.request_prompt_tokens.observe(prompt_tokens)
         self.request_generation_tokens.observe(generation_tokens)
+
+    def skip_counts(self, load) -> None:
+        """Take the engine's running totals so far as seen, without counting them (its warm-up request)."""
+        self._draft_ahead_seen.update(load.draft_ahead)
+        if load.spec_tokens is not None:
+            self._spec_counted = dataclasses.replace(load.spec_tokens,
+                                                     accepted_per_pos=list(load.spec_tokens.accepted_per_pos))
+
+    def observe_footprint(self, fp) -> None:
+        """The process's GPU memory peak (``shared.memory.sizing.Footprint``); non_torch absent when unmeasured."""
+        self.gpu_memory_peak.labels("torch").set(fp.torch_peak)
+        if fp.non_torch is not None:
+            self.gpu_memory_peak.labels("non_torch").set(fp.non_torch)
+        self.gpu_memory_peak.labels("total").set(fp.peak)
+        self.gpu_memory_budget.set(fp.budget)
 
     def observe_graph_failures(self, failures) -> None:
         """Count and list the engine's capture failures not seen yet (``shared.cuda_graphs.CaptureFailure``)."""

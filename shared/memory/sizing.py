@@ -6,6 +6,13 @@ within ``gpu_memory_fraction`` of the device (as vLLM's ``gpu_memory_utilization
 (target and draft caches share one page count) must fit in that fraction of the device's total memory, and
 in what is free on it now (another engine may share the device). ``pages_within_budget`` is that
 arithmetic on injected figures, so it runs on the CPU; ``device_memory`` reads the figures off a GPU.
+
+The reserve is measured, not guessed, on a single-GPU engine (as vLLM's profile run): before its pools exist
+the engine runs its largest steps once (``shared/memory/profile.py``: a full prefill chunk, the largest
+eager decode step, the largest graph-captured one) and ``profiled_reserve`` turns their peaks into the bytes
+kept free: the eager peak, a private pool per captured phase that runs the target, the draft's phases and
+the memory outside PyTorch's allocator (CUDA context, cuBLAS and Triton). After warm-up the service checks
+the process's real peak against the fraction (``Footprint``, ``check_footprint``).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from shared.request import RequestError
 
 GiB = 1 << 30
 BASE_RESERVE = 1 << 30  # outside the caching allocator's count: the CUDA context, cuBLAS and Triton workspaces
+FOOTPRINT_SLACK = 1.01  # the measured peak may pass fraction x total by 1% (the allocator's rounding) at most
 
 
 def make_cache(config: ModelConfig, num_layers: int, engine: EngineConfig, max_context: int) -> KVCache:
@@ -90,3 +98,84 @@ def pages_within_budget(fraction: float, memory: DeviceMemory, reserve: int, byt
             f"{request_pages} pages = {request_pages * bytes_per_page / GiB:.2f} GiB. Raise gpu_memory_fraction, "
             f"lower max_context, or give num_pages"))
     return min(pages, most_pages)
+
+
+@dataclass(frozen=True)
+class StepPeaks:
+    """Bytes each profiled step took above what was reserved before it (PyTorch's allocator, at its peak),
+    and the memory outside the allocator the process holds (None where it cannot be read: no NVML)."""
+
+    prefill: int  # a full prefill chunk's forward (the features the draft reads included)
+    decode: int  # the largest eager decode step (every row's logits: a verify's)
+    graph: int  # the largest graph-captured decode step (0 without graphs)
+    non_torch: int | None  # CUDA context, cuBLAS handles and workspaces, Triton modules
+
+
+def graph_target_phases(engine: EngineConfig) -> int:
+    """Captured phases whose graph runs the target's forward, each with a private memory pool as large as its
+    largest bucket's step: the plain decode; with a draft, verify and verify + extend per tree shape, and an
+    adaptive engine's plain step."""
+    if not engine.cuda_graph:
+        return 0
+    on = set(engine.cuda_graph_phases)
+    if engine.spec is None:
+        return int("decode" in on)
+    shapes = len(engine.spec_shapes()) if engine.spec_policy == "adaptive" else 1
+    plain = int(engine.spec_policy == "adaptive" and "decode" in on)
+    return shapes * (int("verify" in on) + int({"verify", "extend"} <= on)) + plain
+
+
+def draft_phase_reserve(config: ModelConfig, engine: EngineConfig) -> int:
+    """The draft's captured phases (draft steps and extend, per tree shape): their float32 logits and
+    probabilities over the vocabulary for every row of the largest captured batch, twice each."""
+    if engine.spec is None or not engine.cuda_graph:
+        return 0
+    shapes = len(engine.spec_shapes()) if engine.spec_policy == "adaptive" else 1
+    rows = min(engine.max_running, engine.cuda_graph_max_bs) * engine.spec.num_draft_tokens
+    return shapes * 2 * rows * config.vocab_size * 4 * 2
+
+
+def profiled_reserve(peaks: StepPeaks, target_phases: int, draft_phases: int) -> int:
+    """Bytes to keep free beside weights and pools: the eager peak (the prefill chunk's or the decode step's,
+    whichever is larger: the allocator reuses one's blocks for the other), a graph pool of the profiled graph
+    step per target phase, the draft's phases, and the memory outside PyTorch (``BASE_RESERVE`` where it
+    could not be measured)."""
+    outside = BASE_RESERVE if peaks.non_torch is None else peaks.non_torch
+    return max(peaks.prefill, peaks.decode) + target_phases * peaks.graph + draft_phases + outside
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """A process's memory on its GPU at its peak (bytes): PyTorch's allocator (``max_memory_reserved``) and
+    the rest the process holds (its NVML figure less what the allocator holds now; None without NVML)."""
+
+    torch_peak: int
+    non_torch: int | None
+    device_total: int
+    fraction: float
+
+    @property
+    def peak(self) -> int:
+        return self.torch_peak + (self.non_torch or 0)
+
+    @property
+    def budget(self) -> int:
+        return int(self.fraction * self.device_total)
+
+    def as_dict(self) -> dict:
+        gib = lambda n: None if n is None else round(n / GiB, 3)  # noqa: E731
+        return {"peak_gib": gib(self.peak), "torch_peak_gib": gib(self.torch_peak),
+                "non_torch_gib": gib(self.non_torch), "budget_gib": gib(self.budget), "fraction": self.fraction,
+                "device_total_gib": gib(self.device_total)}
+
+
+def check_footprint(fp: Footprint) -> None:
+    """A ``RequestError`` naming the figures when the process's peak passes its fraction of the device (past
+    ``FOOTPRINT_SLACK``): the memory another engine on the GPU was promised."""
+    if fp.peak <= fp.budget * FOOTPRINT_SLACK:
+        return
+    outside = "unmeasured" if fp.non_torch is None else f"{fp.non_torch / GiB:.2f} GiB"
+    raise RequestError("gpu_memory_fraction", (
+        f"this engine's peak is {fp.peak / GiB:.2f} GiB (PyTorch {fp.torch_peak / GiB:.2f} GiB, outside it "
+        f"{outside}), above {fp.fraction} x {fp.device_total / GiB:.2f} GiB = {fp.budget / GiB:.2f} GiB; raise "
+        f"gpu_memory_fraction, lower max_running, chunk_size or max_context, or give num_pages"))

@@ -240,3 +240,20 @@ def test_openai_client_chat_against_up_serving_the_default_pair(tmp_path):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == [full.choices[0].finish_reason]
+
+
+def test_device_lists_start_one_instance_per_device(tmp_path, tiny_model_dir):
+    """``--prefill-devices cpu --decode-devices cpu,cpu``: 1P2D (on the CPU the devices are all one; on GPUs
+    ``--decode-devices cuda:1,cuda:2`` puts each decode instance on its own)."""
+    server = EmbeddedRedis(str(tmp_path / "devices.db"))
+    client = connect(server.start())
+    up = Up(tmp_path, tiny_model_dir, "--redis-url", server.url, "--prefill-devices", "cpu",
+            "--decode-devices", "cpu,cpu")
+    try:
+        router, _ = up.ready()
+        assert sorted(i.role for i in Registry(client).instances()) == ["decode", "decode", "prefill"]
+        assert generate(router, "up-devices").reason == "length"
+        assert up.ctrl_c() == 0, up.stderr()[-3000:]
+    finally:
+        up.kill()
+        server.stop()

@@ -17,12 +17,13 @@ from tests.unit.deploy.conftest import COMPOSE_FILE, ROOT, compose_config, envir
 
 GPU = {"router", "prefill", "decode"}
 GPU2 = {"router-gpu2", "prefill-gpu2", "decode-gpu2"}
+GPU4 = {"router-gpu4", "prefill-gpu4-0", "decode-gpu4-1", "decode-gpu4-2", "decode-gpu4-3"}
 GPU8 = {"router-gpu8", "prefill-gpu8-0", "prefill-gpu8-1", *(f"decode-gpu8-{i}" for i in range(2, 8))}
 GPU4_TP = {"router-gpu4-tp", "prefill-gpu4-tp", "decode-gpu4-tp"}
 GPU8_TP = {"router-gpu8-tp", "prefill-gpu8-tp-0-1", "decode-gpu8-tp-2-3", "decode-gpu8-tp-4-5", "decode-gpu8-tp-6-7"}
 CPU = {"model-cpu", "router-cpu", "prefill-cpu", "decode-cpu"}
-ROUTERS = {"router", "router-cpu", "router-gpu2", "router-gpu8", "router-gpu4-tp", "router-gpu8-tp"}
-GPU_ENGINES = (GPU | GPU2 | GPU8 | GPU4_TP | GPU8_TP) - ROUTERS
+ROUTERS = {"router", "router-cpu", "router-gpu2", "router-gpu4", "router-gpu8", "router-gpu4-tp", "router-gpu8-tp"}
+GPU_ENGINES = (GPU | GPU2 | GPU4 | GPU8 | GPU4_TP | GPU8_TP) - ROUTERS
 SCALABLE = {"prefill", "decode", "prefill-cpu", "decode-cpu"}
 
 
@@ -45,11 +46,12 @@ def test_docker_compose_rejects_a_broken_file(tmp_path):
 
 def test_profiles_split_gpu_and_cpu_stacks(compose):
     services = compose["services"]
-    assert set(services) == {"redis"} | GPU | GPU2 | GPU8 | GPU4_TP | GPU8_TP | CPU
+    assert set(services) == {"redis"} | GPU | GPU2 | GPU4 | GPU8 | GPU4_TP | GPU8_TP | CPU
     assert "profiles" not in services["redis"]  # Redis runs in every stack
     for name in GPU:
         assert services[name]["profiles"] == ["gpu"], name
-    for names, profile in ((GPU2, "gpu2"), (GPU8, "gpu8"), (GPU4_TP, "gpu4-tp"), (GPU8_TP, "gpu8-tp")):
+    for names, profile in ((GPU2, "gpu2"), (GPU4, "gpu4"), (GPU8, "gpu8"), (GPU4_TP, "gpu4-tp"),
+                           (GPU8_TP, "gpu8-tp")):
         for name in names:
             assert services[name]["profiles"] == [profile], name
     for name in CPU:

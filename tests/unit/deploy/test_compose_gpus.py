@@ -1,5 +1,5 @@
-"""The GPU profiles of docker-compose.yml (gpu: one GPU shared; gpu2; gpu8; gpu4-tp and gpu8-tp: engines split
-over two GPUs): each validates, pins every engine to one GPU per tensor-parallel rank, keeps engines that share
+"""The GPU profiles of docker-compose.yml (gpu: one GPU shared; gpu2 (1P1D); gpu4 (1P3D); gpu8; gpu4-tp and
+gpu8-tp: engines split over two GPUs): each validates, pins every engine to one GPU per tensor-parallel rank, keeps engines that share
 a GPU within its memory, and starts its router after all its engines; docker/check_gpus.py, which checks that,
 catches the planted mistakes."""
 
@@ -17,12 +17,13 @@ from tests.unit.deploy.conftest import ROOT, compose_config, environment, role_o
 # Each profile's engines and the GPUs each reserves (one per tensor-parallel rank).
 PROFILES = {"gpu": {"prefill": ["0"], "decode": ["0"]},
             "gpu2": {"prefill-gpu2": ["0"], "decode-gpu2": ["1"]},
+            "gpu4": {"prefill-gpu4-0": ["0"], **{f"decode-gpu4-{i}": [str(i)] for i in (1, 2, 3)}},
             "gpu8": {"prefill-gpu8-0": ["0"], "prefill-gpu8-1": ["1"],
                      **{f"decode-gpu8-{i}": [str(i)] for i in range(2, 8)}},
             "gpu4-tp": {"prefill-gpu4-tp": ["0", "1"], "decode-gpu4-tp": ["2", "3"]},
             "gpu8-tp": {"prefill-gpu8-tp-0-1": ["0", "1"],
                         **{f"decode-gpu8-tp-{i}-{i + 1}": [str(i), str(i + 1)] for i in (2, 4, 6)}}}
-DEDICATED = ("gpu2", "gpu8", "gpu4-tp", "gpu8-tp")  # a GPU to each engine (rank)
+DEDICATED = ("gpu2", "gpu4", "gpu8", "gpu4-tp", "gpu8-tp")  # a GPU to each engine (rank)
 SPLIT = ("gpu4-tp", "gpu8-tp")
 
 

@@ -48,3 +48,36 @@ def test_serve_flags_mirror_the_settings(capsys):
     help_text = capsys.readouterr().out
     for name in SETTINGS["decode"].model_fields:
         assert f"--{name.replace('_', '-')}" in help_text, name
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["up", "--prefill-devices", "gpu0", "--decode-devices", "cuda:1"], "device 'gpu0': expected cpu, cuda or cuda:N"),
+    (["up", "--prefill-devices", "cpu", "--decode-devices", "cuda:1"], "one kind of device"),
+    (["up", "--decode", "2", "--decode-devices", "cuda:1,cuda:2,cuda:3"], "disagree"),
+    (["up", "--prefill-devices", ",", "--decode-devices", "cuda:1"], "at least one device each"),
+    (["up", "--prefill-devices", "cuda:0", "--decode-devices", "cuda:0,cuda:0", "--gpu-memory-fraction", "0.4"],
+     "(> 1)"),
+])
+def test_up_refuses_a_device_list_it_cannot_run_with_one_line(capsys, argv, words):
+    code, err = run(capsys, *argv)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and words in err, err
+
+
+def test_device_plan_gives_one_instance_per_device_and_splits_a_shared_gpu():
+    from services.launch import device_plan
+
+    assert device_plan(["cuda:0"], ["cuda:1", "cuda:2", "cuda:3"]) == {  # 1P3D: a GPU each, the default fraction
+        "prefill": {"device": "cuda:0"}, "decode": {"device": "cuda:1"}, "decode-2": {"device": "cuda:2"},
+        "decode-3": {"device": "cuda:3"}}
+    assert device_plan(["cuda:0"], ["cuda:0"]) == {  # pd1: 0.45 each, as eyrie up always gave one GPU's pair
+        "prefill": {"device": "cuda:0", "gpu_memory_fraction": 0.45},
+        "decode": {"device": "cuda:0", "gpu_memory_fraction": 0.45}}
+    plan = device_plan(["cuda"], ["cuda:0", "cuda:1"])  # "cuda" is cuda:0: shared with the first decode
+    assert plan["prefill"]["gpu_memory_fraction"] == plan["decode"]["gpu_memory_fraction"] == 0.45
+    assert "gpu_memory_fraction" not in plan["decode-2"]
+    three = device_plan(["cuda:0"], ["cuda:0", "cuda:0"])
+    assert [f["gpu_memory_fraction"] for f in three.values()] == [0.3, 0.3, 0.3]
+    assert device_plan(["cuda:0"], ["cuda:0"], fraction=0.4)["decode"]["gpu_memory_fraction"] == 0.4
+    assert device_plan(["cpu", "cpu"], ["cpu"]) == {"prefill": {"device": "cpu"}, "prefill-2": {"device": "cpu"},
+                                                   "decode": {"device": "cpu"}}
