@@ -38,6 +38,7 @@ from services.engine_service import start_engine_service
 from services.prefill.server import validation_message
 from services.settings import DecodeSettings
 from shared.engine import Engine
+from shared.errors import RequestError
 from shared.handoff import (
     GrpcStreamTransport,
     HandoffSchema,
@@ -54,7 +55,7 @@ from shared.handoff import (
 )
 from shared.handoff.ipc import export_pools, host_id
 from shared.handoff.transport import add_decode_servicer
-from shared.request import Request, RequestError
+from shared.request import Request
 from shared.sampling import SamplingParams
 from shared.telemetry import Telemetry
 

@@ -41,6 +41,7 @@ from services.engine_loop import EngineLoop, TokenEvent
 from services.engine_service import start_engine_service
 from services.settings import PrefillSettings
 from shared.engine import Engine
+from shared.errors import RequestError
 from shared.handoff import (
     ChannelPool,
     DecodeClient,
@@ -57,7 +58,7 @@ from shared.handoff import (
     top_logprobs_pb,
 )
 from shared.handoff.wire import chunk_pages
-from shared.request import Request, RequestError
+from shared.request import Request
 from shared.telemetry import Telemetry
 
 SERVICES = [full_name("Prefill")]
