@@ -40,6 +40,7 @@ from services.common import ServiceHandle, auth_channel_pool, full_name
 from services.engine_loop import EngineLoop, TokenEvent
 from services.engine_service import start_engine_service
 from services.settings import PrefillSettings
+from services.telemetry import Telemetry
 from shared.engine import Engine
 from shared.errors import RequestError
 from shared.handoff import (
@@ -59,7 +60,6 @@ from shared.handoff import (
 )
 from shared.handoff.wire import chunk_pages
 from shared.request import Request
-from shared.telemetry import Telemetry
 
 SERVICES = [full_name("Prefill")]
 POLL_S = 0.25  # how often a waiting RPC checks that its client is still there

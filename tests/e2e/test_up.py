@@ -23,7 +23,7 @@ import pytest
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
-from shared.metadata import EmbeddedRedis, Registry, RequestStore, connect
+from services.metadata import EmbeddedRedis, Registry, RequestStore, connect
 from tests.e2e.conftest import emptied
 
 READY = re.compile(r"eyrie up: router on (\S+) .*redis (\S+), ready in")

@@ -1,7 +1,8 @@
-"""The import graph of ``shared/`` has no cycle, ``shared/`` never imports ``services/``, and ``shared.errors`` sits
-below every other module (it imports none of them). An import counts wherever it is written (a function's lazy
-import too: it still runs), except under ``if TYPE_CHECKING:`` (annotations only); importing ``a.b.c`` also
-imports the packages ``a.b`` and ``a`` (their ``__init__``)."""
+"""The import graph of ``shared/`` has no cycle, ``shared/`` never imports ``services/`` nor a service's own
+libraries (Redis, metrics, an HTTP server: ``services/metadata.py``, ``telemetry.py``, ``http_server.py``), and
+``shared.errors`` sits below every other module (it imports none of them). An import counts wherever it is
+written (a function's lazy import too: it still runs), except under ``if TYPE_CHECKING:`` (annotations only);
+importing ``a.b.c`` also imports the packages ``a.b`` and ``a`` (their ``__init__``)."""
 
 from __future__ import annotations
 
@@ -97,6 +98,19 @@ def test_shared_has_no_import_cycle():
 def test_shared_never_imports_the_services():
     into_services = {m: sorted(d for d in deps if d.startswith("services")) for m, deps in graph().items()}
     assert {m: d for m, d in into_services.items() if d} == {}
+
+
+SERVICE_LIBRARIES = ("redis", "prometheus_client", "http.server", "socketserver")
+
+
+def test_shared_holds_no_service_module():
+    found = {}
+    for path in (ROOT / "shared").rglob("*.py"):
+        used = [n for n in imported_names(path.read_text()) if any(n == s or n.startswith(s + ".")
+                                                                   for s in SERVICE_LIBRARIES)]
+        if used:
+            found[module_name(path)] = sorted(used)
+    assert found == {}
 
 
 def test_the_errors_module_sits_below_everything():

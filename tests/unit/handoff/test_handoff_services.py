@@ -25,11 +25,11 @@ from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.common import start_grpc_server
 from services.decode.server import start_decode
+from services.metadata import EmbeddedRedis, Registry, connect
 from services.prefill.server import start_prefill
 from services.settings import DecodeSettings, PrefillSettings
 from shared.handoff import PageSource, iter_chunks, sampling_to_pb
 from shared.handoff.wire import page_bytes
-from shared.metadata import EmbeddedRedis, Registry, connect
 from shared.sampling import SamplingParams
 
 DRAFT, TOPK, PAGE = "eagle", 4, 4
