@@ -31,6 +31,7 @@ from bench.common import build_draft, build_target, copy_bandwidth, engine_confi
 from shared.config import SpecConfig
 from shared.engine import Engine
 from shared.sampling import SamplingParams
+from shared.stepping import drive
 
 
 def fake_requests(engine: Engine, batch: int, ctx: int, max_new: int = 64, draft_state=None):
@@ -240,7 +241,7 @@ def plain_engine_ms(target, bs: int, ctx: int, room: int) -> float:
     """Milliseconds per decode step of an engine without a draft (its decode graph, captured by the warm-up)."""
     engine = Engine(target, config=engine_config(ctx + room, bs))
     reqs = fake_requests(engine, bs, ctx, max_new=room - 24)
-    return time_cuda(lambda: engine._run_decode_step(reqs), iters=5, warmup=2, calls=8)
+    return time_cuda(lambda: drive(engine._run_decode_step(reqs)), iters=5, warmup=2, calls=8)
 
 
 def plain_step_cell(engine: Engine, reqs, cell: dict) -> None:
@@ -249,7 +250,7 @@ def plain_step_cell(engine: Engine, reqs, cell: dict) -> None:
     for name, plain_on, extend_captured in (("graph", True, captures), ("eager_extend", True, False),
                                             ("eager", False, False)):
         graphs["plain"].enabled, graphs["plain_extend"].capture = plain_on, extend_captured
-        cell[f"plain_step_{name}_ms"] = time_cuda(lambda: engine._run_plain_step(reqs), iters=5,  # noqa: B023
+        cell[f"plain_step_{name}_ms"] = time_cuda(lambda: drive(engine._run_plain_step(reqs)), iters=5,  # noqa: B023
                                                   warmup=2, calls=8)
     graphs["plain"].enabled, graphs["plain_extend"].capture = True, captures
     cell["all_running"] = all(r.finish_reason is None for r in reqs)

@@ -85,7 +85,7 @@ class ServingStack:
         atexit.register(self.stop)
 
     def start(self, timeout_s: float) -> ServingStack:
-        from shared.metadata import EmbeddedRedis
+        from services.metadata import EmbeddedRedis
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + timeout_s

@@ -15,9 +15,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
+from services.http_server import bearer, key_matches
+from services.telemetry import Telemetry
 from shared.handoff.transport import ChannelPool
-from shared.http_server import bearer, key_matches
-from shared.telemetry import Telemetry
 
 # With an API key set, every gRPC method needs it except the standard health service (load balancers,
 # orchestrators and `eyrie up` probe it); server reflection needs it too.

@@ -5,7 +5,11 @@ All engine state is touched on the loop thread only: gRPC handlers ask for work 
 reserve / activate a hand-off, read its pages, release or abort) and read tokens from per-request
 queues. ``call_soon(fn)`` is for work that touches nothing a step in flight holds (claiming free pages
 for a hand-off, reading a reserved request's page ids): it also runs during a step, while the device
-computes it (the engine's host-wait hook), so it does not wait a whole step for the next boundary.
+computes it, so it does not wait a whole step for the next boundary.
+
+The overlap is the loop's (``step_once``): it launches step N+1 (``Engine.launch``: its device work queued),
+publishes step N's tokens, serves ``call_soon``'s calls and the service's ``while_stepping``, then finishes
+step N+1 (the host waits for the device and commits). Nothing inside a step calls back into the service.
 What other threads may read without a call is published here: the engine's static facts (``schema``,
 ``device``), fixed at construction, and its load snapshot (``load``), replaced after every step and
 every call. This keeps the engine single-threaded, like the scheduler of nano-vllm, with no
@@ -61,8 +65,8 @@ class EngineLoop:
         self.kv_pools = engine.kv_pools()  # static: exported for same-host hand-offs, never read by the services
         self.load: EngineLoad = engine.load()  # replaced (never mutated) after each step and call
         self._thread = threading.Thread(target=self._run, name="eyrie-engine", daemon=True)
-        # A step's tokens go to the streams while the next step's device work runs (``_publish_held``, from
-        # the engine's host-wait hook), or at once when no step follows: waking a decode step's many stream
+        # A step's tokens go to the streams while the next step's device work runs (``step_once``), or at once
+        # when no step follows: waking a decode step's many stream
         # threads would take the GIL from the next step's launch. ``hold_tokens=False`` (a prefill: a few first
         # tokens a step, each a client's time to first token) publishes each step's at once.
         self.hold_tokens = hold_tokens
@@ -70,7 +74,6 @@ class EngineLoop:
         # Under tensor parallelism every call runs between steps (``services/followers.py``): the followers
         # replay rank 0's calls in order, and one made during a step would reach them after theirs.
         self.between_steps_only = getattr(engine, "tp", None) is not None
-        engine.set_host_wait_hook(self._while_device_runs)
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -142,23 +145,31 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             try:
-                events = engine.step()
+                self.step_once()
             except Exception as e:  # a bug: fail every request rather than hang them
                 self._publish_held()  # the tokens before the failure go first
                 self.log.exception("engine_error", requests=sorted(r.rid for r in engine.live_requests()))
                 self.error = e
                 self._fail_all(f"engine error: {e}")
                 continue
-            self._publish_held()  # a step that never waited on the device (none to publish behind)
-            self._held = events
-            if not self.hold_tokens:
-                self._publish_held()
             self._after_step()
         self._publish_held()
 
+    def step_once(self) -> list[tuple[Request, list[int]]]:
+        """One step, overlapped: launch it, publish the previous step's tokens and serve what may run beside
+        it while the device computes it, then finish it; its tokens are held for the next step's launch (or
+        published now: ``hold_tokens``)."""
+        running = self.engine.launch()
+        self._while_device_runs()
+        events = running.finish()
+        self._held = events
+        if not self.hold_tokens:
+            self._publish_held()
+        return events
+
     def _while_device_runs(self) -> None:
-        """The engine's host-wait hook: the previous step's tokens go out, then ``call_soon``'s calls and the
-        service's ``while_stepping`` run, while the device computes this step."""
+        """The previous step's tokens go out, then ``call_soon``'s calls and the service's ``while_stepping``
+        run, while the device computes the step launched."""
         self._publish_held()
         if self.between_steps_only:
             return

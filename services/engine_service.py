@@ -28,12 +28,12 @@ from services.common import (
 from services.engine_loop import EngineLoop
 from services.followers import Leader, start_engine
 from services.logs import ServiceLog
+from services.metadata import Heartbeat, InstanceInfo, Registry, connect
 from services.settings import EngineSettings
+from services.telemetry import Telemetry
 from services.warmup import check_ready
 from shared.cuda_graphs import capture_progress
 from shared.engine import Engine, EngineLoad
-from shared.metadata import Heartbeat, InstanceInfo, Registry, connect
-from shared.telemetry import Telemetry
 
 
 class EngineServicer(Protocol):

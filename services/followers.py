@@ -33,9 +33,10 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from shared.engine import Engine
+from shared.errors import RequestError
 from shared.model.config import ModelConfig
 from shared.parallel import TPGroup, check_split, free_address, init_group, start_ranks
-from shared.request import Request, RequestError
+from shared.request import Request
 
 # The engine calls that change an engine, replayed on every rank in rank 0's order.
 REPLAYED = frozenset({"step", "add_request", "reserve_handoff", "activate_handoff", "page_source",
@@ -121,6 +122,12 @@ class Leader:
         self._serials.add(result)
         self._serials.prune(self.engine)
         return result
+
+    def launch(self):
+        """A step in flight (``Engine.launch``): the followers run the whole step, rank 0 launches it here
+        (its loop finishes it)."""
+        self._send(("step", [], {}))
+        return self.engine.launch()
 
     def _ref(self, value):
         """What a follower needs of an argument: a request's serial, a plain scalar; None for the rest (the

@@ -270,7 +270,7 @@ class Stack:
 
     def start(self, timeout: float = 120.0) -> Stack:
         if self.redis_url is None:
-            from shared.metadata import EmbeddedRedis
+            from services.metadata import EmbeddedRedis
 
             self.redis = EmbeddedRedis()
             self.redis_url = self.redis.start()

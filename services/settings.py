@@ -129,16 +129,17 @@ class EngineOptions(BaseSettings):
         return None if isinstance(v, str) and v.strip().lower() == "auto" else v
 
     def engine_config(self) -> EngineConfig:
+        """The engine's configuration: every setting ``EngineConfig`` declares under the same name, and the
+        tree shape (``spec_*``) with a draft."""
         spec = None
         if self.draft:
             n = self.spec_draft_tokens or (self.spec_steps + 1 if self.spec_topk == 1 else 8)
             spec = SpecConfig(topk=self.spec_topk, steps=self.spec_steps, num_draft_tokens=n)
-        return EngineConfig(device=self.device, dtype=self.dtype, page_size=self.page_size, num_pages=self.num_pages,
-                            max_running=self.max_running, max_context=self.max_context, chunk_size=self.chunk_size,
-                            spec=spec, cuda_graph=self.cuda_graph, spec_draft_ahead=self.spec_draft_ahead,
-                            gpu_memory_fraction=self.gpu_memory_fraction, spec_policy=self.spec_policy,
-                            spec_candidates=self.spec_candidates,
-                            tensor_parallel=self.tensor_parallel)
+        return EngineConfig(spec=spec, **{name: getattr(self, name) for name in ENGINE_SETTINGS})
+
+
+# The engine settings a service takes as they are: the fields ``EngineOptions`` shares with ``EngineConfig``.
+ENGINE_SETTINGS = tuple(name for name in EngineOptions.model_fields if name in EngineConfig.model_fields)
 
 
 class EngineSettings(EngineOptions, CommonSettings):

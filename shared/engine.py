@@ -13,7 +13,6 @@ retire them.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import itertools
 import time
@@ -27,10 +26,10 @@ import torch
 
 from shared.config import DEFAULT_GPU_MEMORY_FRACTION, EngineConfig, SpecConfig
 from shared.cuda_graphs import CaptureFailure, PhaseGraphs
+from shared.errors import RequestError
 from shared.forward_batch import build_forward_batch, build_uniform_batch
 from shared.grammar import GrammarCompiler
-from shared.handoff.schema import HandoffSchema
-from shared.handoff.wire import Increment, PageFeed, PageGuard, PageSink, PageSource, Prefilled, encode_draft_state
+from shared.handoff.port import HandoffPort, landing_pages
 from shared.logits_process import RowsCache, add_grammar, process_logits
 from shared.memory.kv_cache import KVCache, flush_tables
 from shared.memory.profile import profile_steps
@@ -52,17 +51,11 @@ from shared.model.shard_loader import load_target_shard, read_lm_head
 from shared.model.tokenizer import Tokenizer
 from shared.parallel import (
     TPGroup,
-    gather_pages,
-    gather_pages_into,
     local_config,
     rank_device,
-    scatter_pages,
     shard_target,
-    share_pages,
-    staging_cache,
-    staging_pages,
 )
-from shared.request import Request, RequestError, Stage
+from shared.request import Request, Stage
 from shared.sampling import SamplingParams, request_seed, sample, top_logprobs, top_pairs
 from shared.scheduler import Scheduler, StepPlan
 from shared.spec.policy import MeasuredCost, SpecPolicy
@@ -70,6 +63,7 @@ from shared.spec.state import DraftState
 from shared.spec.stats import SpecRecorder
 from shared.spec.token_counts import SpecTokenCounts
 from shared.spec.worker import SpecWorker
+from shared.stepping import Events, Stepping, drive
 
 
 @dataclass
@@ -109,7 +103,21 @@ class EngineLoad:
     spec_tokens: SpecTokenCounts | None = None  # token-level speculation counts so far (None without a draft)
 
 
-LANDING_REQUESTS = 4  # a split decode engine's in-place hand-offs in flight at once (more are refused: no room)
+class InFlight:
+    """A step whose device work is queued (``Engine.launch``): ``finish`` waits for it and commits."""
+
+    __slots__ = ("engine", "running", "events")
+
+    def __init__(self, engine: Engine, running: Stepping | None, events: Events | None = None):
+        self.engine, self.running, self.events = engine, running, events
+
+    def finish(self) -> Events:
+        """Wait for the step's device work, commit its tokens and retire the requests it ended."""
+        if self.running is not None:
+            with self.engine.on_device():
+                self.events = drive(self.running)
+            self.running = None
+        return self.events
 
 
 class Engine:
@@ -126,9 +134,6 @@ class Engine:
             raise ValueError(f"tensor_parallel={config.tensor_parallel} needs a group of that many ranks "
                              f"(got {tp.size if tp is not None else 'none'})")
         self.tp = tp
-        self._staged: dict[str, KVCache] = {}  # under TP, on rank 0: hand-offs' target K/V, every KV head, by id
-        self._gathered: dict[str, int] = {}  # under TP, every rank: a fed hand-off's target pages gathered so far
-        self._landed: dict[str, list[int]] = {}  # under TP, decode rank 0: in-place hand-offs' landing pages, by id
         if tp is not None:  # rank r takes the r-th GPU from the configured one
             config = config.model_copy(update={"device": rank_device(config.device, tp.rank)})
         if role == "decode" and not config.shareable_kv:  # a same-host prefill writes into its pools
@@ -151,15 +156,10 @@ class Engine:
         self.load_peak, self.step_peaks = 0, None  # on one GPU: set by the profile run (``_step_reserve``)
         self.config = config = self._fit_pools(config, head, allocated)
         self.cache = make_cache(local_config(mc, tp), mc.num_hidden_layers, config, self.max_context)
-        self._landing = self._landing_cache()
         self.graph_failures: list[CaptureFailure] = []  # CUDA graphs that failed to capture (phase eager)
         self.penalty_rows = RowsCache()  # requests' penalty rows, on the device across steps (and the speculator's)
         self.speculator = None if head is None else SpecWorker.load(
             head, self.model, self.cache, config, self.max_context, self.graph_failures, self.penalty_rows)
-        # Called once per step when its device work is queued and the host is about to wait for it: the
-        # engine loop of a service publishes the previous step's tokens then, so the stream threads' work
-        # (and their hold on the GIL) overlaps the device instead of delaying this thread's next step.
-        self.before_host_wait: Callable[[], None] | None = None
         self._decode_end: float | None = None  # when the last decode step ended (the policy's step costs)
         self.spec_policy = None if head is None else SpecPolicy.of(
             config.spec_policy, [s.spec for s in self.speculator.shapes.values()], MeasuredCost())
@@ -168,6 +168,11 @@ class Engine:
                                    eos_ids=mc.eos_token_ids, prefill_only=role == "prefill", tokenizer=tokenizer,
                                    grammars=GrammarCompiler(tokenizer, mc.vocab_size, mc.eos_token_ids)
                                    if tokenizer is not None else None)
+        self.handoff = HandoffPort(self, config, mc.vocab_size, mc.num_key_value_heads, tp, self._landing_pages(config),
+                                   head, self.speculator.spec if self.speculator else None)
+        # The per-request tables beside the scheduler's go with the request (``Scheduler.retire``).
+        self.scheduler.on_retire += [self.penalty_rows.release, self.handoff.forget] + (
+            [self.speculator.ahead.forget] if self.speculator else [])
         graphs_on = set(config.cuda_graph_phases) if config.cuda_graph else set()
         self.decode_graphs = PhaseGraphs("decode", self._decode_phase, "decode" in graphs_on, config.cuda_graph_max_bs,
                                          self.graph_failures, before_replay=lambda: flush_tables([self.cache]))
@@ -184,20 +189,9 @@ class Engine:
             return load_target(model, config.dtype, config.device), None
         return load_target_shard(model, tp, config.dtype, config.device), functools.partial(read_lm_head, model)
 
-    def _landing_cache(self) -> KVCache | None:
-        """Rank 0 of a split decode engine: where same-host prefills write hand-offs in place (``kv_pools``),
-        every KV head; None elsewhere."""
-        pages = self._landing_pages(self.config)
-        if not pages:
-            return None
-        return staging_cache(self.cache.layout, self.model.config.num_key_value_heads, pages, shareable=True)
-
     def _landing_pages(self, config: EngineConfig) -> int:
-        """The landing cache's pages (``_landing_cache``): room for ``LANDING_REQUESTS`` requests of the whole
-        context on rank 0 of a split decode engine, 0 elsewhere."""
-        if self.tp is None or self.tp.rank != 0 or self.role != "decode":
-            return 0
-        return LANDING_REQUESTS * -(-(self.max_context + config.headroom) // config.page_size)
+        """The hand-off port's landing cache's pages (``shared.handoff.port.landing_pages``)."""
+        return landing_pages(self.tp, self.role, self.max_context + config.headroom, config.page_size)
 
     def _fit_pools(self, config: EngineConfig, head: DraftHead | None, allocated_before: int) -> EngineConfig:
         """On a GPU without ``num_pages``: the page count that keeps this engine, weights (loaded since
@@ -338,9 +332,6 @@ class Engine:
         request re-placed under its id took its place."""
         if not self.scheduler.holds(req):
             return False
-        self._staged.pop(req.rid, None)
-        self._gathered.pop(req.rid, None)
-        self._land_off(req.rid)
         self.scheduler.retire(req, reason)
         return True
 
@@ -360,22 +351,27 @@ class Engine:
         (every new thread's) would launch its kernels and record its events on the wrong GPU."""
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
-    def set_host_wait_hook(self, fn: Callable[[], None] | None) -> None:
-        """``fn`` runs once per step when the step's device work is queued, before the host waits for it."""
-        self.before_host_wait = fn
-        if self.speculator is not None:
-            self.speculator.before_host_wait = fn
-
     def has_work_to_step(self) -> bool:
         """Whether a step would run a forward (requests waiting on a transfer need none)."""
         return self.scheduler.has_work_to_step()
 
     def step(self) -> list[tuple[Request, list[int]]]:
         """Run one scheduling step; returns (request, tokens it committed) for each request touched."""
-        with self.on_device():
-            return self._step()
+        return self.launch().finish()
 
-    def _step(self) -> list[tuple[Request, list[int]]]:
+    def launch(self) -> InFlight:
+        """Run the next step up to its host wait: its device work is queued, its tokens not yet known. The
+        engine loop publishes the previous step's tokens and serves what may run beside a step in flight
+        (``EngineLoop.call_soon``), then ``finish``es it."""
+        with self.on_device():
+            running = self._step()
+            try:
+                next(running)
+            except StopIteration as done:  # nothing to wait for (an empty plan)
+                return InFlight(self, None, done.value)
+        return InFlight(self, running)
+
+    def _step(self) -> Stepping:
         """One step: the plan's prefill chunks and decode rows in one target forward where they can share it
         (a plain engine's step, an engine with a draft whose policy picks a plain step: ``_run_with_draft``)."""
         plan = self.scheduler.schedule()
@@ -383,15 +379,14 @@ class Engine:
             self.tp.agree(self._plan_digest(plan), "the step plan")
         if self.speculator is not None and not plan.decode:
             self.speculator.drop_ahead()  # no decode step now: a draft launched ahead would wait in vain
-        events: list[tuple[Request, list[int]]] = []
         if plan.empty:
-            return events
+            return []
         if self.speculator is None and not plan.prefill and self.decode_graphs.enabled:
-            events += self._run_decode_step(plan.decode)
+            events = yield from self._run_decode_step(plan.decode)
         elif self.speculator is None:
-            events += self._run_target_step(plan)
+            events = yield from self._run_target_step(plan)
         else:
-            events += self._run_with_draft(plan)
+            events = yield from self._run_with_draft(plan)
         for req, _ in events:
             if req.finish_reason is not None and req.stage is not Stage.FINISHED:
                 self.scheduler.retire(req)
@@ -403,7 +398,7 @@ class Engine:
                [c.num_free_pages for c in self.scheduler.caches])
         return zlib.crc32(repr(key).encode())
 
-    def _run_with_draft(self, plan: StepPlan) -> list[tuple[Request, list[int]]]:
+    def _run_with_draft(self, plan: StepPlan) -> Stepping:
         """A step of an engine with a draft. When the policy picks a plain decode step, the prefill chunks
         of requests arriving while others decode run in its target forward, as a plain engine's step does:
         one forward, not a prefill forward and then a decode one (on an H100 at 8B shape, ~23 ms per arriving
@@ -412,16 +407,16 @@ class Engine:
         separate forwards would leave it (``SpecWorker.draft_extend_rows``), so the output is unchanged."""
         if not plan.decode:
             self._decode_end = None
-            return self._run_target_step(plan)
+            return (yield from self._run_target_step(plan))
         shape = self._choose_shape(len(plan.decode))
         if shape is None and plan.prefill:
             self.speculator.drop_ahead()  # a draft launched ahead is stale after a plain step
-            events = self._run_target_step(plan)
+            events = yield from self._run_target_step(plan)
             self._ran("plain", len(plan.decode), timed=False)  # a prefill's rows in it: not a plain step's time
             return events
-        events = self._run_target_step(StepPlan(prefill=plan.prefill)) if plan.prefill else []
+        events = (yield from self._run_target_step(StepPlan(prefill=plan.prefill))) if plan.prefill else []
         # Timed for the policy only without a prefill before it (see ``SpecPolicy.ran``).
-        return events + self._run_spec_or_plain(plan.decode, shape, timed=not plan.prefill)
+        return events + (yield from self._run_spec_or_plain(plan.decode, shape, timed=not plan.prefill))
 
     def _choose_shape(self, batch: int) -> str | None:
         """The shape the policy picks for a decode step of ``batch`` requests, None for a plain step
@@ -431,18 +426,17 @@ class Engine:
             shape = self.tp.broadcast(shape)
         return shape
 
-    def _run_spec_or_plain(self, reqs: list[Request], shape: str | None,
-                           timed: bool = True) -> list[tuple[Request, list[int]]]:
+    def _run_spec_or_plain(self, reqs: list[Request], shape: str | None, timed: bool = True) -> Stepping:
         """A speculative decode step of ``shape``, or a plain one (None); each is timed for the policy's
         costs, and a speculative step's acceptance counted."""
         policy, counts = self.spec_policy, self.speculator.stats.tokens
         if shape is not None:
             drafts, reached = counts.drafts, list(counts.accepted_per_pos)
-            events = self.speculator.decode_step(reqs, self.scheduler.joins_next(reqs), shape)
+            events = yield from self.speculator.step(reqs, self.scheduler.joins_next(reqs), shape)
             policy.observe(shape, counts.drafts - drafts, [a - b for a, b in zip(counts.accepted_per_pos, reached)])
         else:
             self.speculator.drop_ahead()  # a draft launched ahead is stale after a plain step
-            events = self._run_plain_step(reqs)
+            events = yield from self._run_plain_step(reqs)
         self._ran(shape or "plain", len(reqs), timed)
         return events
 
@@ -454,7 +448,7 @@ class Engine:
         self._decode_end = now
         self.spec_policy.ran(kind, batch, 0.0 if last is None else now - last, timed and last is not None)
 
-    def _run_plain_step(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
+    def _run_plain_step(self, reqs: list[Request]) -> Stepping:
         """A plain decode step of an engine with a draft: graph-shaped (padded to a bucket, replayed where
         captured) as a plain engine's, its target forward capturing the draft's features, then the draft
         over the one new position; eager (``_run_target_step``) with the plain graphs off. Both leave the
@@ -462,17 +456,17 @@ class Engine:
         w = self.speculator
         graphs = w.graphs.get("plain")  # an adaptive engine's only
         if graphs is None or not graphs.enabled:
-            return self._run_target_step(StepPlan(decode=reqs))
+            return (yield from self._run_target_step(StepPlan(decode=reqs)))
         n = len(reqs)
         rows, lengths, tokens = self._decode_inputs(reqs, graphs.bucket(n) or n)
         logits, feats = graphs(rows, lengths, tokens)
         for req in reqs:
             req.advance(req.kv_len + 1)
-        events = self._sample_and_commit(TargetOutput(logits=logits[:n]), reqs)
+        events = yield from self._sample_and_commit(TargetOutput(logits=logits[:n]), reqs)
         w.plain_extend(reqs, lengths, feats)  # after the host's wait: the device runs it while the next step is planned
         return events
 
-    def _run_target_step(self, plan: StepPlan) -> list[tuple[Request, list[int]]]:
+    def _run_target_step(self, plan: StepPlan) -> Stepping:
         """One target forward over the decode tokens and prefill chunks of ``plan``. With a draft, its
         features extend the draft over every row (a decode row: the one position it wrote)."""
         starts = [req.kv_len for req in plan.decode]
@@ -497,7 +491,7 @@ class Engine:
             req.advance(req.kv_len + 1)
         for ch in plan.prefill:
             ch.req.advance(ch.end)
-        events = self._sample_and_commit(out, sampled_reqs)
+        events = yield from self._sample_and_commit(out, sampled_reqs)
         if self.speculator is not None:
             self.speculator.draft_extend_rows(plan.decode, starts, plan.prefill, out)
         for ch in plan.prefill:
@@ -512,12 +506,12 @@ class Engine:
         batch = build_uniform_batch(self.cache, rows, lengths, 1, 1, tokens, lengths, lengths.unsqueeze(1))
         return self.model(batch, self.cache).logits
 
-    def _run_decode_step(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
+    def _run_decode_step(self, reqs: list[Request]) -> Stepping:
         n = len(reqs)
         logits = self.decode_graphs(*self._decode_inputs(reqs, self.decode_graphs.bucket(n) or n))[:n]
         for req in reqs:
             req.advance(req.kv_len + 1)
-        return self._sample_and_commit(TargetOutput(logits=logits), reqs)
+        return (yield from self._sample_and_commit(TargetOutput(logits=logits), reqs))
 
     def _decode_inputs(self, reqs: list[Request], bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A decode step's rows, lengths and tokens ([bs] each, on the device; padding rows are row 0,
@@ -531,7 +525,9 @@ class Engine:
         rows, lengths, tokens = host.to(self.device, non_blocking=True)
         return rows, lengths, tokens
 
-    def _sample_and_commit(self, out: TargetOutput, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
+    def _sample_and_commit(self, out: TargetOutput, reqs: list[Request]) -> Stepping:
+        """Sample ``reqs``' next tokens from ``out``; the host waits for them after the one yield (the loop's
+        overlap: ``launch``), then commits them."""
         if not reqs:
             return []
         rows = self.penalty_rows.rows(reqs, out.logits.shape[-1], len(reqs), out.logits.device)
@@ -543,29 +539,31 @@ class Engine:
         logprobs = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
         top_n = max((r.params.top_logprobs for r in reqs), default=0)
         top = top_logprobs(logp, top_n) if top_n else None
-        if self.before_host_wait is not None:
-            self.before_host_wait()
+        yield  # the device computes the step: the engine loop publishes and serves meanwhile
         tops = [None] * len(reqs) if top is None else [
             top_pairs(v, i, r.params.top_logprobs) if r.params.top_logprobs else None
             for r, v, i in zip(reqs, top[0].unsqueeze(1).tolist(), top[1].unsqueeze(1).tolist())]
         return [(r, r.commit([t], [lp], tp)) for r, t, lp, tp in zip(reqs, tokens.tolist(), logprobs.tolist(), tops)]
 
-    # ---- disaggregation: prefill hands requests to a decode instance ------------------------------
-    def handoff_schema(self) -> HandoffSchema:
-        """What this engine's hand-offs carry; the other side of a hand-off must agree on all of it."""
-        w = self.speculator
-        layouts = [c.layout for c in self.scheduler.caches]
-        if self.tp is not None:  # a split engine's hand-offs carry every KV head (``page_source``)
-            layouts[0] = dataclasses.replace(layouts[0], num_kv_heads=self.model.config.num_key_value_heads)
-        return HandoffSchema.build(
-            layouts, page_size=self.config.page_size, dtype=self.config.dtype,
-            vocab_size=self.model.config.vocab_size, draft_kind=w.draft.kind if w else "",
-            tree=w.spec if w else None, draft_hidden_width=w.draft.hidden_width if w else 0)
+    # ---- disaggregation: the hand-off's port (``shared/handoff/port.py``) -------------------------
+    @property
+    def caches(self) -> list[KVCache]:
+        """The engine's KV caches, target first (the port's page API)."""
+        return self.scheduler.caches
 
     def page_ids(self, req: Request) -> list[list[int]]:
         """Per cache (target first), the request's page ids in position order."""
         return [cache.pages_of(h, 0, cache.pages_for(h.reserved))
                 for cache, h in zip(self.scheduler.caches, req.handles)]
+
+    def activate(self, req: Request, committed_len: int, draft_state: DraftState | None,
+                 output_ids: list[int], output_logprobs: list[float]) -> None:
+        """The port's page API: ``req``'s K/V is in its pages; it resumes decoding (the scheduler's move)."""
+        self.scheduler.activate(req, committed_len, draft_state, output_ids, output_logprobs)
+
+    def handoff_schema(self):
+        """What this engine's hand-offs carry; the other side of a hand-off must agree on all of it."""
+        return self.handoff.schema
 
     def prefilled(self) -> list[Request]:
         """Prefill role: requests whose prompt K/V is (partly) computed, still prefilling or parked for
@@ -577,68 +575,13 @@ class Engine:
         now: the decode side's reservation then overlaps what is left of this step)."""
         return self.scheduler.starts_next(req)
 
-    def page_source(self, req: Request, fed: bool = False) -> PageSource | None:
-        """Prefill role: the sending side of ``req``'s hand-off. Parked (its prompt done): its pages and its
-        draft state. ``fed``: empty, to be fed an ``Increment`` after each step of its prefill
-        (``handoff_increment``). The pages an increment names as done are not written again until
-        ``req`` is released, so the transport may read them off this thread until then; an abort
-        cancels the guard first. Under tensor parallelism a collective, None on ranks other than 0
-        (``_gathered_source``)."""
-        if self.tp is not None:
-            return self._gathered_source(req, fed)
-        if fed:
-            return PageSource(req.rid, self.scheduler.caches, [], b"", feed=PageFeed())
-        return PageSource(req.rid, self.scheduler.caches, self.page_ids(req), encode_draft_state(req))
+    def page_source(self, req: Request, fed: bool = False):
+        """Prefill role: the sending side of ``req``'s hand-off (``HandoffPort.page_source``)."""
+        return self.handoff.page_source(req, fed)
 
-    def _gathered_source(self, req: Request, fed: bool) -> PageSource | None:
-        """Under tensor parallelism, on rank 0 the source of a request's hand-off with every rank's KV heads
-        gathered into a cache of its own (the draft's caches are whole on every rank already), so that it fits
-        a decode engine of any split; None on the other ranks. Parked: a collective, every page gathered now.
-        ``fed``: the cache is sized for the prompt and each ``handoff_increment`` gathers the pages completed
-        since the last one (a collective then)."""
-        if fed:
-            self._gathered[req.rid] = 0
-            if self.tp.rank != 0:
-                return None
-            self._staged[req.rid] = staging_cache(self.cache.layout, self.model.config.num_key_value_heads,
-                                                  self.cache.pages_for(req.prefill_len))
-            return PageSource(req.rid, [self._staged[req.rid], *self.scheduler.caches[1:]], [], b"", feed=PageFeed())
-        ids = self.page_ids(req)
-        staging = gather_pages(self.cache, ids[0], self.tp)
-        if staging is None:
-            return None
-        return PageSource(req.rid, [staging, *self.scheduler.caches[1:]], [staging_pages(len(ids[0])), *ids[1:]],
-                          encode_draft_state(req))
-
-    def handoff_increment(self, req: Request) -> Increment:
-        """Prefill role: ``req``'s pages so far and how many of each cache's hold their final K/V (every
-        position of the page computed: a chunk's draft extend writes the same positions as its target
-        forward); with its prompt done, all of them and what the decode side resumes from (the draft
-        state, the first token). On CUDA, an event after the work queued so far orders the transport's
-        reads behind the step that wrote the pages (the engine's thread never waits for them)."""
-        page_ids = self.page_ids(req)
-        parked = req.stage is Stage.HANDOFF
-        done = [len(p) if parked else req.kv_len // c.page_size for c, p in zip(self.scheduler.caches, page_ids)]
-        if self.tp is not None:  # a collective: the target's pages come from the staging cache (``page_source``)
-            page_ids[0] = self._gather_done(req, page_ids[0], done[0])
-        written = None
-        if self.device.type == "cuda":
-            with self.on_device():
-                written = torch.cuda.Event()
-                written.record()
-        last = Prefilled(encode_draft_state(req), tuple(req.output_ids[req.resumed:]),
-                         tuple(req.output_logprobs[req.resumed:])) if parked else None
-        return Increment(page_ids, done, written, last)
-
-    def _gather_done(self, req: Request, pages: list[int], done: int) -> list[int]:
-        """Under tensor parallelism, a collective: ``req``'s target pages completed since the last increment
-        (``pages[:done]`` are final) gathered, every KV head, into its staging cache on rank 0; the staging
-        cache's ids of ``pages``."""
-        first = self._gathered[req.rid]
-        if done > first:
-            gather_pages_into(self._staged.get(req.rid), first, self.cache, pages[first:done], self.tp)
-            self._gathered[req.rid] = done
-        return staging_pages(len(pages))
+    def handoff_increment(self, req: Request):
+        """Prefill role: ``req``'s pages completed so far (``HandoffPort.increment``)."""
+        return self.handoff.increment(req)
 
     def reserve_handoff(self, rid: str, prompt_ids: list[int], output_ids: list[int],
                         output_logprobs: list[float], params: SamplingParams, committed_len: int) -> Request | None:
@@ -651,85 +594,19 @@ class Engine:
             raise RequestError("request_id", f"{rid!r} is already here")
         return self.scheduler.admit_handoff(rid, prompt_ids, output_ids, output_logprobs, params, committed_len)
 
-    def page_sink(self, req: Request, guard: PageGuard, in_place: bool = False) -> PageSink | None:
-        """Decode role: the receiving side of ``req``'s transfer, writing into its reserved pages (or, with
-        ``in_place``, checking that the sender wrote them itself); None when ``req`` is no longer this
-        engine's request waiting for its K/V (it was aborted), or, in place into a split engine, when its
-        landing cache has no room now."""
-        if not self.scheduler.holds(req) or req.stage is not Stage.RECEIVING:
-            return None
-        if self.tp is not None:
-            return self._staged_sink(req, guard, in_place)
-        return PageSink(req.rid, self.scheduler.caches, self.page_ids(req), guard, in_place)
-
-    def _staged_sink(self, req: Request, guard: PageGuard, in_place: bool) -> PageSink | None:
-        """Under tensor parallelism, on rank 0: a sink writing the target's K/V, every KV head, into a cache
-        of its own, from which ``activate_handoff`` gives each rank its heads (the draft's K/V lands in rank
-        0's pages, copied to the others then). ``in_place``: the sender writes the target's K/V into pages of
-        the landing cache (``kv_pools``) instead; None when it has no room now. None on the other ranks."""
-        if self.tp.rank != 0:
-            return None
-        ids = self.page_ids(req)
-        if in_place:
-            if self._landing is None or self._landing.num_free_pages < len(ids[0]):
-                return None
-            landed = self._landed[req.rid] = self._landing.allocator.alloc(len(ids[0]))
-            return PageSink(req.rid, [self._landing, *self.scheduler.caches[1:]], [landed, *ids[1:]], guard,
-                            in_place=True)
-        staging = self._staged[req.rid] = staging_cache(self.cache.layout, self.model.config.num_key_value_heads,
-                                                        len(ids[0]))
-        return PageSink(req.rid, [staging, *self.scheduler.caches[1:]], [staging_pages(len(ids[0])), *ids[1:]],
-                        guard)
+    def page_sink(self, req: Request, guard, in_place: bool = False):
+        """Decode role: the receiving side of ``req``'s transfer (``HandoffPort.page_sink``)."""
+        return self.handoff.page_sink(req, guard, in_place)
 
     def kv_pools(self) -> list[torch.Tensor]:
-        """Per cache (target first), its whole K/V pool: what a decode engine exports to a same-host
-        prefill (``shared.handoff.ipc``), fixed for the engine's life. Under tensor parallelism a rank's pool
-        holds its share of the KV heads: rank 0 of a decode engine exports its landing cache in the target's
-        place (``page_sink`` in place), the other ranks nothing."""
-        if self.tp is not None:
-            return [] if self._landing is None else [self._landing.pool, *(c.pool for c in self.scheduler.caches[1:])]
-        return [c.pool for c in self.scheduler.caches]
+        """Per cache, the K/V pool a decode engine exports to a same-host prefill (``HandoffPort.pools``)."""
+        return self.handoff.pools()
 
     def activate_handoff(self, req: Request, committed_len: int, draft_state: DraftState | None = None,
                          output_ids: list[int] = (), output_logprobs: list[float] = ()) -> bool:
-        """The K/V has arrived: the request resumes straight into the decode loop (no pseudo-forward),
-        its outputs extended by ``output_ids`` (the first token, when its reservation was made as its
-        prefill began). False when ``req`` is no longer this engine's request waiting for its K/V (it
-        was aborted)."""
-        if not self.scheduler.holds(req) or req.stage is not Stage.RECEIVING:
-            return False
-        if self.tp is not None:
-            committed_len, draft_state, output_ids, output_logprobs = self._spread_handoff(
-                req, committed_len, draft_state, output_ids, output_logprobs)
-        self.scheduler.activate(req, committed_len, draft_state, output_ids, output_logprobs)
-        return True
-
-    def _spread_handoff(self, req: Request, committed_len: int, draft_state: DraftState | None,
-                        output_ids, output_logprobs) -> tuple:
-        """Under tensor parallelism, a collective: what arrived on rank 0 on every rank: each rank's share of
-        the target's KV heads, the draft's pages, the draft state and outputs (the arguments rank 0 got)."""
-        ids = self.page_ids(req)
-        landed, staged = self._landed.get(req.rid), self._staged.pop(req.rid, None)
-        if landed is not None:
-            scatter_pages(self._landing, landed, self.cache, ids[0], self.tp)
-        else:
-            scatter_pages(staged, None if staged is None else staging_pages(len(ids[0])), self.cache, ids[0],
-                          self.tp)
-        self._land_off(req.rid)
-        for cache, pages in zip(self.scheduler.caches[1:], ids[1:]):
-            share_pages(cache, pages, self.tp)
-        arrived = None if self.tp.rank != 0 else (
-            committed_len, None if draft_state is None else draft_state.to_bytes(), list(output_ids),
-            list(output_logprobs))
-        committed_len, blob, output_ids, output_logprobs = self.tp.broadcast(arrived)
-        return committed_len, None if blob is None else DraftState.from_bytes(blob, self.device), output_ids, \
-            output_logprobs
-
-    def _land_off(self, rid: str) -> None:
-        """Free request ``rid``'s pages of the landing cache, if it holds any."""
-        landed = self._landed.pop(rid, None)
-        if landed is not None:
-            self._landing.allocator.free(landed)
+        """Decode role: the K/V has arrived, ``req`` resumes decoding (``HandoffPort.activate``); False when
+        it is no longer this engine's request waiting for its K/V (it was aborted)."""
+        return self.handoff.activate(req, committed_len, draft_state, output_ids, output_logprobs)
 
     # ---- what the engine holds -------------------------------------------------------------------
     def load(self) -> EngineLoad:
@@ -748,7 +625,7 @@ class Engine:
     def is_idle_and_clean(self) -> bool:
         """True when no request runs and every cache is full again (the no-leak invariant)."""
         return (not self.scheduler.has_work() and all(c.is_full() for c in self.scheduler.caches)
-                and (self._landing is None or self._landing.is_full()))
+                and self.handoff.is_clean())
 
     # ---- the Python API --------------------------------------------------------------------------
     def run_until_done(self, max_steps: int | None = None) -> None:

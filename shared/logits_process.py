@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -67,12 +66,12 @@ class RowsCache:
     """Each processed request's ``LogitsRows`` row, kept on the device from its first processed step to its
     end: built once from its prompt, parameters and the output it arrived with (a hand-off, a failover),
     then updated by the tokens committed since (counts, seen, out_len scatter-added); a batch's rows are
-    one gather per tensor. Slot 0 is the padding row (neutral, never written). Owned by the engine (or its
-    speculative worker); a slot is freed once its request ended or is gone."""
+    one gather per tensor. Slot 0 is the padding row (neutral, never written). Owned by the engine (shared
+    with its speculative worker); a request's slot is freed when the scheduler retires it (``release``)."""
 
     def __init__(self) -> None:
         self.pool: LogitsRows | None = None  # [S, V] rows of every slot (and [S] scalars)
-        self.entries: dict[int, _Slot] = {}  # id(request) -> its slot
+        self.entries: dict[int, _Slot] = {}  # id(request) -> its slot, from its first processed step to its end
         self.free: list[int] = []  # unused slots (never 0)
 
     def rows(self, reqs: list, vocab: int, total: int, device: torch.device | str,
@@ -83,7 +82,6 @@ class RowsCache:
             return None
         if self.pool is not None and self.pool.counts.shape[1] != vocab:
             raise ValueError(f"penalty rows: vocabulary {vocab}, the cache's is {self.pool.counts.shape[1]}")
-        self._release()
         stale = [r for r in reqs if id(r) in self.entries and self.entries[id(r)].counted > len(r.output_ids)]
         for r in stale:  # an output that shrank (never expected): counted again from scratch
             self.free.append(self.entries.pop(id(r)).slot)
@@ -99,12 +97,11 @@ class RowsCache:
         return LogitsRows(**{f.name: getattr(self.pool, f.name).index_select(0, where)
                              for f in dataclasses.fields(LogitsRows) if f.name != "grammar"})
 
-    def _release(self) -> None:
-        """Free the slots of requests that ended or were dropped."""
-        for key, e in list(self.entries.items()):
-            req = e.req()
-            if req is None or req.finish_reason is not None:
-                self.free.append(self.entries.pop(key).slot)
+    def release(self, req) -> None:
+        """``req`` ended (``Scheduler.retire``): its slot goes back, if it holds one."""
+        e = self.entries.pop(id(req), None)
+        if e is not None:
+            self.free.append(e.slot)
 
     def _admit(self, reqs: list, vocab: int, device: torch.device | str) -> None:
         """Build the rows of requests new to the cache, each in a free slot (the pool grows by doubling)."""
@@ -122,7 +119,7 @@ class RowsCache:
             if f.name != "grammar":
                 getattr(self.pool, f.name).index_copy_(0, at, getattr(built, f.name))
         for r, s in zip(reqs, slots):
-            self.entries[id(r)] = _Slot(weakref.ref(r), s, len(r.output_ids))
+            self.entries[id(r)] = _Slot(s, len(r.output_ids))
 
     def _grow(self) -> None:
         """Double the pool's slots (new ones zero: neutral)."""
@@ -162,7 +159,6 @@ class RowsCache:
 
 @dataclass
 class _Slot:
-    req: weakref.ref  # the request (not kept alive by the cache)
     slot: int  # its row of the pool
     counted: int  # output tokens counted into the row
 

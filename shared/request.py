@@ -13,20 +13,13 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+from shared.errors import RequestError as RequestError  # re-exported: its importers predate shared.errors
 from shared.grammar import Grammar
 from shared.memory.kv_cache import KVHandle
 from shared.sampling import SamplingParams
 from shared.spec.state import DraftState
 from shared.spec.stats import SpecStats
 from shared.text import TextStream
-
-
-class RequestError(ValueError):
-    """A request the engine refuses; ``field`` names the input at fault."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
 
 
 class Stage(Enum):

@@ -14,13 +14,14 @@ The scheduler is the one owner of the engine's requests: it creates them (``subm
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from shared.errors import RequestError
 from shared.grammar import Grammar, GrammarCompiler
 from shared.memory.kv_cache import KVCache
 from shared.model.tokenizer import Tokenizer
-from shared.request import Request, RequestError, Stage
+from shared.request import Request, Stage
 from shared.sampling import SamplingParams, request_seed
 from shared.spec.state import DraftState
 from shared.text import TextStream
@@ -68,6 +69,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every request not yet retired, by id (waiting or running)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Released with each request in ``retire``: the tables others keep per request (the logits rows, the
+        # draft launched ahead, the hand-off port's staging) are freed here, not found stale later.
+        self.on_retire: list[Callable[[Request], None]] = []
 
     # ---- the table -------------------------------------------------------------------------------
     def get(self, rid: str) -> Request | None:
@@ -254,3 +258,5 @@ class Scheduler:
             self.waiting.remove(req)
         if self.holds(req):
             del self.requests[req.rid]
+        for release in self.on_retire:
+            release(req)

@@ -37,7 +37,9 @@ from services.engine_loop import EngineLoop
 from services.engine_service import start_engine_service
 from services.prefill.server import validation_message
 from services.settings import DecodeSettings
+from services.telemetry import Telemetry
 from shared.engine import Engine
+from shared.errors import RequestError
 from shared.handoff import (
     GrpcStreamTransport,
     HandoffSchema,
@@ -54,9 +56,8 @@ from shared.handoff import (
 )
 from shared.handoff.ipc import export_pools, host_id
 from shared.handoff.transport import add_decode_servicer
-from shared.request import Request, RequestError
+from shared.request import Request
 from shared.sampling import SamplingParams
-from shared.telemetry import Telemetry
 
 SERVICES = [full_name("Decode")]
 POLL_S = 0.25

@@ -40,7 +40,9 @@ from services.common import ServiceHandle, auth_channel_pool, full_name
 from services.engine_loop import EngineLoop, TokenEvent
 from services.engine_service import start_engine_service
 from services.settings import PrefillSettings
+from services.telemetry import Telemetry
 from shared.engine import Engine
+from shared.errors import RequestError
 from shared.handoff import (
     ChannelPool,
     DecodeClient,
@@ -57,8 +59,7 @@ from shared.handoff import (
     top_logprobs_pb,
 )
 from shared.handoff.wire import chunk_pages
-from shared.request import Request, RequestError
-from shared.telemetry import Telemetry
+from shared.request import Request
 
 SERVICES = [full_name("Prefill")]
 POLL_S = 0.25  # how often a waiting RPC checks that its client is still there

@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from services.common import OPEN_METHOD_PREFIXES, full_name
-from shared.http_server import key_matches
+from services.http_server import key_matches
 from shared.request import RequestError
 
 SERVICES = [full_name("Generation")]

@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP on the router: ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health``, on FastAPI under uvicorn
-(``shared.http_server``: backlog, head/body deadlines, body limit, bearer auth).
+(``services.http_server``: backlog, head/body deadlines, body limit, bearer auth).
 
 A thin translation layer over ``RouterCore``: every request becomes one ``pb.GenerateRequest`` and
 walks the same path as a gRPC ``Generate`` call (validation, Redis records, placement, streaming), so
@@ -60,9 +60,9 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response, StreamingResponse
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
+from services.http_server import HttpError, HttpServer, json_response, read_body, require_key
 from services.settings import RouterSettings
 from shared.grammar import ANY_JSON_OBJECT
-from shared.http_server import HttpError, HttpServer, json_response, read_body, require_key
 from shared.request import RequestError
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions

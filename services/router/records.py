@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import redis
 from prometheus_client import Counter, Gauge
 
-from shared.metadata import TERMINAL, RequestStore
+from services.metadata import TERMINAL, RequestStore
 
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # Redis away, not a bug in the write
 

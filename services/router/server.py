@@ -40,16 +40,16 @@ from services.common import (
     new_instance_id,
 )
 from services.logs import ServiceLog
+from services.metadata import InstanceInfo, Registry, RequestStore, connect
 from services.router.grpc_api import RouterGrpc
 from services.router.records import REDIS_DOWN, RecordsUnavailable, RecordWriter
 from services.settings import RouterSettings
+from services.telemetry import Telemetry
 from shared.handoff import sampling_from_pb, sampling_to_pb
-from shared.metadata import InstanceInfo, Registry, RequestStore, connect
 from shared.model.config import ModelConfig
 from shared.model.tokenizer import Tokenizer
 from shared.request import RequestError
 from shared.sampling import SamplingParams
-from shared.telemetry import Telemetry
 from shared.text import TextStream
 
 RID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # fullmatch: "$" would let a trailing newline through

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from shared.config import EngineConfig
+from shared.errors import RequestError
 from shared.memory.kv_cache import CacheLayout, KVCache
 from shared.model.config import ModelConfig
 from shared.model.loader import parse_dtype
-from shared.request import RequestError
 
 GiB = 1 << 30
 BASE_RESERVE = 1 << 30  # outside the caching allocator's count: the CUDA context, cuBLAS and Triton workspaces

@@ -42,7 +42,7 @@ class LaunchedDraft:
     it when it runs these requests (or some of them: the rows of those that ended become padding), in
     this order, from the states this step left them."""
 
-    reqs: list[Request]
+    reqs: list[Request | None]  # None: a request retired since (``DraftAhead.forget``)
     states: list[DraftState | None]  # each request's draft state it was drafted from (set after commit)
     inp: DecodeInputs  # padded to the bucket, on the device
     tree: DraftTree
@@ -52,7 +52,7 @@ class LaunchedDraft:
     def rows_for(self, reqs: list[Request]) -> list[int] | None:
         """Each request's row here when ``reqs`` are some of this draft's requests, in its order, each
         from the state it was drafted from (the others ended since); otherwise None."""
-        where = {id(r): i for i, r in enumerate(self.reqs)}
+        where = {id(r): i for i, r in enumerate(self.reqs) if r is not None}
         rows = [where.get(id(r)) for r in reqs]
         if not reqs or None in rows or rows != sorted(rows):
             return None
@@ -153,6 +153,12 @@ class DraftAhead:
         self.pending.states = [r.draft_state for r in reqs]
         if all(r.finish_reason is not None for r in reqs):
             self.drop()
+
+    def forget(self, req: Request) -> None:
+        """``req`` ended (``Scheduler.retire``): the draft launched ahead keeps no reference to it; its row,
+        which no later step runs, is padding if the draft is used."""
+        if self.pending is not None:
+            self.pending.reqs = [None if r is req else r for r in self.pending.reqs]
 
     def drop(self) -> None:
         """Forget the draft launched ahead (no decode step is going to use it): it keeps no request

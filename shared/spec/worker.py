@@ -7,7 +7,7 @@ position L + depth(n). Every forward batch is built from the cache of the runner
 chunking (seed 000). Every per-token output of verification is gathered by one accept index
 (seed 004). Empty batches run the same code as full ones, with widths from the draft (seed 003).
 
-A decode step (``SpecWorker.decode_step``) reads top to bottom: reserve pages, draft (or take the
+A decode step (``SpecWorker.step``) reads top to bottom: reserve pages, draft (or take the
 draft launched ahead: ``shared/spec/draft_ahead.py``), verify and extend, launch the next step's draft
 ahead, commit, record the statistics (``shared/spec/stats.py``).
 
@@ -45,6 +45,7 @@ from shared.spec.phases import DecodeInputs, SpecPhases, StepOutput
 from shared.spec.state import DraftState
 from shared.spec.stats import SpecRecorder
 from shared.spec.tree import DraftTree
+from shared.stepping import Events, Stepping, drive
 
 
 def shifted_tokens(req: Request, start: int, end: int) -> list[int]:
@@ -87,9 +88,6 @@ class SpecWorker:
         # Each processed request's penalty rows, on the device across steps (the engine's: its prefill
         # samples with the same rows)
         self.penalty_rows = RowsCache() if penalty_rows is None else penalty_rows
-        # Called once a step's device work is queued, just before the host waits for it (the engine's
-        # ``before_host_wait``: a service publishes the previous step's tokens in that time).
-        self.before_host_wait: Callable[[], None] | None = None
         on = set(config.cuda_graph_phases) if config.cuda_graph else set()
         failures = [] if graph_failures is None else graph_failures  # the engine's: /health reads it
         def flush() -> None:  # the step's slot reservations, on the device before a graph reads them
@@ -231,10 +229,14 @@ class SpecWorker:
         self._resume([reqs[i] for i in running], out.hidden, out.topk_p, out.topk_ids, running)
 
     # ---- one decode step -------------------------------------------------------------------------
-    def decode_step(self, reqs: list[Request], next_grows: bool = False,
-                    shape: str | None = None) -> list[tuple[Request, list[int]]]:
+    def decode_step(self, reqs: list[Request], next_grows: bool = False, shape: str | None = None) -> Events:
+        """One decode step (``step``) run through, nothing beside it at its host wait."""
+        return drive(self.step(reqs, next_grows, shape))
+
+    def step(self, reqs: list[Request], next_grows: bool = False, shape: str | None = None) -> Stepping:
         """Draft, verify, accept, compact and extend for ``reqs``: host bookkeeping around four pure
-        tensor phases (each can be replayed from a CUDA graph). ``next_grows``: the next decode step
+        tensor phases (each can be replayed from a CUDA graph); yields once the device work is queued,
+        before the host waits for it (``shared/stepping.py``). ``next_grows``: the next decode step
         runs a request this one does not (then no draft is launched ahead for it). ``shape``: the tree
         shape's name (``self.shapes``; None: the configured one)."""
         sh = self.shapes[shape or self.spec.name]
@@ -253,8 +255,7 @@ class SpecWorker:
         # ... and the next step's draft goes to the device behind them, timed as that step's draft.
         ahead_s = self.ahead.launch(reqs, inp, out, caps, sh.graphs["draft"], sh.spec.name) if caps is not None \
             else 0.0
-        if self.before_host_wait is not None:
-            self.before_host_wait()
+        yield  # the device computes the step: the engine loop publishes and serves meanwhile
         if ready is not None:
             ready.synchronize()
         out = dataclasses.replace(out, **host)

@@ -11,10 +11,10 @@ import pytest
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.decode.server import start_decode
+from services.metadata import EmbeddedRedis, RequestStore, connect
 from services.prefill.server import start_prefill
 from services.router.server import start_router
 from services.settings import DecodeSettings, PrefillSettings, RouterSettings
-from shared.metadata import EmbeddedRedis, RequestStore, connect
 
 
 @pytest.fixture(scope="session")

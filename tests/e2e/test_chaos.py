@@ -24,10 +24,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
+from services.metadata import TERMINAL, Registry, RequestStore, connect
 from services.router.records import RecordWriter
 from services.router.server import RouterCore, start_router
 from services.settings import RouterSettings
-from shared.metadata import TERMINAL, Registry, RequestStore, connect
 from tests.e2e.test_failover import spawn
 from tests.unit.services.scripted_stack import RestartableRedis
 

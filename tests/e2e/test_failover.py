@@ -19,9 +19,9 @@ import pytest
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
+from services.metadata import EmbeddedRedis, Registry, RequestStore, connect
 from services.router.server import start_router
 from services.settings import RouterSettings
-from shared.metadata import EmbeddedRedis, Registry, RequestStore, connect
 from tests.e2e.conftest import start_stack
 
 STREAMS = 8

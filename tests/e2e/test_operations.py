@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.launch import Stack, free_port
-from shared.metadata import RequestStore, connect
+from services.metadata import RequestStore, connect
 from tests.e2e.conftest import start_stack
 
 
@@ -172,8 +172,8 @@ def test_health_is_503_capturing_while_graphs_are_captured(redis_url, tiny_model
     503 capturing (after loading) until it is done, gRPC health is not up yet, and no registry entry exists."""
     import services.decode.server as decode_server
     import services.followers as followers  # where the services build their engine (start_engine)
+    from services.metadata import Registry
     from services.settings import DecodeSettings
-    from shared.metadata import Registry
 
     real_engine = followers.Engine
     gate, capturing = threading.Event(), threading.Event()

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.engine_service import wait_until
 from services.followers import Leader
-from shared.metadata import Registry, connect
+from services.metadata import Registry, connect
 from tests.e2e.conftest import start_stack
 from tests.e2e.test_operations import http_get
 

@@ -24,10 +24,10 @@ import pytest
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
+from services.metadata import EmbeddedRedis, Registry, RequestStore, connect
 from services.router.openai_http import ChatTemplate
 from shared.config import EngineConfig
 from shared.engine import Engine
-from shared.metadata import EmbeddedRedis, Registry, RequestStore, connect
 from shared.model.default_pair import trained_tiny_pair
 from shared.model.tokenizer import Tokenizer
 from shared.sampling import SamplingParams

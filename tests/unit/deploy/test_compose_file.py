@@ -212,7 +212,7 @@ def _healthcheck_argv(test: list[str]) -> list[str]:
 
 def test_service_healthcheck_follows_health(compose):
     """The compose health check (the image's python, urllib) fails while /health is 503 and passes at 200."""
-    from shared.telemetry import Telemetry
+    from services.telemetry import Telemetry
 
     tests = {tuple(svc["healthcheck"]["test"]) for name, svc in compose["services"].items() if role_of(svc)}
     assert len(tests) == 1  # one command for every Eyrie service

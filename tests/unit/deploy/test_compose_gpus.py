@@ -1,7 +1,7 @@
 """The GPU profiles of docker-compose.yml (gpu: one GPU shared; gpu2 (1P1D); gpu4 (1P3D); gpu8; gpu4-tp and
-gpu8-tp: engines split over two GPUs): each validates, pins every engine to one GPU per tensor-parallel rank, keeps engines that share
-a GPU within its memory, and starts its router after all its engines; docker/check_gpus.py, which checks that,
-catches the planted mistakes."""
+gpu8-tp: engines split over two GPUs): each validates, pins every engine to one GPU per tensor-parallel rank,
+keeps engines that share a GPU within its memory, and starts its router after all its engines;
+docker/check_gpus.py, which checks that, catches the planted mistakes."""
 
 from __future__ import annotations
 

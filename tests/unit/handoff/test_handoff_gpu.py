@@ -50,9 +50,9 @@ def test_services_on_cuda_equal_the_single_process_engine(models, tmp_path):
 
     from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
     from services.decode.server import start_decode
+    from services.metadata import EmbeddedRedis
     from services.prefill.server import start_prefill
     from services.settings import DecodeSettings, PrefillSettings
-    from shared.metadata import EmbeddedRedis
 
     m = models["cuda"]
     want = make_engine(m, "eagle3", config("eagle3", 4, 16, "cuda", True)).generate(PROMPTS, GREEDY)
@@ -91,9 +91,9 @@ def test_services_on_cuda_over_each_transport_equal_the_engine_and_count_the_han
 
     from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
     from services.decode.server import start_decode
+    from services.metadata import EmbeddedRedis
     from services.prefill.server import start_prefill
     from services.settings import DecodeSettings, PrefillSettings
-    from shared.metadata import EmbeddedRedis
 
     m, cfg = models["cuda"], config("eagle3", 4, 16, "cuda")
     want = make_engine(m, "eagle3", config("eagle3", 4, 16, "cuda", True)).generate(PROMPTS, GREEDY)

@@ -25,11 +25,11 @@ from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.common import start_grpc_server
 from services.decode.server import start_decode
+from services.metadata import EmbeddedRedis, Registry, connect
 from services.prefill.server import start_prefill
 from services.settings import DecodeSettings, PrefillSettings
 from shared.handoff import PageSource, iter_chunks, sampling_to_pb
 from shared.handoff.wire import page_bytes
-from shared.metadata import EmbeddedRedis, Registry, connect
 from shared.sampling import SamplingParams
 
 DRAFT, TOPK, PAGE = "eagle", 4, 4
@@ -658,18 +658,18 @@ def prefill_holds_before(stack, monkeypatch, rid: str, condition, timeout: float
     thread, up to ``timeout``) for ``condition(request)``; the returned dict gets ``met``: whether it
     held. The hand-off runs on other threads, so whatever it does can happen while the engine waits."""
     engine, seen = stack.prefill_engine, {}
-    step = engine.step
+    launch = engine.launch
 
-    def held_step():
+    def held_launch():
         req = engine.requests.get(rid)
         if "met" not in seen and req is not None and 0 < req.kv_len < req.prompt_len:
             deadline = time.monotonic() + timeout
             while not condition(req) and time.monotonic() < deadline:
                 time.sleep(0.01)
             seen["met"] = condition(req)
-        return step()
+        return launch()
 
-    monkeypatch.setattr(engine, "step", held_step)
+    monkeypatch.setattr(engine, "launch", held_launch)
     return seen
 
 
@@ -833,8 +833,9 @@ def test_receiving_never_stalls_decoding_and_the_request_joins_at_the_next_step(
             yield msg
 
     monkeypatch.setattr(transport, "_messages", slow)
-    engine, rid, steps = stack.decode.engine_loop.engine, stack.rid(), {"n": 0}
-    step, activate = engine.step, engine.activate_handoff
+    loop, rid, steps = stack.decode.engine_loop, stack.rid(), {"n": 0}
+    engine = loop.engine
+    step, activate = loop.step_once, engine.activate_handoff
 
     def counted_step():
         events = step()
@@ -848,7 +849,7 @@ def test_receiving_never_stalls_decoding_and_the_request_joins_at_the_next_step(
             steps["activated_after"] = steps["n"]
         return activate(req, *args, **kw)
 
-    monkeypatch.setattr(engine, "step", counted_step)
+    monkeypatch.setattr(loop, "step_once", counted_step)
     monkeypatch.setattr(engine, "activate_handoff", counted_activate)
     tokens, finish, _ = stack.generate(LONG, rid=rid)
     assert during["kept_decoding"] and during["closed"] - during["opened"] >= 8, during

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from shared.metadata import EmbeddedRedis, connect
+from services.metadata import EmbeddedRedis, connect
 
 _dbs = itertools.count(1)
 

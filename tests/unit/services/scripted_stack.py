@@ -13,9 +13,9 @@ import grpc
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.common import start_grpc_server
+from services.metadata import InstanceInfo, Registry, RequestStore, connect
 from services.router.server import start_router
 from services.settings import RouterSettings
-from shared.metadata import InstanceInfo, Registry, RequestStore, connect
 
 
 class OkPrefill(pb_grpc.PrefillServicer):

@@ -1,10 +1,12 @@
-"""The engine loop serves ``call_soon`` during a step, while the device computes it (the engine's host-wait
-hook), and ``call`` only between steps; the service's ``while_stepping`` runs at the same point. A hand-off
-reserved during a real engine's step leaves the request that step runs exact."""
+"""The engine loop serves ``call_soon`` during a step, while the device computes it (between the step's
+launch and its finish: ``EngineLoop.step_once``), and ``call`` only between steps; the service's
+``while_stepping`` runs at the same point. A hand-off reserved during a real engine's step leaves the request
+that step runs exact."""
 
 from __future__ import annotations
 
 import threading
+import types
 
 import pytest
 
@@ -15,13 +17,13 @@ from shared.sampling import SamplingParams
 
 
 class HeldStep:
-    """Just what the loop asks of an engine. Its one step waits for ``go`` (the host still launching the
-    step), calls the host-wait hook, then waits for ``finish`` (the device still computing it)."""
+    """Just what the loop asks of an engine. Its one step's launch waits for ``go`` (the host still launching
+    the step); its finish says the loop served what runs beside it (``hooked``), then waits for ``finish``
+    (the device still computing it)."""
 
     role, device = "decode", "cpu"
 
     def __init__(self):
-        self.hook = None
         self.work = True
         self.started, self.go, self.hooked, self.finish = (threading.Event() for _ in range(4))
 
@@ -34,17 +36,16 @@ class HeldStep:
     def load(self) -> EngineLoad:
         return EngineLoad(running=0, queued=0, prefill_tokens=0, decode_tokens=0, free_pages=(0,), total_pages=(0,))
 
-    def set_host_wait_hook(self, fn) -> None:
-        self.hook = fn
-
     def has_work_to_step(self) -> bool:
         return self.work
 
-    def step(self):
+    def launch(self):
         self.work = False
         self.started.set()
         assert self.go.wait(10)
-        self.hook()
+        return types.SimpleNamespace(finish=self.finish_step)  # the step in flight
+
+    def finish_step(self):
         self.hooked.set()
         assert self.finish.wait(10)
         return []
@@ -95,7 +96,7 @@ def test_a_call_never_overtakes_a_call_soon_queued_before_it():
 
 
 def test_a_hand_off_reserved_mid_step_leaves_the_running_request_exact(tiny_model_dir):
-    """An engine steps one request while another's reservation is made in the host-wait hook: the running
+    """An engine steps one request while another's reservation is made beside the step in flight: the running
     request's tokens equal a run without it, and every page comes back."""
     config = EngineConfig(page_size=4, max_context=64, max_running=4)
     greedy = SamplingParams(max_new_tokens=6, ignore_eos=True)
@@ -110,8 +111,8 @@ def test_a_hand_off_reserved_mid_step_leaves_the_running_request_exact(tiny_mode
         reserved.append(e.reserve_handoff("joining", list(range(3, 13)), [4], [0.0], greedy, 10))
 
     assert not reserved
-    loop.call_soon(reserve)  # the loop is not started: only the hook it set on the engine serves this
-    engine.step()  # the reservation is made inside this step, while it "computes"
+    loop.call_soon(reserve)  # the loop is not started: only its step below serves this
+    loop.step_once()  # the reservation is made beside this step, while it "computes"
     assert reserved[0] is not None and reserved[0].rid == "joining" and reserved[0] in engine.live_requests()
     engine.release(reserved[0], "abort")
     engine.run_until_done()
@@ -121,7 +122,7 @@ def test_a_hand_off_reserved_mid_step_leaves_the_running_request_exact(tiny_mode
 
 @pytest.mark.parametrize("hold", [True, False])
 def test_a_prefill_loop_publishes_each_steps_tokens_before_the_next_step(tiny_model_dir, hold):
-    """Holding (a decode loop): a step's tokens go out during the next step, from its host-wait hook; not
+    """Holding (a decode loop): a step's tokens go out during the next step, once it is launched; not
     holding (a prefill loop: first tokens, each a client's time to first token): before the next step."""
     engine = Engine(tiny_model_dir / "target", config=EngineConfig(page_size=4, max_context=64, max_running=2))
     loop = EngineLoop(engine, hold_tokens=hold)
@@ -129,13 +130,13 @@ def test_a_prefill_loop_publishes_each_steps_tokens_before_the_next_step(tiny_mo
     loop.publish = lambda ev: (published.extend(ev.token_ids), publish(ev))
     events = loop.subscribe("r")
     out_at_start = []  # tokens published when each step began
-    step = engine.step
+    launch = engine.launch
 
-    def counted_step():
+    def counted_launch():
         out_at_start.append(len(published))
-        return step()
+        return launch()
 
-    engine.step = counted_step
+    engine.launch = counted_launch
     loop.start()
     try:
         loop.call(lambda e: e.add_request([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True), rid="r"))

@@ -11,10 +11,10 @@ import json
 
 from services.engine_service import capture_graphs
 from services.logs import ServiceLog
+from services.telemetry import Telemetry
 from shared.config import EngineConfig
 from shared.cuda_graphs import CaptureFailure, PhaseGraphs
 from shared.engine import Engine
-from shared.telemetry import Telemetry
 from tests.unit.services.test_telemetry import get, samples
 
 

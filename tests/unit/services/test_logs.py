@@ -73,7 +73,7 @@ def test_plain_lines_and_exceptions(captured):
 def test_the_engine_loop_names_each_request_an_engine_error_ends(captured, tiny_model_dir):
     engine = Engine(tiny_model_dir / "target", config=EngineConfig(page_size=4, max_context=64, max_running=4))
 
-    def broken_step():
+    def broken_launch():
         raise RuntimeError("kernel on fire")
 
     loop = EngineLoop(engine, log=ServiceLog("decode", "decode-9")).start()
@@ -81,7 +81,7 @@ def test_the_engine_loop_names_each_request_an_engine_error_ends(captured, tiny_
         queues = {}
         for rid in ("a", "b"):
             queues[rid] = loop.subscribe(rid)
-        engine.step = broken_step
+        engine.launch = broken_launch
         loop.call(lambda e: [e.add_request([5, 6, 7], SamplingParams(max_new_tokens=4), rid=r) for r in "ab"]).result(5)
         for q in queues.values():
             assert q.get(timeout=10).finish_reason == "error"

@@ -1,4 +1,4 @@
-"""shared.metadata against a real Redis server: registry TTLs, heartbeats, request records."""
+"""services.metadata against a real Redis server: registry TTLs, heartbeats, request records."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from shared.metadata import EmbeddedRedis, Heartbeat, InstanceInfo, Registry, RequestStore, connect
+from services.metadata import EmbeddedRedis, Heartbeat, InstanceInfo, Registry, RequestStore, connect
 
 
 def wait_for(predicate, timeout: float = 5.0) -> bool:

@@ -14,9 +14,9 @@ from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.common import start_grpc_server
 from services.launch import free_port
+from services.metadata import InstanceInfo, Registry, RequestStore, connect
 from services.router.server import LoadLedger, RouterCore, RouterError, load_model_files
 from services.settings import RouterSettings
-from shared.metadata import InstanceInfo, Registry, RequestStore, connect
 from shared.request import RequestError
 from shared.text import Detokenizer
 
@@ -142,7 +142,7 @@ def test_model_info(core):
 
 
 def test_model_info_reports_the_engines_dtype_page_size_and_speculative_config(core):
-    from shared.metadata import InstanceInfo
+    from services.metadata import InstanceInfo
 
     facts = {"dtype": "bfloat16", "page_size": 16, "max_context": 4096,
              "spec": {"draft_kind": "eagle3", "topk": 4, "steps": 3, "num_draft_tokens": 8}}

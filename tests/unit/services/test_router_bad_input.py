@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
+from services.metadata import TERMINAL, EmbeddedRedis
 from services.router import openai_http
 from services.router import server as router_server
-from shared.metadata import TERMINAL, EmbeddedRedis
 from tests.unit.services.scripted_stack import start_scripted_stack
 
 # The request id grammar as documented (letters, digits, '.', '_', ':' or '-'; 1-128), written out here

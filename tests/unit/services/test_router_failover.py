@@ -16,8 +16,8 @@ import pytest
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.common import start_grpc_server
+from services.metadata import InstanceInfo
 from services.router.server import RouterCore
-from shared.metadata import InstanceInfo
 from tests.unit.services.test_router import make_core, req
 
 

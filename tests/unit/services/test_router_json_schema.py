@@ -12,10 +12,10 @@ import httpx
 import pytest
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
+from services.metadata import EmbeddedRedis
 from services.router.openai_http import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from shared.grammar import ANY_JSON_OBJECT
 from shared.handoff import sampling_from_pb, sampling_to_pb
-from shared.metadata import EmbeddedRedis
 from shared.sampling import SamplingParams
 from tests.unit.services.scripted_stack import start_scripted_stack
 

@@ -17,10 +17,10 @@ import redis as redis_lib
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
+from services.metadata import Heartbeat, InstanceInfo, Registry, connect
 from services.router.records import RecordsUnavailable, RecordWriter
 from services.router.server import start_router
 from services.settings import RouterSettings
-from shared.metadata import Heartbeat, InstanceInfo, Registry, connect
 from tests.unit.services.scripted_stack import RestartableRedis, SteadyDecode, start_scripted_stack
 
 OUTAGE_S = float(os.environ.get("REDIS_OUTAGE_S", "3"))

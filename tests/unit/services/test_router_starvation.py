@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
-from shared.metadata import EmbeddedRedis
+from services.metadata import EmbeddedRedis
 from tests.unit.services.scripted_stack import SteadyDecode, start_scripted_stack
 
 OPEN_STREAMS = 256

@@ -69,3 +69,19 @@ def test_spec_draft_ahead_bad_value(monkeypatch):
     monkeypatch.setenv("EYRIE_SPEC_DRAFT_AHEAD", "sometimes")
     with pytest.raises(ValidationError, match="spec_draft_ahead"):
         load_settings("decode")
+
+
+def test_every_engine_setting_reaches_the_engine_config_under_its_own_name():
+    """A setting ``EngineOptions`` shares with ``EngineConfig`` is passed as it is (``ENGINE_SETTINGS``); the others
+    are the service's own (paths, the tree shape's parts, the transport), so no engine setting is dropped."""
+    from services.settings import ENGINE_SETTINGS, EngineOptions, EngineSettings
+    from shared.config import EngineConfig
+
+    own = {"model", "draft", "spec_topk", "spec_steps", "spec_draft_tokens", "handoff_transport"}
+    assert set(EngineOptions.model_fields) - set(ENGINE_SETTINGS) == own
+    assert set(ENGINE_SETTINGS) <= set(EngineConfig.model_fields)
+    changed = dict(dtype="bfloat16", page_size=4, num_pages=99, max_running=3, max_context=77, chunk_size=8,
+                   cuda_graph=True, spec_draft_ahead=False, spec_policy="adaptive", tensor_parallel=2,
+                   gpu_memory_fraction=0.5)
+    config = EngineSettings(model="m", **changed).engine_config()
+    assert {k: getattr(config, k) for k in changed} == changed

@@ -1,4 +1,4 @@
-"""shared.telemetry: /health follows the state, /metrics parses and moves, instances don't share metrics."""
+"""services.telemetry: /health follows the state, /metrics parses and moves, instances don't share metrics."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.telemetry import Telemetry
 from shared.config import EngineConfig
 from shared.engine import Engine
 from shared.sampling import SamplingParams
-from shared.telemetry import Telemetry
 
 GRPC = (("transport", "grpc"),)  # the hand-off series' label
 

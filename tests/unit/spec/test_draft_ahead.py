@@ -46,7 +46,7 @@ def test_drafting_ahead_is_lossless_as_the_batch_changes(oracle_models, kind, to
     engine = oracle_models.engine(kind, topk, steps, n, page_size=page_size, chunk_size=4, spec_draft_ahead=True)
     assert engine.speculator.ahead.enabled
     w = engine.speculator
-    next_inputs, decode_step, clamped, current, checked = w.ahead.next_inputs, w.decode_step, [], [], [0]
+    next_inputs, decode_step, clamped, current, checked = w.ahead.next_inputs, w.step, [], [], [0]
 
     def recording_decode_step(reqs, *rest):
         current[:] = reqs
@@ -59,7 +59,7 @@ def test_drafting_ahead_is_lossless_as_the_batch_changes(oracle_models, kind, to
                 assert torch.allclose(getattr(got, name)[rows], getattr(want, name)), name
             checked[0] += 1
         return decode_step(reqs, *rest)
-    w.decode_step = recording_decode_step
+    w.step = recording_decode_step
 
     def checked_next_inputs(inp, out, caps):
         """The draft ahead writes within every request's reserved pages, even one that ends now."""

@@ -1,7 +1,7 @@
 """``RowsCache``: each request's penalty rows kept on the device across steps equal the rows built from its
 whole prompt and output (``logits_rows``) at every step: after admission with an output (a hand-off, a
 failover), after each step's commits, at the rows a draft launched ahead places them, with padding rows
-neutral, and in a slot a finished request left behind."""
+neutral, and in a slot a retired request left behind (the scheduler releases it: ``RowsCache.release``)."""
 
 from __future__ import annotations
 
@@ -70,21 +70,23 @@ def test_rows_placed_by_index_with_neutral_padding(device):
             assert torch.equal(getattr(got, f.name), placed), f.name
 
 
-def test_finished_requests_free_their_slots_for_new_ones():
+def test_retired_requests_free_their_slots_for_new_ones():
     cache = RowsCache()
     reqs = [request(str(i), [1, i], [2, 2, i], **PARAMS[0]) for i in range(5)]
     cache.rows(reqs, V, 5, "cpu")
     slots = {cache.entries[id(r)].slot for r in reqs}
     for r in reqs[:3]:
         r.end("abort")
+        cache.release(r)  # what the scheduler's retire does
     later = [request("x", [8], [8, 8, 8, 8], **PARAMS[1]), request("y", [3], **PARAMS[0])]
     batch = reqs[3:] + later
     assert_rows_equal(cache.rows(batch, V, 4, "cpu"), fresh(batch, 4))  # no count left from the old rows
     assert {cache.entries[id(r)].slot for r in later} <= slots  # reused
     assert len(cache.entries) == 4
-    del batch, later, reqs
+    for r in batch:
+        cache.release(r)
     cache.rows([request("z", [1], repetition_penalty=1.3)], V, 1, "cpu")
-    assert len(cache.entries) == 1  # the dropped requests' slots went back
+    assert len(cache.entries) == 1  # the released requests' slots went back
 
 
 def test_batch_without_features_builds_nothing():

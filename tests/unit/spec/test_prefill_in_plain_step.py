@@ -58,10 +58,11 @@ def split_mixed_forwards(engine) -> None:
     """The engine's former step: a mixed plan's prefill chunks in a forward of their own, then the decode rows."""
     one = engine._run_target_step
 
-    def split(plan: StepPlan):
+    def split(plan: StepPlan):  # a step's run (``shared/stepping.py``), as the one it replaces
         if plan.prefill and plan.decode:
-            return one(StepPlan(prefill=plan.prefill)) + one(StepPlan(decode=plan.decode))
-        return one(plan)
+            events = yield from one(StepPlan(prefill=plan.prefill))
+            return events + (yield from one(StepPlan(decode=plan.decode)))
+        return (yield from one(plan))
     engine._run_target_step = split
 
 

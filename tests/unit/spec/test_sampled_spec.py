@@ -70,8 +70,8 @@ def test_a_mixed_batch_is_accepted_in_one_call_per_step(oracle_models, monkeypat
     monkeypatch.setattr(phases, "sampled_accept", counted)
     engine = oracle_models.engine("mtp", 2, 3, 6, page_size=4, chunk_size=None)
     decode_steps = []
-    step = engine.speculator.decode_step
-    engine.speculator.decode_step = lambda reqs, *rest: decode_steps.append(len(reqs)) or step(reqs, *rest)
+    step = engine.speculator.step
+    engine.speculator.step = lambda reqs, *rest: decode_steps.append(len(reqs)) or step(reqs, *rest)
     prompts, params = [PROMPTS[0], PROMPTS[2], PROMPTS[3]], [GREEDY, SAMPLED[0], GREEDY]
     got = outputs(engine, prompts, params)
     assert len(calls) == len(decode_steps) > 0

@@ -33,7 +33,7 @@ def run_recorded(models, kind, prompts, params, **spec):
     verified: dict[str, list[int]] = {}
     committed: dict[str, list[int]] = {}
     sizes: list[int] = []
-    commit, decode_step = engine.speculator._commit, engine.speculator.decode_step
+    commit, decode_step = engine.speculator._commit, engine.speculator.step
 
     def recording_commit(reqs, inp, out):  # what verification accepted, before any stop cuts it
         for r, n in zip(reqs, out.accept_len.tolist()):
@@ -41,13 +41,13 @@ def run_recorded(models, kind, prompts, params, **spec):
         return commit(reqs, inp, out)
 
     def recording_decode_step(reqs, *rest):
-        events = decode_step(reqs, *rest)
+        events = yield from decode_step(reqs, *rest)
         sizes.append(len(reqs))
         for r, toks in events:
             committed.setdefault(r.rid, []).append(len(toks))
         return events
 
-    engine.speculator._commit, engine.speculator.decode_step = recording_commit, recording_decode_step
+    engine.speculator._commit, engine.speculator.step = recording_commit, recording_decode_step
     reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     engine.run_until_done()
     assert engine.is_idle_and_clean()

@@ -1,5 +1,5 @@
 """Health and Prometheus metrics of one service instance, on its own small HTTP server (FastAPI under
-uvicorn: ``shared.http_server``).
+uvicorn: ``services.http_server``).
 
 ``/health`` answers 200 when the instance is ready and 503 (with the state) while it loads, captures
 CUDA graphs or drains. ``/metrics`` is the Prometheus text format. Each instance has its own
@@ -25,7 +25,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from shared.http_server import HttpError, HttpServer, json_response, require_key
+from services.http_server import HttpError, HttpServer, json_response, require_key
 from shared.spec.token_counts import SpecTokenCounts
 
 OPEN_PATHS = ("/health",)

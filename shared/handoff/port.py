@@ -1,0 +1,248 @@
+"""The engine's side of a hand-off: a port adapting the engine's narrow page API to the wire types.
+
+The engine offers a few facts about its pages (``EnginePages``: its caches, a request's page ids in
+position order, whether it still holds a request, its device, and ``activate``, which resumes a request
+whose K/V arrived); ``HandoffPort`` turns them into what the transports read and write (``PageSource``,
+``Increment``, ``PageSink``, the exported pools, the ``HandoffSchema``). Under tensor parallelism the port
+also owns the per-request staging tables: rank 0 gathers every rank's KV heads into a staging cache before
+a request leaves a split prefill engine, and scatters them from one (or from the landing cache a same-host
+prefill wrote into) when it enters a split decode engine, so that groups of different sizes fit each other.
+Those tables are released with the request (``forget``, called by the scheduler's ``retire``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Protocol
+
+import torch
+
+from shared.config import EngineConfig, SpecConfig
+from shared.handoff.schema import HandoffSchema
+from shared.handoff.wire import Increment, PageFeed, PageGuard, PageSink, PageSource, Prefilled, encode_draft_state
+from shared.memory.kv_cache import KVCache
+from shared.parallel import (
+    TPGroup,
+    gather_pages,
+    gather_pages_into,
+    scatter_pages,
+    share_pages,
+    staging_cache,
+    staging_pages,
+)
+from shared.request import Request, Stage
+from shared.spec.state import DraftState
+
+LANDING_REQUESTS = 4  # a split decode engine's in-place hand-offs in flight at once (more are refused: no room)
+
+
+class EnginePages(Protocol):
+    """What the port asks of an engine."""
+
+    device: torch.device
+
+    @property
+    def caches(self) -> list[KVCache]: ...  # target first, then the draft's
+
+    def page_ids(self, req: Request) -> list[list[int]]: ...  # per cache, in position order
+
+    def holds(self, req: Request) -> bool: ...
+
+    def on_device(self) -> contextlib.AbstractContextManager: ...
+
+    def activate(self, req: Request, committed_len: int, draft_state: DraftState | None,
+                 output_ids: list[int], output_logprobs: list[float]) -> None: ...
+
+
+def landing_pages(tp: TPGroup | None, role: str, positions: int, page_size: int) -> int:
+    """The landing cache's pages: room for ``LANDING_REQUESTS`` requests of ``positions`` (the whole context
+    and headroom) on rank 0 of a split decode engine, 0 elsewhere."""
+    if tp is None or tp.rank != 0 or role != "decode":
+        return 0
+    return LANDING_REQUESTS * -(-positions // page_size)
+
+
+class HandoffPort:
+    """The hand-off of one engine, both sides (a prefill engine sends, a decode engine receives)."""
+
+    def __init__(self, pages: EnginePages, config: EngineConfig, vocab_size: int, kv_heads: int,
+                 tp: TPGroup | None = None, landing: int = 0, draft=None, tree: SpecConfig | None = None):
+        """``kv_heads``: the target's KV heads, every rank's; ``landing``: the landing cache's pages
+        (``landing_pages``); ``draft`` (a ``DraftHead``) and ``tree``: the speculation, None without."""
+        self.pages = pages
+        self.tp = tp
+        self.kv_heads = kv_heads
+        target = pages.caches[0]
+        layouts = [c.layout for c in pages.caches]
+        if tp is not None:  # a split engine's hand-offs carry every KV head (``page_source``)
+            layouts[0] = dataclasses.replace(layouts[0], num_kv_heads=kv_heads)
+        # What this engine's hand-offs carry; the other side of a hand-off must agree on all of it.
+        self.schema = HandoffSchema.build(
+            layouts, page_size=config.page_size, dtype=config.dtype, vocab_size=vocab_size,
+            draft_kind=draft.kind if draft else "", tree=tree if draft else None,
+            draft_hidden_width=draft.hidden_width if draft else 0)
+        # Rank 0 of a split decode engine: where same-host prefills write hand-offs in place, every KV head.
+        self.landing = staging_cache(target.layout, kv_heads, landing, shareable=True) if landing else None
+        self._staged: dict[str, KVCache] = {}  # under TP, on rank 0: hand-offs' target K/V, every KV head, by id
+        self._gathered: dict[str, int] = {}  # under TP, every rank: a fed hand-off's target pages gathered so far
+        self._landed: dict[str, list[int]] = {}  # under TP, decode rank 0: in-place hand-offs' landing pages, by id
+
+    # ---- the sending side (prefill) --------------------------------------------------------------
+    def page_source(self, req: Request, fed: bool = False) -> PageSource | None:
+        """The sending side of ``req``'s hand-off. Parked (its prompt done): its pages and its draft state.
+        ``fed``: empty, to be fed an ``Increment`` after each step of its prefill (``increment``). The pages
+        an increment names as done are not written again until ``req`` is released, so the transport may
+        read them off the engine's thread until then; an abort cancels the guard first. Under tensor
+        parallelism a collective, None on ranks other than 0 (``_gathered_source``)."""
+        caches = self.pages.caches
+        if self.tp is not None:
+            return self._gathered_source(req, fed)
+        if fed:
+            return PageSource(req.rid, caches, [], b"", feed=PageFeed())
+        return PageSource(req.rid, caches, self.pages.page_ids(req), encode_draft_state(req))
+
+    def _gathered_source(self, req: Request, fed: bool) -> PageSource | None:
+        """Under tensor parallelism, on rank 0 the source of a request's hand-off with every rank's KV heads
+        gathered into a cache of its own (the draft's caches are whole on every rank already), so that it fits
+        a decode engine of any split; None on the other ranks. Parked: a collective, every page gathered now.
+        ``fed``: the cache is sized for the prompt and each ``increment`` gathers the pages completed since
+        the last one (a collective then)."""
+        caches = self.pages.caches
+        if fed:
+            self._gathered[req.rid] = 0
+            if self.tp.rank != 0:
+                return None
+            staged = staging_cache(caches[0].layout, self.kv_heads, caches[0].pages_for(req.prefill_len))
+            self._staged[req.rid] = staged
+            return PageSource(req.rid, [staged, *caches[1:]], [], b"", feed=PageFeed())
+        ids = self.pages.page_ids(req)
+        staging = gather_pages(caches[0], ids[0], self.tp)
+        if staging is None:
+            return None
+        return PageSource(req.rid, [staging, *caches[1:]], [staging_pages(len(ids[0])), *ids[1:]],
+                          encode_draft_state(req))
+
+    def increment(self, req: Request) -> Increment:
+        """``req``'s pages so far and how many of each cache's hold their final K/V (every position of the
+        page computed: a chunk's draft extend writes the same positions as its target forward); with its
+        prompt done, all of them and what the decode side resumes from (the draft state, the first token).
+        On CUDA, an event after the work queued so far orders the transport's reads behind the step that
+        wrote the pages (the engine's thread never waits for them)."""
+        page_ids = self.pages.page_ids(req)
+        parked = req.stage is Stage.HANDOFF
+        done = [len(p) if parked else req.kv_len // c.page_size for c, p in zip(self.pages.caches, page_ids)]
+        if self.tp is not None:  # a collective: the target's pages come from the staging cache (``page_source``)
+            page_ids[0] = self._gather_done(req, page_ids[0], done[0])
+        written = None
+        if self.pages.device.type == "cuda":
+            with self.pages.on_device():
+                written = torch.cuda.Event()
+                written.record()
+        last = Prefilled(encode_draft_state(req), tuple(req.output_ids[req.resumed:]),
+                         tuple(req.output_logprobs[req.resumed:])) if parked else None
+        return Increment(page_ids, done, written, last)
+
+    def _gather_done(self, req: Request, pages: list[int], done: int) -> list[int]:
+        """Under tensor parallelism, a collective: ``req``'s target pages completed since the last increment
+        (``pages[:done]`` are final) gathered, every KV head, into its staging cache on rank 0; the staging
+        cache's ids of ``pages``."""
+        first = self._gathered[req.rid]
+        if done > first:
+            gather_pages_into(self._staged.get(req.rid), first, self.pages.caches[0], pages[first:done], self.tp)
+            self._gathered[req.rid] = done
+        return staging_pages(len(pages))
+
+    # ---- the receiving side (decode) -------------------------------------------------------------
+    def page_sink(self, req: Request, guard: PageGuard, in_place: bool = False) -> PageSink | None:
+        """The receiving side of ``req``'s transfer, writing into its reserved pages (or, with ``in_place``,
+        checking that the sender wrote them itself); None when ``req`` is no longer the engine's request
+        waiting for its K/V (it was aborted), or, in place into a split engine, when its landing cache has
+        no room now."""
+        if not self._receiving(req):
+            return None
+        if self.tp is not None:
+            return self._staged_sink(req, guard, in_place)
+        return PageSink(req.rid, self.pages.caches, self.pages.page_ids(req), guard, in_place)
+
+    def _staged_sink(self, req: Request, guard: PageGuard, in_place: bool) -> PageSink | None:
+        """Under tensor parallelism, on rank 0: a sink writing the target's K/V, every KV head, into a cache
+        of its own, from which ``activate`` gives each rank its heads (the draft's K/V lands in rank 0's
+        pages, copied to the others then). ``in_place``: the sender writes the target's K/V into pages of
+        the landing cache (``pools``) instead; None when it has no room now. None on the other ranks."""
+        if self.tp.rank != 0:
+            return None
+        caches, ids = self.pages.caches, self.pages.page_ids(req)
+        if in_place:
+            if self.landing is None or self.landing.num_free_pages < len(ids[0]):
+                return None
+            landed = self._landed[req.rid] = self.landing.allocator.alloc(len(ids[0]))
+            return PageSink(req.rid, [self.landing, *caches[1:]], [landed, *ids[1:]], guard, in_place=True)
+        staging = self._staged[req.rid] = staging_cache(caches[0].layout, self.kv_heads, len(ids[0]))
+        return PageSink(req.rid, [staging, *caches[1:]], [staging_pages(len(ids[0])), *ids[1:]], guard)
+
+    def pools(self) -> list[torch.Tensor]:
+        """Per cache (target first), its whole K/V pool: what a decode engine exports to a same-host prefill
+        (``shared.handoff.ipc``), fixed for the engine's life. Under tensor parallelism a rank's pool holds its
+        share of the KV heads: rank 0 of a decode engine exports its landing cache in the target's place
+        (``page_sink`` in place), the other ranks nothing."""
+        caches = self.pages.caches
+        if self.tp is not None:
+            return [] if self.landing is None else [self.landing.pool, *(c.pool for c in caches[1:])]
+        return [c.pool for c in caches]
+
+    def activate(self, req: Request, committed_len: int, draft_state: DraftState | None = None,
+                 output_ids: list[int] = (), output_logprobs: list[float] = ()) -> bool:
+        """The K/V has arrived: the request resumes straight into the decode loop (no pseudo-forward), its
+        outputs extended by ``output_ids``. False when ``req`` is no longer the engine's request waiting for
+        its K/V (it was aborted)."""
+        if not self._receiving(req):
+            return False
+        if self.tp is not None:
+            committed_len, draft_state, output_ids, output_logprobs = self._spread(
+                req, committed_len, draft_state, output_ids, output_logprobs)
+        self.pages.activate(req, committed_len, draft_state, output_ids, output_logprobs)
+        return True
+
+    def _spread(self, req: Request, committed_len: int, draft_state: DraftState | None,
+                output_ids, output_logprobs) -> tuple:
+        """Under tensor parallelism, a collective: what arrived on rank 0 on every rank: each rank's share of
+        the target's KV heads, the draft's pages, the draft state and outputs (the arguments rank 0 got)."""
+        caches, ids = self.pages.caches, self.pages.page_ids(req)
+        landed, staged = self._landed.get(req.rid), self._staged.pop(req.rid, None)
+        if landed is not None:
+            scatter_pages(self.landing, landed, caches[0], ids[0], self.tp)
+        else:
+            scatter_pages(staged, None if staged is None else staging_pages(len(ids[0])), caches[0], ids[0],
+                          self.tp)
+        self._land_off(req.rid)
+        for cache, pages in zip(caches[1:], ids[1:]):
+            share_pages(cache, pages, self.tp)
+        arrived = None if self.tp.rank != 0 else (
+            committed_len, None if draft_state is None else draft_state.to_bytes(), list(output_ids),
+            list(output_logprobs))
+        committed_len, blob, output_ids, output_logprobs = self.tp.broadcast(arrived)
+        state = None if blob is None else DraftState.from_bytes(blob, self.pages.device)
+        return committed_len, state, output_ids, output_logprobs
+
+    def _receiving(self, req: Request) -> bool:
+        return self.pages.holds(req) and req.stage is Stage.RECEIVING
+
+    # ---- the port's tables -----------------------------------------------------------------------
+    def forget(self, req: Request) -> None:
+        """``req`` ended (the scheduler's ``retire``): its staging tables and landing pages go."""
+        if self.tp is None:
+            return
+        self._staged.pop(req.rid, None)
+        self._gathered.pop(req.rid, None)
+        self._land_off(req.rid)
+
+    def _land_off(self, rid: str) -> None:
+        """Free request ``rid``'s pages of the landing cache, if it holds any."""
+        landed = self._landed.pop(rid, None)
+        if landed is not None:
+            self.landing.allocator.free(landed)
+
+    def is_clean(self) -> bool:
+        """Every landing page back (the no-leak invariant)."""
+        return self.landing is None or self.landing.is_full()

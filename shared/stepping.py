@@ -1,0 +1,25 @@
+"""A step as a generator: it yields once its device work is queued and the host would wait for it.
+
+The engine loop (``services/engine_loop.py``) owns the overlap: it runs the next step up to that yield
+(``Engine.launch``), publishes the previous step's tokens and serves the calls that may run beside a step
+in flight, then resumes the step (``InFlight.finish``), which waits for the device and commits. Nothing
+inside a step calls back into a service.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+from shared.request import Request
+
+Events = list[tuple[Request, list[int]]]  # per request a step touched, the tokens it committed
+Stepping = Generator[None, None, Events]  # a step's run, yielding at its host wait
+
+
+def drive(running: Stepping) -> Events:
+    """Run a step's generator to its end (no overlap: nothing runs at its yield); what it returns."""
+    try:
+        while True:
+            next(running)
+    except StopIteration as done:
+        return done.value
