@@ -15,11 +15,11 @@ import time
 import uuid
 
 from services.logs import ServiceLog
+from services.telemetry import Telemetry
 from shared.config import DEFAULT_GPU_MEMORY_FRACTION
 from shared.memory.sizing import Footprint, check_footprint
 from shared.request import RequestError, Stage
 from shared.sampling import SamplingParams
-from shared.telemetry import Telemetry
 
 WARMUP_OUTPUT = 4  # output tokens of a decode engine's warm-up request
 CPU_WARMUP_TOKENS = 16  # the warm-up prompt off a GPU (on one: a full prefill chunk)

@@ -18,12 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.decode import server as decode_server
 from services.launch import free_port
+from services.metadata import Registry, connect
 from services.prefill import server as prefill_server
 from services.settings import DecodeSettings, PrefillSettings
 from services.warmup import CPU_WARMUP_TOKENS, warm_up
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
-from shared.metadata import Registry, connect
 from shared.request import RequestError
 
 
