@@ -42,7 +42,9 @@ echo "stress: $runs run(s) of: ${*:-the suite}; $hogs CPU hog(s) beside it; resu
 for i in $(seq 1 "$runs"); do
   start=$SECONDS
   python -m pytest -q -p no:cacheprovider --junitxml="$out/run-$i.xml" "$@" >"$out/run-$i.log" 2>&1
-  echo "run $i: exit $?, $((SECONDS - start)) s: $(tail -n 1 "$out/run-$i.log")"
+  rc=$?
+  echo "$rc" >"$out/run-$i.rc"
+  echo "run $i: exit $rc, $((SECONDS - start)) s: $(tail -n 1 "$out/run-$i.log")"
 done
 stop_hogs
 trap - EXIT
@@ -63,6 +65,10 @@ for xml in sorted(out.glob("run-*.xml")):
             name = f"{case.get('classname')}::{case.get('name')}"
             failed[name] += 1
             first.setdefault(name, (bad.get("message") or "").splitlines()[0][:200] if bad.get("message") else "")
+for rc in sorted(out.glob("run-*.rc")):  # 0: passed, 1: tests failed (named above); else no result at all
+    if int(rc.read_text()) not in (0, 1):
+        failed[f"(pytest exited {rc.read_text().strip()}: see {rc.with_suffix('.log')})"] += 1
+        first.setdefault(f"(pytest exited {rc.read_text().strip()}: see {rc.with_suffix('.log')})", "")
 lines = [f"{n}/{runs}  {name}\n      {first[name]}" for name, n in failed.most_common()]
 report = "\n".join(lines) if lines else f"no test failed in {runs} run(s)"
 (out / "report.txt").write_text(report + "\n")
