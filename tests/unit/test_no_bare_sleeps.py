@@ -17,8 +17,6 @@ ALLOWED: dict[tuple[str, str], str] = {
         "a scripted decode server's pace between tokens (interval_s), not a wait",
     ("tests/unit/handoff/test_handoff_wire.py", "_SlowSink.write"):
         "a slow receiver's pace: the sender must wait for it",
-    ("tests/unit/services/test_metadata.py", "test_heartbeat_refreshes_load_and_sequence_and_deregisters_on_stop"):
-        "time passing beyond the TTL is what the test is about: the entry must still be there after it",
     ("tests/unit/services/test_router_redis_outage.py", "test_requests_streaming_through_a_redis_outage_lose_nothing"):
         "the outage's length (REDIS_OUTAGE_S) is the scenario; the streams' end is waited for by joining them",
     ("tests/unit/handoff/test_handoff_services.py",

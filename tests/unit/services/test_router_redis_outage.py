@@ -149,13 +149,13 @@ def test_a_heartbeat_survives_an_outage_and_a_start_without_redis(redis):
     beat = Heartbeat(registry, InstanceInfo("decode-x", "decode", "127.0.0.1:9"), interval_s=0.05).start()
     try:
         redis.start()
-        wait_for(lambda: [i.instance_id for i in registry.instances()] == ["decode-x"], 5, "registered")
+        wait_for(lambda: [i.instance_id for i in registry.instances()] == ["decode-x"], 30, "registered")
         redis.stop()
         after = beat.info.beat + 3
         wait_for(lambda: beat.info.beat >= after, 30, "beats meanwhile")  # they fail; the thread goes on
         redis.start()
         connect(redis.url).flushdb()  # even a Redis that came back empty
-        wait_for(lambda: [i.instance_id for i in registry.instances()] == ["decode-x"], 5, "registered again")
+        wait_for(lambda: [i.instance_id for i in registry.instances()] == ["decode-x"], 30, "registered again")
     finally:
         beat.stop()
 
