@@ -90,13 +90,24 @@ def running_stack(tiny_model_dir, names: tuple[str, ...], draft: str | None = "e
         shutil.rmtree(gate_dir, ignore_errors=True)
 
 
-def hold(gate: Path, timeout: float = 120) -> dict[str, int]:
-    """Arm ``gate`` and wait until its engine holds: the requests held at the gate's state, with their output
-    tokens so far (a kill from now on lands while they still have work left, on any machine)."""
-    gate.touch()
-    held = Path(f"{gate}.held")
-    poll(held.exists, timeout, f"nothing reached the state {gate.name} holds at")
-    return json.loads(held.read_text())
+def hold_first(gates: dict[str, Path], timeout: float = 120) -> tuple[str, dict[str, int]]:
+    """Arm every gate of ``gates`` (name -> gate file) and wait until one of their engines holds: its name and
+    the requests held at the gate's state, with their output tokens so far (a kill from now on lands while they
+    still have work left, on any machine). Any of them: the router may place every request on one instance (a
+    loaded machine's stale heartbeat says the other is busy). ``release`` them once the kill is done."""
+    for gate in gates.values():
+        gate.touch()
+    first: list[str] = []
+    poll(lambda: first.extend(n for n, g in gates.items() if Path(f"{g}.held").exists()) or first, timeout,
+         f"nothing reached the state {sorted(gates)} hold at")
+    return first[0], json.loads(Path(f"{gates[first[0]]}.held").read_text())
+
+
+def release(gates: dict[str, Path]) -> None:
+    """Every engine held at ``gates`` steps on."""
+    for gate in gates.values():
+        gate.unlink(missing_ok=True)
+        Path(f"{gate}.held").unlink(missing_ok=True)
 
 
 def request(i: int, rid: str, prompt_len: int = 5) -> pb.GenerateRequest:
@@ -131,11 +142,14 @@ def test_kill_9_of_a_decode_mid_stream_fails_nothing_and_changes_no_token(proces
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(STREAMS)]
     for t in threads:
         t.start()
-    held_streams_reached(hold(gates["decode-a"]), got)
+    decodes = {name: gates[name] for name in ("decode-a", "decode-b")}
+    victim, held = hold_first(decodes)
+    held_streams_reached(held, got)
     store = RequestStore(connect(url))
     on_a = [i for i in range(STREAMS) if store.get(f"run-{i}").get("decode_instance") ==
-            _instance_of(registry, procs["decode-a"])]
-    os.kill(procs["decode-a"].pid, signal.SIGKILL)
+            _instance_of(registry, procs[victim])]
+    os.kill(procs[victim].pid, signal.SIGKILL)
+    release(decodes)
     for t in threads:
         t.join(180)
     assert not errors, errors
@@ -180,8 +194,10 @@ def test_kill_9_of_a_prefill_mid_prompt_fails_nothing_and_changes_no_token(proce
     threads = [threading.Thread(target=run, args=(i,)) for i in range(STREAMS)]
     for t in threads:
         t.start()
-    hold(gates["prefill-a"])  # kill it while it holds a prompt half prefilled
-    os.kill(procs["prefill-a"].pid, signal.SIGKILL)
+    prefills = {name: gates[name] for name in ("prefill-a", "prefill-b")}
+    victim, _ = hold_first(prefills)  # kill one while it holds a prompt half prefilled
+    os.kill(procs[victim].pid, signal.SIGKILL)
+    release(prefills)
     assert_runs_match(threads, errors, got, reference, store)
     replaced = [i for i in range(STREAMS) if "replaced" in store.get(f"run-{i}").get("placements", "")]
     assert replaced, "no request was placed again"
@@ -236,9 +252,12 @@ def test_kill_9_of_a_decode_mid_stream_keeps_sampled_output_identical(sampled_st
     for t in threads:
         t.start()
     store = RequestStore(connect(url))
-    victim = _instance_of(registry, procs["decode-a"])
-    on_a = held_streams_reached(hold(gates["decode-a"]), got)
-    os.kill(procs["decode-a"].pid, signal.SIGKILL)
+    decodes = {name: gates[name] for name in ("decode-a", "decode-b")}
+    name, held = hold_first(decodes)
+    victim = _instance_of(registry, procs[name])
+    on_a = held_streams_reached(held, got)
+    os.kill(procs[name].pid, signal.SIGKILL)
+    release(decodes)
     assert_runs_match(threads, errors, got, reference, store)
     failed_over = [i for i in range(SAMPLED_STREAMS) if "failover" in store.get(f"run-{i}").get("placements", "")]
     assert failed_over, f"no request failed over from the killed decode instance {victim} (it held {on_a})"
@@ -264,21 +283,25 @@ def test_a_stopped_decode_hands_its_sampled_streams_over_in_place(redis_url, tin
             except Exception as e:  # noqa: BLE001 (reported below)
                 errors.append((i, e))
 
-        gate = Path(tempfile.mkdtemp(prefix="eyrie-gates-")) / "hold-decode-0"
-        stack.decodes[0].engine_loop.hold = HoldGate(str(gate))
+        gate_dir = Path(tempfile.mkdtemp(prefix="eyrie-gates-"))
+        gates = {str(k): gate_dir / f"hold-decode-{k}" for k in range(2)}
+        for k, d in enumerate(stack.decodes):
+            d.engine_loop.hold = HoldGate(str(gates[str(k)]))
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
-        held_streams_reached(hold(gate), got)
-        stack.decodes[0].stop(0)
-        shutil.rmtree(gate.parent)
+        first, held = hold_first(gates)
+        held_streams_reached(held, got)
+        stopped = stack.decodes.pop(int(first))  # the stopped one is gone
+        stopped.stop(0)
+        release(gates)
+        shutil.rmtree(gate_dir)
         for t in threads:
             t.join(120)
         assert not errors, errors
         assert got == reference
         placements = [stack.store.get(f"run-{i}").get("placements", "") for i in range(4)]
         assert any("failover" in p for p in placements), placements
-        stack.decodes = stack.decodes[1:]  # the stopped one is gone
         assert stack.wait_clean()
     finally:
         stack.stop()
