@@ -25,6 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from services.faults import HoldGate
 from services.logs import ServiceLog
 from shared.engine import Engine, EngineLoad
 from shared.request import Request
@@ -74,6 +75,7 @@ class EngineLoop:
         # Under tensor parallelism every call runs between steps (``services/followers.py``): the followers
         # replay rank 0's calls in order, and one made during a step would reach them after theirs.
         self.between_steps_only = getattr(engine, "tp", None) is not None
+        self.hold = HoldGate.from_env()  # a test's fault injection: None unless its environment variable is set
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -139,6 +141,11 @@ class EngineLoop:
         while not self._stop.is_set():
             if self._drain_calls():
                 self._after_step()  # calls (releases, aborts, admissions) change what the gauges show
+            if self.hold is not None and self.hold.holds(engine):  # held at a test's state: calls only
+                self._publish_held()
+                self._wake.wait(0.01)
+                self._wake.clear()
+                continue
             if not engine.has_work_to_step():
                 self._publish_held()
                 self._wake.wait(0.05)

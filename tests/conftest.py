@@ -21,7 +21,7 @@ XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 # --no-loadscope-reorder` the workers take files in collection order, so these go out first and no long
 # file starts last while the other worker sits idle.
 LONGEST_FIRST = (
-    "tests/unit/spec/test_sampling_lossless.py",  # ~4 min: 27000 sampled requests
+    "tests/unit/spec/test_sampling_lossless.py",  # ~3 min: 18000 sampled requests
     "tests/unit/spec/test_fp8_lossless.py",  # ~2 min: 12000 sampled requests on FP8 targets
     "tests/unit/training/test_gpu_scripts.py",  # ~3 min: the house and adaptive scripts' CPU forms
     "tests/unit/engine/test_tensor_parallel.py",  # ~2 min: two gloo ranks

@@ -10,12 +10,14 @@ failover that repeats the last token it sent. ``CHAOS_S`` sets the clean run's l
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import httpx
@@ -24,11 +26,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
+from services.faults import HOLD_FILE_ENV
 from services.metadata import TERMINAL, Registry, RequestStore, connect
 from services.router.records import RecordWriter
 from services.router.server import RouterCore, start_router
 from services.settings import RouterSettings
 from tests.e2e.test_failover import spawn
+from tests.polling import poll
 from tests.unit.services.scripted_stack import RestartableRedis
 
 CHAOS_S = float(os.environ.get("CHAOS_S", "30"))
@@ -54,6 +58,7 @@ class ChaosStack:
         self.faults: list[str] = []  # what the random driver did
         self.redis = RestartableRedis(workdir).start()
         self.env = {**os.environ, "PYTHONPATH": os.getcwd()}
+        self.gates = {name: workdir / f"hold-{name}" for name in ("decode-a", "decode-b")}  # services/faults.py
         self.procs = {name: self._spawn(name) for name in ("prefill-a", "prefill-b", "decode-a", "decode-b")}
         self.registry = Registry(connect(self.redis.url))
         self.wait_registered()
@@ -64,7 +69,8 @@ class ChaosStack:
         self.reference = [self.generate(f"ref-{i}", i).tokens for i in range(len(PROMPTS))]
 
     def _spawn(self, name: str):
-        return spawn(name.split("-")[0], self.redis.url, self.model_dir, self.env)
+        gate = {HOLD_FILE_ENV: str(self.gates[name])} if name in self.gates else {}
+        return spawn(name.split("-")[0], self.redis.url, self.model_dir, {**self.env, **gate})
 
     def wait_registered(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -92,6 +98,23 @@ class ChaosStack:
         return out
 
     # ---- faults ----
+    def hold(self, timeout: float = 120) -> tuple[str, dict[str, int]]:
+        """Arm both decodes' gates (``services/faults.py``) and wait until one holds a request decoding with two
+        tokens out and more to come: its name and the requests held there, with their output tokens so far.
+        Either one: on a loaded machine the router may send everything to one of them for a while."""
+        for gate in self.gates.values():
+            gate.touch()
+        first: list[str] = []
+        poll(lambda: first.extend(n for n, g in self.gates.items() if Path(f"{g}.held").exists()) or first,
+             timeout, "no decode instance held a request mid-stream")
+        return first[0], json.loads(Path(f"{self.gates[first[0]]}.held").read_text())
+
+    def release(self) -> None:
+        """Both decodes step on (and a restarted one is not held)."""
+        for gate in self.gates.values():
+            gate.unlink(missing_ok=True)
+            Path(f"{gate}.held").unlink(missing_ok=True)
+
     def kill(self, name: str) -> None:
         os.kill(self.procs[name].pid, signal.SIGKILL)
         self.procs[name].wait()
@@ -122,8 +145,9 @@ class ChaosStack:
             self.redis.stop()
 
 
-def drive(stack: ChaosStack, duration_s: float, faults, seed: int) -> list[Outcome]:
-    """``CLIENTS`` clients send requests back to back for ``duration_s`` while ``faults(stack, rng, stop)`` runs."""
+def drive(stack: ChaosStack, duration_s: float, faults, seed: int, until_faults_end: bool = False) -> list[Outcome]:
+    """``CLIENTS`` clients send requests back to back for ``duration_s`` while ``faults(stack, rng, stop)`` runs
+    (``until_faults_end``: and on until a one-shot ``faults`` has acted, however long its state takes)."""
     outcomes: list[Outcome] = []
     stop = threading.Event()
 
@@ -142,8 +166,11 @@ def drive(stack: ChaosStack, duration_s: float, faults, seed: int) -> list[Outco
     driver = threading.Thread(target=faults, args=(stack, random.Random(seed), stop))
     driver.start()
     stop.wait(duration_s)
+    if until_faults_end:
+        driver.join(300)
     stop.set()
     driver.join(60)
+    assert not driver.is_alive(), "the fault driver did not end"
     for t in clients:
         t.join(180)
     stack.heal()
@@ -222,27 +249,32 @@ def test_chaos_loses_nothing_and_changes_no_token(chaos_stack):
 
 
 def _decode_dies_mid_stream(stack: ChaosStack, rng: random.Random, stop: threading.Event) -> None:
-    """Kill decode-a once streams are under way on both decode instances (on a loaded machine a fixed 1.5 s
-    could come before any request reached decode-a: then no failover, nothing to check)."""
-    stop.wait(1.5)
-    deadline = time.monotonic() + 10
-    while len(mid_stream_decodes(stack)) < 2 and time.monotonic() < deadline and not stop.is_set():
-        time.sleep(0.02)
-    stack.kill("decode-a")
+    """Kill a decode instance while it holds a request with tokens left to generate: its engine is held (a gate)
+    once a request there has two tokens out, and the kill comes once the router has relayed them (a failover
+    that resumes after them), whatever the machine's speed."""
+    victim, held = stack.hold()
+    poll(lambda: relayed(stack, held) >= 2, 120, f"the router never relayed two tokens of {held}")
+    stack.kill(victim)
+    stack.release()
 
 
-def mid_stream_decodes(stack: ChaosStack) -> set[str]:
-    """The decode instances on which some request is streaming past its first token now."""
+def relayed(stack: ChaosStack, rids=None) -> int:
+    """The most tokens the router has relayed to its client for any of ``rids`` (default: every request) still
+    in flight."""
     with stack.core._lock:
-        active = list(stack.core._active.values())
-    return {a.decode.instance_id for a in active if a.decode is not None and a.output_tokens >= 2}
+        active = [stack.core._active.get(rid) for rid in (stack.core._active if rids is None else rids)]
+    return max([a.output_tokens for a in active if a is not None], default=0)
 
 
-def _redis_away_while_requests_end(stack: ChaosStack, rng: random.Random, stop: threading.Event) -> None:
-    stop.wait(1.0)
-    stack.redis.stop()
-    stop.wait(3.0)
-    stack.redis.start()
+def _redis_away_until_a_terminal_write_is_lost(lost: threading.Event):
+    """Stop Redis once streams are under way, and bring it back once a request has ended while it was away."""
+
+    def faults(stack: ChaosStack, rng: random.Random, stop: threading.Event) -> None:
+        poll(lambda: relayed(stack) >= 2, 120, "no stream got under way")
+        stack.redis.stop()
+        lost.wait(120)
+        stack.redis.start()
+    return faults
 
 
 def test_chaos_catches_a_duplicated_token_on_failover(chaos_stack, monkeypatch):
@@ -252,17 +284,21 @@ def test_chaos_catches_a_duplicated_token_on_failover(chaos_stack, monkeypatch):
         return place(self, active, ids, params, t0, avoid, reason, resume[:-1], resume_logprobs[:-1])
 
     monkeypatch.setattr(RouterCore, "_place", forgetful)
-    found = violations(chaos_stack, drive(chaos_stack, 6, _decode_dies_mid_stream, seed=1))
+    found = violations(chaos_stack, drive(chaos_stack, 6, _decode_dies_mid_stream, seed=1, until_faults_end=True))
     assert any("tokens" in v for v in found), found
 
 
 def test_chaos_catches_a_dropped_terminal_write(chaos_stack, monkeypatch):
-    push = RecordWriter._push
+    push, lost = RecordWriter._push, threading.Event()
 
     def lossy(self, write):  # terminal writes buffered during an outage are lost
         if write.state not in TERMINAL:
             push(self, write)
+        else:
+            lost.set()
 
     monkeypatch.setattr(RecordWriter, "_push", lossy)
-    found = violations(chaos_stack, drive(chaos_stack, 6, _redis_away_while_requests_end, seed=2))
+    outcomes = drive(chaos_stack, 6, _redis_away_until_a_terminal_write_is_lost(lost), seed=2, until_faults_end=True)
+    assert lost.is_set(), "no request ended while Redis was away"
+    found = violations(chaos_stack, outcomes)
     assert any("record left" in v for v in found), found

@@ -9,23 +9,28 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
+from services.faults import HOLD_AT_ENV, HOLD_FILE_ENV, HoldGate
 from services.metadata import EmbeddedRedis, Registry, RequestStore, connect
 from services.router.server import start_router
 from services.settings import RouterSettings
 from tests.e2e.conftest import start_stack
+from tests.polling import poll
 
 STREAMS = 8
-NEW_TOKENS = 128  # long enough that the kill lands mid-stream on a loaded CPU
+NEW_TOKENS = 128
 
 
 def spawn(role: str, redis_url: str, model_dir, env: dict, draft: str | None = "eagle") -> subprocess.Popen:
@@ -45,13 +50,19 @@ def process_stack(tiny_model_dir):
 
 @contextlib.contextmanager
 def running_stack(tiny_model_dir, names: tuple[str, ...], draft: str | None = "eagle"):
-    """Redis, a service process per name (its role before the dash) and a router in this process."""
+    """Redis, a service process per name (its role before the dash) and a router in this process. Each process
+    has a hold gate (``services/faults.py``), ``gates[name]``: a prefill holds with a prompt half done, a decode
+    with a request two tokens into its output (``hold``)."""
     redis_server = EmbeddedRedis()
     url = redis_server.start()
     # A reservation whose sender was killed before it opened its transfer (an in-place write under way) is
     # freed at the attach deadline: 15 s here, so the pools are seen full within ``assert_pools_empty``'s wait.
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "EYRIE_STREAM_ATTACH_TIMEOUT_S": "15"}
-    procs = {name: spawn(name.split("-")[0], url, tiny_model_dir, env, draft) for name in names}
+    gate_dir = Path(tempfile.mkdtemp(prefix="eyrie-gates-"))
+    gates = {name: gate_dir / f"hold-{name}" for name in names}
+    procs = {name: spawn(name.split("-")[0], url, tiny_model_dir, {
+        **env, HOLD_FILE_ENV: str(gates[name]),
+        HOLD_AT_ENV: "prefilling:0" if name.startswith("prefill") else "decoding:2"}, draft) for name in names}
     registry = Registry(connect(url))
     router = None
     try:
@@ -63,7 +74,7 @@ def running_stack(tiny_model_dir, names: tuple[str, ...], draft: str | None = "e
             time.sleep(0.2)
         router = start_router(RouterSettings(model=str(tiny_model_dir / "target"), redis_url=url,
                                              placement_timeout_s=20))
-        yield router, procs, registry, url
+        yield router, procs, registry, url, gates
     finally:
         if router is not None:
             router.stop(0.5)
@@ -76,6 +87,27 @@ def running_stack(tiny_model_dir, names: tuple[str, ...], draft: str | None = "e
             except subprocess.TimeoutExpired:
                 p.kill()
         redis_server.stop()
+        shutil.rmtree(gate_dir, ignore_errors=True)
+
+
+def hold_first(gates: dict[str, Path], timeout: float = 120) -> tuple[str, dict[str, int]]:
+    """Arm every gate of ``gates`` (name -> gate file) and wait until one of their engines holds: its name and
+    the requests held at the gate's state, with their output tokens so far (a kill from now on lands while they
+    still have work left, on any machine). Any of them: the router may place every request on one instance (a
+    loaded machine's stale heartbeat says the other is busy). ``release`` them once the kill is done."""
+    for gate in gates.values():
+        gate.touch()
+    first: list[str] = []
+    poll(lambda: first.extend(n for n, g in gates.items() if Path(f"{g}.held").exists()) or first, timeout,
+         f"nothing reached the state {sorted(gates)} hold at")
+    return first[0], json.loads(Path(f"{gates[first[0]]}.held").read_text())
+
+
+def release(gates: dict[str, Path]) -> None:
+    """Every engine held at ``gates`` steps on."""
+    for gate in gates.values():
+        gate.unlink(missing_ok=True)
+        Path(f"{gate}.held").unlink(missing_ok=True)
 
 
 def request(i: int, rid: str, prompt_len: int = 5) -> pb.GenerateRequest:
@@ -85,7 +117,7 @@ def request(i: int, rid: str, prompt_len: int = 5) -> pb.GenerateRequest:
 
 
 def test_kill_9_of_a_decode_mid_stream_fails_nothing_and_changes_no_token(process_stack):
-    router, procs, registry, url = process_stack
+    router, procs, registry, url, gates = process_stack
     import grpc
 
     stub = pb_grpc.GenerationStub(grpc.insecure_channel(router.grpc_address))
@@ -97,14 +129,11 @@ def test_kill_9_of_a_decode_mid_stream_fails_nothing_and_changes_no_token(proces
     got: dict[int, list[int]] = {i: [] for i in range(STREAMS)}
     finish: dict[int, str] = {}
     errors: list = []
-    streaming = threading.Barrier(STREAMS + 1)
 
     def stream(i: int) -> None:
         try:
-            for n, msg in enumerate(stub.Generate(request(i, f"run-{i}"), timeout=180)):
+            for msg in stub.Generate(request(i, f"run-{i}"), timeout=180):
                 got[i] += msg.token_ids
-                if n == 1:
-                    streaming.wait(60)
                 if msg.HasField("finish"):
                     finish[i] = msg.finish.reason
         except Exception as e:  # noqa: BLE001 (reported below)
@@ -113,11 +142,14 @@ def test_kill_9_of_a_decode_mid_stream_fails_nothing_and_changes_no_token(proces
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(STREAMS)]
     for t in threads:
         t.start()
-    streaming.wait(120)
+    decodes = {name: gates[name] for name in ("decode-a", "decode-b")}
+    victim, held = hold_first(decodes)
+    held_streams_reached(held, got)
     store = RequestStore(connect(url))
     on_a = [i for i in range(STREAMS) if store.get(f"run-{i}").get("decode_instance") ==
-            _instance_of(registry, procs["decode-a"])]
-    os.kill(procs["decode-a"].pid, signal.SIGKILL)
+            _instance_of(registry, procs[victim])]
+    os.kill(procs[victim].pid, signal.SIGKILL)
+    release(decodes)
     for t in threads:
         t.join(180)
     assert not errors, errors
@@ -137,7 +169,7 @@ def test_kill_9_of_a_decode_mid_stream_fails_nothing_and_changes_no_token(proces
 
 
 def test_kill_9_of_a_prefill_mid_prompt_fails_nothing_and_changes_no_token(process_stack):
-    router, procs, registry, url = process_stack
+    router, procs, registry, url, gates = process_stack
     import grpc
 
     stub = pb_grpc.GenerationStub(grpc.insecure_channel(router.grpc_address))
@@ -147,7 +179,6 @@ def test_kill_9_of_a_prefill_mid_prompt_fails_nothing_and_changes_no_token(proce
         req = request(i, f"ref-{i}", prompt_len)
         req.sampling.max_new_tokens = new_tokens
         reference[i] = [t for m in stub.Generate(req, timeout=120) for t in m.token_ids]
-    victim = _instance_of(registry, procs["prefill-a"], "prefill")
     store = RequestStore(connect(url))
     got: dict[int, list[int]] = {i: [] for i in range(STREAMS)}
     errors: list = []
@@ -163,12 +194,10 @@ def test_kill_9_of_a_prefill_mid_prompt_fails_nothing_and_changes_no_token(proce
     threads = [threading.Thread(target=run, args=(i,)) for i in range(STREAMS)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 60  # kill it while it holds a prompt
-    while not any(store.get(f"run-{i}").get("state") == "prefilling" and
-                  store.get(f"run-{i}").get("prefill_instance") == victim for i in range(STREAMS)):
-        assert time.monotonic() < deadline, "no request reached the victim prefill instance"
-        time.sleep(0.005)
-    os.kill(procs["prefill-a"].pid, signal.SIGKILL)
+    prefills = {name: gates[name] for name in ("prefill-a", "prefill-b")}
+    victim, _ = hold_first(prefills)  # kill one while it holds a prompt half prefilled
+    os.kill(procs[victim].pid, signal.SIGKILL)
+    release(prefills)
     assert_runs_match(threads, errors, got, reference, store)
     replaced = [i for i in range(STREAMS) if "replaced" in store.get(f"run-{i}").get("placements", "")]
     assert replaced, "no request was placed again"
@@ -194,7 +223,7 @@ def test_kill_9_of_a_decode_mid_stream_keeps_sampled_output_identical(sampled_st
     """Sampled requests with fixed seeds: each failed-over stream equals the same request's uninterrupted
     stream on this stack (the new decode instance resumes at the lost one's committed length and draws
     what it would have drawn), with no duplicate and no gap."""
-    router, procs, registry, url = sampled_stack
+    router, procs, registry, url, gates = sampled_stack
     import grpc
 
     stub = pb_grpc.GenerationStub(grpc.insecure_channel(router.grpc_address))
@@ -223,9 +252,12 @@ def test_kill_9_of_a_decode_mid_stream_keeps_sampled_output_identical(sampled_st
     for t in threads:
         t.start()
     store = RequestStore(connect(url))
-    victim = _instance_of(registry, procs["decode-a"])
-    on_a = streaming_from(store, victim, got, SAMPLED_TOKENS)
-    os.kill(procs["decode-a"].pid, signal.SIGKILL)
+    decodes = {name: gates[name] for name in ("decode-a", "decode-b")}
+    name, held = hold_first(decodes)
+    victim = _instance_of(registry, procs[name])
+    on_a = held_streams_reached(held, got)
+    os.kill(procs[name].pid, signal.SIGKILL)
+    release(decodes)
     assert_runs_match(threads, errors, got, reference, store)
     failed_over = [i for i in range(SAMPLED_STREAMS) if "failover" in store.get(f"run-{i}").get("placements", "")]
     assert failed_over, f"no request failed over from the killed decode instance {victim} (it held {on_a})"
@@ -251,34 +283,40 @@ def test_a_stopped_decode_hands_its_sampled_streams_over_in_place(redis_url, tin
             except Exception as e:  # noqa: BLE001 (reported below)
                 errors.append((i, e))
 
+        gate_dir = Path(tempfile.mkdtemp(prefix="eyrie-gates-"))
+        gates = {str(k): gate_dir / f"hold-decode-{k}" for k in range(2)}
+        for k, d in enumerate(stack.decodes):
+            d.engine_loop.hold = HoldGate(str(gates[str(k)]))
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
-        streaming_from(stack.store, stack.decodes[0].instance_id, got, SAMPLED_TOKENS)
-        stack.decodes[0].stop(0)
+        first, held = hold_first(gates)
+        held_streams_reached(held, got)
+        stopped = stack.decodes.pop(int(first))  # the stopped one is gone
+        stopped.stop(0)
+        release(gates)
+        shutil.rmtree(gate_dir)
         for t in threads:
             t.join(120)
         assert not errors, errors
         assert got == reference
         placements = [stack.store.get(f"run-{i}").get("placements", "") for i in range(4)]
         assert any("failover" in p for p in placements), placements
-        stack.decodes = stack.decodes[1:]  # the stopped one is gone
         assert stack.wait_clean()
     finally:
         stack.stop()
 
 
-def streaming_from(store: RequestStore, instance: str, got: dict[int, list[int]], total: int) -> list[int]:
-    """Wait until a request placed on ``instance`` has streamed a token from it and has more to come; the
-    requests for which this holds (a kill now lands mid-stream: waiting for every stream instead lets a fast
-    instance finish some first)."""
-    deadline = time.monotonic() + 120
-    while True:
-        on = [i for i in got if 2 <= len(got[i]) < total and store.get(f"run-{i}").get("decode_instance") == instance]
-        if on:
-            return on
-        assert time.monotonic() < deadline, f"no request streamed from {instance}"
-        time.sleep(0.005)
+def held_streams_reached(held: dict[str, int], got: dict[int, list[int]], timeout: float = 120) -> list[int]:
+    """Wait until the client of a request held on a decode instance (``held``: ``hold``'s answer for requests
+    ``run-i``) has two of its tokens; the requests for which that holds. A kill from now on breaks a stream
+    that has tokens out and more to come."""
+    held_at = [int(rid.removeprefix("run-")) for rid in held if rid.startswith("run-")]
+    assert held_at, held
+    on = []
+    poll(lambda: on.extend(i for i in held_at if len(got[i]) >= 2) or on, timeout,
+         f"no client got two tokens of the requests held: {held}")
+    return sorted(set(on))
 
 
 def assert_runs_match(threads: list, errors: list, got: dict, reference: dict, store: RequestStore) -> None:

@@ -22,9 +22,11 @@ import pytest
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
+from services.faults import HOLD_FILE_ENV
 from services.launch import Stack, free_port
 from tests.e2e.conftest import emptied
 from tests.e2e.test_up import Up, generate, gone
+from tests.polling import poll
 
 
 def health(addr: str) -> tuple[int, dict]:
@@ -46,8 +48,13 @@ def log_events(stack: Stack, role: str, event: str) -> list[dict]:
 
 
 def test_sigterm_drains_the_stream_in_flight_then_every_service_exits_0(tmp_path, tiny_model_dir):
+    # The decode engine holds the stream two tokens in (services/faults.py) until the drain has been seen: on a
+    # fast machine the 40 tokens could otherwise all be out, and the router gone, before the signal lands.
+    gate = tmp_path / "hold-decode"
+    gate.touch()
     stack = Stack(str(tiny_model_dir / "target"), str(tiny_model_dir / "eagle"), None, free_port(),
-                  extra={"page_size": 4, "chunk_size": 8}, log_dir=tmp_path / "logs").start()
+                  extra={"page_size": 4, "chunk_size": 8}, log_dir=tmp_path / "logs",
+                  env={HOLD_FILE_ENV: str(gate)}).start()
     try:
         stub = pb_grpc.GenerationStub(grpc.insecure_channel(stack.router_address))
         req = pb.GenerateRequest(request_id="drained", token_ids=pb.TokenIds(ids=list(range(3, 30))),
@@ -57,13 +64,14 @@ def test_sigterm_drains_the_stream_in_flight_then_every_service_exits_0(tmp_path
             if not tokens:  # the first tokens are out: every service is told to stop
                 for proc in stack.procs.values():
                     proc.send_signal(signal.SIGTERM)
-                deadline = time.monotonic() + 30  # the signal is handled in a moment (a loaded CI machine: slower)
-                while not draining(stack.http["router"]):
-                    assert time.monotonic() < deadline, health(stack.http["router"])
-                    time.sleep(0.02)
+                # the signal is handled in a moment (a loaded CI machine: slower)
+                poll(lambda: draining(stack.http["router"]), 60, "the router did not say it drains")
                 with pytest.raises(grpc.RpcError) as refused:
                     generate(stack.router_address, "after-sigterm")
                 assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                poll(Path(f"{gate}.held").exists, 60, "the decode engine never held the stream")
+                assert not [p for p in stack.procs.values() if p.poll() is not None]  # draining, not gone
+                gate.unlink()  # the stream in flight goes on to its end
             tokens += msg.token_ids
             if msg.HasField("finish"):
                 finish = msg.finish

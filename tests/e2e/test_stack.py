@@ -17,10 +17,12 @@ import grpc
 import pytest
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
+from services.metadata import Registry, connect
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
 from shared.sampling import SamplingParams
 from tests.e2e.conftest import CPU_TRANSPORTS, start_stack
+from tests.polling import poll
 
 SHORT = [5, 17, 33, 2, 9]  # shorter than the chunk (8)
 LONG = [(i * 37 + 11) % 500 for i in range(30)]  # several chunks
@@ -353,7 +355,14 @@ def test_full_decode_instance_refuses_and_the_router_places_elsewhere(redis_url,
     blocker = full.engine_loop.call(occupy).result(5)
     assert blocker is not None
     try:
-        time.sleep(0.5)  # a heartbeat or two: the full instance reports 0 outstanding tokens, like the other
+        # two heartbeats after the blocker: the full instance reports 0 outstanding tokens, like the other
+        registry = Registry(connect(s.redis_url))
+
+        def beat() -> int:
+            return {i.instance_id: i.beat for i in registry.instances("decode")}["decode-a-full"]
+
+        after = beat() + 2
+        poll(lambda: beat() >= after, 60, "the full decode instance stopped beating")
         for i in range(3):
             rid = f"replaced-{i}"
             req = pb.GenerateRequest(request_id=rid, token_ids=pb.TokenIds(ids=LONG),

@@ -10,6 +10,7 @@ message; a source fed increments sends each page once, as the prefill completes 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -275,13 +276,13 @@ def test_reading_ahead_keeps_the_order_hands_over_errors_and_stops_with_its_cons
             produced.append(i)
             yield i
 
+    before = set(threading.enumerate())
     ahead = read_ahead(endless(), 2)
     assert next(ahead) == 0
+    (producer,) = [t for t in threading.enumerate() if t not in before and t.name == "handoff-read-ahead"]
     ahead.close()  # the consumer stops: the producer stops too, a few messages ahead at most
-    time.sleep(0.3)
-    stopped_at = len(produced)
-    time.sleep(0.2)
-    assert len(produced) == stopped_at <= 6
+    producer.join(60)
+    assert not producer.is_alive() and len(produced) <= 6
 
 
 def test_fed_increments_send_each_page_once_as_the_prefill_completes_it():

@@ -31,13 +31,42 @@ class OkPrefill(pb_grpc.PrefillServicer):
         return pb.AbortResponse(found=False)
 
 
+class Hold(threading.Event):
+    """Set: every stream stays open. Clearing it wakes the streams it holds (no held stream polls: hundreds of
+    them waking on a timer would take the GIL from the very calls a test times)."""
+
+    def __init__(self):
+        super().__init__()
+        self._waiting: set[threading.Event] = set()
+        self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        super().clear()
+        with self._lock:
+            for woken in self._waiting:
+                woken.set()
+
+    def wait_released(self, context) -> None:
+        """Return once the hold is cleared or the call ``context`` has ended."""
+        woken = threading.Event()
+        with self._lock:
+            self._waiting.add(woken)
+        try:
+            if context.add_callback(woken.set):  # False: the call has ended already
+                while self.is_set() and context.is_active():
+                    woken.wait(30)
+        finally:
+            with self._lock:
+                self._waiting.discard(woken)
+
+
 class SteadyDecode(pb_grpc.DecodeServicer):
     """Streams tokens 8, 9, ... one message each ``interval_s`` until ``max_new_tokens`` in all (the first
     came from prefill); ``hold`` keeps every stream open (not finishing) until it is cleared."""
 
     def __init__(self, interval_s: float = 0.0, tokens: int = 3):
         self.interval_s, self.tokens = interval_s, tokens
-        self.hold = threading.Event()
+        self.hold = Hold()
         self.open_streams = 0
         self._lock = threading.Lock()
 
@@ -48,8 +77,8 @@ class SteadyDecode(pb_grpc.DecodeServicer):
             for i in range(self.tokens - 1):
                 time.sleep(self.interval_s)
                 yield pb.GenerateResponse(request_id=request.request_id, token_ids=[8 + i], logprobs=[-0.1])
-            while self.hold.is_set() and context.is_active():
-                time.sleep(0.25)  # hundreds of held streams must not keep the CPU busy
+            if self.hold.is_set():
+                self.hold.wait_released(context)
             yield pb.GenerateResponse(request_id=request.request_id, finish=pb.Finish(reason="length"))
         finally:
             with self._lock:

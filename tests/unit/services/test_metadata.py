@@ -11,6 +11,10 @@ import pytest
 
 from services.metadata import EmbeddedRedis, Heartbeat, InstanceInfo, Registry, RequestStore, connect
 
+# An entry's TTL: long enough that a test thread (or a heartbeat of 0.05 s) held up on a loaded machine does not
+# see an entry lapse between two of its own lines (0.3 s once did), short enough that waiting it out is cheap.
+TTL_S = 2.0
+
 
 def wait_for(predicate, timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
@@ -35,7 +39,7 @@ def test_embedded_redis_is_a_real_server_and_stops_cleanly():
 
 
 def test_registry_lists_live_instances_by_role_and_forgets_expired_ones(redis_url):
-    registry = Registry(connect(redis_url), ttl_s=0.3)
+    registry = Registry(connect(redis_url), ttl_s=TTL_S)
     registry.register(InstanceInfo("p1", "prefill", "h:1"))
     registry.register(InstanceInfo("d1", "decode", "h:2", outstanding_tokens=7))
     registry.register(InstanceInfo("d2", "decode", "h:3"))
@@ -45,7 +49,7 @@ def test_registry_lists_live_instances_by_role_and_forgets_expired_ones(redis_ur
     assert len(registry.instances()) == 3
     registry.deregister("d2")
     assert [i.instance_id for i in registry.instances("decode")] == ["d1"]
-    assert wait_for(lambda: registry.instances() == [], 3), "instances must vanish when their TTL runs out"
+    assert wait_for(lambda: registry.instances() == [], TTL_S + 30), "instances must vanish when their TTL runs out"
     assert registry.client.smembers(Registry.INDEX) == set(), "the index forgets them too"
 
 
@@ -71,16 +75,18 @@ def test_instance_info_tolerates_fields_a_newer_instance_adds(redis_url):
 
 
 def test_heartbeat_refreshes_load_and_sequence_and_deregisters_on_stop(redis_url):
-    registry = Registry(connect(redis_url), ttl_s=0.5)
+    registry = Registry(connect(redis_url), ttl_s=TTL_S)
     calls = iter(range(1000))
     hb = Heartbeat(registry, InstanceInfo("d1", "decode", "h:1"), interval_s=0.05,
                    load_fn=lambda: {"outstanding_tokens": next(calls), "running": 2, "free_pages": 9}).start()
     try:
         assert registry.instances("decode")[0].beat == 1  # registered before start() returns
-        assert wait_for(lambda: registry.instances("decode")[0].beat >= 4)
+        assert wait_for(lambda: registry.instances("decode")[0].beat >= 4, 30)
         info = registry.instances("decode")[0]
         assert info.outstanding_tokens == info.beat - 1 and info.running == 2 and info.free_pages == 9
-        time.sleep(0.7)  # longer than the TTL: the heartbeat keeps it alive
+        # Beats at least 0.05 s apart: this many span more than the TTL. The heartbeat keeps it alive.
+        beats = int(TTL_S / 0.05) + 2
+        assert wait_for(lambda: hb.info.beat >= beats, 60)
         assert [i.instance_id for i in registry.instances("decode")] == ["d1"]
     finally:
         hb.stop()
@@ -89,12 +95,12 @@ def test_heartbeat_refreshes_load_and_sequence_and_deregisters_on_stop(redis_url
 
 def test_a_silent_instance_vanishes_after_its_ttl(redis_url):
     """A killed process deregisters nothing; its key expires on its own."""
-    registry = Registry(connect(redis_url), ttl_s=0.3)
+    registry = Registry(connect(redis_url), ttl_s=TTL_S)
     hb = Heartbeat(registry, InstanceInfo("d1", "decode", "h:1"), interval_s=0.05).start()
     hb._stop.set()  # the thread stops beating, as if the process died (no deregister)
-    hb._thread.join(1)
+    hb._thread.join(30)
     assert registry.instances("decode"), "still there right after the last beat"
-    assert wait_for(lambda: registry.instances("decode") == [], 2)
+    assert wait_for(lambda: registry.instances("decode") == [], TTL_S + 30)
 
 
 def test_request_record_transitions_in_order_with_increasing_times(redis_url):
@@ -120,13 +126,13 @@ def test_request_record_transitions_in_order_with_increasing_times(redis_url):
 
 
 def test_live_records_expire_late_and_ended_ones_after_the_ttl(redis_url):
-    store = RequestStore(connect(redis_url), ttl_s=0.3, live_ttl_s=3600)
+    store = RequestStore(connect(redis_url), ttl_s=TTL_S, live_ttl_s=3600)
     store.create("live")
     store.create("gone")
     store.transition("gone", "aborted", error="client went away")
     assert store.client.ttl("req:live") > 3000
     assert store.get("gone")["error"] == "client went away"
-    assert wait_for(lambda: not store.exists("gone"), 3)
+    assert wait_for(lambda: not store.exists("gone"), TTL_S + 30)
     assert store.exists("live")
 
 

