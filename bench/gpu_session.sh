@@ -102,7 +102,7 @@ for stage in "$@"; do
       EYRIE_WIDE_PAIR=/tmp/wide EYRIE_SERVICE_LOGS="$OUT/memory-logs" run memory 540 python3 -m pytest -q -s \
         -p no:cacheprovider tests/gpu/test_memory_promise_gpu.py
       cp /tmp/wide/widen.json "$OUT/" 2>/dev/null
-      grep -HE 'gpu_memory|pools_sized|warmup|capture_failed|graphs_captured|eyrie: error|Error' \
+      grep -HE 'gpu_memory|warmup|capture_failed|graphs_captured|eyrie: error|Error' \
         "$OUT"/memory-logs/*/*.log 2>/dev/null | cut -c1-2000 > "$OUT/memory_events.log"
       ;;
     layouts|layouts4)  # the layouts as users deploy them, the widened pair built once (/tmp/wide), one table
