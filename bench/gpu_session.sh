@@ -17,6 +17,7 @@
 #   bench/gpu_session.sh tp-tests   # two GPUs: TP-2 over NCCL == one GPU (graphs on/off), TP services, the second GPU
 #   bench/gpu_session.sh tp         # two GPUs: 8B decode step TP 1 vs TP 2 vs its floor, IPC into a peer GPU (bench_tp.py)
 #   bench/gpu_session.sh memory     # one GPU: prefill + decode at 0.45 each, EAGLE-3, 8B shape: served, peaks within 0.45
+#                                   # (services' logs in $OUT/memory-logs, their memory events in memory_events.log)
 #   bench/gpu_session.sh layouts    # two GPUs: colo1, pd1, pd2, colo2 as users deploy them, 8B-shaped pair, one table, ~8 min
 #                                   # (LAYOUT_TRANSPORT=grpc-stream: every layout's hand-off transport; default auto)
 #   bench/gpu_session.sh layouts4   # four GPUs: pd4 (1P3D) vs colo4, the same workloads and goodput, ~6 min
@@ -98,9 +99,11 @@ for stage in "$@"; do
       ;;
     memory)  # the widened pair once (/tmp/wide), then tests/gpu/test_memory_promise_gpu.py on it
       [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
-      EYRIE_WIDE_PAIR=/tmp/wide run memory 540 python3 -m pytest -q -s -p no:cacheprovider \
-        tests/gpu/test_memory_promise_gpu.py
+      EYRIE_WIDE_PAIR=/tmp/wide EYRIE_SERVICE_LOGS="$OUT/memory-logs" run memory 540 python3 -m pytest -q -s \
+        -p no:cacheprovider tests/gpu/test_memory_promise_gpu.py
       cp /tmp/wide/widen.json "$OUT/" 2>/dev/null
+      grep -HE 'gpu_memory|warmup|capture_failed|graphs_captured|eyrie: error|Error' \
+        "$OUT"/memory-logs/*/*.log 2>/dev/null | cut -c1-2000 > "$OUT/memory_events.log"
       ;;
     layouts|layouts4)  # the layouts as users deploy them, the widened pair built once (/tmp/wide), one table
       [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
@@ -109,7 +112,9 @@ for stage in "$@"; do
         --model /tmp/wide/target --draft /tmp/wide/eagle3 --prompts-file /tmp/wide/heldout.jsonl \
         --workdir "/tmp/$stage" --deadline-s "$deadline" --mixed-seconds 10 --point-seconds 15 --request-timeout-s 90 \
         --transports "${LAYOUT_TRANSPORT:-auto}" --out "$OUT/$stage.json"
-      for d in /tmp/"$stage"/logs-*; do mkdir -p "$OUT/$(basename "$d")" && cp "$d"/*.log "$OUT/$(basename "$d")/"; done
+      for d in /tmp/"$stage"/logs-*; do  # every layout's service logs, a failed start's included
+        [ -d "$d" ] && mkdir -p "$OUT/$(basename "$d")" && cp "$d"/*.log "$OUT/$(basename "$d")/"
+      done
       cat "$OUT/$stage.md" 2>/dev/null
       ;;
     *)

@@ -22,6 +22,21 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
+LOG_TAIL_LINES, LOG_TAIL_WIDTH = 25, 600  # what a start-up failure quotes of the service's log
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of the file at ``path`` (each cut at ``LOG_TAIL_WIDTH`` characters), or a note
+    that it could not be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 256 * 1024))  # a tail is enough; a log of many MB stays unread
+            text = f.read().decode(errors="replace")
+    except OSError as e:
+        return f"(log unreadable: {e})"
+    tail = text.splitlines()[-lines:]
+    return "\n".join(x if len(x) <= LOG_TAIL_WIDTH else x[:LOG_TAIL_WIDTH] + " ..." for x in tail) or "(log empty)"
 
 
 class ServiceProcess:
@@ -48,9 +63,15 @@ class ServiceProcess:
                 continue
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with status {self.proc.returncode} while starting "
-                                   f"(log: {self.log.name})")
+                                   f"(log: {self.log.name}); its last lines:\n{self.log_tail()}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} printed no ready line in time (log: {self.log.name})")
+                raise TimeoutError(f"{self.name} printed no ready line in time (log: {self.log.name}); its last "
+                                   f"lines:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last ``lines`` lines of the service's log (each cut at ``LOG_TAIL_WIDTH`` characters)."""
+        self.log.flush()
+        return log_tail(Path(self.log.name), lines)
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         if self.proc.poll() is None:

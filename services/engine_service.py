@@ -76,7 +76,17 @@ def capture_graphs(engine: Engine, enabled: bool, telemetry: Telemetry, log: Ser
         log.warning("graph_capture_failed", **failure.as_dict())
     telemetry.observe_graph_failures(engine.graph_failures)
     log.event("graphs_captured", seconds=round(time.perf_counter() - t0, 3), graphs=count,
-              failed=len(engine.graph_failures), phase_seconds=engine.graph_capture_s())
+              failed=len(engine.graph_failures), phase_seconds=engine.graph_capture_s(), **torch_memory(engine))
+
+
+def torch_memory(engine: Engine) -> dict:
+    """On a GPU: what PyTorch's allocator holds now and its peak so far (GiB), else nothing."""
+    if engine.device.type != "cuda":
+        return {}
+    import torch
+
+    return {"torch_reserved_gib": round(torch.cuda.memory_reserved(engine.device) / 2**30, 3),
+            "torch_peak_gib": round(torch.cuda.max_memory_reserved(engine.device) / 2**30, 3)}
 
 
 def prepare(engine: Engine | Leader, settings: EngineSettings, telemetry: Telemetry, log: ServiceLog) -> None:

@@ -64,13 +64,12 @@ def footprint(engine) -> Footprint | None:
         return None
     import torch
 
-    from shared.memory.nvml import process_used_bytes
+    from shared.memory.nvml import outside_torch, process_used_bytes
 
     device = engine.device
     torch.cuda.synchronize(device)
     torch_peak = max(getattr(engine, "load_peak", 0), torch.cuda.max_memory_reserved(device))
-    used = process_used_bytes(device)
-    non_torch = None if used is None else max(0, used - torch.cuda.memory_reserved(device))
+    non_torch = outside_torch(process_used_bytes(device), torch.cuda.memory_reserved(device))
     _, total = torch.cuda.mem_get_info(device)
     return Footprint(torch_peak=torch_peak, non_torch=non_torch, device_total=total,
                      fraction=engine.config.gpu_memory_fraction or DEFAULT_GPU_MEMORY_FRACTION)
@@ -93,7 +92,8 @@ def check_ready(engine, fraction_set: bool, telemetry: Telemetry, log: ServiceLo
         return
     peaks = getattr(engine, "step_peaks", None)
     log.event("gpu_memory", **fp.as_dict(), step_peaks_gib=None if peaks is None else {
-        k: None if v is None else round(v / 2 ** 30, 3) for k, v in vars(peaks).items()})
+        k: None if v is None else round(v / 2 ** 30, 3) for k, v in vars(peaks).items()},
+        plan=getattr(engine, "memory_plan", None))  # what the pools were sized by: which part overran
     telemetry.observe_footprint(fp)
     if fraction_set:
         check_footprint(fp)

@@ -34,6 +34,7 @@ from shared.logits_process import RowsCache, add_grammar, process_logits
 from shared.memory.kv_cache import KVCache, flush_tables
 from shared.memory.profile import profile_steps
 from shared.memory.sizing import (
+    POOL_MARGIN,
     activation_reserve,
     default_pages,
     device_memory,
@@ -142,7 +143,7 @@ class Engine:
         self.device = torch.device(config.device)
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise RequestError("device", "cuda was asked for but no CUDA device is available")
-        allocated = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0  # before the weights
         self.model, lm_head = self._load_target(model, config, tp)
         if tokenizer is None and not isinstance(model, LlamaForCausalLM) and (Path(model) / "tokenizer.json").exists():
             tokenizer = Tokenizer(model)
@@ -154,7 +155,8 @@ class Engine:
         if tp is not None:  # a target passed in whole: split after the draft's load, which may copy its LM head
             shard_target(self.model, tp, self.device)
         self.load_peak, self.step_peaks = 0, None  # on one GPU: set by the profile run (``_step_reserve``)
-        self.config = config = self._fit_pools(config, head, allocated)
+        self.memory_plan: dict | None = None  # on a GPU without num_pages: the figures the pools were sized by
+        self.config = config = self._fit_pools(config, head, reserved)
         self.cache = make_cache(local_config(mc, tp), mc.num_hidden_layers, config, self.max_context)
         self.graph_failures: list[CaptureFailure] = []  # CUDA graphs that failed to capture (phase eager)
         self.penalty_rows = RowsCache()  # requests' penalty rows, on the device across steps (and the speculator's)
@@ -193,10 +195,10 @@ class Engine:
         """The hand-off port's landing cache's pages (``shared.handoff.port.landing_pages``)."""
         return landing_pages(self.tp, self.role, self.max_context + config.headroom, config.page_size)
 
-    def _fit_pools(self, config: EngineConfig, head: DraftHead | None, allocated_before: int) -> EngineConfig:
-        """On a GPU without ``num_pages``: the page count that keeps this engine, weights (loaded since
-        ``allocated_before``), reserve and every pool, within ``gpu_memory_fraction`` of the device (under
-        tensor parallelism a collective: the least of the ranks' counts)."""
+    def _fit_pools(self, config: EngineConfig, head: DraftHead | None, reserved_before: int) -> EngineConfig:
+        """On a GPU without ``num_pages``: the page count that keeps this engine, weights (loaded since the
+        allocator held ``reserved_before``), reserve, margin and every pool, within ``gpu_memory_fraction`` of
+        the device (under tensor parallelism a collective: the least of the ranks' counts)."""
         if self.device.type != "cuda" or config.num_pages is not None:
             return config
         mc, positions = self.model.config, self.max_context + config.headroom
@@ -205,12 +207,17 @@ class Engine:
             per_page += (SpecWorker.cache_count(head, config.spec or SpecConfig())
                          * page_bytes(head.config, head.layers_per_cache, config))
         landing = self._landing_pages(config) * page_bytes(mc, mc.num_hidden_layers, config)  # whole heads
-        pages = pages_within_budget(
-            config.gpu_memory_fraction or DEFAULT_GPU_MEMORY_FRACTION, device_memory(self.device, allocated_before),
-            self._step_reserve(config, head) + landing, per_page,
-            request_pages=-(-positions // config.page_size), most_pages=default_pages(config, positions))
+        reserve = self._step_reserve(config, head) + landing
+        memory = device_memory(self.device, reserved_before)  # after the profile run: its blocks released
+        fraction = config.gpu_memory_fraction or DEFAULT_GPU_MEMORY_FRACTION
+        pages = pages_within_budget(fraction, memory, reserve, per_page, -(-positions // config.page_size),
+                                    most_pages=default_pages(config, positions), margin=POOL_MARGIN)
         if self.tp is not None:  # the ranks' pools must hold the same pages: the least free GPU sizes them all
             pages = self.tp.least(pages)
+        gib = lambda n: round(n / 2**30, 3)  # noqa: E731
+        self.memory_plan = {"budget_gib": gib(fraction * memory.total), "weights_gib": gib(memory.weights),
+                            "reserve_gib": gib(reserve), "margin_gib": gib(POOL_MARGIN * fraction * memory.total),
+                            "pools_gib": gib((pages + 1) * per_page), "pages": pages, "free_gib": gib(memory.free)}
         return config.model_copy(update={"num_pages": pages})
 
     def _step_reserve(self, config: EngineConfig, head: DraftHead | None) -> int:
@@ -674,7 +681,12 @@ class Engine:
         if self.device.type != "cuda" or self.role == "prefill":
             return 0
         with self.on_device():
-            return self._capture_graphs()
+            count = self._capture_graphs()
+            # Each capture's two eager warm-up runs left their blocks cached for the capture stream, where
+            # no other step can reuse them: released, or they would sit beside the default stream's blocks
+            # (the reserve counts one eager step's, not two). The graphs' private pools stay.
+            torch.cuda.empty_cache()
+            return count
 
     def phase_graphs(self) -> list[PhaseGraphs]:
         """The CUDA graph phases ``capture_graphs`` captures (the speculator's, else the target decode's)."""

@@ -38,12 +38,16 @@ def pci_bus_id(device) -> str:
     return f"{p.pci_domain_id:08X}:{p.pci_bus_id:02X}:{p.pci_device_id:02X}.0"
 
 
-def process_used_bytes(device) -> int | None:
-    """This process's memory on ``device`` (a CUDA device) by NVML, or None when it cannot be read."""
+def process_used_bytes(device, lib=None, bus_id: str | None = None, pid: int | None = None) -> int | None:
+    """This process's memory on ``device`` (a CUDA device) by NVML, or None when it cannot be read: its own
+    entry in the device's list of compute processes, never the device's used memory (another engine's memory
+    on a shared GPU is not this one's). ``lib``, ``bus_id``, ``pid``: the NVML library, the device's PCI
+    address and the process id (default: the driver's library, ``device``'s address, this process)."""
     try:
-        lib = _nvml()
+        lib = lib or _nvml()
         handle = ctypes.c_void_p()
-        if lib.nvmlDeviceGetHandleByPciBusId_v2(pci_bus_id(device).encode(), ctypes.byref(handle)) != NVML_SUCCESS:
+        bus = (bus_id or pci_bus_id(device)).encode()
+        if lib.nvmlDeviceGetHandleByPciBusId_v2(bus, ctypes.byref(handle)) != NVML_SUCCESS:
             return None
         query = lib.nvmlDeviceGetComputeRunningProcesses_v3
         count = ctypes.c_uint(0)
@@ -55,10 +59,16 @@ def process_used_bytes(device) -> int | None:
             return None
     except (OSError, AttributeError, RuntimeError, ValueError):
         return None
-    return own_usage(list(infos)[:count.value], os.getpid())
+    return own_usage(list(infos)[:count.value], os.getpid() if pid is None else pid)
 
 
 def own_usage(infos, pid: int) -> int | None:
     """The memory NVML lists for ``pid`` among ``infos`` (None when absent or not reported)."""
     used = [i.usedGpuMemory for i in infos if i.pid == pid]
     return None if not used or used[0] == NOT_AVAILABLE else int(used[0])
+
+
+def outside_torch(used: int | None, torch_reserved: int) -> int | None:
+    """The process's memory outside PyTorch's allocator (CUDA context, cuBLAS, Triton modules, graph objects):
+    its NVML figure ``used`` less what the allocator holds; None when NVML could not be read."""
+    return None if used is None else max(0, used - torch_reserved)

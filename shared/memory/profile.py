@@ -14,7 +14,7 @@ import torch
 from shared.config import EngineConfig
 from shared.forward_batch import build_forward_batch
 from shared.memory.kv_cache import CacheLayout, KVCache
-from shared.memory.nvml import process_used_bytes
+from shared.memory.nvml import outside_torch, process_used_bytes
 from shared.memory.sizing import StepPeaks
 from shared.model.loader import parse_dtype
 
@@ -40,8 +40,7 @@ def profile_steps(model, config: EngineConfig, max_context: int, capture: str = 
     non_torch = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        used = process_used_bytes(device)
-        non_torch = None if used is None else max(0, used - torch.cuda.memory_reserved(device))
+        non_torch = outside_torch(process_used_bytes(device), torch.cuda.memory_reserved(device))
     return StepPeaks(prefill=peaks["prefill"], decode=peaks["decode"], graph=peaks["graph"], non_torch=non_torch)
 
 

@@ -12,7 +12,15 @@ the engine runs its largest steps once (``shared/memory/profile.py``: a full pre
 eager decode step, the largest graph-captured one) and ``profiled_reserve`` turns their peaks into the bytes
 kept free: the eager peak, a private pool per captured phase that runs the target, the draft's phases and
 the memory outside PyTorch's allocator (CUDA context, cuBLAS and Triton). After warm-up the service checks
-the process's real peak against the fraction (``Footprint``, ``check_footprint``).
+the process's real peak against the fraction (``Footprint``, ``check_footprint``). The pools leave
+``POOL_MARGIN`` of the fraction unassigned: the profile does not measure everything the engine takes later
+(each smaller graph bucket's outputs kept in its phase's pool, CUDA graph objects, kernels loaded after the
+profile, allocator rounding), and the peak check allows only ``FOOTPRINT_SLACK`` past the fraction.
+
+Every figure is this process's own: PyTorch's allocator statistics are per process and NVML's figure is the
+process's entry in the device's process list, so an engine sharing the GPU (a prefill and a decode service
+starting together) neither counts the other's memory in its reserve nor in its peak. Only ``free`` is the
+whole device's, and it only lowers the page count (when another process holds more than its share).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from shared.model.loader import parse_dtype
 GiB = 1 << 30
 BASE_RESERVE = 1 << 30  # outside the caching allocator's count: the CUDA context, cuBLAS and Triton workspaces
 FOOTPRINT_SLACK = 1.01  # the measured peak may pass fraction x total by 1% (the allocator's rounding) at most
+POOL_MARGIN = 0.03  # of fraction x total, left out of the pools: what the profile run does not measure
 
 
 def make_cache(config: ModelConfig, num_layers: int, engine: EngineConfig, max_context: int) -> KVCache:
@@ -71,29 +80,35 @@ class DeviceMemory:
 
     total: int  # the device's whole memory
     free: int  # free on the device now, after this engine's weights (other processes' use counts too)
-    weights: int  # this engine's weights, target and draft, as loaded
+    weights: int  # this engine's weights, target and draft, as loaded (the allocator's segments holding them)
 
 
-def device_memory(device: torch.device, allocated_before: int) -> DeviceMemory:
-    """The figures of ``device`` now; ``allocated_before``: this process's allocation before the weights."""
+def device_memory(device: torch.device, reserved_before: int) -> DeviceMemory:
+    """The figures of ``device`` now; ``reserved_before``: what this process's allocator held before the weights.
+    The weights are what the allocator holds now, its cached free blocks released first: their segments, the
+    rounding inside them included (``memory_allocated`` would miss it, and the peak check counts it)."""
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    return DeviceMemory(total=total, free=free, weights=torch.cuda.memory_allocated(device) - allocated_before)
+    return DeviceMemory(total=total, free=free, weights=torch.cuda.memory_reserved(device) - reserved_before)
 
 
 def pages_within_budget(fraction: float, memory: DeviceMemory, reserve: int, bytes_per_page: int,
-                        request_pages: int, most_pages: int) -> int:
+                        request_pages: int, most_pages: int, margin: float = 0.0) -> int:
     """Pages per pool (``bytes_per_page``: one page of every pool together) that fit in ``fraction`` of the
-    device after the weights and ``reserve``, and in its free memory after ``reserve``; at most
-    ``most_pages`` (``max_running`` requests of ``max_context``). Fewer than ``request_pages`` (one request of
-    ``max_context``) is a ``RequestError`` naming every figure."""
-    budget = int(fraction * memory.total) - memory.weights - reserve
-    room = min(budget, memory.free - reserve)
+    device after the weights, ``reserve`` and ``margin`` of the fraction (``POOL_MARGIN`` for an engine), and
+    in its free memory after the reserve and margin; at most ``most_pages`` (``max_running`` requests of
+    ``max_context``). Fewer than ``request_pages`` (one request of ``max_context``) is a ``RequestError``
+    naming every figure."""
+    kept = int(margin * fraction * memory.total)
+    budget = int(fraction * memory.total) - memory.weights - reserve - kept
+    room = min(budget, memory.free - reserve - kept)
     pages = max(0, room) // bytes_per_page - 1  # each pool holds one page more: the padding rows' sink
     if pages < request_pages:
+        unmeasured = f", a margin of {kept / GiB:.2f} GiB ({margin:.0%} of the share)" if kept else ""
         raise RequestError("gpu_memory_fraction", (
             f"the KV pools do not fit: {fraction} x {memory.total / GiB:.2f} GiB total = "
-            f"{fraction * memory.total / GiB:.2f} GiB, minus the weights ({memory.weights / GiB:.2f} GiB) and the "
-            f"activation and graph reserve ({reserve / GiB:.2f} GiB), leaves {budget / GiB:.2f} GiB "
+            f"{fraction * memory.total / GiB:.2f} GiB, minus the weights ({memory.weights / GiB:.2f} GiB){unmeasured} "
+            f"and the activation and graph reserve ({reserve / GiB:.2f} GiB), leaves {budget / GiB:.2f} GiB "
             f"({memory.free / GiB:.2f} GiB free on the device now); one request of max_context needs "
             f"{request_pages} pages = {request_pages * bytes_per_page / GiB:.2f} GiB. Raise gpu_memory_fraction, "
             f"lower max_context, or give num_pages"))
