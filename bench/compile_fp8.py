@@ -43,7 +43,7 @@ def launches(quick: bool) -> list[dict]:
         for n, k in SHAPES_8B[:2] if quick else SHAPES_8B:
             for block in (None, (128, 128)):
                 add(rows, k, block, choose_config(rows, n, k, min(k, 128 if block else k), 132))
-        for n, k in TEST_SHAPES[:1] if quick else TEST_SHAPES:
+        for _n, k in TEST_SHAPES[:1] if quick else TEST_SHAPES:
             for block in TEST_BLOCKS:
                 for config in TEST_CONFIGS:
                     add(rows, k, block, config)
