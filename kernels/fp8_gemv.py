@@ -6,9 +6,10 @@ The layout of ``kernels/gemv.py``: one program owns ``BLOCK_N`` weight rows for 
 reading each FP8 weight byte once (half the bytes of bf16: the batch-1 step's floor halves). Its scale ``S``
 [ceil(N / BN), ceil(K / BK)] is applied per step for block scales or once per output for per-channel scales
 (``BK >= K``). One row: the weight in float32 times x, accumulated in a tile (a step may span power-of-two
-scale blocks). 2+ rows: ``tl.dot`` of the FP8 tile converted to x's dtype (exact) with x, a step inside one
-scale block, the same launch shape at every row count: a row's output does not depend on the other rows.
-The activations stay in their dtype at every row count the kernel takes (weight-only, no activation
+scale blocks; where the program's rows share one scale row, the step's x is scaled rather than the tile).
+2+ rows: ``tl.dot`` of the FP8 tile converted to x's dtype (exact) with x, a step inside one scale block,
+the same launch shape at every row count: a row's output does not depend on the other rows. The
+activations stay in their dtype at every row count the kernel takes (weight-only, no activation
 quantization), so a verify step and a decode step compute the same product for a position, up to float32
 summation order between one row and more (as in ``kernels/gemv.py``).
 
@@ -78,10 +79,14 @@ if triton is not None:
             for k in range(0, K, BLOCK_K):
                 k_ok = (k + offs_k) < K
                 w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
-                if not PER_CHANNEL:
-                    w = _block_scaled(w, s_rows, k, KB, BK, BLOCK_N, BLOCK_K)
                 x = tl.load(x_ptrs + k, mask=k_ok[None, :], other=0.0).to(tl.float32)
-                tile += w * x
+                if PER_CHANNEL:
+                    tile += w * x
+                elif BN % BLOCK_N == 0:  # one scale row for the program: scale the BLOCK_K x's, not the tile
+                    s_row = S + (pid_n * BLOCK_N // BN) * stride_sn
+                    tile += w * (x * tl.load(s_row + (k + offs_k) // BK, mask=k_ok, other=0.0)[None, :])
+                else:
+                    tile += _block_scaled(w, s_rows, k, KB, BK, BLOCK_N, BLOCK_K) * x
             acc = tl.sum(tile, 1)[:, None]
         else:  # tl.dot of the FP8 tile (exact in x's dtype) with 16 rows, scaled per step (BLOCK_K <= BK)
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
