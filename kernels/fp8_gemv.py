@@ -1,15 +1,21 @@
-"""Skinny GEMM over FP8 weights (``y = x @ (W_fp8 * scale).T + b`` for up to 16 rows of ``x``): the decode,
-verify and draft projections of an FP8 checkpoint (``shared/model/fp8.py``).
+"""Skinny GEMM over FP8 weights (``y = x @ (W_fp8 * scale).T + b``): the decode, verify and draft projections
+of an FP8 checkpoint (``shared/model/fp8.py``), up to ``MAX_ROWS`` rows of ``x``.
 
-The layout of ``kernels/gemv.py``: one program owns ``BLOCK_N`` weight rows for every row of ``x`` and walks
-K in ``BLOCK_K`` steps, reading each FP8 weight byte once (half the bytes of bf16: the batch-1 step's floor
-halves). The weight is converted to float32 in registers; its scale ``S`` [ceil(N / BN), ceil(K / BK)] is
-applied per element for block scales (``BLOCK_K`` at most ``BK``, so one K step meets one scale column of
-each row) or once per output for per-channel scales (``BK >= K``). The activations stay in their dtype
-(no activation quantization here: more exact than the W8A8 product prefill uses).
+The layout of ``kernels/gemv.py``: one program owns ``BLOCK_N`` weight rows for one row of ``x`` or a tile of
+16 (programs of one weight block side by side, so it is read from HBM once) and walks K in ``BLOCK_K`` steps,
+reading each FP8 weight byte once (half the bytes of bf16: the batch-1 step's floor halves). Its scale ``S``
+[ceil(N / BN), ceil(K / BK)] is applied per step for block scales or once per output for per-channel scales
+(``BK >= K``). One row: the weight in float32 times x, accumulated in a tile (a step may span power-of-two
+scale blocks; where the program's rows share one scale row, the step's x is scaled rather than the tile).
+2+ rows: ``tl.dot`` of the FP8 tile converted to x's dtype (exact) with x, a step inside one scale block,
+the same launch shape at every row count: a row's output does not depend on the other rows. The
+activations stay in their dtype at every row count the kernel takes (weight-only, no activation
+quantization), so a verify step and a decode step compute the same product for a position, up to float32
+summation order between one row and more (as in ``kernels/gemv.py``).
 
 ``fp8_linear(x, weight, scale, block, bias)`` is the entry point: the kernel on CUDA (and under
-``TRITON_INTERPRET=1``, as the CPU tests run it), the dequantized ``F.linear`` elsewhere.
+``TRITON_INTERPRET=1``, as the CPU tests run it), the dequantized ``F.linear`` elsewhere. ``check_config``
+refuses, under the interpreter too, the block sizes the compiler would.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-MAX_ROWS = 16
+TILE_ROWS = 16  # rows one tl.dot program takes (2+ rows)
+MAX_ROWS = 1024  # rows the kernel takes: every decode and verify step (more: prefill chunks)
 
 
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -38,29 +45,33 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
 
 if triton is not None:
     @triton.jit
-    def _scaled(w, s_rows, k, KB, BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """The [BLOCK_N, BLOCK_K] weight tile at column ``k`` times its block scales: one scale column when
-        the step lies in one block, else the step's BLOCK_K // BK columns, each over its BK weights."""
+    def _block_scaled(w, s_rows, k, KB, BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The [BLOCK_N, BLOCK_K] float32 weight tile at column ``k`` times its block scales: one scale column
+        when the step lies in one block, else the step's BLOCK_K // BK columns, each over its BK weights.
+        (An if/else, not an early return: the compiler builds the code after a constexpr ``if``'s return.)"""
         if BLOCK_K <= BK:
-            return w * tl.load(s_rows + k // BK)[:, None]
-        J: tl.constexpr = BLOCK_K // BK
-        cols = k // BK + tl.arange(0, J)
-        sc = tl.load(s_rows[:, None] + cols[None, :], mask=cols[None, :] < KB, other=0.0)
-        return tl.reshape(tl.reshape(w, [BLOCK_N, J, BK]) * sc[:, :, None], [BLOCK_N, BLOCK_K])
+            out = w * tl.load(s_rows + k // BK)[:, None]
+        else:
+            J: tl.constexpr = BLOCK_K // BK
+            cols = k // BK + tl.arange(0, J)
+            sc = tl.load(s_rows[:, None] + cols[None, :], mask=cols[None, :] < KB, other=0.0)
+            out = tl.reshape(tl.reshape(w, [BLOCK_N, J, BK]) * sc[:, :, None], [BLOCK_N, BLOCK_K])
+        return out
 
     @triton.jit
     def _fp8_gemv_kernel(X, W, S, B, Y, M, N, K, KB, stride_xm, stride_wn, stride_sn, stride_ym,
                          BN: tl.constexpr, BK: tl.constexpr, PER_CHANNEL: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         HAS_BIAS: tl.constexpr):
-        pid = tl.program_id(0)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+                         HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+        pid_m = tl.program_id(0)  # the row tiles of one weight block run side by side: it is read once from HBM
+        pid_n = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         offs_n_safe = tl.where(n_ok, offs_n, 0)
         offs_k = tl.arange(0, BLOCK_K)
         w_ptrs = W + offs_n_safe[:, None] * stride_wn + offs_k[None, :]
         s_rows = S + (offs_n_safe // BN) * stride_sn  # this program's rows of the scale
-        offs_m = tl.arange(0, BLOCK_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
         x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
         if BLOCK_M == 1:  # a [BLOCK_N, BLOCK_K] float32 tile, reduced once at the end (as kernels/gemv.py)
@@ -68,20 +79,26 @@ if triton is not None:
             for k in range(0, K, BLOCK_K):
                 k_ok = (k + offs_k) < K
                 w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
-                if not PER_CHANNEL:
-                    w = _scaled(w, s_rows, k, KB, BK, BLOCK_N, BLOCK_K)
-                x = tl.load(X + k + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                tile += w * x[None, :]
+                x = tl.load(x_ptrs + k, mask=k_ok[None, :], other=0.0).to(tl.float32)
+                if PER_CHANNEL:
+                    tile += w * x
+                elif BN % BLOCK_N == 0:  # one scale row for the program: scale the BLOCK_K x's, not the tile
+                    s_row = S + (pid_n * BLOCK_N // BN) * stride_sn
+                    tile += w * (x * tl.load(s_row + (k + offs_k) // BK, mask=k_ok, other=0.0)[None, :])
+                else:
+                    tile += _block_scaled(w, s_rows, k, KB, BK, BLOCK_N, BLOCK_K) * x
             acc = tl.sum(tile, 1)[:, None]
-        else:
+        else:  # tl.dot of the FP8 tile (exact in x's dtype) with 16 rows, scaled per step (BLOCK_K <= BK)
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             for k in range(0, K, BLOCK_K):
                 k_ok = (k + offs_k) < K
-                w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
-                if not PER_CHANNEL:
-                    w = _scaled(w, s_rows, k, KB, BK, BLOCK_N, BLOCK_K)
+                w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0, cache_modifier=".cg")
                 x = tl.load(x_ptrs + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
+                part = tl.dot(w.to(x.dtype), tl.trans(x), input_precision=PRECISION)
+                if PER_CHANNEL:
+                    acc += part
+                else:
+                    acc += part * tl.load(s_rows + k // BK)[:, None]
         if PER_CHANNEL:
             acc = acc * tl.load(s_rows)[:, None]
         if HAS_BIAS:
@@ -90,19 +107,42 @@ if triton is not None:
                  mask=n_ok[:, None] & m_ok[None, :])
 
 
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
 @functools.lru_cache(maxsize=256)
 def choose_config(m: int, n: int, k: int, bk: int, sms: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages): ``kernels/gemv.py``'s shapes at M=1 (16 rows, 1 KB of each
-    FP8 row in flight, 8 warps, 3 stages) and at 2-16 rows (64 rows x 256 through ``tl.dot``). A K step spans
-    whole scale blocks or lies in one (power-of-two blocks; others step by their largest power-of-two divisor).
+    FP8 row in flight, 8 warps, 3 stages) and at 2+ rows (64 rows x 256 through ``tl.dot``). At M=1 a K step
+    spans whole scale blocks or lies in one (power-of-two blocks; others step by their largest power-of-two
+    divisor); at 2+ rows it lies in one. The 2+ row choice depends on the shape only, never on ``m``: a row's
+    output is then the same bits whatever the other rows (verify's rows and a decode step's agree).
     Not yet tuned on a GPU for FP8: ``bench/bench_fp8.py`` times it against the floor."""
     block_n, block_k, warps, stages = (16, 1024, 8, 3) if m == 1 else (64, 256, 4, 4)
     while m == 1 and block_n > 4 and -(-n // block_n) < sms:
         block_n //= 2
     block_k = max(16, min(block_k, triton.next_power_of_2(k) if triton else block_k))
-    if bk < k and bk & (bk - 1):  # not a power of two: steps inside a block
+    if bk < k and (m > 1 or not _pow2(bk)):  # the step inside one block
         block_k = min(block_k, bk & -bk)
     return block_n, block_k, warps, stages
+
+
+def check_config(rows: int, k: int, bk: int, config: tuple[int, int, int, int]) -> int:
+    """The BLOCK_K a launch of ``config`` runs with (at 2+ rows capped at the scale block), or a ValueError
+    for what the compiler would refuse (the interpreter accepts more: this check runs under both)."""
+    block_n, block_k, warps, stages = config
+    if bk < k:
+        if rows > 1:
+            block_k = min(block_k, bk & -bk)
+        if (bk % block_k if block_k <= bk else block_k % bk or not _pow2(bk)) or block_k < 16:
+            raise ValueError(f"fp8_linear: BLOCK_K {block_k} and the scale block {bk} do not tile each other")
+    if not (_pow2(block_n) and _pow2(block_k) and block_k >= 16 and (rows == 1 or block_n >= 16)):
+        raise ValueError(f"fp8_linear: BLOCK_N {block_n} and BLOCK_K {block_k} must be powers of two, BLOCK_K >= 16"
+                         f" (and BLOCK_N >= 16 for tl.dot at 2+ rows)")
+    if not (_pow2(warps) and stages >= 1):
+        raise ValueError(f"fp8_linear: num_warps {warps} must be a power of two and num_stages {stages} >= 1")
+    return block_k
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -122,15 +162,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
     block_n, block_k, warps, stages = config or choose_config(rows, n, k, min(bk, k), sms)
-    if bk < k and (bk % block_k if block_k <= bk else block_k % bk or bk & (bk - 1)):
-        raise ValueError(f"fp8_linear: BLOCK_K {block_k} and the scale block {bk} do not tile each other")
+    block_k = check_config(rows, k, min(bk, k), (block_n, block_k, warps, stages))
+    block_m = 1 if rows == 1 else TILE_ROWS
     scale = scale.float().contiguous()
-    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
+    _fp8_gemv_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n, block_n))](
         x2, weight, scale, bias if bias is not None else scale, out, rows, n, k, scale.shape[1],
         x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
-        BN=bn, BK=bk, PER_CHANNEL=bk >= k, BLOCK_M=1 if rows == 1 else MAX_ROWS, BLOCK_N=block_n,
-        BLOCK_K=block_k, HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages)
+        BN=bn, BK=bk, PER_CHANNEL=bk >= k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages)
     return out.reshape(*lead, n)
 
 
-__all__ = ["choose_config", "fp8_linear", "fp8_linear_ref"]
+__all__ = ["MAX_ROWS", "TILE_ROWS", "check_config", "choose_config", "fp8_linear", "fp8_linear_ref"]

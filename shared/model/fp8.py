@@ -13,9 +13,13 @@ How the product is computed:
 
 * CPU (and CI): the weight dequantized (``dequantize``, once per weight: ``dequantized``), times the
   activations as they are.
-* CUDA, up to 16 rows (decode, verify, draft): ``kernels/fp8_gemv.py``, which reads the FP8 bytes once and
-  scales in registers (the batch-1 step reads half the bytes of bf16).
-* CUDA, more rows (prefill chunks): ``torch._scaled_mm`` on Hopper with the activations quantized
+* CUDA, up to ``kernels.fp8_gemv.MAX_ROWS`` (1024) rows: every decode, verify and draft step, and prefill
+  chunks that small: ``kernels/fp8_gemv.py``, which reads the FP8 bytes once and scales in registers (the
+  batch-1 step reads half the bytes of bf16), weight-only at every row count. One product for every step
+  size is what keeps speculation lossless: a verify step's rows and a decode step's must not round
+  differently by more than float32 summation order (an earlier cut at 16 rows sent verify's rows through the
+  activation-quantized product below, and greedy output with a draft head differed from the target's own).
+* CUDA, more rows (long prefill chunks): ``torch._scaled_mm`` on Hopper with the activations quantized
   dynamically (per token for per-channel weights, per 1 x bk group for block weights), as vLLM and SGLang
   run these checkpoints; where this torch cannot do the block-wise product, the weight is dequantized for it.
 """
@@ -32,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.gemv import MAX_ROWS
 from kernels.gemv import linear as dense_linear
 from shared.model.config import CheckpointError
 
@@ -264,11 +267,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return dense_linear(x, weight, bias)
     if not x.is_cuda:
         return F.linear(x, dequantized(weight, x.dtype), bias)
-    rows = x.numel() // x.shape[-1]
-    if rows <= MAX_ROWS and os.environ.get("EYRIE_FP8_GEMV", "1") != "0":  # 0: torch._scaled_mm for every size
-        from kernels.fp8_gemv import fp8_linear
+    from kernels import fp8_gemv
 
-        return fp8_linear(x, weight, weight.fp8_scale, weight.fp8_block, bias)
+    rows = x.numel() // x.shape[-1]
+    if rows <= fp8_gemv.MAX_ROWS and os.environ.get("EYRIE_FP8_GEMV", "1") != "0":  # 0: _scaled_mm at every size
+        return fp8_gemv.fp8_linear(x, weight, weight.fp8_scale, weight.fp8_block, bias)
     return scaled_mm_linear(x, weight, bias)
 
 

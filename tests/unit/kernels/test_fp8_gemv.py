@@ -1,16 +1,22 @@
 """The FP8 skinny-GEMM kernel equals the dequantized product (interpreter on the CPU, the kernel on a GPU), for
 per-channel scales and for block scales whose blocks a K step spans several of, lies inside, or cuts the
-matrix raggedly."""
+matrix raggedly; a row's output at 2+ rows does not depend on the other rows; and every launch these tests
+and the 8B shapes make compiles for sm_90a (the interpreter accepts code the compiler refuses)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from kernel_checks import DEVICE
 
-from kernels.fp8_gemv import MAX_ROWS, choose_config, fp8_linear, fp8_linear_ref
+from kernels.fp8_gemv import MAX_ROWS, TILE_ROWS, check_config, choose_config, fp8_linear, fp8_linear_ref
 from shared.model.fp8 import quantize
 
 
-@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 3, TILE_ROWS, 2 * TILE_ROWS + 3])
 @pytest.mark.parametrize("n, k", [(40, 64), (37, 96), (64, 256)], ids=["even", "ragged", "wide"])
 @pytest.mark.parametrize("block", [None, (16, 32), (1, 32), (32, 64)], ids=["channel", "16x32", "1x32", "32x64"])
 @pytest.mark.parametrize("config", [(16, 16, 4, 2), (16, 64, 4, 2)], ids=["step-in-block", "step-spans-blocks"])
@@ -45,3 +51,40 @@ def test_more_rows_than_the_kernel_takes_use_the_dequantized_product():
     x = torch.randn(MAX_ROWS + 1, 32)
     torch.testing.assert_close(fp8_linear(x, q, scale, (1, 32), backend="triton"),
                                fp8_linear_ref(x, q, scale, (1, 32)))
+
+
+def test_block_sizes_the_compiler_refuses_are_refused_under_the_interpreter_too():
+    assert check_config(4, 64, 32, (16, 64, 4, 2)) == 32  # 2+ rows: a step inside one scale block
+    assert check_config(1, 64, 32, (16, 64, 4, 2)) == 64  # one row: a step may span power-of-two blocks
+    for rows, config in ((1, (16, 8, 4, 2)), (1, (12, 16, 4, 2)), (4, (8, 32, 4, 2)), (1, (16, 32, 3, 2))):
+        with pytest.raises(ValueError, match="power"):
+            check_config(rows, 4096, 4096, config)
+    q, scale = quantize(torch.randn(32, 64), "channel")
+    with pytest.raises(ValueError, match="BLOCK_N 8"):
+        fp8_linear(torch.randn(3, 64, device=DEVICE), q.to(DEVICE), scale.to(DEVICE), (1, 64), backend="triton",
+                   config=(8, 64, 4, 2))
+
+
+@pytest.mark.parametrize("block", [None, (16, 32)], ids=["channel", "16x32"])
+def test_a_rows_output_does_not_depend_on_the_other_rows(block):
+    """Verify's rows and a decode step's: the same launch at every row count from 2, the same bits per row."""
+    torch.manual_seed(3)
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    n, k = 48, 96
+    q, scale = quantize(torch.randn(n, k), "channel" if block is None else "block", block or (128, 128))
+    blk = (1, k) if block is None else block
+    x = torch.randn(2 * TILE_ROWS + 5, k, dtype=dtype, device=DEVICE)
+    args = (q.to(DEVICE), scale.to(DEVICE), blk)
+    every = fp8_linear(x, *args, backend="triton")
+    for lo, hi in ((0, 2), (3, 10), (TILE_ROWS - 1, TILE_ROWS + 6), (2 * TILE_ROWS, x.shape[0])):
+        assert torch.equal(fp8_linear(x[lo:hi], *args, backend="triton"), every[lo:hi]), (lo, hi)
+
+
+def test_every_launch_compiles_for_hopper(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    root = Path(__file__).resolve().parents[3]
+    res = subprocess.run([sys.executable, "bench/compile_fp8.py", "--quick"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    assert " 0 launch(es) failed" in res.stdout
