@@ -525,7 +525,8 @@ def _scatter_on_device(layer: torch.Tensor, page_ids: list[int], data: torch.Ten
     that stream only. Before (issue 28) the copies from pageable memory ran on the default stream the engine
     steps on: each one waited for the step in flight and held the next one back, several times per chunk."""
     stream = receiver_stream(layer.device)
-    host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+    with torch.cuda.device(layer.device):  # pinned on the pool's GPU (no context made on a receiving thread's 0)
+        host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
     host.copy_(data)
     runs = coalesce(page_ids)
     with torch.cuda.stream(stream):
@@ -733,7 +734,7 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     stream = receiver_stream(device)
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream):  # (the stream's device current: pinned there)
         out = t.pin_memory().to(device, non_blocking=True)
     stream.synchronize()
     return out
