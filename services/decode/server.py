@@ -351,6 +351,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     def Abort(self, request: pb.AbortRequest, context):  # noqa: N802
         with self._lock:
             inc = self._incoming.get(request.request_id)
+        if request.resend_as_bytes:
+            return pb.AbortResponse(found=inc is not None and self._to_bytes(inc))
         if inc is not None and request.sender_stopped and inc.in_place:
             self._writer_done(inc)
         return pb.AbortResponse(found=inc is not None and self._abort(inc, "aborted by request"))
@@ -369,6 +371,17 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             inc.events.put(reason)
             return True
         return self._release(inc, reason)
+
+    def _to_bytes(self, inc: Incoming) -> bool:
+        """The in-place sender's write failed and it stopped writing: the reservation now waits for the pages as
+        bytes (the same pages, none counted as written). False when that is no longer possible (aborted, or a
+        transfer already opened)."""
+        with self._lock:
+            if not inc.in_place or inc.receiving or inc.guard.cancelled or inc.sink is None:
+                return False
+            inc.in_place, inc.sink.in_place, inc.writer_done = False, False, True
+        self.log.event("resend_as_bytes", inc.rid, logging.WARNING)
+        return True
 
     def _writer_done(self, inc: Incoming) -> None:
         """The in-place sender writes no page any more: an abort deferred for it completes now."""

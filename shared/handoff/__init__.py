@@ -33,6 +33,7 @@ from shared.handoff.wire import (
     Received,
     TransferCancelled,
     TransferError,
+    TransportFailed,
     coalesce,
     decode_draft_state,
     encode_draft_state,
@@ -87,6 +88,6 @@ __all__ = [
     "HandoffSchema", "InPlaceTarget", "Increment", "IpcTransport", "PageFeed", "PageGuard", "PageRun", "PageSink",
     "PageSource", "Prefilled", "Received",
     "SchemaMismatch", "TransferCancelled",
-    "TransferError", "Transport", "coalesce", "decode_draft_state", "encode_draft_state", "iter_chunks",
-    "negotiate", "plan_slices", "sampling_from_pb", "sampling_to_pb", "top_logprobs_pb",
+    "TransferError", "Transport", "TransportFailed", "coalesce", "decode_draft_state", "encode_draft_state",
+    "iter_chunks", "negotiate", "plan_slices", "sampling_from_pb", "sampling_to_pb", "top_logprobs_pb",
 ]

@@ -139,6 +139,15 @@ class DecodeClient:
         with self._lock:
             self._agreed.pop(address, None)
 
+    def resend_as_bytes(self, address: str, rid: str, timeout: float = 5.0) -> bool:
+        """After an in-place write failed: the decode side keeps ``rid``'s reservation for a byte transfer
+        (False: it could not, e.g. the request was aborted meanwhile)."""
+        try:
+            msg = pb.AbortRequest(request_id=rid, resend_as_bytes=True)
+            return self.channels.decode_stub(address).Abort(msg, timeout=timeout).found
+        except grpc.RpcError:
+            return False
+
     def reserve(self, address: str, request: pb.ReserveRequest, timeout: float) -> pb.ReserveResponse:
         request.schema.CopyFrom(self.schema.to_pb())  # checked again: the instance may have restarted
         return self.channels.decode_stub(address).Reserve(request, timeout=timeout)
@@ -345,9 +354,12 @@ class IpcTransport(GrpcStreamTransport):
 TRANSPORTS = ("ipc", "grpc-stream")
 
 
-def negotiate(forced: str, reply: pb.HandshakeResponse, device) -> tuple[str, str]:
+def negotiate(forced: str, reply: pb.HandshakeResponse, device, unusable: dict[str, str] | None = None
+              ) -> tuple[str, str]:
     """The transport to a decode instance from its handshake reply: (name, why). ``forced`` is "auto" or
-    a name; a forced transport the two sides cannot use raises TransferError naming why."""
+    a name; a forced transport the two sides cannot use raises TransferError naming why. ``unusable``: the
+    transports that failed at their first use for this instance, with why (never chosen again for it). For a
+    peer GPU, ipc is chosen only once a copy into the peer's memory was proven (``shared.handoff.peer``)."""
     if forced not in ("auto", *TRANSPORTS):
         raise TransferError(f"handoff_transport: {forced!r} is not one of auto, {', '.join(TRANSPORTS)}")
     offered = list(reply.transports) or ["grpc-stream"]  # an older decode instance offers only the stream
@@ -356,6 +368,8 @@ def negotiate(forced: str, reply: pb.HandshakeResponse, device) -> tuple[str, st
         why_not_ipc = "the decode instance does not offer ipc"
     elif reply.host_id != host_id():
         why_not_ipc = "the decode instance runs on another host"
+    elif unusable and "ipc" in unusable:
+        why_not_ipc = f"ipc failed at its first use for this instance ({unusable['ipc']})"
     else:
         why_not_ipc = reachable(reply.pools, device)
     if forced == "ipc" and why_not_ipc:

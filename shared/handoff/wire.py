@@ -49,6 +49,12 @@ class TransferCancelled(RuntimeError):
     """The request's pages were released (aborted) while its transfer was under way."""
 
 
+class TransportFailed(RuntimeError):
+    """A transport's own data path failed (an in-place copy refused, a CUDA error) before the receiver
+    acknowledged anything: that transport cannot carry hand-offs to this receiver, another one may (the
+    sender marks it unusable for the receiver and sends again: ``PageFeed.rewind``)."""
+
+
 class PageGuard:
     """Orders a transfer's page accesses against the release of those pages. Accesses may overlap (the
     streams of one hand-off write their pages at once); ``cancel`` waits until none is in progress."""
@@ -242,12 +248,24 @@ class PageFeed:
 
     def __init__(self) -> None:
         self._queue: queue.Queue[Increment] = queue.Queue()
+        self._latest: Increment | None = None  # the last increment taken (each one names every page so far)
+        self._replay = False
 
     def put(self, increment: Increment) -> None:
         self._queue.put(increment)
 
+    def rewind(self) -> None:
+        """The next ``take`` starts again from the first page: it yields the last increment taken first (an
+        increment names all the request's pages so far and how many are done, so it stands for those before)."""
+        self._replay = self._latest is not None
+
     def take(self, guard: PageGuard) -> Iterator[Increment]:
         """Each increment as it comes, up to the last; TransferCancelled once ``guard`` is cancelled."""
+        if self._replay:
+            self._replay = False
+            yield self._latest
+            if self._latest.last is not None:
+                return
         while True:
             try:
                 inc = self._queue.get(timeout=FEED_POLL_S)
@@ -255,6 +273,7 @@ class PageFeed:
                 if guard.cancelled:
                     raise TransferCancelled("the request was released during its prefill") from None
                 continue
+            self._latest = inc
             yield inc
             if inc.last is not None:
                 return
