@@ -15,6 +15,10 @@
 #   bench/gpu_session.sh features   # a penalised EAGLE-3 iteration vs a plain one, batch 1 and 32 (bench_features.py)
 #   bench/gpu_session.sh tp-tests   # two GPUs: TP-2 over NCCL == one GPU (graphs on/off), TP services, the second GPU
 #   bench/gpu_session.sh tp         # two GPUs: 8B decode step TP 1 vs TP 2 vs its floor, IPC into a peer GPU (bench_tp.py)
+#   bench/gpu_session.sh peer       # two GPUs: peer hand-off tests, then a 4096-token 8B hand-off (target + EAGLE-3
+#                                   # draft) into a peer GPU per copy mode vs cudaMemcpyPeer (bench_handoff.py --peer)
+#   bench/gpu_session.sh receive    # a decode-step proxy on the last GPU while grpc-stream hand-offs arrive, the
+#                                   # scatter before issue 28 beside the current one (bench_receive.py --legacy)
 #
 # Several stages in one call run in the order given. Python packages the GPU image lacks come from
 # ./.whl (../shared/tools/gpu-wheels.sh on the CPU machine; carry .whl with the call).
@@ -78,6 +82,15 @@ for stage in "$@"; do
     tp)
       run bench_tp 450 python3 bench/bench_tp.py --out "$OUT/tp.json"
       ;;
+    peer)
+      run peer_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_peer_handoff_gpu.py
+      run bench_peer 240 python3 bench/bench_handoff.py --peer --repeat 10 --json "$OUT/peer.json"
+      ;;
+    receive)
+      last=$(( $(nvidia-smi -L | wc -l) - 1 ))
+      run bench_receive 240 python3 bench/bench_receive.py --device "cuda:$last" --tokens 512 --seconds 20 --legacy \
+        --json "$OUT/receive.json"
+      ;;
     local)  # conditional disaggregation (short prompts prefilled on the decode service) vs the engine, then without
       run serving_local 420 python3 bench/bench_serving.py --workdir /tmp/serving --workloads fixed --sweep 32,1 \
         --apis grpc --waves 4 --local-prefill 1024,0 --deadline-s 400 --out "$OUT/serving_local.json"
@@ -89,7 +102,7 @@ for stage in "$@"; do
       ;;
     *)
       echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention, serving," \
-        "features, tp-tests, tp, local)" >&2
+        "features, tp-tests, tp, peer, receive, local)" >&2
       exit 2
       ;;
   esac

@@ -7,7 +7,9 @@ side maps them (``open_pools``) and writes a request's pages straight into the p
 reserved (``write_in_place``: each prefill step's pages as soon as the step ran, while the next one
 computes; per cache, one copy of all layers per run of pages contiguous on both sides in the torch
 reference; on CUDA all of a cache's new pages in one kernel, ``kernels.page_copy``, on a side stream that
-waits for the step's event, synchronised per increment off the engine's thread). Nothing in
+waits for the step's event, synchronised per increment off the engine's thread; into a peer GPU's pools
+``kernels.page_copy.copy_pages_peer``, once ``shared.handoff.peer`` enabled peer access and proved a copy).
+Nothing in
 the handles is code: they are JSON, never pickle.
 
 The decode side cannot stop a write from another process, so the writer keeps to a lease: it writes

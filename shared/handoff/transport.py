@@ -26,7 +26,12 @@ Both send from a ``PageSource``'s increments (``shared.handoff.wire``): one per 
 request, the last with the draft state; a source built after the prompt ran has one increment.
 
 The receiving side is one code path for both (``receive``): an in-place message marks every page
-written, a byte chunk is copied into its pages. NIXL (RDMA/UCX across hosts) would be a third
+written, a byte chunk is copied into its pages (on a thread of the call's own, off the engine's thread and its
+CUDA stream: ``shared.handoff.wire.scatter``).
+
+A transport whose own data path fails (``TransportFailed``: the ipc copy refused or a CUDA error) before it
+ever carried a hand-off to that decode instance is marked unusable for it by the prefill service, and the
+request goes again over the next one that ``negotiate`` picks, on the same reservation. NIXL (RDMA/UCX across hosts) would be a third
 ``Transport``; it is not built here (it needs GPUs and NICs to measure against the gRPC path).
 """
 
