@@ -31,8 +31,9 @@ CUDA stream: ``shared.handoff.wire.scatter``).
 
 A transport whose own data path fails (``TransportFailed``: the ipc copy refused or a CUDA error) before it
 ever carried a hand-off to that decode instance is marked unusable for it by the prefill service, and the
-request goes again over the next one that ``negotiate`` picks, on the same reservation. NIXL (RDMA/UCX across hosts) would be a third
-``Transport``; it is not built here (it needs GPUs and NICs to measure against the gRPC path).
+request goes again over the next one that ``negotiate`` picks, on the same reservation. NIXL (RDMA/UCX across
+hosts) would be a third ``Transport``; it is not built here (it needs GPUs and NICs to measure against the gRPC
+path).
 """
 
 from __future__ import annotations
