@@ -112,6 +112,8 @@ class PeerSettings:
 
     mode: str = "push"
     staging_bytes: int = 64 << 20  # staged: the buffers' size on each GPU (a hand-off goes through in pieces)
+    push_refused: str = ""  # why push was given up for staged at a hand-off (a probe's scratch memory passed,
+    # the decode pools mapped by CUDA IPC did not): every later copy is staged
 
 
 PEER = PeerSettings()
@@ -121,14 +123,22 @@ def copy_pages_peer(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], 
                     page_size: int, mode: str | None = None) -> None:
     """As ``copy_pages`` from ``src`` (on this thread's current GPU and stream) into ``dst`` on a peer GPU, the
     way ``mode`` (default ``PEER.mode``) says; queued, not waited for (the caller synchronises its stream: the
-    staged scatter's stream on the peer is joined back into it)."""
-    mode = mode or PEER.mode
-    if mode == "push":
-        copy_pages(dst, src, src_pages, dst_pages, page_size)
-    elif mode == "staged":
+    staged scatter's stream on the peer is joined back into it). With the default mode, a push refused at its
+    launch (before any byte moved: Triton's check of the peer pointer) turns ``PEER`` to staged for good."""
+    chosen = mode or PEER.mode
+    if chosen == "push":
+        try:
+            copy_pages(dst, src, src_pages, dst_pages, page_size)
+            return
+        except Exception as e:
+            if mode is not None:  # a probe of that mode: its failure is the answer
+                raise
+            PEER.mode, PEER.push_refused = "staged", f"{type(e).__name__}: {e}"
+        _copy_staged(dst, src, src_pages, dst_pages, page_size)
+    elif chosen == "staged":
         _copy_staged(dst, src, src_pages, dst_pages, page_size)
     else:
-        raise ValueError(f"peer copy mode must be push or staged, got {mode!r}")
+        raise ValueError(f"peer copy mode must be push or staged, got {chosen!r}")
 
 
 _STAGING: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.cuda.Stream]] = {}

@@ -67,6 +67,8 @@ def probe(src: torch.device, dst: torch.device, mode: str) -> str | None:
     try:
         here = torch.arange(torch.Size(shape).numel(), dtype=torch.float32, device=src).view(shape).to(torch.bfloat16)
         there = torch.zeros(shape, dtype=torch.bfloat16, device=dst)
+        torch.cuda.synchronize(src)  # made on the default streams: the copy's stream does not wait for those
+        torch.cuda.synchronize(dst)
         stream = torch.cuda.Stream(src)
         with torch.cuda.stream(stream):
             page_copy.copy_pages_peer(there, here, [0, 2], [2, 0], PROBE_PAGE, mode)
