@@ -292,7 +292,8 @@ def bench_peer(args) -> list[dict]:
             parent.send([dst_pages] * len(srcs))
             intact = parent.recv() == want
             results.append({"transport": f"ipc-peer-{mode}", **figures(nbytes, times[1:]), "intact": intact,
-                            "runs": len(page_copy.page_runs(src_pages, dst_pages))})
+                            "runs": len(page_copy.page_runs(src_pages, dst_pages)), "mode_used": page_copy.PEER.mode,
+                            "push_refused": page_copy.PEER.push_refused})
         parent.send("done")
     finally:
         proc.join(30)
