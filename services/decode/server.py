@@ -98,6 +98,13 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         # Once, for every prefill (a tensor-parallel engine's: its landing cache and draft pools, on rank 0).
         self.exported = export_pools(loop.kv_pools) if forced != "grpc-stream" and loop.kv_pools else b""
         self.offered = [t for t in ("ipc", "grpc-stream") if forced in ("auto", t) and (t != "ipc" or self.exported)]
+        self.nixl = b""  # with handoff_transport=nixl: its NIXL agent's metadata and pools (made at start)
+        if forced == "nixl":
+            from shared.handoff.nixl import NixlAgent
+
+            self.nixl_agent = NixlAgent("decode")  # kept: the agent's connections live as long as it does
+            self.nixl = self.nixl_agent.export(loop.kv_pools)
+            self.offered = ["nixl", "grpc-stream"]
         self._lock = threading.Lock()
         self._incoming: dict[str, Incoming] = {}
         self._reserving: set[str] = set()  # request ids between Reserve's checks and its reply
@@ -118,7 +125,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     def Handshake(self, request: pb.HandoffSchema, context):  # noqa: N802
         self._check_schema(request, context)
         return pb.HandshakeResponse(instance_id=self.instance_id, host_id=host_id(), transports=self.offered,
-                                    pools=self.exported if "ipc" in self.offered else b"")
+                                    pools=self.exported if "ipc" in self.offered else b"", nixl=self.nixl)
 
     @staticmethod
     def _params(request: pb.ReserveRequest | pb.AdmitRequest, context) -> SamplingParams:
@@ -159,9 +166,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         with self._claimed(rid) as claimed:
             if not claimed:
                 return pb.ReserveResponse(accepted=False, reason=f"request_id: {rid!r} is already here")
-            if request.in_place and "ipc" not in self.offered:
+            if request.in_place and not {"ipc", "nixl"} & set(self.offered):
                 return pb.ReserveResponse(accepted=False,
-                                          reason=f"this decode instance offers {self.offered}, not ipc")
+                                          reason=f"this decode instance offers {self.offered}, not ipc or nixl")
             return self._reserve(rid, request, params)
 
     def _reserve(self, rid: str, request: pb.ReserveRequest, params) -> pb.ReserveResponse:

@@ -47,6 +47,7 @@ from shared.handoff import (
     GrpcStreamTransport,
     InPlaceTarget,
     IpcTransport,
+    NixlTransport,
     PageSource,
     TransferCancelled,
     TransferError,
@@ -62,6 +63,7 @@ from shared.request import Request, RequestError
 from shared.telemetry import Telemetry
 
 SERVICES = [full_name("Prefill")]
+IN_PLACE = ("ipc", "nixl")  # transports that write the reserved pages themselves (the reservation says so)
 POLL_S = 0.25  # how often a waiting RPC checks that its client is still there
 
 
@@ -114,7 +116,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         # The transports, one chosen per decode instance at its handshake (``transport``: always that one).
         self.transports: dict[str, Transport] = {
             "grpc-stream": GrpcStreamTransport(self.channels, settings.handoff_chunk_bytes, settings.handoff_streams),
-            "ipc": IpcTransport(self.channels)}
+            "ipc": IpcTransport(self.channels), "nixl": NixlTransport(self.channels)}
         self.fixed_transport = transport
         self._chosen: dict[str, str] = {}  # decode address -> the transport logged for it
         self._proven: set[tuple[str, str]] = set()  # (decode address, transport) that carried a hand-off there
@@ -306,7 +308,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             if job.source.guard.cancelled:
                 raise TransferCancelled(job.rid)
             transport = self._transport_to(address, self.client.handshake(address, timeout))
-            reserve.in_place = transport.name == "ipc"
+            reserve.in_place = transport.name in IN_PLACE
             reply = self.client.reserve(address, reserve, timeout)
             if not reply.accepted:
                 self.telemetry.errors_total.labels("decode_full").inc()
@@ -363,8 +365,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         not failed. The acknowledgement and the transport that carried it."""
         while True:
             source = job.source
-            if transport.name == "ipc":  # a copy sharing the guard: an abort still stops the writes
-                target = InPlaceTarget(self.client.handshake(address, timeout).pools,
+            if transport.name in IN_PLACE:  # a copy sharing the guard: an abort still stops the writes
+                handshake = self.client.handshake(address, timeout)
+                target = InPlaceTarget(handshake.pools if transport.name == "ipc" else handshake.nixl,
                                        [list(p.ids) for p in reply.pages], reply.write_deadline)
                 source = dataclasses.replace(source, in_place=target)
             try:

@@ -18,6 +18,7 @@ from shared.handoff.transport import (
     DecodeClient,
     GrpcStreamTransport,
     IpcTransport,
+    NixlTransport,
     Transport,
     negotiate,
 )
@@ -85,8 +86,8 @@ def sampling_from_pb(msg: pb.SamplingParams, default_max_new_tokens: int = 16):
 
 __all__ = [
     "SCHEMA_VERSION", "TRANSPORTS", "CacheShape", "ChannelPool", "DecodeClient", "GrpcStreamTransport",
-    "HandoffSchema", "InPlaceTarget", "Increment", "IpcTransport", "PageFeed", "PageGuard", "PageRun", "PageSink",
-    "PageSource", "Prefilled", "Received",
+    "HandoffSchema", "InPlaceTarget", "Increment", "IpcTransport", "NixlTransport", "PageFeed", "PageGuard",
+    "PageRun", "PageSink", "PageSource", "Prefilled", "Received",
     "SchemaMismatch", "TransferCancelled",
     "TransferError", "Transport", "TransportFailed", "coalesce", "decode_draft_state", "encode_draft_state",
     "iter_chunks", "negotiate", "plan_slices", "sampling_from_pb", "sampling_to_pb", "top_logprobs_pb",

@@ -48,7 +48,7 @@ import grpc
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
-from shared.handoff.ipc import host_id, open_pools, reachable, write_in_place
+from shared.handoff.ipc import Written, host_id, open_pools, reachable, write_in_place
 from shared.handoff.schema import HandoffSchema
 from shared.handoff.wire import (
     FEED_POLL_S,
@@ -344,12 +344,15 @@ class IpcTransport(GrpcStreamTransport):
         target = source.in_place
         if target is None:
             raise TransferError(f"{source.rid}: the ipc transport needs the decode side's reserved pages")
-        written = write_in_place(source, self.pools(address, target.exported), target.page_ids, target.deadline)
+        written = self._write(address, source, target)
         msg = pb.KVChunk(request_id=source.rid, seq=0, last=True, total_chunks=1, in_place=True,
                          in_place_bytes=written.bytes, draft_state=written.last.draft_state,
                          output_ids=written.last.output_ids, output_logprobs=written.last.output_logprobs)
         call = self.channels.decode_stub(address).Transfer.future(iter([msg]), timeout=timeout)
         return await_acks([call], source)
+
+    def _write(self, address: str, source: PageSource, target) -> Written:
+        return write_in_place(source, self.pools(address, target.exported), target.page_ids, target.deadline)
 
     def close(self) -> None:
         with self._lock:
@@ -357,7 +360,32 @@ class IpcTransport(GrpcStreamTransport):
         super().close()
 
 
-TRANSPORTS = ("ipc", "grpc-stream")
+class NixlTransport(IpcTransport):
+    """Any host with NIXL on both sides: the pages written into the decode pools by NIXL (``shared.handoff.nixl``,
+    UCX's transports as ``UCX_TLS`` allows), then the in-place message, as ipc. Never chosen by ``auto`` yet: forced
+    with ``handoff_transport=nixl`` on both services."""
+
+    name = "nixl"
+
+    def __init__(self, channels: ChannelPool | None = None):
+        super().__init__(channels)
+        self._agent = None
+
+    def agent(self):
+        from shared.handoff.nixl import NixlAgent
+
+        with self._lock:
+            if self._agent is None:
+                self._agent = NixlAgent("prefill")
+            return self._agent
+
+    def _write(self, address: str, source: PageSource, target) -> Written:
+        from shared.handoff.nixl import write_pages
+
+        return write_pages(self.agent(), source, target.exported, target.page_ids, target.deadline)
+
+
+TRANSPORTS = ("ipc", "grpc-stream", "nixl")
 
 
 def negotiate(forced: str, reply: pb.HandshakeResponse, device, unusable: dict[str, str] | None = None
@@ -380,6 +408,13 @@ def negotiate(forced: str, reply: pb.HandshakeResponse, device, unusable: dict[s
         why_not_ipc = reachable(reply.pools, device)
     if forced == "ipc" and why_not_ipc:
         raise TransferError(f"handoff_transport ipc was forced, but {why_not_ipc}")
+    if forced == "nixl":
+        from shared.handoff.nixl import nixl_api
+
+        if "nixl" not in offered or not reply.nixl:
+            raise TransferError("handoff_transport nixl was forced, but the decode instance does not offer nixl")
+        if nixl_api() is None:
+            raise TransferError("handoff_transport nixl was forced, but NIXL is not installed here")
     if forced == "grpc-stream" and "grpc-stream" not in offered:
         raise TransferError("handoff_transport grpc-stream was forced, but the decode instance does not offer it")
     if forced != "auto":
