@@ -17,6 +17,8 @@
 #   bench/gpu_session.sh tp         # two GPUs: 8B decode step TP 1 vs TP 2 vs its floor, IPC into a peer GPU (bench_tp.py)
 #   bench/gpu_session.sh peer       # two GPUs: peer hand-off tests, then a 4096-token 8B hand-off (target + EAGLE-3
 #                                   # draft) into a peer GPU per copy mode vs cudaMemcpyPeer (bench_handoff.py --peer)
+#   bench/gpu_session.sh nixl       # two GPUs: NIXL VRAM writes GPU 0 -> GPU 1 per UCX_TLS (bench_nixl.py; needs the
+#                                   # nixl-cu13 wheel in .whl: ../shared/tools/gpu-wheels.sh nixl-cu13==1.5.1)
 #   bench/gpu_session.sh receive    # a decode-step proxy on the last GPU while grpc-stream hand-offs arrive, the
 #                                   # scatter before issue 28 beside the current one (bench_receive.py --legacy)
 #
@@ -86,6 +88,10 @@ for stage in "$@"; do
       run peer_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_peer_handoff_gpu.py
       run bench_peer 240 python3 bench/bench_handoff.py --peer --repeat 10 --json "$OUT/peer.json"
       ;;
+    nixl)
+      run bench_nixl 500 python3 bench/bench_nixl.py --mb 512 --descs 1,2112 --mem VRAM --reader-gpu 1 --timeout 50 \
+        --tls "default;cuda_ipc,cuda_copy,tcp;cuda_ipc,cuda_copy;cuda_copy,tcp" --json "$OUT/nixl.json"
+      ;;
     receive)
       last=$(( $(nvidia-smi -L | wc -l) - 1 ))
       run bench_receive 240 python3 bench/bench_receive.py --device "cuda:$last" --tokens 512 --seconds 20 --legacy \
@@ -102,7 +108,7 @@ for stage in "$@"; do
       ;;
     *)
       echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention, serving," \
-        "features, tp-tests, tp, peer, receive, local)" >&2
+        "features, tp-tests, tp, peer, nixl, receive, local)" >&2
       exit 2
       ;;
   esac
