@@ -1,7 +1,8 @@
 """The prefill -> decode hand-off: the schema both sides agree on (``schema``), the KV wire format
 (``wire``: page-aligned, checksummed, coalesced chunks), and the transports that carry it
-(``transport``: the ``Transport`` interface, the same-host ``ipc`` transport over ``ipc``'s mapped pools,
-and the gRPC stream for any network, chosen per decode instance at the handshake).
+(``transport``: the ``Transport`` interface, the same-host ``ipc`` transport over ``ipc``'s mapped pools (a
+peer GPU's through ``peer``), the gRPC stream for any network, and ``nixl``'s, chosen per decode instance at the
+handshake).
 
 A request's hand-off carries its target KV pages (all layers), its draft KV pages (every draft cache,
 all layers) and its ``shared.spec.state.DraftState``; the decode side reserves the pages first and

@@ -8,7 +8,7 @@ reservation, aborts) is always gRPC. Data goes through a ``Transport``:
 - receiving side: ``receive(messages, open_sink) -> Received`` writes them into the pages the decode
   side reserved (``open_sink(rid)`` returns the request's ``PageSink``).
 
-Two transports, chosen per decode address at the handshake (``negotiate``):
+Transports, chosen per decode address at the handshake (``negotiate``):
 
 - ``IpcTransport`` ("ipc"): same host. The decode side exported its pools in its handshake reply; the
   prefill side writes the pages straight into the reserved ones (``shared.handoff.ipc``: CUDA IPC on
@@ -31,9 +31,10 @@ CUDA stream: ``shared.handoff.wire.scatter``).
 
 A transport whose own data path fails (``TransportFailed``: the ipc copy refused or a CUDA error) before it
 ever carried a hand-off to that decode instance is marked unusable for it by the prefill service, and the
-request goes again over the next one that ``negotiate`` picks, on the same reservation. NIXL (RDMA/UCX across
-hosts) would be a third ``Transport``; it is not built here (it needs GPUs and NICs to measure against the gRPC
-path).
+request goes again over the next one that ``negotiate`` picks, on the same reservation.
+
+``NixlTransport`` ("nixl", forced on both services): NIXL (UCX: RDMA, NVLink, tcp) writes the pages into the
+decode pools (``shared.handoff.nixl``), then the in-place message as ipc.
 """
 
 from __future__ import annotations
