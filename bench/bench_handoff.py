@@ -8,9 +8,14 @@
 - ipc-cross-process (``--cross-process``): the pools live in a second process, as the decode service's
   do, exported by handle and mapped here; the same copies, plus the device's own copy of the same bytes
   (one ``copy_`` of a contiguous tensor) as the reference (issue 14: IPC >= 80% of it).
+- ipc-peer (``--peer``, two GPUs): the pools in a second process on another GPU (``--peer-device``), target +
+  draft (``--draft-layers``) at the 8B shape, in each peer copy mode (``kernels.page_copy.PeerSettings``:
+  push, staged), every page checked there, against ``cudaMemcpyPeer`` of the same bytes in the same run
+  (issue 28: >= 80% of it).
 
 Usage: ``python bench/bench_handoff.py [--tokens 4096] [--layers 8] [--device cpu] [--chunk-mb 4]
-[--repeat 5] [--streams 1,4] [--transports grpc-stream,ipc] [--cross-process] [--contiguous] [--json out.json]``.
+[--repeat 5] [--streams 1,4] [--transports grpc-stream,ipc] [--cross-process] [--contiguous] [--json out.json]``;
+two GPUs: ``python bench/bench_handoff.py --peer --json peer.json`` (4096 tokens, 32 + 1 layers, bf16).
 Prints the settings with the figures (the median of the repeats, and the best); the floor for
 grpc-stream is 1.5 GB/s (issue 14).
 """
@@ -231,6 +236,92 @@ def bench_cross_process(args, src: KVCache, src_pages: list[int]) -> dict:
     return {"transport": "ipc-cross-process", **figures(nbytes, times), "runs": len(src_pages)}
 
 
+def _page_sums(pool: torch.Tensor, pages: list[int], page_size: int) -> list[int]:
+    """Per page (every plane), the sum of its bytes read as int16, exact: equal lists, the same bytes in the same
+    pages (up to a swap inside a page)."""
+    words = pool.view(torch.int16)
+    return [int(words[:, :, p * page_size:(p + 1) * page_size].sum(dtype=torch.int64)) for p in pages]
+
+
+def _hold_peer_pools(cache_args: list, conn) -> None:
+    """The child of ``--peer``: a decode-like process holding one pool per cache on its GPU; exports them, then
+    answers each list of page lists with its pages' sums (``_page_sums``), until told "done"."""
+    caches = [make_cache(a, True) for a in cache_args]
+    conn.send(export_pools([c.pool for c in caches]))
+    while (msg := conn.recv()) != "done":
+        torch.cuda.synchronize(caches[0].pool.device)
+        conn.send([_page_sums(c.pool, pages, c.page_size) for c, pages in zip(caches, msg)])
+        for c in caches:
+            c.pool.zero_()
+
+
+def bench_peer(args) -> list[dict]:
+    """``--peer``: one request's target + draft pages from ``--device`` into pools a second process holds on
+    ``--peer-device`` (CUDA IPC, peer access: ``shared.handoff.peer``), in each peer copy mode, against the
+    device's own peer memcpy (``cudaMemcpyPeer``: ``copy_`` of one contiguous tensor between the two GPUs) of
+    the same bytes in the same run; every page checked in the other process after each mode."""
+    from kernels import page_copy
+    from shared.handoff.peer import ready
+
+    src_dev, dst_dev = torch.device(args.device), torch.device(args.peer_device)
+    why = ready(src_dev, dst_dev)
+    if why is not None:
+        raise SystemExit(f"no peer copy between {src_dev} and {dst_dev}: {why}")
+    cache_args = [argparse.Namespace(**{**vars(args), "layers": n}) for n in (args.layers, args.draft_layers) if n]
+    srcs = [filled_source(a) for a in cache_args]
+    src_pages, dst_pages = pages(args)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    held = [argparse.Namespace(**{**vars(a), "device": args.peer_device}) for a in cache_args]
+    proc = ctx.Process(target=_hold_peer_pools, args=(held, child), daemon=True)
+    proc.start()
+    results = []
+    try:
+        if not parent.poll(120):
+            raise RuntimeError("the process holding the pools did not export them within 120 s")
+        pools = open_pools(parent.recv())
+        want = [_page_sums(s.pool, src_pages, s.page_size) for s in srcs]
+        for mode in args.peer_modes.split(","):
+            page_copy.PEER.mode = mode
+            times, nbytes = [], 0
+            for _ in range(args.repeat + 1):
+                t0 = time.perf_counter()
+                nbytes = write_in_place(PageSource("r", srcs, [src_pages] * len(srcs), b""), pools,
+                                        [dst_pages] * len(srcs), time.monotonic() + 60).bytes
+                times.append(time.perf_counter() - t0)
+            parent.send([dst_pages] * len(srcs))
+            intact = parent.recv() == want
+            results.append({"transport": f"ipc-peer-{mode}", **figures(nbytes, times[1:]), "intact": intact,
+                            "runs": len(page_copy.page_runs(src_pages, dst_pages)), "mode_used": page_copy.PEER.mode,
+                            "push_refused": page_copy.PEER.push_refused})
+        parent.send("done")
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    results.append(peer_memcpy(src_dev, dst_dev, results[0]["bytes"], args.repeat))
+    for r in results[:-1]:
+        r["of_memcpy_peer"] = r["gbps"] / results[-1]["gbps"]
+    return results
+
+
+def peer_memcpy(src: torch.device, dst: torch.device, nbytes: int, repeat: int) -> dict:
+    """``cudaMemcpyPeer`` of ``nbytes``: one contiguous ``copy_`` from ``src`` to ``dst`` (peer access enabled)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=src).random_()
+    b = torch.empty(nbytes, dtype=torch.uint8, device=dst)
+    times = []
+    for _ in range(repeat + 1):
+        sync(src)
+        sync(dst)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        sync(src)
+        sync(dst)
+        times.append(time.perf_counter() - t0)
+    assert torch.equal(a.cpu(), b.cpu())
+    return {"transport": "memcpy-peer", **figures(nbytes, times[1:])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
@@ -247,12 +338,25 @@ def main() -> None:
     ap.add_argument("--transports", default="grpc-stream,ipc")
     ap.add_argument("--cross-process", action="store_true", help="also: the pools in a second process (ipc)")
     ap.add_argument("--contiguous", action="store_true", help="pages contiguous on both sides (one run)")
+    ap.add_argument("--peer", action="store_true", help="only: ipc into a peer GPU (--device into --peer-device), "
+                    "each peer copy mode against cudaMemcpyPeer of the same bytes; the 8B shape by default")
+    ap.add_argument("--peer-device", default="cuda:1")
+    ap.add_argument("--peer-modes", default="push,staged")
+    ap.add_argument("--draft-layers", type=int, default=None, help="a draft cache's layers beside the target's "
+                    "(--peer: default 1, an EAGLE-3 draft's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    src, src_pages = filled_source(args), pages(args)[0]
-    benches = {"grpc-stream": bench_grpc, "ipc": bench_ipc}
-    results = [r for t in args.transports.split(",") for r in benches[t](args, src, src_pages)]
-    if args.cross_process:
+    if args.peer:
+        args.device = "cuda:0" if args.device == "cpu" else args.device
+        args.layers = 32 if args.layers == 8 else args.layers  # the 8B shape unless told otherwise
+        args.dtype = "bfloat16" if args.dtype == "float16" else args.dtype
+        args.draft_layers = 1 if args.draft_layers is None else args.draft_layers
+        results = bench_peer(args)
+    else:
+        src, src_pages = filled_source(args), pages(args)[0]
+        benches = {"grpc-stream": bench_grpc, "ipc": bench_ipc}
+        results = [r for t in args.transports.split(",") for r in benches[t](args, src, src_pages)]
+    if args.cross_process and not args.peer:
         results.append(bench_cross_process(args, src, src_pages))
         results.append(d2d_copy(args, results[-1]["bytes"]))
         results[-2]["of_device_copy"] = results[-2]["gbps"] / results[-1]["gbps"]
@@ -262,6 +366,8 @@ def main() -> None:
         floor = f" ({r['streams']} streams; floor {GRPC_FLOOR_GBPS} GB/s)" if r["transport"] == "grpc-stream" else ""
         if "of_device_copy" in r:
             floor = f" ({r['of_device_copy']:.2f} of the device copy; target 0.8)"
+        if "of_memcpy_peer" in r:
+            floor = f" ({r['of_memcpy_peer']:.2f} of cudaMemcpyPeer; target 0.8; pages intact: {r['intact']})"
         print(f"  {r['transport']:12s} {r['bytes'] / 1e6:9.1f} MB in {r['seconds'] * 1e3:8.2f} ms (median of "
               f"{r['repeats']}): {r['gbps']:6.2f} GB/s, best {r['best_gbps']:6.2f} GB/s{floor}")
         if "sender_cpu_s_per_gb" in r:

@@ -56,10 +56,11 @@ def split(tensor: torch.Tensor, n: int) -> list[tuple[int, int, int]]:
 def reader(conn, mem: str, nbytes: int, ndesc: int) -> None:
     try:
         nixl = nixl_module()
-        device = "cuda" if mem == "VRAM" else "cpu"
+        gpu = int(os.environ.get("BENCH_NIXL_READER_GPU", "0"))
+        device = f"cuda:{gpu}" if mem == "VRAM" else "cpu"
         dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         agent = nixl.nixl_agent("reader", nixl.nixl_agent_config(backends=["UCX"]))
-        agent.register_memory([(dst.data_ptr(), nbytes, 0, "")], mem)
+        agent.register_memory([(dst.data_ptr(), nbytes, gpu if mem == "VRAM" else 0, "")], mem)
         remote = agent.get_xfer_descs(list(reversed(split(dst, ndesc))), mem)
         conn.send((agent.get_agent_metadata(), agent.get_serialized_descs(remote)))
         conn.recv()  # the writer is done
@@ -131,8 +132,11 @@ def main() -> None:
     ap.add_argument("--mem", default="VRAM,DRAM")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=60, help="seconds per configuration")
+    ap.add_argument("--reader-gpu", type=int, default=0, help="VRAM: the reading process's GPU (1: a peer GPU, "
+                    "the writer staying on 0)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    os.environ["BENCH_NIXL_READER_GPU"] = str(args.reader_gpu)  # (the spawned reader inherits it)
     nixl_module()
     results = []
     ctx = mp.get_context("spawn")

@@ -22,6 +22,12 @@
 #   bench/gpu_session.sh layouts    # two GPUs: colo1, pd1, pd2, colo2 as users deploy them, 8B-shaped pair, one table, ~8 min
 #                                   # (LAYOUT_TRANSPORT=grpc-stream: every layout's hand-off transport; default auto)
 #   bench/gpu_session.sh layouts4   # four GPUs: pd4 (1P3D) vs colo4, the same workloads and goodput, ~6 min
+#   bench/gpu_session.sh peer       # two GPUs: peer hand-off tests, then a 4096-token 8B hand-off (target + EAGLE-3
+#                                   # draft) into a peer GPU per copy mode vs cudaMemcpyPeer (bench_handoff.py --peer)
+#   bench/gpu_session.sh nixl       # two GPUs: NIXL VRAM writes GPU 0 -> GPU 1 per UCX_TLS (bench_nixl.py; needs the
+#                                   # nixl-cu13 wheel in .whl: ../shared/tools/gpu-wheels.sh nixl-cu13==1.5.1)
+#   bench/gpu_session.sh receive    # a decode-step proxy on the last GPU while grpc-stream hand-offs arrive, the
+#                                   # scatter before issue 28 beside the current one (bench_receive.py --legacy)
 #
 # Several stages in one call run in the order given. Python packages the GPU image lacks come from
 # ./.whl (../shared/tools/gpu-wheels.sh on the CPU machine; carry .whl with the call).
@@ -92,6 +98,19 @@ for stage in "$@"; do
     tp)
       run bench_tp 450 python3 bench/bench_tp.py --out "$OUT/tp.json"
       ;;
+    peer)
+      run peer_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_peer_handoff_gpu.py
+      run bench_peer 240 python3 bench/bench_handoff.py --peer --repeat 10 --json "$OUT/peer.json"
+      ;;
+    nixl)
+      run bench_nixl 500 python3 bench/bench_nixl.py --mb 512 --descs 1,2112 --mem VRAM --reader-gpu 1 --timeout 50 \
+        --tls "default;cuda_ipc,cuda_copy,tcp;cuda_ipc,cuda_copy;cuda_copy,tcp" --json "$OUT/nixl.json"
+      ;;
+    receive)
+      last=$(( $(nvidia-smi -L | wc -l) - 1 ))
+      run bench_receive 240 python3 bench/bench_receive.py --device "cuda:$last" --tokens 512 --seconds 20 --legacy \
+        --json "$OUT/receive.json"
+      ;;
     local)  # conditional disaggregation (short prompts prefilled on the decode service) vs the engine, then without
       run serving_local 420 python3 bench/bench_serving.py --workdir /tmp/serving --workloads fixed --sweep 32,1 \
         --apis grpc --waves 4 --local-prefill 1024,0 --deadline-s 400 --out "$OUT/serving_local.json"
@@ -123,7 +142,7 @@ for stage in "$@"; do
       ;;
     *)
       echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention, serving," \
-        "features, tp-tests, tp, local, memory, layouts, layouts4)" >&2
+        "features, tp-tests, tp, local, memory, layouts, layouts4, peer, nixl, receive)" >&2
       exit 2
       ;;
   esac

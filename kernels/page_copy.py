@@ -98,6 +98,86 @@ def copy_pages(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst_p
                              BLOCK=block, PAGES=k.pages_per_program, FLAT=k.flat_grid, num_warps=k.num_warps)
 
 
+@dataclass
+class PeerSettings:
+    """How pages cross from one GPU to a peer GPU of the host (NVLink or PCIe), chosen by
+    ``bench/bench_handoff.py --peer`` on two GPUs (docs/benchmarks.md):
+
+    - ``push``: the copy kernel runs on the source GPU and stores straight into the peer's pages (peer access
+      enabled, ``shared.handoff.peer``): one launch, no staging;
+    - ``staged``: runs of pages gathered on the source GPU into a contiguous buffer, one peer memcpy
+      (``cudaMemcpyPeerAsync``, what ``copy_`` between devices issues) into a buffer on the destination GPU,
+      one scatter kernel there: no kernel ever touches the peer's memory (works where the driver refuses a
+      peer pointer to a kernel), at the price of a buffer on each GPU and two local copies."""
+
+    mode: str = "push"
+    staging_bytes: int = 64 << 20  # staged: the buffers' size on each GPU (a hand-off goes through in pieces)
+    push_refused: str = ""  # why push was given up for staged at a hand-off (a probe's scratch memory passed,
+    # the decode pools mapped by CUDA IPC did not): every later copy is staged
+
+
+PEER = PeerSettings()
+
+
+def copy_pages_peer(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst_pages: list[int],
+                    page_size: int, mode: str | None = None) -> None:
+    """As ``copy_pages`` from ``src`` (on this thread's current GPU and stream) into ``dst`` on a peer GPU, the
+    way ``mode`` (default ``PEER.mode``) says; queued, not waited for (the caller synchronises its stream: the
+    staged scatter's stream on the peer is joined back into it). With the default mode, a push refused at its
+    launch (before any byte moved: Triton's check of the peer pointer) turns ``PEER`` to staged for good."""
+    chosen = mode or PEER.mode
+    if chosen == "push":
+        try:
+            copy_pages(dst, src, src_pages, dst_pages, page_size)
+            return
+        except Exception as e:
+            if mode is not None:  # a probe of that mode: its failure is the answer
+                raise
+            PEER.mode, PEER.push_refused = "staged", f"{type(e).__name__}: {e}"
+        _copy_staged(dst, src, src_pages, dst_pages, page_size)
+    elif chosen == "staged":
+        _copy_staged(dst, src, src_pages, dst_pages, page_size)
+    else:
+        raise ValueError(f"peer copy mode must be push or staged, got {chosen!r}")
+
+
+_STAGING: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.cuda.Stream]] = {}
+
+
+def _staging(dst: torch.Tensor, src: torch.Tensor, numel: int):
+    """(source buffer, destination buffer, the destination GPU's scatter stream): flat buffers of ``numel``
+    elements, made once per (devices, dtype, size)."""
+    key = (src.device, dst.device, src.dtype, numel)
+    if key not in _STAGING:
+        _STAGING[key] = (torch.empty(numel, dtype=src.dtype, device=src.device),
+                         torch.empty(numel, dtype=dst.dtype, device=dst.device), torch.cuda.Stream(dst.device))
+    return _STAGING[key]
+
+
+def _copy_staged(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst_pages: list[int],
+                 page_size: int) -> None:
+    """``PeerSettings.staged``: per piece of at most ``staging_bytes``, a gather on the source GPU (this thread's
+    current stream), a peer memcpy on that stream, a scatter on the destination GPU's stream; a piece's gather
+    overlaps the last piece's scatter, its memcpy waits for that scatter (they share the destination buffer)."""
+    _check(dst, src)
+    per_page = src[:, :, :page_size].numel() * src.element_size()
+    step = max(1, min(len(src_pages), PEER.staging_bytes // per_page))
+    here = torch.cuda.current_stream(src.device)
+    flat_src, flat_dst, there = _staging(dst, src, step * per_page // src.element_size())
+    there.wait_stream(here)  # nothing of this copy on the destination before what the caller queued
+    for lo in range(0, len(src_pages), step):
+        n = min(step, len(src_pages) - lo)
+        shape = (*src.shape[:2], n * page_size, *src.shape[3:])  # a piece: a contiguous prefix of the buffers
+        stage_src, stage_dst = (flat[:n * per_page // src.element_size()].view(shape) for flat in (flat_src, flat_dst))
+        copy_pages(stage_src, src, src_pages[lo:lo + n], list(range(n)), page_size)
+        here.wait_stream(there)  # the last piece's scatter has read the destination buffer
+        stage_dst.copy_(stage_src, non_blocking=True)
+        there.wait_stream(here)
+        with torch.cuda.stream(there):
+            copy_pages(dst, stage_dst, list(range(n)), dst_pages[lo:lo + n], page_size)
+    here.wait_stream(there)  # the caller's wait on its stream covers the last scatter
+
+
 def as_words(pool: torch.Tensor, word_bytes: int) -> torch.Tensor:
     """The pool's bytes as integer words of ``word_bytes`` (or fewer, when a plane's last dimension does not
     divide), the same memory: the copy moves bytes, whatever the dtype."""
@@ -145,5 +225,5 @@ if triton is not None:
                     tl.store(dst_at, tl.load(src_at, mask=offs < PAGE), mask=offs < PAGE)
 
 
-__all__ = ["KERNEL", "KernelSettings", "as_words", "copy_pages", "copy_pages_ref", "page_ids",
-           "page_runs"]
+__all__ = ["KERNEL", "PEER", "KernelSettings", "PeerSettings", "as_words", "copy_pages", "copy_pages_peer",
+           "copy_pages_ref", "page_ids", "page_runs"]

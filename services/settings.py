@@ -102,8 +102,10 @@ class EngineOptions(BaseSettings):
                                  "GPU each from `device`'s, gloo on `cpu`); the draft head runs whole on every rank. "
                                  "A service is rank 0 and starts the other ranks as followers")
     handoff_transport: str = Field("auto", description="the hand-off's data transport: `auto` (ipc on one host when "
-                                   "the decode pools are reachable, else the gRPC stream), `ipc` or `grpc-stream` "
-                                   "(on a decode instance, `grpc-stream` stops it exporting its pools)")
+                                   "the decode pools are reachable, else the gRPC stream), `ipc`, `grpc-stream` or "
+                                   "`nixl` (on a decode instance, `grpc-stream` stops it exporting its pools, `nixl` "
+                                   "offers NIXL and the stream: both services must name it; UCX_TLS picks UCX's "
+                                   "transports)")
     gpu_memory_fraction: float | None = Field(None, description="on a GPU without `num_pages`: the most of the "
                                               "device's memory this engine takes (weights, measured activation and "
                                               "graph reserve, KV pools), as vLLM's gpu_memory_utilization; set, the "
@@ -114,8 +116,8 @@ class EngineOptions(BaseSettings):
     @field_validator("handoff_transport")
     @classmethod
     def _transport(cls, v: str) -> str:
-        if v not in ("auto", "ipc", "grpc-stream"):
-            raise ValueError(f"handoff_transport must be auto, ipc or grpc-stream, got {v!r}")
+        if v not in ("auto", "ipc", "grpc-stream", "nixl"):
+            raise ValueError(f"handoff_transport must be auto, ipc, grpc-stream or nixl, got {v!r}")
         return v
 
     @field_validator("draft", mode="before")

@@ -99,6 +99,13 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         # Once, for every prefill (a tensor-parallel engine's: its landing cache and draft pools, on rank 0).
         self.exported = export_pools(loop.kv_pools) if forced != "grpc-stream" and loop.kv_pools else b""
         self.offered = [t for t in ("ipc", "grpc-stream") if forced in ("auto", t) and (t != "ipc" or self.exported)]
+        self.nixl = b""  # with handoff_transport=nixl: its NIXL agent's metadata and pools (made at start)
+        if forced == "nixl":
+            from shared.handoff.nixl import NixlAgent
+
+            self.nixl_agent = NixlAgent("decode")  # kept: the agent's connections live as long as it does
+            self.nixl = self.nixl_agent.export(loop.kv_pools)
+            self.offered = ["nixl", "grpc-stream"]
         self._lock = threading.Lock()
         self._incoming: dict[str, Incoming] = {}
         self._reserving: set[str] = set()  # request ids between Reserve's checks and its reply
@@ -119,7 +126,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     def Handshake(self, request: pb.HandoffSchema, context):  # noqa: N802
         self._check_schema(request, context)
         return pb.HandshakeResponse(instance_id=self.instance_id, host_id=host_id(), transports=self.offered,
-                                    pools=self.exported if "ipc" in self.offered else b"")
+                                    pools=self.exported if "ipc" in self.offered else b"", nixl=self.nixl)
 
     @staticmethod
     def _params(request: pb.ReserveRequest | pb.AdmitRequest, context) -> SamplingParams:
@@ -160,9 +167,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         with self._claimed(rid) as claimed:
             if not claimed:
                 return pb.ReserveResponse(accepted=False, reason=f"request_id: {rid!r} is already here")
-            if request.in_place and "ipc" not in self.offered:
+            if request.in_place and not {"ipc", "nixl"} & set(self.offered):
                 return pb.ReserveResponse(accepted=False,
-                                          reason=f"this decode instance offers {self.offered}, not ipc")
+                                          reason=f"this decode instance offers {self.offered}, not ipc or nixl")
             return self._reserve(rid, request, params)
 
     def _reserve(self, rid: str, request: pb.ReserveRequest, params) -> pb.ReserveResponse:
@@ -352,6 +359,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     def Abort(self, request: pb.AbortRequest, context):  # noqa: N802
         with self._lock:
             inc = self._incoming.get(request.request_id)
+        if request.resend_as_bytes:
+            return pb.AbortResponse(found=inc is not None and self._to_bytes(inc))
         if inc is not None and request.sender_stopped and inc.in_place:
             self._writer_done(inc)
         return pb.AbortResponse(found=inc is not None and self._abort(inc, "aborted by request"))
@@ -370,6 +379,17 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             inc.events.put(reason)
             return True
         return self._release(inc, reason)
+
+    def _to_bytes(self, inc: Incoming) -> bool:
+        """The in-place sender's write failed and it stopped writing: the reservation now waits for the pages as
+        bytes (the same pages, none counted as written). False when that is no longer possible (aborted, or a
+        transfer already opened)."""
+        with self._lock:
+            if not inc.in_place or inc.receiving or inc.guard.cancelled or inc.sink is None:
+                return False
+            inc.in_place, inc.sink.in_place, inc.writer_done = False, False, True
+        self.log.event("resend_as_bytes", inc.rid, logging.WARNING)
+        return True
 
     def _writer_done(self, inc: Incoming) -> None:
         """The in-place sender writes no page any more: an abort deferred for it completes now."""

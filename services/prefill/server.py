@@ -49,10 +49,12 @@ from shared.handoff import (
     GrpcStreamTransport,
     InPlaceTarget,
     IpcTransport,
+    NixlTransport,
     PageSource,
     TransferCancelled,
     TransferError,
     Transport,
+    TransportFailed,
     negotiate,
     sampling_from_pb,
     sampling_to_pb,
@@ -62,6 +64,7 @@ from shared.handoff.wire import chunk_pages
 from shared.request import Request
 
 SERVICES = [full_name("Prefill")]
+IN_PLACE = ("ipc", "nixl")  # transports that write the reserved pages themselves (the reservation says so)
 POLL_S = 0.25  # how often a waiting RPC checks that its client is still there
 
 
@@ -114,9 +117,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         # The transports, one chosen per decode instance at its handshake (``transport``: always that one).
         self.transports: dict[str, Transport] = {
             "grpc-stream": GrpcStreamTransport(self.channels, settings.handoff_chunk_bytes, settings.handoff_streams),
-            "ipc": IpcTransport(self.channels)}
+            "ipc": IpcTransport(self.channels), "nixl": NixlTransport(self.channels)}
         self.fixed_transport = transport
         self._chosen: dict[str, str] = {}  # decode address -> the transport logged for it
+        self._proven: set[tuple[str, str]] = set()  # (decode address, transport) that carried a hand-off there
+        self._unusable: dict[str, dict[str, str]] = {}  # decode address -> transports failed at first use -> why
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
         self._workers = ThreadPoolExecutor(max_workers=settings.handoff_workers, thread_name_prefix="handoff")
@@ -304,7 +309,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             if job.source.guard.cancelled:
                 raise TransferCancelled(job.rid)
             transport = self._transport_to(address, self.client.handshake(address, timeout))
-            reserve.in_place = transport.name == "ipc"
+            reserve.in_place = transport.name in IN_PLACE
             reply = self.client.reserve(address, reserve, timeout)
             if not reply.accepted:
                 self.telemetry.errors_total.labels("decode_full").inc()
@@ -314,12 +319,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 return
             reserved = True
             job.events.put(Reserved())
-            source = job.source
-            if reserve.in_place:  # a copy sharing the guard: an abort still stops the writes
-                target = InPlaceTarget(self.client.handshake(address, timeout).pools,
-                                       [list(p.ids) for p in reply.pages], reply.write_deadline)
-                source = dataclasses.replace(source, in_place=target)
-            ack = transport.send(address, source, timeout)
+            ack, transport = self._send(job, address, transport, reply, timeout)
             # Only now: the decode side has every byte. Queued, not awaited: the loop runs it before any call
             # queued after it (the call's end aborts what is still held), so the router hears at once.
             self._release(job, "handed_off", wait=False)
@@ -358,10 +358,54 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 self._release(job, "abort")
             job.events.put(outcome)
 
+    def _send(self, job: Job, address: str, transport: Transport, reply: pb.ReserveResponse,
+              timeout: float) -> tuple[pb.TransferAck, Transport]:
+        """Send the job's pages over ``transport``; one that fails at its first use for ``address`` (before it
+        ever carried a hand-off there) is marked unusable for it, and the same reservation is sent again over
+        the transport negotiated next (grpc-stream), the pages from the first one on: the request is served,
+        not failed. The acknowledgement and the transport that carried it."""
+        while True:
+            source = job.source
+            if transport.name in IN_PLACE:  # a copy sharing the guard: an abort still stops the writes
+                handshake = self.client.handshake(address, timeout)
+                target = InPlaceTarget(handshake.pools if transport.name == "ipc" else handshake.nixl,
+                                       [list(p.ids) for p in reply.pages], reply.write_deadline)
+                source = dataclasses.replace(source, in_place=target)
+            try:
+                ack = transport.send(address, source, timeout)
+            except TransportFailed as e:
+                transport = self._fall_back(job, address, transport, e)
+                continue
+            with self._lock:
+                self._proven.add((address, transport.name))
+            return ack, transport
+
+    def _fall_back(self, job: Job, address: str, failed: Transport, error: TransportFailed) -> Transport:
+        """After ``failed`` failed on ``job``'s hand-off: the transport to send it over again, or TransferError
+        (``failed`` had carried hand-offs to ``address`` before, was forced, or the decode side cannot switch)."""
+        with self._lock:
+            proven = (address, failed.name) in self._proven
+        if proven or self.fixed_transport is not None or self.settings.handoff_transport != "auto":
+            raise TransferError(f"{failed.name} failed: {error}")
+        with self._lock:
+            self._unusable.setdefault(address, {})[failed.name] = str(error)
+            self._chosen.pop(address, None)  # the next choice is logged with its reason
+        self.telemetry.errors_total.labels("transport_unusable").inc()
+        self.log.event("transport_unusable", job.rid, logging.WARNING, decode=address, transport=failed.name,
+                       reason=str(error))
+        if not self.client.resend_as_bytes(address, job.rid):
+            raise TransferError(f"{failed.name} failed ({error}) and the decode side cannot take the pages "
+                                "as bytes instead")
+        if job.source.feed is not None:
+            job.source.feed.rewind()
+        return self._transport_to(address, self.client.handshake(address, self.settings.handoff_timeout_s))
+
     def _transport_to(self, address: str, reply: pb.HandshakeResponse) -> Transport:
         if self.fixed_transport is not None:
             return self.fixed_transport
-        name, why = negotiate(self.settings.handoff_transport, reply, self.loop.device)
+        with self._lock:
+            unusable = dict(self._unusable.get(address, {}))
+        name, why = negotiate(self.settings.handoff_transport, reply, self.loop.device, unusable)
         if address not in self._chosen:
             self._chosen[address] = name
             self.log.event("transport_chosen", decode=address, transport=name, reason=why)

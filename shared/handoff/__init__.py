@@ -1,7 +1,8 @@
 """The prefill -> decode hand-off: the schema both sides agree on (``schema``), the KV wire format
 (``wire``: page-aligned, checksummed, coalesced chunks), and the transports that carry it
-(``transport``: the ``Transport`` interface, the same-host ``ipc`` transport over ``ipc``'s mapped pools,
-and the gRPC stream for any network, chosen per decode instance at the handshake).
+(``transport``: the ``Transport`` interface, the same-host ``ipc`` transport over ``ipc``'s mapped pools (a
+peer GPU's through ``peer``), the gRPC stream for any network, and ``nixl``'s, chosen per decode instance at the
+handshake).
 
 A request's hand-off carries its target KV pages (all layers), its draft KV pages (every draft cache,
 all layers) and its ``shared.spec.state.DraftState``; the decode side reserves the pages first and
@@ -18,6 +19,7 @@ from shared.handoff.transport import (
     DecodeClient,
     GrpcStreamTransport,
     IpcTransport,
+    NixlTransport,
     Transport,
     negotiate,
 )
@@ -33,6 +35,7 @@ from shared.handoff.wire import (
     Received,
     TransferCancelled,
     TransferError,
+    TransportFailed,
     coalesce,
     decode_draft_state,
     encode_draft_state,
@@ -84,9 +87,9 @@ def sampling_from_pb(msg: pb.SamplingParams, default_max_new_tokens: int = 16):
 
 __all__ = [
     "SCHEMA_VERSION", "TRANSPORTS", "CacheShape", "ChannelPool", "DecodeClient", "GrpcStreamTransport",
-    "HandoffSchema", "InPlaceTarget", "Increment", "IpcTransport", "PageFeed", "PageGuard", "PageRun", "PageSink",
-    "PageSource", "Prefilled", "Received",
+    "HandoffSchema", "InPlaceTarget", "Increment", "IpcTransport", "NixlTransport", "PageFeed", "PageGuard",
+    "PageRun", "PageSink", "PageSource", "Prefilled", "Received",
     "SchemaMismatch", "TransferCancelled",
-    "TransferError", "Transport", "coalesce", "decode_draft_state", "encode_draft_state", "iter_chunks",
-    "negotiate", "plan_slices", "sampling_from_pb", "sampling_to_pb", "top_logprobs_pb",
+    "TransferError", "Transport", "TransportFailed", "coalesce", "decode_draft_state", "encode_draft_state",
+    "iter_chunks", "negotiate", "plan_slices", "sampling_from_pb", "sampling_to_pb", "top_logprobs_pb",
 ]

@@ -7,7 +7,9 @@ side maps them (``open_pools``) and writes a request's pages straight into the p
 reserved (``write_in_place``: each prefill step's pages as soon as the step ran, while the next one
 computes; per cache, one copy of all layers per run of pages contiguous on both sides in the torch
 reference; on CUDA all of a cache's new pages in one kernel, ``kernels.page_copy``, on a side stream that
-waits for the step's event, synchronised per increment off the engine's thread). Nothing in
+waits for the step's event, synchronised per increment off the engine's thread; into a peer GPU's pools
+``kernels.page_copy.copy_pages_peer``, once ``shared.handoff.peer`` enabled peer access and proved a copy).
+Nothing in
 the handles is code: they are JSON, never pickle.
 
 The decode side cannot stop a write from another process, so the writer keeps to a lease: it writes
@@ -28,8 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.page_copy import copy_pages
-from shared.handoff.wire import Increment, PageSource, Prefilled, TransferCancelled, TransferError
+from kernels.page_copy import copy_pages, copy_pages_peer
+from shared.handoff.peer import ready as peer_ready
+from shared.handoff.wire import Increment, PageSource, Prefilled, TransferCancelled, TransferError, TransportFailed
 
 WRITE_MARGIN_S = 1.0  # a copy starts only this long before the lease ends (a run's copy takes far less)
 _EXPORTED: dict[int, torch.Tensor] = {}  # this process's exported pools: a same-process import takes them back
@@ -114,10 +117,19 @@ def reachable(blob: bytes, device: torch.device) -> str | None:
             return "the decode pools are on a GPU, this side's in host memory"
         if h.device_uuid == device_uuid(device):
             continue
-        peers = [i for i in range(torch.cuda.device_count()) if device_uuid(torch.device("cuda", i)) == h.device_uuid]
-        if not peers or not torch.cuda.can_device_access_peer(device.index or 0, peers[0]):
-            return f"the decode GPU {h.device_uuid} is neither this GPU nor a peer of it"
+        peer = local_index(h.device_uuid)
+        if peer is None:
+            return f"the decode GPU {h.device_uuid} is not visible to this process"
+        why = peer_ready(device, torch.device("cuda", peer))  # peer access enabled, a copy proven
+        if why is not None:
+            return why
     return None
+
+
+def local_index(uuid: str) -> int | None:
+    """This process's index of the GPU with ``uuid`` (the exporter's index may differ: CUDA_VISIBLE_DEVICES)."""
+    found = [i for i in range(torch.cuda.device_count()) if device_uuid(torch.device("cuda", i)) == uuid]
+    return found[0] if found else None
 
 
 def open_pools(blob: bytes) -> list[torch.Tensor]:
@@ -136,10 +148,12 @@ def _open(h: PoolHandle) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     c = h.cuda
+    index = local_index(h.device_uuid)
     return rebuild_cuda_tensor(
         torch.Tensor, torch.Size(c["size"]), tuple(c["stride"]), c["offset"], torch.UntypedStorage, dtype,
-        c["device"], bytes.fromhex(c["handle"]), c["storage_bytes"], c["storage_offset"], False,
-        bytes.fromhex(c["ref_handle"]), c["ref_offset"], bytes.fromhex(c["event_handle"]) or None, c["event_sync"])
+        c["device"] if index is None else index, bytes.fromhex(c["handle"]), c["storage_bytes"], c["storage_offset"],
+        False, bytes.fromhex(c["ref_handle"]), c["ref_offset"], bytes.fromhex(c["event_handle"]) or None,
+        c["event_sync"])
 
 
 @dataclass
@@ -172,9 +186,27 @@ def write_in_place(source: PageSource, pools: list[torch.Tensor], dest_page_ids:
             else:
                 side.wait_stream(torch.cuda.default_stream(device))
         with source.guard.access():  # an abort waits for this increment's copies, then no other starts
-            written += _write_increment(source, pools, dest_page_ids, inc, sent, side)
+            try:
+                written += _write_increment(source, pools, dest_page_ids, inc, sent, side)
+            except (TransferError, TransferCancelled):
+                raise
+            except Exception as e:  # the copy itself failed (a peer pointer refused, a CUDA error)
+                _drain(pools)  # no copy queued before the failure lands after it (another transport may resend)
+                raise TransportFailed(f"the in-place write failed: {type(e).__name__}: {e}") from e
         sent, last = list(inc.done), inc.last
     return Written(written, last)
+
+
+def _drain(pools: list[torch.Tensor]) -> None:
+    """Wait for everything this process queued on the pools' GPUs and its own (best effort: after a failure)."""
+    devices = {p.device for p in pools if p.device.type == "cuda"}
+    if devices and torch.cuda.is_available():
+        devices.add(torch.device("cuda", torch.cuda.current_device()))
+    for device in devices:
+        try:
+            torch.cuda.synchronize(device)
+        except Exception:  # noqa: S110 (a broken context: nothing more can land either)
+            pass
 
 
 _SIDE_STREAMS = threading.local()
@@ -199,7 +231,9 @@ def _write_increment(source: PageSource, pools: list[torch.Tensor], dest_page_id
         for cache, pool, src, dst, lo, hi in zip(source.caches, pools, inc.page_ids, dest_page_ids, sent, inc.done):
             if hi > len(dst) or (inc.last is not None and hi != len(dst)):
                 raise TransferError(f"{hi} pages to send, {len(dst)} reserved")
-            if hi > lo:
+            if hi > lo and pool.device != cache.pool.device:  # a peer GPU's pool (``shared.handoff.peer``)
+                copy_pages_peer(pool, cache.pool, src[lo:hi], dst[lo:hi], cache.page_size)
+            elif hi > lo:
                 copy_pages(pool, cache.pool, src[lo:hi], dst[lo:hi], cache.page_size)
             written += (hi - lo) * cache.page_size * cache.pool[:, :, 0].numel() * cache.pool.element_size()
     if side is not None:
@@ -207,5 +241,5 @@ def _write_increment(source: PageSource, pools: list[torch.Tensor], dest_page_id
     return written
 
 
-__all__ = ["PoolHandle", "TransferCancelled", "Written", "export_pools", "host_id", "open_pools", "reachable",
-           "write_in_place"]
+__all__ = ["PoolHandle", "TransferCancelled", "Written", "export_pools", "host_id", "local_index",
+           "open_pools", "reachable", "write_in_place"]

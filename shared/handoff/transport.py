@@ -8,7 +8,7 @@ reservation, aborts) is always gRPC. Data goes through a ``Transport``:
 - receiving side: ``receive(messages, open_sink) -> Received`` writes them into the pages the decode
   side reserved (``open_sink(rid)`` returns the request's ``PageSink``).
 
-Two transports, chosen per decode address at the handshake (``negotiate``):
+Transports, chosen per decode address at the handshake (``negotiate``):
 
 - ``IpcTransport`` ("ipc"): same host. The decode side exported its pools in its handshake reply; the
   prefill side writes the pages straight into the reserved ones (``shared.handoff.ipc``: CUDA IPC on
@@ -26,8 +26,15 @@ Both send from a ``PageSource``'s increments (``shared.handoff.wire``): one per 
 request, the last with the draft state; a source built after the prompt ran has one increment.
 
 The receiving side is one code path for both (``receive``): an in-place message marks every page
-written, a byte chunk is copied into its pages. NIXL (RDMA/UCX across hosts) would be a third
-``Transport``; it is not built here (it needs GPUs and NICs to measure against the gRPC path).
+written, a byte chunk is copied into its pages (on a thread of the call's own, off the engine's thread and its
+CUDA stream: ``shared.handoff.wire.scatter``).
+
+A transport whose own data path fails (``TransportFailed``: the ipc copy refused or a CUDA error) before it
+ever carried a hand-off to that decode instance is marked unusable for it by the prefill service, and the
+request goes again over the next one that ``negotiate`` picks, on the same reservation.
+
+``NixlTransport`` ("nixl", forced on both services): NIXL (UCX: RDMA, NVLink, tcp) writes the pages into the
+decode pools (``shared.handoff.nixl``), then the in-place message as ipc.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import grpc
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
-from shared.handoff.ipc import host_id, open_pools, reachable, write_in_place
+from shared.handoff.ipc import Written, host_id, open_pools, reachable, write_in_place
 from shared.handoff.schema import HandoffSchema
 from shared.handoff.wire import (
     FEED_POLL_S,
@@ -138,6 +145,15 @@ class DecodeClient:
         """Handshake again next time (the instance may have restarted with other pools)."""
         with self._lock:
             self._agreed.pop(address, None)
+
+    def resend_as_bytes(self, address: str, rid: str, timeout: float = 5.0) -> bool:
+        """After an in-place write failed: the decode side keeps ``rid``'s reservation for a byte transfer
+        (False: it could not, e.g. the request was aborted meanwhile)."""
+        try:
+            msg = pb.AbortRequest(request_id=rid, resend_as_bytes=True)
+            return self.channels.decode_stub(address).Abort(msg, timeout=timeout).found
+        except grpc.RpcError:
+            return False
 
     def reserve(self, address: str, request: pb.ReserveRequest, timeout: float) -> pb.ReserveResponse:
         request.schema.CopyFrom(self.schema.to_pb())  # checked again: the instance may have restarted
@@ -329,12 +345,15 @@ class IpcTransport(GrpcStreamTransport):
         target = source.in_place
         if target is None:
             raise TransferError(f"{source.rid}: the ipc transport needs the decode side's reserved pages")
-        written = write_in_place(source, self.pools(address, target.exported), target.page_ids, target.deadline)
+        written = self._write(address, source, target)
         msg = pb.KVChunk(request_id=source.rid, seq=0, last=True, total_chunks=1, in_place=True,
                          in_place_bytes=written.bytes, draft_state=written.last.draft_state,
                          output_ids=written.last.output_ids, output_logprobs=written.last.output_logprobs)
         call = self.channels.decode_stub(address).Transfer.future(iter([msg]), timeout=timeout)
         return await_acks([call], source)
+
+    def _write(self, address: str, source: PageSource, target) -> Written:
+        return write_in_place(source, self.pools(address, target.exported), target.page_ids, target.deadline)
 
     def close(self) -> None:
         with self._lock:
@@ -342,12 +361,40 @@ class IpcTransport(GrpcStreamTransport):
         super().close()
 
 
-TRANSPORTS = ("ipc", "grpc-stream")
+class NixlTransport(IpcTransport):
+    """Any host with NIXL on both sides: the pages written into the decode pools by NIXL (``shared.handoff.nixl``,
+    UCX's transports as ``UCX_TLS`` allows), then the in-place message, as ipc. Never chosen by ``auto`` yet: forced
+    with ``handoff_transport=nixl`` on both services."""
+
+    name = "nixl"
+
+    def __init__(self, channels: ChannelPool | None = None):
+        super().__init__(channels)
+        self._agent = None
+
+    def agent(self):
+        from shared.handoff.nixl import NixlAgent
+
+        with self._lock:
+            if self._agent is None:
+                self._agent = NixlAgent("prefill")
+            return self._agent
+
+    def _write(self, address: str, source: PageSource, target) -> Written:
+        from shared.handoff.nixl import write_pages
+
+        return write_pages(self.agent(), source, target.exported, target.page_ids, target.deadline)
 
 
-def negotiate(forced: str, reply: pb.HandshakeResponse, device) -> tuple[str, str]:
+TRANSPORTS = ("ipc", "grpc-stream", "nixl")
+
+
+def negotiate(forced: str, reply: pb.HandshakeResponse, device, unusable: dict[str, str] | None = None
+              ) -> tuple[str, str]:
     """The transport to a decode instance from its handshake reply: (name, why). ``forced`` is "auto" or
-    a name; a forced transport the two sides cannot use raises TransferError naming why."""
+    a name; a forced transport the two sides cannot use raises TransferError naming why. ``unusable``: the
+    transports that failed at their first use for this instance, with why (never chosen again for it). For a
+    peer GPU, ipc is chosen only once a copy into the peer's memory was proven (``shared.handoff.peer``)."""
     if forced not in ("auto", *TRANSPORTS):
         raise TransferError(f"handoff_transport: {forced!r} is not one of auto, {', '.join(TRANSPORTS)}")
     offered = list(reply.transports) or ["grpc-stream"]  # an older decode instance offers only the stream
@@ -356,10 +403,19 @@ def negotiate(forced: str, reply: pb.HandshakeResponse, device) -> tuple[str, st
         why_not_ipc = "the decode instance does not offer ipc"
     elif reply.host_id != host_id():
         why_not_ipc = "the decode instance runs on another host"
+    elif unusable and "ipc" in unusable:
+        why_not_ipc = f"ipc failed at its first use for this instance ({unusable['ipc']})"
     else:
         why_not_ipc = reachable(reply.pools, device)
     if forced == "ipc" and why_not_ipc:
         raise TransferError(f"handoff_transport ipc was forced, but {why_not_ipc}")
+    if forced == "nixl":
+        from shared.handoff.nixl import nixl_api
+
+        if "nixl" not in offered or not reply.nixl:
+            raise TransferError("handoff_transport nixl was forced, but the decode instance does not offer nixl")
+        if nixl_api() is None:
+            raise TransferError("handoff_transport nixl was forced, but NIXL is not installed here")
     if forced == "grpc-stream" and "grpc-stream" not in offered:
         raise TransferError("handoff_transport grpc-stream was forced, but the decode instance does not offer it")
     if forced != "auto":

@@ -49,6 +49,12 @@ class TransferCancelled(RuntimeError):
     """The request's pages were released (aborted) while its transfer was under way."""
 
 
+class TransportFailed(RuntimeError):
+    """A transport's own data path failed (an in-place copy refused, a CUDA error) before the receiver
+    acknowledged anything: that transport cannot carry hand-offs to this receiver, another one may (the
+    sender marks it unusable for the receiver and sends again: ``PageFeed.rewind``)."""
+
+
 class PageGuard:
     """Orders a transfer's page accesses against the release of those pages. Accesses may overlap (the
     streams of one hand-off write their pages at once); ``cancel`` waits until none is in progress."""
@@ -242,12 +248,24 @@ class PageFeed:
 
     def __init__(self) -> None:
         self._queue: queue.Queue[Increment] = queue.Queue()
+        self._latest: Increment | None = None  # the last increment taken (each one names every page so far)
+        self._replay = False
 
     def put(self, increment: Increment) -> None:
         self._queue.put(increment)
 
+    def rewind(self) -> None:
+        """The next ``take`` starts again from the first page: it yields the last increment taken first (an
+        increment names all the request's pages so far and how many are done, so it stands for those before)."""
+        self._replay = self._latest is not None
+
     def take(self, guard: PageGuard) -> Iterator[Increment]:
         """Each increment as it comes, up to the last; TransferCancelled once ``guard`` is cancelled."""
+        if self._replay:
+            self._replay = False
+            yield self._latest
+            if self._latest.last is not None:
+                return
         while True:
             try:
                 inc = self._queue.get(timeout=FEED_POLL_S)
@@ -255,6 +273,7 @@ class PageFeed:
                 if guard.cancelled:
                     raise TransferCancelled("the request was released during its prefill") from None
                 continue
+            self._latest = inc
             yield inc
             if inc.last is not None:
                 return
@@ -499,19 +518,46 @@ class Received:
 def scatter(layer: torch.Tensor, page_ids: list[int], data: torch.Tensor, page_size: int) -> None:
     """Write ``data`` ([len(page_ids) * page_size, ...], host memory) into ``layer``'s pages ``page_ids``, in
     place. On the CPU one indexed copy of whole pages as bytes (numpy: no per-page tensor op, whose overhead
-    cost ~1 s/GB at 16-token pages); on a GPU one host -> device copy and, with fragmented pages, one
-    indexed copy, not a transfer per run."""
+    cost ~1 s/GB at 16-token pages); on a GPU ``_scatter_on_device``."""
     if layer.device.type == "cpu":
         _pages_as_bytes(layer, page_size)[page_ids] = _pages_as_bytes(data, page_size)
         return
+    _scatter_on_device(layer, page_ids, data, page_size)
+
+
+_RECEIVER = threading.local()  # per receiving thread: its copy stream on each device
+
+
+def receiver_stream(device: torch.device) -> torch.cuda.Stream:
+    """The calling thread's copy stream on ``device``: a stream of torch's pool, created non-blocking, so
+    that its copies neither wait for the engine's work on the device's default stream nor hold it up."""
+    streams = _RECEIVER.__dict__.setdefault("streams", {})
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    return streams[device]
+
+
+def _scatter_on_device(layer: torch.Tensor, page_ids: list[int], data: torch.Tensor, page_size: int) -> None:
+    """The GPU half of ``scatter``, on the receiving thread: the bytes go to pinned memory (a host memcpy,
+    without the GIL), then on the thread's own stream (``receiver_stream``) one host -> device copy straight
+    into the pages, or, with fragmented pages, into a buffer and one indexed copy; the thread then waits for
+    that stream only. Before (issue 28) the copies from pageable memory ran on the default stream the engine
+    steps on: each one waited for the step in flight and held the next one back, several times per chunk."""
+    stream = receiver_stream(layer.device)
+    with torch.cuda.device(layer.device):  # pinned on the pool's GPU (no context made on a receiving thread's 0)
+        host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+    host.copy_(data)
     runs = coalesce(page_ids)
-    if len(runs) == 1:
-        first = runs[0].page * page_size
-        layer[first:first + len(page_ids) * page_size].copy_(data)
-        return
-    pages = layer.view(-1, page_size, *layer.shape[1:])
-    index = torch.tensor(page_ids, dtype=torch.int64, device=layer.device)
-    pages.index_copy_(0, index, data.to(layer.device).view(-1, page_size, *layer.shape[1:]))
+    with torch.cuda.stream(stream):
+        if len(runs) == 1:
+            first = runs[0].page * page_size
+            layer[first:first + len(page_ids) * page_size].copy_(host, non_blocking=True)
+        else:
+            pages = layer.view(-1, page_size, *layer.shape[1:])
+            index = torch.tensor(page_ids, dtype=torch.int64).pin_memory().to(layer.device, non_blocking=True)
+            staged = host.to(layer.device, non_blocking=True).view(-1, page_size, *layer.shape[1:])
+            pages.index_copy_(0, index, staged)
+    stream.synchronize()  # the pages hold the bytes before the chunk counts as written; ``host`` may go
 
 
 def _pages_as_bytes(t: torch.Tensor, page_size: int):
@@ -680,7 +726,7 @@ def decode_draft_state(data: bytes, schema, committed_len: int, device: torch.de
     if not data:
         raise TransferError(f"no draft state arrived; this side runs {schema.spec_description} and needs one")
     try:
-        state = DraftState.from_bytes(data, device)
+        state = DraftState.from_bytes(data, "cpu")  # moved below, off the engine's stream
     except Exception as e:  # a corrupt or foreign blob: torch.load / json / struct errors alike
         raise TransferError(f"the draft state cannot be read: {e}") from e
     problems = []
@@ -696,4 +742,18 @@ def decode_draft_state(data: bytes, schema, committed_len: int, device: torch.de
         problems.append(f"bonus token {state.bonus_token} outside the vocabulary [0, {schema.vocab_size})")
     if problems:
         raise TransferError("the draft state does not fit this side: " + "; ".join(problems))
-    return state
+    return dataclasses.replace(state, hidden=to_device(state.hidden, device), topk_p=to_device(state.topk_p, device),
+                               topk_ids=to_device(state.topk_ids, device))
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` (host memory) on ``device``, copied on the calling thread's ``receiver_stream`` (a receiving thread:
+    a plain ``.to`` from pageable memory would run on the default stream and wait for the engine's step)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    stream = receiver_stream(device)
+    with torch.cuda.stream(stream):  # (the stream's device current: pinned there)
+        out = t.pin_memory().to(device, non_blocking=True)
+    stream.synchronize()
+    return out

@@ -15,6 +15,7 @@ from services.metadata import EmbeddedRedis, RequestStore, connect
 from services.prefill.server import start_prefill
 from services.router.server import start_router
 from services.settings import DecodeSettings, PrefillSettings, RouterSettings
+from shared.handoff.nixl import nixl_api
 
 
 @pytest.fixture(scope="session")
@@ -72,8 +73,9 @@ class InProcessStack:
             h.stop(0.5)
 
 
-# The hand-off transports that run on the CPU: the stack tests run over each (ipc: shared-memory pools).
-CPU_TRANSPORTS = ("ipc", "grpc-stream")
+# The hand-off transports that run on the CPU: the stack tests run over each (ipc: shared-memory pools; nixl:
+# UCX over tcp between host memory, where NIXL is installed: the test extra installs it).
+CPU_TRANSPORTS = ("ipc", "grpc-stream") + (("nixl",) if nixl_api() is not None else ())
 
 
 def start_stack(redis_url: str, model_dir, draft: str | None, *, prefill_extra=None, decode_extra=None,

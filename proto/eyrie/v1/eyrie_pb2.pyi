@@ -140,12 +140,14 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id", "sender_stopped")
+    __slots__ = ("request_id", "sender_stopped", "resend_as_bytes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_STOPPED_FIELD_NUMBER: _ClassVar[int]
+    RESEND_AS_BYTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sender_stopped: bool
-    def __init__(self, request_id: _Optional[str] = ..., sender_stopped: _Optional[bool] = ...) -> None: ...
+    resend_as_bytes: bool
+    def __init__(self, request_id: _Optional[str] = ..., sender_stopped: _Optional[bool] = ..., resend_as_bytes: _Optional[bool] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
@@ -274,16 +276,18 @@ class AdmitRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("instance_id", "host_id", "transports", "pools")
+    __slots__ = ("instance_id", "host_id", "transports", "pools", "nixl")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     host_id: str
     transports: _containers.RepeatedScalarFieldContainer[str]
     pools: bytes
-    def __init__(self, instance_id: _Optional[str] = ..., host_id: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., pools: _Optional[bytes] = ...) -> None: ...
+    nixl: bytes
+    def __init__(self, instance_id: _Optional[str] = ..., host_id: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., pools: _Optional[bytes] = ..., nixl: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "output_ids", "output_logprobs", "sampling", "committed_len", "schema", "in_place")

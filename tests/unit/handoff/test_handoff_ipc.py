@@ -54,4 +54,6 @@ def test_a_forced_transport_wins_or_fails_naming_why():
     with pytest.raises(TransferError, match="another host"):
         negotiate("ipc", reply("elsewhere/boot"), CPU)
     with pytest.raises(TransferError, match="not one of"):
+        negotiate("rdma", reply(host_id()), CPU)  # (nixl is one since issue 28)
+    with pytest.raises(TransferError, match="does not offer nixl"):
         negotiate("nixl", reply(host_id()), CPU)

@@ -29,10 +29,12 @@ from services.metadata import EmbeddedRedis, Registry, connect
 from services.prefill.server import start_prefill
 from services.settings import DecodeSettings, PrefillSettings
 from shared.handoff import PageSource, iter_chunks, sampling_to_pb
+from shared.handoff.nixl import nixl_api
 from shared.handoff.wire import page_bytes
 from shared.sampling import SamplingParams
 
 DRAFT, TOPK, PAGE = "eagle", 4, 4
+CPU_TRANSPORTS = ["grpc-stream", "ipc"] + (["nixl"] if nixl_api() is not None else [])
 MAX_RUNNING = 8
 SAMPLED = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, seed=3)
 
@@ -60,6 +62,8 @@ class Stack:
     def __init__(self, models, redis_url, prefill_draft=DRAFT, transport="grpc-stream", handoff_streams=1,
                  **decode_settings):
         self.transport = transport  # the hand-off's data transport, forced on the prefill side
+        if transport == "nixl":  # offered by a decode instance only when it is named there too
+            decode_settings.setdefault("handoff_transport", "nixl")
         self.prefill_engine = make_engine(models, prefill_draft, config(prefill_draft), role="prefill")
         decode_engine = make_engine(models, DRAFT, config(), role="decode")
         smallest = 2 * max(page_bytes(c) for c in self.prefill_engine.scheduler.caches)  # many chunks per request
@@ -128,9 +132,10 @@ def stacks(models, redis_url):
         s.stop()
 
 
-@pytest.fixture(params=["grpc-stream", "ipc"])
+@pytest.fixture(params=CPU_TRANSPORTS)
 def stack(stacks, request):
-    """The stack over each transport that runs on the CPU (ipc: shared-memory pools)."""
+    """The stack over each transport that runs on the CPU (ipc: shared-memory pools; nixl: UCX over tcp, where
+    NIXL is installed)."""
     return stacks(request.param)
 
 

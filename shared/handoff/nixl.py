@@ -1,0 +1,178 @@
+"""The NIXL transport: the prefill side writes a request's pages straight into the decode pools through NIXL
+(the KV-transfer library under vLLM's NixlConnector, SGLang, TensorRT-LLM and Dynamo), over whichever UCX
+transports UCX's own configuration allows (``UCX_TLS``: ``cuda_ipc``/``nvlink`` on one host, ``rc`` or ``tcp``
+across hosts; on a CPU-only machine ``tcp`` between DRAM regions).
+
+Both sides register their whole pools once (``NixlAgent``): the decode instance exports its agent's metadata
+and its pools' addresses in its handshake reply (``HandshakeResponse.nixl``), the prefill side adds it as a
+remote agent and, for each increment of a hand-off, posts one WRITE of a batch of descriptors: one per (K/V,
+layer) plane per run of pages contiguous on both sides, then waits for it (on CUDA after the step's event that
+wrote the pages). The decode side reserves in place, as for ipc, and the draft state and the first token follow
+in one ``in_place`` message over ``Decode.Transfer``; the lease and the page guard are the ipc transport's.
+
+Optional: ``pip install 'eyrie-serve[nixl]'`` (``nixl-cu13``, UCX bundled); without it nothing here is offered.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from kernels.page_copy import page_runs
+from shared.handoff.ipc import WRITE_MARGIN_S, Written
+from shared.handoff.wire import PageSource, TransferError, TransportFailed
+
+POLL_S = 0.0005  # between checks of a posted transfer (UCX progresses it inside each check)
+
+
+def nixl_api():
+    """The NIXL Python module (``nixl_agent``, ``nixl_agent_config``), or None when it is not installed."""
+    for name in ("nixl_cu13._api", "nixl_cu12._api", "nixl._api"):
+        try:
+            return __import__(name, fromlist=["nixl_agent"])
+        except ImportError:
+            continue
+    return None
+
+
+def mem_type(t: torch.Tensor) -> tuple[str, int]:
+    return ("VRAM", t.device.index or 0) if t.device.type == "cuda" else ("DRAM", 0)
+
+
+@dataclass(frozen=True)
+class RemotePool:
+    addr: int
+    plane_bytes: int  # bytes between one (K/V, layer) plane and the next
+    page_bytes: int  # bytes of one page of one plane
+    mem: str
+    dev: int
+
+
+class NixlAgent:
+    """One NIXL agent of this process, its pools registered once; calls into it are serialised."""
+
+    def __init__(self, role: str):
+        api = nixl_api()
+        if api is None:
+            raise TransferError("NIXL is not installed (pip install 'eyrie-serve[nixl]')")
+        self.name = f"{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        self._registered: dict[tuple[int, int], torch.Tensor] = {}  # (address, bytes) -> the pool (kept alive)
+        self._remote: dict[bytes, str] = {}  # a remote agent's metadata -> its name here
+        self.lock = threading.Lock()
+
+    def register(self, pools: list[torch.Tensor]) -> None:
+        for pool in pools:
+            key = (pool.data_ptr(), pool.numel() * pool.element_size())
+            with self.lock:
+                if key in self._registered:
+                    continue
+                mem, dev = mem_type(pool)
+                self.agent.register_memory([(key[0], key[1], dev, "")], mem)
+                self._registered[key] = pool
+
+    def export(self, pools: list[torch.Tensor]) -> bytes:
+        """This agent's metadata and ``pools``' layout: what a writer needs (the decode side's handshake)."""
+        self.register(pools)
+        described = []
+        for pool in pools:
+            mem, dev = mem_type(pool)
+            size = pool.element_size()
+            described.append({"addr": pool.data_ptr(), "plane_bytes": pool.stride(1) * size,
+                              "page_bytes_per_slot": pool.stride(2) * size, "mem": mem, "dev": dev})
+        with self.lock:
+            meta = self.agent.get_agent_metadata()
+        return json.dumps({"agent": self.name, "metadata": meta.hex(), "pools": described}).encode()
+
+    def remote(self, blob: bytes, page_size: int) -> tuple[str, list[RemotePool]]:
+        """The remote agent named by ``blob`` (added once) and its pools."""
+        info = json.loads(blob)
+        meta = bytes.fromhex(info["metadata"])
+        with self.lock:
+            name = self._remote.get(meta)
+            if name is None:
+                name = self.agent.add_remote_agent(meta)
+                name = name.decode() if isinstance(name, bytes) else name
+                self._remote[meta] = name
+        return name, [RemotePool(p["addr"], p["plane_bytes"], p["page_bytes_per_slot"] * page_size, p["mem"],
+                                 p["dev"]) for p in info["pools"]]
+
+    def write(self, remote: str, local: list[tuple[int, int, int]], remote_descs: list[tuple[int, int, int]],
+              local_mem: str, remote_mem: str, deadline: float) -> None:
+        """One WRITE of the descriptor batch, waited for; TransportFailed when NIXL refuses or fails it."""
+        with self.lock:
+            try:
+                src = self.agent.get_xfer_descs(local, local_mem)
+                dst = self.agent.get_xfer_descs(remote_descs, remote_mem)
+                handle = self.agent.initialize_xfer("WRITE", src, dst, remote)
+                state = self.agent.transfer(handle)
+            except Exception as e:  # nixlBackendError, nixlNotAllowedError: nothing was acknowledged
+                raise TransportFailed(f"NIXL refused the write: {type(e).__name__}: {e}") from e
+        try:
+            while state in ("PROC", "PENDING"):
+                if time.monotonic() > deadline:
+                    raise TransferError("the decode side's write deadline passed during a NIXL write")
+                time.sleep(POLL_S)
+                with self.lock:
+                    state = self.agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransportFailed(f"a NIXL write ended {state}")
+        finally:
+            with self.lock:
+                self.agent.release_xfer_handle(handle)
+
+
+def write_pages(agent: NixlAgent, source: PageSource, remote_blob: bytes, dest_page_ids: list[list[int]],
+                deadline: float) -> Written:
+    """As ``shared.handoff.ipc.write_in_place``, through NIXL: each increment's new pages, in one WRITE."""
+    if len(dest_page_ids) != len(source.caches):
+        raise TransferError(f"{len(source.caches)} caches here, {len(dest_page_ids)} page lists on the decode side")
+    agent.register([c.pool for c in source.caches])
+    remote, pools = agent.remote(remote_blob, source.caches[0].page_size)
+    if len(pools) != len(source.caches):
+        raise TransferError(f"{len(source.caches)} caches here, {len(pools)} pools on the decode side")
+    written, sent, last = 0, [0] * len(source.caches), None
+    for inc in source.increments():
+        if time.monotonic() > deadline - WRITE_MARGIN_S:
+            raise TransferError("the decode side's write deadline passed before the pages were written")
+        if inc.written is not None:
+            inc.written.synchronize()  # the step that wrote these pages is done
+        elif source.caches[0].pool.device.type == "cuda":
+            torch.cuda.synchronize(source.caches[0].pool.device)
+        with source.guard.access():
+            written += _write_increment(agent, remote, pools, source, dest_page_ids, inc, sent, deadline)
+        sent, last = list(inc.done), inc.last
+    return Written(written, last)
+
+
+def _write_increment(agent, remote, pools, source, dest_page_ids, inc, sent, deadline) -> int:
+    """One WRITE with every (plane, run) of pages [sent[c], inc.done[c]) of every cache; its bytes."""
+    local, far, written = [], [], 0
+    mems = set()
+    for cache, pool, src, dst, lo, hi in zip(source.caches, pools, inc.page_ids, dest_page_ids, sent, inc.done):
+        if hi > len(dst) or (inc.last is not None and hi != len(dst)):
+            raise TransferError(f"{hi} pages to send, {len(dst)} reserved")
+        size = cache.pool.element_size()
+        plane, page = cache.pool.stride(1) * size, cache.pool.stride(2) * size * cache.page_size
+        mem, dev = mem_type(cache.pool)
+        mems.add((mem, pool.mem))
+        for s, d, n in page_runs(src[lo:hi], dst[lo:hi]):
+            for p in range(cache.pool.shape[0] * cache.pool.shape[1]):
+                local.append((cache.pool.data_ptr() + p * plane + s * page, n * page, dev))
+                far.append((pool.addr + p * pool.plane_bytes + d * pool.page_bytes, n * pool.page_bytes, pool.dev))
+                written += n * page
+    if local:
+        if len(mems) != 1:
+            raise TransferError(f"the caches' memory kinds differ ({sorted(mems)}): one NIXL write takes one kind")
+        local_mem, remote_mem = mems.pop()
+        agent.write(remote, local, far, local_mem, remote_mem, deadline)
+    return written
+
+
+__all__ = ["NixlAgent", "nixl_api", "write_pages"]
