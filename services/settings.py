@@ -179,6 +179,12 @@ class RouterSettings(CommonSettings):
                                           "prompt has at most this many tokens is prefilled by its decode instance "
                                           "(folded into its decode steps, no hand-off); longer ones go to a prefill "
                                           "instance. 0 = every prompt goes to a prefill instance")
+    max_stop_strings: int = Field(64, ge=0, description="stop strings a request may give at most (more: 400 / "
+                                  "INVALID_ARGUMENT naming the limit)")
+    max_stop_length: int = Field(1024, ge=1, description="characters a stop string may have at most (longer: 400 / "
+                                 "INVALID_ARGUMENT naming the limit)")
+    max_header_bytes: int = Field(16384, ge=1024, description="an OpenAI HTTP request's header lines together may "
+                                  "have at most this many bytes (more: 400 naming the limit)")
 
 
 SETTINGS = {"router": RouterSettings, "prefill": PrefillSettings, "decode": DecodeSettings}

@@ -80,6 +80,29 @@ def require_key(app, api_key: str | None, open_paths: tuple[str, ...], on_denied
         app.add_middleware(_KeyGuard, api_key=api_key, open_paths=open_paths, on_denied=on_denied)
 
 
+class _HeaderLimit:
+    """Pure ASGI: a request whose header lines together exceed ``max_bytes`` is refused with 400 naming the limit
+    (h11 itself only bounds a head still arriving in pieces)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            size = sum(len(k) + len(v) + 4 for k, v in scope["headers"])  # "name: value\r\n"
+            if size > self.max_bytes:
+                refused = HttpError(400, f"request headers: {size} bytes exceed the limit of {self.max_bytes} "
+                                         "(max_header_bytes)", param="headers", code="headers_too_large",
+                                    headers={"Connection": "close"})
+                return await refused.response()(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def limit_headers(app, max_bytes: int) -> None:
+    """Every request to ``app`` whose headers exceed ``max_bytes`` gets 400 naming the limit."""
+    app.add_middleware(_HeaderLimit, max_bytes=max_bytes)
+
+
 async def read_body(request: Request, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
     """The request's body, at most ``limit`` bytes, within ``timeout_s``: 411 without a Content-Length
     (chunked bodies are not accepted), 413 over the limit (nothing read), 408 when it does not all come."""
@@ -133,7 +156,7 @@ class HttpServer:
     The socket is bound here, in the caller's thread, so a busy port raises ``OSError`` at once."""
 
     def __init__(self, app, host: str, port: int, name: str, head_timeout_s: float = HEAD_TIMEOUT_S,
-                 backlog: int = BACKLOG):
+                 backlog: int = BACKLOG, max_incomplete_head_bytes: int | None = None):
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -144,7 +167,8 @@ class HttpServer:
         self.sock.listen(backlog)
         protocol = type("Protocol", (_DeadlineProtocol,), {"head_timeout_s": head_timeout_s})
         config = uvicorn.Config(app, http=protocol, backlog=backlog, log_config=None, access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=1, ws="none")
+                                lifespan="off", timeout_graceful_shutdown=1, ws="none",
+                                h11_max_incomplete_event_size=max_incomplete_head_bytes)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name=name,
                                         daemon=True)
@@ -174,4 +198,5 @@ class HttpServer:
         self.sock.close()
 
 
-__all__ = ["HttpError", "HttpServer", "bearer", "json_response", "key_matches", "read_body", "require_key"]
+__all__ = ["HttpError", "HttpServer", "bearer", "json_response", "key_matches", "limit_headers", "read_body",
+           "require_key"]

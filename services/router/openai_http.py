@@ -62,7 +62,7 @@ from starlette.responses import Response, StreamingResponse
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from services.settings import RouterSettings
 from shared.grammar import ANY_JSON_OBJECT
-from shared.http_server import HttpError, HttpServer, json_response, read_body, require_key
+from shared.http_server import HttpError, HttpServer, json_response, limit_headers, read_body, require_key
 from shared.request import RequestError
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -585,8 +585,10 @@ class OpenAIServer:
         self.created = int(time.time())
         self._threads: anyio.CapacityLimiter | None = None  # made in the server's event loop, on first use
         self.app = self._app()
+        # A head still arriving in pieces is bounded by h11 (with room for the request line); a whole one here.
         self.http = HttpServer(self.app, settings.host, settings.openai_port or 0, name="router-openai-http",
-                               head_timeout_s=settings.http_read_timeout_s)
+                               head_timeout_s=settings.http_read_timeout_s,
+                               max_incomplete_head_bytes=2 * settings.max_header_bytes + 16384)
 
     @property
     def port(self) -> int:
@@ -608,6 +610,7 @@ class OpenAIServer:
     def _app(self) -> FastAPI:
         app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
         require_key(app, self.settings.api_key, ("/health",))  # the gRPC interceptor counts its own refusals
+        limit_headers(app, self.settings.max_header_bytes)  # added last: runs first, before the key check
         app.add_api_route("/health", self._health, methods=["GET"])
         app.add_api_route("/v1/models", self._models, methods=["GET"])
         app.add_api_route("/v1/models/{model_id:path}", self._model, methods=["GET"])

@@ -237,7 +237,11 @@ class RouterCore:
         if len(ids) >= self.max_context:
             raise RequestError(field_name, f"{len(ids)} tokens leave no room to generate in the context of "
                                            f"{self.max_context}")
-        s = req.sampling
+        return rid, ids, self._validate_sampling(req.sampling, ids)
+
+    def _validate_sampling(self, s: pb.SamplingParams, ids: list[int]) -> SamplingParams:
+        """The request's sampling parameters after a valid prompt ``ids``, or RequestError naming the field."""
+        vocab = self.model_config.vocab_size
         if not math.isfinite(s.temperature) or s.temperature < 0:
             raise RequestError("sampling.temperature", f"{s.temperature} is not a finite number >= 0")
         if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
@@ -251,6 +255,13 @@ class RouterCore:
             raise RequestError("sampling.max_new_tokens",
                                f"{s.max_new_tokens} new tokens after a {len(ids)}-token prompt exceed the context "
                                f"of {self.max_context}")
+        if len(s.stop) > self.settings.max_stop_strings:
+            raise RequestError("sampling.stop", f"{len(s.stop)} stop strings exceed the limit of "
+                                                f"{self.settings.max_stop_strings} (max_stop_strings)")
+        long = next((x for x in s.stop if len(x) > self.settings.max_stop_length), None)
+        if long is not None:
+            raise RequestError("sampling.stop", f"a stop string of {len(long)} characters exceeds the limit of "
+                                                f"{self.settings.max_stop_length} (max_stop_length)")
         if s.stop and self.tokenizer is None:
             raise RequestError("sampling.stop", "this router has no tokenizer to match stop strings with")
         for name, named in (("stop_token_ids", s.stop_token_ids), ("logit_bias", s.logit_bias),
@@ -265,7 +276,7 @@ class RouterCore:
         except ValidationError as e:  # anything the checks above missed still names its field
             err = e.errors()[0]
             raise RequestError(f"sampling.{'.'.join(str(x) for x in err['loc'])}", err["msg"]) from None
-        return rid, ids, params
+        return params
 
     # ---- placement -------------------------------------------------------------------------------
     def _pick(self, role: str, exclude: set[str], tokens: int = 0, arrived: bool = False
