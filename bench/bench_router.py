@@ -213,7 +213,7 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def run_point(args, routers: list[tuple[int, str]], streams: int, base: float) -> dict:
+def run_point(args, routers: list[tuple[int, str]], streams: int, base: float, synth_pid: int) -> dict:
     import psutil
 
     ctx = mp.get_context("spawn")
@@ -229,14 +229,18 @@ def run_point(args, routers: list[tuple[int, str]], streams: int, base: float) -
         p.start()
         pipes.append(parent)
         clients.append(p)
+    others = {"synth": [psutil.Process(synth_pid)], "clients": [psutil.Process(p.pid) for p in clients]}
     while time.monotonic() < start_at + args.warmup_s:
         time.sleep(0.02)
+    other0 = {k: sum(sum(p.cpu_times()[:2]) for p in v) for k, v in others.items()}
     cpu0 = sum(sum(p.cpu_times()[:2]) for p in procs)
     t0 = time.monotonic()
     while time.monotonic() < start_at + args.warmup_s + args.duration_s:
         time.sleep(0.02)
     cpu = sum(sum(p.cpu_times()[:2]) for p in procs) - cpu0
     wall = time.monotonic() - t0
+    other = {f"{k}_cpu_cores": round((sum(sum(p.cpu_times()[:2]) for p in v) - other0[k]) / wall, 2)
+             for k, v in others.items()}
     results = [c.recv() for c in pipes]
     for p in clients:
         p.join(60)
@@ -249,7 +253,8 @@ def run_point(args, routers: list[tuple[int, str]], streams: int, base: float) -
             "router_cpu_us_per_token": round(1e6 * cpu / max(1, tokens), 2),
             "router_cpu_cores": round(cpu / wall, 2),
             "added_ms_p50": round(1e3 * _pct(added, 0.5), 3), "added_ms_p99": round(1e3 * _pct(added, 0.99), 3),
-            "itl_ms_p50": round(1e3 * _pct(itl, 0.5), 3), "itl_ms_p99": round(1e3 * _pct(itl, 0.99), 3)}
+            "itl_ms_p50": round(1e3 * _pct(itl, 0.5), 3), "itl_ms_p99": round(1e3 * _pct(itl, 0.99), 3),
+            **other, "load_avg_1m": round(os.getloadavg()[0], 2)}
 
 
 def start_routers(args, n: int, model_dir: str) -> list:
@@ -313,7 +318,7 @@ def main() -> int:
             print(json.dumps({"router_pids": [pid for _, _, pid, _ in routers]}), flush=True)
             try:
                 for streams in [int(x) for x in args.streams.split(",")]:
-                    point = run_point(args, [(pid, a) for _, _, pid, a in routers], streams, base)
+                    point = run_point(args, [(pid, a) for _, _, pid, a in routers], streams, base, synth.pid)
                     print(json.dumps(point), flush=True)
                     points.append(point)
             finally:

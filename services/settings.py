@@ -179,6 +179,11 @@ class RouterSettings(CommonSettings):
                                           "prompt has at most this many tokens is prefilled by its decode instance "
                                           "(folded into its decode steps, no hand-off); longer ones go to a prefill "
                                           "instance. 0 = every prompt goes to a prefill instance")
+    max_queued: int = Field(1024, ge=0, description="back-pressure: requests that may wait in this router for room "
+                            "while every decode instance is full; past it a new request gets RESOURCE_EXHAUSTED / "
+                            "503 with Retry-After before any token")
+    queue_timeout_s: float = Field(30.0, gt=0, description="seconds a request waits for room on a decode instance "
+                                   "before it is refused (RESOURCE_EXHAUSTED / 503 with Retry-After)")
     max_stop_strings: int = Field(64, ge=0, description="stop strings a request may give at most (more: 400 / "
                                   "INVALID_ARGUMENT naming the limit)")
     max_stop_length: int = Field(1024, ge=1, description="characters a stop string may have at most (longer: 400 / "

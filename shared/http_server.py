@@ -170,6 +170,7 @@ class HttpServer:
                                 lifespan="off", timeout_graceful_shutdown=1, ws="none",
                                 h11_max_incomplete_event_size=max_incomplete_head_bytes)
         self.server = uvicorn.Server(config)
+        self._served = None  # the serve() future when served on another loop
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name=name,
                                         daemon=True)
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
@@ -182,10 +183,18 @@ class HttpServer:
     def host(self) -> str:
         return self.sock.getsockname()[0]
 
-    def start(self, timeout_s: float = 10.0) -> HttpServer:
+    def start(self, timeout_s: float = 10.0, loop: asyncio.AbstractEventLoop | None = None) -> HttpServer:
+        """Serve from the daemon thread, or with ``loop`` (running in another thread) on that loop: an
+        application whose handlers share state with other servers of that loop (the router's gRPC)."""
+        if loop is not None:
+            self._served = asyncio.run_coroutine_threadsafe(self.server.serve(sockets=[self.sock]), loop)
+            return self._wait_started(timeout_s, self._served.done)
         self._thread.start()
+        return self._wait_started(timeout_s, lambda: not self._thread.is_alive())
+
+    def _wait_started(self, timeout_s: float, ended) -> HttpServer:
         for _ in range(int(timeout_s / 0.01)):
-            if self.server.started or not self._thread.is_alive():
+            if self.server.started or ended():
                 break
             threading.Event().wait(0.01)
         if not self.server.started:
@@ -194,7 +203,13 @@ class HttpServer:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self.server.should_exit = True
-        self._thread.join(timeout_s)
+        if self._served is not None:
+            try:
+                self._served.result(timeout_s)
+            except Exception:  # noqa: BLE001 (stopping: a server that failed is stopped too)
+                pass
+        else:
+            self._thread.join(timeout_s)
         self.sock.close()
 
 
