@@ -530,6 +530,13 @@ class RouterCore:
         the tokens the client has (a failover: the decode side goes on after them); returns the first token
         (None when resuming). Every decode instance full: the request waits in the router's bounded queue for
         room (``Admission``), refused past its bound or its time."""
+        try:
+            return await self._placing(active, ids, params, t0, avoid_decode, reason, resume, resume_logprobs)
+        finally:
+            self.admission.leave(active)
+
+    async def _placing(self, active: Active, ids: list[int], params: SamplingParams, t0: float,
+                       avoid_decode: set[str], reason: str, resume: list[int], resume_logprobs: list[float]):
         left = params.max_new_tokens - len(resume)
         if not resume and len(ids) <= self.settings.local_prefill_max_tokens and \
                 await self._admit_local(active, ids, params, t0, avoid_decode, reason):
@@ -540,8 +547,6 @@ class RouterCore:
         last_error: RouterError | None = None
         attempt = 0
         while True:
-            if active.cancelled.is_set():
-                self.admission.leave(active)
             self._check_cancelled(active)
             prefill, p_key = await self._io(self._pick, "prefill", avoid["prefill"], len(ids) + len(resume), True)
             decode, d_key = await self._io(self._pick, "decode", avoid["decode"] | full, left)
@@ -576,7 +581,6 @@ class RouterCore:
                     raise r.error from None
             finally:  # from here the stream phase accounts for the decode side (or nobody, on failure)
                 self._release_keys(prefill, p_key, decode, d_key)
-                self.admission.leave(active)
 
     async def _try_pair(self, active: Active, ids: list[int], params: SamplingParams, t0: float, reason: str,
                         resume: list[int], resume_logprobs: list[float], prefill: InstanceInfo,
