@@ -67,9 +67,9 @@ class Synth:
         return pb.ReserveResponse(accepted=True)
 
     async def Stream(self, request, context):  # noqa: N802
-        from proto.eyrie.v1 import eyrie_pb2 as pb
-
         import grpc
+
+        from proto.eyrie.v1 import eyrie_pb2 as pb
 
         rid = request.request_id
         total = self.admitted.get(rid)
@@ -270,7 +270,7 @@ def start_routers(args, n: int, model_dir: str) -> list:
 
 
 def stop_routers(routers) -> None:
-    for p, conn, _, _ in routers:
+    for _, conn, _, _ in routers:
         conn.send("stop")
     for p, *_ in routers:
         p.join(15)

@@ -88,6 +88,9 @@ def add_up_flags(u) -> None:
     u.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill instances (replicas; each its "
                    "own process, registered in Redis) (default: 1)")
     u.add_argument("--decode", type=int, default=1, metavar="N", help="decode instances (replicas) (default: 1)")
+    u.add_argument("--routers", type=int, default=1, metavar="N", help="router processes, all on the same gRPC and "
+                   "OpenAI ports (SO_REUSEPORT: the kernel spreads connections over them), sharing Redis and the "
+                   "instances (default: 1)")
     u.add_argument("--max-restarts", type=int, default=5, metavar="N",
                    help="restarts of a service that dies (with backoff) "
                         "before eyrie up stops the stack")
@@ -271,11 +274,13 @@ class Stack:
             common += ["--config", self.config_file]
         engine = ["--model", self.model, "--draft", self.draft or "none", *_as_flags(self.extra)]
         router = ["--model", self.model, "--grpc-port", str(self.router_port), *_as_flags(self.router_extra)]
+        if any(role_of(n) == "router" and n != "router" for n in self.names):
+            router += ["--reuse-port", "true"]  # several routers serve the same ports
         if self.openai_port is not None:
             router += ["--openai-port", str(self.openai_port)]
         for name in self.names:
             self.http[name] = f"127.0.0.1:{free_port()}"
-            own = router if name == "router" else engine
+            own = router if role_of(name) == "router" else engine
             self.flags[name] = [*common, *own, "--http-port", self.http[name].rsplit(":", 1)[1]]
             self._spawn(name)
         self.wait_ready(timeout)
@@ -331,7 +336,9 @@ class Stack:
         r = self.started.get("router", {})
         out = f"router on {self.router_address} (health http://{self.http['router']}/health"
         out += f", OpenAI http://{r['openai']}/v1)" if r.get("openai") else ")"
-        for name in self.names[:-1]:  # the engine services
+        for name in self.names:
+            if role_of(name) == "router":
+                continue
             out += f", {name} on {self.started.get(name, {}).get('grpc')} (health http://{self.http[name]}/health)"
         return out + f", redis {self.redis_url}"
 
@@ -483,10 +490,15 @@ def _up_stack(args, cleanup: contextlib.ExitStack) -> Stack:
     for role in ("prefill", "decode"):
         if getattr(args, role) < 1:
             _fail(f"--{role}: {getattr(args, role)}: at least 1 instance of each engine role")
+    if args.routers < 1:
+        _fail(f"--routers: {args.routers}: at least 1 router")
+    if args.routers > 1 and openai_port is not None and not int(openai_port):
+        _fail("--routers: several routers share the OpenAI port: give --openai-port a number, not 0")
     return Stack(model, draft, common.pop("redis_url", None), port, openai_port, extra,
                  env=env or None, router_extra=router_extra,
                  log_dir=args.log_dir, common=common, config_file=args.config,
-                 drain_timeout_s=decode.drain_timeout_s, replicas={"prefill": args.prefill, "decode": args.decode})
+                 drain_timeout_s=decode.drain_timeout_s, replicas={"prefill": args.prefill, "decode": args.decode,
+                                                                    "router": args.routers})
 
 
 def _mps_env(mode: str, device: str, cleanup: contextlib.ExitStack) -> dict[str, str]:

@@ -179,6 +179,9 @@ class RouterSettings(CommonSettings):
                                           "prompt has at most this many tokens is prefilled by its decode instance "
                                           "(folded into its decode steps, no hand-off); longer ones go to a prefill "
                                           "instance. 0 = every prompt goes to a prefill instance")
+    reuse_port: bool = Field(False, description="several router processes on one host serve the same gRPC and OpenAI "
+                             "ports (SO_REUSEPORT: the kernel spreads the connections over them); each router is "
+                             "stateless for placement (`eyrie up --routers N` sets it)")
     max_queued: int = Field(1024, ge=0, description="back-pressure: requests that may wait in this router for room "
                             "while every decode instance is full; past it a new request gets RESOURCE_EXHAUSTED / "
                             "503 with Retry-After before any token")

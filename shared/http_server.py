@@ -156,9 +156,11 @@ class HttpServer:
     The socket is bound here, in the caller's thread, so a busy port raises ``OSError`` at once."""
 
     def __init__(self, app, host: str, port: int, name: str, head_timeout_s: float = HEAD_TIMEOUT_S,
-                 backlog: int = BACKLOG, max_incomplete_head_bytes: int | None = None):
+                 backlog: int = BACKLOG, max_incomplete_head_bytes: int | None = None, reuse_port: bool = False):
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:  # several processes serve this port: the kernel spreads the connections
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             self.sock.bind((host, port))
         except OSError:

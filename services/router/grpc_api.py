@@ -110,9 +110,11 @@ class AioGeneration:
 class RouterGrpc:
     """The aio server on the core's event loop; ``set_serving`` and ``stop`` may be called from any thread."""
 
-    def __init__(self, core, host: str, port: int, max_message_bytes: int, api_key: str | None, on_denied):
+    def __init__(self, core, host: str, port: int, max_message_bytes: int, api_key: str | None, on_denied,
+                 reuse_port: bool = False):
         self.api = AioGeneration(core)
         self.loop = core.ensure_loop()
+        self.reuse_port = reuse_port  # several routers on one port (the kernel spreads connections)
         self.server, self.port, self.health = self._call(self._start(host, port, max_message_bytes, api_key,
                                                                      on_denied))
 
@@ -121,7 +123,7 @@ class RouterGrpc:
 
     async def _start(self, host, port, max_message_bytes, api_key, on_denied):
         options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes), ("grpc.so_reuseport", 0)]
+                   ("grpc.max_send_message_length", max_message_bytes), ("grpc.so_reuseport", int(self.reuse_port))]
         server = grpc.aio.server(options=options, interceptors=[_AioApiKey(api_key, on_denied)] if api_key else [])
         server.add_generic_rpc_handlers((self.api.handler(),))
         health_servicer = health.aio.HealthServicer()

@@ -584,7 +584,8 @@ class OpenAIServer:
         # A head still arriving in pieces is bounded by h11 (with room for the request line); a whole one here.
         self.http = HttpServer(self.app, settings.host, settings.openai_port or 0, name="router-openai-http",
                                head_timeout_s=settings.http_read_timeout_s,
-                               max_incomplete_head_bytes=2 * settings.max_header_bytes + 16384)
+                               max_incomplete_head_bytes=2 * settings.max_header_bytes + 16384,
+                               reuse_port=settings.reuse_port)
 
     @property
     def port(self) -> int:

@@ -960,7 +960,8 @@ def start_router(settings: RouterSettings) -> ServiceHandle:
     # gRPC refuses messages over 4x the request limit itself (RESOURCE_EXHAUSTED); between 1x and 4x the
     # router answers INVALID_ARGUMENT naming `request`. gRPC and HTTP are served on the core's event loop.
     grpc_server = RouterGrpc(core, settings.host, settings.grpc_port, 4 * settings.max_message_bytes,
-                             settings.api_key, lambda: telemetry.errors_total.labels("unauthenticated").inc())
+                             settings.api_key, lambda: telemetry.errors_total.labels("unauthenticated").inc(),
+                             reuse_port=settings.reuse_port)
     port = grpc_server.port
     extra = {"core": core, "telemetry": telemetry}
     openai_server = None
