@@ -49,11 +49,12 @@ class Synth:
         self.aborted: set[str] = set()
         self.tick = asyncio.Event()
         self.waiting = 0  # streams waiting for the next step
+        self.relayed = 0  # streams on relays
 
     async def step_loop(self) -> None:
         a = self.args
         while True:
-            n = max(1, self.waiting)
+            n = max(1, self.waiting + self.relayed)
             await asyncio.sleep(max(a.step_ms / 1000, n * a.tokens_per_step / a.instance_tok_s))
             old, self.tick = self.tick, asyncio.Event()
             old.set()
@@ -99,6 +100,46 @@ class Synth:
             self.admitted.pop(rid, None)
             self.aborted.discard(rid)
 
+    async def Relay(self, request_iterator, context):  # noqa: N802
+        """Every attached request's tokens, one RelayBatch per step (as the decode service's relay)."""
+        from proto.eyrie.v1 import eyrie_pb2 as pb
+
+        streams: dict[str, int] = {}  # request id -> tokens sent
+        errors: list = []
+
+        async def attach() -> None:
+            async for req in request_iterator:
+                if req.request_id in self.admitted:
+                    streams[req.request_id] = 0
+                    self.relayed += 1
+                else:
+                    errors.append(pb.RelayError(request_id=req.request_id, code=5, details="not here"))
+
+        reader = asyncio.get_running_loop().create_task(attach())
+        try:
+            while True:
+                await self.tick.wait()
+                batch, now = pb.RelayBatch(errors=errors), time.monotonic() - self.base
+                errors.clear()
+                for rid, sent in list(streams.items()):
+                    total = self.admitted.get(rid, 0)
+                    n = 1 if sent == 0 else min(self.args.tokens_per_step, total - sent)
+                    msg = batch.messages.add(request_id=rid, token_ids=[(sent + i) % 1000 + 3 for i in range(n)],
+                                             logprobs=[now] * n)
+                    streams[rid] = sent = sent + n
+                    if sent >= total or rid in self.aborted:
+                        msg.finish.reason = "length"
+                        msg.finish.usage.completion_tokens = sent
+                        del streams[rid]
+                        self.relayed -= 1
+                        self.admitted.pop(rid, None)
+                        self.aborted.discard(rid)
+                if batch.messages or batch.errors:
+                    yield batch
+        finally:
+            reader.cancel()
+            self.relayed -= len(streams)
+
     async def Abort(self, request, context):  # noqa: N802
         from proto.eyrie.v1 import eyrie_pb2 as pb
 
@@ -128,7 +169,9 @@ async def _serve_synth(args, base: float, ready) -> None:
             "Stream": grpc.unary_stream_rpc_method_handler(synth.Stream, pb.StreamRequest.FromString,
                                                             pb.GenerateResponse.SerializeToString),
             "Abort": grpc.unary_unary_rpc_method_handler(synth.Abort, pb.AbortRequest.FromString,
-                                                          pb.AbortResponse.SerializeToString)}
+                                                          pb.AbortResponse.SerializeToString),
+            "Relay": grpc.stream_stream_rpc_method_handler(synth.Relay, pb.StreamRequest.FromString,
+                                                            pb.RelayBatch.SerializeToString)}
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("eyrie.v1.Decode", handlers),))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -146,12 +189,13 @@ def synth_main(args, base: float, ready) -> None:
 
 
 # ---- routers --------------------------------------------------------------------------------------
-def router_main(args, model_dir: str, conn) -> None:
+def router_main(args, model_dir: str, conn) -> None:  # noqa: D103
     from services.router.server import start_router
     from services.settings import RouterSettings
 
     settings = RouterSettings(model=model_dir, redis_url=args.redis_url, local_prefill_max_tokens=1 << 20,
-                              max_concurrent_requests=0, log_level="WARNING", heartbeat_s=1.0)
+                              max_concurrent_requests=0, log_level="WARNING", heartbeat_s=1.0,
+                              decode_relay=not args.no_relay)
     handle = start_router(settings)
     conn.send((os.getpid(), handle.grpc_address))
     conn.recv()  # stop
@@ -292,6 +336,7 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=2, help="client processes")
     ap.add_argument("--warmup-s", type=float, default=3.0)
     ap.add_argument("--duration-s", type=float, default=10.0)
+    ap.add_argument("--no-relay", action="store_true", help="a Stream call per request (the relay off)")
     ap.add_argument("--redis-url", default=None, help="default: an embedded Redis")
     ap.add_argument("--out", default=None, help="write the JSON here too")
     args = ap.parse_args()

@@ -269,6 +269,14 @@ class Stack:
 
             self.redis = EmbeddedRedis()
             self.redis_url = self.redis.start()
+        self.plan()
+        for name in self.names:
+            self._spawn(name)
+        self.wait_ready(timeout)
+        return self
+
+    def plan(self) -> dict[str, list[str]]:
+        """Each service's flags (and its own /health port): several routers share the gRPC and OpenAI ports."""
         common = ["--redis-url", self.redis_url, *_as_flags(self.common)]
         if self.config_file:
             common += ["--config", self.config_file]
@@ -282,9 +290,7 @@ class Stack:
             self.http[name] = f"127.0.0.1:{free_port()}"
             own = router if role_of(name) == "router" else engine
             self.flags[name] = [*common, *own, "--http-port", self.http[name].rsplit(":", 1)[1]]
-            self._spawn(name)
-        self.wait_ready(timeout)
-        return self
+        return self.flags
 
     def _spawn(self, role: str) -> None:
         cmd = [sys.executable, "-m", "services.cli", "serve", role_of(role), *self.flags[role]]

@@ -182,6 +182,9 @@ class RouterSettings(CommonSettings):
     reuse_port: bool = Field(False, description="several router processes on one host serve the same gRPC and OpenAI "
                              "ports (SO_REUSEPORT: the kernel spreads the connections over them); each router is "
                              "stateless for placement (`eyrie up --routers N` sets it)")
+    decode_relay: bool = Field(True, description="stream tokens from each decode instance over one relay per "
+                               "router (a step's tokens for all of this router's requests in one message) rather "
+                               "than a stream per request")
     max_queued: int = Field(1024, ge=0, description="back-pressure: requests that may wait in this router for room "
                             "while every decode instance is full; past it a new request gets RESOURCE_EXHAUSTED / "
                             "503 with Retry-After before any token")

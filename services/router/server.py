@@ -18,6 +18,7 @@ Redis can blink: record writes go through ``RecordWriter`` (retried, buffered, f
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import math
 import re
@@ -42,6 +43,7 @@ from services.logs import ServiceLog
 from services.router.admission import Admission, wait_any
 from services.router.grpc_api import RouterGrpc
 from services.router.records import REDIS_DOWN, RecordsUnavailable, RecordWriter
+from services.router.relay import Inbox, RelayClient
 from services.settings import RouterSettings
 from shared.handoff import sampling_from_pb, sampling_to_pb
 from shared.metadata import InstanceInfo, Registry, RequestStore, connect
@@ -184,6 +186,7 @@ class _Handoff:
 BROKEN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
           grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED)
 MAX_FAILOVERS = 3  # decode instances a request may lose before it fails
+GC_THRESHOLD = 50_000  # allocations between young-generation collections in a router process (default 700)
 
 
 class RouterCore:
@@ -207,6 +210,7 @@ class RouterCore:
         self.loop: asyncio.AbstractEventLoop | None = None  # every request's walk runs here (ensure_loop)
         self._io_pool = ThreadPoolExecutor(64, thread_name_prefix="router-io")  # Redis calls (they block)
         self._channels: dict[str, grpc.aio.Channel] = {}  # on the loop
+        self._relays: dict[str, RelayClient] = {}  # each decode instance's relay (on the loop)
         self._md = (("authorization", f"Bearer {settings.api_key}"),) if settings.api_key else None
         self.admission = Admission(settings.max_queued, settings.queue_timeout_s,
                                    min(0.25, settings.heartbeat_s / 2), RouterError, telemetry)
@@ -739,29 +743,31 @@ class RouterCore:
 
     async def _stream(self, active: Active, prompt_tokens: int, budget: int, detok: TextStream, t0: float):
         """The decode instance's messages as the client's; _Broken when its stream breaks (``budget``: the
-        tokens it may still generate). The first token of a prompt prefilled there comes from it too."""
+        tokens it may still generate). The first token of a prompt prefilled there comes from it too. The
+        messages come through the instance's relay (shared by this router's requests there), or through a
+        ``Stream`` call of the request's own where the instance has no relay."""
         rid, decode = active.rid, active.decode
         d_key = self.ledger.place(decode.instance_id, budget, arrived=True)
         t1 = time.perf_counter()
         # No deadline: a long generation may take minutes; the decode side ends idle streams, keepalive
         # finds a vanished peer, and the client's own deadline cancels this call through abort().
-        call = self._stub(pb_grpc.DecodeStub, decode.grpc_address).Stream(pb.StreamRequest(request_id=rid),
-                                                                          metadata=self._md)
+        call = self._open_stream(decode, rid)
         self._attach(active, call)
         try:
-            async for msg in call:
-                self._check_cancelled(active)
-                if active.ttft is None and msg.token_ids:  # a prompt prefilled on its decode instance
-                    self._first_token(active, t0)
-                    await self._io(self.records.transition, rid, "decoding")
-                active.output_tokens += len(msg.token_ids)
-                final = msg.HasField("finish")
-                msg.text = detok.push(list(msg.token_ids), final)  # the decode's message, reused as the client's
-                if final:
-                    await self._finish(active, msg, prompt_tokens, detok, t0, t1)
-                    yield msg
-                    return
-                yield msg
+            while True:
+                try:
+                    async for msg in call:
+                        self._check_cancelled(active)
+                        if await self._relay_message(active, msg, prompt_tokens, detok, t0, t1):
+                            yield msg
+                            return
+                        yield msg
+                    break
+                except grpc.RpcError as e:
+                    if not self._no_relay(decode, call, e):
+                        raise
+                    call = self._open_stream(decode, rid)  # nothing came yet: the same request over Stream
+                    self._attach(active, call)
         except asyncio.CancelledError:
             self._check_cancelled(active)  # an abort cancelled the call: the request's error
             raise  # the task was cancelled: the client went away
@@ -776,6 +782,38 @@ class RouterCore:
             call.cancel()  # no-op when it ended; frees the call when the client went away
         raise _Broken(RouterError(grpc.StatusCode.UNAVAILABLE, f"decode instance {decode.instance_id} ended the "
                                                                "stream without finishing the request"))
+
+    def _open_stream(self, decode: InstanceInfo, rid: str):
+        """The request's messages from ``decode``: an ``Inbox`` of its relay, or a ``Stream`` call."""
+        relay = self._relays.get(decode.grpc_address)
+        if relay is None and self.settings.decode_relay:
+            self._stub(pb_grpc.DecodeStub, decode.grpc_address)  # opens the channel
+            relay = self._relays[decode.grpc_address] = RelayClient(self._channels[decode.grpc_address], self._md)
+        if relay is not None and not relay.unsupported:
+            return relay.attach(rid)
+        return self._stub(pb_grpc.DecodeStub, decode.grpc_address).Stream(pb.StreamRequest(request_id=rid),
+                                                                          metadata=self._md)
+
+    def _no_relay(self, decode: InstanceInfo, call, error: grpc.RpcError) -> bool:
+        """True when ``call`` was a relay's and ``decode`` turned out to have none (UNIMPLEMENTED)."""
+        relay = self._relays.get(decode.grpc_address)
+        if not isinstance(call, Inbox) or relay is None or error.code() != grpc.StatusCode.UNIMPLEMENTED:
+            return False
+        relay.note(error)
+        return True
+
+    async def _relay_message(self, active: Active, msg: pb.GenerateResponse, prompt_tokens: int,
+                             detok: TextStream, t0: float, t1: float) -> bool:
+        """Turn the decode's message into the client's (in place); True when it is the last."""
+        if active.ttft is None and msg.token_ids:  # a prompt prefilled on its decode instance
+            self._first_token(active, t0)
+            await self._io(self.records.transition, active.rid, "decoding")
+        active.output_tokens += len(msg.token_ids)
+        final = msg.HasField("finish")
+        msg.text = detok.push(list(msg.token_ids), final)
+        if final:
+            await self._finish(active, msg, prompt_tokens, detok, t0, t1)
+        return final
 
     async def _finish(self, active: Active, msg: pb.GenerateResponse, prompt_tokens: int, detok: TextStream,
                       t0: float, t1: float) -> None:
@@ -911,6 +949,8 @@ class RouterCore:
             channels, self._channels = list(self._channels.values()), {}
 
             async def close_channels() -> None:
+                for relay in self._relays.values():
+                    await relay.close()
                 for ch in channels:
                     await ch.close()
 
@@ -974,6 +1014,11 @@ def start_router(settings: RouterSettings) -> ServiceHandle:
             openai_server, openai_port = start_openai_server(core, settings)
             extra["openai_address"] = f"{settings.advertised}:{openai_port}"
     telemetry.set_state("ready")
+    # Relaying allocates a few short-lived objects per message (protobuf messages, futures) and the cyclic
+    # collector's default threshold ran it hundreds of times a second (a sixth of the loop's time, measured
+    # with py-spy in bench/bench_router.py): what exists at start is frozen out of it and it runs less often.
+    gc.freeze()
+    gc.set_threshold(GC_THRESHOLD, 20, 20)
     ready = _show_readiness(core, grpc_server, telemetry)
     watch = threading.Thread(target=_watch_readiness, args=(core, grpc_server, telemetry, settings.heartbeat_s / 2,
                                                             ready),
