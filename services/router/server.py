@@ -13,6 +13,10 @@ or decode stream is a failover: a prefill instance recomputes the prompt plus th
 hands off to another decode instance (the same one when only the prefill side broke); the client's stream
 goes on.
 Redis can blink: record writes go through ``RecordWriter`` (retried, buffered, flushed on return).
+
+Everything runs on one event loop per router process (``RouterCore.ensure_loop``): the engines are called
+over grpc.aio, Redis (blocking) from an I/O pool, a decode instance's tokens come through its relay
+(``relay.py``), and a request that finds every decode instance full waits in ``admission.py``'s queue.
 """
 
 from __future__ import annotations
