@@ -19,6 +19,8 @@ import grpc
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 
+RELAY_METADATA = ("eyrie-relay", "1")  # sent first: the router's side knows the relay is open (services/router)
+
 
 @dataclass
 class StreamClock:
@@ -62,6 +64,7 @@ class DecodeRelay:
 
     def run(self, request_iterator):
         self.context.add_callback(self._on_gone)
+        self.context.send_initial_metadata((RELAY_METADATA,))  # the router knows the relay is open
         threading.Thread(target=self._read, args=(request_iterator,), name="decode-relay-attach", daemon=True).start()
         while not self._gone:
             items = [self.q.get()]

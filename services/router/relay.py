@@ -21,9 +21,10 @@ from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 
 
 class RelayRpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, established: bool = True):
         super().__init__(details)
         self._code, self._details = code, details
+        self.established = established  # False: the relay never opened (nothing came through it)
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -33,6 +34,7 @@ class RelayRpcError(grpc.RpcError):
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+RELAY_METADATA = ("eyrie-relay", "1")  # the decode service's relay sends it first: the relay is open
 
 
 class Inbox:
@@ -80,6 +82,7 @@ class _Conn:
         self.outgoing: asyncio.Queue = asyncio.Queue()
         self.call = stub.Relay(self._requests(), metadata=metadata)
         self.broken: grpc.RpcError | None = None
+        self.established = False  # the instance answered with the relay's metadata: it has a relay
         self.reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _requests(self):
@@ -88,6 +91,8 @@ class _Conn:
 
     async def _read(self) -> None:
         try:
+            metadata = await self.call.initial_metadata()
+            self.established = any(k == RELAY_METADATA[0] for k, _ in metadata or ())
             while (batch := await self.call.read()) is not grpc.aio.EOF:
                 for msg in batch.messages:
                     inbox = self.inboxes.get(msg.request_id)
@@ -102,6 +107,7 @@ class _Conn:
             error = RelayRpcError(e.code(), e.details() or "")
         except asyncio.CancelledError:
             error = RelayRpcError(grpc.StatusCode.CANCELLED, "the relay was closed")
+        error.established = self.established
         self.broken = error
         inboxes, self.inboxes = list(self.inboxes.values()), {}
         for inbox in inboxes:
@@ -122,10 +128,14 @@ class RelayClient:
         conn.outgoing.put_nowait(pb.StreamRequest(request_id=rid))
         return inbox
 
-    def note(self, error: grpc.RpcError) -> None:
-        """A request's relay failed with ``error``: UNIMPLEMENTED means this instance has no relay."""
-        if error.code() == grpc.StatusCode.UNIMPLEMENTED:
-            self.unsupported = True
+    def never_opened(self, error: grpc.RpcError) -> bool:
+        """True when ``error`` ended a relay that never opened (nothing came through it: the request may go
+        over ``Stream`` instead); an instance that has no relay (UNIMPLEMENTED, or a call that ended before
+        the relay's metadata) is remembered."""
+        if not isinstance(error, RelayRpcError) or error.established:
+            return False
+        self.unsupported = True
+        return True
 
     async def close(self) -> None:
         if self._conn is not None:

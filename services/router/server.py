@@ -799,12 +799,10 @@ class RouterCore:
                                                                           metadata=self._md)
 
     def _no_relay(self, decode: InstanceInfo, call, error: grpc.RpcError) -> bool:
-        """True when ``call`` was a relay's and ``decode`` turned out to have none (UNIMPLEMENTED)."""
+        """True when ``call`` was a relay's that never opened: ``decode`` has none (UNIMPLEMENTED), or it failed
+        before anything came through it; the request then streams over ``Stream``."""
         relay = self._relays.get(decode.grpc_address)
-        if not isinstance(call, Inbox) or relay is None or error.code() != grpc.StatusCode.UNIMPLEMENTED:
-            return False
-        relay.note(error)
-        return True
+        return isinstance(call, Inbox) and relay is not None and relay.never_opened(error)
 
     async def _relay_message(self, active: Active, msg: pb.GenerateResponse, prompt_tokens: int,
                              detok: TextStream, t0: float, t1: float) -> bool:
