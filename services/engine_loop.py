@@ -130,11 +130,25 @@ class EngineLoop:
             if q is None or self._streams.get(rid) is q:
                 self._streams.pop(rid, None)
 
-    def publish(self, event: TokenEvent) -> None:
+    def redirect(self, rid: str, old: queue.Queue, new) -> bool:
+        """From now on deliver ``rid``'s events to ``new`` (anything with ``put``: a relay's sink), the events
+        ``old`` holds first, in order; False when ``old`` is no longer ``rid``'s subscriber."""
         with self._streams_lock:
+            if self._streams.get(rid) is not old:
+                return False
+            while True:
+                try:
+                    new.put(old.get_nowait())
+                except queue.Empty:
+                    break
+            self._streams[rid] = new
+        return True
+
+    def publish(self, event: TokenEvent) -> None:
+        with self._streams_lock:  # put under the lock: redirect moves a request's events in order
             q = self._streams.get(event.rid)
-        if q is not None:
-            q.put(event)
+            if q is not None:
+                q.put(event)
 
     def _run(self) -> None:
         engine = self.engine

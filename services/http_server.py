@@ -80,6 +80,29 @@ def require_key(app, api_key: str | None, open_paths: tuple[str, ...], on_denied
         app.add_middleware(_KeyGuard, api_key=api_key, open_paths=open_paths, on_denied=on_denied)
 
 
+class _HeaderLimit:
+    """Pure ASGI: a request whose header lines together exceed ``max_bytes`` is refused with 400 naming the limit
+    (h11 itself only bounds a head still arriving in pieces)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            size = sum(len(k) + len(v) + 4 for k, v in scope["headers"])  # "name: value\r\n"
+            if size > self.max_bytes:
+                refused = HttpError(400, f"request headers: {size} bytes exceed the limit of {self.max_bytes} "
+                                         "(max_header_bytes)", param="headers", code="headers_too_large",
+                                    headers={"Connection": "close"})
+                return await refused.response()(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def limit_headers(app, max_bytes: int) -> None:
+    """Every request to ``app`` whose headers exceed ``max_bytes`` gets 400 naming the limit."""
+    app.add_middleware(_HeaderLimit, max_bytes=max_bytes)
+
+
 async def read_body(request: Request, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
     """The request's body, at most ``limit`` bytes, within ``timeout_s``: 411 without a Content-Length
     (chunked bodies are not accepted), 413 over the limit (nothing read), 408 when it does not all come."""
@@ -133,9 +156,11 @@ class HttpServer:
     The socket is bound here, in the caller's thread, so a busy port raises ``OSError`` at once."""
 
     def __init__(self, app, host: str, port: int, name: str, head_timeout_s: float = HEAD_TIMEOUT_S,
-                 backlog: int = BACKLOG):
+                 backlog: int = BACKLOG, max_incomplete_head_bytes: int | None = None, reuse_port: bool = False):
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:  # several processes serve this port: the kernel spreads the connections
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             self.sock.bind((host, port))
         except OSError:
@@ -144,8 +169,10 @@ class HttpServer:
         self.sock.listen(backlog)
         protocol = type("Protocol", (_DeadlineProtocol,), {"head_timeout_s": head_timeout_s})
         config = uvicorn.Config(app, http=protocol, backlog=backlog, log_config=None, access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=1, ws="none")
+                                lifespan="off", timeout_graceful_shutdown=1, ws="none",
+                                h11_max_incomplete_event_size=max_incomplete_head_bytes)
         self.server = uvicorn.Server(config)
+        self._served = None  # the serve() future when served on another loop
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name=name,
                                         daemon=True)
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
@@ -158,10 +185,18 @@ class HttpServer:
     def host(self) -> str:
         return self.sock.getsockname()[0]
 
-    def start(self, timeout_s: float = 10.0) -> HttpServer:
+    def start(self, timeout_s: float = 10.0, loop: asyncio.AbstractEventLoop | None = None) -> HttpServer:
+        """Serve from the daemon thread, or with ``loop`` (running in another thread) on that loop: an
+        application whose handlers share state with other servers of that loop (the router's gRPC)."""
+        if loop is not None:
+            self._served = asyncio.run_coroutine_threadsafe(self.server.serve(sockets=[self.sock]), loop)
+            return self._wait_started(timeout_s, self._served.done)
         self._thread.start()
+        return self._wait_started(timeout_s, lambda: not self._thread.is_alive())
+
+    def _wait_started(self, timeout_s: float, ended) -> HttpServer:
         for _ in range(int(timeout_s / 0.01)):
-            if self.server.started or not self._thread.is_alive():
+            if self.server.started or ended():
                 break
             threading.Event().wait(0.01)
         if not self.server.started:
@@ -170,8 +205,15 @@ class HttpServer:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self.server.should_exit = True
-        self._thread.join(timeout_s)
+        if self._served is not None:
+            try:
+                self._served.result(timeout_s)
+            except Exception:  # noqa: BLE001 (stopping: a server that failed is stopped too)
+                pass
+        else:
+            self._thread.join(timeout_s)
         self.sock.close()
 
 
-__all__ = ["HttpError", "HttpServer", "bearer", "json_response", "key_matches", "read_body", "require_key"]
+__all__ = ["HttpError", "HttpServer", "bearer", "json_response", "key_matches", "limit_headers", "read_body",
+           "require_key"]

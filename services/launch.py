@@ -94,6 +94,9 @@ def add_up_flags(u) -> None:
                    "is given")
     u.add_argument("--decode-devices", metavar="LIST", help="one decode instance per device listed, e.g. "
                    "cuda:1,cuda:2,cuda:3 (1P3D with --prefill-devices cuda:0)")
+    u.add_argument("--routers", type=int, default=1, metavar="N", help="router processes, all on the same gRPC and "
+                   "OpenAI ports (SO_REUSEPORT: the kernel spreads connections over them), sharing Redis and the "
+                   "instances (default: 1)")
     u.add_argument("--max-restarts", type=int, default=5, metavar="N",
                    help="restarts of a service that dies (with backoff) "
                         "before eyrie up stops the stack")
@@ -274,20 +277,28 @@ class Stack:
 
             self.redis = EmbeddedRedis()
             self.redis_url = self.redis.start()
+        self.plan()
+        for name in self.names:
+            self._spawn(name)
+        self.wait_ready(timeout)
+        return self
+
+    def plan(self) -> dict[str, list[str]]:
+        """Each service's flags (and its own /health port): several routers share the gRPC and OpenAI ports."""
         common = ["--redis-url", self.redis_url, *_as_flags(self.common)]
         if self.config_file:
             common += ["--config", self.config_file]
         engine = ["--model", self.model, "--draft", self.draft or "none", *_as_flags(self.extra)]
         router = ["--model", self.model, "--grpc-port", str(self.router_port), *_as_flags(self.router_extra)]
+        if any(role_of(n) == "router" and n != "router" for n in self.names):
+            router += ["--reuse-port", "true"]  # several routers serve the same ports
         if self.openai_port is not None:
             router += ["--openai-port", str(self.openai_port)]
         for name in self.names:
             self.http[name] = f"127.0.0.1:{free_port()}"
-            own = router if name == "router" else [*engine, *_as_flags(self.per_name.get(name, {}))]
+            own = router if role_of(name) == "router" else [*engine, *_as_flags(self.per_name.get(name, {}))]
             self.flags[name] = [*common, *own, "--http-port", self.http[name].rsplit(":", 1)[1]]
-            self._spawn(name)
-        self.wait_ready(timeout)
-        return self
+        return self.flags
 
     def _spawn(self, role: str) -> None:
         cmd = [sys.executable, "-m", "services.cli", "serve", role_of(role), *self.flags[role]]
@@ -339,7 +350,9 @@ class Stack:
         r = self.started.get("router", {})
         out = f"router on {self.router_address} (health http://{self.http['router']}/health"
         out += f", OpenAI http://{r['openai']}/v1)" if r.get("openai") else ")"
-        for name in self.names[:-1]:  # the engine services
+        for name in self.names:
+            if role_of(name) == "router":
+                continue
             out += f", {name} on {self.started.get(name, {}).get('grpc')} (health http://{self.http[name]}/health)"
         return out + f", redis {self.redis_url}"
 
@@ -491,11 +504,15 @@ def _up_stack(args, cleanup: contextlib.ExitStack) -> Stack:
     env = {"EYRIE_API_KEY": api_key} if api_key else {}
     env.update(_mps_env(args.mps, devices["decode"][0], cleanup))
     # Every service gets the key (they call each other with it), through the environment rather than argv.
+    if args.routers < 1:
+        _fail(f"--routers: {args.routers}: at least 1 router")
+    if args.routers > 1 and openai_port is not None and not int(openai_port):
+        _fail("--routers: several routers share the OpenAI port: give --openai-port a number, not 0")
     return Stack(model, draft, common.pop("redis_url", None), port, openai_port, extra,
                  env=env or None, router_extra=router_extra,
                  log_dir=args.log_dir, common=common, config_file=args.config,
                  drain_timeout_s=decode.drain_timeout_s, per_name=per_name,
-                 replicas={role: len(d) for role, d in devices.items()})
+                 replicas={**{role: len(d) for role, d in devices.items()}, "router": args.routers})
 
 
 def _up_devices(args, device: str) -> dict[str, list[str]]:

@@ -184,6 +184,23 @@ class RouterSettings(CommonSettings):
                                           "prompt has at most this many tokens is prefilled by its decode instance "
                                           "(folded into its decode steps, no hand-off); longer ones go to a prefill "
                                           "instance. 0 = every prompt goes to a prefill instance")
+    reuse_port: bool = Field(False, description="several router processes on one host serve the same gRPC and OpenAI "
+                             "ports (SO_REUSEPORT: the kernel spreads the connections over them); each router is "
+                             "stateless for placement (`eyrie up --routers N` sets it)")
+    decode_relay: bool = Field(True, description="stream tokens from each decode instance over one relay per "
+                               "router (a step's tokens for all of this router's requests in one message) rather "
+                               "than a stream per request")
+    max_queued: int = Field(1024, ge=0, description="back-pressure: requests that may wait in this router for room "
+                            "while every decode instance is full; past it a new request gets RESOURCE_EXHAUSTED / "
+                            "503 with Retry-After before any token")
+    queue_timeout_s: float = Field(30.0, gt=0, description="seconds a request waits for room on a decode instance "
+                                   "before it is refused (RESOURCE_EXHAUSTED / 503 with Retry-After)")
+    max_stop_strings: int = Field(64, ge=0, description="stop strings a request may give at most (more: 400 / "
+                                  "INVALID_ARGUMENT naming the limit)")
+    max_stop_length: int = Field(1024, ge=1, description="characters a stop string may have at most (longer: 400 / "
+                                 "INVALID_ARGUMENT naming the limit)")
+    max_header_bytes: int = Field(16384, ge=1024, description="an OpenAI HTTP request's header lines together may "
+                                  "have at most this many bytes (more: 400 naming the limit)")
 
 
 SETTINGS = {"router": RouterSettings, "prefill": PrefillSettings, "decode": DecodeSettings}

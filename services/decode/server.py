@@ -33,7 +33,8 @@ from pydantic import ValidationError
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.common import ServiceHandle, full_name
-from services.engine_loop import EngineLoop
+from services.decode.relay import DecodeRelay, StreamClock
+from services.engine_loop import EngineLoop, TokenEvent
 from services.engine_service import start_engine_service
 from services.prefill.server import validation_message
 from services.settings import DecodeSettings
@@ -74,7 +75,8 @@ class Incoming:
     rid: str
     req: Request  # the engine's request (identity guards against a re-placed request of the same id)
     committed_len: int
-    events: queue.Queue  # token events from Reserve on (then, on an abort, the reason as a str)
+    events: queue.Queue  # token events from Reserve on (then, on an abort, the reason as a str); a relay's sink
+    # once a relay attached it
     sink: PageSink | None  # writes (or, in place, checks) the reserved pages; stops once ``guard`` is cancelled
     # (None: admitted to be prefilled here, ``Admit``: no transfer comes)
     attach_deadline: float
@@ -297,20 +299,25 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             self._abort(inc, reason)
 
     # ---- streaming -------------------------------------------------------------------------------
-    def Stream(self, request: pb.StreamRequest, context):  # noqa: N802
-        rid = request.request_id
+    def _claim_stream(self, rid: str) -> tuple[Incoming | None, grpc.StatusCode | None, str]:
+        """The request ``rid`` for a stream to attach to (marked streaming), or the status refusing it."""
         with self._lock:
             inc = self._incoming.get(rid)
-            if inc is not None and inc.streaming:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"request_id: {rid!r} is already being streamed")
-            if inc is not None:
-                inc.streaming = True
-        if inc is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: {rid!r} is not on this decode instance")
-        context.add_callback(lambda: self._abort(inc, "the stream's client went away"))  # no-op once finished
+            if inc is None:
+                return None, grpc.StatusCode.NOT_FOUND, f"request_id: {rid!r} is not on this decode instance"
+            if inc.streaming:
+                return None, grpc.StatusCode.FAILED_PRECONDITION, f"request_id: {rid!r} is already being streamed"
+            inc.streaming = True
         self.log.event("stream_attached", rid)
-        first = True
-        last = time.perf_counter()
+        return inc, None, ""
+
+    def Stream(self, request: pb.StreamRequest, context):  # noqa: N802
+        rid = request.request_id
+        inc, code, details = self._claim_stream(rid)
+        if inc is None:
+            context.abort(code, details)
+        context.add_callback(lambda: self._abort(inc, "the stream's client went away"))  # no-op once finished
+        clock = StreamClock()
         idle_deadline = time.monotonic() + self.settings.stream_idle_timeout_s
         try:
             while context.is_active():
@@ -325,35 +332,45 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 if isinstance(ev, str):  # aborted on this instance
                     context.abort(grpc.StatusCode.ABORTED, f"{rid} was aborted on the decode instance: {ev}")
                 idle_deadline = time.monotonic() + self.settings.stream_idle_timeout_s
-                now = time.perf_counter()
-                if ev.token_ids:
-                    if not (first and inc.sink is None):  # an admitted prompt's first token: a time to first token
-                        self.telemetry.inter_token_seconds.observe((now - last) / len(ev.token_ids))
-                    if first:  # the first token this instance generated (after a hand-off, the prefill side
-                        self.log.event("first_token", rid, tokens=len(ev.token_ids))  # sampled the one before)
-                        first = False
-                last = now
-                msg = pb.GenerateResponse(request_id=rid, token_ids=ev.token_ids, logprobs=ev.logprobs,
-                                          top_logprobs=[top_logprobs_pb(t) for t in ev.top_logprobs])
-                if ev.finish_reason is not None:
-                    if ev.request is not None:
-                        self.telemetry.observe_finished(ev.request)
-                        msg.finish.CopyFrom(finish_message(ev.request))
-                    else:
-                        msg.finish.reason = ev.finish_reason
-                    if ev.finish_reason != "error":  # an engine error was logged (failed) by the engine loop
-                        spec = msg.finish.spec
-                        self.log.event("finished", rid, reason=ev.finish_reason,
-                                       output_tokens=msg.finish.usage.completion_tokens,
-                                       accept_length=round(spec.accept_length, 4), verify_steps=spec.verify_steps,
-                                       latency_s=round(msg.finish.latency_s, 6))
-                    if ev.finish_reason == "error":
-                        context.abort(grpc.StatusCode.INTERNAL, f"{rid} failed on the decode instance (engine error)")
-                    yield msg
-                    return
+                msg = self.stream_message(inc, ev, clock)
+                if ev.finish_reason == "error":
+                    context.abort(grpc.StatusCode.INTERNAL, f"{rid} failed on the decode instance (engine error)")
                 yield msg
+                if ev.finish_reason is not None:
+                    return
         finally:
             self._forget(inc)
+
+    def stream_message(self, inc: Incoming, ev: TokenEvent, clock: StreamClock) -> pb.GenerateResponse:
+        """The client's message for one of ``inc``'s token events (its finish filled in and logged at the end)."""
+        rid = inc.rid
+        now = time.perf_counter()
+        if ev.token_ids:
+            if not (clock.first and inc.sink is None):  # an admitted prompt's first token: a time to first token
+                self.telemetry.inter_token_seconds.observe((now - clock.last) / len(ev.token_ids))
+            if clock.first:  # the first token this instance generated (after a hand-off, the prefill side
+                self.log.event("first_token", rid, tokens=len(ev.token_ids))  # sampled the one before)
+                clock.first = False
+        clock.last = now
+        msg = pb.GenerateResponse(request_id=rid, token_ids=ev.token_ids, logprobs=ev.logprobs,
+                                  top_logprobs=[top_logprobs_pb(t) for t in ev.top_logprobs])
+        if ev.finish_reason is None:
+            return msg
+        if ev.request is not None:
+            self.telemetry.observe_finished(ev.request)
+            msg.finish.CopyFrom(finish_message(ev.request))
+        else:
+            msg.finish.reason = ev.finish_reason
+        if ev.finish_reason != "error":  # an engine error was logged (failed) by the engine loop
+            spec = msg.finish.spec
+            self.log.event("finished", rid, reason=ev.finish_reason, output_tokens=msg.finish.usage.completion_tokens,
+                           accept_length=round(spec.accept_length, 4), verify_steps=spec.verify_steps,
+                           latency_s=round(msg.finish.latency_s, 6))
+        return msg
+
+    def Relay(self, request_iterator, context):  # noqa: N802
+        """Every token of the requests a router attaches, batched (``services/decode/relay.py``)."""
+        yield from DecodeRelay(self, context).run(request_iterator)
 
     # ---- aborts and clean-up ---------------------------------------------------------------------
     def Abort(self, request: pb.AbortRequest, context):  # noqa: N802

@@ -1,19 +1,17 @@
 """The router's client-facing gRPC server on ``grpc.aio``: control calls cannot be starved by streams.
 
-The server runs on its own event loop thread. ``Generate`` walks ``RouterCore.generate`` (blocking: gRPC
-calls to the engines, Redis) one message at a time on a dedicated stream pool, so an open stream holds no
-thread of the server; ``Abort`` answers on the event loop itself and ``GetModelInfo`` and the health
-service on a small control pool of their own. However many streams are open, control calls answer
-promptly. Every method decodes its own request: a message that does not decode is INVALID_ARGUMENT naming
-``request`` (gRPC's deserializer would answer INTERNAL).
+The server runs on the router core's event loop. ``Generate`` is a ``Session`` over ``RouterCore.stream``
+(asyncio end to end: grpc.aio calls to the engines, Redis on the core's I/O pool), so an open stream holds
+no thread; when the client reads slower than the engines write, the tokens that arrived meanwhile go out as
+one message. ``Abort`` answers on the loop itself, ``GetModelInfo`` (Redis) from the I/O pool. However
+many streams are open, control calls answer promptly. Every method decodes its own request: a message that
+does not decode is INVALID_ARGUMENT naming ``request`` (gRPC's deserializer would answer INTERNAL).
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -23,10 +21,10 @@ from grpc_reflection.v1alpha import reflection
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from services.common import OPEN_METHOD_PREFIXES, full_name
 from services.http_server import key_matches
+from services.router.session import Session
 from shared.request import RequestError
 
 SERVICES = [full_name("Generation")]
-_END = object()
 
 
 class _AioApiKey(grpc.aio.ServerInterceptor):
@@ -69,10 +67,8 @@ async def _decode(raw: bytes, message_type, context):
 class AioGeneration:
     """eyrie.v1.Generation over ``RouterCore``."""
 
-    def __init__(self, core, stream_workers: int, control_workers: int = 4):
+    def __init__(self, core):
         self.core = core
-        self.streams = ThreadPoolExecutor(stream_workers, thread_name_prefix="router-stream")
-        self.control = ThreadPoolExecutor(control_workers, thread_name_prefix="router-control")
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICES[0], {
@@ -90,55 +86,35 @@ class AioGeneration:
         request = await _decode(raw, pb.GenerateRequest, context)
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
-        rid, loop = request.request_id, asyncio.get_running_loop()
-        cancelled = threading.Event()
-        gen = self.core.generate(request, cancelled)
-        ended, step = False, None
+        session = Session(self.core, request)
         try:
-            while True:
-                step = self.streams.submit(next, gen, _END)
-                msg = await asyncio.wrap_future(step, loop=loop)
-                if msg is _END:
-                    ended = True
-                    return
+            while (msg := await session.next()) is not None:
                 yield msg
         except RequestError as e:
-            ended = True
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RouterError as e:
-            ended = True
-            await context.abort(e.code, e.message)
-        finally:
-            if not ended:  # the client went away (or its deadline passed): end the request now
-                self.core.abort(rid, "client disconnected", grpc.StatusCode.CANCELLED)
-                cancelled.set()
-                # close the generator (recording the end) once its step in flight, if any, has returned
-                step.add_done_callback(lambda _: self._submit(gen.close)) if step else self._submit(gen.close)
-
-    def _submit(self, fn) -> None:
-        try:
-            self.streams.submit(fn)
-        except RuntimeError:  # shutting down: close here
-            fn()
+            retry = (("retry-after", str(max(1, round(e.retry_after_s)))),) if e.retry_after_s else ()
+            await context.abort(e.code, e.message, trailing_metadata=retry)
+        finally:  # the client went away (or its deadline passed): end the request now
+            await session.close("client disconnected")
 
     async def abort(self, raw: bytes, context) -> pb.AbortResponse:
         request = await _decode(raw, pb.AbortRequest, context)
-        return pb.AbortResponse(found=self.core.abort(request.request_id))  # locks and a cancel: no I/O
+        return pb.AbortResponse(found=self.core.abort(request.request_id))  # on the loop: no I/O
 
     async def model_info(self, raw: bytes, context) -> pb.ModelInfo:
         await _decode(raw, pb.ModelInfoRequest, context)
-        return await asyncio.get_running_loop().run_in_executor(self.control, self.core.model_info)
+        return await self.core._io(self.core.model_info)
 
 
 class RouterGrpc:
-    """The aio server on its own event loop thread; ``set_serving`` and ``stop`` may be called from any thread."""
+    """The aio server on the core's event loop; ``set_serving`` and ``stop`` may be called from any thread."""
 
     def __init__(self, core, host: str, port: int, max_message_bytes: int, api_key: str | None, on_denied,
-                 stream_workers: int):
-        self.api = AioGeneration(core, stream_workers)
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="router-grpc", daemon=True)
-        self._thread.start()
+                 reuse_port: bool = False):
+        self.api = AioGeneration(core)
+        self.loop = core.ensure_loop()
+        self.reuse_port = reuse_port  # several routers on one port (the kernel spreads connections)
         self.server, self.port, self.health = self._call(self._start(host, port, max_message_bytes, api_key,
                                                                      on_denied))
 
@@ -147,7 +123,7 @@ class RouterGrpc:
 
     async def _start(self, host, port, max_message_bytes, api_key, on_denied):
         options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes), ("grpc.so_reuseport", 0)]
+                   ("grpc.max_send_message_length", max_message_bytes), ("grpc.so_reuseport", int(self.reuse_port))]
         server = grpc.aio.server(options=options, interceptors=[_AioApiKey(api_key, on_denied)] if api_key else [])
         server.add_generic_rpc_handlers((self.api.handler(),))
         health_servicer = health.aio.HealthServicer()
@@ -171,10 +147,5 @@ class RouterGrpc:
         self._call(apply(), timeout=5)
 
     def stop(self, grace: float) -> None:
-        try:
-            self._call(self.server.stop(grace), timeout=grace + 5)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(5)
-            self.api.streams.shutdown(wait=False, cancel_futures=True)
-            self.api.control.shutdown(wait=False)
+        """Stop serving (the loop is the core's: ``RouterCore.close`` stops it)."""
+        self._call(self.server.stop(grace), timeout=grace + 5)

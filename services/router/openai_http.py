@@ -46,28 +46,25 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import anyio
 import grpc
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.responses import Response, StreamingResponse
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
-from services.http_server import HttpError, HttpServer, json_response, read_body, require_key
+from services.http_server import HttpError, HttpServer, json_response, limit_headers, read_body, require_key
+from services.router.session import Session
 from services.settings import RouterSettings
 from shared.grammar import ANY_JSON_OBJECT
 from shared.request import RequestError
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 UINT32_MAX, INT32_MAX, UINT64_MAX = 2**32 - 1, 2**31 - 1, 2**64 - 1
-THREADS = 1024  # generation threads (one per request in flight: RouterCore's calls block)
 
 # vLLM's sampling extras Eyrie does not implement yet: refused by name rather than silently ignored.
 NOT_IMPLEMENTED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -583,17 +580,19 @@ class OpenAIServer:
         self.core, self.settings = core, settings
         self.template = ChatTemplate(settings.model, settings.model_name)
         self.created = int(time.time())
-        self._threads: anyio.CapacityLimiter | None = None  # made in the server's event loop, on first use
         self.app = self._app()
+        # A head still arriving in pieces is bounded by h11 (with room for the request line); a whole one here.
         self.http = HttpServer(self.app, settings.host, settings.openai_port or 0, name="router-openai-http",
-                               head_timeout_s=settings.http_read_timeout_s)
+                               head_timeout_s=settings.http_read_timeout_s,
+                               max_incomplete_head_bytes=2 * settings.max_header_bytes + 16384,
+                               reuse_port=settings.reuse_port)
 
     @property
     def port(self) -> int:
         return self.http.port
 
     def start(self) -> OpenAIServer:
-        self.http.start()
+        self.http.start(loop=self.core.ensure_loop())  # the core's loop: its sessions and channels live there
         return self
 
     def stop(self) -> None:
@@ -608,6 +607,7 @@ class OpenAIServer:
     def _app(self) -> FastAPI:
         app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
         require_key(app, self.settings.api_key, ("/health",))  # the gRPC interceptor counts its own refusals
+        limit_headers(app, self.settings.max_header_bytes)  # added last: runs first, before the key check
         app.add_api_route("/health", self._health, methods=["GET"])
         app.add_api_route("/v1/models", self._models, methods=["GET"])
         app.add_api_route("/v1/models/{model_id:path}", self._model, methods=["GET"])
@@ -625,10 +625,10 @@ class OpenAIServer:
         return json_response({"status": "ready"})
 
     async def _models(self) -> Response:
-        return json_response({"object": "list", "data": [self._model_card()]})
+        return json_response({"object": "list", "data": [await self._model_card()]})
 
     async def _model(self, model_id: str) -> Response:
-        card = self._model_card()
+        card = await self._model_card()
         if model_id != card["id"]:
             raise ApiError(404, f"the model '{model_id}' does not exist", param="model", code="model_not_found")
         return json_response(card)
@@ -642,8 +642,8 @@ class OpenAIServer:
         default = 0  # 0 = the router's default (capped by the room left in the context)
         return await self._generate(parse_chat(body, self.template, default))
 
-    def _model_card(self) -> dict:
-        info = self.core.model_info()
+    async def _model_card(self) -> dict:
+        info = await self.core._io(self.core.model_info)  # the registry (Redis): off the loop
         return {"id": info.model, "object": "model", "created": self.created, "owned_by": "eyrie",
                 "max_model_len": info.max_context}
 
@@ -688,51 +688,38 @@ class OpenAIServer:
             self.core.telemetry.errors_total.labels(kind).inc()
 
     # ---- generation ----
-    async def _run(self, fn, *args):
-        """``fn(*args)`` on a worker thread (RouterCore blocks); as many as there are requests in flight."""
-        if self._threads is None:
-            self._threads = anyio.CapacityLimiter(THREADS)
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self._threads)
-
     async def _generate(self, parsed: Parsed) -> Response:
         rid = uuid.uuid4().hex
         parsed.req.request_id = rid
-        cancelled = threading.Event()
-        gen = self.core.generate(parsed.req, cancelled)
-        ended = {"finished": False}
+        session = Session(self.core, parsed.req)
         try:
-            # Validation runs at the generator's first step: a bad request fails here, before any header.
-            first = await self._run(self._next, gen, parsed)
+            # Validation runs first in the session: a bad request fails here, before any header.
+            first = await self._next(session, parsed)
             if not parsed.stream:
-                body = await self._run(self._complete, rid, parsed, gen, first)
-                ended["finished"] = True
+                body = await self._complete(rid, parsed, session, first)
         except BaseException as e:
-            await self._run(self._close, rid, gen, cancelled, ended)
+            self._gone(rid, session)
             if isinstance(e, HttpError):
                 e.headers.setdefault("X-Request-Id", rid)
             raise
         if parsed.stream:
             headers = {"Cache-Control": "no-cache", "X-Request-Id": rid}
-            return StreamingResponse(self._events(rid, parsed, gen, first, ended), headers=headers,
-                                     media_type="text/event-stream; charset=utf-8",
-                                     background=BackgroundTask(self._run, self._close, rid, gen, cancelled, ended))
-        await self._run(self._close, rid, gen, cancelled, ended)
+            return StreamingResponse(self._events(rid, parsed, session, first), headers=headers,
+                                     media_type="text/event-stream; charset=utf-8")
         return json_response(body)
 
-    def _close(self, rid: str, gen, cancelled: threading.Event, ended: dict) -> None:
-        """After the response: a request whose client went away is aborted (and recorded so)."""
-        if not ended["finished"] and self.core.abort(rid, "client went away"):
+    def _gone(self, rid: str, session: Session) -> None:
+        """After the response, or when the client went away first: a request still running is aborted (and
+        recorded so) in its own task; nothing here waits (the caller may be cancelled)."""
+        if session.cancel("client went away"):
             self.core.log.event("client_gone", rid)
-        cancelled.set()
-        gen.close()  # a generator left suspended is aborted (and recorded so) by RouterCore
 
-    def _next(self, gen: Iterator[pb.GenerateResponse], parsed: Parsed) -> pb.GenerateResponse | None:
+    async def _next(self, session: Session, parsed: Parsed) -> pb.GenerateResponse | None:
+        """What arrived since the last call, as one message (None at the end); errors as ApiError."""
         from services.router.server import RouterError
 
         try:
-            return next(gen)
-        except StopIteration:
-            return None
+            return await session.next()
         except RequestError as e:
             err = from_request_error(e, parsed.prompt_param, parsed.max_tokens_param)
         except RouterError as e:
@@ -740,7 +727,7 @@ class OpenAIServer:
         err.counted = True
         raise err
 
-    def _complete(self, rid: str, parsed: Parsed, gen, first) -> dict:
+    async def _complete(self, rid: str, parsed: Parsed, session: Session, first) -> dict:
         acc = Accumulated()
         msg = first
         while msg is not None:
@@ -750,7 +737,7 @@ class OpenAIServer:
             acc.top_logprobs += msg.top_logprobs
             if msg.HasField("finish"):
                 acc.finish = msg.finish
-            msg = self._next(gen, parsed)
+            msg = await self._next(session, parsed)
         if acc.finish is None:
             raise ApiError(500, "the request ended without finishing", code="internal")
         text = "".join(acc.text)
@@ -771,17 +758,26 @@ class OpenAIServer:
                 "created": int(time.time()), "model": self.settings.model_name, "choices": [choice],
                 "usage": _usage(acc.finish), "eyrie": _extension(rid, acc.finish)}
 
-    async def _events(self, rid: str, parsed: Parsed, gen, first, ended: dict):
-        """The stream's server-sent events, ``[DONE]`` last."""
+    async def _events(self, rid: str, parsed: Parsed, session: Session, first):
+        """The stream's server-sent events, ``[DONE]`` last; one event carries every token that arrived since
+        the last one was written (the client reads slower than the engine writes: tokens coalesce)."""
         base = {"id": ("chatcmpl-" if parsed.chat else "cmpl-") + rid,
                 "object": "chat.completion.chunk" if parsed.chat else "text_completion",
                 "created": int(time.time()), "model": self.settings.model_name}
         # With continuous usage every chunk says the tokens so far (the prompt's counted as the router does).
-        usage = {"prompt": len((await self._run(self.core.validate, parsed.req))[1]) if parsed.continuous_usage
-                 else 0, "completion": 0}
-        if parsed.chat:  # OpenAI opens a chat stream with the role
-            yield _event({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                               "logprobs": None, "finish_reason": None}]}, parsed, usage)
+        usage = {"prompt": len(self.core.validate(parsed.req)[1]) if parsed.continuous_usage else 0,
+                 "completion": 0}
+        try:
+            if parsed.chat:  # OpenAI opens a chat stream with the role
+                yield _event({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}]}, parsed, usage)
+            async for chunk in self._chunks(rid, parsed, session, first, base, usage):
+                yield chunk
+            yield b"data: [DONE]\n\n"
+        finally:
+            self._gone(rid, session)  # a no-op once it ended
+
+    async def _chunks(self, rid: str, parsed: Parsed, session: Session, first, base: dict, usage: dict):
         offset = 0
         msg, finish = first, None
         try:
@@ -792,13 +788,11 @@ class OpenAIServer:
                 if msg.text or finish is not None or parsed.logprobs or parsed.return_token_ids:
                     yield _event(self._chunk(base, parsed, msg, finish, offset, rid), parsed, usage)
                 offset += len(msg.text)
-                msg = await self._run(self._next, gen, parsed)
+                msg = await self._next(session, parsed)
             if finish is not None and parsed.include_usage:
                 yield _event({**base, "choices": [], "usage": _usage(finish)}, parsed)
         except ApiError as e:  # the headers are gone: report in the stream, as OpenAI-style servers do
             yield b"data: " + json.dumps(e.body()).encode() + b"\n\n"
-        ended["finished"] = True
-        yield b"data: [DONE]\n\n"
 
     def _chunk(self, base: dict, parsed: Parsed, msg: pb.GenerateResponse, finish, offset: int, rid: str) -> dict:
         ids, lps, tops = list(msg.token_ids), list(msg.logprobs), list(msg.top_logprobs)

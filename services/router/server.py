@@ -13,10 +13,16 @@ or decode stream is a failover: a prefill instance recomputes the prompt plus th
 hands off to another decode instance (the same one when only the prefill side broke); the client's stream
 goes on.
 Redis can blink: record writes go through ``RecordWriter`` (retried, buffered, flushed on return).
+
+Everything runs on one event loop per router process (``RouterCore.ensure_loop``): the engines are called
+over grpc.aio, Redis (blocking) from an I/O pool, a decode instance's tokens come through its relay
+(``relay.py``), and a request that finds every decode instance full waits in ``admission.py``'s queue.
 """
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import itertools
 import math
 import re
@@ -24,8 +30,11 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -33,16 +42,13 @@ from pydantic import ValidationError
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
-from services.common import (
-    ServiceHandle,
-    ServiceTelemetry,
-    insecure_channel,
-    new_instance_id,
-)
+from services.common import ServiceHandle, ServiceTelemetry, new_instance_id
 from services.logs import ServiceLog
 from services.metadata import InstanceInfo, Registry, RequestStore, connect
+from services.router.admission import Admission, wait_any
 from services.router.grpc_api import RouterGrpc
 from services.router.records import REDIS_DOWN, RecordsUnavailable, RecordWriter
+from services.router.relay import Inbox, RelayClient
 from services.settings import RouterSettings
 from services.telemetry import Telemetry
 from shared.handoff import sampling_from_pb, sampling_to_pb
@@ -135,21 +141,23 @@ class LoadLedger:
             return sum(e.tokens for e in self._placed.get(instance_id, {}).values())
 
 
-@dataclass
+@dataclass(eq=False)
 class Active:
-    """A request in flight on this router."""
+    """A request in flight on this router (touched on the core's event loop only)."""
 
     rid: str
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    ids: list[int] = field(default_factory=list)  # the prompt
+    params: SamplingParams | None = None
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str = ""  # why it was cancelled
     code: grpc.StatusCode = grpc.StatusCode.CANCELLED
-    call: object | None = None  # the gRPC call to cancel on abort
+    call: object | None = None  # the gRPC call (grpc.aio) to cancel on abort
     prefill: InstanceInfo | None = None
     decode: InstanceInfo | None = None
     output_tokens: int = 0
     ttft: float | None = None  # seconds to the first token the client got
     placements: list[dict] = field(default_factory=list)  # each: prefill, decode, reason (recorded in Redis)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    queued_since: float | None = None  # waiting in the admission queue since (monotonic)
 
 
 class _Replace(Exception):
@@ -173,7 +181,7 @@ class _Broken(Exception):
 class _Handoff:
     """The rest of a Prefill call whose first token went to the client before its hand-off ended."""
 
-    call: object  # the Prefill call's iterator, at the handed_off event still to come
+    call: object  # the Prefill call (grpc.aio), at the handed_off event still to come
     t0: float  # when its first token arrived
 
 
@@ -182,6 +190,7 @@ class _Handoff:
 BROKEN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
           grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED)
 MAX_FAILOVERS = 3  # decode instances a request may lose before it fails
+GC_THRESHOLD = 50_000  # allocations between young-generation collections in a router process (default 700)
 
 
 class RouterCore:
@@ -200,9 +209,16 @@ class RouterCore:
         self._seen: dict[str, list[InstanceInfo]] = {}  # each role's live instances, as last read from Redis
         self.not_ready: str | None = None  # why the router cannot take requests now (None: it can)
         self.stopping = threading.Event()
-        self._active: dict[str, Active] = {}
-        self._lock = threading.Lock()
-        self._channels: dict[str, grpc.Channel] = {}
+        self._active: dict[str, Active] = {}  # on the loop
+        self._lock = threading.Lock()  # the loop's start
+        self.loop: asyncio.AbstractEventLoop | None = None  # every request's walk runs here (ensure_loop)
+        self._io_pool = ThreadPoolExecutor(64, thread_name_prefix="router-io")  # Redis calls (they block)
+        self._channels: dict[str, grpc.aio.Channel] = {}  # on the loop
+        self._relays: dict[str, RelayClient] = {}  # each decode instance's relay (on the loop)
+        self._md = (("authorization", f"Bearer {settings.api_key}"),) if settings.api_key else None
+        self.admission = Admission(settings.max_queued, settings.queue_timeout_s,
+                                   min(0.25, settings.heartbeat_s / 2), RouterError, telemetry)
+        self._room = self.admission.room
         self._facts: dict = {}  # the engines' dtype / page size / speculative config, as last seen
         self.draining = threading.Event()  # set when the router stops: new requests are refused
 
@@ -237,7 +253,11 @@ class RouterCore:
         if len(ids) >= self.max_context:
             raise RequestError(field_name, f"{len(ids)} tokens leave no room to generate in the context of "
                                            f"{self.max_context}")
-        s = req.sampling
+        return rid, ids, self._validate_sampling(req.sampling, ids)
+
+    def _validate_sampling(self, s: pb.SamplingParams, ids: list[int]) -> SamplingParams:
+        """The request's sampling parameters after a valid prompt ``ids``, or RequestError naming the field."""
+        vocab = self.model_config.vocab_size
         if not math.isfinite(s.temperature) or s.temperature < 0:
             raise RequestError("sampling.temperature", f"{s.temperature} is not a finite number >= 0")
         if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
@@ -251,6 +271,13 @@ class RouterCore:
             raise RequestError("sampling.max_new_tokens",
                                f"{s.max_new_tokens} new tokens after a {len(ids)}-token prompt exceed the context "
                                f"of {self.max_context}")
+        if len(s.stop) > self.settings.max_stop_strings:
+            raise RequestError("sampling.stop", f"{len(s.stop)} stop strings exceed the limit of "
+                                                f"{self.settings.max_stop_strings} (max_stop_strings)")
+        long = next((x for x in s.stop if len(x) > self.settings.max_stop_length), None)
+        if long is not None:
+            raise RequestError("sampling.stop", f"a stop string of {len(long)} characters exceeds the limit of "
+                                                f"{self.settings.max_stop_length} (max_stop_length)")
         if s.stop and self.tokenizer is None:
             raise RequestError("sampling.stop", "this router has no tokenizer to match stop strings with")
         for name, named in (("stop_token_ids", s.stop_token_ids), ("logit_bias", s.logit_bias),
@@ -265,7 +292,7 @@ class RouterCore:
         except ValidationError as e:  # anything the checks above missed still names its field
             err = e.errors()[0]
             raise RequestError(f"sampling.{'.'.join(str(x) for x in err['loc'])}", err["msg"]) from None
-        return rid, ids, params
+        return params
 
     # ---- placement -------------------------------------------------------------------------------
     def _pick(self, role: str, exclude: set[str], tokens: int = 0, arrived: bool = False
@@ -283,20 +310,88 @@ class RouterCore:
         return self._seen.get(role, [])
 
     def _stub(self, cls, address: str):
-        with self._lock:
-            ch = self._channels.get(address)
-            if ch is None:  # the internal services ask for the key too
-                ch = self._channels[address] = insecure_channel(address, CHANNEL_OPTIONS, self.settings.api_key)
+        """A stub on the core's event loop (grpc.aio channels belong to one loop); the internal services ask
+        for the key too, sent as call metadata."""
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         return cls(ch)
+
+    # ---- the event loop ----------------------------------------------------------------------------
+    def ensure_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop every request of this core runs on: a daemon thread of its own, started on first use
+        (``start_router`` serves gRPC and HTTP on it)."""
+        with self._lock:
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                self.loop.set_default_executor(self._io_pool)
+                threading.Thread(target=self.loop.run_forever, name="router-loop", daemon=True).start()
+        return self.loop
+
+    async def _io(self, fn, *args, **kwargs):
+        """``fn`` (Redis: blocks) on the I/O pool; the loop goes on meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._io_pool, partial(fn, *args, **kwargs))
+
+    def _on_loop(self, coro, timeout: float = 30):
+        """Run ``coro`` on the core's loop from another thread, and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self.ensure_loop()).result(timeout)
 
     # ---- the request's walk ----------------------------------------------------------------------
     def generate(self, req: pb.GenerateRequest, cancelled: threading.Event | None = None
                  ) -> Iterator[pb.GenerateResponse]:
-        """Stream the request's responses; the last one carries ``finish``.
+        """``stream`` for a caller outside the loop (a thread): one message at a time, lazily; closing the
+        iterator ends the request (the client went away); ``cancelled``, once set, ends it at its next message."""
+        loop = self.ensure_loop()
+        agen = self.stream(req)
+        try:
+            while True:
+                if cancelled is not None and cancelled.is_set():
+                    return
+                try:
+                    msg = asyncio.run_coroutine_threadsafe(agen.__anext__(), loop).result()
+                except StopAsyncIteration:
+                    return
+                yield msg
+        finally:
+            asyncio.run_coroutine_threadsafe(agen.aclose(), loop).result(60)
+
+    async def stream(self, req: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream the request's responses; the last one carries ``finish``. Runs on the core's loop.
 
         Raises RequestError (bad input: nothing recorded) or RouterError (recorded as failed/aborted).
-        ``cancelled`` set by the caller ends the request at its next message; ``abort(rid)`` ends it at once.
+        ``abort(rid)`` ends it at once; closing the iterator (or cancelling its task) is the client going away.
         """
+        active = await self._admit(req)
+        rid = active.rid
+        t0 = time.perf_counter()
+        outcome = "failed"
+        try:
+            async with aclosing(self._walk(active, active.ids, active.params, req.return_logprobs, t0)) as walk:
+                async for out in walk:
+                    yield out
+            outcome = "finished"
+        except RouterError as e:
+            outcome = "aborted" if active.cancelled.is_set() else "failed"
+            await self._end(active, outcome, e.message, e.code)
+            e.message = f"request {rid}: {e.message}"  # the client may not know the id the router gave it
+            raise
+        except (GeneratorExit, asyncio.CancelledError):  # the caller stopped reading: the client went away
+            outcome = "aborted"
+            await self._end(active, outcome, active.reason or "client went away", None)
+            raise
+        except Exception as e:
+            self.log.exception("internal_error", rid, reason=str(e))
+            await self._end(active, outcome, f"internal error: {e}", grpc.StatusCode.INTERNAL)
+            raise RouterError(grpc.StatusCode.INTERNAL, f"request {rid}: internal error: {e}") from e
+        finally:
+            if self._active.get(rid) is active:
+                del self._active[rid]
+                self._room.set()
+            if self.telemetry:
+                self.telemetry.requests_total.labels(outcome).inc()
+
+    async def _admit(self, req: pb.GenerateRequest) -> Active:
+        """Validate and record a new request: its ``Active``, or RequestError / RouterError (not recorded)."""
         try:
             rid, ids, params = self.validate(req)
         except RequestError as e:
@@ -309,48 +404,23 @@ class RouterCore:
             self.log.event("refused", rid, message="draining")
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "the router is shutting down (draining): send the "
                                                            "request to another router")
-        active = Active(rid, cancelled or threading.Event())
-        with self._lock:
-            duplicate = rid in self._active
-            if not duplicate:
-                self._active[rid] = active
+        active = Active(rid, ids=ids, params=params)
+        duplicate = rid in self._active
+        if not duplicate:
+            self._active[rid] = active
         created = False
         try:
-            created = not duplicate and self._create(rid, ids, params)
+            created = not duplicate and await self._io(self._create, rid, ids, params)
         finally:
-            if duplicate or not created:
-                with self._lock:
-                    if self._active.get(rid) is active:
-                        del self._active[rid]
+            if (duplicate or not created) and self._active.get(rid) is active:
+                del self._active[rid]
         if not created:
             self._count_error("invalid_argument")
             self.log.event("refused", rid, field="request_id", message="already in use")
             raise RequestError("request_id", f"{rid!r} is already in use (ids are unique until their record expires)")
         self.log.event("received", rid, prompt_tokens=len(ids), max_new_tokens=params.max_new_tokens,
                        temperature=params.temperature, text=req.WhichOneof("prompt") == "text")
-        t0 = time.perf_counter()
-        outcome = "failed"
-        try:
-            yield from self._walk(active, ids, params, req.return_logprobs, t0)
-            outcome = "finished"
-        except RouterError as e:
-            outcome = "aborted" if active.cancelled.is_set() else "failed"
-            self._end(active, outcome, e.message, e.code)
-            e.message = f"request {rid}: {e.message}"  # the client may not know the id the router gave it
-            raise
-        except GeneratorExit:  # the caller stopped reading: the client went away
-            outcome = "aborted"
-            self._end(active, outcome, active.reason or "client went away", None)
-            raise
-        except Exception as e:
-            self.log.exception("internal_error", rid, reason=str(e))
-            self._end(active, outcome, f"internal error: {e}", grpc.StatusCode.INTERNAL)
-            raise RouterError(grpc.StatusCode.INTERNAL, f"request {rid}: internal error: {e}") from e
-        finally:
-            with self._lock:
-                self._active.pop(rid, None)
-            if self.telemetry:
-                self.telemetry.requests_total.labels(outcome).inc()
+        return active
 
     def _create(self, rid: str, ids: list[int], params: SamplingParams) -> bool:
         """Record the new request (False: its id is taken); refused with UNAVAILABLE when it cannot be recorded."""
@@ -367,18 +437,19 @@ class RouterCore:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, f"request {rid}: the router cannot record requests now: "
                                                            f"{e}; try again shortly", retry_after_s=1) from None
 
-    def _end(self, active: Active, state: str, reason: str, code: grpc.StatusCode | None) -> None:
+    async def _end(self, active: Active, state: str, reason: str, code: grpc.StatusCode | None) -> None:
         """Record a failed / aborted end, then free whatever the services still hold for the request."""
         self.log.event(state, active.rid, reason=reason, code=code.name if code is not None else None,
                        output_tokens=active.output_tokens,
                        prefill=active.prefill.instance_id if active.prefill else None,
                        decode=active.decode.instance_id if active.decode else None)
-        self.records.transition(active.rid, state, error=reason, output_tokens=active.output_tokens)
+        await self._io(self.records.transition, active.rid, state, error=reason, output_tokens=active.output_tokens)
         if code is not None:
             self._count_error(code.name.lower())
-        self._abort_remote(active)
+        await self._abort_remote(active)
 
-    def _walk(self, active: Active, ids: list[int], params: SamplingParams, return_logprobs: bool, t0: float):
+    async def _walk(self, active: Active, ids: list[int], params: SamplingParams, return_logprobs: bool,
+                    t0: float):
         """Place, stream, and on a broken decode stream place again: a prefill instance recomputes the prompt
         plus all but the last of the tokens the client has, samples nothing, and hands off with the last as
         the next input: another decode instance resumes at the committed length the lost one had. Every draw
@@ -395,7 +466,7 @@ class RouterCore:
         reason, broken, failovers = "new request", None, 0
         while True:
             try:
-                first, handoff = self._place(active, ids, params, t0, avoid, reason, sent, sent_logprobs)
+                first, handoff = await self._place(active, ids, params, t0, avoid, reason, sent, sent_logprobs)
             except RouterError as e:
                 if broken is None or active.cancelled.is_set():
                     raise
@@ -403,7 +474,7 @@ class RouterCore:
             # A new placement's first token. A failover resumes after the client's tokens, and a prompt prefilled
             # on its decode instance streams its first token from there: neither has one here.
             if first is not None:
-                out = self._first_message(active, len(ids), params, first, detok, return_logprobs, t0)
+                out = await self._first_message(active, len(ids), params, first, detok, return_logprobs, t0)
                 yield out
                 if out.HasField("finish"):
                     return
@@ -411,13 +482,15 @@ class RouterCore:
                 sent_logprobs.append(first[1])
             try:
                 if handoff is not None:  # the first token went out before the hand-off ended: it ends now
-                    self._await_handoff(active, handoff)
-                for out in self._stream(active, len(ids), params.max_new_tokens - len(sent), detok, t0):
-                    sent += out.token_ids
-                    sent_logprobs += out.logprobs  # kept for a failover; the client gets them if it asked
-                    if not return_logprobs:
-                        del out.logprobs[:]
-                    yield out
+                    await self._await_handoff(active, handoff)
+                budget = params.max_new_tokens - len(sent)
+                async with aclosing(self._stream(active, len(ids), budget, detok, t0)) as stream:
+                    async for out in stream:
+                        sent += out.token_ids
+                        sent_logprobs += out.logprobs  # kept for a failover; the client gets them if it asked
+                        if not return_logprobs:
+                            del out.logprobs[:]
+                        yield out
                 return
             except _Broken as b:
                 failovers += 1
@@ -429,7 +502,7 @@ class RouterCore:
                 self.log.event("failover", rid, decode=active.decode.instance_id, output_tokens=len(sent),
                                reason=b.error.message)
                 self._count_error("failover")
-                self._abort_remote(active)  # a decode instance whose stream broke may still hold the request
+                await self._abort_remote(active)  # a decode instance whose stream broke may still hold the request
 
     def _first_token(self, active: Active, t0: float) -> float:
         """The first token reaches the client now: its time to first token, kept in ``active.ttft``."""
@@ -439,8 +512,8 @@ class RouterCore:
         self.log.event("first_token", active.rid, ttft_s=round(ttft, 6))
         return ttft
 
-    def _first_message(self, active: Active, prompt_tokens: int, params: SamplingParams, first: tuple,
-                       detok: TextStream, return_logprobs: bool, t0: float) -> pb.GenerateResponse:
+    async def _first_message(self, active: Active, prompt_tokens: int, params: SamplingParams, first: tuple,
+                             detok: TextStream, return_logprobs: bool, t0: float) -> pb.GenerateResponse:
         """The client's message for the prefill's first token (with ``finish`` when the request ended there)."""
         token, logprob, finish_reason, top = first
         ttft = self._first_token(active, t0)
@@ -455,37 +528,42 @@ class RouterCore:
             out.finish.CopyFrom(pb.Finish(reason=finish_reason, usage=pb.Usage(
                 prompt_tokens=prompt_tokens, completion_tokens=1), ttft_s=ttft,
                 latency_s=time.perf_counter() - t0, stop_str=detok.matched or ""))
-            self._finished(active.rid, out.finish)
+            await self._finished(active.rid, out.finish)
         return out
 
-    def _place(self, active: Active, ids: list[int], params: SamplingParams, t0: float, avoid_decode: set[str],
-               reason: str, resume: list[int], resume_logprobs: list[float]):
+    async def _place(self, active: Active, ids: list[int], params: SamplingParams, t0: float,
+                     avoid_decode: set[str], reason: str, resume: list[int], resume_logprobs: list[float]):
         """Prefill + hand-off on the best live pair (not on ``avoid_decode``), placing again while nothing of
         this placement has reached the client; Redis records each placement with its ``reason``. ``resume``:
         the tokens the client has (a failover: the decode side goes on after them); returns the first token
-        (None when resuming)."""
+        (None when resuming). Every decode instance full: the request waits in the router's bounded queue for
+        room (``Admission``), refused past its bound or its time."""
+        try:
+            return await self._placing(active, ids, params, t0, avoid_decode, reason, resume, resume_logprobs)
+        finally:
+            self.admission.leave(active)
+
+    async def _placing(self, active: Active, ids: list[int], params: SamplingParams, t0: float,
+                       avoid_decode: set[str], reason: str, resume: list[int], resume_logprobs: list[float]):
         left = params.max_new_tokens - len(resume)
         if not resume and len(ids) <= self.settings.local_prefill_max_tokens and \
-                self._admit_local(active, ids, params, t0, avoid_decode, reason):
+                await self._admit_local(active, ids, params, t0, avoid_decode, reason):
             return None, None
         deadline = time.monotonic() + self.settings.placement_timeout_s
         avoid: dict[str, set[str]] = {"prefill": set(), "decode": set(avoid_decode)}
-        full: set[str] = set()  # decode instances that said "no room now": tried again once all are full
+        full: set[str] = set()  # decode instances that said "no room now": tried again once room frees
         last_error: RouterError | None = None
         attempt = 0
         while True:
             self._check_cancelled(active)
-            prefill, p_key = self._pick("prefill", avoid["prefill"], len(ids) + len(resume), arrived=True)
-            decode, d_key = self._pick("decode", avoid["decode"] | full, left)
-            if decode is None and full:
-                full.clear()  # every live instance is full: wait a little for room on any of them
-                time.sleep(0.05)
-                decode, d_key = self._pick("decode", avoid["decode"], left)
+            prefill, p_key = await self._io(self._pick, "prefill", avoid["prefill"], len(ids) + len(resume), True)
+            decode, d_key = await self._io(self._pick, "decode", avoid["decode"] | full, left)
+            if decode is None and full:  # every live instance is full: wait in the queue for room on any
+                self._release_keys(prefill, p_key)
+                await self.admission.wait_for_room(active, full, last_error, started=bool(resume))
+                continue
             if prefill is None or decode is None:
-                if prefill is not None:
-                    self.ledger.done(prefill.instance_id, p_key)
-                if decode is not None:
-                    self.ledger.done(decode.instance_id, d_key)
+                self._release_keys(prefill, p_key, decode, d_key)
                 if last_error is not None and last_error.code == grpc.StatusCode.FAILED_PRECONDITION:
                     raise last_error  # a configuration error: waiting will not fix it
                 if time.monotonic() > deadline:
@@ -493,21 +571,12 @@ class RouterCore:
                         grpc.StatusCode.UNAVAILABLE,
                         f"no live {'prefill' if prefill is None else 'decode'} instance within "
                         f"{self.settings.placement_timeout_s:g}s")
-                time.sleep(0.05)
+                await wait_any(active.cancelled, self._room, min(0.25, self.settings.heartbeat_s / 2))
                 continue
-            active.prefill, active.decode = prefill, decode
             attempt += 1
-            self.log.event("placed", active.rid, prefill=prefill.instance_id, decode=decode.instance_id,
-                           attempt=attempt)
-            active.placements.append({"prefill": prefill.instance_id, "decode": decode.instance_id, "reason": reason})
             try:
-                self.records.transition(active.rid, "prefilling", prefill_instance=prefill.instance_id,
-                                        decode_instance=decode.instance_id, placements=active.placements)
-                if self.telemetry:
-                    self.telemetry.stage_seconds.labels("placement").observe(time.perf_counter() - t0)
-                return self._prefill(active, pb.PrefillRequest(
-                    request_id=active.rid, prompt_ids=ids, sampling=sampling_to_pb(params),
-                    decode_address=decode.grpc_address, resume_ids=resume, resume_logprobs=resume_logprobs), p_key)
+                return await self._try_pair(active, ids, params, t0, reason, resume, resume_logprobs, prefill,
+                                            decode, p_key, attempt)
             except _Replace as r:
                 last_error = r.error
                 self._check_cancelled(active)
@@ -516,19 +585,40 @@ class RouterCore:
                                reason=r.error.message)
                 (full if r.kind == "full" else avoid[r.role]).add(inst.instance_id)
                 reason = f"replaced: {r.error.message}"
-                if time.monotonic() > deadline:
+                if r.kind != "full" and time.monotonic() > deadline:
                     raise r.error from None
             finally:  # from here the stream phase accounts for the decode side (or nobody, on failure)
-                self.ledger.done(prefill.instance_id, p_key)
-                self.ledger.done(decode.instance_id, d_key)
+                self._release_keys(prefill, p_key, decode, d_key)
 
-    def _admit_local(self, active: Active, ids: list[int], params: SamplingParams, t0: float,
-                     avoid_decode: set[str], reason: str) -> bool:
+    async def _try_pair(self, active: Active, ids: list[int], params: SamplingParams, t0: float, reason: str,
+                        resume: list[int], resume_logprobs: list[float], prefill: InstanceInfo,
+                        decode: InstanceInfo, p_key: int, attempt: int):
+        """One placement on (``prefill``, ``decode``): recorded, then prefilled and handed off (``_prefill``)."""
+        active.prefill, active.decode = prefill, decode
+        self.log.event("placed", active.rid, prefill=prefill.instance_id, decode=decode.instance_id,
+                       attempt=attempt)
+        active.placements.append({"prefill": prefill.instance_id, "decode": decode.instance_id, "reason": reason})
+        await self._io(self.records.transition, active.rid, "prefilling", prefill_instance=prefill.instance_id,
+                       decode_instance=decode.instance_id, placements=active.placements)
+        if self.telemetry:
+            self.telemetry.stage_seconds.labels("placement").observe(time.perf_counter() - t0)
+        return await self._prefill(active, pb.PrefillRequest(
+            request_id=active.rid, prompt_ids=ids, sampling=sampling_to_pb(params),
+            decode_address=decode.grpc_address, resume_ids=resume, resume_logprobs=resume_logprobs), p_key)
+
+    def _release_keys(self, *pairs) -> None:
+        """Drop ledger entries: (instance or None, key) pairs, flattened."""
+        for inst, key in zip(pairs[::2], pairs[1::2]):
+            if inst is not None:
+                self.ledger.done(inst.instance_id, key)
+
+    async def _admit_local(self, active: Active, ids: list[int], params: SamplingParams, t0: float,
+                           avoid_decode: set[str], reason: str) -> bool:
         """Conditional disaggregation: a short prompt goes straight to the least loaded decode instance, which
         prefills it inside its decode steps (as the single-process engine does: no second forward over the
         weights, no hand-off); its first token then comes through ``Stream``. False (the request goes to a
         prefill instance) when no decode instance is live or the one chosen refuses or cannot be reached."""
-        decode, d_key = self._pick("decode", avoid_decode, len(ids) + params.max_new_tokens)
+        decode, d_key = await self._io(self._pick, "decode", avoid_decode, len(ids) + params.max_new_tokens)
         if decode is None:
             return False
         rid = active.rid
@@ -537,16 +627,16 @@ class RouterCore:
             active.prefill, active.decode = None, decode  # an abort from here on reaches the decode instance
             lost = False
             try:
-                reply = self._stub(pb_grpc.DecodeStub, decode.grpc_address).Admit(
+                reply = await self._stub(pb_grpc.DecodeStub, decode.grpc_address).Admit(
                     pb.AdmitRequest(request_id=rid, prompt_ids=ids, sampling=sampling_to_pb(params)),
-                    timeout=self.settings.placement_timeout_s)
+                    timeout=self.settings.placement_timeout_s, metadata=self._md)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # the engine refused what the router let through
                     raise RouterError(e.code(), e.details() or "") from None
                 reply, lost = pb.ReserveResponse(accepted=False, reason=f"{e.code().name}: {e.details()}"), True
             if not reply.accepted:
                 if lost:  # a deadline or a broken connection may have left it admitted there
-                    self._abort_remote(active)
+                    await self._abort_remote(active)
                 active.decode = None
                 self.log.event("replaced", rid, role="decode", instance=decode.instance_id, kind="local_prefill",
                                reason=reply.reason)
@@ -556,15 +646,14 @@ class RouterCore:
         self.log.event("placed", rid, prefill=None, decode=decode.instance_id, local_prefill=True)
         active.placements.append({"prefill": decode.instance_id, "decode": decode.instance_id, "reason": reason,
                                   "local_prefill": True})
-        self.records.transition(rid, "prefilling", prefill_instance=decode.instance_id,
-                                decode_instance=decode.instance_id, placements=active.placements)
+        await self._io(self.records.transition, rid, "prefilling", prefill_instance=decode.instance_id,
+                       decode_instance=decode.instance_id, placements=active.placements)
         if self.telemetry:
             self.telemetry.stage_seconds.labels("placement").observe(time.perf_counter() - t0)
-        if self.telemetry:
             self.telemetry.local_prefills_total.inc()
         return True
 
-    def _prefill(self, active: Active, request: pb.PrefillRequest, p_key: int):
+    async def _prefill(self, active: Active, request: pb.PrefillRequest, p_key: int):
         """Run the prefill + hand-off; returns (the first token: (token, logprob, finish reason, its top
         logprobs), or None for a failover's (``request.resume_ids``: no token is sampled); the ``_Handoff``
         still to await, or None), or raises _Replace. The first token returns as soon as the decode instance
@@ -576,11 +665,11 @@ class RouterCore:
         rid, prefill, decode = active.rid, active.prefill, active.decode
         t1 = time.perf_counter()
         call = self._stub(pb_grpc.PrefillStub, prefill.grpc_address).Prefill(
-            request, timeout=self.settings.stream_timeout_s)
+            request, timeout=self.settings.stream_timeout_s, metadata=self._md)
         self._attach(active, call)
         first = None
         try:
-            for ev in call:
+            while (ev := await call.read()) is not grpc.aio.EOF:
                 if ev.HasField("first_token"):
                     self.ledger.done(prefill.instance_id, p_key)
                     ft = ev.first_token
@@ -591,28 +680,34 @@ class RouterCore:
                                    seconds=round(time.perf_counter() - t1, 6), finish_reason=ft.finish_reason or None)
                     if ft.finish_reason:
                         return first, None
-                    self.records.transition(rid, "transferring")
+                    await self._io(self.records.transition, rid, "transferring")
                     t1 = time.perf_counter()
                     if ft.decode_reserved:
                         return first, _Handoff(call, t1)
                 elif ev.HasField("handed_off") and (first is not None or request.resume_ids):
-                    self._handed_off(rid, decode, ev.handed_off, t1)
+                    await self._handed_off(rid, decode, ev.handed_off, t1)
                     return first, None
+        except asyncio.CancelledError:
+            self._check_cancelled(active)
+            raise
         except grpc.RpcError as e:
             self._check_cancelled(active)
             raise self._classify(e, prefill, decode) from None
         raise RouterError(grpc.StatusCode.UNAVAILABLE,
                           f"prefill instance {prefill.instance_id} ended the call before handing the request off")
 
-    def _await_handoff(self, active: Active, handoff: _Handoff) -> None:
+    async def _await_handoff(self, active: Active, handoff: _Handoff) -> None:
         """The hand-off of a request whose first token reached the client; _Broken when it fails (the
         request is placed again with that token, as after a broken decode stream)."""
         prefill, decode = active.prefill, active.decode
         try:
-            for ev in handoff.call:
+            while (ev := await handoff.call.read()) is not grpc.aio.EOF:
                 if ev.HasField("handed_off"):
-                    self._handed_off(active.rid, decode, ev.handed_off, handoff.t0)
+                    await self._handed_off(active.rid, decode, ev.handed_off, handoff.t0)
                     return
+        except asyncio.CancelledError:
+            self._check_cancelled(active)
+            raise
         except grpc.RpcError as e:
             self._check_cancelled(active)
             error = self._classify(e, prefill, decode)
@@ -622,11 +717,12 @@ class RouterCore:
         raise _Broken(RouterError(grpc.StatusCode.UNAVAILABLE, f"prefill instance {prefill.instance_id} ended the "
                                                                "call before handing the request off"), avoid=False)
 
-    def _handed_off(self, rid: str, decode: InstanceInfo, done: pb.HandedOff, t0: float) -> None:
+    async def _handed_off(self, rid: str, decode: InstanceInfo, done: pb.HandedOff, t0: float) -> None:
         if self.telemetry:
             self.telemetry.stage_seconds.labels("handoff").observe(time.perf_counter() - t0)
         self.log.event("handoff_done", rid, decode=decode.instance_id, bytes=done.bytes, seconds=round(done.seconds, 6))
-        self.records.transition(rid, "decoding", handoff_bytes=done.bytes, handoff_s=round(done.seconds, 6))
+        await self._io(self.records.transition, rid, "decoding", handoff_bytes=done.bytes,
+                       handoff_s=round(done.seconds, 6))
 
     @staticmethod
     def _classify(e: grpc.RpcError, prefill: InstanceInfo, decode: InstanceInfo) -> Exception:
@@ -649,44 +745,36 @@ class RouterCore:
         return RouterError(grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.UNKNOWN else code,
                            f"prefill instance {prefill.instance_id}: {msg}")
 
-    def _stream(self, active: Active, prompt_tokens: int, budget: int, detok: TextStream, t0: float):
+    async def _stream(self, active: Active, prompt_tokens: int, budget: int, detok: TextStream, t0: float):
         """The decode instance's messages as the client's; _Broken when its stream breaks (``budget``: the
-        tokens it may still generate). The first token of a prompt prefilled there comes from it too."""
+        tokens it may still generate). The first token of a prompt prefilled there comes from it too. The
+        messages come through the instance's relay (shared by this router's requests there), or through a
+        ``Stream`` call of the request's own where the instance has no relay."""
         rid, decode = active.rid, active.decode
         d_key = self.ledger.place(decode.instance_id, budget, arrived=True)
         t1 = time.perf_counter()
         # No deadline: a long generation may take minutes; the decode side ends idle streams, keepalive
         # finds a vanished peer, and the client's own deadline cancels this call through abort().
-        stream = self._stub(pb_grpc.DecodeStub, decode.grpc_address).Stream(pb.StreamRequest(request_id=rid))
-        self._attach(active, stream)
+        call = self._open_stream(decode, rid)
+        self._attach(active, call)
         try:
-            for msg in stream:
-                self._check_cancelled(active)
-                if active.ttft is None and msg.token_ids:  # a prompt prefilled on its decode instance
-                    self._first_token(active, t0)
-                    self.records.transition(rid, "decoding")
-                active.output_tokens += len(msg.token_ids)
-                final = msg.HasField("finish")
-                out = pb.GenerateResponse(request_id=rid, token_ids=msg.token_ids, logprobs=msg.logprobs,
-                                          text=detok.push(list(msg.token_ids), final))
-                out.top_logprobs.extend(msg.top_logprobs)
-                if final:
-                    if msg.finish.reason in ("abort", "error"):
-                        raise RouterError(grpc.StatusCode.ABORTED if msg.finish.reason == "abort"
-                                          else grpc.StatusCode.INTERNAL,
-                                          f"decode instance {decode.instance_id} ended the request: "
-                                          f"{msg.finish.reason}")
-                    out.finish.CopyFrom(msg.finish)
-                    out.finish.stop_str = detok.matched or ""
-                    out.finish.ttft_s, out.finish.latency_s = active.ttft or 0.0, time.perf_counter() - t0
-                    out.finish.usage.prompt_tokens = prompt_tokens
-                    out.finish.usage.completion_tokens = active.output_tokens
-                    if self.telemetry:
-                        self.telemetry.stage_seconds.labels("decode").observe(time.perf_counter() - t1)
-                    self._finished(rid, out.finish)
-                    yield out
-                    return
-                yield out
+            while True:
+                try:
+                    async for msg in call:
+                        self._check_cancelled(active)
+                        if await self._relay_message(active, msg, prompt_tokens, detok, t0, t1):
+                            yield msg
+                            return
+                        yield msg
+                    break
+                except grpc.RpcError as e:
+                    if not self._no_relay(decode, call, e):
+                        raise
+                    call = self._open_stream(decode, rid)  # nothing came yet: the same request over Stream
+                    self._attach(active, call)
+        except asyncio.CancelledError:
+            self._check_cancelled(active)  # an abort cancelled the call: the request's error
+            raise  # the task was cancelled: the client went away
         except grpc.RpcError as e:
             self._check_cancelled(active)
             error = RouterError(grpc.StatusCode.UNAVAILABLE if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED
@@ -695,19 +783,64 @@ class RouterCore:
             raise (_Broken(error) if e.code() in BROKEN else error) from None
         finally:
             self.ledger.done(decode.instance_id, d_key)
-            stream.cancel()  # no-op when it ended; frees the call when the client went away
+            call.cancel()  # no-op when it ended; frees the call when the client went away
         raise _Broken(RouterError(grpc.StatusCode.UNAVAILABLE, f"decode instance {decode.instance_id} ended the "
                                                                "stream without finishing the request"))
 
-    def _finished(self, rid: str, finish: pb.Finish) -> None:
+    def _open_stream(self, decode: InstanceInfo, rid: str):
+        """The request's messages from ``decode``: an ``Inbox`` of its relay, or a ``Stream`` call."""
+        relay = self._relays.get(decode.grpc_address)
+        if relay is None and self.settings.decode_relay:
+            self._stub(pb_grpc.DecodeStub, decode.grpc_address)  # opens the channel
+            relay = self._relays[decode.grpc_address] = RelayClient(self._channels[decode.grpc_address], self._md)
+        if relay is not None and not relay.unsupported:
+            return relay.attach(rid)
+        return self._stub(pb_grpc.DecodeStub, decode.grpc_address).Stream(pb.StreamRequest(request_id=rid),
+                                                                          metadata=self._md)
+
+    def _no_relay(self, decode: InstanceInfo, call, error: grpc.RpcError) -> bool:
+        """True when ``call`` was a relay's that never opened: ``decode`` has none (UNIMPLEMENTED), or it failed
+        before anything came through it; the request then streams over ``Stream``."""
+        relay = self._relays.get(decode.grpc_address)
+        return isinstance(call, Inbox) and relay is not None and relay.never_opened(error)
+
+    async def _relay_message(self, active: Active, msg: pb.GenerateResponse, prompt_tokens: int,
+                             detok: TextStream, t0: float, t1: float) -> bool:
+        """Turn the decode's message into the client's (in place); True when it is the last."""
+        if active.ttft is None and msg.token_ids:  # a prompt prefilled on its decode instance
+            self._first_token(active, t0)
+            await self._io(self.records.transition, active.rid, "decoding")
+        active.output_tokens += len(msg.token_ids)
+        final = msg.HasField("finish")
+        msg.text = detok.push(list(msg.token_ids), final)
+        if final:
+            await self._finish(active, msg, prompt_tokens, detok, t0, t1)
+        return final
+
+    async def _finish(self, active: Active, msg: pb.GenerateResponse, prompt_tokens: int, detok: TextStream,
+                      t0: float, t1: float) -> None:
+        """The decode's final message as the client's: its finish filled in and recorded."""
+        finish = msg.finish
+        if finish.reason in ("abort", "error"):
+            raise RouterError(grpc.StatusCode.ABORTED if finish.reason == "abort" else grpc.StatusCode.INTERNAL,
+                              f"decode instance {active.decode.instance_id} ended the request: {finish.reason}")
+        finish.stop_str = detok.matched or ""
+        finish.ttft_s, finish.latency_s = active.ttft or 0.0, time.perf_counter() - t0
+        finish.usage.prompt_tokens = prompt_tokens
+        finish.usage.completion_tokens = active.output_tokens
+        if self.telemetry:
+            self.telemetry.stage_seconds.labels("decode").observe(time.perf_counter() - t1)
+        await self._finished(active.rid, finish)
+
+    async def _finished(self, rid: str, finish: pb.Finish) -> None:
         self.log.event("finished", rid, reason=finish.reason, output_tokens=finish.usage.completion_tokens,
                        ttft_s=round(finish.ttft_s, 6), latency_s=round(finish.latency_s, 6),
                        accept_length=round(finish.spec.accept_length, 4))
-        self.records.transition(rid, "finished", finish_reason=finish.reason,
-                              output_tokens=finish.usage.completion_tokens,
-                              accept_length=round(finish.spec.accept_length, 4),
-                              accept_rate=round(finish.spec.accept_rate, 4), ttft_s=round(finish.ttft_s, 6),
-                              latency_s=round(finish.latency_s, 6))
+        await self._io(self.records.transition, rid, "finished", finish_reason=finish.reason,
+                       output_tokens=finish.usage.completion_tokens,
+                       accept_length=round(finish.spec.accept_length, 4),
+                       accept_rate=round(finish.spec.accept_rate, 4), ttft_s=round(finish.ttft_s, 6),
+                       latency_s=round(finish.latency_s, 6))
         if self.telemetry:
             self.telemetry.stage_seconds.labels("total").observe(finish.latency_s)
             self.telemetry.observe_request_end(finish.reason or "stop", finish.usage.prompt_tokens,
@@ -725,10 +858,9 @@ class RouterCore:
     # ---- aborts ----------------------------------------------------------------------------------
     def _attach(self, active: Active, call) -> None:
         """Make ``call`` the one an abort cancels (cancelled at once if the abort came first)."""
-        with active.lock:
-            active.call = call
-            if active.cancelled.is_set():
-                call.cancel()
+        active.call = call
+        if active.cancelled.is_set():
+            call.cancel()
 
     def _check_cancelled(self, active: Active) -> None:
         if active.cancelled.is_set():
@@ -736,33 +868,48 @@ class RouterCore:
 
     def abort(self, rid: str, reason: str = "aborted by an Abort call",
               code: grpc.StatusCode = grpc.StatusCode.ABORTED) -> bool:
-        """End request ``rid`` now (its stream raises ``code``); False when it is not running here."""
-        with self._lock:
-            active = self._active.get(rid)
+        """End request ``rid`` now (its stream raises ``code``); False when it is not running here. From any
+        thread."""
+        try:
+            on_loop = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            return self._abort(rid, reason, code)
+        if self.loop is None:
+            return False
+
+        async def on_the_loop() -> bool:
+            return self._abort(rid, reason, code)
+
+        return self._on_loop(on_the_loop())
+
+    def _abort(self, rid: str, reason: str, code: grpc.StatusCode) -> bool:  # on the loop
+        active = self._active.get(rid)
         if active is None:
             return False
-        with active.lock:
-            if not active.cancelled.is_set():
-                active.reason, active.code = reason, code
-                active.cancelled.set()
-            if active.call is not None:
-                active.call.cancel()
+        if not active.cancelled.is_set():
+            active.reason, active.code = reason, code
+            active.cancelled.set()
+        if active.call is not None:
+            active.call.cancel()
         return True
 
-    def _abort_remote(self, active: Active) -> None:
+    async def _abort_remote(self, active: Active) -> None:
         """Free the request on both services (either may still hold it; a dead one holds nothing)."""
         for inst, cls in ((active.prefill, pb_grpc.PrefillStub), (active.decode, pb_grpc.DecodeStub)):
             if inst is None:
                 continue
             try:
-                self._stub(cls, inst.grpc_address).Abort(pb.AbortRequest(request_id=active.rid), timeout=2)
+                await self._stub(cls, inst.grpc_address).Abort(pb.AbortRequest(request_id=active.rid), timeout=2,
+                                                               metadata=self._md)
             except grpc.RpcError:
                 pass  # that instance is gone; its pages went with it
 
     def in_flight(self) -> int:
         """Requests under way (accepted, not yet ended)."""
-        with self._lock:
-            return len(self._active)
+        return len(self._active)
+
 
     def check_ready(self) -> str | None:
         """Why the router cannot serve now (Redis away, no prefill or no decode instance), or None; kept in
@@ -799,10 +946,21 @@ class RouterCore:
 
     def close(self) -> None:
         self.records.stop()
-        with self._lock:
+        loop, self.loop = self.loop, None
+        if loop is not None and loop.is_running():
             channels, self._channels = list(self._channels.values()), {}
-        for ch in channels:
-            ch.close()
+
+            async def close_channels() -> None:
+                for relay in self._relays.values():
+                    await relay.close()
+                for ch in channels:
+                    await ch.close()
+
+            try:
+                asyncio.run_coroutine_threadsafe(close_channels(), loop).result(5)
+            finally:
+                loop.call_soon_threadsafe(loop.stop)
+        self._io_pool.shutdown(wait=False)
 
 
 def _watch_readiness(core: RouterCore, grpc_server: RouterGrpc, telemetry: Telemetry, interval_s: float,
@@ -842,11 +1000,10 @@ def start_router(settings: RouterSettings) -> ServiceHandle:
     core = RouterCore(settings, RequestStore(client, settings.request_ttl_s), Registry(client, settings.registry_ttl_s),
                       tokenizer, model_config, telemetry, instance_id)
     # gRPC refuses messages over 4x the request limit itself (RESOURCE_EXHAUSTED); between 1x and 4x the
-    # router answers INVALID_ARGUMENT naming `request`. Streams get a thread each (RouterCore blocks), up to
-    # the concurrency cap; control calls have their own.
+    # router answers INVALID_ARGUMENT naming `request`. gRPC and HTTP are served on the core's event loop.
     grpc_server = RouterGrpc(core, settings.host, settings.grpc_port, 4 * settings.max_message_bytes,
                              settings.api_key, lambda: telemetry.errors_total.labels("unauthenticated").inc(),
-                             stream_workers=(settings.max_concurrent_requests or 4096) + 16)
+                             reuse_port=settings.reuse_port)
     port = grpc_server.port
     extra = {"core": core, "telemetry": telemetry}
     openai_server = None
@@ -859,6 +1016,11 @@ def start_router(settings: RouterSettings) -> ServiceHandle:
             openai_server, openai_port = start_openai_server(core, settings)
             extra["openai_address"] = f"{settings.advertised}:{openai_port}"
     telemetry.set_state("ready")
+    # Relaying allocates a few short-lived objects per message (protobuf messages, futures) and the cyclic
+    # collector's default threshold ran it hundreds of times a second (a sixth of the loop's time, measured
+    # with py-spy in bench/bench_router.py): what exists at start is frozen out of it and it runs less often.
+    gc.freeze()
+    gc.set_threshold(GC_THRESHOLD, 20, 20)
     ready = _show_readiness(core, grpc_server, telemetry)
     watch = threading.Thread(target=_watch_readiness, args=(core, grpc_server, telemetry, settings.heartbeat_s / 2,
                                                             ready),

@@ -265,6 +265,24 @@ class PrefillEvent(_message.Message):
     handed_off: HandedOff
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., handed_off: _Optional[_Union[HandedOff, _Mapping]] = ...) -> None: ...
 
+class RelayBatch(_message.Message):
+    __slots__ = ("messages", "errors")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
+    errors: _containers.RepeatedCompositeFieldContainer[RelayError]
+    def __init__(self, messages: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RelayError, _Mapping]]] = ...) -> None: ...
+
+class RelayError(_message.Message):
+    __slots__ = ("request_id", "code", "details")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    details: str
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
 class AdmitRequest(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "sampling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

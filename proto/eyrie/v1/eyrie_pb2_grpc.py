@@ -369,6 +369,11 @@ class DecodeStub:
                 request_serializer=eyrie_dot_v1_dot_eyrie__pb2.AdmitRequest.SerializeToString,
                 response_deserializer=eyrie_dot_v1_dot_eyrie__pb2.ReserveResponse.FromString,
                 _registered_method=True)
+        self.Relay = channel.stream_stream(
+                '/eyrie.v1.Decode/Relay',
+                request_serializer=eyrie_dot_v1_dot_eyrie__pb2.StreamRequest.SerializeToString,
+                response_deserializer=eyrie_dot_v1_dot_eyrie__pb2.RelayBatch.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -423,6 +428,17 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Relay(self, request_iterator, context):
+        """The router's relay: one stream per (router, decode instance) for the tokens of every request the router
+        attaches to it (one StreamRequest per request, sent on the stream). Each RelayBatch carries what the
+        engine published since the last one for all of them (one step, or more when the router reads slower),
+        in order per request; a request that cannot stream (not here, aborted, failed) ends with a RelayError
+        carrying the status its Stream call would have ended with. Stream stays for clients without a relay.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -455,6 +471,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Admit,
                     request_deserializer=eyrie_dot_v1_dot_eyrie__pb2.AdmitRequest.FromString,
                     response_serializer=eyrie_dot_v1_dot_eyrie__pb2.ReserveResponse.SerializeToString,
+            ),
+            'Relay': grpc.stream_stream_rpc_method_handler(
+                    servicer.Relay,
+                    request_deserializer=eyrie_dot_v1_dot_eyrie__pb2.StreamRequest.FromString,
+                    response_serializer=eyrie_dot_v1_dot_eyrie__pb2.RelayBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -623,6 +644,33 @@ class Decode:
             '/eyrie.v1.Decode/Admit',
             eyrie_dot_v1_dot_eyrie__pb2.AdmitRequest.SerializeToString,
             eyrie_dot_v1_dot_eyrie__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Relay(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/eyrie.v1.Decode/Relay',
+            eyrie_dot_v1_dot_eyrie__pb2.StreamRequest.SerializeToString,
+            eyrie_dot_v1_dot_eyrie__pb2.RelayBatch.FromString,
             options,
             channel_credentials,
             insecure,

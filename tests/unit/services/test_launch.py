@@ -81,3 +81,18 @@ def test_device_plan_gives_one_instance_per_device_and_splits_a_shared_gpu():
     assert device_plan(["cuda:0"], ["cuda:0"], fraction=0.4)["decode"]["gpu_memory_fraction"] == 0.4
     assert device_plan(["cpu", "cpu"], ["cpu"]) == {"prefill": {"device": "cpu"}, "prefill-2": {"device": "cpu"},
                                                    "decode": {"device": "cpu"}}
+
+
+def test_several_routers_share_the_ports_and_nothing_else():
+    from services.launch import Stack
+
+    stack = Stack("m", None, "redis://x", 50123, 8123, replicas={"router": 3, "decode": 2})
+    flags = stack.plan()
+    assert stack.names == ["prefill", "decode", "decode-2", "router", "router-2", "router-3"]
+    routers = [flags[n] for n in ("router", "router-2", "router-3")]
+    for f in routers:
+        assert f[f.index("--grpc-port") + 1] == "50123" and f[f.index("--openai-port") + 1] == "8123"
+        assert f[f.index("--reuse-port") + 1] == "true"
+    assert len({f[f.index("--http-port") + 1] for f in flags.values()}) == 6  # each its own /health
+    assert "--reuse-port" not in flags["decode"]
+    assert "--reuse-port" not in Stack("m", None, "redis://x", 50123, replicas={}).plan()["router"]

@@ -71,6 +71,8 @@ BAD = [
     (req(prompt=[5], rid="é"), "request_id", "letters, digits"),
     (req(prompt=[5], rid="r" * 129), "request_id", "1-128"),
     (req(prompt=[5] * 40, stop_token_ids=[1] * 200_000), "request", "exceed the limit"),
+    (req(prompt=[5], stop=["x"] * 65), "sampling.stop", "65 stop strings exceed the limit of 64 (max_stop_strings)"),
+    (req(prompt=[5], stop=["ok", "y" * 1025]), "sampling.stop", "1025 characters exceeds the limit of 1024"),
 ]
 
 
