@@ -56,13 +56,13 @@ def serve(redis_url):
         handles.append(handle)
         seen: list[pb.GenerateRequest] = []
 
-        def generate(req, cancelled=None):  # instead of placing it on engines: one token, finished
+        async def stream(req):  # instead of placing it on engines: one token, finished
             seen.append(req)
             yield pb.GenerateResponse(request_id=req.request_id, token_ids=[7], text="x",
                                       finish=pb.Finish(reason="length", usage=pb.Usage(prompt_tokens=1,
                                                                                        completion_tokens=1)))
 
-        handle.extra["core"].generate = generate
+        handle.extra["core"].stream = stream
         return f"http://{handle.extra['openai_address']}", seen
 
     yield start
