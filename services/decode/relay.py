@@ -132,6 +132,12 @@ class DecodeRelay:
             inc, _ = self.attached.pop(rid)
         self.servicer._forget(inc)
 
+    def finish(self) -> None:
+        """End the call (the service stops: its requests are done): the router sees the relay end normally."""
+        with self._lock:
+            self._gone = True
+        self.q.put(_STOP)
+
     def _on_gone(self) -> None:
         """The router went away (or the stream ended): its requests still here are aborted."""
         with self._lock:

@@ -110,6 +110,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             self.offered = ["nixl", "grpc-stream"]
         self._lock = threading.Lock()
         self._incoming: dict[str, Incoming] = {}
+        self._relays: set[DecodeRelay] = set()  # the routers' open relay calls
         self._reserving: set[str] = set()  # request ids between Reserve's checks and its reply
         self._deferred: set[Incoming] = set()  # in-place reservations aborted while their sender may still write
         self._stop = threading.Event()
@@ -370,7 +371,22 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
     def Relay(self, request_iterator, context):  # noqa: N802
         """Every token of the requests a router attaches, batched (``services/decode/relay.py``)."""
-        yield from DecodeRelay(self, context).run(request_iterator)
+        relay = DecodeRelay(self, context)
+        with self._lock:
+            self._relays.add(relay)
+        try:
+            yield from relay.run(request_iterator)
+        finally:
+            with self._lock:
+                self._relays.discard(relay)
+
+    def end_relays(self) -> None:
+        """Drained: every router's relay call ends now (it never ends by itself: the server's graceful stop
+        would wait for it to the end of the drain period)."""
+        with self._lock:
+            relays = list(self._relays)
+        for relay in relays:
+            relay.finish()
 
     # ---- aborts and clean-up ---------------------------------------------------------------------
     def Abort(self, request: pb.AbortRequest, context):  # noqa: N802

@@ -6,6 +6,7 @@ requests and every pool is whole again."""
 from __future__ import annotations
 
 import queue
+import threading
 
 import grpc
 from handoff_helpers import GREEDY, LONG, SHORT
@@ -106,3 +107,28 @@ def test_an_abort_on_the_decode_side_ends_that_request_on_the_relay_only(stream_
     call.cancel()
     assert stack.clean()
 
+
+
+def test_a_draining_decode_instance_ends_an_open_relay_instead_of_waiting_out_its_drain(models, redis_url):  # noqa: F811
+    """A router's relay call never ends by itself; an idle decode instance that stops ends it (the router sees
+    the call end, no error), so the stop takes far less than its drain period instead of all of it."""
+    from tests.unit.handoff.test_handoff_services import Stack
+
+    stack = Stack(models, redis_url)
+    try:
+        call, attach = relay(stack)
+        rid, _ = handed_off(stack, SHORT)
+        attach(rid)
+        batches = iter(call)
+        while not any(m.HasField("finish") for m in next(batches).messages):
+            pass
+        stack.prefill.stop(0.2)
+        stopped = threading.Thread(target=stack.decode.stop, args=(60.0,))
+        stopped.start()
+        for _ in batches:  # whatever is left of the call; an error would raise here
+            pass
+        assert call.code() == grpc.StatusCode.OK, call.details()
+        stopped.join(30)
+        assert not stopped.is_alive(), "the stop waited for the relay (the drain period is 60 s)"
+    finally:
+        attach(None)
