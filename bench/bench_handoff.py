@@ -354,13 +354,14 @@ def bench_peer(args) -> list[dict]:
         pools = open_pools(parent.recv())
         for layout in args.peer_layouts.split(","):
             src_pages, dst_pages = layouts[layout]
-            for mode in args.peer_modes.split(","):
-                chunks = [int(c) for c in args.peer_chunks_mb.split(",")] if mode == "staged" else [None]
-                for chunk_mb in chunks:
-                    r = peer_candidate(pools, srcs, src_pages, dst_pages, mode, chunk_mb, args.repeat)
-                    results.append({"transport": f"peer-{mode}", "layout": layout, "chunk_mb": chunk_mb,
-                                    "runs": len(page_copy.page_runs(src_pages, dst_pages)), **r})
-                    print(peer_line(results[-1]), flush=True)
+            for mode, chunk_mb, kernel in peer_candidates(args):
+                page_copy.PEER.kernel = kernel
+                r = peer_candidate(pools, srcs, src_pages, dst_pages, mode, chunk_mb, args.repeat)
+                page_copy.PEER.kernel = None
+                results.append({"transport": f"peer-{mode}", "layout": layout, "chunk_mb": chunk_mb,
+                                "kernel": kernel and f"{kernel.block_bytes}:{kernel.num_warps}",
+                                "runs": len(page_copy.page_runs(src_pages, dst_pages)), **r})
+                print(peer_line(results[-1]), flush=True)
         results.append(production_row(pools, srcs, *layouts["scattered"], args.repeat))
         parent.send("done")
     finally:
@@ -373,6 +374,24 @@ def bench_peer(args) -> list[dict]:
         if "gbps" in r and r["transport"] != "memcpy-peer":
             r["of_memcpy_peer"] = r["gbps"] / ref
     return results
+
+
+def peer_candidates(args) -> list[tuple]:
+    """(mode, staged chunk MB or None, the crossing kernel's launch or None) of every candidate: staged once per
+    ``--peer-chunks-mb``, push and pull once per ``--peer-kernels`` (block bytes:warps), the others once."""
+    from kernels.page_copy import KERNEL, KernelSettings
+
+    out = []
+    for mode in args.peer_modes.split(","):
+        if mode == "staged":
+            out += [(mode, int(c), None) for c in args.peer_chunks_mb.split(",")]
+        elif mode in ("push", "pull"):
+            for k in args.peer_kernels.split(","):
+                block, warps = (int(x) for x in k.split(":"))
+                out.append((mode, None, KernelSettings(**{**vars(KERNEL), "block_bytes": block, "num_warps": warps})))
+        else:
+            out.append((mode, None, None))
+    return out
 
 
 def production_row(pools, srcs, src_pages, dst_pages, repeat: int) -> dict:
@@ -395,7 +414,7 @@ def production_row(pools, srcs, src_pages, dst_pages, repeat: int) -> dict:
 def peer_line(r: dict) -> str:
     """One candidate's row: mode, layout, chunk, median GB/s (and the ratio to memcpy-peer once known)."""
     name = f"{r['transport']}" + (f" chunk {r['chunk_mb']} MB" if r.get("chunk_mb") and "staged" in r["transport"]
-                                  else "")
+                                  else "") + (f" {r['kernel']}" if r.get("kernel") else "")
     if "error" in r:
         return f"  {name:28s} {r['layout']:10s} failed: {r['error']}"
     ratio = f" {r['of_memcpy_peer']:.2f} of memcpy-peer" if "of_memcpy_peer" in r else ""
@@ -443,7 +462,9 @@ def main() -> None:
     ap.add_argument("--peer-modes", default="staged,pull,runs,runs-strided", help="--peer: the candidates "
                     "(kernels.page_copy.PEER_MODES; push stores into the peer's IPC mapping: run it in its own "
                     "process, bench/gpu_session.sh peer does)")
-    ap.add_argument("--peer-chunks-mb", default="4,8,16,32", help="--peer: the staged mode's chunk sizes")
+    ap.add_argument("--peer-chunks-mb", default="8,16,32,64,128", help="--peer: the staged mode's chunk sizes")
+    ap.add_argument("--peer-kernels", default="32768:8,32768:16,8192:4,4096:4", help="--peer: push and pull's "
+                    "launches, block bytes per program:warps (a page-plane of the 8B shape is 32768 bytes)")
     ap.add_argument("--peer-layouts", default="scattered,runs8,contiguous", help="--peer: page layouts "
                     "(scattered: no run on both sides; runs8: runs of 8 pages; contiguous: one run)")
     ap.add_argument("--draft-layers", type=int, default=None, help="a draft cache's layers beside the target's "

@@ -74,12 +74,14 @@ KERNEL = KernelSettings()
 
 def copy_pages(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst_pages: list[int], page_size: int,
                backend: str = "auto", block: int | None = None, settings: KernelSettings | None = None,
-               raw_dst: bool = False) -> None:
+               raw_dst: bool = False, ids: torch.Tensor | None = None) -> None:
     """As ``copy_pages_ref``, in one launch on CUDA (queued on the current device's current stream; the caller
     synchronises). ``settings``: the launch (default ``KERNEL``, what the sweep chose); ``block``: elements of the
     pools' dtype per program, instead of the settings' ``block_bytes``; ``raw_dst``: ``dst`` goes to the kernel as
     an address (Triton's launcher refuses a pointer it cannot resolve in the current context, such as a peer GPU's
-    memory mapped by CUDA IPC, even where peer access makes it reachable: ``PeerSettings.push``)."""
+    memory mapped by CUDA IPC, even where peer access makes it reachable: ``PeerSettings.push``); ``ids``: the
+    pages as ``page_ids`` would upload them, already on the launching GPU (the staged mode uploads a request's
+    once)."""
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
     use_triton = triton is not None and (backend == "triton" or (backend == "auto" and src.is_cuda))
@@ -91,7 +93,7 @@ def copy_pages(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst_p
         raise ValueError(f"{len(src_pages)} source pages, {len(dst_pages)} destination pages")
     k = settings or KERNEL
     launch = torch.device("cuda", torch.cuda.current_device()) if src.is_cuda or dst.is_cuda else src.device
-    ids = page_ids(src_pages, dst_pages, launch)
+    ids = page_ids(src_pages, dst_pages, launch) if ids is None else ids
     src_w, dst_w = as_words(src, k.word_bytes), as_words(dst, k.word_bytes)
     n, planes = len(src_pages), src.shape[0] * src.shape[1]
     page = page_size * src_w.shape[3] * src_w.shape[4]  # words of one page of one plane
@@ -123,8 +125,9 @@ class PeerSettings:
     - ``runs-strided``: one strided ``copy_`` per run covering every plane (torch's copy kernel over the link)."""
 
     mode: str = field(default_factory=lambda: os.environ.get("EYRIE_PEER_COPY", "staged"))
-    chunk_bytes: int = field(default_factory=lambda: int(os.environ.get("EYRIE_PEER_CHUNK_MB", "16")) << 20)
+    chunk_bytes: int = field(default_factory=lambda: int(os.environ.get("EYRIE_PEER_CHUNK_MB", "32")) << 20)
     buffers: int = 3  # staged: the staging buffers on each GPU (chunks in flight)
+    kernel: KernelSettings | None = None  # push, pull: the launch of the kernel crossing the link (None: KERNEL)
     push_refused: str = ""  # why push was given up for staged at a hand-off: every later copy is staged
 
 
@@ -147,7 +150,7 @@ def copy_pages_peer(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], 
         return
     if chosen == "push":
         try:
-            copy_pages(dst, src, src_pages, dst_pages, page_size, raw_dst=dst.is_cuda)
+            copy_pages(dst, src, src_pages, dst_pages, page_size, settings=PEER.kernel, raw_dst=dst.is_cuda)
             return
         except Exception as e:
             if mode is not None:  # a probe of that mode: its failure is the answer
@@ -157,7 +160,7 @@ def copy_pages_peer(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], 
     if chosen == "staged":
         _copy_staged(dst, src, src_pages, dst_pages, page_size, chunk_bytes or PEER.chunk_bytes)
     elif chosen == "pull":
-        _on_peer(dst, src, lambda: copy_pages(dst, src, src_pages, dst_pages, page_size))
+        _on_peer(dst, src, lambda: copy_pages(dst, src, src_pages, dst_pages, page_size, settings=PEER.kernel))
     else:
         _copy_runs(dst, src, src_pages, dst_pages, page_size, strided=chosen == "runs-strided")
 
@@ -237,8 +240,13 @@ def _copy_staged(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst
     here = _current(src.device)
     copier = _streams(src.device)["copy"] if cuda else None
     there = _streams(dst.device)["peer"] if cuda else None
-    if cuda:
+    local = [p for lo, hi in chunks for p in range(hi - lo)]  # each page's place in its chunk's buffer
+    gathers = scatters = None
+    if cuda:  # one upload per side, each on the stream that reads it
+        gathers = chunk_ids(src_pages, local, chunks, src.device)
         there.wait_stream(here)  # nothing of this copy on the destination before what the caller queued
+        with torch.cuda.stream(there):
+            scatters = chunk_ids(local, dst_pages, chunks, dst.device)
     copied, scattered = [None] * len(bufs), [None] * len(bufs)
     for i, (lo, hi) in enumerate(chunks):
         slot = i % len(bufs)
@@ -246,7 +254,8 @@ def _copy_staged(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst
         stage_src, stage_dst = (b[:(hi - lo) * per_page].view(shape) for b in bufs[slot])
         if copied[slot] is not None:
             here.wait_event(copied[slot])  # the memcpy of chunk i - buffers has read this source buffer
-        copy_pages(stage_src, src, src_pages[lo:hi], list(range(hi - lo)), page_size)
+        copy_pages(stage_src, src, src_pages[lo:hi], local[lo:hi], page_size,
+                   ids=gathers[2 * lo:2 * hi] if cuda else None)
         if not cuda:
             stage_dst.copy_(stage_src)
             copy_pages(dst, stage_dst, list(range(hi - lo)), dst_pages[lo:hi], page_size)
@@ -260,12 +269,26 @@ def _copy_staged(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst
             copied[slot].record(copier)
         there.wait_event(copied[slot])
         with torch.cuda.stream(there):
-            copy_pages(dst, stage_dst, list(range(hi - lo)), dst_pages[lo:hi], page_size)
+            copy_pages(dst, stage_dst, local[lo:hi], dst_pages[lo:hi], page_size, ids=scatters[2 * lo:2 * hi])
             scattered[slot] = torch.cuda.Event()
             scattered[slot].record(there)
     if cuda:
         here.wait_stream(copier)
         here.wait_stream(there)  # the caller's wait on its stream covers the last scatter
+
+
+def chunk_ids(first: list[int], second: list[int], chunks: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """Per chunk [lo, hi), ``page_ids`` of its pages (its ``first`` row, then its ``second`` row, ordered by the
+    first), at [2 lo, 2 hi) of one flat int64 tensor on ``device``, uploaded once (pinned, queued)."""
+    pairs = np.array([first, second], dtype=np.int64)
+    flat = np.empty(2 * len(first), dtype=np.int64)
+    for lo, hi in chunks:
+        part = pairs[:, lo:hi]
+        flat[2 * lo:2 * hi] = part[:, np.argsort(part[0], kind="stable")].ravel()
+    ids = torch.from_numpy(flat)
+    if device.type == "cuda":
+        ids = ids.pin_memory()
+    return ids.to(device, non_blocking=True)
 
 
 def as_words(pool: torch.Tensor, word_bytes: int) -> torch.Tensor:
@@ -318,5 +341,5 @@ if triton is not None:
                     tl.store(dst_at, tl.load(src_at, mask=offs < PAGE), mask=offs < PAGE)
 
 
-__all__ = ["KERNEL", "PEER", "PEER_MODES", "KernelSettings", "PeerSettings", "as_words", "copy_pages",
+__all__ = ["KERNEL", "PEER", "PEER_MODES", "KernelSettings", "PeerSettings", "as_words", "chunk_ids", "copy_pages",
            "copy_pages_peer", "copy_pages_ref", "page_ids", "page_runs", "staged_chunks"]

@@ -81,3 +81,25 @@ def test_the_mode_comes_from_the_environment_and_a_wrong_one_is_refused_naming_t
         copy_pages_peer(dst, src, [1], [1], PS, "sideways")
     with pytest.raises(ValueError, match="2 source pages, 1 destination"):
         copy_pages_peer(dst, src, [1, 2], [1], PS, "staged")
+
+
+@pytest.mark.parametrize("chunk_pages", [1, 2, 4, 9])
+def test_the_staged_modes_uploaded_page_ids_copy_each_chunk_as_the_reference_does(chunk_pages):
+    """The staged mode's CUDA path uploads a request's page ids once (``chunk_ids``) and launches each chunk's
+    gather and scatter on its slice: on the interpreter, gathering then scattering chunk by chunk through those
+    slices gives the reference pools."""
+    from kernels.page_copy import chunk_ids
+
+    src, dst = (p.to(DEVICE) for p in pools(seed=4))
+    want = dst.clone()
+    src_pages, dst_pages = LAYOUTS["scattered"]
+    copy_pages_ref(want, src, src_pages, dst_pages, PS)
+    chunks = staged_chunks(len(src_pages), 1, chunk_pages)
+    local = [p for lo, hi in chunks for p in range(hi - lo)]
+    gathers = chunk_ids(src_pages, local, chunks, src.device)
+    scatters = chunk_ids(local, dst_pages, chunks, dst.device)
+    for lo, hi in chunks:
+        buf = torch.zeros((*src.shape[:2], (hi - lo) * PS, *src.shape[3:]), dtype=src.dtype, device=src.device)
+        copy_pages(buf, src, src_pages[lo:hi], local[lo:hi], PS, backend="triton", ids=gathers[2 * lo:2 * hi])
+        copy_pages(dst, buf, local[lo:hi], dst_pages[lo:hi], PS, backend="triton", ids=scatters[2 * lo:2 * hi])
+    assert torch.equal(dst.view(torch.int16), want.view(torch.int16))
