@@ -14,7 +14,9 @@ the reference otherwise, so the CPU's shared-memory pools take the same call.
 
 from __future__ import annotations
 
+import itertools
 import os
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -209,16 +211,19 @@ def _copy_runs(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst_p
             flat_dst[p, d:d + rows].copy_(flat_src[p, s:s + rows], non_blocking=True)
 
 
-_STAGING: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+_STAGING: dict[tuple, dict] = {}
+_STAGING_LOCK = threading.Lock()  # a hand-off's staged copy is queued whole before another's (shared buffers)
 
 
-def _staging(dst: torch.Tensor, src: torch.Tensor, numel: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``count`` pairs (source buffer, destination buffer) of ``numel`` elements, made once per (devices, dtype,
-    size, count)."""
-    key = (src.device, dst.device, src.dtype, numel, count)
+def _staging(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> dict:
+    """{"bufs": ``PEER.buffers`` pairs (source buffer, destination buffer) of ``nbytes`` bytes, "done": the event
+    after which the last copy through them is over (None before the first)}, made once per (devices, size, count)
+    and shared by every cache (viewed as each one's dtype): ``buffers`` x ``chunk_bytes`` on each GPU in all."""
+    key = (src.device, dst.device, nbytes, PEER.buffers)
     if key not in _STAGING:
-        _STAGING[key] = [(torch.empty(numel, dtype=src.dtype, device=src.device),
-                          torch.empty(numel, dtype=dst.dtype, device=dst.device)) for _ in range(count)]
+        _STAGING[key] = {"bufs": [(torch.empty(nbytes, dtype=torch.uint8, device=src.device),
+                                   torch.empty(nbytes, dtype=torch.uint8, device=dst.device))
+                                  for _ in range(PEER.buffers)], "done": None}
     return _STAGING[key]
 
 
@@ -232,34 +237,43 @@ def _copy_staged(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst
                  page_size: int, chunk_bytes: int) -> None:
     """``PeerSettings.staged``: chunk i's gather (this thread's current stream, source GPU) -> its peer memcpy (the
     source GPU's copy stream) -> its scatter (a stream of the destination GPU), ordered by events; a buffer is
-    gathered into again only once its memcpy is done, copied into again once its scatter is done."""
+    gathered into again only once its memcpy is done, copied into again once its scatter is done. The buffers
+    are shared by the process's hand-offs: one is queued after the last one through them is over."""
     per_page = src[:, :, :page_size].numel()  # elements of one page, every plane
     chunks = staged_chunks(len(src_pages), per_page * src.element_size(), chunk_bytes)
-    bufs = _staging(dst, src, (chunks[0][1] - chunks[0][0]) * per_page, min(PEER.buffers, len(chunks)))
-    cuda = src.is_cuda
-    here = _current(src.device)
-    copier = _streams(src.device)["copy"] if cuda else None
-    there = _streams(dst.device)["peer"] if cuda else None
     local = [p for lo, hi in chunks for p in range(hi - lo)]  # each page's place in its chunk's buffer
-    gathers = scatters = None
-    if cuda:  # one upload per side, each on the stream that reads it
-        gathers = chunk_ids(src_pages, local, chunks, src.device)
-        there.wait_stream(here)  # nothing of this copy on the destination before what the caller queued
-        with torch.cuda.stream(there):
-            scatters = chunk_ids(local, dst_pages, chunks, dst.device)
+    with _STAGING_LOCK:
+        staging = _staging(dst, src, max(chunk_bytes, per_page * src.element_size()))
+        if not src.is_cuda:
+            for (lo, hi), pair in zip(chunks, itertools.cycle(staging["bufs"])):
+                stage_src, stage_dst = _chunk_views(pair, src, lo, hi, page_size)
+                copy_pages(stage_src, src, src_pages[lo:hi], local[lo:hi], page_size)
+                stage_dst.copy_(stage_src)
+                copy_pages(dst, stage_dst, local[lo:hi], dst_pages[lo:hi], page_size)
+            return
+        here = torch.cuda.current_stream(src.device)
+        if staging["done"] is not None:
+            here.wait_event(staging["done"])  # another hand-off's chunks may still be in the buffers
+        _pipeline(dst, src, src_pages, dst_pages, page_size, chunks, local, staging["bufs"], here)
+        staging["done"] = torch.cuda.Event()
+        staging["done"].record(here)
+
+
+def _pipeline(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst_pages: list[int], page_size: int,
+              chunks: list[tuple[int, int]], local: list[int], bufs: list, here) -> None:
+    """``_copy_staged``'s chunks on CUDA, queued on three streams; joined back into ``here`` at the end."""
+    copier, there = _streams(src.device)["copy"], _streams(dst.device)["peer"]
+    gathers = chunk_ids(src_pages, local, chunks, src.device)  # one upload per side, on the stream that reads it
+    there.wait_stream(here)  # nothing of this copy on the destination before what the caller queued
+    with torch.cuda.stream(there):
+        scatters = chunk_ids(local, dst_pages, chunks, dst.device)
     copied, scattered = [None] * len(bufs), [None] * len(bufs)
     for i, (lo, hi) in enumerate(chunks):
         slot = i % len(bufs)
-        shape = (*src.shape[:2], (hi - lo) * page_size, *src.shape[3:])  # a chunk: a prefix of the buffers
-        stage_src, stage_dst = (b[:(hi - lo) * per_page].view(shape) for b in bufs[slot])
+        stage_src, stage_dst = _chunk_views(bufs[slot], src, lo, hi, page_size)
         if copied[slot] is not None:
             here.wait_event(copied[slot])  # the memcpy of chunk i - buffers has read this source buffer
-        copy_pages(stage_src, src, src_pages[lo:hi], local[lo:hi], page_size,
-                   ids=gathers[2 * lo:2 * hi] if cuda else None)
-        if not cuda:
-            stage_dst.copy_(stage_src)
-            copy_pages(dst, stage_dst, list(range(hi - lo)), dst_pages[lo:hi], page_size)
-            continue
+        copy_pages(stage_src, src, src_pages[lo:hi], local[lo:hi], page_size, ids=gathers[2 * lo:2 * hi])
         copier.wait_stream(here)
         if scattered[slot] is not None:
             copier.wait_event(scattered[slot])  # the scatter of chunk i - buffers has read this destination buffer
@@ -272,9 +286,15 @@ def _copy_staged(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst
             copy_pages(dst, stage_dst, local[lo:hi], dst_pages[lo:hi], page_size, ids=scatters[2 * lo:2 * hi])
             scattered[slot] = torch.cuda.Event()
             scattered[slot].record(there)
-    if cuda:
-        here.wait_stream(copier)
-        here.wait_stream(there)  # the caller's wait on its stream covers the last scatter
+    here.wait_stream(copier)
+    here.wait_stream(there)  # the caller's wait on its stream covers the last scatter
+
+
+def _chunk_views(pair: tuple[torch.Tensor, torch.Tensor], src: torch.Tensor, lo: int, hi: int, page_size: int):
+    """A chunk of pages [lo, hi) as a pool of ``src``'s shape and dtype: a prefix of each staging buffer."""
+    shape = (*src.shape[:2], (hi - lo) * page_size, *src.shape[3:])
+    nbytes = torch.Size(shape).numel() * src.element_size()
+    return tuple(b[:nbytes].view(src.dtype).view(shape) for b in pair)
 
 
 def chunk_ids(first: list[int], second: list[int], chunks: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
