@@ -111,6 +111,13 @@ def copy_pages(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst_p
 PEER_MODES = ("staged", "pull", "push", "runs", "runs-strided")
 
 
+def _chunk_mb_from_env() -> int:
+    raw = os.environ.get("EYRIE_PEER_CHUNK_MB", "32")
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ValueError(f"EYRIE_PEER_CHUNK_MB must be a whole number of MB >= 1, got {raw!r}")
+    return int(raw)
+
+
 @dataclass
 class PeerSettings:
     """How pages cross from one GPU to a peer GPU of the host (NVLink or PCIe), chosen by
@@ -127,7 +134,7 @@ class PeerSettings:
     - ``runs-strided``: one strided ``copy_`` per run covering every plane (torch's copy kernel over the link)."""
 
     mode: str = field(default_factory=lambda: os.environ.get("EYRIE_PEER_COPY", "staged"))
-    chunk_bytes: int = field(default_factory=lambda: int(os.environ.get("EYRIE_PEER_CHUNK_MB", "32")) << 20)
+    chunk_bytes: int = field(default_factory=lambda: _chunk_mb_from_env() << 20)
     buffers: int = 3  # staged: the staging buffers on each GPU (chunks in flight)
     kernel: KernelSettings | None = None  # push, pull: the launch of the kernel crossing the link (None: KERNEL)
     push_refused: str = ""  # why push was given up for staged at a hand-off: every later copy is staged

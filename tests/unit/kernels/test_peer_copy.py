@@ -76,6 +76,9 @@ def test_the_mode_comes_from_the_environment_and_a_wrong_one_is_refused_naming_t
     assert (settings.mode, settings.chunk_bytes) == ("runs", 8 << 20)
     monkeypatch.delenv("EYRIE_PEER_COPY")
     assert PeerSettings().mode == "staged"
+    monkeypatch.setenv("EYRIE_PEER_CHUNK_MB", "lots")
+    with pytest.raises(ValueError, match="EYRIE_PEER_CHUNK_MB must be a whole number of MB >= 1, got 'lots'"):
+        PeerSettings()
     src, dst = pools()
     with pytest.raises(ValueError, match="push, runs"):
         copy_pages_peer(dst, src, [1], [1], PS, "sideways")
