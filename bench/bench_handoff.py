@@ -459,9 +459,9 @@ def main() -> None:
     ap.add_argument("--peer", action="store_true", help="only: ipc into a peer GPU (--device into --peer-device), "
                     "each peer copy mode against cudaMemcpyPeer of the same bytes; the 8B shape by default")
     ap.add_argument("--peer-device", default="cuda:1")
-    ap.add_argument("--peer-modes", default="staged,pull,runs,runs-strided", help="--peer: the candidates "
-                    "(kernels.page_copy.PEER_MODES; push stores into the peer's IPC mapping: run it in its own "
-                    "process, bench/gpu_session.sh peer does)")
+    ap.add_argument("--peer-modes", default="staged,pull,runs", help="--peer: the candidates "
+                    "(kernels.page_copy.PEER_MODES; push and runs-strided store into the peer's IPC mapping from a "
+                    "kernel on this GPU: run them in a process of their own, as bench/gpu_session.sh peer does)")
     ap.add_argument("--peer-chunks-mb", default="8,16,32,64,128", help="--peer: the staged mode's chunk sizes")
     ap.add_argument("--peer-kernels", default="32768:8,32768:16,8192:4,4096:4", help="--peer: push and pull's "
                     "launches, block bytes per program:warps (a page-plane of the 8B shape is 32768 bytes)")

@@ -2,9 +2,9 @@
 with a pointer into the decode GPU's pools was refused, every request failed and nothing fell back).
 
 - each peer copy mode (staged: gather, peer memcpy, scatter, pipelined in chunks; pull: the kernel on the
-  destination GPU reading over the link; runs: a peer memcpy per run and plane; runs-strided) writes every page,
-  and only those, into pools another process holds on the other GPU (push, the kernel on the source GPU storing
-  over the link: test_peer_push_gpu.py, in its own process);
+  destination GPU reading over the link; runs: a peer memcpy per run and plane) writes every page, and only
+  those, into pools another process holds on the other GPU (push and runs-strided, a kernel on the source GPU
+  storing over the link: test_peer_push_gpu.py, in its own process);
 - the negotiation proves a copy before it chooses ipc for a peer GPU, and falls back to grpc-stream naming why
   when no mode works;
 - the services, prefill on cuda:0 and decode on cuda:1 with the transport left to ``auto``, choose ipc and give
@@ -69,8 +69,7 @@ def peer_pools():
     proc.join(30)
 
 
-@pytest.mark.parametrize("mode, staging_pages", [("staged", None), ("staged", 5), ("pull", None), ("runs", None),
-                                                 ("runs-strided", None)])
+@pytest.mark.parametrize("mode, staging_pages", [("staged", None), ("staged", 5), ("pull", None), ("runs", None)])
 def test_each_peer_mode_writes_every_page_and_only_those_into_another_process_pools(peer_pools, monkeypatch, mode,
                                                                                      staging_pages):
     from shared.handoff.peer import ready
