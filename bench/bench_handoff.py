@@ -362,18 +362,27 @@ def bench_peer(args) -> list[dict]:
                                 "kernel": kernel and f"{kernel.block_bytes}:{kernel.num_warps}",
                                 "runs": len(page_copy.page_runs(src_pages, dst_pages)), **r})
                 print(peer_line(results[-1]), flush=True)
-        results.append(production_row(pools, srcs, *layouts["scattered"], args.repeat))
+        results.append(guarded("write_in_place", lambda: production_row(pools, srcs, *layouts["scattered"],
+                                                                        args.repeat)))
         parent.send("done")
     finally:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
-    results.append(peer_memcpy(src_dev, dst_dev, nbytes, args.repeat))
-    ref = max(r["gbps"] for r in results if r["transport"] == "memcpy-peer")
+    results.append(guarded("memcpy-peer", lambda: peer_memcpy(src_dev, dst_dev, nbytes, args.repeat)))
+    ref = max(r["gbps"] for r in results if r["transport"] == "memcpy-peer" and "gbps" in r)
     for r in results:
         if "gbps" in r and r["transport"] != "memcpy-peer":
             r["of_memcpy_peer"] = r["gbps"] / ref
     return results
+
+
+def guarded(name: str, measure) -> dict:
+    """``measure()``, or a row naming why it failed (a CUDA error left by a candidate: the figures so far are kept)."""
+    try:
+        return measure()
+    except Exception as e:
+        return {"transport": name, "layout": "-", "error": f"{type(e).__name__}: {e}"[:300]}
 
 
 def peer_candidates(args) -> list[tuple]:
