@@ -354,11 +354,13 @@ def bench_peer(args) -> list[dict]:
         pools = open_pools(parent.recv())
         for layout in args.peer_layouts.split(","):
             src_pages, dst_pages = layouts[layout]
-            for mode, chunk_mb, kernel in peer_candidates(args):
-                page_copy.PEER.kernel = kernel
+            for mode, (chunk_mb, buffers), kernel in peer_candidates(args):
+                page_copy.PEER.kernel, default_buffers = kernel, page_copy.PEER.buffers
+                page_copy.PEER.buffers = buffers or default_buffers
                 r = peer_candidate(pools, srcs, src_pages, dst_pages, mode, chunk_mb, args.repeat)
-                page_copy.PEER.kernel = None
+                page_copy.PEER.kernel, page_copy.PEER.buffers = None, default_buffers
                 results.append({"transport": f"peer-{mode}", "layout": layout, "chunk_mb": chunk_mb,
+                                "buffers": buffers,
                                 "kernel": kernel and f"{kernel.block_bytes}:{kernel.num_warps}",
                                 "runs": len(page_copy.page_runs(src_pages, dst_pages)), **r})
                 print(peer_line(results[-1]), flush=True)
@@ -386,20 +388,23 @@ def guarded(name: str, measure) -> dict:
 
 
 def peer_candidates(args) -> list[tuple]:
-    """(mode, staged chunk MB or None, the crossing kernel's launch or None) of every candidate: staged once per
-    ``--peer-chunks-mb``, push and pull once per ``--peer-kernels`` (block bytes:warps), the others once."""
+    """(mode, (staged chunk MB, staging buffers) or Nones, the crossing kernel's launch or None) of every
+    candidate: staged once per ``--peer-chunks-mb`` and ``--peer-buffers``, push and pull once per
+    ``--peer-kernels`` (block bytes:warps), the others once."""
     from kernels.page_copy import KERNEL, KernelSettings
 
     out = []
     for mode in args.peer_modes.split(","):
         if mode == "staged":
-            out += [(mode, int(c), None) for c in args.peer_chunks_mb.split(",")]
+            out += [(mode, (int(c), int(b)), None) for b in args.peer_buffers.split(",")
+                    for c in args.peer_chunks_mb.split(",")]
         elif mode in ("push", "pull"):
             for k in args.peer_kernels.split(","):
                 block, warps = (int(x) for x in k.split(":"))
-                out.append((mode, None, KernelSettings(**{**vars(KERNEL), "block_bytes": block, "num_warps": warps})))
+                out.append((mode, (None, None),
+                            KernelSettings(**{**vars(KERNEL), "block_bytes": block, "num_warps": warps})))
         else:
-            out.append((mode, None, None))
+            out.append((mode, (None, None), None))
     return out
 
 
@@ -422,8 +427,9 @@ def production_row(pools, srcs, src_pages, dst_pages, repeat: int) -> dict:
 
 def peer_line(r: dict) -> str:
     """One candidate's row: mode, layout, chunk, median GB/s (and the ratio to memcpy-peer once known)."""
-    name = f"{r['transport']}" + (f" chunk {r['chunk_mb']} MB" if r.get("chunk_mb") and "staged" in r["transport"]
-                                  else "") + (f" {r['kernel']}" if r.get("kernel") else "")
+    name = f"{r['transport']}" + (f" {r['chunk_mb']} MB x {r.get('buffers')}" if r.get("chunk_mb")
+                                  and "staged" in r["transport"] else "") + (f" {r['kernel']}" if r.get("kernel")
+                                                                             else "")
     if "error" in r:
         return f"  {name:28s} {r['layout']:10s} failed: {r['error']}"
     ratio = f" {r['of_memcpy_peer']:.2f} of memcpy-peer" if "of_memcpy_peer" in r else ""
@@ -472,6 +478,7 @@ def main() -> None:
                     "(kernels.page_copy.PEER_MODES; push and runs-strided store into the peer's IPC mapping from a "
                     "kernel on this GPU: run them in a process of their own, as bench/gpu_session.sh peer does)")
     ap.add_argument("--peer-chunks-mb", default="8,16,32,64,128", help="--peer: the staged mode's chunk sizes")
+    ap.add_argument("--peer-buffers", default="2,3", help="--peer: the staged mode's buffers per GPU")
     ap.add_argument("--peer-kernels", default="32768:8,32768:16,8192:4,4096:4", help="--peer: push and pull's "
                     "launches, block bytes per program:warps (a page-plane of the 8B shape is 32768 bytes)")
     ap.add_argument("--peer-layouts", default="scattered,runs8,contiguous", help="--peer: page layouts "

@@ -111,10 +111,10 @@ def copy_pages(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst_p
 PEER_MODES = ("staged", "pull", "push", "runs", "runs-strided")
 
 
-def _chunk_mb_from_env() -> int:
-    raw = os.environ.get("EYRIE_PEER_CHUNK_MB", "32")
+def _whole_from_env(name: str, default: int) -> int:
+    raw = os.environ.get(name, str(default))
     if not raw.strip().isdigit() or int(raw) < 1:
-        raise ValueError(f"EYRIE_PEER_CHUNK_MB must be a whole number of MB >= 1, got {raw!r}")
+        raise ValueError(f"{name} must be a whole number >= 1, got {raw!r}")
     return int(raw)
 
 
@@ -123,10 +123,11 @@ class PeerSettings:
     """How pages cross from one GPU to a peer GPU of the host (NVLink or PCIe), chosen by
     ``bench/bench_handoff.py --peer`` on two GPUs (docs/benchmarks.md); ``EYRIE_PEER_COPY`` names the mode:
 
-    - ``staged`` (the default): pipelined in chunks of ``chunk_bytes`` through ``buffers`` staging buffers on
-      each GPU: the gather of chunk i+1 on the source GPU, the peer memcpy (``cudaMemcpyPeerAsync``, the copy
-      engines) of chunk i on a copy stream, the scatter of chunk i-1 on the destination GPU, ordered by events;
-      no kernel touches the peer's memory, so it works wherever a peer memcpy does;
+    - ``staged`` (the default): pipelined in chunks of ``chunk_bytes`` (``EYRIE_PEER_CHUNK_MB``) through
+      ``buffers`` (``EYRIE_PEER_BUFFERS``) staging buffers on each GPU: the gather of chunk i+1 on the source
+      GPU, the peer memcpy (``cudaMemcpyPeerAsync``, the copy engines) of chunk i on a copy stream, the scatter
+      of chunk i-1 on the destination GPU, ordered by events; no kernel touches the peer's memory, so it works
+      wherever a peer memcpy does;
     - ``pull``: the copy kernel on the destination GPU reading the source pages over the link (peer access);
     - ``push``: the copy kernel on the source GPU storing into the peer's pages (peer access; the destination
       passed as an address: Triton refuses a pointer into a peer's CUDA IPC mapping at launch);
@@ -134,8 +135,9 @@ class PeerSettings:
     - ``runs-strided``: one strided ``copy_`` per run covering every plane (torch's copy kernel over the link)."""
 
     mode: str = field(default_factory=lambda: os.environ.get("EYRIE_PEER_COPY", "staged"))
-    chunk_bytes: int = field(default_factory=lambda: _chunk_mb_from_env() << 20)
-    buffers: int = 3  # staged: the staging buffers on each GPU (chunks in flight)
+    chunk_bytes: int = field(default_factory=lambda: _whole_from_env("EYRIE_PEER_CHUNK_MB", 64) << 20)
+    # staged: the staging buffers on each GPU (2: chunk i's memcpy beside chunk i+1's gather and i-1's scatter)
+    buffers: int = field(default_factory=lambda: _whole_from_env("EYRIE_PEER_BUFFERS", 2))
     kernel: KernelSettings | None = None  # push, pull: the launch of the kernel crossing the link (None: KERNEL)
     push_refused: str = ""  # why push was given up for staged at a hand-off: every later copy is staged
 

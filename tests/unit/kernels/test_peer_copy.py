@@ -77,7 +77,11 @@ def test_the_mode_comes_from_the_environment_and_a_wrong_one_is_refused_naming_t
     monkeypatch.delenv("EYRIE_PEER_COPY")
     assert PeerSettings().mode == "staged"
     monkeypatch.setenv("EYRIE_PEER_CHUNK_MB", "lots")
-    with pytest.raises(ValueError, match="EYRIE_PEER_CHUNK_MB must be a whole number of MB >= 1, got 'lots'"):
+    with pytest.raises(ValueError, match="EYRIE_PEER_CHUNK_MB must be a whole number >= 1, got 'lots'"):
+        PeerSettings()
+    monkeypatch.setenv("EYRIE_PEER_CHUNK_MB", "64")
+    monkeypatch.setenv("EYRIE_PEER_BUFFERS", "0")
+    with pytest.raises(ValueError, match="EYRIE_PEER_BUFFERS must be a whole number >= 1, got '0'"):
         PeerSettings()
     src, dst = pools()
     with pytest.raises(ValueError, match="push, runs"):
