@@ -105,7 +105,7 @@ def copy_pages(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst_p
     grid = (groups * blocks, planes) if k.flat_grid else (groups, planes, blocks)
     _copy_pages_kernel[grid](src_w, dst_w.data_ptr() if raw_dst else dst_w, ids, n, src_w[0, 0].numel(),
                              dst_w[0, 0].numel(), PAGE=page, BLOCK=block, PAGES=k.pages_per_program, FLAT=k.flat_grid,
-                             RAW=raw_dst, num_warps=k.num_warps)
+                             RAW=raw_dst, ALIGNED=raw_dst and _aligned16(dst_w, page, block), num_warps=k.num_warps)
 
 
 PEER_MODES = ("staged", "pull", "push", "runs", "runs-strided")
@@ -320,6 +320,13 @@ def chunk_ids(first: list[int], second: list[int], chunks: list[tuple[int, int]]
     return ids.to(device, non_blocking=True)
 
 
+def _aligned16(pool_w: torch.Tensor, page: int, block: int) -> bool:
+    """Every block the kernel stores into ``pool_w`` (a pool as words) starts on 16 bytes: its base, and a page's
+    and a block's bytes, are multiples of 16 (a plane is a whole number of pages)."""
+    word = pool_w.element_size()
+    return pool_w.data_ptr() % 16 == 0 and page * word % 16 == 0 and block * word % 16 == 0
+
+
 def as_words(pool: torch.Tensor, word_bytes: int) -> torch.Tensor:
     """The pool's bytes as integer words of ``word_bytes`` (or fewer, when a plane's last dimension does not
     divide), the same memory: the copy moves bytes, whatever the dtype."""
@@ -344,9 +351,10 @@ if triton is not None:
 
     @triton.jit
     def _copy_pages_kernel(src, dst, ids, n, src_plane, dst_plane, PAGE: tl.constexpr, BLOCK: tl.constexpr,
-                           PAGES: tl.constexpr, FLAT: tl.constexpr, RAW: tl.constexpr):
+                           PAGES: tl.constexpr, FLAT: tl.constexpr, RAW: tl.constexpr, ALIGNED: tl.constexpr):
         """Block ``blk`` of PAGES pages of one plane: ids[0] the source pages, ids[1] the destination ones. RAW:
-        ``dst`` is the destination's address (an int64), of ``src``'s element type."""
+        ``dst`` is the destination's address (an int64), of ``src``'s element type; ALIGNED: every block of it
+        starts on 16 bytes (the wrapper checked)."""
         if RAW:
             dst = dst.to(tl.pointer_type(src.dtype.element_ty), bitcast=True)
         if FLAT:
@@ -364,6 +372,8 @@ if triton is not None:
                 d = tl.load(ids + n + p)
                 src_at = src + plane * src_plane + s * PAGE + offs
                 dst_at = dst + plane * dst_plane + d * PAGE + offs
+                if ALIGNED:  # what Triton knows of an aligned pointer argument, for the address: 16-byte stores
+                    dst_at = tl.multiple_of(dst_at, 16)
                 if PAGE % BLOCK == 0:  # no tail: unmasked, vectorised
                     tl.store(dst_at, tl.load(src_at))
                 else:
