@@ -508,10 +508,10 @@ def main() -> None:
         for r in results:
             print(peer_line(r) if "layout" in r else f"  {r['transport']:39s} {r['bytes'] / 1e6:7.1f} MB "
                   f"{r['seconds'] * 1e3:7.2f} ms {r['gbps']:7.1f} GB/s (best {r['best_gbps']:6.1f})")
-        best = max((r for r in results if r.get("intact") and r.get("layout") == "scattered"),
-                   key=lambda r: r["gbps"], default=None)
-        if best:
-            print(f"best on scattered pages: {peer_line(best).strip()}")
+        for layout in args.peer_layouts.split(","):
+            best = max((r for r in results if r.get("intact") and r.get("layout") == layout and "gbps" in r),
+                       key=lambda r: r["gbps"], default=None)
+            print(f"best on {layout} pages: {peer_line(best).strip() if best else 'none bit-equal'}")
     for r in results if not args.peer else []:
         floor = f" ({r['streams']} streams; floor {GRPC_FLOOR_GBPS} GB/s)" if r["transport"] == "grpc-stream" else ""
         if "of_device_copy" in r:
