@@ -430,6 +430,8 @@ def peer_line(r: dict) -> str:
     name = f"{r['transport']}" + (f" {r['chunk_mb']} MB x {r.get('buffers')}" if r.get("chunk_mb")
                                   and "staged" in r["transport"] else "") + (f" {r['kernel']}" if r.get("kernel")
                                                                              else "")
+    if r.get("mode_used"):  # the services' path: which mode the default (EYRIE_PEER_COPY) gave
+        name += f" ({r['mode_used']})"
     if "error" in r:
         return f"  {name:28s} {r['layout']:10s} failed: {r['error']}"
     ratio = f" {r['of_memcpy_peer']:.2f} of memcpy-peer" if "of_memcpy_peer" in r else ""
