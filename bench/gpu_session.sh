@@ -106,7 +106,7 @@ for stage in "$@"; do
       run peer_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_peer_handoff_gpu.py
       run bench_peer 240 python3 bench/bench_handoff.py --peer --repeat 10 --json "$OUT/peer.json"
       run peer_push_test 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_peer_push_gpu.py
-      run bench_peer_push 120 python3 bench/bench_handoff.py --peer --peer-modes push,runs-strided --repeat 10 \
+      run bench_peer_push 120 python3 bench/bench_handoff.py --peer --peer-modes runs-strided,push --repeat 10 \
         --json "$OUT/peer_push.json"
       cat "$OUT/bench_peer.log" "$OUT/bench_peer_push.log"
       ;;
