@@ -8,10 +8,12 @@
 - ipc-cross-process (``--cross-process``): the pools live in a second process, as the decode service's
   do, exported by handle and mapped here; the same copies, plus the device's own copy of the same bytes
   (one ``copy_`` of a contiguous tensor) as the reference (issue 14: IPC >= 80% of it).
-- ipc-peer (``--peer``, two GPUs): the pools in a second process on another GPU (``--peer-device``), target +
-  draft (``--draft-layers``) at the 8B shape, in each peer copy mode (``kernels.page_copy.PeerSettings``:
-  push, staged), every page checked there, against ``cudaMemcpyPeer`` of the same bytes in the same run
-  (issue 28: >= 80% of it).
+- peer (``--peer``, two GPUs): the pools in a second process on another GPU (``--peer-device``), target +
+  draft (``--draft-layers``) at the 8B shape, every candidate in one run: each peer copy mode
+  (``kernels.page_copy.PeerSettings``: staged per ``--peer-chunks-mb``, pull, push, runs, runs-strided) per page
+  layout (``--peer-layouts``), every page checked bit for bit, against ``cudaMemcpyPeer`` of the same bytes
+  measured before and after in the same run (issue 28: >= 80% of it); also the local gather alone and the
+  hand-off as the services run it (``write_in_place``, the default mode).
 
 Usage: ``python bench/bench_handoff.py [--tokens 4096] [--layers 8] [--device cpu] [--chunk-mb 4]
 [--repeat 5] [--streams 1,4] [--transports grpc-stream,ipc] [--cross-process] [--contiguous] [--json out.json]``;
@@ -236,30 +238,97 @@ def bench_cross_process(args, src: KVCache, src_pages: list[int]) -> dict:
     return {"transport": "ipc-cross-process", **figures(nbytes, times), "runs": len(src_pages)}
 
 
-def _page_sums(pool: torch.Tensor, pages: list[int], page_size: int) -> list[int]:
-    """Per page (every plane), the sum of its bytes read as int16, exact: equal lists, the same bytes in the same
-    pages (up to a swap inside a page)."""
-    words = pool.view(torch.int16)
-    return [int(words[:, :, p * page_size:(p + 1) * page_size].sum(dtype=torch.int64)) for p in pages]
-
-
 def _hold_peer_pools(cache_args: list, conn) -> None:
-    """The child of ``--peer``: a decode-like process holding one pool per cache on its GPU; exports them, then
-    answers each list of page lists with its pages' sums (``_page_sums``), until told "done"."""
+    """The child of ``--peer``: a decode-like process holding one pool per cache on its GPU (zeroed); exports
+    them and holds them until told "done" (the parent checks the pages through its own mapping of them)."""
     caches = [make_cache(a, True) for a in cache_args]
+    for c in caches:
+        c.pool.zero_()
+    torch.cuda.synchronize(caches[0].pool.device)
     conn.send(export_pools([c.pool for c in caches]))
-    while (msg := conn.recv()) != "done":
-        torch.cuda.synchronize(caches[0].pool.device)
-        conn.send([_page_sums(c.pool, pages, c.page_size) for c, pages in zip(caches, msg)])
-        for c in caches:
-            c.pool.zero_()
+    conn.recv()
+
+
+def pages_bit_equal(pools: list[torch.Tensor], srcs: list[KVCache], src_pages: list[int],
+                    dst_pages: list[int]) -> bool:
+    """Every destination page holds its source page's bytes (every plane, compared as int16 words), and every
+    other page of the pools is still zero."""
+    for pool, src in zip(pools, srcs):
+        planes, ps = pool.shape[0] * pool.shape[1], src.page_size
+        got = pool.view(torch.int16).view(planes, pool.shape[2] // ps, -1)
+        want = src.pool.view(torch.int16).view(planes, src.pool.shape[2] // ps, -1).to(pool.device)
+        d_idx = torch.tensor(dst_pages, device=pool.device)
+        if not torch.equal(got[:, d_idx], want[:, torch.tensor(src_pages, device=pool.device)]):
+            return False
+        rest = [p for p in range(got.shape[1]) if p not in set(dst_pages)]
+        if rest and got[:, torch.tensor(rest, device=pool.device)].any():
+            return False
+    return True
+
+
+def peer_candidate(pools: list[torch.Tensor], srcs: list[KVCache], src_pages: list[int], dst_pages: list[int],
+                   mode: str, chunk_mb: int | None, repeat: int) -> dict:
+    """``repeat`` + 1 calls of ``copy_pages_peer`` in ``mode`` for every cache (on a side stream of the source GPU,
+    as the hand-off runs it; the first warms and is not kept), each timed from both GPUs idle to both idle; then
+    the pages checked bit for bit."""
+    from kernels.page_copy import copy_pages_peer
+
+    src_dev, dst_dev = srcs[0].pool.device, pools[0].device
+    for p in pools:
+        p.zero_()
+    stream, times = torch.cuda.Stream(src_dev), []
+    chunk = chunk_mb << 20 if chunk_mb else None
+    try:
+        for _ in range(repeat + 1):
+            sync(src_dev)
+            sync(dst_dev)
+            t0 = time.perf_counter()
+            with torch.cuda.stream(stream):
+                for pool, src in zip(pools, srcs):
+                    copy_pages_peer(pool, src.pool, src_pages, dst_pages, src.page_size, mode, chunk)
+            stream.synchronize()
+            sync(src_dev)
+            sync(dst_dev)
+            times.append(time.perf_counter() - t0)
+    except Exception as e:  # a mode the driver refuses: its row says why, the others still run
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    nbytes = sum(s.pool[:, :, :s.page_size].numel() * s.pool.element_size() * len(src_pages) for s in srcs)
+    return {**figures(nbytes, times[1:]), "intact": pages_bit_equal(pools, srcs, src_pages, dst_pages)}
+
+
+def local_gather(srcs: list[KVCache], src_pages: list[int], repeat: int) -> dict:
+    """The copy kernel on the source GPU alone (the staged mode's gather: pages into a contiguous buffer), the
+    bytes it moves per second: the local half of ``staged``."""
+    from kernels.page_copy import copy_pages
+
+    dev, times = srcs[0].pool.device, []
+    bufs = [torch.empty((*s.pool.shape[:2], len(src_pages) * s.page_size, *s.pool.shape[3:]), dtype=s.pool.dtype,
+                        device=dev) for s in srcs]
+    for _ in range(repeat + 1):
+        sync(dev)
+        t0 = time.perf_counter()
+        for buf, src in zip(bufs, srcs):
+            copy_pages(buf, src.pool, src_pages, list(range(len(src_pages))), src.page_size)
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    return {"transport": "local-gather", **figures(sum(b.numel() * b.element_size() for b in bufs), times[1:])}
+
+
+def peer_layouts(args) -> dict[str, tuple[list[int], list[int]]]:
+    """The page lists per layout: scattered (the destination's reversed: no run on both sides, the worst case),
+    contiguous (one run), runs8 (runs of 8 pages, the runs' order reversed: a pool with some churn)."""
+    n = -(-args.tokens // args.page_size)
+    src = list(range(1, n + 1))
+    runs8 = [p for lo in reversed(range(0, n, 8)) for p in range(lo + 1, min(lo + 9, n + 1))]
+    return {"scattered": (src, list(range(n, 0, -1))), "contiguous": (src, list(src)), "runs8": (src, runs8)}
 
 
 def bench_peer(args) -> list[dict]:
     """``--peer``: one request's target + draft pages from ``--device`` into pools a second process holds on
-    ``--peer-device`` (CUDA IPC, peer access: ``shared.handoff.peer``), in each peer copy mode, against the
-    device's own peer memcpy (``cudaMemcpyPeer``: ``copy_`` of one contiguous tensor between the two GPUs) of
-    the same bytes in the same run; every page checked in the other process after each mode."""
+    ``--peer-device`` (CUDA IPC, peer access: ``shared.handoff.peer``): every candidate (each mode of
+    ``kernels.page_copy.PeerSettings``, staged per chunk size) per page layout, each checked bit for bit, against
+    the device's own peer memcpy (``cudaMemcpyPeer``: ``copy_`` of one contiguous tensor between the two GPUs) of
+    the same bytes, measured before and after in the same run (the better of the two is the reference)."""
     from kernels import page_copy
     from shared.handoff.peer import ready
 
@@ -269,40 +338,106 @@ def bench_peer(args) -> list[dict]:
         raise SystemExit(f"no peer copy between {src_dev} and {dst_dev}: {why}")
     cache_args = [argparse.Namespace(**{**vars(args), "layers": n}) for n in (args.layers, args.draft_layers) if n]
     srcs = [filled_source(a) for a in cache_args]
-    src_pages, dst_pages = pages(args)
+    layouts = peer_layouts(args)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     held = [argparse.Namespace(**{**vars(a), "device": args.peer_device}) for a in cache_args]
     proc = ctx.Process(target=_hold_peer_pools, args=(held, child), daemon=True)
     proc.start()
-    results = []
+    per_page = sum(s.pool[:, :, :s.page_size].numel() * s.pool.element_size() for s in srcs)
+    nbytes = per_page * len(layouts["scattered"][0])
+    results = [peer_memcpy(src_dev, dst_dev, nbytes, args.repeat),
+               local_gather(srcs, layouts["scattered"][0], args.repeat)]
     try:
         if not parent.poll(120):
             raise RuntimeError("the process holding the pools did not export them within 120 s")
         pools = open_pools(parent.recv())
-        want = [_page_sums(s.pool, src_pages, s.page_size) for s in srcs]
-        for mode in args.peer_modes.split(","):
-            page_copy.PEER.mode = mode
-            times, nbytes = [], 0
-            for _ in range(args.repeat + 1):
-                t0 = time.perf_counter()
-                nbytes = write_in_place(PageSource("r", srcs, [src_pages] * len(srcs), b""), pools,
-                                        [dst_pages] * len(srcs), time.monotonic() + 60).bytes
-                times.append(time.perf_counter() - t0)
-            parent.send([dst_pages] * len(srcs))
-            intact = parent.recv() == want
-            results.append({"transport": f"ipc-peer-{mode}", **figures(nbytes, times[1:]), "intact": intact,
-                            "runs": len(page_copy.page_runs(src_pages, dst_pages)), "mode_used": page_copy.PEER.mode,
-                            "push_refused": page_copy.PEER.push_refused})
+        for layout in args.peer_layouts.split(","):
+            src_pages, dst_pages = layouts[layout]
+            for mode, (chunk_mb, buffers), kernel in peer_candidates(args):
+                page_copy.PEER.kernel, default_buffers = kernel, page_copy.PEER.buffers
+                page_copy.PEER.buffers = buffers or default_buffers
+                r = peer_candidate(pools, srcs, src_pages, dst_pages, mode, chunk_mb, args.repeat)
+                page_copy.PEER.kernel, page_copy.PEER.buffers = None, default_buffers
+                results.append({"transport": f"peer-{mode}", "layout": layout, "chunk_mb": chunk_mb,
+                                "buffers": buffers,
+                                "kernel": kernel and f"{kernel.block_bytes}:{kernel.num_warps}",
+                                "runs": len(page_copy.page_runs(src_pages, dst_pages)), **r})
+                print(peer_line(results[-1]), flush=True)
+        results.append(guarded("write_in_place", lambda: production_row(pools, srcs, *layouts["scattered"],
+                                                                        args.repeat)))
         parent.send("done")
     finally:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
-    results.append(peer_memcpy(src_dev, dst_dev, results[0]["bytes"], args.repeat))
-    for r in results[:-1]:
-        r["of_memcpy_peer"] = r["gbps"] / results[-1]["gbps"]
+    results.append(guarded("memcpy-peer", lambda: peer_memcpy(src_dev, dst_dev, nbytes, args.repeat)))
+    ref = max(r["gbps"] for r in results if r["transport"] == "memcpy-peer" and "gbps" in r)
+    for r in results:
+        if "gbps" in r and r["transport"] != "memcpy-peer":
+            r["of_memcpy_peer"] = r["gbps"] / ref
     return results
+
+
+def guarded(name: str, measure) -> dict:
+    """``measure()``, or a row naming why it failed (a CUDA error left by a candidate: the figures so far are kept)."""
+    try:
+        return measure()
+    except Exception as e:
+        return {"transport": name, "layout": "-", "error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def peer_candidates(args) -> list[tuple]:
+    """(mode, (staged chunk MB, staging buffers) or Nones, the crossing kernel's launch or None) of every
+    candidate: staged once per ``--peer-chunks-mb`` and ``--peer-buffers``, push and pull once per
+    ``--peer-kernels`` (block bytes:warps), the others once."""
+    from kernels.page_copy import KERNEL, KernelSettings
+
+    out = []
+    for mode in args.peer_modes.split(","):
+        if mode == "staged":
+            out += [(mode, (int(c), int(b)), None) for b in args.peer_buffers.split(",")
+                    for c in args.peer_chunks_mb.split(",")]
+        elif mode in ("push", "pull"):
+            for k in args.peer_kernels.split(","):
+                block, warps = (int(x) for x in k.split(":"))
+                out.append((mode, (None, None),
+                            KernelSettings(**{**vars(KERNEL), "block_bytes": block, "num_warps": warps})))
+        else:
+            out.append((mode, (None, None), None))
+    return out
+
+
+def production_row(pools, srcs, src_pages, dst_pages, repeat: int) -> dict:
+    """The hand-off as the services run it (``write_in_place``, the default mode: ``EYRIE_PEER_COPY``)."""
+    from kernels import page_copy
+
+    for p in pools:
+        p.zero_()
+    times, nbytes = [], 0
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        nbytes = write_in_place(PageSource("r", srcs, [src_pages] * len(srcs), b""), pools,
+                                [dst_pages] * len(srcs), time.monotonic() + 60).bytes
+        times.append(time.perf_counter() - t0)
+    return {"transport": "write_in_place", "layout": "scattered", "mode_used": page_copy.PEER.mode,
+            "chunk_mb": page_copy.PEER.chunk_bytes >> 20, "push_refused": page_copy.PEER.push_refused,
+            **figures(nbytes, times[1:]), "intact": pages_bit_equal(pools, srcs, src_pages, dst_pages)}
+
+
+def peer_line(r: dict) -> str:
+    """One candidate's row: mode, layout, chunk, median GB/s (and the ratio to memcpy-peer once known)."""
+    name = f"{r['transport']}" + (f" {r['chunk_mb']} MB x {r.get('buffers')}" if r.get("chunk_mb")
+                                  and "staged" in r["transport"] else "") + (f" {r['kernel']}" if r.get("kernel")
+                                                                             else "")
+    if r.get("mode_used"):  # the services' path: which mode the default (EYRIE_PEER_COPY) gave
+        name += f" ({r['mode_used']})"
+    if "error" in r:
+        return f"  {name:28s} {r['layout']:10s} failed: {r['error']}"
+    ratio = f" {r['of_memcpy_peer']:.2f} of memcpy-peer" if "of_memcpy_peer" in r else ""
+    intact = f" bit-equal: {r['intact']}" if "intact" in r else ""
+    return (f"  {name:28s} {r.get('layout', ''):10s} {r['bytes'] / 1e6:7.1f} MB {r['seconds'] * 1e3:7.2f} ms "
+            f"{r['gbps']:7.1f} GB/s (best {r['best_gbps']:6.1f}){ratio}{intact}")
 
 
 def peer_memcpy(src: torch.device, dst: torch.device, nbytes: int, repeat: int) -> dict:
@@ -341,7 +476,15 @@ def main() -> None:
     ap.add_argument("--peer", action="store_true", help="only: ipc into a peer GPU (--device into --peer-device), "
                     "each peer copy mode against cudaMemcpyPeer of the same bytes; the 8B shape by default")
     ap.add_argument("--peer-device", default="cuda:1")
-    ap.add_argument("--peer-modes", default="push,staged")
+    ap.add_argument("--peer-modes", default="staged,pull,runs", help="--peer: the candidates "
+                    "(kernels.page_copy.PEER_MODES; push and runs-strided store into the peer's IPC mapping from a "
+                    "kernel on this GPU: run them in a process of their own, as bench/gpu_session.sh peer does)")
+    ap.add_argument("--peer-chunks-mb", default="8,16,32,64,128", help="--peer: the staged mode's chunk sizes")
+    ap.add_argument("--peer-buffers", default="2,3", help="--peer: the staged mode's buffers per GPU")
+    ap.add_argument("--peer-kernels", default="32768:8,32768:16,8192:4,4096:4", help="--peer: push and pull's "
+                    "launches, block bytes per program:warps (a page-plane of the 8B shape is 32768 bytes)")
+    ap.add_argument("--peer-layouts", default="scattered,runs8,contiguous", help="--peer: page layouts "
+                    "(scattered: no run on both sides; runs8: runs of 8 pages; contiguous: one run)")
     ap.add_argument("--draft-layers", type=int, default=None, help="a draft cache's layers beside the target's "
                     "(--peer: default 1, an EAGLE-3 draft's)")
     ap.add_argument("--json", default=None)
@@ -362,12 +505,19 @@ def main() -> None:
         results[-2]["of_device_copy"] = results[-2]["gbps"] / results[-1]["gbps"]
     settings = {k: v for k, v in vars(args).items() if k != "json"}
     print(f"hand-off of {args.tokens} tokens, {settings}")
-    for r in results:
+    if args.peer:
+        print("median GB/s per candidate; ratio to the better of two cudaMemcpyPeer runs (target 0.8):")
+        for r in results:
+            print(peer_line(r) if "layout" in r else f"  {r['transport']:39s} {r['bytes'] / 1e6:7.1f} MB "
+                  f"{r['seconds'] * 1e3:7.2f} ms {r['gbps']:7.1f} GB/s (best {r['best_gbps']:6.1f})")
+        for layout in args.peer_layouts.split(","):
+            best = max((r for r in results if r.get("intact") and r.get("layout") == layout and "gbps" in r),
+                       key=lambda r: r["gbps"], default=None)
+            print(f"best on {layout} pages: {peer_line(best).strip() if best else 'none bit-equal'}")
+    for r in results if not args.peer else []:
         floor = f" ({r['streams']} streams; floor {GRPC_FLOOR_GBPS} GB/s)" if r["transport"] == "grpc-stream" else ""
         if "of_device_copy" in r:
             floor = f" ({r['of_device_copy']:.2f} of the device copy; target 0.8)"
-        if "of_memcpy_peer" in r:
-            floor = f" ({r['of_memcpy_peer']:.2f} of cudaMemcpyPeer; target 0.8; pages intact: {r['intact']})"
         print(f"  {r['transport']:12s} {r['bytes'] / 1e6:9.1f} MB in {r['seconds'] * 1e3:8.2f} ms (median of "
               f"{r['repeats']}): {r['gbps']:6.2f} GB/s, best {r['best_gbps']:6.2f} GB/s{floor}")
         if "sender_cpu_s_per_gb" in r:

@@ -23,7 +23,9 @@
 #                                   # (LAYOUT_TRANSPORT=grpc-stream: every layout's hand-off transport; default auto)
 #   bench/gpu_session.sh layouts4   # four GPUs: pd4 (1P3D) vs colo4, the same workloads and goodput, ~6 min
 #   bench/gpu_session.sh peer       # two GPUs: peer hand-off tests, then a 4096-token 8B hand-off (target + EAGLE-3
-#                                   # draft) into a peer GPU per copy mode vs cudaMemcpyPeer (bench_handoff.py --peer)
+#                                   # draft) into a peer GPU, every copy mode (staged per chunk size, pull, runs;
+#                                   # push, runs-strided in their own process) per page layout vs cudaMemcpyPeer
+#                                   # (bench_handoff.py --peer: peer.json, peer_push.json)
 #   bench/gpu_session.sh nixl       # two GPUs: NIXL VRAM writes GPU 0 -> GPU 1 per UCX_TLS (bench_nixl.py; needs the
 #                                   # nixl-cu13 wheel in .whl: ../shared/tools/gpu-wheels.sh nixl-cu13==1.5.1)
 #   bench/gpu_session.sh receive    # a decode-step proxy on the last GPU while grpc-stream hand-offs arrive, the
@@ -99,8 +101,14 @@ for stage in "$@"; do
       run bench_tp 450 python3 bench/bench_tp.py --out "$OUT/tp.json"
       ;;
     peer)
+      # push and runs-strided store into the peer's IPC mapping from a kernel on the source GPU: their test and
+      # bench rows run in processes of their own (an unmapped store would spoil the CUDA context beside it).
       run peer_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_peer_handoff_gpu.py
       run bench_peer 240 python3 bench/bench_handoff.py --peer --repeat 10 --json "$OUT/peer.json"
+      run peer_push_test 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_peer_push_gpu.py
+      run bench_peer_push 120 python3 bench/bench_handoff.py --peer --peer-modes runs-strided,push --repeat 10 \
+        --json "$OUT/peer_push.json"
+      cat "$OUT/bench_peer.log" "$OUT/bench_peer_push.log"
       ;;
     nixl)
       run bench_nixl 500 python3 bench/bench_nixl.py --mb 512 --descs 1,2112 --mem VRAM --reader-gpu 1 --timeout 50 \

@@ -5,9 +5,9 @@ A kernel on the prefill GPU may touch that memory only once peer access from the
 GPU is enabled in this process (without it Triton refuses the pointer: "Pointer argument ... cannot be
 accessed from Triton (cpu tensor?)", issue 28). ``ready`` enables it (torch enables peer access inside a copy
 between two devices, ``cudaDeviceEnablePeerAccess``) and then proves the write for real: the copy the
-hand-off will make (``kernels.page_copy.copy_pages_peer``, in each mode of ``PeerSettings``) from a scratch
-pool here into a scratch pool on the peer, read back. The first mode that works is the one used; when none
-does, the reason is returned and the negotiation falls back to the gRPC stream.
+hand-off will make (``kernels.page_copy.copy_pages_peer``, the mode ``EYRIE_PEER_COPY`` names, default staged)
+from a scratch pool here into a scratch pool on the peer, read back. The first mode that works is the one used;
+when none does, the reason is returned and the negotiation falls back to the gRPC stream.
 """
 
 from __future__ import annotations
@@ -40,8 +40,13 @@ def _make_ready(src: torch.device, dst: torch.device) -> str | None:
         enable_peer_access(src, dst)
     except Exception as e:  # a driver refusing it (e.g. too many peers)
         return f"enabling peer access from {src} to {dst} failed: {e}"
+    if page_copy.PEER.mode not in page_copy.PEER_MODES:
+        return f"EYRIE_PEER_COPY={page_copy.PEER.mode!r} is not a peer copy mode ({', '.join(page_copy.PEER_MODES)})"
     failures = []
-    for mode in (page_copy.PEER.mode, *(m for m in ("push", "staged") if m != page_copy.PEER.mode)):
+    # The configured mode, then the others, push last: its probe stores into scratch memory, not into an IPC
+    # mapping as the hand-off will, so it is the least proven.
+    order = [m for m in page_copy.PEER_MODES if m not in (page_copy.PEER.mode, "push")] + ["push"]
+    for mode in dict.fromkeys([page_copy.PEER.mode, *order]):
         why = probe(src, dst, mode)
         if why is None:
             page_copy.PEER.mode = mode

@@ -1,8 +1,10 @@
 """On two GPUs: the ipc hand-off into a peer GPU's pools (issue 28: the Triton copy launched on the prefill GPU
 with a pointer into the decode GPU's pools was refused, every request failed and nothing fell back).
 
-- each peer copy mode (push: the kernel on the source GPU storing over the link; staged: gather, peer memcpy,
-  scatter) writes every page, and only those, into pools another process holds on the other GPU;
+- each peer copy mode (staged: gather, peer memcpy, scatter, pipelined in chunks; pull: the kernel on the
+  destination GPU reading over the link; runs: a peer memcpy per run and plane) writes every page, and only
+  those, into pools another process holds on the other GPU (push and runs-strided, a kernel on the source GPU
+  storing over the link: test_peer_push_gpu.py, in its own process);
 - the negotiation proves a copy before it chooses ipc for a peer GPU, and falls back to grpc-stream naming why
   when no mode works;
 - the services, prefill on cuda:0 and decode on cuda:1 with the transport left to ``auto``, choose ipc and give
@@ -67,7 +69,7 @@ def peer_pools():
     proc.join(30)
 
 
-@pytest.mark.parametrize("mode, staging_pages", [("push", None), ("staged", None), ("staged", 5)])
+@pytest.mark.parametrize("mode, staging_pages", [("staged", None), ("staged", 5), ("pull", None), ("runs", None)])
 def test_each_peer_mode_writes_every_page_and_only_those_into_another_process_pools(peer_pools, monkeypatch, mode,
                                                                                      staging_pages):
     from shared.handoff.peer import ready
@@ -81,7 +83,7 @@ def test_each_peer_mode_writes_every_page_and_only_those_into_another_process_po
     monkeypatch.setattr(page_copy.PEER, "push_refused", "")
     if staging_pages:  # several pieces through the staging buffers
         per_page = srcs[0].pool[:, :, :PS].numel() * 2
-        monkeypatch.setattr(page_copy.PEER, "staging_bytes", staging_pages * per_page)
+        monkeypatch.setattr(page_copy.PEER, "chunk_bytes", staging_pages * per_page)
     src_pages, dst_pages = [3, 4, 5, 9, 1, 2, 20, 7], [8, 2, 3, 4, 17, 11, 12, 1]  # runs on neither, some on both
     written = write_in_place(PageSource("r", srcs, [src_pages, src_pages], b""), pools, [dst_pages, dst_pages],
                              deadline=1e18)
