@@ -182,4 +182,25 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     return out.reshape(*lead, n)
 
 
-__all__ = ["MAX_ROWS", "TILE_ROWS", "check_config", "choose_config", "fp8_linear", "fp8_linear_ref"]
+def same_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     backend: str = "auto") -> torch.Tensor:
+    """``x @ weight.T + bias`` for a dense (bf16/fp16/fp32) ``weight`` through the same ``tl.dot`` launch as
+    the FP8 product (the conversion is a no-op and the per-channel scale is one 1.0): a row's output is the
+    same bits at every row count up to ``MAX_ROWS``, which ``kernels/gemv.py`` (one row, 2-16, then cuBLAS)
+    does not give. An FP8 target's bf16 LM head runs it (``shared/model/fp8.py prepare``), so a decode step's
+    logits and a verify step's agree."""
+    unit = unit_scale(x.device)
+    return fp8_linear(x, weight, unit, (weight.shape[0], weight.shape[1]), bias, backend=backend)
+
+
+_UNIT: dict[torch.device, torch.Tensor] = {}
+
+
+def unit_scale(device: torch.device) -> torch.Tensor:
+    if device not in _UNIT:  # made once per device, outside any CUDA-graph capture's allocations
+        _UNIT[device] = torch.ones(1, 1, dtype=torch.float32, device=device)
+    return _UNIT[device]
+
+
+__all__ = ["MAX_ROWS", "TILE_ROWS", "check_config", "choose_config", "fp8_linear", "fp8_linear_ref",
+           "same_rows_linear", "unit_scale"]
