@@ -15,10 +15,13 @@ How the product is computed:
   activations as they are.
 * CUDA, up to ``kernels.fp8_gemv.MAX_ROWS`` (1024) rows: every decode, verify and draft step, and prefill
   chunks that small: ``kernels/fp8_gemv.py``, which reads the FP8 bytes once and scales in registers (the
-  batch-1 step reads half the bytes of bf16), weight-only at every row count. One product for every step
-  size is what keeps speculation lossless: a verify step's rows and a decode step's must not round
-  differently by more than float32 summation order (an earlier cut at 16 rows sent verify's rows through the
-  activation-quantized product below, and greedy output with a draft head differed from the target's own).
+  batch-1 step reads half the bytes of bf16), weight-only, in one launch whatever the row count (one row
+  included), so a row's product is the same bits in a decode step and in a verify step. The model's dense
+  projections (its bf16 LM head) run that launch too (``mark_same_rows``): ``kernels/gemv.py`` sums one
+  row, 2-16 rows and cuBLAS's more in three orders. One product for every step size is what keeps greedy
+  speculation exactly lossless (an earlier cut at 16 rows sent verify's rows through the activation-quantized
+  product below, and later one row summed in another order than 2+: greedy with a draft head parted from
+  the target's own on a block-scaled target).
 * CUDA, more rows (long prefill chunks): ``torch._scaled_mm`` on Hopper with the activations quantized
   dynamically (per token for per-channel weights, per 1 x bk group for block weights), as vLLM and SGLang
   run these checkpoints; where this torch cannot do the block-wise product, the weight is dequantized for it.
