@@ -9,14 +9,16 @@ the LM head stay bf16), then:
   decode  the target's decode step at batch 1, ``--context`` tokens of K/V, under its CUDA graph (eager beside
           it), against floor = (bytes the step reads: every weight but the embedding table, FP8 scales included,
           plus the K/V) / the copy bandwidth measured now; with ``--scaled-mm`` also with every product through
-          ``torch._scaled_mm`` (``EYRIE_FP8_GEMV=0``) instead of ``kernels/fp8_gemv.py``.
+          ``torch._scaled_mm`` (``EYRIE_FP8_GEMV=0``) instead of ``kernels/fp8_gemv.py``; for the FP8 formats
+          also with ``EYRIE_FP8_ONE_ROW=tile`` (the older one-row code, which sums in another order than 2+
+          rows), to show what running one row through the 2+ row ``tl.dot`` launch costs.
   greedy  ``--new-tokens`` greedy tokens for ``--prompts`` prompts from the target alone and with a random
           EAGLE-3 head (bf16; topk 1, 3 steps): equal token ids, or the first position where they part.
           Informative only: random bf16 weights give near-tied logits, which one row's and 2+ rows' float32
           summation orders may break differently (bf16 weights as FP8); tests/gpu/test_fp8_gpu.py asserts
           greedy equality on a target with margins (bf16) and on a random one in float32.
   check   the FP8 product at the 8B's four projection shapes against the dequantized product (relative error)
-          at 1, 8, 64 and 300 rows, and whether a row's output is the same bits at 2 rows and at more.
+          at 1, 8, 64 and 300 rows, and whether a row's output is the same bits at 1 row and at more.
 
     python bench/bench_fp8.py --out $OUT/fp8.json              # H100: about 3 minutes
     python bench/bench_fp8.py --smoke --out /tmp/fp8.json      # tiny shapes on the CPU: checks the script only
@@ -65,8 +67,9 @@ def step_bytes(target: LlamaForCausalLM) -> int:
     return read_bytes(target) + scales
 
 
-def decode_step(target, ctx: int, bw: float, scaled_mm: bool = False) -> dict:
+def decode_step(target, ctx: int, bw: float, scaled_mm: bool = False, one_row: str = "dot") -> dict:
     os.environ["EYRIE_FP8_GEMV"] = "0" if scaled_mm else "1"  # read at capture: the graph keeps the choice
+    os.environ["EYRIE_FP8_ONE_ROW"] = one_row
     try:
         engine = Engine(target, config=engine_config(ctx, 1))
         reqs = fake_requests(engine, 1, ctx)
@@ -82,6 +85,7 @@ def decode_step(target, ctx: int, bw: float, scaled_mm: bool = False) -> dict:
         floor_ms = (step_bytes(target) + kv_bytes(engine, ctx)) / bw * 1e3
     finally:
         os.environ.pop("EYRIE_FP8_GEMV", None)
+        os.environ.pop("EYRIE_FP8_ONE_ROW", None)
     gc.collect()
     return {"context": ctx, "graph_ms": graph_ms, "eager_ms": eager_ms, "floor_ms": floor_ms,
             "graph_over_floor": graph_ms / floor_ms, "weight_bytes_read": step_bytes(target)}
@@ -115,9 +119,9 @@ def product_check(fmt: str, device: str, dtype: torch.dtype, shapes: list[tuple[
             want = x.float() @ fp8.dequantize(w).t()
             got = fp8.linear(x, w)
             err = ((got.float() - want).norm() / want.norm()).item()
-            # a verify step's rows and a decode step's: the same bits at 2 rows and at `rows` (the kernel: CUDA)
-            same = None if rows == 1 or not x.is_cuda else bool(torch.equal(fp8.linear(x[:2], w), got[:2]))
-            out.append({"shape": [n, k], "rows": rows, "relative_error": err, "same_bits_as_two_rows": same})
+            # a decode step's row and a verify step's: the same bits at 1 row and at `rows` (the kernel: CUDA)
+            same = None if rows == 1 or not x.is_cuda else bool(torch.equal(fp8.linear(x[:1], w), got[:1]))
+            out.append({"shape": [n, k], "rows": rows, "relative_error": err, "same_bits_as_one_row": same})
     return out
 
 
@@ -150,12 +154,17 @@ def main(argv: list[str] | None = None) -> int:
                                                       scaled_mm=True)
             print(f"{fmt}: decode {row['decode']['graph_ms']:.3f} ms, floor {row['decode']['floor_ms']:.3f} ms, "
                   f"x{row['decode']['graph_over_floor']:.3f}", flush=True)
+            if fmt != "bf16":  # the older one-row code (not lossless against 2+ rows): what the tl.dot launch costs
+                row["decode_one_row_tile"] = decode_step(target, args.context, result["copy_bandwidth_GBps"] * 1e9,
+                                                         one_row="tile")
+                print(f"{fmt}: decode with EYRIE_FP8_ONE_ROW=tile (one-row fp32 tile, informative) "
+                      f"{row['decode_one_row_tile']['graph_ms']:.3f} ms", flush=True)
         if fmt != "bf16":
             row["check"] = product_check(fmt, device, dtype, shapes)
         row["greedy"] = greedy_with_and_without_draft(target, tcfg, args.prompts, args.new_tokens, device)
         if "check" in row:
-            same = all(c["same_bits_as_two_rows"] is not False for c in row["check"])
-            print(f"{fmt}: a row's product the same bits at 2, 8, 64 and 300 rows: {same}", flush=True)
+            same = all(c["same_bits_as_one_row"] is not False for c in row["check"])
+            print(f"{fmt}: a row's product the same bits at 1, 8, 64 and 300 rows: {same}", flush=True)
         # Informative: random weights in bf16 have near-ties among their logits that one row's and 2+ rows'
         # float32 summation orders (and the LM head's and attention's) may break differently, for bf16 weights
         # as for FP8; tests/gpu/test_fp8_gpu.py proves greedy equality on targets with margins.

@@ -2,7 +2,8 @@
 against the copy bandwidth, to tune ``choose_config`` on a GPU (it holds kernels/gemv.py's bf16 shapes).
 
 For each format (``channel``: per-channel scales; ``block``: 128 x 128) and each shape of one Llama-3.1-8B
-layer, at M rows of x (1: a batch-1 decode step; 8: a verify of 7 drafts), 32 different FP8 weights are
+layer, at M rows of x (1: a batch-1 decode step; 8: a verify of 7 drafts; both the tl.dot launch, one row
+under ``EYRIE_FP8_ONE_ROW=tile`` the older one-row code and its candidates), 32 different FP8 weights are
 multiplied back to back in one CUDA graph (no weight in L2 when it is read) for the default configuration and,
 with ``--tune``, every candidate; each is checked against the dequantized product first. Prints the default's
 and the best's microseconds and their share of the copy bandwidth (FP8 bytes and scales read / time).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -23,19 +25,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.timing import copy_bandwidth, graph_of, time_cuda  # noqa: E402
-from kernels.fp8_gemv import choose_config, fp8_linear, fp8_linear_ref  # noqa: E402
+from kernels.fp8_gemv import TILE_ROWS, choose_config, fp8_linear, fp8_linear_ref  # noqa: E402
 from shared.model import fp8  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 REPS = 32
 
 
+def tile_rows(m: int) -> int:
+    """The launch's rows per program: 16 at every row count (the tl.dot code), 1 for one row only under
+    ``EYRIE_FP8_ONE_ROW=tile`` (the older one-row code, as kernels/fp8_gemv.py decides)."""
+    return 1 if m == 1 and os.environ.get("EYRIE_FP8_ONE_ROW", "dot") == "tile" else TILE_ROWS
+
+
 def candidates(m: int, k: int, bk: int) -> list[tuple[int, int, int, int]]:
-    if m == 1:
+    if tile_rows(m) == 1:
         grid = itertools.product((8, 16, 32), (1024, 2048, 4096), (4, 8), (3, 4))
         return [c for c in grid if c[0] * c[1] <= 32768 and c[1] <= k]
     bks = (64, 128) if bk < k else (128, 256, 512)
-    return [c for c in itertools.product((32, 64, 128), bks, (4, 8), (3, 4)) if c[1] <= min(bk, k)]
+    return [c for c in itertools.product((16, 32, 64, 128), bks, (4, 8), (3, 4)) if c[1] <= min(bk, k)]
 
 
 def measure(fmt: str, name: str, n: int, k: int, m: int, bw: float, tune: bool, sms: int) -> list[dict]:
@@ -43,7 +51,7 @@ def measure(fmt: str, name: str, n: int, k: int, m: int, bw: float, tune: bool, 
     ws = [fp8.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt, (128, 128)) for _ in range(REPS)]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     ref = fp8_linear_ref(x.float(), ws[0][0], ws[0][1], block).double()
-    default = choose_config(m, n, k, min(block[1], k), sms)
+    default = choose_config(tile_rows(m), n, k, min(block[1], k), sms)
     configs = [default] + ([c for c in candidates(m, k, block[1]) if c != default] if tune else [])
     rows = []
     for cfg in configs:

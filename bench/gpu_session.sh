@@ -8,6 +8,7 @@
 #   bench/gpu_session.sh tests      # GPU tests: kernels at real shapes, graphs == eager == CPU, drafting ahead
 #   bench/gpu_session.sh extend     # extend attention: every candidate on every shape, the tuned table written
 #   bench/gpu_session.sh fp8        # FP8 products and checkpoints on the GPU, then the 8B FP8 decode step vs its floor
+#                                   # (and the greedy tests again with EYRIE_ATTN_SPLITS=1: a diagnostic)
 #   bench/gpu_session.sh fp8-tune   # the FP8 skinny GEMM's launch configurations at the 8B shapes, 1 and 8 rows
 #   bench/gpu_session.sh decode     # EAGLE-3 iteration vs a decode step at batch 1, context 1k (drafting ahead)
 #   bench/gpu_session.sh spec-grid  # every speculative phase, graph and eager, batch 1..64 x context 1k..8k
@@ -73,7 +74,11 @@ for stage in "$@"; do
       ;;
     fp8)
       run fp8_tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py tests/unit/kernels/test_fp8_gemv.py
-      run fp8_bench 330 python3 bench/bench_fp8.py --scaled-mm --out "$OUT/fp8.json"
+      run fp8_bench 200 python3 bench/bench_fp8.py --scaled-mm --out "$OUT/fp8.json"
+      # diagnostic: greedy with/without the head on the oracle with attention at one key split in decode and
+      # verify alike (flash-decoding's split bounds follow each step's key count: verify's differ from decode's)
+      run fp8_one_split 120 env EYRIE_ATTN_SPLITS=1 python3 -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_fp8_gpu.py -k "greedy_is_the_same"
       ;;
     fp8-tune)
       run fp8_tune 570 python3 bench/bench_fp8_gemv.py --tune --out "$OUT/fp8_gemv.json"

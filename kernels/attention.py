@@ -32,6 +32,7 @@ No host synchronisation: the grid comes from Python ints only (rows, heads, spli
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -240,6 +241,8 @@ def choose_config(q: torch.Tensor, num_kv_heads: int, batch: int, max_q_len: int
     block_m = max(16, triton.next_power_of_2(block_q * group))
     n_qblocks = -(-max_q_len // block_q) if max_q_len else 0
     small = block_m <= 64
+    if num_splits is None and os.environ.get("EYRIE_ATTN_SPLITS"):  # a diagnostic: the same key split at every
+        num_splits = int(os.environ["EYRIE_ATTN_SPLITS"])            # q length (decode vs verify), read at capture
     if num_splits is None:
         sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
         programs = max(1, n_qblocks * batch * num_kv_heads)

@@ -1,17 +1,19 @@
 """Skinny GEMM over FP8 weights (``y = x @ (W_fp8 * scale).T + b``): the decode, verify and draft projections
 of an FP8 checkpoint (``shared/model/fp8.py``), up to ``MAX_ROWS`` rows of ``x``.
 
-The layout of ``kernels/gemv.py``: one program owns ``BLOCK_N`` weight rows for one row of ``x`` or a tile of
-16 (programs of one weight block side by side, so it is read from HBM once) and walks K in ``BLOCK_K`` steps,
-reading each FP8 weight byte once (half the bytes of bf16: the batch-1 step's floor halves). Its scale ``S``
-[ceil(N / BN), ceil(K / BK)] is applied per step for block scales or once per output for per-channel scales
-(``BK >= K``). One row: the weight in float32 times x, accumulated in a tile (a step may span power-of-two
-scale blocks; where the program's rows share one scale row, the step's x is scaled rather than the tile).
-2+ rows: ``tl.dot`` of the FP8 tile converted to x's dtype (exact) with x, a step inside one scale block,
-the same launch shape at every row count: a row's output does not depend on the other rows. The
-activations stay in their dtype at every row count the kernel takes (weight-only, no activation
-quantization), so a verify step and a decode step compute the same product for a position, up to float32
-summation order between one row and more (as in ``kernels/gemv.py``).
+The layout of ``kernels/gemv.py``: one program owns ``BLOCK_N`` weight rows for a tile of 16 rows of ``x``
+(the tiles of one weight block side by side, so it is read from HBM once) and walks K in ``BLOCK_K`` steps,
+reading each FP8 weight byte once (half the bytes of bf16: the batch-1 step's floor halves). Each step is a
+``tl.dot`` of the FP8 tile converted to x's dtype (exact) with the x tile, inside one scale block, scaled per
+step (block scales) or once per output (per-channel scales: ``BK >= K``).
+
+Every row count from 1 to ``MAX_ROWS`` runs this same launch (a single row is a tile of 16 with 15 masked
+rows, and the launch shape depends on the weight's shape only), so a row's output is the same bits whatever
+the other rows: a decode step and a verify step compute the same product for a position, and greedy
+speculation is exactly lossless in these products. The activations stay in their dtype (weight-only).
+``EYRIE_FP8_ONE_ROW=tile`` sends one row through the older one-row code instead (an element-wise float32
+tile reduced at the end, as ``kernels/gemv.py`` at M=1; a step may span power-of-two scale blocks): it sums
+in another order than 2+ rows, so it is for timing comparisons only (``bench/bench_fp8.py``).
 
 ``fp8_linear(x, weight, scale, block, bias)`` is the entry point: the kernel on CUDA (and under
 ``TRITON_INTERPRET=1``, as the CPU tests run it), the dequantized ``F.linear`` elsewhere. ``check_config``
@@ -21,6 +23,7 @@ refuses, under the interpreter too, the block sizes the compiler would.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +34,7 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-TILE_ROWS = 16  # rows one tl.dot program takes (2+ rows)
+TILE_ROWS = 16  # rows one tl.dot program takes (every row count, 1 included)
 MAX_ROWS = 1024  # rows the kernel takes: every decode and verify step (more: prefill chunks)
 
 
@@ -113,14 +116,16 @@ def _pow2(v: int) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def choose_config(m: int, n: int, k: int, bk: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages): ``kernels/gemv.py``'s shapes at M=1 (16 rows, 1 KB of each
-    FP8 row in flight, 8 warps, 3 stages) and at 2+ rows (64 rows x 256 through ``tl.dot``). At M=1 a K step
-    spans whole scale blocks or lies in one (power-of-two blocks; others step by their largest power-of-two
-    divisor); at 2+ rows it lies in one. The 2+ row choice depends on the shape only, never on ``m``: a row's
-    output is then the same bits whatever the other rows (verify's rows and a decode step's agree).
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages). The ``tl.dot`` launch (``m`` > 1, and one row too unless
+    ``EYRIE_FP8_ONE_ROW=tile``, which asks for ``m == 1``): 64 weight rows x 256, halved down to 16 rows
+    while the weight blocks do not cover the SMs (a batch-1 step is bandwidth-bound: every SM streams), a
+    step inside one scale block. It depends on the shape only, never on ``m``: a row's output is then the
+    same bits whatever the other rows (verify's rows and a decode step's agree). ``m == 1`` (the one-row
+    tile): ``kernels/gemv.py``'s M=1 shape (16 rows, 1 KB of each FP8 row in flight, 8 warps, 3 stages), a
+    step spanning whole power-of-two scale blocks or lying in one.
     Not yet tuned on a GPU for FP8: ``bench/bench_fp8.py`` times it against the floor."""
     block_n, block_k, warps, stages = (16, 1024, 8, 3) if m == 1 else (64, 256, 4, 4)
-    while m == 1 and block_n > 4 and -(-n // block_n) < sms:
+    while block_n > (4 if m == 1 else 16) and -(-n // block_n) < sms:
         block_n //= 2
     block_k = max(16, min(block_k, triton.next_power_of_2(k) if triton else block_k))
     if bk < k and (m > 1 or not _pow2(bk)):  # the step inside one block
@@ -129,11 +134,14 @@ def choose_config(m: int, n: int, k: int, bk: int, sms: int) -> tuple[int, int, 
 
 
 def check_config(rows: int, k: int, bk: int, config: tuple[int, int, int, int]) -> int:
-    """The BLOCK_K a launch of ``config`` runs with (at 2+ rows capped at the scale block), or a ValueError
+    """The BLOCK_K a launch of ``config`` over tiles of ``rows`` rows runs with (1: the one-row tile code; 2+:
+    the ``tl.dot`` code, its step capped at the scale block), or a ValueError
     for what the compiler would refuse (the interpreter accepts more: this check runs under both)."""
     block_n, block_k, warps, stages = config
     if bk < k:
-        if rows > 1:
+        if rows > 1:  # a step asked for that neither tiles the block's power-of-two part nor is tiled by it
+            if block_k % (bk & -bk) and (bk & -bk) % block_k:
+                raise ValueError(f"fp8_linear: BLOCK_K {block_k} and the scale block {bk} do not tile each other")
             block_k = min(block_k, bk & -bk)
         if (bk % block_k if block_k <= bk else block_k % bk or not _pow2(bk)) or block_k < 16:
             raise ValueError(f"fp8_linear: BLOCK_K {block_k} and the scale block {bk} do not tile each other")
@@ -161,17 +169,38 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         x2 = x2.contiguous()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-    block_n, block_k, warps, stages = config or choose_config(rows, n, k, min(bk, k), sms)
-    block_k = check_config(rows, k, min(bk, k), (block_n, block_k, warps, stages))
-    block_m = 1 if rows == 1 else TILE_ROWS
+    tile_rows = 1 if rows == 1 and os.environ.get("EYRIE_FP8_ONE_ROW", "dot") == "tile" else TILE_ROWS
+    block_n, block_k, warps, stages = config or choose_config(tile_rows, n, k, min(bk, k), sms)
+    block_k = check_config(tile_rows, k, min(bk, k), (block_n, block_k, warps, stages))
     scale = scale.float().contiguous()
-    _fp8_gemv_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n, block_n))](
+    _fp8_gemv_kernel[(triton.cdiv(rows, tile_rows), triton.cdiv(n, block_n))](
         x2, weight, scale, bias if bias is not None else scale, out, rows, n, k, scale.shape[1],
         x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
-        BN=bn, BK=bk, PER_CHANNEL=bk >= k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BN=bn, BK=bk, PER_CHANNEL=bk >= k, BLOCK_M=tile_rows, BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages)
     return out.reshape(*lead, n)
 
 
-__all__ = ["MAX_ROWS", "TILE_ROWS", "check_config", "choose_config", "fp8_linear", "fp8_linear_ref"]
+def same_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     backend: str = "auto") -> torch.Tensor:
+    """``x @ weight.T + bias`` for a dense (bf16/fp16/fp32) ``weight`` through the same ``tl.dot`` launch as
+    the FP8 product (the conversion is a no-op and the per-channel scale is one 1.0): a row's output is the
+    same bits at every row count up to ``MAX_ROWS``, which ``kernels/gemv.py`` (one row, 2-16, then cuBLAS)
+    does not give. An FP8 target's bf16 LM head runs it (``shared/model/fp8.py prepare``), so a decode step's
+    logits and a verify step's agree."""
+    unit = unit_scale(x.device)
+    return fp8_linear(x, weight, unit, (weight.shape[0], weight.shape[1]), bias, backend=backend)
+
+
+_UNIT: dict[torch.device, torch.Tensor] = {}
+
+
+def unit_scale(device: torch.device) -> torch.Tensor:
+    if device not in _UNIT:  # made once per device, outside any CUDA-graph capture's allocations
+        _UNIT[device] = torch.ones(1, 1, dtype=torch.float32, device=device)
+    return _UNIT[device]
+
+
+__all__ = ["MAX_ROWS", "TILE_ROWS", "check_config", "choose_config", "fp8_linear", "fp8_linear_ref",
+           "same_rows_linear", "unit_scale"]

@@ -15,10 +15,13 @@ How the product is computed:
   activations as they are.
 * CUDA, up to ``kernels.fp8_gemv.MAX_ROWS`` (1024) rows: every decode, verify and draft step, and prefill
   chunks that small: ``kernels/fp8_gemv.py``, which reads the FP8 bytes once and scales in registers (the
-  batch-1 step reads half the bytes of bf16), weight-only at every row count. One product for every step
-  size is what keeps speculation lossless: a verify step's rows and a decode step's must not round
-  differently by more than float32 summation order (an earlier cut at 16 rows sent verify's rows through the
-  activation-quantized product below, and greedy output with a draft head differed from the target's own).
+  batch-1 step reads half the bytes of bf16), weight-only, in one launch whatever the row count (one row
+  included), so a row's product is the same bits in a decode step and in a verify step. The model's dense
+  projections (its bf16 LM head) run that launch too (``mark_same_rows``): ``kernels/gemv.py`` sums one
+  row, 2-16 rows and cuBLAS's more in three orders. One product for every step size is what keeps greedy
+  speculation exactly lossless (an earlier cut at 16 rows sent verify's rows through the activation-quantized
+  product below, and later one row summed in another order than 2+: greedy with a draft head parted from
+  the target's own on a block-scaled target).
 * CUDA, more rows (long prefill chunks): ``torch._scaled_mm`` on Hopper with the activations quantized
   dynamically (per token for per-channel weights, per 1 x bk group for block weights), as vLLM and SGLang
   run these checkpoints; where this torch cannot do the block-wise product, the weight is dequantized for it.
@@ -245,8 +248,10 @@ def fp8_weights_of(model: nn.Module) -> list[torch.Tensor]:
 
 def prepare(model: nn.Module) -> nn.Module:
     """After ``fuse_projections``: on CUDA, find out once whether ``torch._scaled_mm`` does this model's
-    block-wise products (never inside a CUDA-graph capture) and log which products prefill will run."""
+    block-wise products (never inside a CUDA-graph capture) and log which products prefill will run; mark
+    its dense projection weights (the LM head, modules the checkpoint left unquantized) ``same_rows``."""
     weights = fp8_weights_of(model)
+    mark_same_rows(model)
     blocks = {w.fp8_block if w.fp8_block[1] < w.shape[1] else "channel" for w in weights}
     on_cuda = bool(weights) and weights[0].is_cuda
     paths = {}
@@ -260,17 +265,46 @@ def prepare(model: nn.Module) -> nn.Module:
     return model
 
 
+def mark_same_rows(model: nn.Module) -> None:
+    """Mark an FP8 model's dense projection weights (its bf16 LM head, unquantized modules): ``linear`` runs
+    them through ``kernels.fp8_gemv.same_rows_linear`` on CUDA, whose output for a row does not depend on the
+    row count, so a decode step's logits and a verify step's are the same bits (``kernels/gemv.py`` sums one
+    row, 2-16 rows and more in three orders). The unit scale it needs is made here, outside any capture."""
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            continue
+        for t in [*m.parameters(recurse=False), *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]:
+            if t.dim() == 2 and t.is_floating_point() and not is_fp8(t):
+                t.same_rows = True
+                if t.is_cuda:
+                    from kernels import fp8_gemv
+
+                    fp8_gemv.unit_scale(t.device)
+
+
 # ---- the product --------------------------------------------------------------------------------
+def _gemv_on(rows: int) -> bool:
+    from kernels import fp8_gemv
+
+    return rows <= fp8_gemv.MAX_ROWS and os.environ.get("EYRIE_FP8_GEMV", "1") != "0"  # 0: _scaled_mm / cuBLAS
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T + b`` for a dense weight (``kernels/gemv.py``) or an FP8 one (see the module's docstring)."""
+    """``x @ W.T + b`` for a dense weight (``kernels/gemv.py``; an FP8 model's ``same_rows`` ones: the FP8
+    kernel's launch) or an FP8 one (see the module's docstring)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not is_fp8(weight):
+        if getattr(weight, "same_rows", False) and x.is_cuda and x.dtype == weight.dtype and 0 < rows \
+                and _gemv_on(rows):
+            from kernels import fp8_gemv
+
+            return fp8_gemv.same_rows_linear(x, weight, bias)
         return dense_linear(x, weight, bias)
     if not x.is_cuda:
         return F.linear(x, dequantized(weight, x.dtype), bias)
     from kernels import fp8_gemv
 
-    rows = x.numel() // x.shape[-1]
-    if rows <= fp8_gemv.MAX_ROWS and os.environ.get("EYRIE_FP8_GEMV", "1") != "0":  # 0: _scaled_mm at every size
+    if _gemv_on(rows):
         return fp8_gemv.fp8_linear(x, weight, weight.fp8_scale, weight.fp8_block, bias)
     return scaled_mm_linear(x, weight, bias)
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.gemv import linear
 from shared.forward_batch import ForwardBatch
 from shared.model.config import ModelConfig
+from shared.model.fp8 import linear  # dense: kernels/gemv.py; an FP8 model's LM head: same_rows
 from shared.model.layers import DecoderLayer, RMSNorm
 
 

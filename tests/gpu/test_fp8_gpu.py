@@ -3,7 +3,7 @@ without a draft head.
 
 * up to 1024 rows (every decode and verify step), ``kernels/fp8_gemv.py`` equals the dequantized product
   (weight-only: the activations as they are), per-channel and 128 x 128 blocks, with the CUDA graph
-  capturing it, and a row's output is the same bits at any row count from 2;
+  capturing it, and a row's output is the same bits at any row count from 1 (an FP8 target's bf16 LM head too);
 * ``torch._scaled_mm`` (more rows: long prefill chunks) of the dynamically quantized activations equals the
   same product computed from the quantized activations in float32 (per-channel: row-wise scales; blocks: the
   block-wise product, or the dequantized weight where this torch has none, which the test prints);
@@ -56,6 +56,21 @@ def test_decode_and_verify_rows_run_the_fp8_gemv_kernel(kind, rows):
         assert got.dtype == torch.bfloat16 and rel(got, want) < 1e-2, (n, k)
         if rows > 1:  # the same bits for a row whatever the other rows (a verify step's vs a decode step's)
             assert torch.equal(fp8.linear(x[: rows // 2 + 1], w), got[: rows // 2 + 1]), (n, k)
+
+
+@pytest.mark.parametrize("kind", ["channel", "block"])
+def test_one_row_is_the_same_bits_as_in_a_verify_step(kind):
+    """A batch-1 decode step's row and the same row among a verify step's: every projection shape, and an FP8
+    target's bf16 LM head (marked by ``fp8.prepare``), at 1, 2, 7, 16, 21 and 300 rows."""
+    gen = seeded_generator()
+    head = torch.randn(128256, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    head.same_rows = True
+    for w, k in [(fp8_weight(n, k, kind, gen), k) for n, k in SHAPES] + [(head, 4096)]:
+        x = torch.randn(300, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        every = fp8.linear(x, w)
+        for rows in (1, 2, 7, 16, 21):
+            assert torch.equal(fp8.linear(x[:rows], w), every[:rows]), (tuple(w.shape), rows)
+        assert torch.equal(fp8.linear(x[150:151], w), every[150:151]), tuple(w.shape)
 
 
 @pytest.mark.parametrize("kind", ["channel", "block"])

@@ -146,6 +146,18 @@ def test_a_loaded_fp8_target_computes_what_its_dequantized_twin_does(fp8_pair, t
         assert a.generate(prompt, GREEDY)[0].token_ids == b.generate(prompt, GREEDY)[0].token_ids
 
 
+def test_a_loaded_fp8_targets_lm_head_is_marked_for_the_same_product_at_every_row_count(fp8_pair):
+    """The bf16 LM head of an FP8 target runs ``kernels.fp8_gemv.same_rows_linear`` on CUDA (a decode step's
+    logits and a verify step's the same bits: tests/gpu/test_fp8_gpu.py); on the CPU the dense product."""
+    _, out = fp8_pair
+    model = load_target(out / "target")
+    head = model.lm_head.weight
+    assert getattr(head, "same_rows", False) and not fp8.is_fp8(head)
+    assert not getattr(model.model.embed_tokens.weight, "same_rows", False) or model.config.tie_word_embeddings
+    x = torch.randn(3, head.shape[1], dtype=head.dtype)
+    torch.testing.assert_close(fp8.linear(x, head), torch.nn.functional.linear(x, head), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("scale_layout", ["tensor_bf16", "channel_flat"])
 def test_compressed_tensors_per_tensor_and_flat_scales_load(tmp_path, scale_layout):
     make_model("tiny", tmp_path, fp8="channel")

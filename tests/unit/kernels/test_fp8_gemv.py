@@ -12,7 +12,15 @@ import pytest
 import torch
 from kernel_checks import DEVICE
 
-from kernels.fp8_gemv import MAX_ROWS, TILE_ROWS, check_config, choose_config, fp8_linear, fp8_linear_ref
+from kernels.fp8_gemv import (
+    MAX_ROWS,
+    TILE_ROWS,
+    check_config,
+    choose_config,
+    fp8_linear,
+    fp8_linear_ref,
+    same_rows_linear,
+)
 from shared.model.fp8 import quantize
 
 
@@ -88,3 +96,50 @@ def test_every_launch_compiles_for_hopper(tmp_path):
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     assert " 0 launch(es) failed" in res.stdout
+
+
+@pytest.mark.parametrize("block, k", [(None, 300), ((16, 32), 96), ((32, 64), 200)], ids=["channel", "16x32", "32x64"])
+def test_a_rows_output_is_the_same_bits_at_one_row_and_at_more(block, k):
+    """A decode step's one row and a verify step's several: the same launch (a tile of 16) at 1, 2, 7, 16 and more
+    rows, so a row's product is bit-identical whatever the row count (greedy speculation stays lossless)."""
+    torch.manual_seed(5)
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    n = 37
+    q, scale = quantize(torch.randn(n, k), "channel" if block is None else "block", block or (128, 128))
+    args = (q.to(DEVICE), scale.to(DEVICE), (1, k) if block is None else block)
+    x = torch.randn(2 * TILE_ROWS + 9, k, dtype=dtype, device=DEVICE)
+    every = fp8_linear(x, *args, backend="triton")
+    for rows in (1, 2, 7, TILE_ROWS, TILE_ROWS + 1, 2 * TILE_ROWS + 9):
+        assert torch.equal(fp8_linear(x[:rows], *args, backend="triton"), every[:rows]), rows
+    for row in (0, 5, TILE_ROWS, x.shape[0] - 1):  # each row alone, as a batch-1 decode step runs it
+        assert torch.equal(fp8_linear(x[row:row + 1], *args, backend="triton"), every[row:row + 1]), row
+
+
+def test_the_one_row_tile_code_is_opt_in_and_still_matches_the_dequantized_product(monkeypatch):
+    torch.manual_seed(6)
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    q, scale = quantize(torch.randn(40, 64), "block", (16, 32))
+    args = (q.to(DEVICE), scale.to(DEVICE), (16, 32))
+    x = torch.randn(1, 64, dtype=dtype, device=DEVICE)
+    ref = fp8_linear_ref(x.double().cpu(), q, scale, (16, 32))
+    monkeypatch.setenv("EYRIE_FP8_ONE_ROW", "tile")
+    got = fp8_linear(x, *args, backend="triton", config=(16, 64, 4, 2))  # a step spanning two scale blocks
+    assert ((got.double().cpu() - ref).norm() / ref.norm()).item() < (1e-5 if dtype == torch.float32 else 2e-2)
+    assert check_config(1, 64, 32, (16, 64, 4, 2)) == 64
+
+
+def test_a_dense_weight_through_the_fp8_launch_is_the_same_bits_at_every_row_count():
+    """An FP8 target's bf16 LM head (``same_rows_linear``): F.linear's product, the same bits per row at 1, 2,
+    7, 16 and more rows (kernels/gemv.py sums one row, 2-16 rows and more in three orders)."""
+    torch.manual_seed(7)
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    w = torch.randn(45, 300, dtype=dtype, device=DEVICE)
+    b = torch.randn(45, dtype=dtype, device=DEVICE)
+    x = torch.randn(2 * TILE_ROWS + 9, 300, dtype=dtype, device=DEVICE)
+    every = same_rows_linear(x, w, b, backend="triton")
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    assert ((every.double() - ref).norm() / ref.norm()).item() < (1e-5 if dtype == torch.float32 else 2e-2)
+    for rows in (1, 2, 7, TILE_ROWS, TILE_ROWS + 1):
+        assert torch.equal(same_rows_linear(x[:rows], w, b, backend="triton"), every[:rows]), rows
+    for row in (3, TILE_ROWS + 2, x.shape[0] - 1):
+        assert torch.equal(same_rows_linear(x[row:row + 1], w, b, backend="triton"), every[row:row + 1]), row
