@@ -123,18 +123,22 @@ class PeerSettings:
     """How pages cross from one GPU to a peer GPU of the host (NVLink or PCIe), chosen by
     ``bench/bench_handoff.py --peer`` on two GPUs (docs/benchmarks.md); ``EYRIE_PEER_COPY`` names the mode:
 
-    - ``staged`` (the default): pipelined in chunks of ``chunk_bytes`` (``EYRIE_PEER_CHUNK_MB``) through
+    - ``pull`` (the default: 0.83-0.84 of cudaMemcpyPeer on scattered, run-of-8 and contiguous pages, two GPUs
+      of one host over NVLink, docs/benchmarks.md): the copy kernel on the destination GPU reading the source
+      pages over the link (peer access);
+    - ``staged``: pipelined in chunks of ``chunk_bytes`` (``EYRIE_PEER_CHUNK_MB``) through
       ``buffers`` (``EYRIE_PEER_BUFFERS``) staging buffers on each GPU: the gather of chunk i+1 on the source
       GPU, the peer memcpy (``cudaMemcpyPeerAsync``, the copy engines) of chunk i on a copy stream, the scatter
       of chunk i-1 on the destination GPU, ordered by events; no kernel touches the peer's memory, so it works
-      wherever a peer memcpy does;
-    - ``pull``: the copy kernel on the destination GPU reading the source pages over the link (peer access);
+      wherever a peer memcpy does (0.57-0.71 measured);
     - ``push``: the copy kernel on the source GPU storing into the peer's pages (peer access; the destination
-      passed as an address: Triton refuses a pointer into a peer's CUDA IPC mapping at launch);
+      passed as an address: Triton refuses a pointer into a peer's CUDA IPC mapping at launch). On two H200s
+      its stores into the IPC mapping faulted (illegal address): only when named, never chosen by itself;
     - ``runs``: one peer memcpy per run of pages contiguous on both sides, per (K/V, layer) plane;
-    - ``runs-strided``: one strided ``copy_`` per run covering every plane (torch's copy kernel over the link)."""
+    - ``runs-strided``: one strided ``copy_`` per run covering every plane (torch's copy kernel over the link; it
+      faulted as push did: only when named)."""
 
-    mode: str = field(default_factory=lambda: os.environ.get("EYRIE_PEER_COPY", "staged"))
+    mode: str = field(default_factory=lambda: os.environ.get("EYRIE_PEER_COPY", "pull"))
     chunk_bytes: int = field(default_factory=lambda: _whole_from_env("EYRIE_PEER_CHUNK_MB", 64) << 20)
     # staged: the staging buffers on each GPU (2: chunk i's memcpy beside chunk i+1's gather and i-1's scatter)
     buffers: int = field(default_factory=lambda: _whole_from_env("EYRIE_PEER_BUFFERS", 2))

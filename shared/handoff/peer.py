@@ -5,7 +5,7 @@ A kernel on the prefill GPU may touch that memory only once peer access from the
 GPU is enabled in this process (without it Triton refuses the pointer: "Pointer argument ... cannot be
 accessed from Triton (cpu tensor?)", issue 28). ``ready`` enables it (torch enables peer access inside a copy
 between two devices, ``cudaDeviceEnablePeerAccess``) and then proves the write for real: the copy the
-hand-off will make (``kernels.page_copy.copy_pages_peer``, the mode ``EYRIE_PEER_COPY`` names, default staged)
+hand-off will make (``kernels.page_copy.copy_pages_peer``, the mode ``EYRIE_PEER_COPY`` names, default pull)
 from a scratch pool here into a scratch pool on the peer, read back. The first mode that works is the one used;
 when none does, the reason is returned and the negotiation falls back to the gRPC stream.
 """
@@ -43,9 +43,10 @@ def _make_ready(src: torch.device, dst: torch.device) -> str | None:
     if page_copy.PEER.mode not in page_copy.PEER_MODES:
         return f"EYRIE_PEER_COPY={page_copy.PEER.mode!r} is not a peer copy mode ({', '.join(page_copy.PEER_MODES)})"
     failures = []
-    # The configured mode, then the others, push last: its probe stores into scratch memory, not into an IPC
-    # mapping as the hand-off will, so it is the least proven.
-    order = [m for m in page_copy.PEER_MODES if m not in (page_copy.PEER.mode, "push")] + ["push"]
+    # The configured mode, then the others that never store from the source GPU into the peer's IPC mapping:
+    # push and runs-strided do, and on two H200s those stores faulted (an illegal address that spoils the
+    # process's CUDA context, which no probe into scratch memory shows): they run only when named.
+    order = [m for m in page_copy.PEER_MODES if m not in (page_copy.PEER.mode, "push", "runs-strided")]
     for mode in dict.fromkeys([page_copy.PEER.mode, *order]):
         why = probe(src, dst, mode)
         if why is None:
