@@ -52,8 +52,13 @@ def test_stale_table_is_detected():
     assert ct.main(["--check"]) == 0
 
 
+# Read from the environment by a kernel module, once per process, not service settings: the peer-GPU copy's
+# mode and staging (kernels/page_copy.py PeerSettings).
+KERNEL_KNOBS = {"peer_copy", "peer_chunk_mb", "peer_buffers"}
+
+
 def test_every_eyrie_name_is_a_setting():
-    fields = {name for cls in SETTINGS.values() for name in cls.model_fields}
+    fields = {name for cls in SETTINGS.values() for name in cls.model_fields} | KERNEL_KNOBS
     for path in (DOC, COMPOSE_FILE, ROOT / "docker" / "entrypoint.sh", README):
         names = set(re.findall(r"\bEYRIE_([A-Z][A-Z0-9_]*)", path.read_text()))
         unknown = sorted(n for n in names if n.lower() not in fields)
