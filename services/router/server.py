@@ -1045,6 +1045,7 @@ def start_router(settings: RouterSettings) -> ServiceHandle:
             openai_server.stop()
         core.close()
         telemetry.stop()
+        gc.unfreeze()  # what start froze is the collector's again: at exit extension objects are freed, not leaked
         core.log.event("stopped", drained=not core.in_flight())
 
     return ServiceHandle(role="router", instance_id=instance_id, grpc_address=grpc_address,
