@@ -170,15 +170,12 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
         heartbeat.stop()
         drained = wait_until(lambda: idle(loop.load), t0 + drain_s)
         if drained:  # in-flight calls (a stream's last message) complete; new ones are refused
-            end_relays = getattr(servicer, "end_relays", None)  # a decode instance's relays end only when told
-            if end_relays is not None:
-                end_relays()
+            getattr(servicer, "end_relays", lambda: None)()  # a decode instance's relays end only when told
             server.stop(max(0.5, t0 + drain_s - time.monotonic())).wait(drain_s + 1)
         servicer.close()
         server.stop(0).wait(1)
         loop.stop()
-        if isinstance(engine, Leader):
-            engine.close()  # the followers end with the loop's last call
+        getattr(engine, "close", lambda: None)()  # a Leader's followers end with the loop's last call
         telemetry.stop()
         log.event("stopped", drained=drained, seconds=round(time.monotonic() - t0, 3))
 
