@@ -102,6 +102,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.exported = export_pools(loop.kv_pools) if forced != "grpc-stream" and loop.kv_pools else b""
         self.offered = [t for t in ("ipc", "grpc-stream") if forced in ("auto", t) and (t != "ipc" or self.exported)]
         self.nixl = b""  # with handoff_transport=nixl: its NIXL agent's metadata and pools (made at start)
+        self.nixl_agent = None
         if forced == "nixl":
             from shared.handoff.nixl import NixlAgent
 
@@ -487,6 +488,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         for inc in incoming:
             inc.guard.cancel()
         self.transport.close()
+        if self.nixl_agent is not None:
+            self.nixl_agent.close()
 
 
 def check_first_token(inc: Incoming, received: Received) -> None:

@@ -55,7 +55,11 @@ class RemotePool:
 
 
 class NixlAgent:
-    """One NIXL agent of this process, its pools registered once; calls into it are serialised."""
+    """One NIXL agent of this process, its pools registered once; calls into it are serialised. ``close`` ends it:
+    its UCX backend runs progress threads that poll without pause (NIXL's Python API sets no progress delay), so an
+    agent left behind by a stopped service keeps a core busy for the life of the process."""
+
+    live = 0  # agents made and not yet closed, in this process
 
     def __init__(self, role: str):
         api = nixl_api()
@@ -63,9 +67,33 @@ class NixlAgent:
             raise TransferError("NIXL is not installed (pip install 'eyrie-serve[nixl]')")
         self.name = f"{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
-        self._registered: dict[tuple[int, int], torch.Tensor] = {}  # (address, bytes) -> the pool (kept alive)
+        self._registered: dict[tuple[int, int], tuple[torch.Tensor, object]] = {}  # (address, bytes) -> the pool
+        # (kept alive) and its registration
         self._remote: dict[bytes, str] = {}  # a remote agent's metadata -> its name here
         self.lock = threading.Lock()
+        NixlAgent.live += 1
+
+    def close(self) -> None:
+        """Forget the remote agents, deregister the pools and drop the agent (its destructor joins the UCX
+        threads). Idempotent; a write after it fails with TransportFailed."""
+        with self.lock:
+            agent, self.agent = self.agent, None
+            if agent is None:
+                return
+            NixlAgent.live -= 1
+            for name in self._remote.values():
+                try:
+                    agent.remove_remote_agent(name)
+                except Exception:  # noqa: S110 (a remote already gone: nothing to forget)
+                    pass
+            for _pool, registration in self._registered.values():
+                try:
+                    agent.deregister_memory(registration)
+                except Exception:  # noqa: S110 (the agent's destructor releases what is left)
+                    pass
+            self._remote.clear()
+            self._registered.clear()
+        del agent
 
     def register(self, pools: list[torch.Tensor]) -> None:
         for pool in pools:
@@ -73,9 +101,10 @@ class NixlAgent:
             with self.lock:
                 if key in self._registered:
                     continue
+                if self.agent is None:
+                    raise TransportFailed("the NIXL agent is closed")
                 mem, dev = mem_type(pool)
-                self.agent.register_memory([(key[0], key[1], dev, "")], mem)
-                self._registered[key] = pool
+                self._registered[key] = (pool, self.agent.register_memory([(key[0], key[1], dev, "")], mem))
 
     def export(self, pools: list[torch.Tensor]) -> bytes:
         """This agent's metadata and ``pools``' layout: what a writer needs (the decode side's handshake)."""
@@ -107,11 +136,14 @@ class NixlAgent:
               local_mem: str, remote_mem: str, deadline: float) -> None:
         """One WRITE of the descriptor batch, waited for; TransportFailed when NIXL refuses or fails it."""
         with self.lock:
+            agent = self.agent  # held to the end of this write (a close while it runs leaves it to this call)
+            if agent is None:
+                raise TransportFailed("the NIXL agent is closed")
             try:
-                src = self.agent.get_xfer_descs(local, local_mem)
-                dst = self.agent.get_xfer_descs(remote_descs, remote_mem)
-                handle = self.agent.initialize_xfer("WRITE", src, dst, remote)
-                state = self.agent.transfer(handle)
+                src = agent.get_xfer_descs(local, local_mem)
+                dst = agent.get_xfer_descs(remote_descs, remote_mem)
+                handle = agent.initialize_xfer("WRITE", src, dst, remote)
+                state = agent.transfer(handle)
             except Exception as e:  # nixlBackendError, nixlNotAllowedError: nothing was acknowledged
                 raise TransportFailed(f"NIXL refused the write: {type(e).__name__}: {e}") from e
         try:
@@ -120,12 +152,12 @@ class NixlAgent:
                     raise TransferError("the decode side's write deadline passed during a NIXL write")
                 time.sleep(POLL_S)
                 with self.lock:
-                    state = self.agent.check_xfer_state(handle)
+                    state = agent.check_xfer_state(handle)
             if state != "DONE":
                 raise TransportFailed(f"a NIXL write ended {state}")
         finally:
             with self.lock:
-                self.agent.release_xfer_handle(handle)
+                agent.release_xfer_handle(handle)
 
 
 def write_pages(agent: NixlAgent, source: PageSource, remote_blob: bytes, dest_page_ids: list[list[int]],

@@ -380,6 +380,13 @@ class NixlTransport(IpcTransport):
                 self._agent = NixlAgent("prefill")
             return self._agent
 
+    def close(self) -> None:
+        super().close()
+        with self._lock:
+            agent, self._agent = self._agent, None
+        if agent is not None:
+            agent.close()
+
     def _write(self, address: str, source: PageSource, target) -> Written:
         from shared.handoff.nixl import write_pages
 

@@ -9,6 +9,7 @@ import torch
 
 from shared.handoff import Increment, PageFeed, PageSource, Prefilled, TransferCancelled
 from shared.handoff.nixl import NixlAgent, nixl_api, write_pages
+from shared.handoff.wire import TransportFailed
 from shared.memory.kv_cache import CacheLayout, KVCache
 
 pytestmark = pytest.mark.skipif(nixl_api() is None, reason="NIXL is not installed (the test extra installs it)")
@@ -28,7 +29,25 @@ def cache(layers: int, seed: int | None = None) -> KVCache:
 
 @pytest.fixture(scope="module")
 def agents():
-    return NixlAgent("decode"), NixlAgent("prefill")
+    pair = NixlAgent("decode"), NixlAgent("prefill")
+    yield pair
+    for agent in pair:
+        agent.close()
+
+
+def test_a_closed_agent_refuses_writes_and_ends_its_threads():
+    """A closed agent is gone (its UCX progress threads, which poll without pause, end with it): every process's
+    count of live agents drops, and a write through it fails as a transport failure, never a crash."""
+    before = NixlAgent.live
+    agent = NixlAgent("decode")
+    assert NixlAgent.live == before + 1
+    agent.close()
+    agent.close()  # twice is harmless
+    assert NixlAgent.live == before and agent.agent is None
+    with pytest.raises(TransportFailed, match="closed"):
+        agent.write("nobody", [], [], "DRAM", "DRAM", deadline=0.0)
+    with pytest.raises(TransportFailed, match="closed"):
+        agent.register([cache(1).pool])
 
 
 def test_each_increments_pages_land_in_the_reserved_pages_only(agents):

@@ -29,7 +29,7 @@ from services.metadata import EmbeddedRedis, Registry, connect
 from services.prefill.server import start_prefill
 from services.settings import DecodeSettings, PrefillSettings
 from shared.handoff import PageSource, iter_chunks, sampling_to_pb
-from shared.handoff.nixl import nixl_api
+from shared.handoff.nixl import NixlAgent, nixl_api
 from shared.handoff.wire import page_bytes
 from shared.sampling import SamplingParams
 
@@ -120,6 +120,8 @@ class Stack:
     def stop(self) -> None:
         self.prefill.stop(0.2)
         self.decode.stop(0.2)
+        # No NIXL agent outlives its services (each one's UCX threads poll a core without pause).
+        assert NixlAgent.live == 0, f"{NixlAgent.live} NIXL agents outlived the stack's services"
 
 
 @pytest.fixture(scope="module")
