@@ -160,6 +160,13 @@ class NixlAgent:
                 agent.release_xfer_handle(handle)
 
 
+def agents_of(servicers) -> list[NixlAgent]:
+    """The NIXL agents that services hold now (a decode servicer's, a prefill servicer's nixl transport's)."""
+    found = [getattr(s, "nixl_agent", None) for s in servicers]
+    found += [getattr(t, "_agent", None) for s in servicers for t in getattr(s, "transports", {}).values()]
+    return [a for a in found if a is not None]
+
+
 def write_pages(agent: NixlAgent, source: PageSource, remote_blob: bytes, dest_page_ids: list[list[int]],
                 deadline: float) -> Written:
     """As ``shared.handoff.ipc.write_in_place``, through NIXL: each increment's new pages, in one WRITE."""

@@ -15,7 +15,7 @@ from services.metadata import EmbeddedRedis, RequestStore, connect
 from services.prefill.server import start_prefill
 from services.router.server import start_router
 from services.settings import DecodeSettings, PrefillSettings, RouterSettings
-from shared.handoff.nixl import NixlAgent, nixl_api
+from shared.handoff.nixl import agents_of, nixl_api
 
 
 @pytest.fixture(scope="session")
@@ -68,11 +68,12 @@ class InProcessStack:
         return tokens, finish
 
     def stop(self) -> None:
+        agents = agents_of(h.extra["servicer"] for h in [*self.prefills, *self.decodes])
         self.router.stop(0.5)
         for h in [*self.prefills, *self.decodes]:
             h.stop(0.5)
         # A stopped stack leaves no NIXL agent behind (each one's UCX threads poll a core without pause).
-        assert NixlAgent.live == 0, f"{NixlAgent.live} NIXL agents outlived the stack's services"
+        assert all(a.agent is None for a in agents), "a NIXL agent outlived the stack's services"
 
 
 # The hand-off transports that run on the CPU: the stack tests run over each (ipc: shared-memory pools; nixl:

@@ -29,7 +29,7 @@ from services.metadata import EmbeddedRedis, Registry, connect
 from services.prefill.server import start_prefill
 from services.settings import DecodeSettings, PrefillSettings
 from shared.handoff import PageSource, iter_chunks, sampling_to_pb
-from shared.handoff.nixl import NixlAgent, nixl_api
+from shared.handoff.nixl import agents_of, nixl_api
 from shared.handoff.wire import page_bytes
 from shared.sampling import SamplingParams
 
@@ -118,10 +118,11 @@ class Stack:
         return False
 
     def stop(self) -> None:
+        agents = agents_of(h.extra["servicer"] for h in (self.prefill, self.decode))
         self.prefill.stop(0.2)
         self.decode.stop(0.2)
         # No NIXL agent outlives its services (each one's UCX threads poll a core without pause).
-        assert NixlAgent.live == 0, f"{NixlAgent.live} NIXL agents outlived the stack's services"
+        assert all(a.agent is None for a in agents), "a NIXL agent outlived the stack's services"
 
 
 @pytest.fixture(scope="module")
