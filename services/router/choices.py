@@ -6,7 +6,8 @@ so no client request can take it), with its own Redis record, placement, failove
 choice i samples with ``seed + i`` (mod 2^64): it is the one-choice request with that seed, token for token;
 without one, each choice draws its own seed (independent samples). The choices prefer one decode (and one
 prefill) instance: the least loaded when the request arrived (``RouterCore._pick``'s ``prefer``); a choice goes
-elsewhere only when that instance cannot take it.
+elsewhere only when that instance cannot take it. An abort names the request (``Abort`` with its id, a client
+hanging up) and ends every choice; one choice failing for good ends the others (recorded "aborted", naming it).
 
 The choices' messages reach the client as they come, each naming its choice (``index``); with ``best_of`` > n
 every choice runs to its end first, then the n of highest cumulative log-probability (the sum of the engine's
