@@ -466,6 +466,7 @@ class RouterCore:
                     self._cancel(c, parent.reason or why, parent.code if parent.reason else grpc.StatusCode.CANCELLED)
             if tasks:
                 await asyncio.wait(tasks)
+            parent.output_tokens = sum(c.output_tokens for c in parent.choices)  # for the request's record
 
     def _create_choices(self, parent: Active, k: int) -> list[Active]:
         """(On the I/O pool.) The ``k`` choices of ``parent``, each recorded (``req:{rid}#{i}``), and the
@@ -492,7 +493,7 @@ class RouterCore:
 
     async def _choices_finished(self, parent: Active) -> None:
         """Every choice of ``parent`` finished: so does the request (its record sums their output)."""
-        output = sum(c.output_tokens for c in parent.choices)
+        parent.output_tokens = output = sum(c.output_tokens for c in parent.choices)
         self.log.event("finished", parent.rid, choices=len(parent.choices), output_tokens=output)
         await self._io(self.records.transition, parent.rid, "finished", output_tokens=output,
                        choices=[c.rid for c in parent.choices])
