@@ -7,7 +7,7 @@ the next from speculative verification) must follow the exact law computed with 
 fixture, views and chi-square helper: jointly, token by token and pair by pair), and two choices of one request
 must be independent draws (the first speculative token of choices 2k and 2k+1 against the product of its
 marginals): one test at p > 0.001, Bonferroni over the views. Seeds are fixed (request j: 16 j, so its choices
-use 16 j .. 16 j + 15, every one distinct): the test is deterministic.
+use 16 j .. 16 j + 15, every one distinct): the test is deterministic. The same on the GPU (``gpu``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import threading
 from collections import Counter
 
 import grpc
+import pytest
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
@@ -37,6 +38,10 @@ N = 16
 REQUESTS = 40  # 640 choices (about 45 s on a 2-core machine), CONCURRENT requests at a time
 CONCURRENT = 4
 SETTING = "all"  # temperature, top-k and top-p together
+# On the GPU (the sampling and verification kernels are Triton's there): two engines of fixed small pools share
+# the device, CUDA graphs on, room for every choice in flight.
+DEVICES = {"cpu": {}, "cuda": dict(device="cuda:0", num_pages=512, max_running=CONCURRENT * N, max_context=64,
+                                   cuda_graph=True)}
 
 
 def run_requests(stack) -> list[list[tuple[tuple[int, ...], int]]]:
@@ -80,10 +85,12 @@ def independence_p(runs, law: dict[tuple, float]) -> float:
     return chi_square_p(pairs, product)
 
 
-def test_choices_under_speculation_follow_the_target_and_are_independent(redis_url, small_vocab):  # noqa: F811
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_choices_under_speculation_follow_the_target_and_are_independent(redis_url, small_vocab,  # noqa: F811
+                                                                           device):
     root, laws = small_vocab
     stack = start_stack(redis_url, root, "eagle3", page_size=4, chunk_size=None, spec_topk=3, spec_steps=2,
-                        spec_draft_tokens=6, router_extra=dict(max_n=N))
+                        spec_draft_tokens=6, router_extra=dict(max_n=N), **DEVICES[device])
     try:
         runs = run_requests(stack)
         assert stack.wait_clean()
@@ -97,7 +104,7 @@ def test_choices_under_speculation_follow_the_target_and_are_independent(redis_u
     pvalues = {view: chi_square_p(project(observed, pos), marginal(law, pos)) for view, pos in VIEWS.items()}
     pvalues["choices 2k, 2k+1"] = independence_p(runs, law)
     accepted = [a for choices in runs for _, a in choices]
-    print(f"n={N} {SETTING}: chi-square p " + ", ".join(f"{v} {p:.3g}" for v, p in pvalues.items())
+    print(f"{device} n={N} {SETTING}: chi-square p " + ", ".join(f"{v} {p:.3g}" for v, p in pvalues.items())
           + f"; accepted {sum(accepted)}, two or more in {sum(a >= 2 for a in accepted)} choices")
     view = min(pvalues, key=pvalues.get)
     assert pvalues[view] * len(pvalues) > P_MIN, f"{view}: chi-square p = {pvalues[view]:.2e}"
