@@ -12,6 +12,8 @@ holds the request (``decode_reserved``), while the hand-off goes on. Once tokens
 or decode stream is a failover: a prefill instance recomputes the prompt plus the tokens the client has and
 hands off to another decode instance (the same one when only the prefill side broke); the client's stream
 goes on.
+A request of several choices (OpenAI's ``n`` / ``best_of``) is walked as that many requests at once, all
+preferring one pair of instances, their messages merged with their index (``choices.py``).
 Redis can blink: record writes go through ``RecordWriter`` (retried, buffered, flushed on return).
 
 Everything runs on one event loop per router process (``RouterCore.ensure_loop``): the engines are called
