@@ -6,6 +6,7 @@
 #   bench/gpu_session.sh suite      # the whole GPU suite, one command: pytest tests/gpu tests/unit -m gpu
 #   bench/gpu_session.sh hazards    # which events invalidate a CUDA graph capture (bench/capture_hazards.py)
 #   bench/gpu_session.sh tests      # GPU tests: kernels at real shapes, graphs == eager == CPU, drafting ahead
+#   bench/gpu_session.sh choices    # n=16 choices through the stack on the GPU: the target's law, choices independent
 #   bench/gpu_session.sh extend     # extend attention: every candidate on every shape, the tuned table written
 #   bench/gpu_session.sh fp8        # FP8 products and checkpoints on the GPU, then the 8B FP8 decode step vs its floor
 #                                   # (and the greedy tests again with EYRIE_ATTN_SPLITS=1: a diagnostic)
@@ -64,6 +65,9 @@ for stage in "$@"; do
     tests)
       run gpu_tests 420 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "drafting_ahead or extend"
       run gpu_tests_rest 160 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not drafting_ahead and not extend"
+      ;;
+    choices)  # tests/e2e/test_choices_sampling.py's gpu case: 640 sampled choices under EAGLE-3 on cuda:0
+      run choices 300 python3 -m pytest -q -s -p no:cacheprovider tests/e2e/test_choices_sampling.py -m gpu
       ;;
     kernels)
       run kernel_tests 570 python3 -m pytest -q -p no:cacheprovider tests/unit/kernels

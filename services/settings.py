@@ -199,6 +199,8 @@ class RouterSettings(CommonSettings):
                                   "INVALID_ARGUMENT naming the limit)")
     max_stop_length: int = Field(1024, ge=1, description="characters a stop string may have at most (longer: 400 / "
                                  "INVALID_ARGUMENT naming the limit)")
+    max_n: int = Field(16, ge=1, description="choices a request may ask for at most (OpenAI's n and best_of; more: "
+                       "400 / INVALID_ARGUMENT naming the parameter and the limit)")
     max_header_bytes: int = Field(16384, ge=1024, description="an OpenAI HTTP request's header lines together may "
                                   "have at most this many bytes (more: 400 naming the limit)")
 

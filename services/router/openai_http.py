@@ -34,10 +34,15 @@ Behaviour worth knowing (docs/deploy.md has the user-facing version):
   ``allowed_token_ids``) apply at every speculative tree node. ``response_format`` ``json_object`` and
   ``json_schema`` constrain the output to the schema (``shared/grammar.py``, every tree node masked from its
   own grammar state); vLLM's ``guided_*`` and ``structured_outputs`` spellings are refused, pointing to it.
-  ``n`` > 1,
   ``echo``, ``suffix``, tools, ``tool_choice``, alternative log-probabilities
   and vLLM's extras not implemented yet (``NOT_IMPLEMENTED``) are refused with a 400 naming the parameter
   rather than silently ignored.
+- ``n`` choices on both endpoints (``services/router/choices.py``): each with its ``index``, its own
+  ``finish_reason`` and, streamed, its own events (a chat stream opens each choice with its role); with a
+  ``seed``, choice i samples with ``seed + i``. ``usage`` counts the prompt once and the returned choices'
+  tokens. ``best_of`` (completions only, as OpenAI): ``best_of`` choices generated, the ``n`` of highest
+  cumulative logprob returned, best first; below ``n``, or above ``n`` with ``stream``, is a 400 naming it.
+  Both are capped by the router's ``max_n`` (a 400 naming the parameter and the limit).
 """
 
 from __future__ import annotations
@@ -246,9 +251,9 @@ class _Sampling(_Strict):
     return_token_ids: bool = False  # Eyrie's extension: token_ids in each choice
     user: str | None = None  # OpenAI's end-user id: accepted, not used
     response_format: dict[str, Any] | None = None  # text, json_object or json_schema (_response_format)
+    n: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None  # choices (RouterCore caps them: max_n)
+    best_of: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None  # completions only (parse_chat refuses it)
     # Refused unless at their neutral value (_refuse_unsupported): declared so the message can say why.
-    n: int | None = None
-    best_of: int | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
 
@@ -378,14 +383,11 @@ class Parsed:
     return_token_ids: bool = False
     prompt_param: str = "prompt"
     max_tokens_param: str = "max_tokens"
+    n: int = 1  # choices returned
 
 
 def _refuse_unsupported(body: _Sampling) -> None:
     """Parameters Eyrie does not implement: refuse them rather than return something else."""
-    if body.n not in (None, 1):
-        raise bad("n", "n: only n=1 is supported (send one request per completion)", code="unsupported_value")
-    if body.best_of not in (None, 1):
-        raise bad("best_of", "best_of: only 1 is supported", code="unsupported_value")
     for name in ("echo", "suffix"):
         if getattr(body, name, None):
             raise bad(name, f"{name}: not supported", code="unsupported_parameter")
@@ -493,8 +495,14 @@ def parse_completion(body: CompletionRequest) -> Parsed:
     req.sampling.CopyFrom(_sampling(body, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS))
     req.sampling.top_logprobs = body.logprobs or 0
     req.return_logprobs = body.logprobs is not None
+    req.n = body.n or 1
+    if body.best_of is not None:
+        if body.stream and body.best_of > req.n:  # OpenAI's rule: the best are known only at the end
+            raise bad("best_of", f"best_of: {body.best_of} above n ({req.n}) cannot be streamed (the best choices "
+                                 "are known only when all have ended)")
+        req.best_of = body.best_of  # below n, or above max_n: RouterCore refuses it, naming it
     return Parsed(chat=False, req=req, stream=body.stream, include_usage=_include_usage(body),
-                  continuous_usage=_continuous_usage(body),
+                  continuous_usage=_continuous_usage(body), n=req.n,
                   logprobs=req.return_logprobs, return_token_ids=body.return_token_ids)
 
 
@@ -521,6 +529,9 @@ def _messages(body: ChatRequest) -> list[dict]:
 
 def parse_chat(body: ChatRequest, template: ChatTemplate, default_max_tokens: int) -> Parsed:
     _refuse_unsupported(body)
+    if body.best_of not in (None, 1):
+        raise bad("best_of", "best_of: only /v1/completions takes it (OpenAI's chat API has no best_of)",
+                  code="unsupported_parameter")
     messages = _messages(body)
     if body.top_logprobs and not body.logprobs:
         raise bad("top_logprobs", "top_logprobs: needs logprobs set to true", code="invalid_value")
@@ -529,8 +540,9 @@ def parse_chat(body: ChatRequest, template: ChatTemplate, default_max_tokens: in
     req = pb.GenerateRequest(text=template.render(messages), return_logprobs=body.logprobs)
     req.sampling.CopyFrom(_sampling(body, max_tokens, default_max_tokens))
     req.sampling.top_logprobs = body.top_logprobs or 0
+    req.n = body.n or 1
     return Parsed(chat=True, req=req, stream=body.stream, include_usage=_include_usage(body), logprobs=body.logprobs,
-                  continuous_usage=_continuous_usage(body),
+                  continuous_usage=_continuous_usage(body), n=req.n,
                   return_token_ids=body.return_token_ids, prompt_param="messages", max_tokens_param=max_param)
 
 
@@ -544,17 +556,39 @@ class Accumulated:
     finish: pb.Finish | None = None
 
 
-def _extension(rid: str, finish: pb.Finish) -> dict:
+def _extension(rid: str, finishes: list[pb.Finish]) -> dict:
+    """The ``eyrie`` object: the request's id, timings and speculative-decoding statistics (of several
+    choices: the first token's time, the last end, statistics over all of them; their finish reasons are the
+    choices')."""
+    finish = finishes[0] if len(finishes) == 1 else _combined(finishes)
     sp = finish.spec
-    return {"request_id": rid, "finish_reason": finish.reason, "ttft_s": round(finish.ttft_s, 6),
-            "latency_s": round(finish.latency_s, 6),
-            "spec": {"verify_steps": sp.verify_steps, "accepted_drafts": sp.accepted_drafts,
-                     "accept_length": round(sp.accept_length, 6), "accept_rate": round(sp.accept_rate, 6),
-                     "draft_time_s": round(sp.draft_time_s, 6), "verify_time_s": round(sp.verify_time_s, 6)}}
+    ext = {"request_id": rid, "finish_reason": finish.reason, "ttft_s": round(finish.ttft_s, 6),
+           "latency_s": round(finish.latency_s, 6),
+           "spec": {"verify_steps": sp.verify_steps, "accepted_drafts": sp.accepted_drafts,
+                    "accept_length": round(sp.accept_length, 6), "accept_rate": round(sp.accept_rate, 6),
+                    "draft_time_s": round(sp.draft_time_s, 6), "verify_time_s": round(sp.verify_time_s, 6)}}
+    if len(finishes) > 1:
+        del ext["finish_reason"]
+    return ext
 
 
-def _usage(finish: pb.Finish) -> dict:
-    return _token_usage(finish.usage.prompt_tokens, finish.usage.completion_tokens)
+def _combined(finishes: list[pb.Finish]) -> pb.Finish:
+    """Several choices' finishes as one: counts and times summed, rates weighted by each one's verify steps."""
+    steps = sum(f.spec.verify_steps for f in finishes)
+
+    def weighted(name: str) -> float:
+        return sum(getattr(f.spec, name) * f.spec.verify_steps for f in finishes) / steps if steps else 0.0
+
+    spec = pb.SpecStats(verify_steps=steps, accepted_drafts=sum(f.spec.accepted_drafts for f in finishes),
+                        accept_length=weighted("accept_length"), accept_rate=weighted("accept_rate"),
+                        draft_time_s=sum(f.spec.draft_time_s for f in finishes),
+                        verify_time_s=sum(f.spec.verify_time_s for f in finishes))
+    return pb.Finish(spec=spec, ttft_s=min(f.ttft_s for f in finishes), latency_s=max(f.latency_s for f in finishes))
+
+
+def _usage(finishes: list[pb.Finish]) -> dict:
+    """The prompt's tokens once, the choices' output tokens summed."""
+    return _token_usage(finishes[0].usage.prompt_tokens, sum(f.usage.completion_tokens for f in finishes))
 
 
 def _token_usage(prompt: int, completion: int) -> dict:
@@ -728,9 +762,10 @@ class OpenAIServer:
         raise err
 
     async def _complete(self, rid: str, parsed: Parsed, session: Session, first) -> dict:
-        acc = Accumulated()
+        accs: dict[int, Accumulated] = {}
         msg = first
         while msg is not None:
+            acc = accs.setdefault(msg.index, Accumulated())
             acc.token_ids += msg.token_ids
             acc.text.append(msg.text)
             acc.logprobs += msg.logprobs
@@ -738,10 +773,19 @@ class OpenAIServer:
             if msg.HasField("finish"):
                 acc.finish = msg.finish
             msg = await self._next(session, parsed)
-        if acc.finish is None:
+        if sorted(accs) != list(range(parsed.n)) or any(acc.finish is None for acc in accs.values()):
             raise ApiError(500, "the request ended without finishing", code="internal")
+        finishes = [accs[i].finish for i in range(parsed.n)]
+        return {"id": ("chatcmpl-" if parsed.chat else "cmpl-") + rid,
+                "object": "chat.completion" if parsed.chat else "text_completion",
+                "created": int(time.time()), "model": self.settings.model_name,
+                "choices": [self._choice(parsed, i, accs[i]) for i in range(parsed.n)],
+                "usage": _usage(finishes), "eyrie": _extension(rid, finishes)}
+
+    def _choice(self, parsed: Parsed, index: int, acc: Accumulated) -> dict:
+        """One choice of a whole (not streamed) response."""
         text = "".join(acc.text)
-        choice: dict = {"index": 0, "finish_reason": _finish_reason(acc.finish),
+        choice: dict = {"index": index, "finish_reason": _finish_reason(acc.finish),
                         "stop_reason": _stop_reason(acc.finish)}
         if parsed.chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -753,10 +797,7 @@ class OpenAIServer:
                 if parsed.logprobs else None
         if parsed.return_token_ids:
             choice["token_ids"] = acc.token_ids
-        return {"id": ("chatcmpl-" if parsed.chat else "cmpl-") + rid,
-                "object": "chat.completion" if parsed.chat else "text_completion",
-                "created": int(time.time()), "model": self.settings.model_name, "choices": [choice],
-                "usage": _usage(acc.finish), "eyrie": _extension(rid, acc.finish)}
+        return choice
 
     async def _events(self, rid: str, parsed: Parsed, session: Session, first):
         """The stream's server-sent events, ``[DONE]`` last; one event carries every token that arrived since
@@ -768,8 +809,8 @@ class OpenAIServer:
         usage = {"prompt": len(self.core.validate(parsed.req)[1]) if parsed.continuous_usage else 0,
                  "completion": 0}
         try:
-            if parsed.chat:  # OpenAI opens a chat stream with the role
-                yield _event({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+            for index in range(parsed.n if parsed.chat else 0):  # OpenAI opens each chat choice with the role
+                yield _event({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                    "logprobs": None, "finish_reason": None}]}, parsed, usage)
             async for chunk in self._chunks(rid, parsed, session, first, base, usage):
                 yield chunk
@@ -778,25 +819,29 @@ class OpenAIServer:
             self._gone(rid, session)  # a no-op once it ended
 
     async def _chunks(self, rid: str, parsed: Parsed, session: Session, first, base: dict, usage: dict):
-        offset = 0
-        msg, finish = first, None
+        offsets: dict[int, int] = {}  # each choice's text so far (the completions logprobs' text_offset)
+        finishes: dict[int, pb.Finish] = {}
+        msg = first
         try:
             while msg is not None:
-                if msg.HasField("finish"):
-                    finish = msg.finish
+                finish = msg.finish if msg.HasField("finish") else None
+                if finish is not None:
+                    finishes[msg.index] = finish
                 usage["completion"] += len(msg.token_ids)
+                offset = offsets.get(msg.index, 0)
                 if msg.text or finish is not None or parsed.logprobs or parsed.return_token_ids:
                     yield _event(self._chunk(base, parsed, msg, finish, offset, rid), parsed, usage)
-                offset += len(msg.text)
+                offsets[msg.index] = offset + len(msg.text)
                 msg = await self._next(session, parsed)
-            if finish is not None and parsed.include_usage:
-                yield _event({**base, "choices": [], "usage": _usage(finish)}, parsed)
+            if len(finishes) == parsed.n and parsed.include_usage:
+                yield _event({**base, "choices": [], "usage": _usage(list(finishes.values()))}, parsed)
         except ApiError as e:  # the headers are gone: report in the stream, as OpenAI-style servers do
             yield b"data: " + json.dumps(e.body()).encode() + b"\n\n"
 
     def _chunk(self, base: dict, parsed: Parsed, msg: pb.GenerateResponse, finish, offset: int, rid: str) -> dict:
         ids, lps, tops = list(msg.token_ids), list(msg.logprobs), list(msg.top_logprobs)
-        choice: dict = {"index": 0, "finish_reason": _finish_reason(finish), "stop_reason": _stop_reason(finish)}
+        choice: dict = {"index": msg.index, "finish_reason": _finish_reason(finish),
+                        "stop_reason": _stop_reason(finish)}
         if parsed.chat:
             choice["delta"] = {"content": msg.text} if msg.text or finish is None else {}
             choice["logprobs"] = self._chat_logprobs(ids, lps, tops) if parsed.logprobs else None
@@ -807,7 +852,7 @@ class OpenAIServer:
             choice["token_ids"] = ids
         chunk = {**base, "choices": [choice]}
         if finish is not None:
-            chunk["eyrie"] = _extension(rid, finish)
+            chunk["eyrie"] = _extension(rid, [finish])
         return chunk
 
     def _completion_logprobs(self, ids: list[int], lps: list[float], offset: int,

@@ -12,6 +12,8 @@ holds the request (``decode_reserved``), while the hand-off goes on. Once tokens
 or decode stream is a failover: a prefill instance recomputes the prompt plus the tokens the client has and
 hands off to another decode instance (the same one when only the prefill side broke); the client's stream
 goes on.
+A request of several choices (OpenAI's ``n`` / ``best_of``) is walked as that many requests at once, all
+preferring one pair of instances, their messages merged with their index (``choices.py``).
 Redis can blink: record writes go through ``RecordWriter`` (retried, buffered, flushed on return).
 
 Everything runs on one event loop per router process (``RouterCore.ensure_loop``): the engines are called
@@ -46,6 +48,7 @@ from services.common import ServiceHandle, ServiceTelemetry, new_instance_id
 from services.logs import ServiceLog
 from services.metadata import InstanceInfo, Registry, RequestStore, connect
 from services.router.admission import Admission, wait_any
+from services.router.choices import best_choices, choice_counts, choice_params, choice_rid, merged, pump
 from services.router.grpc_api import RouterGrpc
 from services.router.records import REDIS_DOWN, RecordsUnavailable, RecordWriter
 from services.router.relay import Inbox, RelayClient
@@ -123,8 +126,15 @@ class LoadLedger:
         if not live:
             return None, None
         with self._lock:
-            best = min(live, key=lambda i: (self._load(i), i.instance_id))
+            best = self._least_loaded(live)
             return best, self._place(best.instance_id, tokens, arrived)
+
+    def least_loaded(self, live: list[InstanceInfo]) -> InstanceInfo | None:
+        with self._lock:
+            return self._least_loaded(live) if live else None
+
+    def _least_loaded(self, live: list[InstanceInfo]) -> InstanceInfo:  # under self._lock
+        return min(live, key=lambda i: (self._load(i), i.instance_id))
 
     def arrived(self, instance_id: str, key: int) -> None:
         with self._lock:
@@ -158,6 +168,11 @@ class Active:
     ttft: float | None = None  # seconds to the first token the client got
     placements: list[dict] = field(default_factory=list)  # each: prefill, decode, reason (recorded in Redis)
     queued_since: float | None = None  # waiting in the admission queue since (monotonic)
+    # A request of several choices (``choices.py``): its choices, each an Active of its own (an abort reaches
+    # them all), and the instance ids they are placed on when those can take them (role -> id, one dict
+    # shared by the choices: their prompt is the same, their pages can be).
+    choices: list[Active] = field(default_factory=list)
+    prefer: dict[str, str] = field(default_factory=dict)
 
 
 class _Replace(Exception):
@@ -231,6 +246,7 @@ class RouterCore:
         rid = req.request_id or uuid.uuid4().hex
         if not RID_PATTERN.fullmatch(rid):
             raise RequestError("request_id", "must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
+        self._validate_choices(req)
         kind = req.WhichOneof("prompt")
         if kind is None:
             raise RequestError("prompt", "give text or token_ids")
@@ -254,6 +270,18 @@ class RouterCore:
             raise RequestError(field_name, f"{len(ids)} tokens leave no room to generate in the context of "
                                            f"{self.max_context}")
         return rid, ids, self._validate_sampling(req.sampling, ids)
+
+    def _validate_choices(self, req: pb.GenerateRequest) -> None:
+        """``n`` and ``best_of`` within the router's ``max_n``, best_of not below n; RequestError naming them."""
+        n, best_of = choice_counts(req)
+        limit = self.settings.max_n
+        if n > limit:
+            raise RequestError("n", f"{n} choices exceed the limit of {limit} (max_n)")
+        if best_of < n:
+            raise RequestError("best_of", f"{best_of} is below n ({n}): best_of choices are generated and the n best "
+                                          "returned")
+        if best_of > limit:
+            raise RequestError("best_of", f"{best_of} choices exceed the limit of {limit} (max_n)")
 
     def _validate_sampling(self, s: pb.SamplingParams, ids: list[int]) -> SamplingParams:
         """The request's sampling parameters after a valid prompt ``ids``, or RequestError naming the field."""
@@ -295,10 +323,12 @@ class RouterCore:
         return params
 
     # ---- placement -------------------------------------------------------------------------------
-    def _pick(self, role: str, exclude: set[str], tokens: int = 0, arrived: bool = False
+    def _pick(self, role: str, exclude: set[str], tokens: int = 0, arrived: bool = False, prefer: str | None = None
               ) -> tuple[InstanceInfo, int] | tuple[None, None]:
-        """The least loaded live instance of ``role`` (not in ``exclude``), with ``tokens`` placed on it."""
-        return self.ledger.choose([i for i in self.live(role) if i.instance_id not in exclude], tokens, arrived)
+        """The least loaded live instance of ``role`` (not in ``exclude``), with ``tokens`` placed on it; the
+        instance ``prefer`` names instead while it is live and not excluded."""
+        live = [i for i in self.live(role) if i.instance_id not in exclude]
+        return self.ledger.choose([i for i in live if i.instance_id == prefer] or live, tokens, arrived)
 
     def live(self, role: str) -> list[InstanceInfo]:
         """The live instances of ``role``; while Redis is away, the ones last seen (requests already accepted
@@ -362,18 +392,30 @@ class RouterCore:
         ``abort(rid)`` ends it at once; closing the iterator (or cancelling its task) is the client going away.
         """
         active = await self._admit(req)
-        rid = active.rid
         t0 = time.perf_counter()
+        n, best_of = choice_counts(req)
+        walk = self._walk(active, active.ids, active.params, req.return_logprobs, t0) if best_of == 1 else \
+            self._walk_choices(active, n, best_of, req.return_logprobs, t0)
+        async with aclosing(self._recorded(active, walk)) as run:
+            async for out in run:
+                yield out
+
+    async def _recorded(self, active: Active, walk: AsyncIterator[pb.GenerateResponse], choice: bool = False):
+        """``walk``'s messages; its end recorded in Redis (finished by the walk, failed or aborted here) and
+        what the services hold for the request freed. ``choice``: one choice of a request of several (the
+        request itself is counted and let go by its own walk)."""
+        rid = active.rid
         outcome = "failed"
         try:
-            async with aclosing(self._walk(active, active.ids, active.params, req.return_logprobs, t0)) as walk:
+            async with aclosing(walk):
                 async for out in walk:
                     yield out
             outcome = "finished"
         except RouterError as e:
             outcome = "aborted" if active.cancelled.is_set() else "failed"
             await self._end(active, outcome, e.message, e.code)
-            e.message = f"request {rid}: {e.message}"  # the client may not know the id the router gave it
+            if not e.message.startswith("request "):  # a choice's error already names the choice
+                e.message = f"request {rid}: {e.message}"  # the client may not know the id the router gave it
             raise
         except (GeneratorExit, asyncio.CancelledError):  # the caller stopped reading: the client went away
             outcome = "aborted"
@@ -384,11 +426,79 @@ class RouterCore:
             await self._end(active, outcome, f"internal error: {e}", grpc.StatusCode.INTERNAL)
             raise RouterError(grpc.StatusCode.INTERNAL, f"request {rid}: internal error: {e}") from e
         finally:
-            if self._active.get(rid) is active:
+            if choice:
+                self._room.set()
+            elif self._active.get(rid) is active:
                 del self._active[rid]
                 self._room.set()
-            if self.telemetry:
+            if self.telemetry and not choice:
                 self.telemetry.requests_total.labels(outcome).inc()
+
+    async def _walk_choices(self, parent: Active, n: int, best_of: int, return_logprobs: bool, t0: float):
+        """A request of ``best_of`` choices (``choices.py``): each walked (and recorded) at once in a task of its
+        own, their messages merged with their index; with ``best_of`` > n, the best n once all have ended.
+        Whatever ends the walk early ends every choice still running, and waits for them."""
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks: list[asyncio.Task] = []
+        why = "client went away"
+        try:
+            parent.choices = await self._io(self._create_choices, parent, best_of)
+            for c in parent.choices if parent.cancelled.is_set() else ():  # aborted meanwhile
+                self._cancel(c, parent.reason, parent.code)
+            loop = asyncio.get_running_loop()
+            logprobs = return_logprobs or best_of > n  # best_of ranks by them
+            tasks = [loop.create_task(pump(self._recorded(c, self._walk(c, c.ids, c.params, logprobs, t0), True),
+                                           parent.rid, i, queue)) for i, c in enumerate(parent.choices)]
+            async with aclosing(merged(queue, len(tasks))) as messages:
+                if best_of == n:
+                    async for out in messages:
+                        yield out
+                else:
+                    for out in best_choices([m async for m in messages], n, return_logprobs):
+                        yield out
+            await self._choices_finished(parent)
+        except RouterError as e:
+            if parent.cancelled.is_set():  # the request's abort ended its choices: the request's reason
+                raise RouterError(parent.code, parent.reason) from None
+            why = f"another choice ended: {e.message}"
+            raise
+        finally:
+            for c, task in zip(parent.choices, tasks):
+                if not task.done():
+                    self._cancel(c, parent.reason or why, parent.code if parent.reason else grpc.StatusCode.CANCELLED)
+            if tasks:
+                await asyncio.wait(tasks)
+            parent.output_tokens = sum(c.output_tokens for c in parent.choices)  # for the request's record
+
+    def _create_choices(self, parent: Active, k: int) -> list[Active]:
+        """(On the I/O pool.) The ``k`` choices of ``parent``, each recorded (``req:{rid}#{i}``), and the
+        instances they prefer: the least loaded prefill and decode instances now."""
+        for role in ("prefill", "decode"):
+            inst = self.ledger.least_loaded(self.live(role))
+            if inst is not None:
+                parent.prefer[role] = inst.instance_id
+        choices = [Active(choice_rid(parent.rid, i), ids=parent.ids, params=choice_params(parent.params, i),
+                          prefer=parent.prefer) for i in range(k)]
+        for i, c in enumerate(choices):
+            try:
+                created = self.records.create(c.rid, prompt_tokens=len(c.ids), max_new_tokens=c.params.max_new_tokens,
+                                              request=parent.rid, index=i)
+            except RecordsUnavailable as e:
+                created, why = False, f"the router cannot record requests now: {e}"
+            else:
+                why = f"the record of choice {c.rid} exists already"
+            if not created:
+                for made in choices[:i]:
+                    self.records.transition(made.rid, "failed", error=why)
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, why, retry_after_s=1)
+        return choices
+
+    async def _choices_finished(self, parent: Active) -> None:
+        """Every choice of ``parent`` finished: so does the request (its record sums their output)."""
+        parent.output_tokens = output = sum(c.output_tokens for c in parent.choices)
+        self.log.event("finished", parent.rid, choices=len(parent.choices), output_tokens=output)
+        await self._io(self.records.transition, parent.rid, "finished", output_tokens=output,
+                       choices=[c.rid for c in parent.choices])
 
     async def _admit(self, req: pb.GenerateRequest) -> Active:
         """Validate and record a new request: its ``Active``, or RequestError / RouterError (not recorded)."""
@@ -409,8 +519,10 @@ class RouterCore:
         if not duplicate:
             self._active[rid] = active
         created = False
+        n, best_of = choice_counts(req)
         try:
-            created = not duplicate and await self._io(self._create, rid, ids, params)
+            created = not duplicate and await self._io(self._create, rid, ids, params,
+                                                       **(dict(n=n, best_of=best_of) if best_of > 1 else {}))
         finally:
             if (duplicate or not created) and self._active.get(rid) is active:
                 del self._active[rid]
@@ -422,15 +534,16 @@ class RouterCore:
                        temperature=params.temperature, text=req.WhichOneof("prompt") == "text")
         return active
 
-    def _create(self, rid: str, ids: list[int], params: SamplingParams) -> bool:
-        """Record the new request (False: its id is taken); refused with UNAVAILABLE when it cannot be recorded."""
+    def _create(self, rid: str, ids: list[int], params: SamplingParams, **fields) -> bool:
+        """Record the new request (False: its id is taken), with ``fields``; refused with UNAVAILABLE when it
+        cannot be recorded."""
         if self.settings.max_concurrent_requests and len(self._active) > self.settings.max_concurrent_requests:
             self._count_error("resource_exhausted")
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"request {rid}: the router is at its limit of {self.settings.max_concurrent_requests} "
                               "concurrent requests; try again shortly", retry_after_s=1, http_status=429)
         try:
-            return self.records.create(rid, prompt_tokens=len(ids), max_new_tokens=params.max_new_tokens)
+            return self.records.create(rid, prompt_tokens=len(ids), max_new_tokens=params.max_new_tokens, **fields)
         except RecordsUnavailable as e:
             self._count_error("unavailable")
             self.log.event("refused", rid, field=None, message=f"cannot record the request: {e}")
@@ -556,8 +669,10 @@ class RouterCore:
         attempt = 0
         while True:
             self._check_cancelled(active)
-            prefill, p_key = await self._io(self._pick, "prefill", avoid["prefill"], len(ids) + len(resume), True)
-            decode, d_key = await self._io(self._pick, "decode", avoid["decode"] | full, left)
+            prefill, p_key = await self._io(self._pick, "prefill", avoid["prefill"], len(ids) + len(resume), True,
+                                            active.prefer.get("prefill"))
+            decode, d_key = await self._io(self._pick, "decode", avoid["decode"] | full, left, False,
+                                           active.prefer.get("decode"))
             if decode is None and full:  # every live instance is full: wait in the queue for room on any
                 self._release_keys(prefill, p_key)
                 await self.admission.wait_for_room(active, full, last_error, started=bool(resume))
@@ -618,7 +733,8 @@ class RouterCore:
         prefills it inside its decode steps (as the single-process engine does: no second forward over the
         weights, no hand-off); its first token then comes through ``Stream``. False (the request goes to a
         prefill instance) when no decode instance is live or the one chosen refuses or cannot be reached."""
-        decode, d_key = await self._io(self._pick, "decode", avoid_decode, len(ids) + params.max_new_tokens)
+        decode, d_key = await self._io(self._pick, "decode", avoid_decode, len(ids) + params.max_new_tokens, False,
+                                       active.prefer.get("decode"))
         if decode is None:
             return False
         rid = active.rid
@@ -888,12 +1004,18 @@ class RouterCore:
         active = self._active.get(rid)
         if active is None:
             return False
+        for one in (active, *active.choices):
+            self._cancel(one, reason, code)
+        return True
+
+    @staticmethod
+    def _cancel(active: Active, reason: str, code: grpc.StatusCode) -> None:
+        """End ``active``'s walk now (its stream raises ``code`` with ``reason``). On the loop."""
         if not active.cancelled.is_set():
             active.reason, active.code = reason, code
             active.cancelled.set()
         if active.call is not None:
             active.call.cancel()
-        return True
 
     async def _abort_remote(self, active: Active) -> None:
         """Free the request on both services (either may still hold it; a dead one holds nothing)."""

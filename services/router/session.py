@@ -38,13 +38,18 @@ class Session:
             self._wake.set()
 
     async def next(self) -> pb.GenerateResponse | None:
-        """Everything that arrived since the last call, as one message; None at the end; the walk's error
-        (RequestError, RouterError) once its messages are taken."""
+        """Everything that arrived since the last call, as one message (of one choice: the others' stay for the
+        next calls); None at the end; the walk's error (RequestError, RouterError) once its messages are taken."""
         while not self._pending and not self._done:
             self._wake.clear()
             await self._wake.wait()
         if self._pending:
-            batch, self._pending = self._pending, []
+            index = self._pending[0].index  # a request of several choices: one choice's messages at a time
+            if all(m.index == index for m in self._pending):
+                batch, self._pending = self._pending, []
+            else:
+                batch = [m for m in self._pending if m.index == index]
+                self._pending = [m for m in self._pending if m.index != index]
             return merge(batch)
         if self._error is not None:
             raise self._error
@@ -70,11 +75,11 @@ class Session:
 
 
 def merge(batch: list[pb.GenerateResponse]) -> pb.GenerateResponse:
-    """Consecutive messages of one request as one: tokens, logprobs, top logprobs and text concatenated; the
-    last one's finish."""
+    """Consecutive messages of one request's choice as one: tokens, logprobs, top logprobs and text concatenated;
+    the last one's finish."""
     if len(batch) == 1:
         return batch[0]
-    out = pb.GenerateResponse(request_id=batch[0].request_id)
+    out = pb.GenerateResponse(request_id=batch[0].request_id, index=batch[0].index)
     for m in batch:
         out.token_ids.extend(m.token_ids)
         out.logprobs.extend(m.logprobs)

@@ -267,7 +267,7 @@ def test_models(client):
     ("completion", dict(prompt=[1, 2, 10**6]), "prompt"),
     ("completion", dict(prompt=""), "prompt"),
     ("completion", dict(stop=[1]), "stop"),
-    ("completion", dict(n=2), "n"),
+    ("completion", dict(n=0), "n"),
     ("completion", dict(seed=-5), "seed"),
     ("completion", dict(extra_body={"top_k": -7}), "top_k"),
     ("completion", dict(extra_body={"stop_token_ids": [10**6]}), "stop_token_ids"),
