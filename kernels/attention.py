@@ -14,16 +14,30 @@ How the kernel is laid out:
   once for all heads of its group, and decode (one token) still fills a tensor-core tile with G heads.
 * K/V rows are gathered through ``kv_indices`` (token slots), so any page size works: a page only
   changes which slots are neighbours, never the kernel.
-* Keys are split into ``NUM_SPLITS`` contiguous chunks (flash-decoding): each (block, head, split)
-  program writes a partial output and its log-sum-exp, and a second small kernel merges them. Batch 1
-  at long context thereby uses many SMs. With one split the first kernel writes the output itself.
-* Masking costs only where needed: keys every row of the block sees (the prefix; for causal also this
-  step's keys up to the block's first query) run an unmasked loop, the rest a masked one.
+* A query's output is the same bits in every launch of one split length, so a verify step's row equals the
+  decode step at its position (speculation stays exactly lossless; tests/unit/kernels/test_attention_invariance.py):
+  - keys are read in tiles of BLOCK_N *positions* from position 0, and split (flash-decoding) every
+    ``split_len`` positions from 0 (``choose_split_len``: one length per cache, from its longest context and
+    the SM count, never from the batch, the query count or the step's context);
+  - decode-like launches (decode, verify, draft, short causal steps) share one tile shape (``DECODE_ROWS`` rows,
+    32-key tiles, 4 warps), so a row's dots and sums run in one order whatever the other rows are (long causal
+    blocks, extend, keep a compute-bound tile: the same prefill runs with and without a draft);
+  - under a custom mask a query's visible step slots, in column order, stand at positions prefix, prefix + 1, ...
+    (a tree node's ancestors by depth, nodes being in creation order, parents first: where a decode step has
+    those tokens). Tiles past the prefix gather each query's own keys by position and run the tile once per
+    query of the block, keeping that query's rows;
+  - a split's partial (normalised output, log-sum-exp) is merged into the running one in split order with
+    fmas (``_merge_factors``): either one program per split writes partials and the combine kernel merges
+    them (few programs: batch 1 at long context uses many SMs), or one program runs every split of its block
+    and merges as it goes (enough programs already, or too many partials to hold). Both give the same bits,
+    so the choice may follow the batch.
+* A tile a row sees nothing of leaves its state exactly as it was, and a split it sees nothing of (log-sum-exp
+  -inf) merges as nothing: the first key a block reads (a window's start) may differ between steps.
 * Softmax is online in float32 in the exp2 domain; a row that sees no key in a split contributes
   nothing (weight 0) instead of NaN.
-* Sliding window (``window > 0``): the block's keys start at the first one its earliest query sees
-  (``min(q_pos) - window + 1``; the splits share out the keys from there), and every tile is masked,
-  each row dropping the keys at or before its ``q_pos - window`` (the prefix only, under a custom mask).
+* Sliding window (``window > 0``): the block's keys start at the tile holding the first one its earliest query
+  sees (``min(q_pos) - window + 1``), and each row drops the keys at or before its ``q_pos - window`` (the
+  prefix only, under a custom mask).
 
 No host synchronisation: the grid comes from Python ints only (rows, heads, splits and a static
 ``max_q_len`` bound from the metadata or the tensor shapes), so it can be captured in a CUDA graph.
