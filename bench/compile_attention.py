@@ -74,7 +74,7 @@ def build_attn(launch: dict):
 
 
 def build_combine(dtype: str):
-    consts = {"HEAD_DIM": HEAD_DIM, "BLOCK_D": HEAD_DIM}
+    consts = {"HEAD_DIM": HEAD_DIM, "BLOCK_D": HEAD_DIM, "SPLITS_P2": 64}
     types = {"Opart": "*fp32", "Lse": "*fp32", "O": f"*{dtype}"}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in _combine_kernel.arg_names}
     return triton.compile(ASTSource(_combine_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),

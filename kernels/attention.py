@@ -148,11 +148,13 @@ if triton is not None:
             acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, slot, ok, visible, K, V, stride_kt, stride_kh, stride_vt,
                                        stride_vh, kvh, offs_d, d_ok, qk_scale, PRECISION)
         if HAS_MASK:
-            for start in range(tl.maximum(lo, gather_from), hi, BLOCK_N):
-                offs_n = start + tl.arange(0, BLOCK_N)
-                r = offs_n - prefix
-                in_prefix = r < 0
-                for j in range(0, n_tok):  # each query of the block with its own step keys; its rows kept
+            for j in range(0, n_tok):  # each query of the block with its own step keys; its rows kept
+                mine = tok == first_tok + j
+                end_j = tl.max(tl.where(mine, vis_end, 0), 0)  # past it the tiles are nothing to this query
+                for start in range(tl.maximum(lo, gather_from), tl.minimum(hi, end_j), BLOCK_N):
+                    offs_n = start + tl.arange(0, BLOCK_N)
+                    r = offs_n - prefix
+                    in_prefix = r < 0
                     col, cnt = _step_cols(mask_ptr, mask_base + (first_tok + j) * extra, extra, r, BLOCK_N, BLOCK_E)
                     ok = in_prefix | (r < cnt)
                     slot = tl.load(kv_indices + kv_start + tl.where(in_prefix, offs_n, prefix + col), mask=ok,
@@ -160,7 +162,6 @@ if triton is not None:
                     visible = _visible(offs_n, vis_end, q_pos, prefix, window, HAS_MASK, SLIDING) & ok[None, :]
                     a2, m2, l2 = _attn_tile(acc, m_i, l_i, q, slot, ok, visible, K, V, stride_kt, stride_kh,
                                             stride_vt, stride_vh, kvh, offs_d, d_ok, qk_scale, PRECISION)
-                    mine = tok == first_tok + j
                     acc = tl.where(mine[:, None], a2, acc)
                     m_i = tl.where(mine, m2, m_i)
                     l_i = tl.where(mine, l2, l_i)
@@ -221,13 +222,16 @@ if triton is not None:
         # [first_key, kv_end). Under a mask a query's position-p key is its p - prefix'th visible step slot.
         if HAS_MASK:
             cnt = tl.zeros([BLOCK_M], tl.int32)
+            unlike_chain = tl.zeros([BLOCK_M], tl.int32)  # columns where the row differs from "sees 0..tok"
             for e0 in range(0, extra, BLOCK_E):
                 offs_e = e0 + tl.arange(0, BLOCK_E)
-                bits = tl.load(mask_ptr + mask_base + tok[:, None] * extra + offs_e[None, :],
-                               mask=row_ok[:, None] & (offs_e < extra)[None, :], other=0)
-                cnt += tl.sum((bits != 0).to(tl.int32), 1)
+                e_ok = row_ok[:, None] & (offs_e < extra)[None, :]
+                seen = tl.load(mask_ptr + mask_base + tok[:, None] * extra + offs_e[None, :], mask=e_ok, other=0) != 0
+                cnt += tl.sum(seen.to(tl.int32), 1)
+                unlike_chain += tl.sum((e_ok & (seen != (offs_e[None, :] <= tok[:, None]))).to(tl.int32), 1)
             vis_end = tl.where(row_ok, prefix + cnt, 0)
-            gather_from = (prefix // BLOCK_N) * BLOCK_N
+            # A chain (each query sees the step's slots up to its own) has its keys at their columns: no gather.
+            gather_from = tl.where(tl.max(unlike_chain, 0) == 0, kv_len, (prefix // BLOCK_N) * BLOCK_N)
         else:
             vis_end = tl.where(row_ok, prefix + tok + 1, 0)
             gather_from = kv_len
@@ -279,9 +283,9 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(Opart, Lse, O, num_rows, num_q_heads, num_splits, stride_ot, stride_oh,
-                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Merge the split partials of one (row, head) in split order (``_merge_factors``); a split the row saw
-        nothing of (lse -inf, its partial never written) is not read."""
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr):
+        """Merge the split partials of one (row, head) in split order (``_merge_factors``), unrolled so the loads
+        issue together; a split the row saw nothing of (lse -inf, its partial never written) is not read."""
         t = tl.program_id(0)
         h = tl.program_id(1)
         offs_d = tl.arange(0, BLOCK_D)
@@ -289,9 +293,10 @@ if triton is not None:
         M = tl.full([1], float("-inf"), tl.float32)
         W = tl.zeros([1], tl.float32)
         A = tl.zeros([BLOCK_D], tl.float32)
-        for s in range(0, num_splits):
+        for s in tl.static_range(SPLITS_P2):
             part = (s * num_rows + t) * num_q_heads + h
-            lse = tl.load(Lse + part + tl.zeros([1], tl.int32))
+            one = tl.zeros([1], tl.int32) + s
+            lse = tl.load(Lse + part + one * 0, mask=one < num_splits, other=float("-inf"))
             o = tl.load(Opart + part * HEAD_DIM + offs_d, mask=d_ok & (lse > float("-inf")), other=0.0)
             M, a, wb = _merge_factors(M, lse)
             A = tl.fma(A, a, o * wb)
@@ -453,8 +458,9 @@ def _launch(q, k_cache, v_cache, meta, sm_scale, window, q_positions, cfg, split
         UPCAST=upcast, SLIDING=sliding, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not serial:
-        _combine_kernel[(T, hq)](opart, lse, out, T, hq, S, out.stride(0), out.stride(1),
-                                 HEAD_DIM=d, BLOCK_D=block_d, num_warps=4 if d >= 128 else 2)
+        _combine_kernel[(T, hq)](opart, lse, out, T, hq, S, out.stride(0), out.stride(1), HEAD_DIM=d,
+                                 BLOCK_D=block_d, SPLITS_P2=triton.next_power_of_2(S),
+                                 num_warps=4 if d >= 128 else 2)
 
 
 MASK_COLS = 32  # mask columns read per step when mapping a query's visible step slots to positions
