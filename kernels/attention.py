@@ -316,7 +316,9 @@ def _sms(device: torch.device) -> int:
 
 DECODE_ROWS = 64  # tile rows of every decode-like launch (decode, verify, draft): one tile shape, one summation order
 MIN_SPLIT_KEYS = 64
-MAX_SPLITS = 64  # at the longest context; the split length grows instead
+MAX_SPLIT_KEYS = 512  # a longer split leaves short contexts on too few SMs (batch 1 at 1k: 2 splits per head)
+SIZING_CONTEXT = 16384  # the context the split length fills the SMs at; longer ones get more splits
+MAX_SPLITS = 256  # at the longest context; past it the split length grows instead
 PARTIAL_BYTES = 64 << 20  # the float32 partials a split launch may write; past it one program runs every split
 
 
@@ -324,12 +326,14 @@ def choose_split_len(max_context: int, num_kv_heads: int, device: torch.device) 
     """Keys per split, fixed for an engine's life (its longest context, its KV heads per GPU, the SM count).
 
     Splits are cut at multiples of this from position 0, whatever the step, so a query at position p reduces
-    its keys in the same order in a decode step and as a row of a verify step. Sized so one request at the
-    longest context runs ~2 waves of programs (a power of two, at least ``MIN_SPLIT_KEYS``, at most
-    ``MAX_SPLITS`` splits)."""
-    want = -(-max(1, max_context) * num_kv_heads // (2 * _sms(device)))
-    fewest = -(-max(1, max_context) // MAX_SPLITS)
-    return max(MIN_SPLIT_KEYS, triton.next_power_of_2(want), triton.next_power_of_2(fewest))
+    its keys in the same order in a decode step and as a row of a verify step. Sized so one request at
+    ``min(max_context, SIZING_CONTEXT)`` keys runs ~2 waves of programs: a power of two in
+    [``MIN_SPLIT_KEYS``, ``MAX_SPLIT_KEYS``], longer only to keep ``MAX_SPLITS`` splits at the longest context.
+    """
+    ctx = max(1, max_context)
+    want = -(-min(ctx, SIZING_CONTEXT) * num_kv_heads // (2 * _sms(device)))
+    split = min(MAX_SPLIT_KEYS, max(MIN_SPLIT_KEYS, triton.next_power_of_2(want)))
+    return max(split, triton.next_power_of_2(-(-ctx // MAX_SPLITS)))
 
 
 def choose_config(q: torch.Tensor, num_kv_heads: int, batch: int, max_q_len: int, max_kv_len: int | None,

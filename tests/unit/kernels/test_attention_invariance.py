@@ -63,3 +63,18 @@ def test_windowed_tree_rows_equal_decode_steps():
 def test_causal_rows_equal_decode_steps():
     """A causal multi-row step (draft extend, a short chunk) in the decode tile shape: each row as a decode."""
     causal_vs_decode([33, 64, 9], [5, 3, 8], 4, DEVICE, seed=7, split_len=32)
+
+
+def test_split_length_follows_the_cache_not_the_step(monkeypatch):
+    """One length per cache: from its longest context, KV heads and the SM count (an H100's 132 here), a power
+    of two; short contexts still split (8B shape at 8k: 256 keys, as batch 1 split before), long ones get more
+    splits up to MAX_SPLITS, then longer splits."""
+    from kernels import attention
+
+    monkeypatch.setattr(attention, "_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert attention.choose_split_len(8192, 8, cuda) == 256
+    assert attention.choose_split_len(1152, 8, cuda) == 64
+    assert attention.choose_split_len(131072, 8, cuda) == attention.MAX_SPLIT_KEYS
+    assert attention.choose_split_len(1 << 20, 8, cuda) == (1 << 20) // attention.MAX_SPLITS
+    assert attention.choose_split_len(8192, 2, cuda) == 64  # a TP rank's share of the KV heads
