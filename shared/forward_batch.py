@@ -85,13 +85,14 @@ def build_forward_batch(
 
 def attention_split_len(cache: KVCache) -> int | None:
     """The attention's keys per split for every forward over ``cache``: one length for the cache's life (its
-    longest context), so a query's keys sum in one order in a decode step and in a verify step."""
+    engine's context, headroom excluded), so a query's keys sum in one order in a decode step and in a verify
+    step, and in an engine with a draft as in the same engine without."""
     layout = cache.layout
     if layout.device.type != "cuda":
         return None  # the torch reference: no splits
     from kernels.attention import choose_split_len
 
-    return choose_split_len(layout.max_context, layout.num_kv_heads, layout.device)
+    return choose_split_len(layout.context or layout.max_context, layout.num_kv_heads, layout.device)
 
 
 def _indptr(lens: list[int]) -> list[int]:

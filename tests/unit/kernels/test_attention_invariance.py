@@ -78,3 +78,29 @@ def test_split_length_follows_the_cache_not_the_step(monkeypatch):
     assert attention.choose_split_len(131072, 8, cuda) == attention.MAX_SPLIT_KEYS
     assert attention.choose_split_len(1 << 20, 8, cuda) == (1 << 20) // attention.MAX_SPLITS
     assert attention.choose_split_len(8192, 2, cuda) == 64  # a TP rank's share of the KV heads
+
+
+def test_an_engine_with_a_draft_splits_as_the_same_engine_without(monkeypatch):
+    """The target cache of an engine with a draft has more headroom (verify nodes past the context) than the same
+    engine's without; the split length comes from the context alone, so both split alike (2110 + 8 headroom would
+    cross a power of two that 2110 + 1 does not)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from kernels import attention
+    from shared.config import EngineConfig, SpecConfig
+    from shared.forward_batch import attention_split_len
+    from shared.memory.sizing import make_cache
+
+    monkeypatch.setattr(attention, "_sms", lambda device: 132)
+    model = SimpleNamespace(num_key_value_heads=8, head_dim=16)
+    plain = EngineConfig(device="cpu", dtype="float32", num_pages=8, max_running=1)
+    spec = plain.model_copy(update={"spec": SpecConfig(topk=2, steps=3, num_draft_tokens=7)})
+    lens = []
+    for cfg in (plain, spec):
+        layout = make_cache(model, 1, cfg, 2110).layout
+        assert layout.context == 2110 and layout.max_context == 2110 + cfg.headroom
+        on_gpu = SimpleNamespace(layout=dataclasses.replace(layout, device=torch.device("cuda")))
+        lens.append(attention_split_len(on_gpu))
+    assert lens[0] == lens[1] == attention.choose_split_len(2110, 8, torch.device("cuda"))
+    assert attention.choose_split_len(2110 + spec.headroom, 8, torch.device("cuda")) != lens[0]
