@@ -113,6 +113,19 @@ if triton is not None:
         return col, total
 
     @triton.jit
+    def _nested_in(mask_ptr, mask_base, tj, tok, own_col, extra, BLOCK_E: tl.constexpr):
+        """[BLOCK_M]: the row's query sees exactly the step slots query ``tj`` sees up to the row's own last one
+        (``own_col``): its keys are the first of tj's, at the same positions (a tree node on tj's path)."""
+        differ = tl.zeros_like(own_col)
+        for e0 in range(0, extra, BLOCK_E):
+            offs_e = e0 + tl.arange(0, BLOCK_E)
+            upto = (offs_e[None, :] <= own_col[:, None]) & (offs_e < extra)[None, :]
+            mine = tl.load(mask_ptr + mask_base + tok[:, None] * extra + offs_e[None, :], mask=upto, other=0) != 0
+            theirs = tl.load(mask_ptr + mask_base + tj * extra + offs_e, mask=offs_e < extra, other=0) != 0
+            differ += tl.sum((upto & (mine != theirs[None, :])).to(tl.int32), 1)
+        return (differ == 0) & (own_col >= 0)
+
+    @triton.jit
     def _visible(offs_n, vis_end, q_pos, prefix, window, HAS_MASK: tl.constexpr, SLIDING: tl.constexpr):
         """[BLOCK_M, BLOCK_N]: row m sees key positions [0, vis_end[m]), and under a window only the prefix keys
         after ``q_pos - window`` (this step's keys under a mask stay as the mask says)."""
@@ -126,8 +139,8 @@ if triton is not None:
 
     @triton.jit
     def _split_partial(q, lo, hi, gather_from, kv_start, kv_len, prefix, extra, mask_base, first_tok, n_tok, tok,
-                       vis_end, q_pos, window, kv_indices, K, V, stride_kt, stride_kh, stride_vt, stride_vh, kvh,
-                       mask_ptr, offs_d, d_ok, qk_scale, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
+                       vis_end, own_col, q_pos, window, kv_indices, K, V, stride_kt, stride_kh, stride_vt, stride_vh,
+                       kvh, mask_ptr, offs_d, d_ok, qk_scale, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
                        PRECISION: tl.constexpr, SLIDING: tl.constexpr):
         """The keys at positions [lo, hi) (``lo`` a multiple of BLOCK_N) in tiles of BLOCK_N positions: o [BLOCK_M,
@@ -136,7 +149,9 @@ if triton is not None:
         Positions below ``gather_from`` (a multiple of BLOCK_N) are the same slots for every row: one shared
         tile. Above it (a custom mask's step keys) each query's keys are gathered by position: its visible step
         slots in column order are positions prefix, prefix+1, ..., so a tree node's tile holds exactly the keys
-        a decode step at its position holds, in the same places."""
+        a decode step at its position holds, in the same places. One gathered tile serves every query of the
+        block whose visible step slots are the first ones of another's (a tree path's nodes: one pass per
+        leaf); the rows of each query are updated by one pass only."""
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -148,23 +163,28 @@ if triton is not None:
             acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, slot, ok, visible, K, V, stride_kt, stride_kh, stride_vt,
                                        stride_vh, kvh, offs_d, d_ok, qk_scale, PRECISION)
         if HAS_MASK:
-            for j in range(0, n_tok):  # each query of the block with its own step keys; its rows kept
-                mine = tok == first_tok + j
-                end_j = tl.max(tl.where(mine, vis_end, 0), 0)  # past it the tiles are nothing to this query
-                for start in range(tl.maximum(lo, gather_from), tl.minimum(hi, end_j), BLOCK_N):
-                    offs_n = start + tl.arange(0, BLOCK_N)
-                    r = offs_n - prefix
-                    in_prefix = r < 0
-                    col, cnt = _step_cols(mask_ptr, mask_base + (first_tok + j) * extra, extra, r, BLOCK_N, BLOCK_E)
-                    ok = in_prefix | (r < cnt)
-                    slot = tl.load(kv_indices + kv_start + tl.where(in_prefix, offs_n, prefix + col), mask=ok,
-                                   other=0)
-                    visible = _visible(offs_n, vis_end, q_pos, prefix, window, HAS_MASK, SLIDING) & ok[None, :]
-                    a2, m2, l2 = _attn_tile(acc, m_i, l_i, q, slot, ok, visible, K, V, stride_kt, stride_kh,
-                                            stride_vt, stride_vh, kvh, offs_d, d_ok, qk_scale, PRECISION)
-                    acc = tl.where(mine[:, None], a2, acc)
-                    m_i = tl.where(mine, m2, m_i)
-                    l_i = tl.where(mine, l2, l_i)
+            done = tl.zeros([BLOCK_M], tl.int32)  # rows already updated by a pass
+            for jj in range(0, n_tok):  # last query first: in a tree, a node not yet covered is a leaf
+                tj = first_tok + n_tok - 1 - jj
+                mine = (tok == tj) & (done == 0)
+                if tl.max(mine.to(tl.int32), 0) > 0:
+                    covers = mine | _nested_in(mask_ptr, mask_base, tj, tok, own_col, extra, BLOCK_E) & (done == 0)
+                    end_j = tl.max(tl.where(tok == tj, vis_end, 0), 0)  # past it the tiles are nothing to tj
+                    for start in range(tl.maximum(lo, gather_from), tl.minimum(hi, end_j), BLOCK_N):
+                        offs_n = start + tl.arange(0, BLOCK_N)
+                        r = offs_n - prefix
+                        in_prefix = r < 0
+                        col, cnt = _step_cols(mask_ptr, mask_base + tj * extra, extra, r, BLOCK_N, BLOCK_E)
+                        ok = in_prefix | (r < cnt)
+                        slot = tl.load(kv_indices + kv_start + tl.where(in_prefix, offs_n, prefix + col), mask=ok,
+                                       other=0)
+                        visible = _visible(offs_n, vis_end, q_pos, prefix, window, HAS_MASK, SLIDING) & ok[None, :]
+                        a2, m2, l2 = _attn_tile(acc, m_i, l_i, q, slot, ok, visible, K, V, stride_kt, stride_kh,
+                                                stride_vt, stride_vh, kvh, offs_d, d_ok, qk_scale, PRECISION)
+                        acc = tl.where(covers[:, None], a2, acc)
+                        m_i = tl.where(covers, m2, m_i)
+                        l_i = tl.where(covers, l2, l_i)
+                    done = tl.where(covers, 1, done)
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
         return o, lse
@@ -222,18 +242,21 @@ if triton is not None:
         # [first_key, kv_end). Under a mask a query's position-p key is its p - prefix'th visible step slot.
         if HAS_MASK:
             cnt = tl.zeros([BLOCK_M], tl.int32)
+            own_col = tl.full([BLOCK_M], -1, tl.int32)  # the row's last visible step slot (a tree node: itself)
             unlike_chain = tl.zeros([BLOCK_M], tl.int32)  # columns where the row differs from "sees 0..tok"
             for e0 in range(0, extra, BLOCK_E):
                 offs_e = e0 + tl.arange(0, BLOCK_E)
                 e_ok = row_ok[:, None] & (offs_e < extra)[None, :]
                 seen = tl.load(mask_ptr + mask_base + tok[:, None] * extra + offs_e[None, :], mask=e_ok, other=0) != 0
                 cnt += tl.sum(seen.to(tl.int32), 1)
+                own_col = tl.maximum(own_col, tl.max(tl.where(seen, offs_e[None, :], -1), 1).to(tl.int32))
                 unlike_chain += tl.sum((e_ok & (seen != (offs_e[None, :] <= tok[:, None]))).to(tl.int32), 1)
             vis_end = tl.where(row_ok, prefix + cnt, 0)
             # A chain (each query sees the step's slots up to its own) has its keys at their columns: no gather.
             gather_from = tl.where(tl.max(unlike_chain, 0) == 0, kv_len, (prefix // BLOCK_N) * BLOCK_N)
         else:
             vis_end = tl.where(row_ok, prefix + tok + 1, 0)
+            own_col = tl.full([BLOCK_M], -1, tl.int32)  # unused without a mask
             gather_from = kv_len
         kv_end = tl.max(vis_end, 0)
         first_key = kv_end * 0
@@ -260,9 +283,9 @@ if triton is not None:
                 lo = tl.maximum(s * split_len, first_key)
                 hi = tl.minimum(s * split_len + split_len, kv_end)
                 o, lse = _split_partial(q, lo, hi, gather_from, kv_start, kv_len, prefix, extra, mask_base, first_tok,
-                                        n_tok, tok, vis_end, q_pos, window, kv_indices, K, V, stride_kt, stride_kh,
-                                        stride_vt, stride_vh, kvh, mask_ptr, offs_d, d_ok, qk_scale, HAS_MASK,
-                                        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_E, PRECISION, SLIDING)
+                                        n_tok, tok, vis_end, own_col, q_pos, window, kv_indices, K, V, stride_kt,
+                                        stride_kh, stride_vt, stride_vh, kvh, mask_ptr, offs_d, d_ok, qk_scale,
+                                        HAS_MASK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_E, PRECISION, SLIDING)
                 M, a, wb = _merge_factors(M, lse)
                 A = tl.fma(A, a[:, None], o * wb[:, None])
                 W = tl.fma(W, a, wb)
@@ -273,8 +296,8 @@ if triton is not None:
             lo = tl.maximum(split * split_len, first_key)
             hi = tl.minimum(split * split_len + split_len, kv_end)
             o, lse = _split_partial(q, lo, hi, gather_from, kv_start, kv_len, prefix, extra, mask_base, first_tok,
-                                    n_tok, tok, vis_end, q_pos, window, kv_indices, K, V, stride_kt, stride_kh,
-                                    stride_vt, stride_vh, kvh, mask_ptr, offs_d, d_ok, qk_scale, HAS_MASK,
+                                    n_tok, tok, vis_end, own_col, q_pos, window, kv_indices, K, V, stride_kt,
+                                    stride_kh, stride_vt, stride_vh, kvh, mask_ptr, offs_d, d_ok, qk_scale, HAS_MASK,
                                     BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_E, PRECISION, SLIDING)
             part = (split * num_rows + row) * num_q_heads + head  # Opart [S, T, Hq, D], Lse [S, T, Hq]
             tl.store(Opart + part[:, None] * HEAD_DIM + offs_d[None, :], o,
