@@ -81,12 +81,14 @@ def build_combine(dtype: str):
                           options={"num_warps": 4, "num_stages": 1})
 
 
-def dot_layouts(ttgir: str) -> tuple[list[str], list[str]]:
-    """The MMA encodings the kernel declares and the operand/result types of each of its dots, deduplicated:
-    what decides a tile row's summation order (its row sums run on the dot's result layout)."""
-    mma = sorted(set(re.findall(r"^#mma\w* = (#ttg\.nvidia_mma<.*>)$", ttgir, flags=re.M)))
-    dots = sorted({m.split(" : ", 1)[1].split(" loc(")[0] for m in re.findall(r"(?:warp_group_dot|tt\.dot) .*", ttgir)})
-    return mma, dots
+def dot_layouts(ttgir: str) -> list[str]:
+    """The operand/result types of the kernel's dots, deduplicated, each layout alias (``#mma``, ``#blocked1``)
+    replaced by its definition: what decides a tile row's summation order (its row sums run on the dot's
+    result layout). Aliases are numbered per kernel, so two kernels compare by definition."""
+    defs = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ttgir, flags=re.M))
+    dots = {m.split(" : ", 1)[1].split(" loc(")[0] for m in re.findall(r"(?:warp_group_dot|tt\.dot) .*", ttgir)}
+    alias = re.compile(r"#\w+")
+    return sorted(alias.sub(lambda a: defs.get(a.group(0), a.group(0)), d) for d in dots)
 
 
 def main() -> int:
