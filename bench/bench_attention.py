@@ -33,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.timing import copy_bandwidth, graph_of, time_cuda, write_json
-from kernels.attention import AttnConfig, choose_config, paged_attention
+from kernels.attention import AttnConfig, choose_config, choose_split_len, paged_attention
 from kernels.attention_ref import AttentionMetadata
 from kernels.extend_attention import extend_attention
 from kernels.spec_kernels import ancestor_mask
@@ -69,6 +69,7 @@ def metadata(q_lens: list[int], prefix: list[int], extra: list[int], kv_indices:
         kv_indptr=torch.tensor([0] + kv_lens, device="cuda").cumsum(0),
         kv_indices=kv_indices, prefix_lens=torch.tensor(prefix, device="cuda"),
         max_q_len=max(q_lens), max_kv_len=max(kv_lens),
+        split_len=choose_split_len(max(kv_lens), HKV, torch.device("cuda")),  # an engine at this context's
     )
     if masks is not None:
         meta.custom_mask = masks.reshape(-1)
@@ -96,7 +97,7 @@ def bench_decode(caches: Caches, batch: int, ctx: int, gen, copy_bw: float, conf
     meta = metadata([1] * batch, [ctx - 1] * batch, [1] * batch, kv_indices)
     q = torch.randn(batch, HQ, D, device="cuda", dtype=DTYPE)
     out = torch.empty_like(q)
-    cfg = config or choose_config(q, HKV, batch, 1, ctx)
+    cfg = config or choose_config(q, HKV, batch, 1, ctx, split_len=meta.split_len)
 
     def call():
         paged_attention(q, caches.k, caches.v, meta, D ** -0.5, config=cfg, out=out)
@@ -114,7 +115,7 @@ def bench_extend(caches: Caches, batch: int, seq: int, gen, config: AttnConfig |
     meta = metadata([seq] * batch, [0] * batch, [seq] * batch, kv_indices)
     q = torch.randn(batch * seq, HQ, D, device="cuda", dtype=DTYPE)
     out = torch.empty_like(q)
-    cfg = config or choose_config(q, HKV, batch, seq, seq)
+    cfg = config or choose_config(q, HKV, batch, seq, seq, split_len=meta.split_len)
     ms = time_cuda(lambda: paged_attention(q, caches.k, caches.v, meta, D ** -0.5, config=cfg, out=out), iters=10)
     flops = 4 * batch * HQ * D * seq * (seq + 1) / 2  # causal: half the score matrix, two GEMMs
     row = {"kind": "extend", "page_size": caches.page_size, "batch": batch, "seq": seq, "ms": ms,
@@ -168,15 +169,16 @@ def bench_verify(caches: Caches, batch: int, ctx: int, n: int, gen, decode_ms: f
 
 def tune_decode(caches: Caches, batch: int, ctx: int, gen, copy_bw: float, shapes: list[tuple[int, int, int]],
                 split_factors: tuple[float, ...]) -> list[dict]:
-    """Decode under each (block_n, num_warps, num_stages) x the default split count scaled by each factor."""
+    """Decode under each (block_n, num_warps, num_stages) x the default split length scaled by each factor (one
+    program per split)."""
     rows = []
     q = torch.randn(batch, HQ, D, device="cuda", dtype=DTYPE)
-    base = choose_config(q, HKV, batch, 1, ctx)
-    splits = sorted({max(1, round(base.num_splits * f)) for f in split_factors})
+    base = choose_config(q, HKV, batch, 1, ctx, split_len=choose_split_len(ctx, HKV, q.device))
+    lens = sorted({max(64, int(base.split_len * f) // 64 * 64) for f in split_factors})
     for block_n, warps, stages in shapes:
-        for sp in splits:
-            cfg = AttnConfig(block_q=1, block_m=base.block_m, block_n=block_n, num_splits=sp,
-                             num_warps=warps, num_stages=stages)
+        for sl in lens:
+            cfg = AttnConfig(block_q=base.block_q, block_m=base.block_m, block_n=block_n, num_splits=-(-ctx // sl),
+                             num_warps=warps, num_stages=stages, split_len=sl)
             try:
                 rows.append(bench_decode(caches, batch, ctx, gen, copy_bw, cfg, iters=15))
             except Exception as e:  # noqa: BLE001 - out of shared memory etc.: report, go on
@@ -200,7 +202,7 @@ def tune_extend(caches: Caches, batch: int, seq: int, gen) -> list[dict]:
 def fmt(row: dict) -> str:
     c = row.get("config", {})
     cfg = (f"bm{c.get('block_m')} bn{c.get('block_n')} w{c.get('num_warps')} s{c.get('num_stages')} "
-           f"sp{c.get('num_splits')}") if c else ""
+           f"sp{c.get('num_splits')} sl{c.get('split_len')}") if c else ""
     if "error" in row:
         return f"{row['kind']:7s} {cfg:24s} ERROR {row['error']}"
     if row["kind"] == "decode":

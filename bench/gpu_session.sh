@@ -9,7 +9,10 @@
 #   bench/gpu_session.sh choices    # n=16 choices through the stack on the GPU: the target's law, choices independent
 #   bench/gpu_session.sh extend     # extend attention: every candidate on every shape, the tuned table written
 #   bench/gpu_session.sh fp8        # FP8 products and checkpoints on the GPU, then the 8B FP8 decode step vs its floor
-#                                   # (and the greedy tests again with EYRIE_ATTN_SPLITS=1: a diagnostic)
+#   bench/gpu_session.sh attn-lossless  # issue 34: attention's decode == verify bits (8B shape, bf16/fp32) and an FP8
+#                                   # oracle's decode == verify logits, the FP8 greedy tests with and without a head,
+#                                   # then the batch-1 decode step (1k, 8k) and verify (N 6, 16) before (the kernel
+#                                   # of bench/baseline/) and after, one table (~5 min on one H100)
 #   bench/gpu_session.sh fp8-tune   # the FP8 skinny GEMM's launch configurations at the 8B shapes, 1 and 8 rows
 #   bench/gpu_session.sh decode     # EAGLE-3 iteration vs a decode step at batch 1, context 1k (drafting ahead)
 #   bench/gpu_session.sh spec-grid  # every speculative phase, graph and eager, batch 1..64 x context 1k..8k
@@ -79,10 +82,22 @@ for stage in "$@"; do
     fp8)
       run fp8_tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py tests/unit/kernels/test_fp8_gemv.py
       run fp8_bench 200 python3 bench/bench_fp8.py --scaled-mm --out "$OUT/fp8.json"
-      # diagnostic: greedy with/without the head on the oracle with attention at one key split in decode and
-      # verify alike (flash-decoding's split bounds follow each step's key count: verify's differ from decode's)
-      run fp8_one_split 120 env EYRIE_ATTN_SPLITS=1 python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_fp8_gpu.py -k "greedy_is_the_same"
+      ;;
+    attn-lossless)
+      run attn_lossless_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_attention_invariance_gpu.py
+      run attn_lossless_greedy 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py \
+        -k "greedy_is_the_same"
+      OUT_ABS=$(cd "$OUT" && pwd)
+      rm -rf /tmp/before && mkdir -p /tmp/before \
+        && tar --exclude=./out --exclude=./.whl --exclude=./.git -cf - . | tar -xf - -C /tmp/before \
+        && cp bench/baseline/attention_before_issue34.py /tmp/before/kernels/attention.py \
+        && cp bench/baseline/forward_batch_before_issue34.py /tmp/before/shared/forward_batch.py
+      run decode_before 140 bash -c "cd /tmp/before && PYTHONPATH=/tmp/before:${PYTHONPATH:-} python3 \
+        bench/bench_decode.py --batches 1 --contexts 1024,8192 --verify-ns 6,16 --out $OUT_ABS/decode_before.json"
+      run decode_after 140 python3 bench/bench_decode.py --batches 1 --contexts 1024,8192 --verify-ns 6,16 \
+        --out "$OUT/decode_after.json"
+      python3 bench/baseline/compare_decode.py "$OUT/decode_before.json" "$OUT/decode_after.json" \
+        | tee "$OUT/decode_before_after.txt"
       ;;
     fp8-tune)
       run fp8_tune 570 python3 bench/bench_fp8_gemv.py --tune --out "$OUT/fp8_gemv.json"

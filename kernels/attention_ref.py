@@ -59,6 +59,9 @@ class AttentionMetadata:
     # copies above, else from the tensor shapes (q's row count), which is correct but launches more.
     max_q_len: int | None = None
     max_kv_len: int | None = None
+    # Keys per attention split (kernels.attention.choose_split_len), fixed for the cache's life: the kernel
+    # cuts splits at multiples of it, so a query's sum runs in one order whatever the step. None: the kernel's.
+    split_len: int | None = None
 
     @property
     def batch_size(self) -> int:

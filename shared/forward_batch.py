@@ -67,7 +67,7 @@ def build_forward_batch(
         kv_indices=kv_indices,
         prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=device),
         qo_indptr_cpu=qo, kv_indptr_cpu=kv, prefix_lens_cpu=list(prefix_lens),
-        max_q_len=max(q_lens, default=0), max_kv_len=width,
+        max_q_len=max(q_lens, default=0), max_kv_len=width, split_len=attention_split_len(cache),
     )
     if custom_mask is not None:
         mi = _indptr([q * e for q, e in zip(q_lens, extra)])
@@ -81,6 +81,18 @@ def build_forward_batch(
         attn=meta,
         logits_rows=None if logits_rows is None else logits_rows.to(device),
     )
+
+
+def attention_split_len(cache: KVCache) -> int | None:
+    """The attention's keys per split for every forward over ``cache``: one length for the cache's life (its
+    engine's context, headroom excluded), so a query's keys sum in one order in a decode step and in a verify
+    step, and in an engine with a draft as in the same engine without."""
+    layout = cache.layout
+    if layout.device.type != "cuda":
+        return None  # the torch reference: no splits
+    from kernels.attention import choose_split_len
+
+    return choose_split_len(layout.context or layout.max_context, layout.num_kv_heads, layout.device)
 
 
 def _indptr(lens: list[int]) -> list[int]:
@@ -124,6 +136,7 @@ def build_uniform_batch(
         kv_indices=gather_kv_indices(table, rows, kv_lens, kv_indptr, kv_buffer),
         prefix_lens=prefix_lens,
         max_q_len=q_len, max_kv_len=table.shape[1],  # static bounds for the kernel grid (no host read)
+        split_len=attention_split_len(cache),
     )
     if custom_mask is not None:
         meta.custom_mask = custom_mask.reshape(-1)

@@ -124,6 +124,9 @@ class CacheLayout:
     max_reqs: int
     max_context: int
     shareable: bool = False  # another process may map the pools (the decode side of a same-host hand-off)
+    # The engine's context without the decode step's headroom (0: max_context): the attention sizes its key
+    # splits from it, so an engine with a draft (more headroom) splits as the same engine without one.
+    context: int = 0
 
 
 @dataclass

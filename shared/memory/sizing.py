@@ -44,12 +44,13 @@ POOL_MARGIN = 0.03  # of fraction x total, left out of the pools: what the profi
 def make_cache(config: ModelConfig, num_layers: int, engine: EngineConfig, max_context: int) -> KVCache:
     """A pool of ``num_layers`` layers of ``config``'s K/V shape: ``engine.num_pages`` pages, or enough
     for ``max_running`` requests of ``max_context`` tokens (plus the decode step's headroom)."""
-    max_context += engine.headroom  # a decode step near the end of the context writes past it
-    num_pages = engine.num_pages or default_pages(engine, max_context)
+    positions = max_context + engine.headroom  # a decode step near the end of the context writes past it
+    num_pages = engine.num_pages or default_pages(engine, positions)
     return KVCache(CacheLayout(
         num_layers=num_layers, num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
         dtype=parse_dtype(engine.dtype), device=torch.device(engine.device), page_size=engine.page_size,
-        num_pages=num_pages, max_reqs=engine.max_running, max_context=max_context, shareable=engine.shareable_kv,
+        num_pages=num_pages, max_reqs=engine.max_running, max_context=positions, shareable=engine.shareable_kv,
+        context=max_context,
     ))
 
 

@@ -38,3 +38,15 @@ def test_hopper_launches_compile_without_spills(tmp_path):
         assert row["shared_bytes"] <= SMEM_LIMIT, row
         assert 0 < row["registers"] <= 255, row
         assert row["wgmma"], row  # Hopper's warpgroup MMA, not the older mma.sync
+
+
+def test_paged_attention_launches_compile_and_decode_and_verify_dot_alike(tmp_path):
+    """Every bf16 paged-attention variant (decode, mask, window; serial and split) and the combine kernel compile
+    for sm_90a, and the decode and mask variants run their dots in the same layouts (a row's sums in one order):
+    ``bench/compile_attention.py --quick`` exits 0 only then."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    res = subprocess.run([sys.executable, "bench/compile_attention.py", "--quick"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    assert res.stdout.count("dots in the same layouts: True") == 2, res.stdout[-2000:]

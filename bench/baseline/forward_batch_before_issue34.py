@@ -1,0 +1,135 @@
+"""The forward batch: what one model forward reads, built for the cache of the runner that runs it.
+
+Every forward in Eyrie (prefill chunk, decode, tree verify, draft step, draft extend) has the same
+shape: request ``b`` has ``q_len[b]`` query tokens written at positions ``write_pos`` of its row in
+the request-to-token map, and its keys are the row's slots ``[0, kv_len[b])``: the committed prefix
+``[0, prefix_len[b])`` that every query sees, then this step's slots, causal or under a mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention_ref import AttentionMetadata
+from shared.memory.kv_cache import KVCache
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, RoPE positions
+    out_cache_loc: torch.Tensor  # [T] int64, slot each token's K/V is written to
+    attn: AttentionMetadata
+    logits_rows: torch.Tensor | None = None  # [R] int64 rows of T that need logits; None = all
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # RoPE of `positions`, memoised per forward
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+def build_forward_batch(
+    cache: KVCache,
+    rows: list[int],
+    prefix_lens: list[int],
+    q_lens: list[int],
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    write_pos: torch.Tensor,
+    extra_lens: list[int] | None = None,
+    custom_mask: torch.Tensor | None = None,
+    logits_rows: torch.Tensor | None = None,
+) -> ForwardBatch:
+    """Assemble a forward batch over ``cache``.
+
+    ``write_pos [T]``: row position each query token's K/V goes to (must be reserved).
+    ``extra_lens``: slots after the prefix that the step attends to (default ``q_lens``, causal).
+    ``custom_mask``: concatenated ``[q_len, extra]`` bool blocks (tree verify / tree draft).
+    """
+    device = cache.layout.device
+    extra = q_lens if extra_lens is None else extra_lens
+    kv_lens = [p + e for p, e in zip(prefix_lens, extra)]
+    table = cache.req_to_token.table
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+    kv_lens_t = torch.tensor(kv_lens, dtype=torch.int64, device=device)
+    width = max(kv_lens, default=0)
+    take = torch.arange(width, device=device).unsqueeze(0) < kv_lens_t.unsqueeze(1)
+    kv_indices = table[rows_t, :width][take]
+    tok_req = torch.repeat_interleave(rows_t, torch.tensor(q_lens, dtype=torch.int64, device=device))
+    out_cache_loc = table[tok_req, write_pos.to(device)]
+    qo = _indptr(q_lens)
+    kv = _indptr(kv_lens)
+    meta = AttentionMetadata(
+        qo_indptr=torch.tensor(qo, dtype=torch.int64, device=device),
+        kv_indptr=torch.tensor(kv, dtype=torch.int64, device=device),
+        kv_indices=kv_indices,
+        prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=device),
+        qo_indptr_cpu=qo, kv_indptr_cpu=kv, prefix_lens_cpu=list(prefix_lens),
+        max_q_len=max(q_lens, default=0), max_kv_len=width,
+    )
+    if custom_mask is not None:
+        mi = _indptr([q * e for q, e in zip(q_lens, extra)])
+        meta.custom_mask = custom_mask.to(device)
+        meta.mask_indptr = torch.tensor(mi, dtype=torch.int64, device=device)
+        meta.mask_indptr_cpu = mi
+    return ForwardBatch(
+        input_ids=input_ids.to(device),
+        positions=positions.to(device),
+        out_cache_loc=out_cache_loc,
+        attn=meta,
+        logits_rows=None if logits_rows is None else logits_rows.to(device),
+    )
+
+
+def _indptr(lens: list[int]) -> list[int]:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return out
+
+
+def build_uniform_batch(
+    cache: KVCache,
+    rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    q_len: int,
+    extra: int,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    write_pos: torch.Tensor,
+    custom_mask: torch.Tensor | None = None,
+    logits_rows: torch.Tensor | None = None,
+    kv_buffer: torch.Tensor | None = None,
+) -> ForwardBatch:
+    """A batch where every request has ``q_len`` queries and ``extra`` slots after its prefix.
+
+    Every decode-side phase has this shape (decode 1/1, verify N/N, draft step k/(base+k), padded
+    draft extend (steps+1)/(steps+1)). Built from device tensors only, with no host read, so it
+    can run inside a CUDA graph; ``kv_buffer`` is the static home of kv_indices when captured.
+    ``custom_mask``: [B, q_len, extra] bool, or None for causal.
+    """
+    from kernels.kv_indices import gather_kv_indices
+
+    B = rows.numel()
+    device = rows.device
+    table = cache.req_to_token.table
+    kv_lens = prefix_lens + extra
+    kv_indptr = torch.zeros(B + 1, dtype=torch.int64, device=device)
+    kv_indptr[1:] = kv_lens.cumsum(0)
+    meta = AttentionMetadata(
+        qo_indptr=torch.arange(B + 1, device=device) * q_len,
+        kv_indptr=kv_indptr,
+        kv_indices=gather_kv_indices(table, rows, kv_lens, kv_indptr, kv_buffer),
+        prefix_lens=prefix_lens,
+        max_q_len=q_len, max_kv_len=table.shape[1],  # static bounds for the kernel grid (no host read)
+    )
+    if custom_mask is not None:
+        meta.custom_mask = custom_mask.reshape(-1)
+        meta.mask_indptr = torch.arange(B + 1, device=device) * (q_len * extra)
+    tok_rows = rows.repeat_interleave(q_len)
+    return ForwardBatch(
+        input_ids=input_ids, positions=positions, out_cache_loc=table[tok_rows, write_pos.reshape(-1)],
+        attn=meta, logits_rows=logits_rows,
+    )
