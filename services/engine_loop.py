@@ -130,25 +130,47 @@ class EngineLoop:
             if q is None or self._streams.get(rid) is q:
                 self._streams.pop(rid, None)
 
-    def redirect(self, rid: str, old: queue.Queue, new) -> bool:
-        """From now on deliver ``rid``'s events to ``new`` (anything with ``put``: a relay's sink), the events
-        ``old`` holds first, in order; False when ``old`` is no longer ``rid``'s subscriber."""
+    def subscribers(self) -> int:
+        """How many requests have a subscriber now (each goes when its stream ends: a leak shows here)."""
+        with self._streams_lock:
+            return len(self._streams)
+
+    def redirect(self, rid: str, old: queue.Queue, new, first=None) -> bool:
+        """From now on deliver ``rid``'s events to ``new`` (anything with ``put``, or ``put_many``: a relay's
+        inbox), the events ``old`` holds first, in order (put to ``first`` when given, else to ``new``); False
+        when ``old`` is no longer ``rid``'s subscriber."""
         with self._streams_lock:
             if self._streams.get(rid) is not old:
                 return False
+            moved_to = new if first is None else first
             while True:
                 try:
-                    new.put(old.get_nowait())
+                    moved_to.put(old.get_nowait())
                 except queue.Empty:
                     break
             self._streams[rid] = new
         return True
 
     def publish(self, event: TokenEvent) -> None:
-        with self._streams_lock:  # put under the lock: redirect moves a request's events in order
-            q = self._streams.get(event.rid)
-            if q is not None:
-                q.put(event)
+        self.publish_all([event])
+
+    def publish_all(self, events: list[TokenEvent]) -> None:
+        """Each event to its request's subscriber, under one lock (``redirect`` moves a request's events in
+        order); a subscriber with ``put_many`` (a decode relay's inbox, the target of many requests) gets all
+        of its events of the step in one call: one queue hand-off per relay per step, not per request."""
+        many: dict[int, tuple[object, list[TokenEvent]]] = {}
+        with self._streams_lock:
+            streams = self._streams
+            for event in events:
+                q = streams.get(event.rid)
+                if q is None:
+                    continue
+                if hasattr(q, "put_many"):
+                    many.setdefault(id(q), (q, []))[1].append(event)
+                else:
+                    q.put(event)
+            for q, batch in many.values():
+                q.put_many(batch)
 
     def _run(self) -> None:
         engine = self.engine
@@ -203,6 +225,7 @@ class EngineLoop:
 
     def _publish_held(self) -> None:
         events, self._held = self._held, []
+        out = []
         for req, tokens in events:
             done = req.finish_reason is not None
             if done:
@@ -211,7 +234,9 @@ class EngineLoop:
                 logprobs = req.output_logprobs[len(req.output_logprobs) - len(tokens):]
                 tops = req.output_top_logprobs[len(req.output_top_logprobs) - len(tokens):] \
                     if req.params.top_logprobs else []
-                self.publish(TokenEvent(req.rid, tokens, logprobs, req.finish_reason, req if done else None, tops))
+                out.append(TokenEvent(req.rid, tokens, logprobs, req.finish_reason, req if done else None, tops))
+        if out:
+            self.publish_all(out)
 
     def _after_step(self) -> None:
         self.load = self.engine.load()

@@ -231,53 +231,27 @@ class RequestStore:
     def create(self, rid: str, **fields) -> bool:
         """Record a new request in state ``queued``; False (and nothing written) when ``rid`` exists.
 
-        Atomic across routers, and all or nothing: one WATCHed transaction writes the whole record and its
-        TTL (Redis going away halfway leaves no half-written record without a TTL behind).
+        Atomic across routers, and all or nothing: one script writes the whole record and its TTL (Redis going
+        away halfway leaves no half-written record without a TTL behind), in one round trip.
         """
         now = time.time()
-        key = self.key(rid)
         mapping = {k: _scalar(v) for k, v in fields.items()}
         mapping.update(state="queued", created_at=repr(now), transitions=json.dumps([["queued", now]]))
-        with self.client.pipeline() as pipe:
-            try:
-                pipe.watch(key)
-                if pipe.exists(key):
-                    pipe.unwatch()
-                    return False
-                pipe.multi()
-                pipe.hset(key, mapping=mapping)
-                pipe.pexpire(key, int(self.live_ttl_s * 1000))
-                pipe.execute()
-            except redis.WatchError:  # another router created it meanwhile
-                return False
-        return True
+        pairs = [x for kv in mapping.items() for x in kv]
+        return bool(_CREATE(keys=[self.key(rid)], args=[int(self.live_ttl_s * 1000), *pairs], client=self.client))
 
     def transition(self, rid: str, state: str, **fields) -> bool:
-        """Append ``state`` with its time; False when the record already ended (terminal states are final)."""
+        """Append ``state`` with its time; False when the record already ended (terminal states are final).
+        One script (one round trip, atomic: concurrent writers lose nothing); times strictly increase even if
+        the clock steps back or two writes share a tick."""
         if state not in STATES:
             raise ValueError(f"unknown request state {state!r}")
-        key = self.key(rid)
-        with self.client.pipeline() as pipe:  # optimistic: retry if another writer raced us
-            while True:
-                try:
-                    pipe.watch(key)
-                    transitions = json.loads(pipe.hget(key, "transitions") or "[]")
-                    if transitions and transitions[-1][0] in TERMINAL:
-                        pipe.unwatch()
-                        return False  # a terminal state is final (e.g. aborted, then the stream ends)
-                    # strictly increasing times, even if the clock steps back or two writes share a tick
-                    now = max(time.time(), transitions[-1][1] + 1e-6) if transitions else time.time()
-                    transitions.append([state, now])
-                    pipe.multi()
-                    mapping = {k: _scalar(v) for k, v in fields.items()}
-                    mapping.update(state=state, transitions=json.dumps(transitions))
-                    pipe.hset(key, mapping=mapping)
-                    if state in TERMINAL:
-                        pipe.pexpire(key, max(1, int(self.ttl_s * 1000)))
-                    pipe.execute()
-                    return True
-                except redis.WatchError:
-                    continue
+        mapping = {k: _scalar(v) for k, v in fields.items() if k not in ("state", "transitions")}
+        pairs = [x for kv in mapping.items() for x in kv]
+        ttl_ms = max(1, int(self.ttl_s * 1000)) if state in TERMINAL else 0
+        return bool(_TRANSITION(keys=[self.key(rid)], args=[state, repr(time.time()), ttl_ms,
+                                                            "," + ",".join(TERMINAL) + ",", *pairs],
+                                client=self.client))
 
     def update(self, rid: str, **fields) -> None:
         self.client.hset(self.key(rid), mapping={k: _scalar(v) for k, v in fields.items()})
@@ -294,3 +268,34 @@ def _scalar(v) -> str:
     if isinstance(v, (list, tuple, dict)):
         return json.dumps(v)
     return str(v)
+
+
+# A request record's writes as scripts: one round trip each, atomic (no WATCH and retry). Bound to a client at
+# each call (redis-py loads a script again where the server lost it: a restarted Redis).
+_CREATE = redis.Redis().register_script("""
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+""")
+
+# ARGV: state, now (Python's repr of time.time()), TTL in ms (0: none), ",terminal,states,", field, value, ...
+# ``transitions`` is json.dumps of [[state, time], ...]: the last entry is read and one appended as text.
+_TRANSITION = redis.Redis().register_script("""
+local t = redis.call('HGET', KEYS[1], 'transitions')
+local now = ARGV[2]
+local body
+if (not t) or t == '[]' then
+  body = '[["' .. ARGV[1] .. '", ' .. now .. ']]'
+else
+  local last, at = string.match(t, '%["([^"]*)", ([^%]]+)%]%]$')
+  if last and string.find(ARGV[4], ',' .. last .. ',', 1, true) then return 0 end
+  local lt = tonumber(at)
+  if lt and tonumber(now) <= lt then now = string.format('%.17g', lt + 1e-6) end
+  body = string.sub(t, 1, -2) .. ', ["' .. ARGV[1] .. '", ' .. now .. ']]'
+end
+if #ARGV > 4 then redis.call('HSET', KEYS[1], unpack(ARGV, 5)) end
+redis.call('HSET', KEYS[1], 'state', ARGV[1], 'transitions', body)
+if tonumber(ARGV[3]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
+return 1
+""")

@@ -1,9 +1,10 @@
 """The decode service's relay: one gRPC stream per router for the tokens of every request that router attached.
 
-Per-request ``Stream`` calls cost a thread wake-up and a gRPC message per request per step. Here the engine
-loop's events for every attached request land in the relay's one queue (``EngineLoop.redirect`` moves a
-request's buffered events there, in order); one thread takes whatever the queue holds, builds the messages
-and sends them as one ``RelayBatch``: a step's tokens for all of the router's requests in one message. A
+Per-request ``Stream`` calls cost a thread wake-up and a gRPC message per request per step. Here every attached
+request's subscriber in the engine loop is the relay's one ``_Inbox`` (``EngineLoop.redirect`` moves a request's
+buffered events there first, in order): the loop hands it a step's events for all of them in one ``put_many``
+(one queue item per relay per step); one thread takes whatever the queue holds, builds the messages and sends
+them as one ``RelayBatch``: a step's tokens for all of the router's requests in one message. A
 request that cannot stream (not here, streamed already, aborted, failed) ends with a ``RelayError`` carrying
 the status its ``Stream`` call would have ended with. When the router goes away, its requests are aborted.
 """
@@ -51,6 +52,21 @@ class _Sink:
         self.q.put(item)
 
 
+class _Inbox:
+    """The engine loop's subscriber for every request of one relay: a step's events come as one list."""
+
+    __slots__ = ("q",)
+
+    def __init__(self, q: queue.SimpleQueue):
+        self.q = q
+
+    def put(self, event) -> None:
+        self.q.put(event)
+
+    def put_many(self, events: list) -> None:
+        self.q.put(events)
+
+
 _STOP = object()
 
 
@@ -58,6 +74,7 @@ class DecodeRelay:
     def __init__(self, servicer, context):
         self.servicer, self.context = servicer, context
         self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.inbox = _Inbox(self.q)
         self.attached: dict[str, tuple] = {}  # request id -> (Incoming, StreamClock)
         self._lock = threading.Lock()
         self._gone = False
@@ -98,7 +115,7 @@ class DecodeRelay:
             return
         old, sink = inc.events, _Sink(self.q, rid)
         inc.events = sink  # an abort from now on reaches the relay
-        self.servicer.loop.redirect(rid, old, sink)  # the events buffered so far first, then the engine's
+        self.servicer.loop.redirect(rid, old, self.inbox, first=sink)  # the events buffered so far first
         while True:  # an abort's reason put in the old queue meanwhile
             try:
                 sink.put(old.get_nowait())
@@ -107,7 +124,7 @@ class DecodeRelay:
 
     def _batch(self, items: list) -> pb.RelayBatch:
         batch = pb.RelayBatch()
-        for item in items:
+        for item in _flat(items):
             if item is _STOP:
                 continue
             entry = self.attached.get(item.rid)
@@ -131,6 +148,7 @@ class DecodeRelay:
         with self._lock:
             inc, _ = self.attached.pop(rid)
         self.servicer._forget(inc)
+        self.servicer.loop.unsubscribe(rid, self.inbox)  # the loop's subscriber for it (inc.events: its sink)
 
     def finish(self) -> None:
         """End the call (the service stops: its requests are done): the router sees the relay end normally."""
@@ -147,3 +165,13 @@ class DecodeRelay:
         for inc, _ in left:
             self.servicer._abort(inc, "the relay's client went away")
             self.servicer._forget(inc)
+            self.servicer.loop.unsubscribe(inc.rid, self.inbox)
+
+
+def _flat(items: list):
+    """The queue's items in order, a step's list (``_Inbox.put_many``) item by item."""
+    for item in items:
+        if type(item) is list:
+            yield from item
+        else:
+            yield item

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -61,7 +62,7 @@ from shared.request import Request
 from shared.sampling import SamplingParams
 
 SERVICES = [full_name("Decode")]
-POLL_S = 0.25
+_GONE = object()  # put in a Stream call's queue when its client goes away: the call ends at once
 
 
 class NoReservation(LookupError):
@@ -115,6 +116,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self._reserving: set[str] = set()  # request ids between Reserve's checks and its reply
         self._deferred: set[Incoming] = set()  # in-place reservations aborted while their sender may still write
         self._stop = threading.Event()
+        self._reap_at = math.inf  # the reaper wakes then (the earliest attach or in-place deadline it knows)
+        self._reap_wake = threading.Event()  # set for a deadline earlier than _reap_at, and at close
         self._reaper = threading.Thread(target=self._reap, name="decode-reaper", daemon=True)
         self._reaper.start()
 
@@ -207,8 +210,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         inc = Incoming(rid, req, request.committed_len, events, sink, guard=guard, in_place=request.in_place,
                        attach_deadline=time.monotonic() + self.settings.stream_attach_timeout_s,
                        first_token_to_come=not request.output_ids)
-        with self._lock:
-            self._incoming[rid] = inc
+        self._track(inc)
         self.log.event("reserved", rid, prompt_tokens=len(request.prompt_ids), committed_len=request.committed_len,
                        max_new_tokens=params.max_new_tokens, in_place=request.in_place)
         # In place, the sender writes until the attach deadline at the latest (the same host, the same clock).
@@ -235,8 +237,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 return pb.ReserveResponse(accepted=False, reason=str(e))
             inc = Incoming(rid, req, len(request.prompt_ids), events, None, receiving=True, writer_done=True,
                            attach_deadline=time.monotonic() + self.settings.stream_attach_timeout_s)
-            with self._lock:
-                self._incoming[rid] = inc
+            self._track(inc)
         self.telemetry.local_prefills_total.inc()
         self.log.event("admitted", rid, prompt_tokens=len(request.prompt_ids), max_new_tokens=params.max_new_tokens)
         return pb.ReserveResponse(accepted=True)
@@ -314,26 +315,27 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         return inc, None, ""
 
     def Stream(self, request: pb.StreamRequest, context):  # noqa: N802
+        """One request's tokens: the call waits on the request's queue (no polling), so a token goes out as soon
+        as the engine loop publishes it; its client going away puts ``_GONE`` there."""
         rid = request.request_id
         inc, code, details = self._claim_stream(rid)
         if inc is None:
             context.abort(code, details)
-        context.add_callback(lambda: self._abort(inc, "the stream's client went away"))  # no-op once finished
+        if not context.add_callback(lambda: self._client_gone(inc)):  # runs when the call ends (normally: a no-op)
+            self._client_gone(inc)  # it ended already
         clock = StreamClock()
-        idle_deadline = time.monotonic() + self.settings.stream_idle_timeout_s
+        idle_s = self.settings.stream_idle_timeout_s
         try:
-            while context.is_active():
+            while True:
                 try:
-                    ev = inc.events.get(timeout=POLL_S)
+                    ev = inc.events.get(timeout=idle_s)
                 except queue.Empty:
-                    if time.monotonic() > idle_deadline:
-                        self._abort(inc, "no token for too long")
-                        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{rid}: no token for "
-                                                                         f"{self.settings.stream_idle_timeout_s}s")
-                    continue
+                    self._abort(inc, "no token for too long")
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{rid}: no token for {idle_s}s")
+                if ev is _GONE:
+                    return
                 if isinstance(ev, str):  # aborted on this instance
                     context.abort(grpc.StatusCode.ABORTED, f"{rid} was aborted on the decode instance: {ev}")
-                idle_deadline = time.monotonic() + self.settings.stream_idle_timeout_s
                 msg = self.stream_message(inc, ev, clock)
                 if ev.finish_reason == "error":
                     context.abort(grpc.StatusCode.INTERNAL, f"{rid} failed on the decode instance (engine error)")
@@ -342,6 +344,11 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                     return
         finally:
             self._forget(inc)
+
+    def _client_gone(self, inc: Incoming) -> None:
+        """A Stream call ended: a request still running is aborted, and the call, if it still waits, ends."""
+        self._abort(inc, "the stream's client went away")
+        inc.events.put(_GONE)
 
     def stream_message(self, inc: Incoming, ev: TokenEvent, clock: StreamClock) -> pb.GenerateResponse:
         """The client's message for one of ``inc``'s token events (its finish filled in and logged at the end)."""
@@ -407,6 +414,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             if defer and inc.deferred is None:
                 inc.deferred = reason
                 self._deferred.add(inc)
+                self._reap_by(inc.attach_deadline)
         if defer:  # another process may still be writing these pages: they go back at its deadline
             self.log.event("abort_deferred", inc.rid, reason=reason, seconds_left=round(
                 inc.attach_deadline - time.monotonic(), 3))
@@ -456,18 +464,36 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 del self._incoming[inc.rid]
         self.loop.unsubscribe(inc.rid, inc.events)
 
+    def _track(self, inc: Incoming) -> None:
+        """``inc`` is here from now on; the reaper wakes by its attach deadline."""
+        with self._lock:
+            self._incoming[inc.rid] = inc
+            self._reap_by(inc.attach_deadline)
+
+    def _reap_by(self, deadline: float) -> None:  # under self._lock
+        if deadline < self._reap_at:
+            self._reap_at = deadline
+            self._reap_wake.set()
+
     def _reap(self) -> None:
-        while not self._stop.wait(POLL_S):
+        """Aborts what no stream attached to by its deadline, and releases in-place reservations whose sender's
+        lease ended; it sleeps until the earliest such deadline (woken for an earlier one), not on a period."""
+        while not self._stop.is_set():
             now = time.monotonic()
             with self._lock:
-                late = [i for i in self._incoming.values()
-                        if not i.streaming and i.deferred is None and i.attach_deadline < now]
+                self._reap_wake.clear()
+                waiting = [i for i in self._incoming.values() if not i.streaming and i.deferred is None]
+                late = [i for i in waiting if i.attach_deadline < now]
                 expired = [i for i in self._deferred if i.attach_deadline < now]
+                self._reap_at = min((i.attach_deadline for i in (*waiting, *self._deferred)
+                                     if i.attach_deadline >= now), default=math.inf)
             for inc in expired:  # the in-place sender's lease is over: it writes no page any more
                 self._writer_done(inc)
             for inc in late:
                 self.telemetry.errors_total.labels("stream_not_attached").inc()
                 self._abort(inc, f"no stream attached within {self.settings.stream_attach_timeout_s}s")
+            if not late and not expired:
+                self._reap_wake.wait(None if self._reap_at == math.inf else self._reap_at - now + 0.001)
 
     def before_fail(self, rid: str) -> None:
         with self._lock:
@@ -483,6 +509,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
     def close(self) -> None:
         self._stop.set()
+        self._reap_wake.set()
         with self._lock:
             incoming = list(self._incoming.values())
         for inc in incoming:

@@ -131,6 +131,20 @@ def test_replicas_can_scale(compose):
         assert svc.get("deploy", {}).get("replicas") in (None, 1), name
 
 
+def test_routers_scale_over_host_port_ranges(compose):
+    """``--scale router=N`` (compose's replicas) with ``ROUTER_GRPC_PORT`` / ``ROUTER_OPENAI_PORT`` given as
+    ranges: each replica publishes a port of each range (compose picks a free one per container); routers have
+    no fixed name or id (each registers its own)."""
+    ranged = compose_config({"ROUTER_GRPC_PORT": "50051-50054", "ROUTER_OPENAI_PORT": "8000-8003"})["services"]
+    for name in ROUTERS:
+        svc = compose["services"][name]
+        assert "container_name" not in svc and "hostname" not in svc, name
+        env = environment(svc)
+        assert not env.get("EYRIE_ADVERTISE_HOST") and not env.get("EYRIE_INSTANCE_ID"), name
+        assert sorted(ranged[name]["ports"]) == ["127.0.0.1:50051-50054:50051/tcp",
+                                                 "127.0.0.1:8000-8003:8000/tcp"], name
+
+
 def test_every_eyrie_variable_is_a_settings_field_and_parses(compose, monkeypatch):
     from services.settings import load_settings
 

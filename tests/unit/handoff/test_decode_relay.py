@@ -132,3 +132,22 @@ def test_a_draining_decode_instance_ends_an_open_relay_instead_of_waiting_out_it
         assert not stopped.is_alive(), "the stop waited for the relay (the drain period is 60 s)"
     finally:
         attach(None)
+
+
+def test_a_relay_leaves_no_subscriber_in_the_engine_loop(stream_stack):  # noqa: F811
+    """The engine loop hands a step's events for all of a relay's requests to its one inbox; once a request
+    ends there (finished, or its relay gone), the loop keeps no subscriber for it."""
+    stack = stream_stack
+    loop = stack.decode.engine_loop
+    call, attach = relay(stack)
+    short_rid, _ = handed_off(stack, SHORT)
+    long_rid, _ = handed_off(stack, LONG, SamplingParams(max_new_tokens=400, ignore_eos=True))
+    attach(short_rid)
+    attach(long_rid)
+    for batch in call:  # the short one finishes while the long one still streams
+        if any(m.request_id == short_rid and m.HasField("finish") for m in batch.messages):
+            break
+    wait_until(lambda: loop.subscribers() == 1)  # the long one's
+    call.cancel()  # the router goes away: the long one is aborted
+    assert stack.clean()
+    wait_until(lambda: loop.subscribers() == 0)

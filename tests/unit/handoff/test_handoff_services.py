@@ -872,3 +872,21 @@ def test_receiving_never_stalls_decoding_and_the_request_joins_at_the_next_step(
     assert steps["joined"] == steps["activated_after"] + 1, steps
     consumer.join(60)
     assert stack.clean()
+
+
+def test_a_stream_that_gets_no_token_ends_with_deadline_exceeded_and_frees_the_pages(models, redis_url):
+    """A stream waits on its request's queue (no polling): with no token for ``stream_idle_timeout_s`` (here a
+    reservation whose transfer never comes) it ends with DEADLINE_EXCEEDED and the request is aborted."""
+    s = Stack(models, redis_url, stream_idle_timeout_s=1.0)
+    try:
+        rid = s.rid()
+        reserve_directly(s, rid)
+        with pytest.raises(grpc.RpcError) as err:
+            list(s.dstub.Stream(pb.StreamRequest(request_id=rid), timeout=60))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert err.value.details() == f"{rid}: no token for 1.0s"
+        assert s.clean()
+        wait_until(lambda: aborted_on_decode(s) == 1)
+        assert s.decode.engine_loop.subscribers() == 0
+    finally:
+        s.stop()

@@ -126,8 +126,8 @@ def test_a_prefill_loop_publishes_each_steps_tokens_before_the_next_step(tiny_mo
     holding (a prefill loop: first tokens, each a client's time to first token): before the next step."""
     engine = Engine(tiny_model_dir / "target", config=EngineConfig(page_size=4, max_context=64, max_running=2))
     loop = EngineLoop(engine, hold_tokens=hold)
-    published, publish = [], loop.publish
-    loop.publish = lambda ev: (published.extend(ev.token_ids), publish(ev))
+    published, publish_all = [], loop.publish_all  # a step's events go out in one publish_all
+    loop.publish_all = lambda evs: (published.extend(t for ev in evs for t in ev.token_ids), publish_all(evs))
     events = loop.subscribe("r")
     out_at_start = []  # tokens published when each step began
     launch = engine.launch
@@ -145,3 +145,40 @@ def test_a_prefill_loop_publishes_each_steps_tokens_before_the_next_step(tiny_mo
     finally:
         loop.stop()
     assert out_at_start == ([0, 0, 1, 2] if hold else [0, 1, 2, 3]) and len(published) == 4
+
+
+class Inbox:
+    """A relay's inbox as the loop sees it: one subscriber for many requests."""
+
+    def __init__(self):
+        self.calls: list[list] = []
+
+    def put(self, event) -> None:
+        self.calls.append([event])
+
+    def put_many(self, events: list) -> None:
+        self.calls.append(list(events))
+
+
+def test_a_step_s_events_reach_a_shared_inbox_in_one_call_and_a_queue_each():
+    """``publish_all``: the events of requests redirected to one inbox go to it in one ``put_many`` (in the
+    step's order); a request with its own queue gets its event there; an unsubscribed one is dropped."""
+    from services.engine_loop import TokenEvent
+
+    loop = EngineLoop(HeldStep())
+    inbox, moved = Inbox(), []
+    queues = {rid: loop.subscribe(rid) for rid in ("a", "b", "c")}
+    queues["a"].put("buffered")
+    first = types.SimpleNamespace(put=moved.append)
+    assert loop.redirect("a", queues["a"], inbox, first=first)
+    assert loop.redirect("b", queues["b"], inbox)
+    assert not loop.redirect("c", queues["a"], inbox)  # not c's queue: nothing moves
+    events = [TokenEvent(rid, [i]) for i, rid in enumerate(("a", "c", "b", "gone", "a"))]
+    loop.publish_all(events)
+    assert moved == ["buffered"]
+    assert inbox.calls == [[events[0], events[2], events[4]]]
+    assert queues["c"].get_nowait() is events[1] and queues["c"].empty()
+    assert loop.subscribers() == 3
+    loop.unsubscribe("a", inbox)
+    loop.unsubscribe("b", queues["b"])  # not b's subscriber any more: kept
+    assert loop.subscribers() == 2

@@ -147,3 +147,23 @@ def test_concurrent_transitions_lose_nothing(redis_url):
     for t in threads:
         t.join(10)
     assert [s for s, _ in store.get("r")["transitions"]] == ["queued"] + ["decoding"] * 12
+
+
+def test_transition_times_increase_when_the_clock_steps_back_and_a_lost_script_is_loaded_again(redis_url,
+                                                                                              monkeypatch):
+    """A record's writes are server-side scripts: a clock stepping back still gives strictly increasing times
+    (the last one plus a microsecond), and a Redis that forgot its scripts (a restart) gets them again."""
+    import services.metadata as md
+
+    store = RequestStore(connect(redis_url), ttl_s=60)
+    store.client.script_flush()
+    assert store.create("back")
+    t0 = store.get("back")["transitions"][0][1]
+    monkeypatch.setattr(md.time, "time", lambda: t0 - 100.0)
+    store.client.script_flush()
+    assert store.transition("back", "prefilling", placements=[{"prefill": "p"}])
+    assert store.transition("back", "decoding")
+    rec = store.get("back")
+    times = [t for _, t in rec["transitions"]]
+    assert times == sorted(set(times)) and len(times) == 3 and times[1] > t0
+    assert json.loads(rec["placements"]) == [{"prefill": "p"}] and rec["state"] == "decoding"
