@@ -204,16 +204,6 @@ class SpecPolicy:
         """Decode steps run so far per shape (every candidate's, 0 for one never run) and ``plain``."""
         return {**{c.name: self.shapes.get(c.name, 0) for c in self.candidates}, "plain": self.choices["plain"]}
 
-    def most_run(self) -> tuple[str, int, int] | None:
-        """The kind (a shape or ``plain``) that ran the most decode steps, its steps and all steps; None
-        before any step."""
-        steps = self.steps_by_kind()
-        total = sum(steps.values())
-        if total == 0:
-            return None
-        kind = max(steps, key=steps.get)
-        return kind, steps[kind], total
-
     def _candidate(self, shape: str) -> Candidate:
         return next(c for c in self.candidates if c.name == shape)
 
