@@ -126,7 +126,7 @@ for stage in "$@"; do
       shm_kb=$(df -k --output=avail /dev/shm 2>/dev/null | tail -n 1)
       work=/tmp/eyrie-policy
       [[ ${shm_kb:-0} =~ ^[0-9]+$ && ${shm_kb:-0} -gt $((40 << 20)) ]] && work=/dev/shm/eyrie-policy
-      PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 run policy 450 python3 -m bench.house.policy_stack \
+      PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 run policy 420 python3 -m bench.house.policy_stack \
         --out "$OUT" --work "$work"
       for d in "$work"/logs-*; do
         [ -d "$d" ] && mkdir -p "$OUT/$(basename "$d")" && cp "$d"/*.log "$OUT/$(basename "$d")/"

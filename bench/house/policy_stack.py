@@ -44,7 +44,7 @@ RUNS = {"plain": None, "default": {},
 SPEC_SERIES = ("eyrie_spec_decode_num_steps_total", "eyrie_spec_decode_num_drafts_total",
                "eyrie_spec_decode_num_accepted_tokens_total")
 GPU = dict(shape=[], heldout_bytes=400_000, vocab=128256, dtype="bfloat16", sweep="1,8,32,64,128", fixed="256:128",
-           point_seconds=10.0, deadline_s=390.0, start_timeout_s=150.0, check=4, check_tokens=48,
+           point_seconds=10.0, deadline_s=370.0, start_timeout_s=120.0, check=4, check_tokens=48,
            engine={"device": "cuda", "dtype": "bfloat16", "cuda_graph": True, "page_size": 16, "num_pages": 4096,
                    "max_running": 128, "max_context": 1024, "chunk_size": 512}, runs=",".join(RUNS))
 SMOKE = dict(shape=["--hidden", "256", "--layers", "5", "--intermediate", "640", "--heads", "2", "--kv-heads", "1"],
