@@ -86,15 +86,14 @@ class EngineOptions(BaseSettings):
     max_context: int | None = Field(_engine("max_context"), description="longest prompt + output in tokens "
                                     "(default: the model's)")
     chunk_size: int | None = Field(_engine("chunk_size"), description="prefill chunk length in tokens")
-    spec_topk: int | None = Field(None, description="draft tree: top-k per step (1 = chain); unset = "
-                                  f"{ADAPTIVE_TREE.topk} when no tree setting is given, else "
-                                  f"{_spec('topk')}")
-    spec_steps: int | None = Field(None, description="draft tree: depth; unset = "
-                                   f"{ADAPTIVE_TREE.steps} when no tree setting is given, else "
-                                   f"{_spec('steps')}")
-    spec_draft_tokens: int | None = Field(None, description="draft tree: nodes verified per step; unset = "
-                                          f"{ADAPTIVE_TREE.num_draft_tokens} when no tree setting is given, else "
-                                          "steps + 1 for a chain, 8 for a tree")
+    spec_topk: int = Field(_spec("topk"), description="draft tree: top-k per step (1 = chain); with no tree "
+                           f"setting given at all, {ADAPTIVE_TREE.topk} (the tree `{ADAPTIVE_TREE.name}`, which the "
+                           "adaptive policy's default shapes fit within)")
+    spec_steps: int = Field(_spec("steps"), description="draft tree: depth; with no tree setting given at all, "
+                            f"{ADAPTIVE_TREE.steps}")
+    spec_draft_tokens: int | None = Field(None, description="draft tree: nodes verified per step (default: steps + 1 "
+                                          "for a chain, 8 for a tree; with no tree setting given at all, "
+                                          f"{ADAPTIVE_TREE.num_draft_tokens})")
     cuda_graph: bool = Field(_engine("cuda_graph"), description="capture decode, draft and verify in CUDA graphs")
     spec_draft_ahead: bool | None = Field(_engine("spec_draft_ahead"), description="launch the next step's draft "
                                           "before this step's tokens reach the host, overlapping the host's "
@@ -125,15 +124,13 @@ class EngineOptions(BaseSettings):
                                               "decode 0.45 each)")
 
     def tree(self) -> SpecConfig:
-        """The configured tree: without any tree setting ``ADAPTIVE_TREE``, whatever the policy (a prefill and a
-        decode instance agree on it whichever policy each is given: the decode instance's alone chooses);
-        else the settings given, ``SpecConfig``'s defaults for the others."""
-        if (self.spec_topk, self.spec_steps, self.spec_draft_tokens) == (None, None, None):
+        """The configured tree: with no tree setting given (flag, environment or file) ``ADAPTIVE_TREE``, whatever
+        the policy (a prefill and a decode instance agree on it whichever policy each is given: the decode
+        instance's alone chooses); else the settings, their defaults for the others."""
+        if not {"spec_topk", "spec_steps", "spec_draft_tokens"} & self.model_fields_set:
             return ADAPTIVE_TREE
-        topk = _spec("topk") if self.spec_topk is None else self.spec_topk
-        steps = _spec("steps") if self.spec_steps is None else self.spec_steps
-        n = self.spec_draft_tokens or (steps + 1 if topk == 1 else 8)
-        return SpecConfig(topk=topk, steps=steps, num_draft_tokens=n)
+        n = self.spec_draft_tokens or (self.spec_steps + 1 if self.spec_topk == 1 else 8)
+        return SpecConfig(topk=self.spec_topk, steps=self.spec_steps, num_draft_tokens=n)
 
     @field_validator("handoff_transport")
     @classmethod
