@@ -309,6 +309,8 @@ def engine_worker(plan_path: str, result_path: str) -> int:
     if engine.spec_policy is not None:  # what the policy measured: seconds per step kind and batch bucket
         measured = getattr(engine.spec_policy.cost, "seconds", {})
         result["policy_step_s"] = {f"{k}/{b}": s for (k, b), s in sorted(measured.items())}
+        prior = getattr(engine.spec_policy.cost, "prior", {})  # timed from the captured graphs at start
+        result["policy_graph_s"] = {f"{k}/{b}": s for (k, b), s in sorted(prior.items())}
     write_json(result_path, result)
     return 0
 

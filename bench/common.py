@@ -51,7 +51,7 @@ def engine_config(max_context: int, batch: int, page_size: int = 16, spec: SpecC
     pages = batch * (-(-(max_context + 128) // page_size)) + 8
     return EngineConfig(device=device, dtype=dtype, page_size=page_size, num_pages=pages,
                         max_running=batch, max_context=max_context + 128, chunk_size=None, spec=spec,
-                        cuda_graph=cuda_graph, cuda_graph_max_bs=max(batch, 1))
+                        cuda_graph=cuda_graph, cuda_graph_max_bs=max(batch, 1), spec_policy="fixed")  # one shape
 
 
 def param_bytes(module: torch.nn.Module) -> int:

@@ -33,6 +33,9 @@
 #                                   # (bench_handoff.py --peer: peer.json, peer_push.json)
 #   bench/gpu_session.sh nixl       # two GPUs: NIXL VRAM writes GPU 0 -> GPU 1 per UCX_TLS (bench_nixl.py; needs the
 #                                   # nixl-cu13 wheel in .whl: ../shared/tools/gpu-wheels.sh nixl-cu13==1.5.1)
+#   bench/gpu_session.sh policy     # one GPU, through the stack (OpenAI API): plain vs the defaults with a draft (adaptive)
+#                                   # vs fixed chain 3 vs fixed tree, c1..c128, the 8B-shaped widened pair, greedy
+#                                   # checked equal (bench/house/policy_stack.py: policy_stack.json), ~6.5 min
 #   bench/gpu_session.sh receive    # a decode-step proxy on the last GPU while grpc-stream hand-offs arrive, the
 #                                   # scatter before issue 28 beside the current one (bench_receive.py --legacy)
 #
@@ -138,6 +141,18 @@ for stage in "$@"; do
       run bench_nixl 500 python3 bench/bench_nixl.py --mb 512 --descs 1,2112 --mem VRAM --reader-gpu 1 --timeout 50 \
         --tls "default;cuda_ipc,cuda_copy,tcp;cuda_ipc,cuda_copy;cuda_copy,tcp" --json "$OUT/nixl.json"
       ;;
+    policy)  # the widened pair in memory when /dev/shm has room (four stacks load it twice each)
+      shm_kb=$(df -k --output=avail /dev/shm 2>/dev/null | tail -n 1)
+      work=/tmp/eyrie-policy
+      [[ ${shm_kb:-0} =~ ^[0-9]+$ && ${shm_kb:-0} -gt $((40 << 20)) ]] && work=/dev/shm/eyrie-policy
+      PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 run policy 420 python3 -m bench.house.policy_stack \
+        --out "$OUT" --work "$work"
+      for d in "$work"/logs-*; do
+        [ -d "$d" ] && mkdir -p "$OUT/$(basename "$d")" && cp "$d"/*.log "$OUT/$(basename "$d")/"
+      done
+      cat "$OUT/policy.log" | tail -n 12
+      rm -rf "$work"
+      ;;
     receive)
       last=$(( $(nvidia-smi -L | wc -l) - 1 ))
       run bench_receive 240 python3 bench/bench_receive.py --device "cuda:$last" --tokens 512 --seconds 20 --legacy \
@@ -174,7 +189,7 @@ for stage in "$@"; do
       ;;
     *)
       echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention, serving," \
-        "features, tp-tests, tp, local, memory, layouts, layouts4, peer, nixl, receive)" >&2
+        "features, tp-tests, tp, local, memory, layouts, layouts4, peer, nixl, receive, policy)" >&2
       exit 2
       ;;
   esac

@@ -206,7 +206,20 @@ def cmd_generate(args) -> int:
         except (ValueError, OSError) as e:  # a bad request or setting (RequestError), a checkpoint Eyrie cannot
             _fail(str(e))  # load (CheckpointError) or read: one line naming it
     _print_results(args, results, stats.batches_since(0) if stats is not None else None)
+    if engine.spec_policy is not None:
+        print(shape_summary(engine.spec_policy.steps_by_kind(), f"{engine.spec_policy.kind} policy"), file=sys.stderr)
     return 0
+
+
+def shape_summary(steps: dict[str, int], who: str) -> str:
+    """One line naming the kind of decode step (a tree shape, or plain) ``who`` (a speculation policy) ran most,
+    from its steps by kind (``SpecPolicy.steps_by_kind``, or the ``eyrie_spec_decode_num_steps_total`` series)."""
+    total = sum(steps.values())
+    if total == 0:
+        return f"[{who}: no decode step]"
+    kind = max(steps, key=steps.get)
+    rest = ", ".join(f"{k} {n}" for k, n in sorted(steps.items(), key=lambda kv: -kv[1]) if n and k != kind)
+    return f"[{who} ran {kind} most: {steps[kind]} of {total} decode steps" + (f"; {rest}" if rest else "") + "]"
 
 
 def _generate_engine(model, draft, config, work: tuple, cleanup: contextlib.ExitStack):

@@ -616,12 +616,36 @@ def _run_up(args, stack: Stack) -> int:
     finally:
         if gave_up:
             say(f"eyrie up: error: {gave_up[0]}")
+        report_policies(stack)
         exits = stack.stop()
         say("eyrie up: stopped " + ", ".join(f"{role} (exit {c})" for role, c in exits.items())
             + (f" and the embedded Redis {stack.redis_url}" if stack.redis is not None else ""))
     if gave_up:
         return 1
     return code or (1 if any(exits.values()) else 0)  # a service that did not stop cleanly is an error
+
+
+def report_policies(stack: Stack) -> None:
+    """Per decode instance with a draft, the kind of decode step (a tree shape, or plain) its speculation policy
+    ran most, read from its ``/metrics`` (``eyrie_spec_decode_num_steps_total``); an instance that does not
+    answer is skipped."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from services.cli import shape_summary
+
+    key = stack.env.get("EYRIE_API_KEY")
+    for name in [n for n in stack.names if n.startswith("decode") and n in stack.http]:
+        request = urllib.request.Request(f"http://{stack.http[name]}/metrics",
+                                         headers={"Authorization": f"Bearer {key}"} if key else {})
+        try:
+            with urllib.request.urlopen(request, timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            continue
+        steps = {s.labels["shape"]: int(s.value) for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == "eyrie_spec_decode_num_steps_total"}
+        if steps:
+            say("eyrie up: " + shape_summary(steps, f"{name}'s speculation policy"))
 
 
 # ---- eyrie client -------------------------------------------------------------------------------

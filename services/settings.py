@@ -3,7 +3,8 @@
 Everything else is derived from these models: the flags of ``eyrie serve``, ``eyrie generate`` and
 ``eyrie up`` (``add_flags``), the ``EYRIE_*`` environment variables (pydantic-settings), the ``--config``
 files (YAML, JSON or KEY=VALUE) and the settings table of README.md and docs/deploy.md
-(docker/config_table.py). The engine's defaults are ``EngineConfig``'s and ``SpecConfig``'s own.
+(docker/config_table.py). The engine's defaults are ``EngineConfig``'s and ``SpecConfig``'s own, but for the tree
+a draft gets when no tree setting is given (``ADAPTIVE_TREE``).
 
 Precedence (highest first): command-line flags, environment, the ``--config`` file, defaults.
 """
@@ -22,6 +23,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from shared.config import EngineConfig, SpecConfig
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# The tree a draft gets when no tree setting is given: the adaptive policy's default shapes (``default_candidates``:
+# itself for batches of 1-4, a tree of 8 tokens, chains of 3 to 1) all fit within it.
+ADAPTIVE_TREE = SpecConfig(topk=4, steps=4, num_draft_tokens=16)
 
 
 def _engine(name: str):
@@ -82,21 +86,27 @@ class EngineOptions(BaseSettings):
     max_context: int | None = Field(_engine("max_context"), description="longest prompt + output in tokens "
                                     "(default: the model's)")
     chunk_size: int | None = Field(_engine("chunk_size"), description="prefill chunk length in tokens")
-    spec_topk: int = Field(_spec("topk"), description="draft tree: top-k per step (1 = chain)")
-    spec_steps: int = Field(_spec("steps"), description="draft tree: depth")
+    spec_topk: int = Field(_spec("topk"), description="draft tree: top-k per step (1 = chain); with no tree "
+                           f"setting given at all, {ADAPTIVE_TREE.topk} (the tree `{ADAPTIVE_TREE.name}`, which the "
+                           "adaptive policy's default shapes fit within)")
+    spec_steps: int = Field(_spec("steps"), description="draft tree: depth; with no tree setting given at all, "
+                            f"{ADAPTIVE_TREE.steps}")
     spec_draft_tokens: int | None = Field(None, description="draft tree: nodes verified per step (default: steps + 1 "
-                                          "for a chain, 8 for a tree)")
+                                          "for a chain, 8 for a tree; with no tree setting given at all, "
+                                          f"{ADAPTIVE_TREE.num_draft_tokens})")
     cuda_graph: bool = Field(_engine("cuda_graph"), description="capture decode, draft and verify in CUDA graphs")
     spec_draft_ahead: bool | None = Field(_engine("spec_draft_ahead"), description="launch the next step's draft "
                                           "before this step's tokens reach the host, overlapping the host's "
                                           "bookkeeping (unset or `auto` = on with `cuda`)")
-    spec_policy: str = Field(_engine("spec_policy"), description="per decode step: `fixed` always speculates; "
-                             "`adaptive` runs the tree shape (`EYRIE_SPEC_CANDIDATES`) or plain step it expects "
-                             "the most tokens per second from")
+    spec_policy: str = Field(_engine("spec_policy"), description="per decode step: `adaptive` runs the tree "
+                             "shape (`EYRIE_SPEC_CANDIDATES`) or plain step it expects the most tokens per second "
+                             "from, by each shape's cost timed on the device at start and its acceptance measured "
+                             "as it runs; `fixed` always speculates with the configured tree (benchmarks)")
     spec_candidates: str | None = Field(None, description="with `adaptive`: the tree shapes it chooses among "
                                         "besides the configured one, comma-separated (`chain3`, `tree-k4-s3-n8`: "
-                                        "each within the configured tree); unset = chains of depth min(steps, 3) "
-                                        "down to 1")
+                                        "each within the configured tree); unset = a tree of half the configured "
+                                        "verified tokens (where wider than a chain) and chains of depth "
+                                        "min(steps, 3) down to 1")
     tensor_parallel: int = Field(_engine("tensor_parallel"), description="ranks the target is split over (heads, "
                                  "MLP columns, vocabulary, KV heads; one process per rank over NCCL on `cuda`, one "
                                  "GPU each from `device`'s, gloo on `cpu`); the draft head runs whole on every rank. "
@@ -112,6 +122,15 @@ class EngineOptions(BaseSettings):
                                               "process's peak after warm-up is held to it (exit 2 past it); unset = "
                                               "0.9 (`eyrie up` splits 0.9 of a shared GPU evenly: prefill and "
                                               "decode 0.45 each)")
+
+    def tree(self) -> SpecConfig:
+        """The configured tree: with no tree setting given (flag, environment or file) ``ADAPTIVE_TREE``, whatever
+        the policy (a prefill and a decode instance agree on it whichever policy each is given: the decode
+        instance's alone chooses); else the settings, their defaults for the others."""
+        if not {"spec_topk", "spec_steps", "spec_draft_tokens"} & self.model_fields_set:
+            return ADAPTIVE_TREE
+        n = self.spec_draft_tokens or (self.spec_steps + 1 if self.spec_topk == 1 else 8)
+        return SpecConfig(topk=self.spec_topk, steps=self.spec_steps, num_draft_tokens=n)
 
     @field_validator("handoff_transport")
     @classmethod
@@ -135,8 +154,7 @@ class EngineOptions(BaseSettings):
         tree shape (``spec_*``) with a draft."""
         spec = None
         if self.draft:
-            n = self.spec_draft_tokens or (self.spec_steps + 1 if self.spec_topk == 1 else 8)
-            spec = SpecConfig(topk=self.spec_topk, steps=self.spec_steps, num_draft_tokens=n)
+            spec = self.tree()
         return EngineConfig(spec=spec, **{name: getattr(self, name) for name in ENGINE_SETTINGS})
 
 

@@ -9,8 +9,6 @@ every path but ``/health`` needs ``Authorization: Bearer <key>`` (refusals count
 
 from __future__ import annotations
 
-import dataclasses
-
 from fastapi import FastAPI
 from prometheus_client import (
     CollectorRegistry,
@@ -151,15 +149,22 @@ class Telemetry:
                                   "bookkeeping, by outcome: used (partial: for some of their requests) or dropped "
                                   "(mismatched: the next batch was not some of its requests)", ["outcome"])
         self._draft_ahead_seen: dict[str, int] = {}
-        # Token-level speculation counters, named and shaped as vLLM's (shared/spec/token_counts.py).
-        self.spec_drafts = metric(Counter, "spec_decode_num_drafts", "Drafts verified (one per request per verify)")
+        # Token-level speculation counters, named and shaped as vLLM's (shared/spec/token_counts.py), by the tree
+        # shape that drafted (``SpecConfig.name``: the adaptive policy's choice, or the one shape of ``fixed``):
+        # sum over ``shape`` for vLLM's series.
+        self.spec_drafts = metric(Counter, "spec_decode_num_drafts", "Drafts verified (one per request per verify)",
+                                  ["shape"])
         self.spec_draft_tokens = metric(Counter, "spec_decode_num_draft_tokens",
-                                        "Draft tokens verification could accept (spec steps per draft)")
-        self.spec_accepted_tokens = metric(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted")
+                                        "Draft tokens verification could accept (spec steps per draft)", ["shape"])
+        self.spec_accepted_tokens = metric(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                           ["shape"])
         self.spec_accepted_per_pos = metric(Counter, "spec_decode_num_accepted_tokens_per_pos",
                                             "Draft tokens accepted at each draft position (0 = the first)",
-                                            ["position"])
-        self._spec_counted: SpecTokenCounts | None = None  # what the counters above have counted so far
+                                            ["shape", "position"])
+        self.spec_steps = metric(Counter, "spec_decode_num_steps", "Decode steps by the kind the speculation policy "
+                                 "ran: a tree shape, or plain (no draft)", ["shape"])
+        self._spec_counted: dict[str, SpecTokenCounts] = {}  # per shape, what the counters above have counted
+        self._steps_counted: dict[str, int] = {}  # per kind, the steps counted so far
 
     @property
     def address(self) -> str:
@@ -195,8 +200,7 @@ class Telemetry:
         used, total = load.total_pages[0] - load.free_pages[0], load.total_pages[0]
         self.kv_cache_usage.set(used / total if total else 0.0)
         self.observe_graph_failures(load.graph_failures)
-        if load.spec_tokens is not None:
-            self._count_spec_tokens(load.spec_tokens)
+        self._count_spec_tokens(load.spec_shape_tokens, load.spec_steps)
 
     @property
     def handoff_bytes_total(self):
@@ -223,9 +227,9 @@ class Telemetry:
     def skip_counts(self, load) -> None:
         """Take the engine's running totals so far as seen, without counting them (its warm-up request)."""
         self._draft_ahead_seen.update(load.draft_ahead)
-        if load.spec_tokens is not None:
-            self._spec_counted = dataclasses.replace(load.spec_tokens,
-                                                     accepted_per_pos=list(load.spec_tokens.accepted_per_pos))
+        self._spec_counted = {name: counts.copy() for name, counts in load.spec_shape_tokens.items()}
+        self._steps_counted = dict(load.spec_steps)
+        self._count_spec_tokens(load.spec_shape_tokens, load.spec_steps)  # every shape's series, at 0
 
     def observe_footprint(self, fp) -> None:
         """The process's GPU memory peak (``shared.memory.sizing.Footprint``); non_torch absent when unmeasured."""
@@ -241,15 +245,20 @@ class Telemetry:
             self.graph_capture_failures.labels(failure.phase).inc()
             self.graph_failures.append(failure.as_dict())
 
-    def _count_spec_tokens(self, now: SpecTokenCounts) -> None:
-        """Advance the token-level counters by what the engine counted since the last call."""
-        seen = self._spec_counted or SpecTokenCounts(now.steps)
-        self.spec_drafts.inc(now.drafts - seen.drafts)
-        self.spec_draft_tokens.inc(now.draft_tokens - seen.draft_tokens)
-        self.spec_accepted_tokens.inc(now.accepted_tokens - seen.accepted_tokens)
-        for pos, (n, before) in enumerate(zip(now.accepted_per_pos, seen.accepted_per_pos)):
-            self.spec_accepted_per_pos.labels(str(pos)).inc(n - before)
-        self._spec_counted = dataclasses.replace(now, accepted_per_pos=list(now.accepted_per_pos))
+    def _count_spec_tokens(self, shapes: dict[str, SpecTokenCounts], steps: dict[str, int]) -> None:
+        """Advance the per-shape speculation counters by what the engine counted since the last call (every
+        shape's series exists from the first call, at 0 before it runs)."""
+        for shape, now in shapes.items():
+            seen = self._spec_counted.get(shape) or SpecTokenCounts(now.steps)
+            self.spec_drafts.labels(shape).inc(now.drafts - seen.drafts)
+            self.spec_draft_tokens.labels(shape).inc(now.draft_tokens - seen.draft_tokens)
+            self.spec_accepted_tokens.labels(shape).inc(now.accepted_tokens - seen.accepted_tokens)
+            for pos, (n, before) in enumerate(zip(now.accepted_per_pos, seen.accepted_per_pos)):
+                self.spec_accepted_per_pos.labels(shape, str(pos)).inc(n - before)
+            self._spec_counted[shape] = now.copy()
+        for kind, n in steps.items():
+            self.spec_steps.labels(kind).inc(n - self._steps_counted.get(kind, 0))
+            self._steps_counted[kind] = n
 
     def observe_finished(self, req) -> None:
         """Per-request histograms when a request ends on this instance."""

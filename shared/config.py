@@ -63,11 +63,18 @@ class SpecConfig(BaseModel):
 
 
 def default_candidates(spec: SpecConfig) -> tuple[SpecConfig, ...]:
-    """The adaptive policy's shapes when none are named: the configured one, then chains of depth
-    min(steps, 3) down to 1 (cheaper verifies for the batches where the configured one costs more than
-    it gains; one chain's acceptance predicts the shallower ones', ``shared/spec/policy.py``)."""
+    """The adaptive policy's shapes when none are named, one for each part of the batch range, each within
+    ``spec``: the configured shape (the deepest tree, for batches of 1-4), a tree of half its verified
+    tokens where that is still more than a chain of its depth verifies, chains of depth min(steps, 3) down
+    to 2 (batches of 8-32) and the 1-step chain (beyond, beside the plain step). Which one runs at a batch
+    size is the policy's choice, from the costs measured on the device and the acceptance measured online
+    (``shared/spec/policy.py``); one chain's acceptance predicts the shallower ones'."""
+    trees = []
+    half = spec.num_draft_tokens // 2
+    if spec.topk > 1 and half > spec.steps + 1:
+        trees.append(SpecConfig(topk=spec.topk, steps=spec.steps, num_draft_tokens=half))
     chains = [SpecConfig(topk=1, steps=d, num_draft_tokens=d + 1) for d in range(min(spec.steps, 3), 0, -1)]
-    return (spec, *[c for c in chains if c != spec])
+    return tuple(dict.fromkeys([spec, *trees, *chains]))
 
 
 class EngineConfig(BaseModel):
@@ -97,10 +104,10 @@ class EngineConfig(BaseModel):
         if v is not None and not 0 < v <= 1:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {v}")
         return v
-    # Per decode step: "fixed" always speculates; "adaptive" runs a plain step where it expects more tokens
-    # per second from one (shared/spec/policy.py). Fixed by default until the adaptive one is measured on
-    # an H100 at every concurrency (issue 16); adaptive then, as it never loses by design.
-    spec_policy: str = "fixed"
+    # Per decode step: "adaptive" (the default) runs the shape among ``spec_shapes()``, or the plain step, it
+    # expects the most tokens per second from (shared/spec/policy.py); "fixed" always speculates with ``spec``
+    # (benchmarks and tests of one shape).
+    spec_policy: str = "adaptive"
     # The adaptive policy's speculative shapes (``SpecConfig.name``s, each within ``spec``); the configured
     # ``spec`` is always one. None: ``default_candidates``. Fixed runs ``spec`` alone.
     spec_candidates: tuple[str, ...] | None = None

@@ -59,6 +59,7 @@ from shared.parallel import (
 from shared.request import Request, Stage
 from shared.sampling import SamplingParams, request_seed, sample, top_logprobs, top_pairs
 from shared.scheduler import Scheduler, StepPlan
+from shared.spec.graph_costs import seed_costs
 from shared.spec.policy import MeasuredCost, SpecPolicy
 from shared.spec.state import DraftState
 from shared.spec.stats import SpecRecorder
@@ -102,6 +103,8 @@ class EngineLoad:
     draft_ahead: dict[str, int] = field(default_factory=dict)  # drafts launched ahead, by outcome
     graph_failures: tuple[CaptureFailure, ...] = ()  # CUDA graphs that failed to capture (phase eager)
     spec_tokens: SpecTokenCounts | None = None  # token-level speculation counts so far (None without a draft)
+    spec_shape_tokens: dict[str, SpecTokenCounts] = field(default_factory=dict)  # the same per tree shape
+    spec_steps: dict[str, int] = field(default_factory=dict)  # decode steps per shape and "plain" (with a draft)
 
 
 class InFlight:
@@ -163,6 +166,7 @@ class Engine:
         self.speculator = None if head is None else SpecWorker.load(
             head, self.model, self.cache, config, self.max_context, self.graph_failures, self.penalty_rows)
         self._decode_end: float | None = None  # when the last decode step ended (the policy's step costs)
+        self.graph_costs: dict[tuple[str, int], float] = {}  # (kind, batch) -> seconds, timed at capture
         self.spec_policy = None if head is None else SpecPolicy.of(
             config.spec_policy, [s.spec for s in self.speculator.shapes.values()], MeasuredCost())
         caches = [self.cache] + (self.speculator.caches if self.speculator else [])
@@ -627,7 +631,10 @@ class Engine:
             total_pages=tuple(c.layout.num_pages for c in s.caches),
             draft_ahead=self.speculator.ahead.counts() if self.speculator is not None else {},
             graph_failures=tuple(self.graph_failures),
-            spec_tokens=self.speculator.stats.tokens.copy() if self.speculator is not None else None)
+            spec_tokens=self.speculator.stats.tokens.copy() if self.speculator is not None else None,
+            spec_shape_tokens={n: c.copy() for n, c in self.speculator.stats.by_shape.items()}
+            if self.speculator is not None else {},
+            spec_steps=self.spec_policy.steps_by_kind() if self.spec_policy is not None else {})
 
     def is_idle_and_clean(self) -> bool:
         """True when no request runs and every cache is full again (the no-leak invariant)."""
@@ -677,11 +684,15 @@ class Engine:
         capture pauses (the services do this while /health says ``capturing``). Runs on padding rows
         only (request row 0, length 0: the sink page), as capture always does. Returns how many graphs
         exist afterwards; nothing happens off CUDA, nor on a prefill engine (it runs no decode step: its pools
-        were sized without graph memory)."""
+        were sized without graph memory). An adaptive engine then times each shape's graphs and the plain
+        step's at each captured batch size: its policy's costs from the first step (``shared/spec/graph_costs.py``)."""
         if self.device.type != "cuda" or self.role == "prefill":
             return 0
         with self.on_device():
             count = self._capture_graphs()
+            policy = self.spec_policy
+            if policy is not None and policy.kind == "adaptive" and isinstance(policy.cost, MeasuredCost):
+                self.graph_costs = seed_costs(self.speculator, policy.cost)  # the policy's costs on this device
             # Each capture's two eager warm-up runs left their blocks cached for the capture stream, where
             # no other step can reuse them: released, or they would sit beside the default stream's blocks
             # (the reserve counts one eager step's, not two). The graphs' private pools stay.

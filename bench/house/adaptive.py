@@ -33,11 +33,12 @@ ROOT = Path(__file__).resolve().parents[2]
 BAR = 0.95
 # name -> bench_serving flags: plain, then every shape the adaptive run chooses among (the tree's default
 # candidates, shared/config.default_candidates), the widest last.
+TREE = ["--spec-topk", "4", "--spec-steps", "4", "--spec-draft-tokens", "8"]
 FIXED = {"plain": ["--draft", "none"],
-         **{f"chain{d}": ["--spec-topk", "1", "--spec-steps", str(d), "--spec-draft-tokens", str(d + 1)]
-            for d in (1, 2, 3)},
-         "tree": ["--spec-topk", "4", "--spec-steps", "4", "--spec-draft-tokens", "8"]}
-ADAPTIVE = FIXED["tree"] + ["--spec-policy", "adaptive"]  # chooses among the tree, the chains and plain steps
+         **{f"chain{d}": ["--spec-topk", "1", "--spec-steps", str(d), "--spec-draft-tokens", str(d + 1),
+                          "--spec-policy", "fixed"] for d in (1, 2, 3)},
+         "tree": [*TREE, "--spec-policy", "fixed"]}
+ADAPTIVE = TREE + ["--spec-policy", "adaptive"]  # chooses among the tree, the chains and plain steps
 # The sweep runs in this order (a run cut off by its deadline loses its last points); the table is sorted.
 # On the GPU: the configurations the bar compares against (plain, the chain of 3 and the tree: --runs adds
 # chain1,chain2), 6 waves of requests per point so that a point lasts seconds, not one ramp (2 waves gave

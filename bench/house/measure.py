@@ -124,7 +124,8 @@ def acceptance(target: LlamaForCausalLM, head_dir: Path, prompts: list[list[int]
                 skipped.append(f"acceptance {shape.name} t={temperature}")
                 continue
             config = EngineConfig(device=device, dtype=dtype, max_running=len(prompts), chunk_size=None,
-                                  max_context=max(map(len, prompts)) + new_tokens + 32, spec=shape.config())
+                                  max_context=max(map(len, prompts)) + new_tokens + 32, spec=shape.config(),
+                                  spec_policy="fixed")
             engine = Engine(target, draft=head_dir, config=config)
             params = [SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, temperature=temperature, seed=i)
                       for i in range(len(prompts))]
@@ -163,7 +164,8 @@ def widen(target_cfg: dict, target_state: dict, head_cfg: dict, head_state: dict
 
 def greedy_pair(target, head_dir: Path, prompts: list[list[int]], new_tokens: int, device: str, dtype: str):
     config = EngineConfig(device=device, dtype=dtype, max_running=len(prompts), chunk_size=None,
-                          max_context=max(map(len, prompts)) + new_tokens + 32, spec=CONFIGS[1].config())
+                          max_context=max(map(len, prompts)) + new_tokens + 32, spec=CONFIGS[1].config(),
+                          spec_policy="fixed")
     engine = Engine(target, draft=head_dir, config=config)
     tokens = [r.token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens,
                                                                           ignore_eos=True))]
@@ -189,7 +191,7 @@ def batch1_speed(model: LlamaForCausalLM, head_dir: Path | None, shape: SpecShap
     """Output tok/s at batch 1 in a warmed engine (graphs captured, one request run first)."""
     config = EngineConfig(device=device, dtype=dtype, max_running=1, chunk_size=None, cuda_graph=device != "cpu",
                           cuda_graph_max_bs=1, max_context=max(map(len, prompts)) + new_tokens + 32,
-                          spec=None if shape is None else shape.config())
+                          spec=None if shape is None else shape.config(), spec_policy="fixed")
     engine = Engine(model, draft=head_dir if shape is not None else None, config=config)
     engine.capture_graphs()
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)

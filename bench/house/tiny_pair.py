@@ -90,7 +90,7 @@ def cpu_acceptance(target_dir: Path, head_dir: Path, prompts: int, prompt_len: i
     out, outputs = {}, []
     for name, topk, steps, n in CPU_CONFIGS:
         config = EngineConfig(max_running=len(chosen), max_context=prompt_len + new_tokens + 16, chunk_size=None,
-                              spec=SpecConfig(topk=topk, steps=steps, num_draft_tokens=n))
+                              spec=SpecConfig(topk=topk, steps=steps, num_draft_tokens=n), spec_policy="fixed")
         engine = Engine(target, draft=head_dir, config=config)
         outputs.append([r.token_ids for r in engine.generate(chosen, params)])
         totals = engine.spec_stats.totals
@@ -108,7 +108,8 @@ def demo(target_dir: Path, head_dir: Path, new_tokens: int) -> dict:
     from shared.engine import Engine
     from shared.sampling import SamplingParams
 
-    config = EngineConfig(max_running=1, max_context=256, spec=SpecConfig(topk=1, steps=3, num_draft_tokens=4))
+    config = EngineConfig(max_running=1, max_context=256, spec=SpecConfig(topk=1, steps=3, num_draft_tokens=4),
+                          spec_policy="fixed")
     engine = Engine(target_dir, draft=head_dir, config=config)
     r = engine.generate(DEMO_PROMPT, SamplingParams(max_new_tokens=new_tokens))[0]
     return {"prompt": DEMO_PROMPT, "completion": r.text, "accept_length": round(engine.spec_stats.totals.accept_length,

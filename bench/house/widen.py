@@ -51,7 +51,7 @@ def check(small: tuple[Path, Path], wide: tuple[Path, Path], prompts: list[list[
 
     config = EngineConfig(device=device, dtype=dtype, max_running=len(prompts),
                           max_context=max(map(len, prompts)) + new_tokens + 1, chunk_size=None,
-                          spec=SpecConfig(topk=1, steps=steps, num_draft_tokens=steps + 1))
+                          spec=SpecConfig(topk=1, steps=steps, num_draft_tokens=steps + 1), spec_policy="fixed")
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     out = {}
     for name, (target, draft) in (("small", small), ("wide", wide)):

@@ -49,11 +49,19 @@ def bucket(batch: int) -> int:
 class MeasuredCost:
     """Average seconds per step kind (``plain`` or a shape's name) and batch-size bucket, from the steps the
     engine ran: the plain mean of the first ``1 / weight`` steps (a first step slowed by a one-time cost
-    weighs no more than the others), a running average after."""
+    weighs no more than the others), a running average after. Before a kind's first step at a bucket, its
+    ``prior`` there when one was timed at start (``seed``: the captured CUDA graphs' replays on this device,
+    ``shared/spec/graph_costs.py``), so the policy starts from every shape's cost at every captured batch size
+    instead of trying each one; the steps' own time (the host's work included) replaces it."""
 
     weight: float = 0.1  # of the newest step in the running average
     seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, bucket) -> seconds
     counts: dict[tuple[str, int], int] = field(default_factory=dict)  # (kind, bucket) -> steps recorded
+    prior: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, bucket) -> seconds timed at start
+
+    def seed(self, kind: str, batch: int, seconds: float) -> None:
+        """A step of ``kind`` at ``batch`` timed at start (its bucket's prior, until a step of it is recorded)."""
+        self.prior[(kind, bucket(batch))] = seconds
 
     def record(self, kind: str, batch: int, seconds: float) -> None:
         key = (kind, bucket(batch))
@@ -62,10 +70,11 @@ class MeasuredCost:
         self.seconds[key] = old + max(self.weight, 1 / n) * (seconds - old)
 
     def decode_s(self, batch: int) -> float | None:
-        return self.seconds.get(("plain", bucket(batch)))
+        return self.spec_s(batch, "plain")
 
     def spec_s(self, batch: int, shape: str = "spec") -> float | None:
-        return self.seconds.get((shape, bucket(batch)))
+        key = (shape, bucket(batch))
+        return self.seconds.get(key, self.prior.get(key))
 
 
 @dataclass
@@ -190,6 +199,10 @@ class SpecPolicy:
         for c in self.candidates:
             if c is ran or ran.covers(c):
                 c.acceptance.observe_counts(drafts, reached[:c.acceptance.steps])
+
+    def steps_by_kind(self) -> dict[str, int]:
+        """Decode steps run so far per shape (every candidate's, 0 for one never run) and ``plain``."""
+        return {**{c.name: self.shapes.get(c.name, 0) for c in self.candidates}, "plain": self.choices["plain"]}
 
     def _candidate(self, shape: str) -> Candidate:
         return next(c for c in self.candidates if c.name == shape)

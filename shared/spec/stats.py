@@ -121,6 +121,11 @@ class SpecRecorder:
         self.batches: deque[SpecBatchStats] = deque(maxlen=BATCH_LOG)  # the latest verify steps
         self.num_batches = 0  # verify steps run so far (``batches_since`` takes a mark of it)
         self.tokens = SpecTokenCounts(steps)  # drafts, draft / accepted tokens (the /metrics counters)
+        self.by_shape: dict[str, SpecTokenCounts] = {}  # the same per tree shape (``track_shapes``)
+
+    def track_shapes(self, steps: dict[str, int]) -> None:
+        """Count drafts and acceptance per shape too, for the shapes named (name -> its steps)."""
+        self.by_shape = {name: SpecTokenCounts(n) for name, n in steps.items()}
 
     def keep_batches(self, limit: int | None) -> None:
         """Keep the latest ``limit`` verify steps' statistics (None: all, for a bounded run)."""
@@ -131,12 +136,15 @@ class SpecRecorder:
         return [b for b in self.batches if b.step >= mark]
 
     def record(self, events: list[tuple[Request, list[int]]], verified: list[int], draft_s: float,
-               verify_s: float, steps: int | None = None) -> None:
+               verify_s: float, steps: int | None = None, shape: str | None = None) -> None:
         """One verify step, after its commit: ``events`` are (request, tokens it committed), ``verified``
         the accepted drafts + bonus of each as verification found them (before a stop cut them); ``steps``:
-        the drafts each could accept (the step's tree depth; default the configured ``self.steps``)."""
+        the drafts each could accept (the step's tree depth; default the configured ``self.steps``); ``shape``:
+        the step's tree shape, counted in ``by_shape`` when tracked."""
         steps = steps or self.steps
         self.tokens.record(verified, steps)
+        if shape in self.by_shape:
+            self.by_shape[shape].record(verified, steps)
         n = len(events)
         for (req, taken), accepted in zip(events, verified):
             req.stats.add(SpecStats(verify_steps=1, accepted_drafts=accepted - 1, proposed_drafts=steps,

@@ -97,6 +97,7 @@ class SpecWorker:
         self.shapes = {s.name: self._shape(s, on, config.cuda_graph_max_bs, failures, flush, s != spec)
                        for s in dict.fromkeys([spec, *config.spec_shapes()[1:]])}
         self.phases, self.graphs = self.shapes[spec.name].phases, self.shapes[spec.name].graphs
+        self.stats.track_shapes({name: sh.spec.steps for name, sh in self.shapes.items()})
         if config.spec_policy == "adaptive":  # its plain steps' graphs (fixed never runs one: it has none)
             self.graphs.update(self._plain_graphs(on, config.cuda_graph_max_bs, failures, flush))
         ahead = config.spec_draft_ahead
@@ -263,7 +264,8 @@ class SpecWorker:
         verified = out.accept_len.tolist()
         events = self._commit(reqs, inp, out)
         self.ahead.committed(reqs)
-        self.stats.record(events, verified, draft_s=t1 - t0 + drafted.earlier_s, verify_s=t2 - t1, steps=sh.spec.steps)
+        self.stats.record(events, verified, draft_s=t1 - t0 + drafted.earlier_s, verify_s=t2 - t1, steps=sh.spec.steps,
+                          shape=sh.spec.name)
         return events
 
     def _verify_extend(self, inp: DecodeInputs, tree: DraftTree, sh: SpecShape, processing: LogitsRows | None = None,
@@ -334,23 +336,39 @@ class SpecWorker:
     def capture_graphs(self) -> int:
         """Capture each enabled phase at every bucket on padding inputs (rows 0, lengths 0), in the
         order a decode step runs them; returns how many graphs exist afterwards."""
-        dev, k, c = self.target_cache.layout.device, self.spec.topk, len(self.caches)
         g = self.graphs
         for bs in g["draft"].buckets:
-            ints = torch.zeros(bs, dtype=torch.int64, device=dev)
-            inp = DecodeInputs(target_rows=ints, draft_rows=torch.zeros(bs, c, dtype=torch.int64, device=dev),
-                               L=ints.clone(), bonus=ints.clone(),
-                               hidden=torch.zeros(bs, self.draft.hidden_width, dtype=self.dtype, device=dev),
-                               topk_p=torch.zeros(bs, k, device=dev), topk_ids=torch.zeros(bs, k, dtype=torch.int64,
-                                                                                          device=dev),
-                               sampling=SamplingRows(temperature=torch.zeros(bs, device=dev), top_k=ints.clone(),
-                                                     top_p=torch.zeros(bs, device=dev), seed=ints.clone()))
+            inp = self.padding_inputs(bs)
             for sh in self.shapes.values():
                 self._capture_shape(sh, inp)
             if "plain" in g and g["plain"].capture:
-                logits, feats = g["plain"](ints, ints.clone(), ints.clone())
-                g["plain_extend"](inp.draft_rows, ints.clone(), ints.clone(), feats)
+                self.plain_padding_step(inp)
         return sum(len(p.captured_sizes) for p in self.phase_graphs())
+
+    def padding_inputs(self, bs: int) -> DecodeInputs:
+        """A decode step's inputs of ``bs`` padding rows (request row 0, length 0: the sink page), as capture
+        runs the phases on."""
+        dev, k, c = self.target_cache.layout.device, self.spec.topk, len(self.caches)
+        ints = torch.zeros(bs, dtype=torch.int64, device=dev)
+        return DecodeInputs(target_rows=ints, draft_rows=torch.zeros(bs, c, dtype=torch.int64, device=dev),
+                            L=ints.clone(), bonus=ints.clone(),
+                            hidden=torch.zeros(bs, self.draft.hidden_width, dtype=self.dtype, device=dev),
+                            topk_p=torch.zeros(bs, k, device=dev), topk_ids=torch.zeros(bs, k, dtype=torch.int64,
+                                                                                       device=dev),
+                            sampling=SamplingRows(temperature=torch.zeros(bs, device=dev), top_k=ints.clone(),
+                                                  top_p=torch.zeros(bs, device=dev), seed=ints.clone()))
+
+    def plain_padding_step(self, inp: DecodeInputs) -> None:
+        """A plain step's phases (target decode, then the draft over its position) on padding rows ``inp``."""
+        g, ints = self.graphs, torch.zeros_like(inp.L)
+        logits, feats = g["plain"](ints, ints.clone(), ints.clone())
+        g["plain_extend"](inp.draft_rows, ints.clone(), ints.clone(), feats)
+
+    def padding_step(self, shape: str, inp: DecodeInputs) -> None:
+        """A speculative step of ``shape`` on padding rows ``inp``: its draft, then its verify, acceptance and
+        extend as a decode step runs them (one graph where captured)."""
+        sh = self.shapes[shape]
+        self._verify_extend(inp, sh.graphs["draft"](inp), sh)
 
     @staticmethod
     def _capture_shape(sh: SpecShape, inp: DecodeInputs) -> None:

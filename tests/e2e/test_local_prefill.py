@@ -31,8 +31,10 @@ NEW = 12
 
 
 def local_stack(redis_url, model_dir, local: int = LOCAL, **kw):
+    """Fixed policy: a seeded sampled request must draw the same tokens on two stacks (the adaptive policy's
+    choices follow measured step times, and a sampled request's draws follow the choices)."""
     return start_stack(redis_url, model_dir, "eagle3", page_size=4, chunk_size=8, spec_topk=4, spec_steps=3,
-                       spec_draft_tokens=8, max_running=16, max_context=64,
+                       spec_draft_tokens=8, max_running=16, max_context=64, spec_policy="fixed",
                        router_extra=dict(local_prefill_max_tokens=local), **kw)
 
 

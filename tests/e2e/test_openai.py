@@ -41,9 +41,10 @@ PROMPT = "def fibonacci(n):"
 
 @pytest.fixture(scope="module")
 def stack(redis_url, oracle_model_dir):
-    # The oracle model's drafts are accepted often, so "equal to gRPC" covers multi-token verify steps.
+    # The oracle model's drafts are accepted often, so "equal to gRPC" covers multi-token verify steps. Fixed: the
+    # same request over both APIs verifies the same steps (test_completion_greedy_equals_grpc).
     s = start_stack(redis_url, oracle_model_dir, "eagle3", page_size=4, chunk_size=8, spec_topk=2, spec_steps=3,
-                    spec_draft_tokens=6, api_key=KEY,
+                    spec_draft_tokens=6, spec_policy="fixed", api_key=KEY,
                     router_extra=dict(api_key=KEY, openai_port=0, http_read_timeout_s=1.0))
     s.tokenizer = Tokenizer(oracle_model_dir / "target")
     s.base_url = f"http://{s.router.extra['openai_address']}/v1"

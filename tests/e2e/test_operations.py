@@ -44,7 +44,9 @@ def metric(text: str, name: str, **labels) -> float:
 @pytest.fixture(scope="module")
 def stack(redis_url, tiny_model_dir):
     # One running request at a time on the prefill side: a second one waits (the queued gauge can move).
-    s = start_stack(redis_url, tiny_model_dir, "eagle", page_size=4, chunk_size=8, prefill_extra=dict(max_running=1))
+    # The fixed chain of 3: every draft offers 3 positions (test_the_decode_service_counts_speculation_by_token).
+    s = start_stack(redis_url, tiny_model_dir, "eagle", page_size=4, chunk_size=8, prefill_extra=dict(max_running=1),
+                    spec_topk=1, spec_policy="fixed")
     yield s
     s.stop()
 

@@ -114,3 +114,24 @@ def test_generate_with_a_draft_reports_spec_stats(tiny_model_dir):
     plain = Engine(target, config=EngineConfig()).generate("x = 1", SamplingParams(max_new_tokens=8,
                                                                                    ignore_eos=True))[0]
     assert out["token_ids"] == plain.token_ids  # speculation is lossless
+
+
+def test_generate_names_the_shape_its_policy_ran_most(tiny_model_dir):
+    """On stderr, the kind of decode step (a tree shape, or plain) the speculation policy ran most: under fixed
+    the configured tree, every decode step (one prompt: one verify each); under the default, adaptive, one of
+    its shapes or plain."""
+    import re
+
+    args = ("generate", "--model", str(tiny_model_dir / "target"), "--draft", str(tiny_model_dir / "eagle3"),
+            "--spec-topk", "2", "--spec-steps", "3", "--spec-draft-tokens", "6", "--prompt", "x = 1",
+            "--max-new-tokens", "8", "--ignore-eos", "--json")
+    fixed = eyrie(*args, "--spec-policy", "fixed")
+    assert fixed.returncode == 0, fixed.stderr
+    verifies = json.loads(fixed.stdout)["spec"]["verify_steps"]
+    assert f"[fixed policy ran tree-k2-s3-n6 most: {verifies} of {verifies} decode steps]" in fixed.stderr
+    adaptive = eyrie(*args)
+    assert adaptive.returncode == 0, adaptive.stderr
+    said = re.search(r"\[adaptive policy ran (\S+) most: (\d+) of (\d+) decode steps", adaptive.stderr)
+    assert said is not None, adaptive.stderr
+    assert said[1] in ("tree-k2-s3-n6", "chain3", "chain2", "chain1", "plain")
+    assert 1 <= int(said[2]) <= int(said[3]) <= 7  # 8 tokens, the first from the prefill

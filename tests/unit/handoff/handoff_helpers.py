@@ -59,8 +59,11 @@ def spec_config(topk: int, steps: int = 3) -> SpecConfig:
 
 
 def engine_config(draft: str | None, topk: int = 1, page_size: int = 16, **kw) -> EngineConfig:
+    """The hand-off tests' engines. Fixed policy unless named: they compare the verify steps and acceptance of a
+    hand-off with one engine's, which the adaptive policy's timed choices would make differ
+    (test_handoff_policy.py hands off under both policies)."""
     return EngineConfig(page_size=page_size, chunk_size=kw.pop("chunk_size", 8),
-                        spec=spec_config(topk) if draft else None, **kw)
+                        spec=spec_config(topk) if draft else None, **{"spec_policy": "fixed", **kw})
 
 
 def make_engine(models: Models, draft: str | None, config: EngineConfig, role: str = "both") -> Engine:

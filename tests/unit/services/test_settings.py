@@ -53,7 +53,8 @@ def test_engine_config_from_settings():
     s = DecodeSettings(model="m", draft="d", spec_topk=4, spec_steps=3, page_size=1, chunk_size=8)
     cfg = s.engine_config()
     assert (cfg.page_size, cfg.chunk_size, cfg.spec.topk, cfg.spec.steps, cfg.spec.num_draft_tokens) == (1, 8, 4, 3, 8)
-    assert DecodeSettings(draft="d").engine_config().spec.num_draft_tokens == 4  # chain: steps + 1
+    # chain: steps + 1 (with no tree setting at all, the adaptive default tree: tests/unit/spec/test_default_policy.py)
+    assert DecodeSettings(draft="d", spec_topk=1).engine_config().spec.num_draft_tokens == 4
     assert DecodeSettings(draft="none").engine_config().spec is None
     assert PrefillSettings().engine_config().spec is None
 

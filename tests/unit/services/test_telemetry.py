@@ -170,10 +170,15 @@ SPEC_COUNTERS = ("eyrie_spec_decode_num_drafts_total", "eyrie_spec_decode_num_dr
                  "eyrie_spec_decode_num_accepted_tokens_total")
 
 
+def summed(m: dict, name: str, **labels) -> float:
+    """``name``'s samples with ``labels`` (and any others: the ``shape`` the series are split by) summed."""
+    return sum(v for (n, ls), v in m.items() if n == name and all(dict(ls).get(k) == w for k, w in labels.items()))
+
+
 def spec_counters(m: dict, steps: int) -> tuple:
-    per_pos = [m[("eyrie_spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))]
-               for i in range(steps)]
-    return (*(m[(name, ())] for name in SPEC_COUNTERS), per_pos)
+    """vLLM's series: the counters summed over the tree shapes that drafted."""
+    per_pos = [summed(m, "eyrie_spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(steps)]
+    return (*(summed(m, name) for name in SPEC_COUNTERS), per_pos)
 
 
 def test_token_level_spec_metrics_move_as_requests_run(telemetry, oracle_model_dir):
@@ -183,8 +188,9 @@ def test_token_level_spec_metrics_move_as_requests_run(telemetry, oracle_model_d
     from shared.config import SpecConfig
 
     steps = 3
-    engine = Engine(oracle_model_dir / "target", oracle_model_dir / "eagle",
-                    EngineConfig(page_size=4, spec=SpecConfig(topk=2, steps=steps, num_draft_tokens=6)))
+    engine = Engine(oracle_model_dir / "target", oracle_model_dir / "eagle",  # fixed: every draft offers 3 tokens
+                    EngineConfig(page_size=4, spec=SpecConfig(topk=2, steps=steps, num_draft_tokens=6),
+                                 spec_policy="fixed"))
     telemetry.observe_load(engine.load())
     assert spec_counters(samples(telemetry.address), steps) == (0, 0, 0, [0] * steps)
     seen, verifies = [], []

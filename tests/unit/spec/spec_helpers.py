@@ -52,6 +52,13 @@ class Models:
         config = EngineConfig(**{**SMALL, "device": self.device, **cfg, "spec": spec})
         return Engine(self.target, self.drafts[kind] if kind else None, config)
 
+    def fixed(self, kind: str | None = None, topk: int = 1, steps: int = 3, ndt: int | None = None,
+              **cfg) -> Engine:
+        """``engine`` under the fixed policy: every decode step speculates with the configured shape, for the
+        tests that count verify steps, drafts launched ahead or per-step trees (the default, adaptive, may run
+        other shapes or plain steps by its measured costs)."""
+        return self.engine(kind, topk, steps, ndt, **{"spec_policy": "fixed", **cfg})
+
     def reference(self, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[GenerationResult]:
         """Greedy target-only results (page size 1, whole prompts, one batch), cached per prompts."""
         key = (tuple(map(tuple, prompts)), params)

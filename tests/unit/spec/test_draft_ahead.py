@@ -43,7 +43,7 @@ def run(engine: Engine, prompts, params, join_after: int | None = None, join=Non
 @pytest.mark.parametrize("topk,steps,n", [(1, 3, 4), (2, 3, 8)])
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_drafting_ahead_is_lossless_as_the_batch_changes(oracle_models, kind, topk, steps, n, page_size):
-    engine = oracle_models.engine(kind, topk, steps, n, page_size=page_size, chunk_size=4, spec_draft_ahead=True)
+    engine = oracle_models.fixed(kind, topk, steps, n, page_size=page_size, chunk_size=4, spec_draft_ahead=True)
     assert engine.speculator.ahead.enabled
     w = engine.speculator
     next_inputs, decode_step, clamped, current, checked = w.ahead.next_inputs, w.step, [], [], [0]
@@ -89,7 +89,7 @@ def test_drafting_ahead_is_lossless_as_the_batch_changes(oracle_models, kind, to
 
 
 def test_drafting_ahead_off_launches_none(oracle_models):
-    engine = oracle_models.engine("eagle", 2, 3, 8, page_size=4, chunk_size=4, spec_draft_ahead=False)
+    engine = oracle_models.fixed("eagle", 2, 3, 8, page_size=4, chunk_size=4, spec_draft_ahead=False)
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
     got = run(engine, PROMPTS, params)
     assert_same_greedy(got, per_request(oracle_models, PROMPTS, MAX_NEW))
@@ -97,7 +97,7 @@ def test_drafting_ahead_off_launches_none(oracle_models):
 
 
 def test_the_default_follows_the_device(oracle_models):
-    assert not oracle_models.engine("eagle", 1, 3, 4).speculator.ahead.enabled  # CPU: nothing to overlap
+    assert not oracle_models.fixed("eagle", 1, 3, 4).speculator.ahead.enabled  # CPU: nothing to overlap
 
 
 @pytest.mark.parametrize("topk,steps,n", [(1, 3, 4), (2, 3, 8)])
@@ -106,14 +106,14 @@ def test_seeded_sampling_is_the_same_with_and_without_drafting_ahead(oracle_mode
               for i, m in enumerate(MAX_NEW)]
     outs = []
     for ahead in (False, True):
-        engine = oracle_models.engine("eagle3", topk, steps, n, page_size=4, chunk_size=4, spec_draft_ahead=ahead)
+        engine = oracle_models.fixed("eagle3", topk, steps, n, page_size=4, chunk_size=4, spec_draft_ahead=ahead)
         outs.append([(r.token_ids, r.finish_reason) for r in run(engine, PROMPTS, params)])
         assert engine.is_idle_and_clean()
     assert outs[0] == outs[1]
 
 
 def test_an_abort_between_steps_reuses_the_draft_ahead_for_the_others_and_returns_every_page(oracle_models):
-    engine = oracle_models.engine("mtp", 2, 3, 8, page_size=4, chunk_size=None, spec_draft_ahead=True)
+    engine = oracle_models.fixed("mtp", 2, 3, 8, page_size=4, chunk_size=None, spec_draft_ahead=True)
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in PROMPTS[:3]]
     while engine.speculator.ahead.pending is None:  # prefill, then decode steps until a draft is launched ahead
@@ -130,7 +130,7 @@ def test_an_abort_between_steps_reuses_the_draft_ahead_for_the_others_and_return
 
 
 def test_an_abort_outside_the_batch_keeps_the_draft_ahead(oracle_models):
-    engine = oracle_models.engine("eagle", 1, 3, 4, page_size=4, chunk_size=None, spec_draft_ahead=True,
+    engine = oracle_models.fixed("eagle", 1, 3, 4, page_size=4, chunk_size=None, spec_draft_ahead=True,
                                   max_running=2)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     running = [engine.add_request(p, params) for p in PROMPTS[:2]]
@@ -151,11 +151,11 @@ def test_drafting_ahead_claims_no_page_beyond_the_scheduled_peak(oracle_models):
     """A pool exactly as large as the requests' budgeted peaks: drafting ahead must fit in it (it
     is skipped near a request's end) or a reservation would run out of pages mid-step."""
     spec_args = ("eagle", 1, 3, 4)
-    probe = oracle_models.engine(*spec_args, page_size=4, chunk_size=4, spec_draft_ahead=True)
+    probe = oracle_models.fixed(*spec_args, page_size=4, chunk_size=4, spec_draft_ahead=True)
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
     prompts = PROMPTS
     peaks = [probe.cache.pages_for(len(p) + q.max_new_tokens + probe.config.headroom) for p, q in zip(prompts, params)]
-    engine = oracle_models.engine(*spec_args, page_size=4, chunk_size=4, spec_draft_ahead=True, num_pages=sum(peaks))
+    engine = oracle_models.fixed(*spec_args, page_size=4, chunk_size=4, spec_draft_ahead=True, num_pages=sum(peaks))
     assert engine.cache.layout.num_pages == sum(peaks)
     caps = [], []
 
@@ -181,7 +181,7 @@ def test_drafting_ahead_claims_no_page_beyond_the_scheduled_peak(oracle_models):
 def test_the_page_size_1_host_mirror_follows_the_device_permutation(oracle_models, ahead):
     """Give the CPU engine a separate "device" table, as on CUDA: compaction permutes that one, the
     host re-derives the same permutation from the accept index; the two agree after every step."""
-    engine = oracle_models.engine("eagle", 2, 3, 8, page_size=1, chunk_size=4, spec_draft_ahead=ahead)
+    engine = oracle_models.fixed("eagle", 2, 3, 8, page_size=1, chunk_size=4, spec_draft_ahead=ahead)
     table = engine.cache.req_to_token
     table._table = table.host.clone()  # a separate mirror, as on a GPU
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
@@ -205,7 +205,7 @@ def test_a_draft_launched_ahead_counts_as_the_draft_time_of_the_step_that_uses_i
     params = [SamplingParams(max_new_tokens=24, ignore_eos=True)] * 3
     totals = {}
     for ahead in (False, True):
-        engine = oracle_models.engine("eagle", 2, 3, 8, page_size=4, chunk_size=None, spec_draft_ahead=ahead)
+        engine = oracle_models.fixed("eagle", 2, 3, 8, page_size=4, chunk_size=None, spec_draft_ahead=ahead)
         run(engine, PROMPTS[:3], params)
         assert engine.speculator.ahead.used > (10 if ahead else -1)
         totals[ahead] = engine.speculator.stats.totals
@@ -216,7 +216,7 @@ def test_a_draft_launched_ahead_counts_as_the_draft_time_of_the_step_that_uses_i
 def test_no_draft_ahead_while_a_hand_off_is_being_received(oracle_models):
     """A request in RECEIVING joins the decode batch once its K/V has arrived (between steps, when
     nobody can foresee it): while one is on its way, steps launch no draft ahead."""
-    engine = oracle_models.engine("eagle", 1, 3, 4, page_size=4, chunk_size=None, spec_draft_ahead=True)
+    engine = oracle_models.fixed("eagle", 1, 3, 4, page_size=4, chunk_size=None, spec_draft_ahead=True)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     req = engine.add_request(PROMPTS[0], params)
     while engine.speculator.ahead.pending is None:
@@ -244,7 +244,7 @@ def test_stop_tokens_inside_accepted_runs_under_drafting_ahead(oracle_models, to
               for i, r in enumerate(base)]
     want = [oracle_models.reference([p], q)[0] for p, q in zip(PROMPTS, params)]
     assert len({len(w.token_ids) for w in want}) > 2  # they end at different steps
-    engine = oracle_models.engine("eagle3", topk, steps, n, page_size=4, chunk_size=None, spec_draft_ahead=True)
+    engine = oracle_models.fixed("eagle3", topk, steps, n, page_size=4, chunk_size=None, spec_draft_ahead=True)
     assert_same_greedy(run(engine, PROMPTS, params), want)
     assert engine.speculator.ahead.partial > 0 and engine.speculator.ahead.mismatched == 0
     assert engine.is_idle_and_clean()

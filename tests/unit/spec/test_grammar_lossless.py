@@ -83,7 +83,9 @@ def test_negative_control_the_committed_mask_at_every_node_is_caught(oracle_mode
     """Masking every tree node with the committed state's mask (not the node's own) changes the output."""
     monkeypatch.setattr(Grammar, "node_states", lambda self, tokens, parents: [self.matcher.deep_copy()
                                                                                for _ in tokens])
-    got = engine_on(oracle_models, "eagle3", 2, 3, 6, page_size=16).generate(PROMPTS[:3], text_params())
+    # Fixed: every step verifies a tree (the default's plain steps would not exercise the planted mistake).
+    got = engine_on(oracle_models, "eagle3", 2, 3, 6, page_size=16, spec_policy="fixed").generate(PROMPTS[:3],
+                                                                                                 text_params())
     assert [g.token_ids for g in got] != [w.token_ids for w in oracle_reference]
 
 

@@ -24,6 +24,9 @@ oracle drafts are accepted often (accept length > 1.5; 1.78-3.9 measured, the mo
 chain can reach being 2), and where the tree is deep enough (a chain of steps >= 3, or >= 8 nodes)
 some verify commits 3 or more tokens, so long accepted runs are compacted.
 
+The matrix runs the fixed policy (every decode step verifies, so the accounting above holds); a slice of it
+(every 25th case) runs again under the default, adaptive policy, asserting the same output and pools.
+
 The oracle pair is ``make_oracle_model`` with alpha = 0.05 (the target's next token is dominated by
 its layer 0, which the drafts copy; attention and the other layers still move its logits by a few
 percent, far above the 1e-4 logprob tolerance, so a K/V mistake is seen) plus a small random read of
@@ -172,8 +175,9 @@ def test_greedy_lossless(case, models):
     m = models[case["drafts"]]
     params = PARAMS[case["drafts"]]
     page, chunk = case["page_size"], case["chunk_size"]
-    engine = m.engine(case["kind"], case["topk"], case["steps"], draft_tokens(case["steps"], case["ndt"]),
-                      page_size=page, chunk_size=chunk)
+    # Fixed: every decode step verifies (the per-verify accounting below); the default policy's slice follows.
+    engine = m.fixed(case["kind"], case["topk"], case["steps"], draft_tokens(case["steps"], case["ndt"]),
+                     page_size=page, chunk_size=chunk)
     per_verify: list[int] = []
     verifies = accepted = 0
     single = batch1_prompt(CASES.index(case), chunk)
@@ -198,6 +202,23 @@ def test_greedy_lossless(case, models):
             assert max(per_verify) >= 3, f"{case_id(case)}: no verify accepted two drafts in a row"
     else:  # and the low end
         assert accept < RANDOM_MAX_ACCEPT, f"random drafts accepted too often ({accept:.2f}): not the low end"
+
+
+@pytest.mark.parametrize("case", CASES[::25], ids=case_id)  # 35 cases; 25 is prime to the 9 page x chunk pairs
+def test_greedy_lossless_under_the_default_policy(case, models):
+    """A slice of the same cases under the default policy (adaptive: plain steps and the shapes within the
+    configured one, by measured cost and acceptance): token for token the target-only output, pools full."""
+    m, params = models[case["drafts"]], PARAMS[case["drafts"]]
+    page, chunk = case["page_size"], case["chunk_size"]
+    engine = m.engine(case["kind"], case["topk"], case["steps"], draft_tokens(case["steps"], case["ndt"]),
+                      page_size=page, chunk_size=chunk)
+    assert engine.spec_policy.kind == "adaptive"
+    for prompts in (PROMPTS, [batch1_prompt(CASES.index(case), chunk)]):
+        what = f"{case_id(case)} batch {len(prompts)}"
+        got, _ = run(engine, prompts, params)
+        assert engine.is_idle_and_clean(), f"{what}: pages or rows leaked"
+        assert_same_greedy(got, reference(m, prompts, params, page, chunk), what)
+        assert all(len(r.token_ids) == params.max_new_tokens for r in got), what
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -53,7 +53,8 @@ def reference(pair) -> list:
 def test_trained_pair_is_lossless_and_accepts_runs(pair, reference, topk, steps, ndt):
     page_size, chunk = (16, None) if SHAPES.index((topk, steps, ndt)) % 2 else (4, 8)  # both, in turn
     config = EngineConfig(max_running=4, max_context=256, page_size=page_size, chunk_size=chunk,
-                          spec=SpecConfig(topk=topk, steps=steps, num_draft_tokens=ndt))
+                          spec=SpecConfig(topk=topk, steps=steps, num_draft_tokens=ndt),
+                          spec_policy="fixed")  # the acceptance of this shape, every step
     engine = Engine(pair[0], draft=pair[1], config=config)
     engine.spec_stats.keep_batches(None)
     assert_same_greedy(engine.generate(PROMPTS, PARAMS), reference, f"topk {topk} steps {steps} n {ndt}")

@@ -44,7 +44,7 @@ class Counting:
 @pytest.mark.parametrize("kind", KINDS)
 def test_one_target_forward_per_verify(oracle_models, monkeypatch, kind, shape):
     s = SHAPES[shape]
-    engine = oracle_models.engine(kind, s["topk"], s["steps"], s["ndt"], page_size=4, chunk_size=None)
+    engine = oracle_models.fixed(kind, s["topk"], s["steps"], s["ndt"], page_size=4, chunk_size=None)
     target = Counting(engine.model, monkeypatch)
     draft = Counting(engine.speculator.draft, monkeypatch)
     # different lengths: requests leave the batch at different decode steps

@@ -49,7 +49,7 @@ class Calls:
 def test_only_an_adaptive_engine_has_plain_step_graphs(oracle_models):
     on = adaptive(oracle_models, "eagle3", True, DEAR_SPEC).speculator.graphs
     assert on["plain"].enabled and on["plain_extend"].enabled and on["plain"].bucket(3) == 4
-    fixed = oracle_models.engine("eagle3", cuda_graph=True).speculator.graphs
+    fixed = oracle_models.fixed("eagle3", cuda_graph=True).speculator.graphs
     assert "plain" not in fixed and "plain_extend" not in fixed  # fixed never runs a plain step
     no_decode = adaptive(oracle_models, "eagle3", True, DEAR_SPEC, cuda_graph_phases=("draft", "verify", "extend"))
     assert not no_decode.speculator.graphs["plain"].enabled  # the decode phase switched off: eager plain steps

@@ -272,13 +272,14 @@ VIEWS = {"joint": tuple(range(DEPTH)), **{f"token {i + 1}": (i,) for i in range(
          **{f"tokens {i + 1},{i + 2}": (i, i + 1) for i in range(1, DEPTH - 1)}}
 
 
-def engine_runs(root, shape: str, settings: tuple[str, ...], per_setting: int, device: str = "cpu") -> dict[str, list]:
+def engine_runs(root, shape: str, settings: tuple[str, ...], per_setting: int, device: str = "cpu",
+                policy: str = "adaptive") -> dict[str, list]:
     """``per_setting`` seeded requests per setting (different seeds), in batches that mix the settings
     and a few greedy requests; returns each setting's results (and the greedy ones under "greedy")."""
     kind, spec = SPECS[shape]
     engine = Engine(root / "target", root / kind, EngineConfig(page_size=4, max_running=BATCH + GREEDY_ROWS,
                                                                max_context=32, chunk_size=None, spec=spec,
-                                                               device=device))
+                                                               device=device, spec_policy=policy))
     greedy = SamplingParams(max_new_tokens=DEPTH, ignore_eos=True)
     todo = [(name, SamplingParams(**SETTINGS[name], seed=100_000 * j + i, max_new_tokens=DEPTH, ignore_eos=True))
             for i in range(per_setting) for j, name in enumerate(settings)]  # interleaved: every batch mixes them
@@ -325,7 +326,8 @@ def test_engine_negative_control_a_biased_rule_is_rejected(small_vocab, monkeypa
     sibling's mass removed but the rest not renormalised), rejects the result."""
     root, laws = small_vocab
     monkeypatch.setattr(spec_sampling, "_after_rejections", unnormalised)
-    rows = engine_runs(root, "tree", ("temperature",), PER_SETTING)["temperature"]
+    # Fixed: every step verifies with the biased rule (the default's plain steps would dilute it).
+    rows = engine_runs(root, "tree", ("temperature",), PER_SETTING, policy="fixed")["temperature"]
     pvalues = check_setting("tree", "temperature", rows, laws["temperature"])
     print(f"biased tree temperature: chi-square p {pvalues}")
     assert min(pvalues.values()) * len(VIEWS) < P_MIN

@@ -54,8 +54,8 @@ def prefill_then_decode(engine, prompts):
 @pytest.mark.parametrize("kind", KINDS)
 def test_chunked_equals_unchunked(oracle_models, kind):
     spec = dict(topk=2, steps=3, ndt=6)
-    whole = oracle_models.engine(kind, **spec, page_size=4, chunk_size=None)
-    chunked = oracle_models.engine(kind, **spec, page_size=4, chunk_size=5)
+    whole = oracle_models.fixed(kind, **spec, page_size=4, chunk_size=None)
+    chunked = oracle_models.fixed(kind, **spec, page_size=4, chunk_size=5)
     reqs_w, snap_w, acc_w, spans_w = prefill_then_decode(whole, PAIR)
     reqs_c, snap_c, acc_c, spans_c = prefill_then_decode(chunked, PAIR)
     n_caches = len(chunked.speculator.caches)

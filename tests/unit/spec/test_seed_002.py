@@ -196,7 +196,7 @@ def decode_and_compare(engine: Engine, max_steps: int = 3, wrong_positions: bool
 
 def make_engine(models: Models, kind: str, shape: str, graphs: bool = False) -> Engine:
     s = SHAPES[shape]
-    return models.engine(kind, s["topk"], s["steps"], s.get("ndt"), page_size=4 if shape == "chain" else 1,
+    return models.fixed(kind, s["topk"], s["steps"], s.get("ndt"), page_size=4 if shape == "chain" else 1,
                          chunk_size=16 if shape == "chain" else None, cuda_graph=graphs)
 
 
@@ -257,7 +257,7 @@ def test_under_cuda_graph_replay(oracle_model_dir, kind):
     tree level) are compared after every step, with the target K/V the replayed verify wrote."""
     root = Path(oracle_model_dir)
     config = EngineConfig(**SMALL, device="cuda", page_size=4, chunk_size=16, cuda_graph=True,
-                          spec=SpecConfig(topk=1, steps=4, num_draft_tokens=5))
+                          spec=SpecConfig(topk=1, steps=4, num_draft_tokens=5), spec_policy="fixed")
     engine = Engine(root / "target", root / kind, config)
     assert decode_and_compare(engine).forwards == 3 * 3 * 3
     assert engine.speculator.graphs["draft"]._graphs, "no graph was captured"

@@ -44,7 +44,7 @@ def test_tree_compaction_cuda_graphs(oracle_models_cuda, kind, page_size):
 def check_compaction(models, kind, tree, page_size, **cfg):
     oracle_models = models
     spec = TREES[tree]
-    engine = oracle_models.engine(kind, **spec, page_size=page_size, chunk_size=None, **cfg)
+    engine = oracle_models.fixed(kind, **spec, page_size=page_size, chunk_size=None, **cfg)
     w = engine.speculator
     accepted_paths = []
     commit = w._commit

@@ -45,7 +45,7 @@ def test_shapes_and_names_round_trip_and_must_fit_the_configured_one():
     assert all(SpecConfig.parse(s.name) == s for s in SHAPES)
     config = EngineConfig(spec=TREE, spec_policy="adaptive", spec_candidates="chain1, tree-k2-s2-n4")
     assert [s.name for s in config.spec_shapes()] == ["tree-k4-s3-n8", "chain1", "tree-k2-s2-n4"]
-    assert EngineConfig(spec=TREE, spec_candidates="chain1").spec_shapes() == (TREE,)  # fixed: the one
+    assert EngineConfig(spec=TREE, spec_policy="fixed", spec_candidates="chain1").spec_shapes() == (TREE,)  # the one
     with pytest.raises(ValueError, match="does not fit"):
         EngineConfig(spec=TREE, spec_policy="adaptive", spec_candidates="chain4")
     with pytest.raises(ValueError, match="neither"):

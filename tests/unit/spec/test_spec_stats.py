@@ -29,7 +29,7 @@ STEPS = 3
 def run_recorded(models, kind, prompts, params, **spec):
     """Run to the end; per request id, the accept lengths verification found and the tokens each
     verify committed, recorded around the worker's ``_commit`` and ``decode_step``."""
-    engine = models.engine(kind, steps=STEPS, **spec)
+    engine = models.fixed(kind, steps=STEPS, **spec)  # every decode step verifies: the counts below
     verified: dict[str, list[int]] = {}
     committed: dict[str, list[int]] = {}
     sizes: list[int] = []

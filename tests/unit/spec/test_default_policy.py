@@ -1,0 +1,99 @@
+"""The adaptive policy is the default, over shapes that cover the batch range, from costs known at start.
+
+With a draft and no tree setting, a service's engine gets ``ADAPTIVE_TREE`` (topk 4, 4 steps, 16 tokens) and the
+adaptive policy over its default shapes: that tree for the smallest batches, a tree of 8 tokens, chains of 3 to 1
+for the middle and the plain step beyond. Where CUDA graphs are captured their replays seed the policy's costs
+(``shared/spec/graph_costs.py``, its GPU test in tests/gpu/test_graph_costs_gpu.py): seeded, the policy chooses
+from its first step by those costs and the acceptance it measured; on the CPU nothing is timed at start and each
+kind's own steps are.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.settings import ADAPTIVE_TREE, EngineOptions
+from shared.config import EngineConfig, SpecConfig, default_candidates
+from shared.sampling import SamplingParams
+from shared.spec.policy import MeasuredCost, SpecPolicy
+
+DEFAULT_SHAPES = ["tree-k4-s4-n16", "tree-k4-s4-n8", "chain3", "chain2", "chain1"]
+
+
+def test_adaptive_is_the_default_with_a_draft_and_its_shapes_fit_the_configured_tree():
+    assert EngineConfig().spec_policy == "adaptive"
+    config = EngineOptions(model="m", draft="d").engine_config()
+    assert config.spec == ADAPTIVE_TREE and config.spec_policy == "adaptive"
+    assert [s.name for s in config.spec_shapes()] == DEFAULT_SHAPES
+    assert all(config.spec.holds(s) for s in config.spec_shapes())
+    # Fixed runs the configured tree alone; the tree does not depend on the policy (a prefill instance agrees).
+    fixed = EngineOptions(model="m", draft="d", spec_policy="fixed").engine_config()
+    assert fixed.spec == ADAPTIVE_TREE and fixed.spec_shapes() == (ADAPTIVE_TREE,)
+    # A tree setting given: the others take SpecConfig's defaults, as before.
+    assert EngineOptions(model="m", draft="d", spec_topk=1).engine_config().spec == SpecConfig()
+    assert EngineOptions(model="m", draft="d", spec_topk=2).engine_config().spec == SpecConfig(
+        topk=2, steps=3, num_draft_tokens=8)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        EngineOptions(model="m", draft="d", spec_draft_tokens=9).engine_config()
+    # The half-budget tree only where it verifies more than a chain of the same depth.
+    assert [s.name for s in default_candidates(SpecConfig(topk=4, steps=3, num_draft_tokens=8))] == [
+        "tree-k4-s3-n8", "chain3", "chain2", "chain1"]
+    assert [s.name for s in default_candidates(SpecConfig(topk=1, steps=5, num_draft_tokens=6))] == [
+        "chain5", "chain3", "chain2", "chain1"]
+
+
+# Seconds per step by kind and batch bucket, shaped like the 8B-shape figures (docs/benchmarks.md): at batch 1 a
+# step costs little more than a plain one whatever its shape, at 16 the wide trees' verify costs several plain
+# steps, at 128 every speculative step costs more than its tokens are worth.
+SEEDS = {1: {"plain": 6.4, "tree-k4-s4-n16": 9.3, "tree-k4-s4-n8": 9.1, "chain3": 8.1, "chain2": 7.6, "chain1": 7.0},
+         16: {"plain": 9.0, "tree-k4-s4-n16": 40.0, "tree-k4-s4-n8": 25.0, "chain3": 14.0, "chain2": 12.0,
+              "chain1": 11.0},
+         128: {"plain": 20.0, "tree-k4-s4-n16": 300.0, "tree-k4-s4-n8": 160.0, "chain3": 70.0, "chain2": 55.0,
+               "chain1": 45.0}}
+
+
+def seeded_policy() -> SpecPolicy:
+    """The default shapes' policy with every kind's cost seeded at buckets 1, 16 and 128 and the acceptance of
+    100 drafts per shape known (the tree of 16 commits 3 tokens a step, of 8 2.6, the chain of 3 2.2, of 2 2.05,
+    of 1 1.7: the chains' from the chain of 3's verify steps)."""
+    cost = MeasuredCost()
+    for batch, kinds in SEEDS.items():
+        for kind, ms in kinds.items():
+            cost.seed(kind, batch, ms / 1000)
+    policy = SpecPolicy.of("adaptive", [SpecConfig.parse(n) for n in DEFAULT_SHAPES], cost)
+    policy.probe_every = policy.max_probe_every = 10 ** 6  # no probe: the choices alone
+    policy.observe("tree-k4-s4-n16", 100, [80, 60, 40, 20])
+    policy.observe("tree-k4-s4-n8", 100, [70, 50, 30, 10])
+    policy.observe("chain3", 100, [70, 35, 15])
+    return policy
+
+
+def test_seeded_costs_choose_a_deep_tree_at_batch_1_a_chain_at_16_and_plain_at_128():
+    policy = seeded_policy()
+    assert [round(c.tokens, 2) for c in policy.candidates] == [3.0, 2.6, 2.2, 2.05, 1.7]
+    assert policy.choose(1) == "tree-k4-s4-n16"
+    assert policy.choose(16) == "chain2"  # 2.05 / 12 ms beats 2.2 / 14, 1.7 / 11, 1 / 9 and the trees
+    assert policy.choose(128) is None  # 1 / 20 ms beats every shape (1.7 / 45 at best)
+    assert policy.choose(100) is None and policy.choose(9) == "chain2"  # the same buckets
+    assert policy.steps_by_kind() == {"tree-k4-s4-n16": 1, "tree-k4-s4-n8": 0, "chain3": 0, "chain2": 2,
+                                      "chain1": 0, "plain": 2}
+
+
+def test_a_kinds_own_steps_replace_its_seeded_cost():
+    cost = MeasuredCost()
+    cost.seed("chain1", 8, 0.010)
+    assert cost.spec_s(5, "chain1") == 0.010 and cost.spec_s(16, "chain1") is None and cost.decode_s(8) is None
+    cost.record("chain1", 7, 0.030)  # the step's own time, the host's work included
+    assert cost.spec_s(8, "chain1") == 0.030
+    cost.record("chain1", 8, 0.020)
+    assert cost.spec_s(8, "chain1") == pytest.approx(0.025) and cost.prior[("chain1", 8)] == 0.010
+
+
+def test_on_the_cpu_nothing_is_timed_at_start_and_each_kind_is_timed_by_its_steps(oracle_models):
+    engine = oracle_models.engine("eagle3", topk=2, steps=3, ndt=6)  # the default policy: adaptive
+    assert engine.spec_policy.kind == "adaptive" and len(engine.spec_policy.candidates) == 4
+    assert engine.capture_graphs() == 0 and engine.graph_costs == {} and engine.spec_policy.cost.prior == {}
+    engine.generate([3, 4, 5, 6, 7], SamplingParams(max_new_tokens=24, ignore_eos=True))
+    kinds = {k for k, _ in engine.spec_policy.cost.seconds}
+    assert kinds and kinds <= {*engine.speculator.shapes, "plain"}
+    assert engine.is_idle_and_clean()
