@@ -419,7 +419,7 @@ class Engine:
         if not plan.decode:
             self._decode_end = None
             return (yield from self._run_target_step(plan))
-        shape = self._choose_shape(len(plan.decode))
+        shape = self._choose_shape(plan.decode)
         if shape is None and plan.prefill:
             self.speculator.drop_ahead()  # a draft launched ahead is stale after a plain step
             events = yield from self._run_target_step(plan)
@@ -429,10 +429,13 @@ class Engine:
         # Timed for the policy only without a prefill before it (see ``SpecPolicy.ran``).
         return events + (yield from self._run_spec_or_plain(plan.decode, shape, timed=not plan.prefill))
 
-    def _choose_shape(self, batch: int) -> str | None:
-        """The shape the policy picks for a decode step of ``batch`` requests, None for a plain step
-        (``shared/spec/policy.py``); under tensor parallelism rank 0's, as the choice is timed."""
-        shape = self.spec_policy.choose(batch)
+    def _choose_shape(self, reqs: list[Request]) -> str | None:
+        """The shape the policy picks for a decode step of ``reqs``, None for a plain step
+        (``shared/spec/policy.py``); under tensor parallelism rank 0's, as the choice is timed. A sampled request
+        with its own seed pins the configured shape while it runs: its draws follow the shape, and its seed
+        promises one output in any batch."""
+        pinned = any(r.params.seed is not None and not r.params.greedy for r in reqs)
+        shape = self.spec_policy.choose(len(reqs), pinned=pinned)
         if self.tp is not None and self.config.spec_policy != "fixed":
             shape = self.tp.broadcast(shape)
         return shape

@@ -163,9 +163,12 @@ class SpecPolicy:
         """A policy over ``shapes`` (``SpecConfig``s, the configured one first)."""
         return cls(kind, [Candidate(s.name, Acceptance(s.steps), chain=s.topk == 1) for s in shapes], cost)
 
-    def choose(self, batch: int) -> str | None:
-        """The shape this step of ``batch`` requests runs, None for a plain step; counted in ``choices``."""
-        if self.again is not None and self.kind == "adaptive":
+    def choose(self, batch: int, pinned: bool = False) -> str | None:
+        """The shape this step of ``batch`` requests runs, None for a plain step; counted in ``choices``.
+        ``pinned``: the configured shape, whatever the policy (a seeded sampled request is in the batch)."""
+        if pinned:
+            name = self.candidates[0].name
+        elif self.again is not None and self.kind == "adaptive":
             name, self.again = (None if self.again == "plain" else self.again), None
         else:
             name = self._decide(batch)

@@ -11,6 +11,8 @@ from handoff_helpers import GREEDY, PROMPTS, hand_off, load_models, make_engine,
 
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
+from shared.sampling import SamplingParams
+from shared.spec.policy import SpecPolicy
 
 TREE = SpecConfig(topk=4, steps=3, num_draft_tokens=8)
 SEEDED = GREEDY.model_copy(update={"seed": 7})  # the seed travels in the draft state: the same one both times
@@ -93,3 +95,25 @@ def test_the_hand_off_is_the_same_whatever_the_policies_and_the_decode_side_deci
     for a, b in zip(fixed_kv, adaptive_kv):
         assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
     assert outputs["fixed"] == outputs["adaptive"] == want
+
+
+
+def test_a_seeded_sampled_request_pins_the_configured_shape_and_keeps_its_output(models, monkeypatch):
+    """A sampled request's draws follow the shape each step runs, so a seed promises one output only on one shape:
+    while a sampled request with its own seed runs, the adaptive policy runs the configured shape, and the output
+    is the fixed policy's, alone or beside unseeded requests, whatever the costs say. The control: with the pin
+    taken away, the rotating shapes change the same seed's output."""
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True)
+    seeded = sampled.model_copy(update={"seed": 11})
+
+    def run(policy: str, params: list[SamplingParams]) -> list[int]:
+        engine = Engine(models.target, models.drafts["eagle3"], config(policy))
+        engine.spec_policy.cost = Rotating(["chain1", None, "chain2"])  # fixed never asks it
+        return engine.generate([PROMPTS[0]] * len(params), params)[0].token_ids
+
+    want = run("fixed", [seeded])
+    assert run("adaptive", [seeded]) == want
+    assert run("adaptive", [seeded, sampled, sampled]) == want
+    choose = SpecPolicy.choose
+    monkeypatch.setattr(SpecPolicy, "choose", lambda self, batch, pinned=False: choose(self, batch))
+    assert run("adaptive", [seeded]) != want
