@@ -32,6 +32,7 @@ from shared.grammar import GrammarCompiler
 from shared.handoff.port import HandoffPort, landing_pages
 from shared.logits_process import RowsCache, add_grammar, process_logits
 from shared.memory.kv_cache import KVCache, flush_tables
+from shared.memory.prefix_cache import PrefixCache
 from shared.memory.profile import profile_steps
 from shared.memory.sizing import (
     POOL_MARGIN,
@@ -80,10 +81,12 @@ class GenerationResult:
     ttft_s: float
     latency_s: float
     spec_stats: dict | None  # the request's speculative statistics (SpecStats.as_dict), None without a draft
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not computed)
 
     def as_json(self) -> dict:
         return {"request_id": self.rid, "token_ids": self.token_ids, "text": self.text,
                 "finish_reason": self.finish_reason, "stop_str": self.stop_str, "prompt_tokens": len(self.prompt_ids),
+                "cached_tokens": self.cached_tokens,
                 "timing": {"ttft_s": round(self.ttft_s, 6), "latency_s": round(self.latency_s, 6)},
                 **({"spec": self.spec_stats} if self.spec_stats is not None else {})}
 
@@ -166,10 +169,12 @@ class Engine:
         self.spec_policy = None if head is None else SpecPolicy.of(
             config.spec_policy, [s.spec for s in self.speculator.shapes.values()], MeasuredCost())
         caches = [self.cache] + (self.speculator.caches if self.speculator else [])
+        # With a draft, a cached page's key carries the token after it (the draft's K/V depends on it).
+        self.prefix_cache = PrefixCache(caches, successor=head is not None) if config.prefix_cache else None
         self.scheduler = Scheduler(caches, config.max_running, config.chunk_size, config.headroom,
                                    eos_ids=mc.eos_token_ids, prefill_only=role == "prefill", tokenizer=tokenizer,
                                    grammars=GrammarCompiler(tokenizer, mc.vocab_size, mc.eos_token_ids)
-                                   if tokenizer is not None else None)
+                                   if tokenizer is not None else None, prefix_cache=self.prefix_cache)
         self.handoff = HandoffPort(self, config, mc.vocab_size, mc.num_key_value_heads, tp, self._landing_pages(config),
                                    head, self.speculator.spec if self.speculator else None)
         # The per-request tables beside the scheduler's go with the request (``Scheduler.retire``).
@@ -502,6 +507,7 @@ class Engine:
         if self.speculator is not None:
             self.speculator.draft_extend_rows(plan.decode, starts, plan.prefill, out)
         for ch in plan.prefill:
+            self.scheduler.cache_prefix(ch.req)  # its completed pages, target and draft K/V written
             if ch.completes_prompt:
                 self.scheduler.prompt_done(ch.req)
             elif not any(r is ch.req for r, _ in events):
@@ -629,6 +635,10 @@ class Engine:
             graph_failures=tuple(self.graph_failures),
             spec_tokens=self.speculator.stats.tokens.copy() if self.speculator is not None else None)
 
+    def flush_prefix_cache(self) -> int:
+        """Evict every cached page no request holds (none without a prefix cache); how many pages, per cache."""
+        return self.prefix_cache.flush() if self.prefix_cache is not None else 0
+
     def is_idle_and_clean(self) -> bool:
         """True when no request runs and every cache is full again (the no-leak invariant)."""
         return (not self.scheduler.has_work() and all(c.is_full() for c in self.scheduler.caches)
@@ -670,6 +680,7 @@ class Engine:
             stop_str=req.stop_str,
             ttft_s=(req.t_first_token or end) - req.t_arrival, latency_s=end - req.t_arrival,
             spec_stats=req.stats.as_dict() if self.speculator is not None else None,
+            cached_tokens=req.cached_tokens,
         )
 
     def capture_graphs(self) -> int:
