@@ -274,7 +274,7 @@ class Scheduler:
         if not hit:
             return
         self.prefix_cache.lock(hit)
-        req.prefix = hit
+        req.prefix_pages = hit
         for c, (cache, handle) in enumerate(zip(self.caches, req.handles)):
             cache.attach(handle, [node.pages[c] for node in hit])
         req.advance(len(hit) * self.prefix_cache.page_size)
@@ -292,13 +292,13 @@ class Scheduler:
         done = min(req.kv_len, req.prefill_len) // ps
         if pc.successor:
             done = min(done, (len(tokens) - 1) // ps)
-        parent = req.prefix[-1] if req.prefix else pc.root
-        for i in range(len(req.prefix), done):
+        parent = req.prefix_pages[-1] if req.prefix_pages else pc.root
+        for i in range(len(req.prefix_pages), done):
             node = pc.insert(parent, tokens, i, tuple(cache.pages_of(h, i, i + 1)[0]
                                                       for cache, h in zip(self.caches, req.handles)))
             if node is None:
                 break
-            req.prefix.append(node)
+            req.prefix_pages.append(node)
             for cache, h in zip(self.caches, req.handles):
                 cache.share(h, i + 1)
             parent = node
@@ -312,9 +312,9 @@ class Scheduler:
             if handle.row:
                 cache.close(handle)
         req.handles = []
-        if req.prefix:
-            self.prefix_cache.unlock(req.prefix)
-            req.prefix = []
+        if req.prefix_pages:
+            self.prefix_cache.unlock(req.prefix_pages)
+            req.prefix_pages = []
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

@@ -554,7 +554,9 @@ def _extension(rid: str, finish: pb.Finish) -> dict:
 
 
 def _usage(finish: pb.Finish) -> dict:
-    return _token_usage(finish.usage.prompt_tokens, finish.usage.completion_tokens)
+    """A finished request's usage, with the prompt tokens found in a prefix cache (as OpenAI and vLLM report it)."""
+    return {**_token_usage(finish.usage.prompt_tokens, finish.usage.completion_tokens),
+            "prompt_tokens_details": {"cached_tokens": finish.usage.cached_tokens}}
 
 
 def _token_usage(prompt: int, completion: int) -> dict:
