@@ -226,7 +226,7 @@ def test_a_prefill_with_a_prefix_cache_hands_off_the_same_and_reports_the_cached
         cold = s.generate(LONG)
         warm = s.generate(LONG)
         sampled = s.generate(LONG, SAMPLED)
-        for (tokens, finish, events), want in [(cold, single[1]), (warm, single[1]), (sampled, single[2])]:
+        for (tokens, finish, _), want in [(cold, single[1]), (warm, single[1]), (sampled, single[2])]:
             assert tokens == want.token_ids and finish.reason == "length"
             assert (finish.spec.verify_steps, finish.spec.accepted_drafts) == (want.spec_stats["verify_steps"],
                                                                                want.spec_stats["accepted_drafts"])
