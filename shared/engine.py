@@ -105,6 +105,10 @@ class EngineLoad:
     draft_ahead: dict[str, int] = field(default_factory=dict)  # drafts launched ahead, by outcome
     graph_failures: tuple[CaptureFailure, ...] = ()  # CUDA graphs that failed to capture (phase eager)
     spec_tokens: SpecTokenCounts | None = None  # token-level speculation counts so far (None without a draft)
+    # With a prefix cache: prompt tokens looked up and found so far, and the pages it holds now (per cache)
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prefix_pages: int = 0
 
 
 class InFlight:
@@ -633,7 +637,13 @@ class Engine:
             total_pages=tuple(c.layout.num_pages for c in s.caches),
             draft_ahead=self.speculator.ahead.counts() if self.speculator is not None else {},
             graph_failures=tuple(self.graph_failures),
-            spec_tokens=self.speculator.stats.tokens.copy() if self.speculator is not None else None)
+            spec_tokens=self.speculator.stats.tokens.copy() if self.speculator is not None else None,
+            **self._prefix_load())
+
+    def _prefix_load(self) -> dict:
+        """The prefix cache's figures in the load snapshot (none without one)."""
+        pc = self.prefix_cache
+        return {} if pc is None else dict(prefix_queries=pc.lookups, prefix_hits=pc.hits, prefix_pages=len(pc))
 
     def flush_prefix_cache(self) -> int:
         """Evict every cached page no request holds (none without a prefix cache); how many pages, per cache."""
