@@ -158,7 +158,7 @@ class Scheduler:
         every cache, RECEIVING until ``activate``; None when it cannot be held now."""
         req = self._new(rid, prompt_ids, params, output_ids, output_logprobs)
         self.check_fits(req)
-        if not self.can_admit(req):
+        if not self.can_admit(req, cached=False):  # a hand-off fills pages of its own: it takes no cached ones
             return None
         req.handles = [cache.open() for cache in self.caches]
         for cache, h in zip(self.caches, req.handles):
@@ -237,9 +237,10 @@ class Scheduler:
         plan.prefill.append(Chunk(req, start, end))
         return None if budget is None else budget - (end - start)
 
-    def can_admit(self, req: Request) -> bool:
-        """Whether ``req`` (not yet holding pages) fits beside what running requests may claim."""
-        return len(self.running) < self.max_running and self._admissible(req)
+    def can_admit(self, req: Request, cached: bool = True) -> bool:
+        """Whether ``req`` (not yet holding pages) fits beside what running requests may claim; ``cached``: it
+        would take its cached prefix (a request to prefill), else every page is its own (a hand-off)."""
+        return len(self.running) < self.max_running and self._admissible(req, cached=cached)
 
     def _unclaimed_pages(self) -> list[int]:
         """Per cache, the free pages no running request may still claim (its peak less what it holds)."""
@@ -247,9 +248,9 @@ class Scheduler:
                                                - cache.pages_for(r.handles[i].reserved)) for r in self.running)
                 for i, cache in enumerate(self.caches)]
 
-    def _admissible(self, req: Request, unclaimed: list[int] | None = None) -> bool:
+    def _admissible(self, req: Request, unclaimed: list[int] | None = None, cached: bool = True) -> bool:
         unclaimed = self._unclaimed_pages() if unclaimed is None else unclaimed
-        need = self._peak_pages(req, self._hit(req))
+        need = self._peak_pages(req, self._hit(req) if cached else [])
         return all(cache.num_free_rows > 0 and h >= n for h, n, cache in zip(unclaimed, need, self.caches))
 
     # ---- the prefix cache ------------------------------------------------------------------------

@@ -188,3 +188,20 @@ def test_eviction_stress_full_pool_with_aborts(tiny_model_dir, kind, one_thread)
             assert e.result(r).token_ids == want[i].token_ids, f"request {i}"
     assert e.flush_prefix_cache() > 0 and len(e.prefix_cache) == 0
     check_pools_full(e)
+
+
+def test_a_hand_off_is_admitted_for_every_page_it_fills(tiny_model_dir, one_thread):
+    """A decode engine with a prefix cache (its own prompts prefilled there) admits a hand-off for all its pages:
+    the K/V arrives in pages of its own, so cached pages of the same prompt do not lower what it needs."""
+    e = Engine(tiny_model_dir / "target", config=EngineConfig(page_size=4, chunk_size=8, max_running=4,
+                                                              max_context=96, num_pages=27, prefix_cache=True),
+               role="decode")
+    prompt, params = [(i * 7 + 3) % 500 for i in range(40)], SamplingParams(max_new_tokens=20, ignore_eos=True)
+    local = e.add_request(prompt, params)  # prefilled here: its 10 pages cached and held; 16 at its peak
+    while local.kv_len < len(prompt):
+        e.step()
+    assert len(local.prefix_pages) == 10
+    # free 17, the local request may still claim 6: 11 unclaimed, a hand-off of 40 + 20 needs 16
+    assert e.reserve_handoff("h", prompt, [], [], params, len(prompt)) is None
+    e.abort(local.rid)
+    check_pools_full(e)
