@@ -111,6 +111,10 @@ class EngineOptions(BaseSettings):
                                  "MLP columns, vocabulary, KV heads; one process per rank over NCCL on `cuda`, one "
                                  "GPU each from `device`'s, gloo on `cpu`); the draft head runs whole on every rank. "
                                  "A service is rank 0 and starts the other ranks as followers")
+    prefix_cache: bool = Field(_engine("prefix_cache"), description="keep prefilled prompt pages (target and draft "
+                               "K/V) for later requests sharing the prefix: they skip its computation and report "
+                               "`cached_tokens`; unreferenced pages are evicted least recently used first when the "
+                               "pool needs them")
     handoff_transport: str = Field("auto", description="the hand-off's data transport: `auto` (ipc on one host when "
                                    "the decode pools are reachable, else the gRPC stream), `ipc`, `grpc-stream` or "
                                    "`nixl` (on a decode instance, `grpc-stream` stops it exporting its pools, `nixl` "

@@ -99,6 +99,7 @@ class Telemetry:
         self.kv_pages_used = metric(Gauge, "kv_pages_used", "KV pages in use", ["cache"])
         self.kv_pages_total = metric(Gauge, "kv_pages_capacity", "KV pages in the pool", ["cache"])
         self.kv_cache_usage = metric(Gauge, "kv_cache_usage_perc", "Fraction of the target KV pages in use (0-1)")
+        self._prefix_metrics(metric)
         # Requests (the router sees every request whole; prefill and decode their part).
         self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = metric(Counter, "generation_tokens", "Generated tokens of finished requests")
@@ -135,6 +136,13 @@ class Telemetry:
         self.gpu_memory_budget = metric(Gauge, "gpu_memory_budget_bytes", "gpu_memory_fraction x the GPU's memory")
         self._server = HttpServer(self._app(api_key), host, port, name=f"{service}-http")
 
+
+    def _prefix_metrics(self, metric) -> None:
+        """The prefix cache's (EYRIE_PREFIX_CACHE), in tokens as vLLM's prefix_cache_queries / prefix_cache_hits."""
+        self.prefix_queries = metric(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = metric(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.prefix_cached = metric(Gauge, "prefix_cache_pages", "KV pages the prefix cache holds (per pool)")
+        self._prefix_seen = (0, 0)
 
     def _speculation_metrics(self, metric, seconds) -> None:
         """Speculative decoding: per request (histograms) and per token (vLLM-shaped counters)."""
@@ -200,6 +208,11 @@ class Telemetry:
         used, total = load.total_pages[0] - load.free_pages[0], load.total_pages[0]
         self.kv_cache_usage.set(used / total if total else 0.0)
         self.observe_graph_failures(load.graph_failures)
+        queries, hits = load.prefix_queries, load.prefix_hits  # the engine's running totals -> increments
+        self.prefix_queries.inc(max(0, queries - self._prefix_seen[0]))
+        self.prefix_hits.inc(max(0, hits - self._prefix_seen[1]))
+        self._prefix_seen = (queries, hits)
+        self.prefix_cached.set(load.prefix_pages)
         self._count_spec_tokens(load.spec_shape_tokens, load.spec_steps)
 
     @property

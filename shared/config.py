@@ -113,6 +113,10 @@ class EngineConfig(BaseModel):
     spec_candidates: tuple[str, ...] | None = None
     # Ranks the target is split over (shared/parallel.py): heads, MLP columns, vocabulary and KV heads.
     tensor_parallel: int = 1
+    # Keep prefilled prompt pages (target and draft K/V) for later requests with the same prefix
+    # (shared/memory/prefix_cache.py): they skip the cached part of their prompt. Off by default until the whole
+    # engine, spec and hand-off test directories have run with it on (issue 33), and its GPU test has run.
+    prefix_cache: bool = False
 
     @property
     def headroom(self) -> int:

@@ -32,6 +32,7 @@ from shared.grammar import GrammarCompiler
 from shared.handoff.port import HandoffPort, landing_pages
 from shared.logits_process import RowsCache, add_grammar, process_logits
 from shared.memory.kv_cache import KVCache, flush_tables
+from shared.memory.prefix_cache import PrefixCache
 from shared.memory.profile import profile_steps
 from shared.memory.sizing import (
     POOL_MARGIN,
@@ -81,10 +82,12 @@ class GenerationResult:
     ttft_s: float
     latency_s: float
     spec_stats: dict | None  # the request's speculative statistics (SpecStats.as_dict), None without a draft
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not computed)
 
     def as_json(self) -> dict:
         return {"request_id": self.rid, "token_ids": self.token_ids, "text": self.text,
                 "finish_reason": self.finish_reason, "stop_str": self.stop_str, "prompt_tokens": len(self.prompt_ids),
+                "cached_tokens": self.cached_tokens,
                 "timing": {"ttft_s": round(self.ttft_s, 6), "latency_s": round(self.latency_s, 6)},
                 **({"spec": self.spec_stats} if self.spec_stats is not None else {})}
 
@@ -105,6 +108,10 @@ class EngineLoad:
     spec_tokens: SpecTokenCounts | None = None  # token-level speculation counts so far (None without a draft)
     spec_shape_tokens: dict[str, SpecTokenCounts] = field(default_factory=dict)  # the same per tree shape
     spec_steps: dict[str, int] = field(default_factory=dict)  # decode steps per shape and "plain" (with a draft)
+    # With a prefix cache: prompt tokens looked up and found so far, and the pages it holds now (per cache)
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prefix_pages: int = 0
 
 
 class InFlight:
@@ -170,10 +177,12 @@ class Engine:
         self.spec_policy = None if head is None else SpecPolicy.of(
             config.spec_policy, [s.spec for s in self.speculator.shapes.values()], MeasuredCost())
         caches = [self.cache] + (self.speculator.caches if self.speculator else [])
+        # With a draft, a cached page's key carries the token after it (the draft's K/V depends on it).
+        self.prefix_cache = PrefixCache(caches, successor=head is not None) if config.prefix_cache else None
         self.scheduler = Scheduler(caches, config.max_running, config.chunk_size, config.headroom,
                                    eos_ids=mc.eos_token_ids, prefill_only=role == "prefill", tokenizer=tokenizer,
                                    grammars=GrammarCompiler(tokenizer, mc.vocab_size, mc.eos_token_ids)
-                                   if tokenizer is not None else None)
+                                   if tokenizer is not None else None, prefix_cache=self.prefix_cache)
         self.handoff = HandoffPort(self, config, mc.vocab_size, mc.num_key_value_heads, tp, self._landing_pages(config),
                                    head, self.speculator.spec if self.speculator else None)
         # The per-request tables beside the scheduler's go with the request (``Scheduler.retire``).
@@ -509,6 +518,7 @@ class Engine:
         if self.speculator is not None:
             self.speculator.draft_extend_rows(plan.decode, starts, plan.prefill, out)
         for ch in plan.prefill:
+            self.scheduler.cache_prefix(ch.req)  # its completed pages, target and draft K/V written
             if ch.completes_prompt:
                 self.scheduler.prompt_done(ch.req)
             elif not any(r is ch.req for r, _ in events):
@@ -637,7 +647,17 @@ class Engine:
             spec_tokens=self.speculator.stats.tokens.copy() if self.speculator is not None else None,
             spec_shape_tokens={n: c.copy() for n, c in self.speculator.stats.by_shape.items()}
             if self.speculator is not None else {},
-            spec_steps=self.spec_policy.steps_by_kind() if self.spec_policy is not None else {})
+            spec_steps=self.spec_policy.steps_by_kind() if self.spec_policy is not None else {},
+            **self._prefix_load())
+
+    def _prefix_load(self) -> dict:
+        """The prefix cache's figures in the load snapshot (none without one)."""
+        pc = self.prefix_cache
+        return {} if pc is None else dict(prefix_queries=pc.lookups, prefix_hits=pc.hits, prefix_pages=len(pc))
+
+    def flush_prefix_cache(self) -> int:
+        """Evict every cached page no request holds (none without a prefix cache); how many pages, per cache."""
+        return self.prefix_cache.flush() if self.prefix_cache is not None else 0
 
     def is_idle_and_clean(self) -> bool:
         """True when no request runs and every cache is full again (the no-leak invariant)."""
@@ -680,6 +700,7 @@ class Engine:
             stop_str=req.stop_str,
             ttft_s=(req.t_first_token or end) - req.t_arrival, latency_s=end - req.t_arrival,
             spec_stats=req.stats.as_dict() if self.speculator is not None else None,
+            cached_tokens=req.cached_tokens,
         )
 
     def capture_graphs(self) -> int:

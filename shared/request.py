@@ -47,6 +47,10 @@ class Request:
     # commit: with params.top_logprobs, each output token's most likely alternatives (token id, log p)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     handles: list[KVHandle] = field(default_factory=list)  # written by the scheduler: one per cache, target first
+    # Written by the scheduler: the prefix cache's pages it holds (``CachedPage``s, a chain from the root: the
+    # ones it matched at admission, then the ones it inserted), and the prompt tokens it found cached.
+    prefix_pages: list = field(default_factory=list)
+    cached_tokens: int = 0
     kv_len: int = 0  # advance / resume_from: committed tokens whose target K/V is cached
     finish_reason: str | None = None  # commit (a stop condition) or end
     draft_state: DraftState | None = None  # resume_from: the state the next decode step drafts from

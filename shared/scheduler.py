@@ -9,6 +9,11 @@ The scheduler is the one owner of the engine's requests: it creates them (``subm
 ``admit_handoff``), keeps the one table of them by id (``requests``) beside its queues (``waiting``,
 ``running``), moves them between stages and retires them (``retire``), and alone writes their
 ``stage`` and page ``handles``.
+
+With a prefix cache (``shared.memory.prefix_cache``) a request starts at its first uncached page: admission
+takes the cached pages of its prompt (they count towards its peak, and those no other request holds leave
+the free count), each prefill chunk hands the pages it completed over to the cache (``cache_prefix``), and
+``retire`` drops the request's references.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass, field
 from shared.errors import RequestError
 from shared.grammar import Grammar, GrammarCompiler
 from shared.memory.kv_cache import KVCache
+from shared.memory.prefix_cache import CachedPage, PrefixCache
 from shared.model.tokenizer import Tokenizer
 from shared.request import Request, Stage
 from shared.sampling import SamplingParams, request_seed
@@ -57,8 +63,9 @@ class StepPlan:
 class Scheduler:
     def __init__(self, caches: list[KVCache], max_running: int, chunk_size: int | None, headroom: int,
                  eos_ids: tuple[int, ...] = (), prefill_only: bool = False, tokenizer: Tokenizer | None = None,
-                 grammars: GrammarCompiler | None = None):
+                 grammars: GrammarCompiler | None = None, prefix_cache: PrefixCache | None = None):
         self.caches = caches
+        self.prefix_cache = prefix_cache  # the engine's cached prompt pages (None: every prompt computed)
         self.prefill_only = prefill_only  # a prefill service never decodes: claims stop at the prompt
         self.max_running = max_running
         self.chunk_size = chunk_size
@@ -151,7 +158,7 @@ class Scheduler:
         every cache, RECEIVING until ``activate``; None when it cannot be held now."""
         req = self._new(rid, prompt_ids, params, output_ids, output_logprobs)
         self.check_fits(req)
-        if not self.can_admit(req):
+        if not self.can_admit(req, cached=False):  # a hand-off fills pages of its own: it takes no cached ones
             return None
         req.handles = [cache.open() for cache in self.caches]
         for cache, h in zip(self.caches, req.handles):
@@ -209,13 +216,15 @@ class Scheduler:
         unclaimed = self._unclaimed_pages() if self.waiting else []
         while self.waiting and len(self.running) < self.max_running and self._admissible(self.waiting[0], unclaimed):
             req = self.waiting.popleft()
+            # What it reserved left the free pages, the rest of its peak joined the claims: the unclaimed
+            # shrinks by its whole peak less the cached pages others hold (no rescan of the running requests).
+            taken = self._peak_pages(req, self._hit(req))
             req.handles = [cache.open() for cache in self.caches]
+            self._take_prefix(req)
             req.stage = Stage.PREFILLING
             self.running.append(req)
             budget = self._add_chunk(plan, req, budget)
-            # What it reserved left the free pages, the rest of its peak joined the claims: the
-            # unclaimed shrinks by its whole peak (no rescan of the running requests per admission).
-            unclaimed = [h - cache.pages_for(self.peak_positions(req)) for h, cache in zip(unclaimed, self.caches)]
+            unclaimed = [h - t for h, t in zip(unclaimed, taken)]
             if budget == 0:
                 break
         return plan
@@ -228,9 +237,10 @@ class Scheduler:
         plan.prefill.append(Chunk(req, start, end))
         return None if budget is None else budget - (end - start)
 
-    def can_admit(self, req: Request) -> bool:
-        """Whether ``req`` (not yet holding pages) fits beside what running requests may claim."""
-        return len(self.running) < self.max_running and self._admissible(req)
+    def can_admit(self, req: Request, cached: bool = True) -> bool:
+        """Whether ``req`` (not yet holding pages) fits beside what running requests may claim; ``cached``: it
+        would take its cached prefix (a request to prefill), else every page is its own (a hand-off)."""
+        return len(self.running) < self.max_running and self._admissible(req, cached=cached)
 
     def _unclaimed_pages(self) -> list[int]:
         """Per cache, the free pages no running request may still claim (its peak less what it holds)."""
@@ -238,10 +248,61 @@ class Scheduler:
                                                - cache.pages_for(r.handles[i].reserved)) for r in self.running)
                 for i, cache in enumerate(self.caches)]
 
-    def _admissible(self, req: Request, unclaimed: list[int] | None = None) -> bool:
+    def _admissible(self, req: Request, unclaimed: list[int] | None = None, cached: bool = True) -> bool:
         unclaimed = self._unclaimed_pages() if unclaimed is None else unclaimed
-        return all(cache.num_free_rows > 0 and h >= cache.pages_for(self.peak_positions(req))
-                   for h, cache in zip(unclaimed, self.caches))
+        need = self._peak_pages(req, self._hit(req) if cached else [])
+        return all(cache.num_free_rows > 0 and h >= n for h, n, cache in zip(unclaimed, need, self.caches))
+
+    # ---- the prefix cache ------------------------------------------------------------------------
+    def _hit(self, req: Request) -> list[CachedPage]:
+        """The cached pages a waiting ``req`` would take now: its longest cached prefix, at least its last
+        prefill position left to compute (its logits draw the next token, its draft row the draft state)."""
+        if self.prefix_cache is None:
+            return []
+        return self.prefix_cache.match(req.all_ids, req.prefill_len - 1)
+
+    def _peak_pages(self, req: Request, hit: list[CachedPage]) -> list[int]:
+        """Per cache, the free pages admitting ``req`` with ``hit`` takes: its peak less the cached pages it
+        takes, plus those of them no request holds (counted free until then)."""
+        shared = len(hit) - sum(1 for node in hit if node.refs == 0)
+        return [cache.pages_for(self.peak_positions(req)) - shared for cache in self.caches]
+
+    def _take_prefix(self, req: Request) -> None:
+        """Admission: ``req`` holds its cached prefix and starts after it."""
+        hit = self._hit(req)
+        if self.prefix_cache is not None:
+            self.prefix_cache.lookups += min(req.prefill_len, req.prompt_len)
+        if not hit:
+            return
+        self.prefix_cache.lock(hit)
+        req.prefix_pages = hit
+        for c, (cache, handle) in enumerate(zip(self.caches, req.handles)):
+            cache.attach(handle, [node.pages[c] for node in hit])
+        req.advance(len(hit) * self.prefix_cache.page_size)
+        req.cached_tokens = min(req.kv_len, req.prompt_len)
+        self.prefix_cache.hits += req.cached_tokens
+
+    def cache_prefix(self, req: Request) -> None:
+        """After a prefill chunk of ``req`` (its target and draft K/V written): hand every page it completed
+        over to the prefix cache, each once its successor token is known; ``req`` holds them from now on.
+        Stops at a page cached already by another request (``req`` keeps its own copy of it and what follows)."""
+        pc = self.prefix_cache
+        if pc is None or not req.handles:
+            return
+        tokens, ps = req.all_ids, pc.page_size
+        done = min(req.kv_len, req.prefill_len) // ps
+        if pc.successor:
+            done = min(done, (len(tokens) - 1) // ps)
+        parent = req.prefix_pages[-1] if req.prefix_pages else pc.root
+        for i in range(len(req.prefix_pages), done):
+            node = pc.insert(parent, tokens, i, tuple(cache.pages_of(h, i, i + 1)[0]
+                                                      for cache, h in zip(self.caches, req.handles)))
+            if node is None:
+                break
+            req.prefix_pages.append(node)
+            for cache, h in zip(self.caches, req.handles):
+                cache.share(h, i + 1)
+            parent = node
 
     def retire(self, req: Request, reason: str | None = None) -> None:
         """End ``req`` (with ``reason`` unless a stop condition ended it first): it leaves the table and
@@ -252,6 +313,9 @@ class Scheduler:
             if handle.row:
                 cache.close(handle)
         req.handles = []
+        if req.prefix_pages:
+            self.prefix_cache.unlock(req.prefix_pages)
+            req.prefix_pages = []
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

@@ -534,7 +534,8 @@ def finish_message(req: Request) -> pb.Finish:
     stats = req.stats
     return pb.Finish(
         reason=req.finish_reason or "abort",
-        usage=pb.Usage(prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids)),
+        usage=pb.Usage(prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
+                       cached_tokens=req.cached_tokens),
         spec=pb.SpecStats(verify_steps=stats.verify_steps, accepted_drafts=stats.accepted_drafts,
                           accept_length=stats.accept_length, accept_rate=stats.accept_rate,
                           draft_time_s=stats.draft_time_s, verify_time_s=stats.verify_time_s),

@@ -214,7 +214,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.telemetry.stage_seconds.labels("handoff").observe(outcome.seconds)
         self.telemetry.requests_total.labels("handed_off").inc()
         yield pb.PrefillEvent(handed_off=pb.HandedOff(bytes=outcome.ack.bytes, seconds=outcome.seconds,
-                                                      chunks=outcome.ack.chunks))
+                                                      chunks=outcome.ack.chunks,
+                                                      cached_tokens=job.req.cached_tokens if job.req else 0))
 
     def _first_token(self, job: Job, context) -> TokenEvent | None:
         """The first token once it may reach the client: the decode instance holds the request's pages

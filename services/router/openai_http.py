@@ -587,8 +587,10 @@ def _combined(finishes: list[pb.Finish]) -> pb.Finish:
 
 
 def _usage(finishes: list[pb.Finish]) -> dict:
-    """The prompt's tokens once, the choices' output tokens summed."""
-    return _token_usage(finishes[0].usage.prompt_tokens, sum(f.usage.completion_tokens for f in finishes))
+    """The prompt's tokens once, the choices' output tokens summed, with the prompt tokens found in a prefix cache
+    (as OpenAI and vLLM report it: the first choice's; its prompt is every choice's)."""
+    return {**_token_usage(finishes[0].usage.prompt_tokens, sum(f.usage.completion_tokens for f in finishes)),
+            "prompt_tokens_details": {"cached_tokens": finishes[0].usage.cached_tokens}}
 
 
 def _token_usage(prompt: int, completion: int) -> dict:

@@ -173,6 +173,7 @@ class Active:
     # shared by the choices: their prompt is the same, their pages can be).
     choices: list[Active] = field(default_factory=list)
     prefer: dict[str, str] = field(default_factory=dict)
+    prefill_cached: int = 0  # prompt tokens its (last) prefill instance took from its prefix cache
 
 
 class _Replace(Exception):
@@ -801,7 +802,7 @@ class RouterCore:
                     if ft.decode_reserved:
                         return first, _Handoff(call, t1)
                 elif ev.HasField("handed_off") and (first is not None or request.resume_ids):
-                    await self._handed_off(rid, decode, ev.handed_off, t1)
+                    await self._handed_off(active, decode, ev.handed_off, t1)
                     return first, None
         except asyncio.CancelledError:
             self._check_cancelled(active)
@@ -819,7 +820,7 @@ class RouterCore:
         try:
             while (ev := await handoff.call.read()) is not grpc.aio.EOF:
                 if ev.HasField("handed_off"):
-                    await self._handed_off(active.rid, decode, ev.handed_off, handoff.t0)
+                    await self._handed_off(active, decode, ev.handed_off, handoff.t0)
                     return
         except asyncio.CancelledError:
             self._check_cancelled(active)
@@ -833,7 +834,9 @@ class RouterCore:
         raise _Broken(RouterError(grpc.StatusCode.UNAVAILABLE, f"prefill instance {prefill.instance_id} ended the "
                                                                "call before handing the request off"), avoid=False)
 
-    async def _handed_off(self, rid: str, decode: InstanceInfo, done: pb.HandedOff, t0: float) -> None:
+    async def _handed_off(self, active: Active, decode: InstanceInfo, done: pb.HandedOff, t0: float) -> None:
+        rid = active.rid
+        active.prefill_cached = done.cached_tokens
         if self.telemetry:
             self.telemetry.stage_seconds.labels("handoff").observe(time.perf_counter() - t0)
         self.log.event("handoff_done", rid, decode=decode.instance_id, bytes=done.bytes, seconds=round(done.seconds, 6))
@@ -944,6 +947,9 @@ class RouterCore:
         finish.ttft_s, finish.latency_s = active.ttft or 0.0, time.perf_counter() - t0
         finish.usage.prompt_tokens = prompt_tokens
         finish.usage.completion_tokens = active.output_tokens
+        # A hand-off's prefill instance computed the prompt (the decode instance found nothing cached); a prompt
+        # prefilled on its decode instance reports that instance's own.
+        finish.usage.cached_tokens = max(finish.usage.cached_tokens, active.prefill_cached)
         if self.telemetry:
             self.telemetry.stage_seconds.labels("decode").observe(time.perf_counter() - t1)
         await self._finished(active.rid, finish)

@@ -8,6 +8,11 @@ Slots are token-granular: ``slot = page * page_size + offset``. Page 0 is never 
 slots absorb the writes of padding rows. A request's row in the request-to-token map lists, for each
 position ``p < reserved``, the slot holding its K/V. The host mirror of that table is the truth for
 bookkeeping (which pages a request owns), so freeing never reads the device.
+
+A request's first pages may be the prefix cache's (``shared.memory.prefix_cache``): ``attach`` maps them,
+``share`` hands the request's own leading pages over to it, and ``close`` and ``shrink`` free only the
+request's own pages (``KVHandle.shared`` counts the others). The allocator evicts unreferenced cached pages
+when it runs short (``PageAllocator.spare``), and ``num_free_pages`` counts them as free.
 """
 
 from __future__ import annotations
@@ -26,12 +31,17 @@ class PageAllocator:
     def __init__(self, num_pages: int):
         self.num_pages = num_pages  # allocatable pages, ids 1..num_pages
         self._free = list(range(num_pages, 0, -1))
+        # Pages held elsewhere that may be taken back when the free list runs short: the prefix cache's
+        # unreferenced pages (``evictable`` of them; ``evict(n)`` frees up to n into every allocator).
+        self.spare = None
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     def alloc(self, n: int) -> list[int]:
+        if n > len(self._free) and self.spare is not None:
+            self.spare.evict(n - len(self._free))
         if n > len(self._free):
             raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
         pages = self._free[-n:] if n else []
@@ -135,6 +145,7 @@ class KVHandle:
 
     row: int  # row in the request-to-token map
     reserved: int = 0  # positions [0, reserved) have slots
+    shared: int = 0  # its first pages are the prefix cache's, not its own (never freed by it)
 
 
 def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, shareable: bool) -> torch.Tensor:
@@ -165,7 +176,9 @@ class KVCache:
     # ---- counters the scheduler and the tests read -------------------------------------------
     @property
     def num_free_pages(self) -> int:
-        return self.allocator.num_free
+        """Free pages, the prefix cache's unreferenced ones included (evicted when needed)."""
+        spare = self.allocator.spare
+        return self.allocator.num_free + (spare.evictable if spare is not None else 0)
 
     @property
     def num_free_rows(self) -> int:
@@ -173,7 +186,7 @@ class KVCache:
 
     def is_full(self) -> bool:
         """True when every page and request row is back in its pool."""
-        return (self.allocator.num_free == self.layout.num_pages
+        return (self.num_free_pages == self.layout.num_pages
                 and self.req_to_token.num_free_rows == self.req_to_token.num_rows)
 
     def pages_for(self, n_positions: int) -> int:
@@ -214,16 +227,34 @@ class KVCache:
         """Release every page not needed for positions [0, n_positions)."""
         if n_positions >= h.reserved:
             return
-        keep, have = self.pages_for(n_positions), self.pages_for(h.reserved)
+        keep, have = max(self.pages_for(n_positions), h.shared), self.pages_for(h.reserved)
         if keep < have:  # (most decode steps free no page: no tensor read)
             self.allocator.free(self.pages_of(h, keep, have))
         h.reserved = n_positions
 
     def close(self, h: KVHandle) -> None:
-        self.allocator.free(self.pages_of(h, 0, self.pages_for(h.reserved)))
+        self.allocator.free(self.pages_of(h, h.shared, self.pages_for(h.reserved)))
         self.req_to_token.free_row(h.row)
         h.reserved = 0
         h.row = 0
+        h.shared = 0
+
+    def attach(self, h: KVHandle, pages: list[int]) -> None:
+        """Map ``pages`` (the prefix cache's) as the first positions of a handle that holds none yet."""
+        if h.reserved:
+            raise ValueError("attach: the handle already holds positions")
+        ps = self.page_size
+        self.req_to_token.write(h.row, 0, [s for page in pages for s in range(page * ps, page * ps + ps)])
+        h.reserved, h.shared = len(pages) * ps, len(pages)
+
+    def share(self, h: KVHandle, n_pages: int) -> list[int]:
+        """Hand the handle's pages up to page index ``n_pages`` over to the prefix cache (it no longer frees
+        them); the page ids handed over."""
+        if n_pages * self.page_size > h.reserved:
+            raise ValueError(f"share: {n_pages} pages, the handle holds {self.pages_for(h.reserved)}")
+        pages = self.pages_of(h, h.shared, n_pages)
+        h.shared = max(h.shared, n_pages)
+        return pages
 
     def pages_of(self, h: KVHandle, first: int, last: int) -> list[int]:
         """Page ids of the request's page indices [first, last)."""

@@ -88,12 +88,14 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_logprobs: _Optional[bool] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SpecStats(_message.Message):
     __slots__ = ("verify_steps", "accepted_drafts", "accept_length", "accept_rate", "draft_time_s", "verify_time_s")
@@ -254,14 +256,16 @@ class FirstToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., finish_reason: _Optional[str] = ..., top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ..., decode_reserved: _Optional[bool] = ...) -> None: ...
 
 class HandedOff(_message.Message):
-    __slots__ = ("bytes", "seconds", "chunks")
+    __slots__ = ("bytes", "seconds", "chunks", "cached_tokens")
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     seconds: float
     chunks: int
-    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., chunks: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., chunks: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillEvent(_message.Message):
     __slots__ = ("first_token", "handed_off")

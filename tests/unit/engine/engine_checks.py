@@ -13,14 +13,22 @@ def check_pools_full(engine) -> None:
 
     Reads the counters the allocator keeps and the free list itself, so a double free that hides a
     lost page (counter right, contents wrong) fails too; then the engine's own no-leak predicate.
+    With a prefix cache, a cached page no request holds counts as returned (it is free to the scheduler,
+    evicted when needed): the free list and the cached pages together are every page exactly once, and
+    no cached page is still held by a request.
     """
     assert not engine.scheduler.running and not engine.scheduler.waiting, "requests still scheduled"
     assert not engine.requests, f"requests still registered: {sorted(engine.requests)}"
+    prefix = getattr(engine, "prefix_cache", None)
+    if prefix is not None:
+        assert prefix.referenced() == 0, f"{prefix.referenced()} cached pages still held with no request running"
+    cached = prefix.cached_pages() if prefix is not None else []
     for i, cache in enumerate(engine.scheduler.caches):
         n_pages, n_rows = cache.layout.num_pages, cache.req_to_token.num_rows
         assert cache.num_free_pages == n_pages, f"cache {i}: {cache.num_free_pages} of {n_pages} pages free"
         assert cache.num_free_rows == n_rows, f"cache {i}: {cache.num_free_rows} of {n_rows} request rows free"
-        assert sorted(cache.allocator._free) == list(range(1, n_pages + 1)), f"cache {i}: free list corrupted"
+        returned = cache.allocator._free + [pages[i] for pages in cached]
+        assert sorted(returned) == list(range(1, n_pages + 1)), f"cache {i}: free list corrupted"
         assert sorted(cache.req_to_token._free_rows) == list(range(1, n_rows + 1)), f"cache {i}: row list corrupted"
         assert not cache.req_to_token.host.any(), f"cache {i}: a freed row still maps slots"
     assert engine.is_idle_and_clean()
@@ -35,9 +43,12 @@ GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
 def check_accounting(engine) -> None:
     """Mid-run bookkeeping: the pages and rows in use are exactly those the live requests hold."""
     sched = engine.scheduler
+    prefix = getattr(engine, "prefix_cache", None)
     for i, cache in enumerate(sched.caches):
-        held = sum(cache.pages_for(r.handles[i].reserved) for r in sched.running if r.handles)
-        assert cache.num_free_pages + held == cache.layout.num_pages, f"cache {i}: pages unaccounted for"
+        # A request's own pages are its pages past its cached prefix; cached pages are the cache's (held or not).
+        held = sum(cache.pages_for(r.handles[i].reserved) - r.handles[i].shared for r in sched.running if r.handles)
+        held += len(prefix) if prefix is not None else 0
+        assert cache.allocator.num_free + held == cache.layout.num_pages, f"cache {i}: pages unaccounted for"
         rows = sum(1 for r in sched.running if r.handles)
         assert cache.num_free_rows + rows == cache.req_to_token.num_rows, f"cache {i}: rows unaccounted for"
     assert len(sched.running) <= engine.config.max_running

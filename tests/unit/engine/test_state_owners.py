@@ -20,7 +20,7 @@ from shared.request import Stage
 ROOT = Path(__file__).resolve().parents[3]
 SCHEDULER, REQUEST = "shared/scheduler.py", "shared/request.py"
 OWNERS = {  # request field -> the one module that writes it
-    "stage": SCHEDULER, "handles": SCHEDULER,
+    "stage": SCHEDULER, "handles": SCHEDULER, "prefix_pages": SCHEDULER, "cached_tokens": SCHEDULER,
     "kv_len": REQUEST, "draft_state": REQUEST, "output_ids": REQUEST, "output_logprobs": REQUEST,
     "output_top_logprobs": REQUEST,
     "finish_reason": REQUEST, "t_first_token": REQUEST, "t_finish": REQUEST,
@@ -28,7 +28,8 @@ OWNERS = {  # request field -> the one module that writes it
 QUEUES = {"requests": SCHEDULER, "running": SCHEDULER, "waiting": SCHEDULER}  # the scheduler's table and queues
 # Fields of the same name on objects that are not requests, each with what it is.
 NOT_REQUESTS = {("shared/handoff/wire.py", "draft_state"): "the KVChunk protobuf message's bytes field",
-                ("services/faults.py", "stage"): "a test hold gate's own stage to hold the loop at"}
+                ("services/faults.py", "stage"): "a test hold gate's own stage to hold the loop at",
+                ("services/router/server.py", "cached_tokens"): "the Finish protobuf message's usage field"}
 MUTATORS = {"append", "extend", "insert", "remove", "pop", "popleft", "appendleft", "clear", "update",
             "setdefault", "sort", "reverse", "__setitem__", "__delitem__"}
 

@@ -60,11 +60,12 @@ class Stack:
     """One prefill and one decode instance (engines built in memory), and a driver for them."""
 
     def __init__(self, models, redis_url, prefill_draft=DRAFT, transport="grpc-stream", handoff_streams=1,
-                 **decode_settings):
+                 prefill_config=None, **decode_settings):
         self.transport = transport  # the hand-off's data transport, forced on the prefill side
         if transport == "nixl":  # offered by a decode instance only when it is named there too
             decode_settings.setdefault("handoff_transport", "nixl")
-        self.prefill_engine = make_engine(models, prefill_draft, config(prefill_draft), role="prefill")
+        self.prefill_engine = make_engine(models, prefill_draft, config(prefill_draft, **(prefill_config or {})),
+                                          role="prefill")
         decode_engine = make_engine(models, DRAFT, config(), role="decode")
         smallest = 2 * max(page_bytes(c) for c in self.prefill_engine.scheduler.caches)  # many chunks per request
         # No heartbeat during the tests (it registers at start): its load query would queue engine-loop calls
@@ -213,6 +214,32 @@ def test_concurrent_requests_all_equal_the_single_process_engine(stack, single):
     for prompt, (tokens, finish, _) in zip(prompts, results):
         assert tokens == single[0 if prompt is SHORT else 1].token_ids and finish.reason == "length"
     assert stack.clean()
+
+
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+def test_a_prefill_with_a_prefix_cache_hands_off_the_same_and_reports_the_cached_tokens(models, redis_url, single,
+                                                                                     transport):
+    """The prefill instance's prefix cache (issue 33): a repeated prompt takes its cached pages (target and
+    draft K/V) instead of computing them, the hand-off still carries every page, and the decode side's output
+    and acceptance are the single-process engine's; the prefill reports the cached tokens with its hand-off."""
+    s = Stack(models, redis_url, transport=transport, prefill_config=dict(prefix_cache=True))
+    try:
+        cached = lambda: s.prefill.engine_loop.call(lambda e: len(e.prefix_cache)).result()  # noqa: E731
+        before = cached()  # the service's warm-up request's pages
+        cold = s.generate(LONG)
+        warm = s.generate(LONG)
+        sampled = s.generate(LONG, SAMPLED)
+        for (tokens, finish, _), want in [(cold, single[1]), (warm, single[1]), (sampled, single[2])]:
+            assert tokens == want.token_ids and finish.reason == "length"
+            assert (finish.spec.verify_steps, finish.spec.accepted_drafts) == (want.spec_stats["verify_steps"],
+                                                                               want.spec_stats["accepted_drafts"])
+        assert cold[2][1].handed_off.cached_tokens == 0
+        # LONG: 30 tokens, pages of 4: 7 pages before its last token, the 7th's successor (token 28) in the prompt
+        assert warm[2][1].handed_off.cached_tokens == sampled[2][1].handed_off.cached_tokens == 28
+        assert s.clean()
+        assert cached() == before + 7
+    finally:
+        s.stop()
 
 
 def test_a_request_ending_at_its_first_token_is_not_handed_off(stack):

@@ -122,12 +122,13 @@ class ScriptedStack:
 
 
 def start_scripted_stack(redis_url: str, model_dir, decode: SteadyDecode | None = None,
-                         **router_settings) -> ScriptedStack:
-    """The router on ``model_dir``'s target (its config and tokenizer), one OkPrefill and one ``decode``."""
+                         prefill: pb_grpc.PrefillServicer | None = None, **router_settings) -> ScriptedStack:
+    """The router on ``model_dir``'s target (its config and tokenizer), one ``prefill`` (an OkPrefill by
+    default) and one ``decode``."""
     decode = decode or SteadyDecode()
     registry = Registry(connect(redis_url), ttl_s=3600)
     servers = []
-    for role, add_fn, servicer in (("prefill", pb_grpc.add_PrefillServicer_to_server, OkPrefill()),
+    for role, add_fn, servicer in (("prefill", pb_grpc.add_PrefillServicer_to_server, prefill or OkPrefill()),
                                    ("decode", pb_grpc.add_DecodeServicer_to_server, decode)):
         server, port, _ = start_grpc_server("127.0.0.1", 0, [(add_fn, servicer)], [], workers=512)  # many streams
         servers.append(server)

@@ -117,6 +117,23 @@ def test_observe_engine_reports_every_pool(telemetry, tiny_model_dir):
     assert samples(telemetry.address)[("eyrie_kv_pages_used", (("cache", "target"),))] == 0
 
 
+def test_observe_engine_reports_the_prefix_cache(telemetry, tiny_model_dir):
+    """Prompt tokens looked up and found (counters in tokens, as vLLM's) and the pages it holds."""
+    engine = Engine(tiny_model_dir / "target", config=EngineConfig(page_size=4, num_pages=32, prefix_cache=True))
+    before = samples(telemetry.address)
+    prompt, params = list(range(3, 21)), SamplingParams(max_new_tokens=2)  # 18 tokens: 4 pages before the last
+    for _ in range(2):
+        engine.generate(prompt, params)
+    telemetry.observe_load(engine.load())
+    m = samples(telemetry.address)
+    grew = lambda name: m[(name, ())] - before.get((name, ()), 0)  # noqa: E731
+    assert grew("eyrie_prefix_cache_queries_total") == 36 and grew("eyrie_prefix_cache_hits_total") == 16
+    assert m[("eyrie_prefix_cache_pages", ())] == 4
+    assert m[("eyrie_kv_pages_used", (("cache", "target"),))] == 0  # cached pages nobody holds are free
+    telemetry.observe_load(engine.load())  # the same totals again: no increment
+    assert samples(telemetry.address)[("eyrie_prefix_cache_hits_total", ())] == m[("eyrie_prefix_cache_hits_total", ())]
+
+
 def test_service_telemetry_guards_every_path_but_health_with_the_key():
     from services.common import ServiceTelemetry
 
