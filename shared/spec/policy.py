@@ -151,6 +151,7 @@ class SpecPolicy:
     last: str | None = None  # the kind ("plain" or a shape) of the step that ran last
     again: str | None = None  # a kind switched to, to run once more so that its own time is measured
     incumbent: str | None = None  # the kind chosen as the best last time (probes aside)
+    pin: bool = True  # a pinned step runs the configured shape (False: tests of the law under switching, seeded)
 
     def __post_init__(self):
         if self.kind not in POLICIES:
@@ -166,7 +167,7 @@ class SpecPolicy:
     def choose(self, batch: int, pinned: bool = False) -> str | None:
         """The shape this step of ``batch`` requests runs, None for a plain step; counted in ``choices``.
         ``pinned``: the configured shape, whatever the policy (a seeded sampled request is in the batch)."""
-        if pinned:
+        if pinned and self.pin:
             name = self.candidates[0].name
         elif self.again is not None and self.kind == "adaptive":
             name, self.again = (None if self.again == "plain" else self.again), None

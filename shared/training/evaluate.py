@@ -43,7 +43,8 @@ def measure_acceptance(target: LlamaForCausalLM, head_dir: str | Path, prompts: 
                        new_tokens: int, dtype: str, device: str) -> Acceptance:
     longest = max(len(p) for p in prompts) + new_tokens
     config = EngineConfig(device=device, dtype=dtype, max_running=len(prompts), max_context=longest + 1,
-                          chunk_size=None, spec=SpecConfig(topk=1, steps=steps, num_draft_tokens=steps + 1))
+                          chunk_size=None, spec=SpecConfig(topk=1, steps=steps, num_draft_tokens=steps + 1),
+                          spec_policy="fixed")  # the chain's own acceptance, every step
     engine = Engine(target, draft=head_dir, config=config)
     results = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     totals = engine.spec_stats.totals

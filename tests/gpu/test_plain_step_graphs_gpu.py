@@ -49,6 +49,7 @@ def adaptive(model_dir, kind, device, graphs, cost, **cfg):
     engine.spec_policy.cost = cost
     engine.spec_policy.probe_every = 10 ** 6  # no probe: a forced plain step stays plain
     engine.spec_policy.candidates[0].acceptance.observe([2])
+    engine.spec_policy.pin = False  # seeded sampled requests follow the injected cost too (they would pin the shape)
     return engine
 
 
@@ -133,7 +134,7 @@ def folding(engine) -> tuple[list, object]:
 
     plans, schedule, shape = [], engine.scheduler.schedule, next(iter(engine.speculator.shapes))
     engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
-    engine.spec_policy.choose = lambda batch: None if plans[-1].prefill else shape
+    engine.spec_policy.choose = lambda batch, pinned=False: None if plans[-1].prefill else shape
     engine.model = CountingModel(engine.model)
     return plans, engine.model
 

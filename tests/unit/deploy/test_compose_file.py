@@ -312,5 +312,5 @@ def test_documented_scale_command_is_valid():
     assert commands, "docs/deploy.md shows no --scale command"
     services = compose_config()["services"]
     for profile, service, n in commands:
-        assert int(n) >= 2 and service in SCALABLE
+        assert int(n) >= 2 and service in SCALABLE | {"router"}  # routers: over host port ranges
         assert services[service]["profiles"] == [shlex.split(profile)[1]]

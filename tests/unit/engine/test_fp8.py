@@ -251,8 +251,8 @@ def fp8_oracle(request, tmp_path_factory) -> Path:
 def test_speculation_against_an_fp8_target_is_greedy_lossless(fp8_oracle, head, topk, steps, ndt):
     plain = Engine(fp8_oracle / "target", config=EngineConfig(page_size=4, chunk_size=8))
     spec = Engine(fp8_oracle / "target", draft=fp8_oracle / head,
-                  config=EngineConfig(page_size=4, chunk_size=8, spec=SpecConfig(topk=topk, steps=steps,
-                                                                                 num_draft_tokens=ndt)))
+                  config=EngineConfig(page_size=4, chunk_size=8, spec_policy="fixed",
+                                      spec=SpecConfig(topk=topk, steps=steps, num_draft_tokens=ndt)))
     want = [r.token_ids for r in plain.generate(PROMPTS, GREEDY)]
     got = spec.generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in got] == want

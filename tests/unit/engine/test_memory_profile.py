@@ -32,8 +32,8 @@ SPEC = SpecConfig(topk=1, steps=3)
     (EngineConfig(cuda_graph=False), 0),
     (EngineConfig(cuda_graph=True), 1),  # the plain decode
     (EngineConfig(cuda_graph=True, cuda_graph_phases=("draft",)), 0),
-    (EngineConfig(cuda_graph=True, spec=SPEC), 2),  # verify, and verify + extend
-    (EngineConfig(cuda_graph=True, spec=SPEC, cuda_graph_phases=("decode", "verify")), 1),
+    (EngineConfig(cuda_graph=True, spec=SPEC, spec_policy="fixed"), 2),  # verify, and verify + extend
+    (EngineConfig(cuda_graph=True, spec=SPEC, spec_policy="fixed", cuda_graph_phases=("decode", "verify")), 1),
 ])
 def test_graph_phases_that_run_the_target_are_counted(config, phases):
     assert graph_target_phases(config) == phases
@@ -56,9 +56,10 @@ def test_the_reserve_is_the_eager_peak_a_pool_per_target_phase_the_draft_and_wha
 def test_the_draft_phases_grow_with_the_captured_rows_and_vanish_without_graphs_or_draft():
     mc = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    small = draft_phase_reserve(mc, EngineConfig(cuda_graph=True, spec=SPEC, max_running=8))
+    small = draft_phase_reserve(mc, EngineConfig(cuda_graph=True, spec=SPEC, max_running=8, spec_policy="fixed"))
     assert small == 2 * 8 * SPEC.num_draft_tokens * 1000 * 4 * 2
-    assert draft_phase_reserve(mc, EngineConfig(cuda_graph=True, spec=SPEC, max_running=64)) == 4 * small  # 32 rows
+    assert draft_phase_reserve(mc, EngineConfig(cuda_graph=True, spec=SPEC, max_running=64,
+                                                spec_policy="fixed")) == 4 * small  # 32 rows
     assert draft_phase_reserve(mc, EngineConfig(cuda_graph=False, spec=SPEC)) == 0
     assert draft_phase_reserve(mc, EngineConfig(cuda_graph=True)) == 0
 

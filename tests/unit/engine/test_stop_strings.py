@@ -68,7 +68,7 @@ def oracle(oracle_model_dir):
 
 def spec_engine(root: Path, page_size: int = 16) -> Engine:
     return Engine(root / "target", root / "eagle3",
-                  EngineConfig(page_size=page_size, max_context=160, chunk_size=4,
+                  EngineConfig(page_size=page_size, max_context=160, chunk_size=4, spec_policy="fixed",
                                spec=SpecConfig(topk=2, steps=3, num_draft_tokens=6)))
 
 

@@ -12,7 +12,6 @@ from handoff_helpers import GREEDY, PROMPTS, hand_off, load_models, make_engine,
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
 from shared.sampling import SamplingParams
-from shared.spec.policy import SpecPolicy
 
 TREE = SpecConfig(topk=4, steps=3, num_draft_tokens=8)
 SEEDED = GREEDY.model_copy(update={"seed": 7})  # the seed travels in the draft state: the same one both times
@@ -98,7 +97,7 @@ def test_the_hand_off_is_the_same_whatever_the_policies_and_the_decode_side_deci
 
 
 
-def test_a_seeded_sampled_request_pins_the_configured_shape_and_keeps_its_output(models, monkeypatch):
+def test_a_seeded_sampled_request_pins_the_configured_shape_and_keeps_its_output(models):
     """A sampled request's draws follow the shape each step runs, so a seed promises one output only on one shape:
     while a sampled request with its own seed runs, the adaptive policy runs the configured shape, and the output
     is the fixed policy's, alone or beside unseeded requests, whatever the costs say. The control: with the pin
@@ -106,14 +105,13 @@ def test_a_seeded_sampled_request_pins_the_configured_shape_and_keeps_its_output
     sampled = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True)
     seeded = sampled.model_copy(update={"seed": 11})
 
-    def run(policy: str, params: list[SamplingParams]) -> list[int]:
+    def run(policy: str, params: list[SamplingParams], pin: bool = True) -> list[int]:
         engine = Engine(models.target, models.drafts["eagle3"], config(policy))
         engine.spec_policy.cost = Rotating(["chain1", None, "chain2"])  # fixed never asks it
+        engine.spec_policy.pin = pin
         return engine.generate([PROMPTS[0]] * len(params), params)[0].token_ids
 
     want = run("fixed", [seeded])
     assert run("adaptive", [seeded]) == want
     assert run("adaptive", [seeded, sampled, sampled]) == want
-    choose = SpecPolicy.choose
-    monkeypatch.setattr(SpecPolicy, "choose", lambda self, batch, pinned=False: choose(self, batch))
-    assert run("adaptive", [seeded]) != want
+    assert run("adaptive", [seeded], pin=False) != want

@@ -32,6 +32,7 @@ def adaptive(models, kind: str, graphs: bool, cost, **cfg):
     engine.spec_policy.cost = cost
     engine.spec_policy.probe_every = 10 ** 6  # no probe: a forced plain step stays plain
     engine.spec_policy.candidates[0].acceptance.observe([2])
+    engine.spec_policy.pin = False  # seeded sampled requests follow the injected cost too (they would pin the shape)
     return engine
 
 

@@ -60,8 +60,8 @@ def expected_cached(prompt: list[int], cached_from: list[int], first_output: int
 
 def run_case(models, case: dict, params: SamplingParams, cached: bool) -> tuple[list[GenerationResult], object]:
     spec = dict(topk=case["topk"], steps=3, ndt=6 if case["topk"] == 2 else 4) if case["kind"] else {}
-    engine = models.engine(case["kind"], **spec, page_size=case["page_size"], chunk_size=case["chunk_size"],
-                           prefix_cache=cached)
+    engine = models.fixed(case["kind"], **spec, page_size=case["page_size"], chunk_size=case["chunk_size"],
+                          prefix_cache=cached)
     cold = engine.generate([BASE], params)
     assert engine.is_idle_and_clean()
     warm = engine.generate(WARM, params)

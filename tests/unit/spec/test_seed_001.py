@@ -137,7 +137,7 @@ def test_negative_control_step_zero_map_is_caught(oracle_models, monkeypatch):
         first = cache_zero[0]
         if cache is not first and any(cache is c for c in all_caches[0]):
             proxy = type("Proxy", (), {"req_to_token": first.req_to_token, "spec": cache.layout,
-                                       "page_size": cache.page_size})()
+                                       "layout": cache.layout, "page_size": cache.page_size})()
             return real(proxy, rows, *args, **kwargs)
         return real(cache, rows, *args, **kwargs)
 
