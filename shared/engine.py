@@ -443,7 +443,8 @@ class Engine:
         (``shared/spec/policy.py``); under tensor parallelism rank 0's, as the choice is timed. A sampled request
         with its own seed pins the configured shape while it runs: its draws follow the shape, and its seed
         promises one output in any batch."""
-        pinned = any(r.params.seed is not None and not r.params.greedy for r in reqs)
+        pinned = self.spec_policy.kind != "fixed" and any(r.params.seed is not None and not r.params.greedy
+                                                          for r in reqs)
         shape = self.spec_policy.choose(len(reqs), pinned=pinned)
         if self.tp is not None and self.config.spec_policy != "fixed":
             shape = self.tp.broadcast(shape)

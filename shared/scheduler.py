@@ -218,9 +218,10 @@ class Scheduler:
             req = self.waiting.popleft()
             # What it reserved left the free pages, the rest of its peak joined the claims: the unclaimed
             # shrinks by its whole peak less the cached pages others hold (no rescan of the running requests).
-            taken = self._peak_pages(req, self._hit(req))
+            hit = self._hit(req)
+            taken = self._peak_pages(req, hit)
             req.handles = [cache.open() for cache in self.caches]
-            self._take_prefix(req)
+            self._take_prefix(req, hit)
             req.stage = Stage.PREFILLING
             self.running.append(req)
             budget = self._add_chunk(plan, req, budget)
@@ -267,9 +268,8 @@ class Scheduler:
         shared = len(hit) - sum(1 for node in hit if node.refs == 0)
         return [cache.pages_for(self.peak_positions(req)) - shared for cache in self.caches]
 
-    def _take_prefix(self, req: Request) -> None:
-        """Admission: ``req`` holds its cached prefix and starts after it."""
-        hit = self._hit(req)
+    def _take_prefix(self, req: Request, hit: list[CachedPage]) -> None:
+        """Admission: ``req`` holds its cached prefix ``hit`` (``_hit``) and starts after it."""
         if self.prefix_cache is not None:
             self.prefix_cache.lookups += min(req.prefill_len, req.prompt_len)
         if not hit:

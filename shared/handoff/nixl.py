@@ -15,6 +15,7 @@ Optional: ``pip install 'eyrie-serve[nixl]'`` (``nixl-cu13``, UCX bundled); with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -81,16 +82,13 @@ class NixlAgent:
             if agent is None:
                 return
             NixlAgent.live -= 1
+            # A remote already gone has nothing to forget; what fails to deregister, the agent's destructor releases.
             for name in self._remote.values():
-                try:
+                with contextlib.suppress(Exception):
                     agent.remove_remote_agent(name)
-                except Exception:  # noqa: S110 (a remote already gone: nothing to forget)
-                    pass
             for _pool, registration in self._registered.values():
-                try:
+                with contextlib.suppress(Exception):
                     agent.deregister_memory(registration)
-                except Exception:  # noqa: S110 (the agent's destructor releases what is left)
-                    pass
             self._remote.clear()
             self._registered.clear()
         del agent

@@ -12,23 +12,12 @@ from handoff_helpers import GREEDY, PROMPTS, hand_off, load_models, make_engine,
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
 from shared.sampling import SamplingParams
+from tests.policy_costs import Rotating
 
 TREE = SpecConfig(topk=4, steps=3, num_draft_tokens=8)
 SEEDED = GREEDY.model_copy(update={"seed": 7})  # the seed travels in the draft state: the same one both times
 
 
-class Rotating:
-    """Costs that make the next entry of ``order`` the fastest at each decision (a shape's name; None: plain)."""
-
-    def __init__(self, order: list[str | None]):
-        self.order, self.turn = order, 0
-
-    def spec_s(self, batch, shape):
-        return 0.5 if shape == self.order[self.turn % len(self.order)] else 100.0
-
-    def decode_s(self, batch):  # asked once per decision, after every shape's cost
-        self.turn += 1
-        return 1.0
 
 
 @pytest.fixture(scope="module")

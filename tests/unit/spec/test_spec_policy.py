@@ -17,6 +17,7 @@ from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
 from shared.sampling import SamplingParams
 from shared.spec.policy import Acceptance, Candidate, MeasuredCost, SpecPolicy, bucket
+from tests.policy_costs import Rotating
 
 
 class TableCost:
@@ -109,19 +110,6 @@ class Alternating:
         return 0.5 if self.calls % 2 else 100.0
 
 
-class Rotating:
-    """Costs that make the next entry of ``order`` the fastest at each decision (a shape's name; None: a plain
-    step)."""
-
-    def __init__(self, order: list[str | None]):
-        self.order, self.turn = order, 0
-
-    def spec_s(self, batch, shape):
-        return 0.5 if shape == self.order[self.turn % len(self.order)] else 100.0
-
-    def decode_s(self, batch):  # asked once per decision, after every shape's cost
-        self.turn += 1
-        return 1.0
 
 
 def switching_engine(root, params_batch: int, every_shape: bool = False) -> Engine:

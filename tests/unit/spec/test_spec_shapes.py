@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 from spec_helpers import PROMPTS, assert_same_greedy
-from test_spec_policy import Rotating
 
 from shared.config import EngineConfig, SpecConfig, default_candidates
 from shared.sampling import SamplingParams
 from shared.spec.policy import MeasuredCost, SpecPolicy
+from tests.policy_costs import Rotating
 
 TREE = SpecConfig(topk=4, steps=3, num_draft_tokens=8)
 SHAPES = default_candidates(TREE)  # tree-k4-s3-n8, chain3, chain2, chain1
