@@ -34,7 +34,8 @@ SHAPES = {
 
 
 def decode(target: Path, draft: Path, spec: SpecConfig) -> tuple[list[list[int]], list[int], float]:
-    engine = Engine(target, draft=draft, config=EngineConfig(page_size=4, chunk_size=8, spec=spec))
+    # Fixed policy: the adaptive default picks shapes by timed step costs, so two runs' verify steps differ.
+    engine = Engine(target, draft=draft, config=EngineConfig(page_size=4, chunk_size=8, spec=spec, spec_policy="fixed"))
     out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True))
     committed = [c for b in engine.spec_stats.batches for c in b.committed]
     return [r.token_ids for r in out], committed, engine.spec_stats.totals.accept_length
