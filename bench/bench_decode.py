@@ -216,9 +216,9 @@ def spec_cell(w, reqs, cell: dict) -> None:
 
 def bench_plain_step(target, draft, batches, contexts, results, room: int = 512):
     """Whole plain decode steps, back to back as a serving loop runs them (each waits for its tokens): a
-    plain engine's (``_run_decode_step``) and an adaptive engine's with a draft (``_run_plain_step``) with
-    its graphs, with the draft extend eager, and all eager (the eager target step). A fresh pair of
-    engines per cell."""
+    plain engine's (``ModelRunner._decode_step``) and an adaptive engine's with a draft
+    (``ModelRunner._plain_step``) with its graphs, with the draft extend eager, and all eager (the eager target
+    step). A fresh pair of engines per cell."""
     for ctx in contexts:
         for bs in batches:
             cell = {"batch": bs, "context": ctx}
@@ -241,7 +241,7 @@ def plain_engine_ms(target, bs: int, ctx: int, room: int) -> float:
     """Milliseconds per decode step of an engine without a draft (its decode graph, captured by the warm-up)."""
     engine = Engine(target, config=engine_config(ctx + room, bs))
     reqs = fake_requests(engine, bs, ctx, max_new=room - 24)
-    return time_cuda(lambda: drive(engine._run_decode_step(reqs)), iters=5, warmup=2, calls=8)
+    return time_cuda(lambda: drive(engine.runner._decode_step(reqs)), iters=5, warmup=2, calls=8)
 
 
 def plain_step_cell(engine: Engine, reqs, cell: dict) -> None:
@@ -250,7 +250,7 @@ def plain_step_cell(engine: Engine, reqs, cell: dict) -> None:
     for name, plain_on, extend_captured in (("graph", True, captures), ("eager_extend", True, False),
                                             ("eager", False, False)):
         graphs["plain"].enabled, graphs["plain_extend"].capture = plain_on, extend_captured
-        cell[f"plain_step_{name}_ms"] = time_cuda(lambda: drive(engine._run_plain_step(reqs)), iters=5,  # noqa: B023
+        cell[f"plain_step_{name}_ms"] = time_cuda(lambda: drive(engine.runner._plain_step(reqs)), iters=5,  # noqa: B023
                                                   warmup=2, calls=8)
     graphs["plain"].enabled, graphs["plain_extend"].capture = True, captures
     cell["all_running"] = all(r.finish_reason is None for r in reqs)

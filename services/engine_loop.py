@@ -74,7 +74,7 @@ class EngineLoop:
         self._held: list[tuple[Request, list[int]]] = []
         # Under tensor parallelism every call runs between steps (``services/followers.py``): the followers
         # replay rank 0's calls in order, and one made during a step would reach them after theirs.
-        self.between_steps_only = getattr(engine, "tp", None) is not None
+        self.between_steps_only = getattr(engine, "distributed", False)
         self.hold = HoldGate.from_env()  # a test's fault injection: None unless its environment variable is set
 
     def start(self) -> EngineLoop:

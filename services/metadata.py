@@ -228,17 +228,19 @@ class RequestStore:
     def exists(self, rid: str) -> bool:
         return bool(self.client.exists(self.key(rid)))
 
-    def create(self, rid: str, **fields) -> bool:
-        """Record a new request in state ``queued``; False (and nothing written) when ``rid`` exists.
+    def create(self, rid: str, created_at: float | None = None, **fields) -> bool:
+        """Record a new request in state ``queued`` (created ``created_at``, default now); False (and nothing
+        written) when ``rid`` exists.
 
         Atomic across routers, and all or nothing: one script writes the whole record and its TTL (Redis going
         away halfway leaves no half-written record without a TTL behind), in one round trip.
         """
-        now = time.time()
+        now = time.time() if created_at is None else created_at
         mapping = {k: _scalar(v) for k, v in fields.items()}
         mapping.update(state="queued", created_at=repr(now), transitions=json.dumps([["queued", now]]))
         pairs = [x for kv in mapping.items() for x in kv]
-        return bool(_CREATE(keys=[self.key(rid)], args=[int(self.live_ttl_s * 1000), *pairs], client=self.client))
+        return bool(_CREATE(keys=[self.key(rid)], args=[int(self.live_ttl_s * 1000), repr(now), *pairs],
+                            client=self.client))
 
     def transition(self, rid: str, state: str, **fields) -> bool:
         """Append ``state`` with its time; False when the record already ended (terminal states are final).
@@ -252,6 +254,12 @@ class RequestStore:
         return bool(_TRANSITION(keys=[self.key(rid)], args=[state, repr(time.time()), ttl_ms,
                                                             "," + ",".join(TERMINAL) + ",", *pairs],
                                 client=self.client))
+
+    def discard(self, rid: str, created_at: str) -> bool:
+        """Delete the record of ``rid`` if it is the one created at ``created_at`` (``repr`` of the time) and is
+        still only ``queued``: a create whose answer was lost, for a request the router then refused (its
+        client may send it again under the same id). False when there is no such record."""
+        return bool(_DISCARD(keys=[self.key(rid)], args=[created_at], client=self.client))
 
     def update(self, rid: str, **fields) -> None:
         self.client.hset(self.key(rid), mapping={k: _scalar(v) for k, v in fields.items()})
@@ -272,11 +280,22 @@ def _scalar(v) -> str:
 
 # A request record's writes as scripts: one round trip each, atomic (no WATCH and retry). Bound to a client at
 # each call (redis-py loads a script again where the server lost it: a restarted Redis).
+# ARGV: TTL in ms, created_at, field, value, ... An existing record created at the same time is this create's
+# own, retried after its answer was lost: created (1), not a taken id (0).
 _CREATE = redis.Redis().register_script("""
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  if redis.call('HGET', KEYS[1], 'created_at') == ARGV[2] then return 1 end
+  return 0
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
+""")
+
+_DISCARD = redis.Redis().register_script("""
+if redis.call('HGET', KEYS[1], 'state') ~= 'queued' then return 0 end
+if redis.call('HGET', KEYS[1], 'created_at') ~= ARGV[1] then return 0 end
+return redis.call('DEL', KEYS[1])
 """)
 
 # ARGV: state, now (Python's repr of time.time()), TTL in ms (0: none), ",terminal,states,", field, value, ...

@@ -30,6 +30,7 @@ from shared.model.tokenizer import Tokenizer
 from shared.request import Request, Stage
 from shared.sampling import SamplingParams, request_seed
 from shared.spec.state import DraftState
+from shared.stepping import Events
 from shared.text import TextStream
 
 
@@ -282,6 +283,10 @@ class Scheduler:
         req.cached_tokens = min(req.kv_len, req.prompt_len)
         self.prefix_cache.hits += req.cached_tokens
 
+    def page_ids(self, req: Request) -> list[list[int]]:
+        """Per cache (target first), ``req``'s page ids in position order (the hand-off port's page API)."""
+        return [cache.pages_of(h, 0, cache.pages_for(h.reserved)) for cache, h in zip(self.caches, req.handles)]
+
     def cache_prefix(self, req: Request) -> None:
         """After a prefill chunk of ``req`` (its target and draft K/V written): hand every page it completed
         over to the prefix cache, each once its successor token is known; ``req`` holds them from now on.
@@ -303,6 +308,21 @@ class Scheduler:
             for cache, h in zip(self.caches, req.handles):
                 cache.share(h, i + 1)
             parent = node
+
+    def commit(self, plan: StepPlan, events: Events) -> Events:
+        """After a step ran ``plan`` (``events``: per request it touched, the tokens it committed): each chunk's
+        completed pages go to the prefix cache, a chunk that completed its prompt moves its request on (a chunk
+        that did not is an event of its request's, with no token), and the requests the step ended retire."""
+        for ch in plan.prefill:
+            self.cache_prefix(ch.req)  # its completed pages, target and draft K/V written
+            if ch.completes_prompt:
+                self.prompt_done(ch.req)
+            elif not any(r is ch.req for r, _ in events):
+                events.append((ch.req, []))
+        for req, _ in events:
+            if req.finish_reason is not None and req.stage is not Stage.FINISHED:
+                self.retire(req)
+        return events
 
     def retire(self, req: Request, reason: str | None = None) -> None:
         """End ``req`` (with ``reason`` unless a stop condition ended it first): it leaves the table and

@@ -8,7 +8,8 @@ inside a step calls back into a service.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+import contextlib
+from collections.abc import Callable, Generator
 
 from shared.request import Request
 
@@ -23,3 +24,21 @@ def drive(running: Stepping) -> Events:
             next(running)
     except StopIteration as done:
         return done.value
+
+
+class InFlight:
+    """A step whose device work is queued (``Engine.launch``): ``finish`` waits for it and commits."""
+
+    __slots__ = ("on_device", "running", "events")
+
+    def __init__(self, on_device: Callable[[], contextlib.AbstractContextManager], running: Stepping | None,
+                 events: Events | None = None):
+        self.on_device, self.running, self.events = on_device, running, events  # on_device: the engine's GPU
+
+    def finish(self) -> Events:
+        """Wait for the step's device work, commit its tokens and retire the requests it ended."""
+        if self.running is not None:
+            with self.on_device():
+                self.events = drive(self.running)
+            self.running = None
+        return self.events

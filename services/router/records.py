@@ -5,7 +5,9 @@ short backoff; if Redis stays away it joins a bounded buffer, and once anything 
 write queues behind it (a request's states must land in order). A flusher thread drains the buffer,
 oldest first, when Redis answers again. A full buffer drops the oldest non-terminal write first (the
 terminal ones are what "nothing lost" rests on). Only ``create`` raises: a new request the router cannot
-record is refused (``RecordsUnavailable``), never accepted unrecorded.
+record is refused (``RecordsUnavailable``), never accepted unrecorded. A create that failed may still have
+landed (Redis ran the script, the answer was lost): a discard of that record (``RequestStore.discard``: only
+if still ``queued`` and created then) joins the buffer, so a refused request leaves no record behind.
 
 Metrics: ``eyrie_records_buffered`` (writes waiting for Redis), ``eyrie_records_flushed_total``,
 ``eyrie_records_dropped_total``, ``eyrie_redis_errors_total``.
@@ -24,6 +26,7 @@ from prometheus_client import Counter, Gauge
 from services.metadata import TERMINAL, RequestStore
 
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # Redis away, not a bug in the write
+DISCARD = "discard"  # a buffered write that deletes a refused request's record, if its create landed
 
 
 class RecordsUnavailable(Exception):
@@ -87,9 +90,13 @@ class RecordWriter:
         """``RequestStore.create`` (False: the id is taken); RecordsUnavailable when Redis cannot be reached."""
         if self._buffer:
             raise RecordsUnavailable(f"Redis is unreachable ({self.last_error})")
+        now = time.time()
         try:
-            return self._retrying(lambda: self.store.create(rid, **fields))
+            return self._retrying(lambda: self.store.create(rid, created_at=now, **fields))
         except REDIS_DOWN as e:
+            self.last_error = str(e)
+            with self._lock:  # it may have landed, its answer lost: undone once Redis answers
+                self._push(_Write(rid, DISCARD, {"created_at": repr(now)}))
             raise RecordsUnavailable(f"Redis is unreachable ({e})") from None
 
     def transition(self, rid: str, state: str, **fields) -> None:
@@ -117,11 +124,15 @@ class RecordWriter:
                 time.sleep(delay)
 
     def _apply(self, write: _Write) -> None:
-        self.store.transition(write.rid, write.state, **write.fields)
+        if write.state == DISCARD:
+            self.store.discard(write.rid, **write.fields)
+        else:
+            self.store.transition(write.rid, write.state, **write.fields)
 
     def _push(self, write: _Write) -> None:  # under self._lock
         if len(self._buffer) >= self.max_buffered:
-            victim = next((w for w in self._buffer if w.state not in TERMINAL), self._buffer[0])
+            victim = next((w for w in self._buffer if w.state not in TERMINAL and w.state != DISCARD),
+                          self._buffer[0])
             self._buffer.remove(victim)
             self.dropped += 1
             self._count("dropped")

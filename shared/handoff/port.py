@@ -1,8 +1,8 @@
 """The engine's side of a hand-off: a port adapting the engine's narrow page API to the wire types.
 
-The engine offers a few facts about its pages (``EnginePages``: its caches, a request's page ids in
-position order, whether it still holds a request, its device, and ``activate``, which resumes a request
-whose K/V arrived); ``HandoffPort`` turns them into what the transports read and write (``PageSource``,
+The engine offers a few facts about its pages (``EnginePages``, its scheduler's: its caches, a request's page
+ids in position order, whether it still holds a request, and ``activate``, which resumes a request whose K/V
+arrived) and its device; ``HandoffPort`` turns them into what the transports read and write (``PageSource``,
 ``Increment``, ``PageSink``, the exported pools, the ``HandoffSchema``). Under tensor parallelism the port
 also owns the per-request staging tables: rank 0 gathers every rank's KV heads into a staging cache before
 a request leaves a split prefill engine, and scatters them from one (or from the landing cache a same-host
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -38,9 +39,7 @@ LANDING_REQUESTS = 4  # a split decode engine's in-place hand-offs in flight at 
 
 
 class EnginePages(Protocol):
-    """What the port asks of an engine."""
-
-    device: torch.device
+    """What the port asks of an engine's pages (its scheduler's: the owner of its requests and their pages)."""
 
     @property
     def caches(self) -> list[KVCache]: ...  # target first, then the draft's
@@ -48,8 +47,6 @@ class EnginePages(Protocol):
     def page_ids(self, req: Request) -> list[list[int]]: ...  # per cache, in position order
 
     def holds(self, req: Request) -> bool: ...
-
-    def on_device(self) -> contextlib.AbstractContextManager: ...
 
     def activate(self, req: Request, committed_len: int, draft_state: DraftState | None,
                  output_ids: list[int], output_logprobs: list[float]) -> None: ...
@@ -66,11 +63,14 @@ def landing_pages(tp: TPGroup | None, role: str, positions: int, page_size: int)
 class HandoffPort:
     """The hand-off of one engine, both sides (a prefill engine sends, a decode engine receives)."""
 
-    def __init__(self, pages: EnginePages, config: EngineConfig, vocab_size: int, kv_heads: int,
-                 tp: TPGroup | None = None, landing: int = 0, draft=None, tree: SpecConfig | None = None):
-        """``kv_heads``: the target's KV heads, every rank's; ``landing``: the landing cache's pages
-        (``landing_pages``); ``draft`` (a ``DraftHead``) and ``tree``: the speculation, None without."""
-        self.pages = pages
+    def __init__(self, pages: EnginePages, device: torch.device,
+                 on_device: Callable[[], contextlib.AbstractContextManager], config: EngineConfig, vocab_size: int,
+                 kv_heads: int, tp: TPGroup | None = None, landing: int = 0, draft=None,
+                 tree: SpecConfig | None = None):
+        """``device``: the engine's, made the thread's current CUDA device by ``on_device()``; ``kv_heads``: the
+        target's KV heads, every rank's; ``landing``: the landing cache's pages (``landing_pages``); ``draft``
+        (a ``DraftHead``) and ``tree``: the speculation, None without."""
+        self.pages, self.device, self.on_device = pages, device, on_device
         self.tp = tp
         self.kv_heads = kv_heads
         target = pages.caches[0]
@@ -135,8 +135,8 @@ class HandoffPort:
         if self.tp is not None:  # a collective: the target's pages come from the staging cache (``page_source``)
             page_ids[0] = self._gather_done(req, page_ids[0], done[0])
         written = None
-        if self.pages.device.type == "cuda":
-            with self.pages.on_device():
+        if self.device.type == "cuda":
+            with self.on_device():
                 written = torch.cuda.Event()
                 written.record()
         last = Prefilled(encode_draft_state(req), tuple(req.output_ids[req.resumed:]),
@@ -222,7 +222,7 @@ class HandoffPort:
             committed_len, None if draft_state is None else draft_state.to_bytes(), list(output_ids),
             list(output_logprobs))
         committed_len, blob, output_ids, output_logprobs = self.tp.broadcast(arrived)
-        state = None if blob is None else DraftState.from_bytes(blob, self.pages.device)
+        state = None if blob is None else DraftState.from_bytes(blob, self.device)
         return committed_len, state, output_ids, output_logprobs
 
     def _receiving(self, req: Request) -> bool:

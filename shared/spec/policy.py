@@ -11,7 +11,7 @@ tree (recorded at 8B shape, batch 8: chain of 3 1305 tok/s, tree 1158).
 Every choice is lossless: every shape resumes from the same draft state (the configured shape's
 first-level width, which narrower shapes take the first columns of) and leaves the draft KV complete up
 to the committed length; a plain step's token is the target's, and its features still extend the draft
-(``Engine._run_plain_step``; with arriving prefill chunks in the same target forward, ``Engine._run_with_draft``).
+(``ModelRunner._plain_step``; with arriving prefill chunks in the same target forward, ``ModelRunner.run``).
 
 Acceptance is each shape's own (``Candidate.acceptance``): a tree's acceptance says little about a
 chain's, but the drafts of a chain of depth d are the first d of a deeper chain's, so a chain's verify
@@ -188,7 +188,7 @@ class SpecPolicy:
         ``timed=False``: a step whose engine step ran a prefill first, whose wait for its sampled token took
         over what the last step left on the device (H100, c32: the tree's steps timed 11.5 ms that way
         against 25.6 ms per step in a run of them), so the time is not the kind's either; and a plain step that
-        ran the arriving requests' prefill chunks in its own target forward (``Engine._run_with_draft``: one
+        ran the arriving requests' prefill chunks in its own target forward (``ModelRunner.run``: one
         forward, as a plain engine's step, not a prefill forward before it), whose time is theirs too."""
         if kind == self.last and timed and isinstance(self.cost, MeasuredCost):
             self.cost.record(kind, batch, seconds)

@@ -128,7 +128,7 @@ class SpecWorker:
 
     def _plain_graphs(self, on: set[str], max_bs: int, failures: list[CaptureFailure],
                       flush: Callable[[], None]) -> dict[str, PhaseGraphs]:
-        """A plain decode step's phases (``Engine._run_plain_step``): the target's decode forward with the
+        """A plain decode step's phases (``ModelRunner._plain_step``): the target's decode forward with the
         draft's features, graph-shaped with the decode phase on; the draft over its one position, with
         the extend phase on too."""
         return {"plain": PhaseGraphs("plain", self.phases.plain_decode, "decode" in on, max_bs, failures,
@@ -212,7 +212,7 @@ class SpecWorker:
                                        hidden=hidden[i], topk_p=topk_p[i], topk_ids=topk_ids[i]))
 
     def plain_extend(self, reqs: list[Request], lengths: torch.Tensor, feats: torch.Tensor) -> None:
-        """After a graph-shaped plain decode step (``Engine._run_plain_step``): the draft over the position
+        """After a graph-shaped plain decode step (``ModelRunner._plain_step``): the draft over the position
         each request wrote (``lengths`` [bs], the step's padded rows), fed that position's target feature
         ([bs, W]) and the token the step committed; the requests still running resume from the draft state
         it leaves, as they do after ``draft_extend_rows`` (the eager plain step)."""

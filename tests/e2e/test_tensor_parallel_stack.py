@@ -41,7 +41,7 @@ def test_a_tp2_service_in_the_stack_gives_the_single_engines_greedy_output(redis
     service = (stack.prefills if split == "prefill" else stack.decodes)[0]
     leader = service.engine_loop.engine
     try:
-        assert isinstance(leader, Leader) and leader.engine.tp.size == 2
+        assert isinstance(leader, Leader) and leader.engine.runner.tp.size == 2
         assert [p.is_alive() for p in leader.ranks] == [True]
         for prompt, want in zip(PROMPTS, single):
             tokens, finish = stack.generate(prompt, max_new_tokens=NEW, ignore_eos=True)

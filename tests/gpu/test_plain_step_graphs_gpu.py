@@ -129,13 +129,13 @@ def test_a_fixed_engine_captures_no_plain_step_graphs_and_capture_times_are_per_
 
 def folding(engine) -> tuple[list, object]:
     """The engine's policy forced to a plain step on each step with prefill chunks (they fold into its target
-    forward, ``Engine._run_with_draft``) and to its shape on the others; the plans it ran and its counted target."""
+    forward, ``ModelRunner.run``) and to its shape on the others; the plans it ran and its counted target."""
     from tests.unit.spec.spec_helpers import CountingModel
 
     plans, schedule, shape = [], engine.scheduler.schedule, next(iter(engine.speculator.shapes))
     engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
     engine.spec_policy.choose = lambda batch, pinned=False: None if plans[-1].prefill else shape
-    engine.model = CountingModel(engine.model)
+    engine.runner.model = CountingModel(engine.model)
     return plans, engine.model
 
 

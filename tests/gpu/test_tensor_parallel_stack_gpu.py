@@ -49,7 +49,7 @@ def test_a_tp2_service_over_nccl_in_the_stack_gives_one_gpus_greedy_output(redis
     service = (stack.prefills if split == "prefill" else stack.decodes)[0]
     leader = service.engine_loop.engine
     try:
-        assert isinstance(leader, Leader) and leader.engine.tp.size == 2
+        assert isinstance(leader, Leader) and leader.engine.runner.tp.size == 2
         assert leader.engine.graph_failures == []
         for prompt, want in zip(PROMPTS, single):
             tokens, finish = stack.generate(prompt, max_new_tokens=NEW, ignore_eos=True, timeout=120)

@@ -57,14 +57,14 @@ def check_accounting(engine) -> None:
 def record_logits(engine) -> dict[str, list]:
     """From now on, every logits row the engine samples from, per request id, in order."""
     seen: dict[str, list] = {}
-    inner = engine._sample_and_commit
+    inner = engine.runner._sample_and_commit
 
     def spy(out, reqs):
         for req, row in zip(reqs, out.logits):
             seen.setdefault(req.rid, []).append(row.clone())
         return inner(out, reqs)
 
-    engine._sample_and_commit = spy
+    engine.runner._sample_and_commit = spy
     return seen
 
 

@@ -13,16 +13,17 @@ import torch
 
 from shared.config import EngineConfig
 from shared.engine import Engine
+from shared.model_runner import ModelRunner
 from shared.sampling import SamplingParams
 
 
 def test_the_device_scope_names_the_engines_gpu():
-    eng = Engine.__new__(Engine)
-    eng.device = torch.device("cuda", 1)
-    scope = eng.on_device()
+    runner = ModelRunner.__new__(ModelRunner)  # the engine's scope is its runner's
+    runner.device = torch.device("cuda", 1)
+    scope = runner.on_device()
     assert isinstance(scope, torch.cuda.device) and scope.idx == 1
-    eng.device = torch.device("cpu")
-    assert isinstance(eng.on_device(), contextlib.nullcontext)
+    runner.device = torch.device("cpu")
+    assert isinstance(runner.on_device(), contextlib.nullcontext)
 
 
 def test_every_step_runs_inside_the_device_scope(oracle_model_dir, monkeypatch):

@@ -121,7 +121,7 @@ class DearSpec:
 
 def folded_prefills(tp: TPGroup, root: str, prompts: list[list[int]], params: SamplingParams) -> dict:
     """An adaptive EAGLE engine (tree, chunks of 8) whose rank 0 finds speculation dear: the prompts' later chunks
-    run in the plain decode steps' target forwards (``Engine._run_with_draft``); the other ranks, timing their
+    run in the plain decode steps' target forwards (``ModelRunner.run``); the other ranks, timing their
     own steps, must follow rank 0's choice. The tokens, target forwards per step, and which steps were mixed."""
     models = add_feature_path(load_models(Path(root)))
     config = EngineConfig(page_size=16, chunk_size=8, max_running=8, max_context=160, spec=SHAPES["tree"],
@@ -132,7 +132,7 @@ def folded_prefills(tp: TPGroup, root: str, prompts: list[list[int]], params: Sa
         policy.cost, policy.probe_every = DearSpec(), 10 ** 6
         policy.candidates[0].acceptance.observe([2])
     plans, model = [], CountingModel(engine.model)
-    schedule, engine.model = engine.scheduler.schedule, model
+    schedule, engine.runner.model = engine.scheduler.schedule, model
     engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
     reqs, forwards = [engine.add_request(p, params) for p in prompts], []
     while engine.scheduler.has_work():
@@ -234,7 +234,7 @@ def handoff_to_one_rank(tp: TPGroup, root: str, kind: str, page_size: int, promp
         if decode is not None:
             there = decode.reserve_handoff(req.rid, req.prompt_ids, req.output_ids, req.output_logprobs, req.params,
                                            req.kv_len)
-            sink, last = PageSink(req.rid, decode.scheduler.caches, decode.page_ids(there)), None
+            sink, last = PageSink(req.rid, decode.scheduler.caches, decode.scheduler.page_ids(there)), None
             for chunk in iter_chunks(source, max(page_bytes(c) for c in decode.scheduler.caches)):  # many chunks
                 sink.write(chunk)
                 last = chunk

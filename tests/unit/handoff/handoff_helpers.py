@@ -99,12 +99,12 @@ def hand_off(prefill: Engine, req: Request, decode: Engine, chunk_bytes: int | N
     """Move ``req`` from ``prefill`` to ``decode`` through the wire format, as the services do: reserve
     on the decode side, stream the chunks into the reserved pages, check, activate. Returns the decode
     side's request (the prefill side's is left for the caller to release)."""
-    source = PageSource(req.rid, prefill.scheduler.caches, prefill.page_ids(req),
+    source = PageSource(req.rid, prefill.scheduler.caches, prefill.scheduler.page_ids(req),
                         encode_draft_state(req) if state_bytes is None else state_bytes)
     moved = decode.reserve_handoff(req.rid, req.prompt_ids, req.output_ids, req.output_logprobs, req.params,
                                    req.kv_len)
     assert moved is not None, "the decode engine refused the request"
-    sink = PageSink(req.rid, decode.scheduler.caches, decode.page_ids(moved))
+    sink = PageSink(req.rid, decode.scheduler.caches, decode.scheduler.page_ids(moved))
     last = None
     for chunk in iter_chunks(source, chunk_bytes or smallest_chunk_bytes(prefill)):
         sink.write(chunk)
@@ -129,10 +129,10 @@ class Sending:
 def _send(source: PageSource, decode: Engine, moved: Request, transport: str, chunk_bytes: int, result: dict) -> None:
     try:
         if transport == "ipc":  # the pools are this process's own: the copies are what another process does
-            written = write_in_place(source, decode.kv_pools(), decode.page_ids(moved), time.monotonic() + 60)
+            written = write_in_place(source, decode.kv_pools(), decode.scheduler.page_ids(moved), time.monotonic() + 60)
             result["state"] = written.last
             return
-        sink, last = PageSink(source.rid, decode.scheduler.caches, decode.page_ids(moved)), None
+        sink, last = PageSink(source.rid, decode.scheduler.caches, decode.scheduler.page_ids(moved)), None
         for chunk in iter_chunks(source, chunk_bytes):
             sink.write(chunk)
             last = chunk

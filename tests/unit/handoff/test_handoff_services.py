@@ -479,7 +479,7 @@ def held_by(engine, rid: str) -> list[int] | None:
     req = engine.requests.get(rid)
     if req is None:
         return None
-    pages = [len(p) for p in engine.page_ids(req)]
+    pages = [len(p) for p in engine.scheduler.page_ids(req)]
     used = [c.layout.num_pages - c.num_free_pages for c in engine.scheduler.caches]
     assert pages == used, (pages, used)
     return pages

@@ -21,7 +21,7 @@ from shared.request import Request
 from shared.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[3]
-INTERNALS = {"scheduler", "cache", "caches", "speculator", "requests", "model", "decode_graphs", "tokenizer"}
+INTERNALS = {"scheduler", "cache", "caches", "speculator", "requests", "model", "decode_graphs", "tokenizer", "runner"}
 HOLD_THE_ENGINE = {"services/engine_loop.py": "drives it on its thread",
                    "services/engine_service.py": "builds it, captures its graphs, hands it to the loop",
                    "services/followers.py": "under tensor parallelism: replays rank 0's calls on the other ranks"}

@@ -61,7 +61,7 @@ def test_a_closed_leader_ends_its_follower_cleanly(tiny_model_dir):
     leader = start_engine("decode", DecodeSettings(model=str(tiny_model_dir / "target"), tensor_parallel=2,
                                                    max_context=64, max_running=2))
     try:
-        assert leader.engine.tp.size == 2 and leader.ranks[0].is_alive()
+        assert leader.engine.runner.tp.size == 2 and leader.ranks[0].is_alive()
         params = SamplingParams(max_new_tokens=4)
         req = leader.reserve_handoff("r", [5, 6, 7], [8], [0.0], params, 3)  # replayed: both ranks reserve
         assert leader.holds(req) and leader.release(req, "abort") and not leader.release(req, "abort")

@@ -17,7 +17,7 @@ import redis as redis_lib
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.eyrie.v1 import eyrie_pb2 as pb
-from services.metadata import Heartbeat, InstanceInfo, Registry, connect
+from services.metadata import Heartbeat, InstanceInfo, Registry, RequestStore, connect
 from services.router.records import RecordsUnavailable, RecordWriter
 from services.router.server import start_router
 from services.settings import RouterSettings
@@ -172,24 +172,72 @@ class _BlinkingStore:
         self.written.append((rid, state))
         return True
 
-    def create(self, rid, **fields):
+    def create(self, rid, created_at=None, **fields):
         return self.transition(rid, "queued")
+
+    def discard(self, rid, created_at):
+        return self.transition(rid, "discard")
 
 
 def test_the_record_buffer_keeps_order_is_bounded_and_drops_non_terminal_writes_first():
     store = _BlinkingStore()
     writer = RecordWriter(store, max_buffered=4, backoff_s=(0.001,), flush_interval_s=0.01)
     with pytest.raises(RecordsUnavailable):
-        writer.create("new")  # a request that cannot be recorded is not accepted
+        writer.create("new")  # a request that cannot be recorded is not accepted (its record, if any, discarded)
     for rid, state in [("a", "decoding"), ("b", "decoding"), ("a", "finished"), ("c", "decoding"),
                        ("b", "failed"), ("c", "aborted")]:
         writer.transition(rid, state)  # never raises
-    assert writer.buffered == 4 and writer.dropped == 2  # the two oldest non-terminal writes went
+    assert writer.buffered == 4 and writer.dropped == 3  # the three oldest non-terminal writes went
     store.down = False
     writer.start()
     wait_for(lambda: writer.buffered == 0, 5, "flushed")
     writer.stop()
-    assert store.written == [("a", "finished"), ("c", "decoding"), ("b", "failed"), ("c", "aborted")]
+    assert store.written == [("new", "discard"), ("a", "finished"), ("b", "failed"), ("c", "aborted")]
     assert writer.flushed == 4
     writer.transition("d", "finished")  # Redis answers: written at once
     assert store.written[-1] == ("d", "finished")
+
+
+class _LostAnswers(RequestStore):
+    """A real store whose next ``lose`` creates run on Redis and then lose their answer (the connection drops
+    after the script ran), and whose Redis is away for good once ``down``."""
+
+    def __init__(self, client, lose: int):
+        super().__init__(client)
+        self.lose, self.down = lose, False
+
+    def create(self, rid, created_at=None, **fields):
+        if self.down:
+            raise redis_lib.ConnectionError("Error 111 connecting: connection refused")
+        created = super().create(rid, created_at=created_at, **fields)
+        if self.lose:
+            self.lose -= 1
+            self.down = self.down or self.lose == 0 and self.stay_down
+            raise redis_lib.ConnectionError("Connection closed by server.")
+        return created
+
+    stay_down = False
+
+
+def test_a_create_whose_answer_was_lost_is_neither_a_taken_id_nor_left_behind(redis):
+    client = connect(redis.url)
+    # Retried after a lost answer: the record it wrote is its own, so the request is created, once.
+    store = _LostAnswers(client, lose=1)
+    writer = RecordWriter(store, backoff_s=(0.001, 0.001), flush_interval_s=0.01)
+    assert writer.create("once", prompt_tokens=3) is True and writer.buffered == 0
+    assert RequestStore(client).get("once")["state"] == "queued"
+    assert writer.create("once", prompt_tokens=3) is False  # a second request under the id: taken
+    # Every try lost or refused: the request is refused, and its record (it landed) is discarded once Redis is back.
+    store = _LostAnswers(client, lose=1)
+    store.stay_down = True
+    writer = RecordWriter(store, backoff_s=(0.001, 0.001), flush_interval_s=0.01)
+    with pytest.raises(RecordsUnavailable):
+        writer.create("refused", prompt_tokens=3)
+    assert RequestStore(client).get("refused")["state"] == "queued" and writer.buffered == 1
+    writer.start()
+    wait_for(lambda: writer.buffered == 0, 10, "the discard flushed")
+    writer.stop()
+    assert RequestStore(client).get("refused") == {}
+    # The discard takes only that create's record: one made since under the same id (another router's) stays.
+    RequestStore(client).create("again")
+    assert RequestStore(client).discard("again", repr(123.0)) is False and RequestStore(client).exists("again")

@@ -1,9 +1,9 @@
-"""The adaptive policy's plain step in an engine with a draft, graph-shaped (``Engine._run_plain_step``).
+"""The adaptive policy's plain step in an engine with a draft, graph-shaped (``ModelRunner._plain_step``).
 
 With CUDA graphs on, a plain step runs as a plain engine's does (padded to a batch-size bucket, replayed
 from a graph on a GPU): the target's decode forward capturing the draft's features (``plain``), then the
 draft over the one new position (``plain_extend``). On the CPU the same phases run eagerly on the padded
-rows. It must leave exactly the draft state the eager plain step (``_run_target_step``) leaves, so the next
+rows. It must leave exactly the draft state the eager plain step (``ModelRunner._target_step``) leaves, so the next
 speculative step is unchanged: greedy output equals the fixed engine's and the target's alone, for every
 draft kind, with plain steps only and with the policy switching every step. The GPU tests
 (``tests/gpu/test_plain_step_graphs_gpu.py``) check the replayed graphs.

@@ -1,4 +1,4 @@
-"""An engine with a draft folds arriving prefill chunks into its plain decode step (``Engine._run_with_draft``).
+"""An engine with a draft folds arriving prefill chunks into its plain decode step (``ModelRunner.run``).
 
 When the policy picks a plain step and requests arrive while others decode, their prefill chunks run in the
 decode step's one target forward, as a plain engine's step does (not a prefill forward, then a decode one).
@@ -29,7 +29,7 @@ class Staggered:
 
     def __init__(self, engine):
         self.engine, self.plans, self.forwards, self.states = engine, [], [], []
-        self.model = engine.model = CountingModel(engine.model)
+        self.model = engine.runner.model = CountingModel(engine.model)
         schedule = engine.scheduler.schedule
         engine.scheduler.schedule = lambda: self.plans.append(schedule()) or self.plans[-1]
 
@@ -56,14 +56,14 @@ def plain_on_prefill_steps(run: Staggered, shape: str) -> None:
 
 def split_mixed_forwards(engine) -> None:
     """The engine's former step: a mixed plan's prefill chunks in a forward of their own, then the decode rows."""
-    one = engine._run_target_step
+    one = engine.runner._target_step
 
     def split(plan: StepPlan):  # a step's run (``shared/stepping.py``), as the one it replaces
         if plan.prefill and plan.decode:
             events = yield from one(StepPlan(prefill=plan.prefill))
             return events + (yield from one(StepPlan(decode=plan.decode)))
         return (yield from one(plan))
-    engine._run_target_step = split
+    engine.runner._target_step = split
 
 
 def target_run(models, params: list[SamplingParams]):

@@ -20,7 +20,7 @@ import torch
 
 import shared.training.unroll as unroll_mod
 from shared.config import EngineConfig
-from shared.engine import make_cache
+from shared.memory.sizing import make_cache
 from shared.forward_batch import build_forward_batch
 from shared.model.drafts import load_draft
 from shared.model.loader import load_target

@@ -1,0 +1,361 @@
+"""The device side of an engine: weights, KV pools, CUDA graphs, the forwards of a step, and tensor parallelism.
+
+``ModelRunner`` loads the target (this rank's share under tensor parallelism) and its draft head, sizes the
+pools to the GPU (``shared/memory/sizing.py``), makes the KV caches and the speculative worker, captures the
+CUDA graphs and runs one step's forwards: ``run(plan, shape)`` takes the scheduler's plan and the policy's
+choice (a speculative shape, or None for a plain step) and yields once, where the host would wait for the
+step's tokens (``shared/stepping.py``). It knows no scheduler: what a step leaves the scheduler to do (a
+prompt done, pages for the prefix cache, requests to retire) is the engine's commit, after the run.
+
+Tensor parallelism is this class's seam (with ``shared/parallel.py``): every rank builds its runner alike
+and runs the same plans, and what one rank alone may decide (a request's check, its seed, the policy's
+timed choice) rank 0 decides and broadcasts (``agreed``, ``seeded``, ``rank0``). The model's split layers
+hold the group for their all-reduces; nothing above the runner names it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from shared.config import DEFAULT_GPU_MEMORY_FRACTION, EngineConfig, SpecConfig
+from shared.cuda_graphs import CaptureFailure, PhaseGraphs
+from shared.errors import RequestError
+from shared.forward_batch import build_forward_batch, build_uniform_batch
+from shared.handoff.port import landing_pages
+from shared.logits_process import RowsCache, add_grammar, process_logits
+from shared.memory.kv_cache import KVCache, flush_tables
+from shared.memory.profile import profile_steps
+from shared.memory.sizing import (
+    POOL_MARGIN,
+    activation_reserve,
+    default_pages,
+    device_memory,
+    draft_phase_reserve,
+    graph_target_phases,
+    make_cache,
+    page_bytes,
+    pages_within_budget,
+    profiled_reserve,
+)
+from shared.model.drafts import DraftHead, load_draft
+from shared.model.llama import LlamaForCausalLM, TargetOutput
+from shared.model.loader import load_target
+from shared.model.shard_loader import load_target_shard, read_lm_head
+from shared.parallel import TPGroup, local_config, rank_device, shard_target
+from shared.request import Request
+from shared.sampling import SamplingParams, request_seed, sample, top_logprobs, top_pairs
+from shared.scheduler import StepPlan
+from shared.spec.graph_costs import seed_costs
+from shared.spec.policy import MeasuredCost, SpecPolicy
+from shared.spec.worker import SpecWorker
+from shared.stepping import Stepping
+
+T = TypeVar("T")
+
+
+class ModelRunner:
+    def __init__(self, model: str | Path | LlamaForCausalLM, draft: str | Path | DraftHead | None,
+                 config: EngineConfig, role: str, tp: TPGroup | None = None):
+        """``tp``: this rank's group when ``config.tensor_parallel`` > 1; rank r runs on the r-th GPU from the
+        configured one. ``config`` as the runner fits it (``num_pages`` chosen on a GPU) is ``self.config``."""
+        if (tp.size if tp is not None else 1) != config.tensor_parallel:
+            raise ValueError(f"tensor_parallel={config.tensor_parallel} needs a group of that many ranks "
+                             f"(got {tp.size if tp is not None else 'none'})")
+        self.tp, self.role = tp, role
+        if tp is not None:
+            config = config.model_copy(update={"device": rank_device(config.device, tp.rank)})
+        if role == "decode" and not config.shareable_kv:  # a same-host prefill writes into its pools
+            config = config.model_copy(update={"shareable_kv": True})
+        self.device = torch.device(config.device)
+        if config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise RequestError("device", "cuda was asked for but no CUDA device is available")
+        reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0  # before the weights
+        self.model, lm_head = self._load_target(model, config)
+        mc = self.model.config
+        self.max_context = min(config.max_context or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.head = draft if draft is None or isinstance(draft, DraftHead) else load_draft(
+            draft, self.model, config.dtype, config.device, lm_head)  # before the pools: sized after the weights
+        if tp is not None:  # a target passed in whole: split after the draft's load, which may copy its LM head
+            shard_target(self.model, tp, self.device)
+        self.load_peak, self.step_peaks = 0, None  # on one GPU: set by the profile run (``_step_reserve``)
+        self.memory_plan: dict | None = None  # on a GPU without num_pages: the figures the pools were sized by
+        self.config = config = self._fit_pools(config, self.head, reserved)
+        self.cache = make_cache(local_config(mc, tp), mc.num_hidden_layers, config, self.max_context)
+        self.graph_failures: list[CaptureFailure] = []  # CUDA graphs that failed to capture (phase eager)
+        self.penalty_rows = RowsCache()  # requests' penalty rows, on the device across steps (and the speculator's)
+        self.speculator = None if self.head is None else SpecWorker.load(
+            self.head, self.model, self.cache, config, self.max_context, self.graph_failures, self.penalty_rows)
+        self.caches: list[KVCache] = [self.cache] + (self.speculator.caches if self.speculator else [])
+        self.graph_costs: dict[tuple[str, int], float] = {}  # (kind, batch) -> seconds, timed at capture
+        graphs_on = set(config.cuda_graph_phases) if config.cuda_graph else set()
+        self.decode_graphs = PhaseGraphs("decode", self._decode_phase, "decode" in graphs_on, config.cuda_graph_max_bs,
+                                         self.graph_failures, before_replay=lambda: flush_tables([self.cache]))
+
+    # ---- loading and sizing ----------------------------------------------------------------------
+    def _load_target(self, model: str | Path | LlamaForCausalLM, config: EngineConfig
+                     ) -> tuple[LlamaForCausalLM, Callable | None]:
+        """The target (under tensor parallelism from a checkpoint: this rank's share only, read slice by slice)
+        and, then, a reader of the whole target's LM head for a draft that copies it (else None)."""
+        if isinstance(model, LlamaForCausalLM):
+            return model, None
+        if self.tp is None:
+            return load_target(model, config.dtype, config.device), None
+        return load_target_shard(model, self.tp, config.dtype, config.device), functools.partial(read_lm_head, model)
+
+    def landing_pages(self, config: EngineConfig | None = None) -> int:
+        """The hand-off port's landing cache's pages (``shared.handoff.port.landing_pages``)."""
+        config = config or self.config
+        return landing_pages(self.tp, self.role, self.max_context + config.headroom, config.page_size)
+
+    def _fit_pools(self, config: EngineConfig, head: DraftHead | None, reserved_before: int) -> EngineConfig:
+        """On a GPU without ``num_pages``: the page count that keeps this engine, weights (loaded since the
+        allocator held ``reserved_before``), reserve, margin and every pool, within ``gpu_memory_fraction`` of
+        the device (under tensor parallelism a collective: the least of the ranks' counts)."""
+        if self.device.type != "cuda" or config.num_pages is not None:
+            return config
+        mc, positions = self.model.config, self.max_context + config.headroom
+        per_page = page_bytes(local_config(mc, self.tp), mc.num_hidden_layers, config)
+        if head is not None:
+            per_page += (SpecWorker.cache_count(head, config.spec or SpecConfig())
+                         * page_bytes(head.config, head.layers_per_cache, config))
+        landing = self.landing_pages(config) * page_bytes(mc, mc.num_hidden_layers, config)  # whole heads
+        reserve = self._step_reserve(config, head) + landing
+        memory = device_memory(self.device, reserved_before)  # after the profile run: its blocks released
+        fraction = config.gpu_memory_fraction or DEFAULT_GPU_MEMORY_FRACTION
+        pages = pages_within_budget(fraction, memory, reserve, per_page, -(-positions // config.page_size),
+                                    most_pages=default_pages(config, positions), margin=POOL_MARGIN)
+        if self.tp is not None:  # the ranks' pools must hold the same pages: the least free GPU sizes them all
+            pages = self.tp.least(pages)
+        gib = lambda n: round(n / 2**30, 3)  # noqa: E731
+        self.memory_plan = {"budget_gib": gib(fraction * memory.total), "weights_gib": gib(memory.weights),
+                            "reserve_gib": gib(reserve), "margin_gib": gib(POOL_MARGIN * fraction * memory.total),
+                            "pools_gib": gib((pages + 1) * per_page), "pages": pages, "free_gib": gib(memory.free)}
+        return config.model_copy(update={"num_pages": pages})
+
+    def _step_reserve(self, config: EngineConfig, head: DraftHead | None) -> int:
+        """The bytes the steps need beside weights and pools: measured by a profile run of the largest steps
+        on one GPU (``shared/memory/profile.py``), estimated from the shapes under tensor parallelism (whose
+        forwards are collectives)."""
+        mc = self.model.config
+        if self.tp is not None:
+            return activation_reserve(mc, config, self.max_context)
+        self.load_peak = torch.cuda.max_memory_reserved(self.device)  # the profile resets the peak statistics
+        capture = "none" if head is None else ("aux" if head.kind == "eagle3" else "last")
+        decodes = self.role != "prefill"  # a prefill engine runs no decode step and captures no graph
+        try:
+            with self.on_device():
+                self.step_peaks = profile_steps(self.model, config, self.max_context, capture,
+                                                tuple(getattr(head, "aux_layers", ())), decodes=decodes)
+        except torch.OutOfMemoryError as e:
+            torch.cuda.empty_cache()  # the failed step's blocks: what is free is what the pools could have
+            free, total = torch.cuda.mem_get_info(self.device)
+            raise RequestError("gpu_memory_fraction", (
+                f"the profile run of the largest steps (a {config.chunk_size or self.max_context}-token chunk, "
+                f"{config.max_running} decode rows) ran out of memory with {free / 2**30:.2f} of "
+                f"{total / 2**30:.2f} GiB free after the weights: lower chunk_size or max_running, or give the "
+                f"engine more of the GPU")) from e
+        draft = draft_phase_reserve(head.config if head is not None else mc, config) if decodes else 0
+        return profiled_reserve(self.step_peaks, graph_target_phases(config) if decodes else 0, draft)
+
+    def on_device(self) -> contextlib.AbstractContextManager:
+        """This runner's GPU as the calling thread's current CUDA device (a no-op off CUDA). Triton
+        launches, CUDA events, streams and graph capture all use the current device, not the device of
+        the tensors they touch: an engine on ``cuda:1`` run from a thread whose current device is 0
+        (every new thread's) would launch its kernels and record its events on the wrong GPU."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    # ---- tensor parallelism: what rank 0 decides ---------------------------------------------------
+    @property
+    def distributed(self) -> bool:
+        """Whether this runner is one rank of a tensor-parallel group."""
+        return self.tp is not None
+
+    def agreed(self, decide: Callable[[], T]) -> T:
+        """``decide()``'s result, or the ``RequestError`` it raised, on every rank: rank 0's."""
+        if self.tp is None:
+            return decide()
+        agreed = None
+        if self.tp.rank == 0:
+            try:
+                agreed = ("ok", decide())
+            except RequestError as e:
+                agreed = ("refused", e.field, str(e).removeprefix(f"{e.field}: "))
+        agreed = self.tp.broadcast(agreed)
+        if agreed[0] == "refused":
+            raise RequestError(agreed[1], agreed[2])
+        return agreed[1]
+
+    def rank0(self, value: T) -> T:
+        """Rank 0's ``value`` on every rank (``value`` itself on one rank)."""
+        return value if self.tp is None else self.tp.broadcast(value)
+
+    def seeded(self, params: SamplingParams) -> SamplingParams:
+        """Under tensor parallelism, ``params`` with a seed (the request's own, or one chosen here, on rank 0):
+        every rank's draws are then alike."""
+        if self.tp is None or params.seed is not None:
+            return params
+        return params.model_copy(update={"seed": request_seed(params)})
+
+    def agree_plan(self, plan: StepPlan) -> None:
+        """Under tensor parallelism, check that every rank runs ``plan`` from the same pools."""
+        if self.tp is not None:
+            key = ([(r.rid, r.kv_len) for r in plan.decode], [(c.req.rid, c.start, c.end) for c in plan.prefill],
+                   [c.num_free_pages for c in self.caches])
+            self.tp.agree(zlib.crc32(repr(key).encode()), "the step plan")
+
+    # ---- a step ----------------------------------------------------------------------------------
+    def run(self, plan: StepPlan, shape: str | None = None,
+            joins_next: Callable[[list[Request]], bool] | None = None) -> Stepping:
+        """The forwards of ``plan``: its prefill chunks and decode rows in one target forward where they can
+        share it (a plain engine's step; with a draft, a plain step the policy chose (``shape`` None): the
+        chunks of requests arriving while others decode then cost no forward of their own, ~23 ms against
+        ~4.6 ms per arriving request at 8B shape on an H100). Before a speculative step, whose verify forward
+        has a tree shape of its own, the chunks run in a forward of their own. Every row's draft state is left
+        as separate forwards would leave it (``SpecWorker.draft_extend_rows``), so the output is the same.
+        ``joins_next(batch)``: whether the next decode step runs a request ``batch`` does not (asked after the
+        chunks ran; a draft launched ahead is for this batch only). Returns (request, tokens it committed)."""
+        w = self.speculator
+        if w is not None and (not plan.decode or shape is None):
+            w.drop_ahead()  # no speculative step now: a draft launched ahead would be stale or wait in vain
+        if plan.empty:
+            return []
+        if w is None and not plan.prefill and self.decode_graphs.enabled:
+            return (yield from self._decode_step(plan.decode))
+        if w is None or not plan.decode or (shape is None and plan.prefill):
+            return (yield from self._target_step(plan))
+        events = (yield from self._target_step(StepPlan(prefill=plan.prefill))) if plan.prefill else []
+        if shape is None:
+            return events + (yield from self._plain_step(plan.decode))
+        # A prompt completed by this step's chunks decodes from the next step on.
+        joins = any(ch.completes_prompt for ch in plan.prefill) or (joins_next is not None and joins_next(plan.decode))
+        return events + (yield from w.step(plan.decode, joins, shape))
+
+    def _plain_step(self, reqs: list[Request]) -> Stepping:
+        """A plain decode step of an engine with a draft: graph-shaped (padded to a bucket, replayed where
+        captured) as a plain engine's, its target forward capturing the draft's features, then the draft
+        over the one new position; eager (``_target_step``) with the plain graphs off. Both leave the
+        same draft state, so the next speculative step is the same."""
+        w = self.speculator
+        graphs = w.graphs.get("plain")  # an adaptive engine's only
+        if graphs is None or not graphs.enabled:
+            return (yield from self._target_step(StepPlan(decode=reqs)))
+        n = len(reqs)
+        rows, lengths, tokens = self._decode_inputs(reqs, graphs.bucket(n) or n)
+        logits, feats = graphs(rows, lengths, tokens)
+        for req in reqs:
+            req.advance(req.kv_len + 1)
+        events = yield from self._sample_and_commit(TargetOutput(logits=logits[:n]), reqs)
+        w.plain_extend(reqs, lengths, feats)  # after the host's wait: the device runs it while the next step is planned
+        return events
+
+    def _target_step(self, plan: StepPlan) -> Stepping:
+        """One target forward over the decode tokens and prefill chunks of ``plan``. With a draft, its
+        features extend the draft over every row (a decode row: the one position it wrote)."""
+        starts = [req.kv_len for req in plan.decode]
+        rows, prefix, q_lens, ids, pos, sample_rows, sampled_reqs = [], [], [], [], [], [], []
+        for req in plan.decode:
+            self.cache.reserve(req.handles[0], req.kv_len + 1)
+            rows.append(req.handles[0].row), prefix.append(req.kv_len), q_lens.append(1)
+            ids.append(req.all_ids[req.kv_len]), pos.append(req.kv_len)
+            sample_rows.append(len(ids) - 1), sampled_reqs.append(req)
+        for ch in plan.prefill:
+            rows.append(ch.req.handles[0].row), prefix.append(ch.start), q_lens.append(ch.end - ch.start)
+            ids.extend(ch.req.all_ids[ch.start:ch.end]), pos.extend(range(ch.start, ch.end))
+            if ch.samples:
+                sample_rows.append(len(ids) - 1), sampled_reqs.append(ch.req)
+        positions = torch.tensor(pos, dtype=torch.int64)
+        batch = build_forward_batch(self.cache, rows, prefix, q_lens, torch.tensor(ids), positions, positions,
+                                    logits_rows=torch.tensor(sample_rows, dtype=torch.int64))
+        w = self.speculator
+        out = self.model(batch, self.cache, capture=w.capture_mode if w else "none",
+                         aux_layers=w.aux_layers if w else ())
+        for req in plan.decode:
+            req.advance(req.kv_len + 1)
+        for ch in plan.prefill:
+            ch.req.advance(ch.end)
+        events = yield from self._sample_and_commit(out, sampled_reqs)
+        if w is not None:
+            w.draft_extend_rows(plan.decode, starts, plan.prefill, out)
+        return events
+
+    def _decode_phase(self, rows: torch.Tensor, lengths: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Pure tensor decode forward (graph-capturable): one token per request at its length."""
+        batch = build_uniform_batch(self.cache, rows, lengths, 1, 1, tokens, lengths, lengths.unsqueeze(1))
+        return self.model(batch, self.cache).logits
+
+    def _decode_step(self, reqs: list[Request]) -> Stepping:
+        """A plain engine's decode step through its CUDA graphs."""
+        n = len(reqs)
+        logits = self.decode_graphs(*self._decode_inputs(reqs, self.decode_graphs.bucket(n) or n))[:n]
+        for req in reqs:
+            req.advance(req.kv_len + 1)
+        return (yield from self._sample_and_commit(TargetOutput(logits=logits), reqs))
+
+    def _decode_inputs(self, reqs: list[Request], bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode step's rows, lengths and tokens ([bs] each, on the device; padding rows are row 0,
+        length 0, token 0), the target slot each request writes reserved."""
+        for req in reqs:
+            self.cache.reserve(req.handles[0], req.kv_len + 1)
+        # One host-to-device copy for the step's inputs.
+        host = torch.zeros(3, bs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        host[:, :len(reqs)] = torch.tensor([[r.handles[0].row for r in reqs], [r.kv_len for r in reqs],
+                                            [r.all_ids[r.kv_len] for r in reqs]], dtype=torch.int64)
+        rows, lengths, tokens = host.to(self.device, non_blocking=True)
+        return rows, lengths, tokens
+
+    def _sample_and_commit(self, out: TargetOutput, reqs: list[Request]) -> Stepping:
+        """Sample ``reqs``' next tokens from ``out``; the host waits for them after the one yield (the loop's
+        overlap: ``Engine.launch``), then commits them."""
+        if not reqs:
+            return []
+        rows = self.penalty_rows.rows(reqs, out.logits.shape[-1], len(reqs), out.logits.device)
+        rows = None if rows is None else add_grammar(rows, reqs)
+        logits = out.logits if rows is None else process_logits(out.logits.unsqueeze(1), rows).squeeze(1)
+        tokens = sample(logits, [r.params for r in reqs], [r.seed for r in reqs],
+                        [r.prompt_len + len(r.output_ids) for r in reqs])
+        logp = torch.log_softmax(logits.float(), dim=-1)  # the distribution the tokens were drawn from
+        logprobs = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        top_n = max((r.params.top_logprobs for r in reqs), default=0)
+        top = top_logprobs(logp, top_n) if top_n else None
+        yield  # the device computes the step: the engine loop publishes and serves meanwhile
+        tops = [None] * len(reqs) if top is None else [
+            top_pairs(v, i, r.params.top_logprobs) if r.params.top_logprobs else None
+            for r, v, i in zip(reqs, top[0].unsqueeze(1).tolist(), top[1].unsqueeze(1).tolist())]
+        return [(r, r.commit([t], [lp], tp)) for r, t, lp, tp in zip(reqs, tokens.tolist(), logprobs.tolist(), tops)]
+
+    # ---- CUDA graphs -----------------------------------------------------------------------------
+    def capture_graphs(self, policy: SpecPolicy | None = None) -> int:
+        """Capture every enabled CUDA graph of every batch-size bucket now (``Engine.capture_graphs``), on
+        padding rows only (request row 0, length 0: the sink page). Under an adaptive ``policy`` with measured
+        costs, then time each shape's graphs and the plain step's at each captured batch size: the policy's
+        costs from the first step (``shared/spec/graph_costs.py``). Returns how many graphs exist."""
+        if self.device.type != "cuda" or self.role == "prefill":
+            return 0
+        with self.on_device():
+            if self.speculator is not None:
+                count = self.speculator.capture_graphs()
+            else:
+                g = self.decode_graphs
+                if g.capture:
+                    for bs in g.buckets:
+                        zeros = torch.zeros(bs, dtype=torch.int64, device=self.device)
+                        g(zeros, zeros.clone(), zeros.clone())
+                count = len(g.captured_sizes)
+            if policy is not None and policy.kind == "adaptive" and isinstance(policy.cost, MeasuredCost):
+                self.graph_costs = seed_costs(self.speculator, policy.cost)  # the policy's costs on this device
+            # Each capture's two eager warm-up runs left their blocks cached for the capture stream, where
+            # no other step can reuse them: released, or they would sit beside the default stream's blocks
+            # (the reserve counts one eager step's, not two). The graphs' private pools stay.
+            torch.cuda.empty_cache()
+            return count
+
+    def phase_graphs(self) -> list[PhaseGraphs]:
+        """The CUDA graph phases ``capture_graphs`` captures (the speculator's, else the target decode's)."""
+        return self.speculator.phase_graphs() if self.speculator is not None else [self.decode_graphs]
