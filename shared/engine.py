@@ -1,8 +1,8 @@
 """The single-process engine: continuous batching, chunked prefill, optional EAGLE speculation.
 
-A step reads: the scheduler plans it (``shared/scheduler.py``), the policy picks its kind (a speculative
-shape, or a plain step: ``shared/spec/policy.py``), the model runner runs its forwards (``shared/model_runner.py``:
-the device, the graphs and tensor parallelism), and the scheduler commits what it did.
+A step: the scheduler plans it (``shared/scheduler.py``), the policy picks its kind (a speculative shape, or
+plain: ``shared/spec/policy.py``), the model runner runs it (``shared/model_runner.py``: the device, the
+graphs, tensor parallelism), and the scheduler commits what it did.
 
 ``Engine.generate`` is the Python API. The services drive the same engine from their engine loop
 (``services/engine_loop.py``) through the narrow API of the last sections: ``add_request`` and ``step``
@@ -42,8 +42,6 @@ from shared.spec.policy import MeasuredCost, SpecPolicy
 from shared.spec.state import DraftState
 from shared.spec.stats import SpecRecorder
 from shared.stepping import Events, InFlight, Stepping
-
-__all__ = ["Engine", "EngineLoad", "GenerationResult", "InFlight"]
 
 
 class Engine:
@@ -85,16 +83,10 @@ class Engine:
         """Every request of this engine by id, read-only (the scheduler's table)."""
         return MappingProxyType(self.scheduler.requests)
 
-    @property
-    def spec_stats(self) -> SpecRecorder | None:
-        """The speculative statistics (None without a draft)."""
-        return self.speculator.stats if self.speculator is not None else None
+    spec_stats: SpecRecorder | None = property(  # the speculative statistics (None without a draft)
+        lambda self: self.speculator.stats if self.speculator is not None else None)
 
     # ---- requests --------------------------------------------------------------------------------
-    def validate_prompt(self, prompt: str | list[int]) -> list[int]:
-        """The prompt's token ids; a ``RequestError`` naming what does not fit (``RequestChecks.prompt``)."""
-        return self.checks.prompt(prompt)
-
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     rid: str | None = None, output_ids: list[int] = (), output_logprobs: list[float] = ()) -> Request:
         """Queue a request; with ``output_ids`` (and their logprobs), one resuming after the output tokens a
@@ -199,8 +191,7 @@ class Engine:
                              not plan.prefill and last is not None)
 
     # ---- disaggregation: the hand-off's port (``shared/handoff/port.py``) -------------------------
-    def handoff_schema(self):
-        """What this engine's hand-offs carry; the other side of a hand-off must agree on all of it."""
+    def handoff_schema(self):  # what this engine's hand-offs carry; the other side must agree on all of it
         return self.handoff.schema
 
     def prefilled(self) -> list[Request]:
@@ -213,12 +204,10 @@ class Engine:
         now: the decode side's reservation then overlaps what is left of this step)."""
         return self.scheduler.starts_next(req)
 
-    def page_source(self, req: Request, fed: bool = False):
-        """Prefill role: the sending side of ``req``'s hand-off (``HandoffPort.page_source``)."""
+    def page_source(self, req: Request, fed: bool = False):  # prefill role: the sending side of a hand-off
         return self.handoff.page_source(req, fed)
 
-    def handoff_increment(self, req: Request):
-        """Prefill role: ``req``'s pages completed so far (``HandoffPort.increment``)."""
+    def handoff_increment(self, req: Request):  # prefill role: ``req``'s pages completed so far
         return self.handoff.increment(req)
 
     def reserve_handoff(self, rid: str, prompt_ids: list[int], output_ids: list[int],
@@ -231,12 +220,10 @@ class Engine:
             raise RequestError("request_id", f"{rid!r} is already here")
         return self.scheduler.admit_handoff(rid, prompt_ids, output_ids, output_logprobs, params, committed_len)
 
-    def page_sink(self, req: Request, guard, in_place: bool = False):
-        """Decode role: the receiving side of ``req``'s transfer (``HandoffPort.page_sink``)."""
+    def page_sink(self, req: Request, guard, in_place: bool = False):  # decode role: the receiving side
         return self.handoff.page_sink(req, guard, in_place)
 
-    def kv_pools(self):
-        """Per cache, the K/V pool a decode engine exports to a same-host prefill (``HandoffPort.pools``)."""
+    def kv_pools(self):  # decode role: per cache, the K/V pool exported to a same-host prefill
         return self.handoff.pools()
 
     def activate_handoff(self, req: Request, committed_len: int, draft_state: DraftState | None = None,
@@ -273,10 +260,8 @@ class Engine:
     step_peaks = property(lambda self: self.runner.step_peaks)  # the profile run's peaks (a GPU)
 
     def capture_graphs(self) -> int:
-        """Capture every enabled CUDA graph of every batch-size bucket now, so serving starts without capture
-        pauses (the services do this while /health says ``capturing``); nothing happens off CUDA, nor on a
-        prefill engine (it runs no decode step: its pools were sized without graph memory). An adaptive
-        engine's policy then starts from each shape's timed graphs (``ModelRunner.capture_graphs``)."""
+        """Capture every enabled CUDA graph now, so serving starts without capture pauses (the services do
+        this while /health says ``capturing``); none off CUDA or on a prefill engine (``ModelRunner``'s)."""
         return self.runner.capture_graphs(self.spec_policy)
 
     def phase_graphs(self) -> list[PhaseGraphs]:
