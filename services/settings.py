@@ -3,8 +3,9 @@
 Everything else is derived from these models: the flags of ``eyrie serve``, ``eyrie generate`` and
 ``eyrie up`` (``add_flags``), the ``EYRIE_*`` environment variables (pydantic-settings), the ``--config``
 files (YAML, JSON or KEY=VALUE) and the settings table of README.md and docs/deploy.md
-(docker/config_table.py). The engine's defaults are ``EngineConfig``'s and ``SpecConfig``'s own, but for the tree
-a draft gets when no tree setting is given (``ADAPTIVE_TREE``).
+(docker/config_table.py). The engine's settings are declared once, in ``EngineConfig`` (``shared/config.py``: type,
+default, meaning), and ``EngineOptions`` takes them from there (``FROM_ENGINE``); the tree's defaults are
+``SpecConfig``'s, but for the tree a draft gets when no tree setting is given (``ADAPTIVE_TREE``).
 
 Precedence (highest first): command-line flags, environment, the ``--config`` file, defaults.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, create_model, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.config import EngineConfig, SpecConfig
@@ -26,10 +27,6 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # The tree a draft gets when no tree setting is given: the adaptive policy's default shapes (``default_candidates``:
 # itself for batches of 1-4, a tree of 8 tokens, chains of 3 to 1) all fit within it.
 ADAPTIVE_TREE = SpecConfig(topk=4, steps=4, num_draft_tokens=16)
-
-
-def _engine(name: str):
-    return EngineConfig.model_fields[name].default
 
 
 def _spec(name: str):
@@ -69,23 +66,15 @@ class CommonSettings(BaseSettings):
         return self.advertise_host or self.host
 
 
-class EngineOptions(BaseSettings):
-    """The engine's own settings (what ``eyrie generate`` takes, and the engine services besides theirs)."""
+class _EngineOwn(BaseSettings):
+    """The settings an engine service takes besides ``EngineConfig``'s (paths, the tree shape's parts, the shapes
+    as text, the transport); ``EngineOptions`` adds ``EngineConfig``'s own, declared there."""
 
     model_config = SettingsConfigDict(env_prefix="EYRIE_", extra="ignore")
     model: str | None = Field(None, description="target checkpoint directory (the router reads only `config.json` "
                               "and the tokenizer)")
     draft: str | None = Field(None, description="draft head directory (EAGLE, EAGLE-3 or multi-layer); unset = no "
                               "speculation")
-    device: str = Field(_engine("device"), description="`cpu` or `cuda` (`cuda:N`)")
-    dtype: str = Field(_engine("dtype"), description="`float32`, `bfloat16` or `float16`")
-    page_size: int = Field(_engine("page_size"), description="tokens per KV page (prefill and decode must agree)")
-    num_pages: int | None = Field(_engine("num_pages"), description="KV pages per pool (default: enough for "
-                                  "`max_running` requests of `max_context` tokens)")
-    max_running: int = Field(_engine("max_running"), description="requests in the running batch at most")
-    max_context: int | None = Field(_engine("max_context"), description="longest prompt + output in tokens "
-                                    "(default: the model's)")
-    chunk_size: int | None = Field(_engine("chunk_size"), description="prefill chunk length in tokens")
     spec_topk: int = Field(_spec("topk"), description="draft tree: top-k per step (1 = chain); with no tree "
                            f"setting given at all, {ADAPTIVE_TREE.topk} (the tree `{ADAPTIVE_TREE.name}`, which the "
                            "adaptive policy's default shapes fit within)")
@@ -94,38 +83,16 @@ class EngineOptions(BaseSettings):
     spec_draft_tokens: int | None = Field(None, description="draft tree: nodes verified per step (default: steps + 1 "
                                           "for a chain, 8 for a tree; with no tree setting given at all, "
                                           f"{ADAPTIVE_TREE.num_draft_tokens})")
-    cuda_graph: bool = Field(_engine("cuda_graph"), description="capture decode, draft and verify in CUDA graphs")
-    spec_draft_ahead: bool | None = Field(_engine("spec_draft_ahead"), description="launch the next step's draft "
-                                          "before this step's tokens reach the host, overlapping the host's "
-                                          "bookkeeping (unset or `auto` = on with `cuda`)")
-    spec_policy: str = Field(_engine("spec_policy"), description="per decode step: `adaptive` runs the tree "
-                             "shape (`EYRIE_SPEC_CANDIDATES`) or plain step it expects the most tokens per second "
-                             "from, by each shape's cost timed on the device at start and its acceptance measured "
-                             "as it runs; `fixed` always speculates with the configured tree (benchmarks)")
     spec_candidates: str | None = Field(None, description="with `adaptive`: the tree shapes it chooses among "
                                         "besides the configured one, comma-separated (`chain3`, `tree-k4-s3-n8`: "
                                         "each within the configured tree); unset = a tree of half the configured "
                                         "verified tokens (where wider than a chain) and chains of depth "
                                         "min(steps, 3) down to 1")
-    tensor_parallel: int = Field(_engine("tensor_parallel"), description="ranks the target is split over (heads, "
-                                 "MLP columns, vocabulary, KV heads; one process per rank over NCCL on `cuda`, one "
-                                 "GPU each from `device`'s, gloo on `cpu`); the draft head runs whole on every rank. "
-                                 "A service is rank 0 and starts the other ranks as followers")
-    prefix_cache: bool = Field(_engine("prefix_cache"), description="keep prefilled prompt pages (target and draft "
-                               "K/V) for later requests sharing the prefix: they skip its computation and report "
-                               "`cached_tokens`; unreferenced pages are evicted least recently used first when the "
-                               "pool needs them")
     handoff_transport: str = Field("auto", description="the hand-off's data transport: `auto` (ipc on one host when "
                                    "the decode pools are reachable, else the gRPC stream), `ipc`, `grpc-stream` or "
                                    "`nixl` (on a decode instance, `grpc-stream` stops it exporting its pools, `nixl` "
                                    "offers NIXL and the stream: both services must name it; UCX_TLS picks UCX's "
                                    "transports)")
-    gpu_memory_fraction: float | None = Field(None, description="on a GPU without `num_pages`: the most of the "
-                                              "device's memory this engine takes (weights, measured activation and "
-                                              "graph reserve, KV pools), as vLLM's gpu_memory_utilization; set, the "
-                                              "process's peak after warm-up is held to it (exit 2 past it); unset = "
-                                              "0.9 (`eyrie up` splits 0.9 of a shared GPU evenly: prefill and "
-                                              "decode 0.45 each)")
 
     def tree(self) -> SpecConfig:
         """The configured tree: with no tree setting given (flag, environment or file) ``ADAPTIVE_TREE``, whatever
@@ -148,7 +115,7 @@ class EngineOptions(BaseSettings):
     def _no_draft(cls, v):  # "--draft none" switches speculation off
         return None if isinstance(v, str) and v.strip().lower() in ("", "none") else v
 
-    @field_validator("spec_draft_ahead", mode="before")
+    @field_validator("spec_draft_ahead", mode="before", check_fields=False)  # a field EngineOptions adds
     @classmethod
     def _auto(cls, v):
         return None if isinstance(v, str) and v.strip().lower() == "auto" else v
@@ -162,7 +129,19 @@ class EngineOptions(BaseSettings):
         return EngineConfig(spec=spec, **{name: getattr(self, name) for name in ENGINE_SETTINGS})
 
 
-# The engine settings a service takes as they are: the fields ``EngineOptions`` shares with ``EngineConfig``.
+# ``EngineConfig``'s settings a service takes, declared there once (type, default, meaning) and added here as they
+# are: everything but the tree's parts (``spec``: the service's ``spec_*``), the graph phases and their largest
+# batch (tests and benchmarks), the pools' sharing (a decode engine's own) and the shapes (text here).
+FROM_ENGINE = ("device", "dtype", "page_size", "num_pages", "max_running", "max_context", "chunk_size", "cuda_graph",
+               "spec_draft_ahead", "spec_policy", "tensor_parallel", "prefix_cache", "gpu_memory_fraction")
+EngineOptions = create_model(
+    "EngineOptions", __base__=_EngineOwn, __module__=__name__,
+    **{n: (EngineConfig.model_fields[n].annotation, Field(EngineConfig.model_fields[n].default,
+                                                          description=EngineConfig.model_fields[n].description))
+       for n in FROM_ENGINE})
+EngineOptions.__doc__ = "The engine's settings: what ``eyrie generate`` takes, and the engine services besides theirs."
+
+# The engine settings a service passes as they are: the fields ``EngineOptions`` shares with ``EngineConfig``.
 ENGINE_SETTINGS = tuple(name for name in EngineOptions.model_fields if name in EngineConfig.model_fields)
 
 

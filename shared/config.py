@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEVICES = ("cpu", "cuda")
 DEFAULT_GPU_MEMORY_FRACTION = 0.9  # one engine alone on its GPU (two sharing one: 0.45 each, as `eyrie up`)
@@ -78,25 +78,32 @@ def default_candidates(spec: SpecConfig) -> tuple[SpecConfig, ...]:
 
 
 class EngineConfig(BaseModel):
+    """The engine's settings. Each one a service also takes (``services/settings.py``: flags, ``EYRIE_*``
+    variables, config files) is declared here once, with its meaning; the services derive theirs from it."""
+
     model_config = ConfigDict(frozen=True)
-    device: str = "cpu"
-    dtype: str = "float32"
-    page_size: int = 16
-    num_pages: int | None = None  # None: enough for max_running requests of max_context tokens
-    max_running: int = 32
-    max_context: int | None = None  # None: the model's max_position_embeddings
-    chunk_size: int | None = 512  # prefill tokens per step across requests; None = whole prompts
+    device: str = Field("cpu", description="`cpu` or `cuda` (`cuda:N`)")
+    dtype: str = Field("float32", description="`float32`, `bfloat16` or `float16`")
+    page_size: int = Field(16, description="tokens per KV page (prefill and decode must agree)")
+    num_pages: int | None = Field(None, description="KV pages per pool (default: enough for `max_running` requests "
+                                  "of `max_context` tokens)")
+    max_running: int = Field(32, description="requests in the running batch at most")
+    max_context: int | None = Field(None, description="longest prompt + output in tokens (default: the model's)")
+    chunk_size: int | None = Field(512, description="prefill chunk length in tokens")  # None: whole prompts
     spec: SpecConfig | None = None
-    cuda_graph: bool = False  # capture decode phases as CUDA graphs (CUDA only)
+    cuda_graph: bool = Field(False, description="capture decode, draft and verify in CUDA graphs")
     cuda_graph_phases: tuple[str, ...] = ("decode", "draft", "verify", "extend")  # each switchable
     cuda_graph_max_bs: int = 32  # larger batches run eagerly
-    # Launch the next step's draft before this step's tokens reach the host, so the host's bookkeeping
-    # overlaps the draft on the device (used when the next step runs the same requests). None: on CUDA.
-    spec_draft_ahead: bool | None = None
+    spec_draft_ahead: bool | None = Field(None, description="launch the next step's draft before this step's "
+                                          "tokens reach the host, overlapping the host's bookkeeping (unset or "
+                                          "`auto` = on with `cuda`)")
     shareable_kv: bool = False  # pools another process may map (a decode engine's, for same-host hand-offs)
-    # On a GPU, without num_pages: the most of the device's total memory this engine takes, weights, activation
-    # reserve and KV pools together (vLLM's gpu_memory_utilization). None: DEFAULT_GPU_MEMORY_FRACTION.
-    gpu_memory_fraction: float | None = None
+    gpu_memory_fraction: float | None = Field(None, description="on a GPU without `num_pages`: the most of the "
+                                              "device's memory this engine takes (weights, measured activation and "
+                                              "graph reserve, KV pools), as vLLM's gpu_memory_utilization; set, the "
+                                              "process's peak after warm-up is held to it (exit 2 past it); unset = "
+                                              "0.9 (`eyrie up` splits 0.9 of a shared GPU evenly: prefill and "
+                                              "decode 0.45 each)")
 
     @field_validator("gpu_memory_fraction")
     @classmethod
@@ -104,19 +111,22 @@ class EngineConfig(BaseModel):
         if v is not None and not 0 < v <= 1:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {v}")
         return v
-    # Per decode step: "adaptive" (the default) runs the shape among ``spec_shapes()``, or the plain step, it
-    # expects the most tokens per second from (shared/spec/policy.py); "fixed" always speculates with ``spec``
-    # (benchmarks and tests of one shape).
-    spec_policy: str = "adaptive"
+    spec_policy: str = Field("adaptive", description="per decode step: `adaptive` runs the tree shape "
+                             "(`EYRIE_SPEC_CANDIDATES`) or plain step it expects the most tokens per second from, by "
+                             "each shape's cost timed on the device at start and its acceptance measured as it runs; "
+                             "`fixed` always speculates with the configured tree (benchmarks)")  # shared/spec/policy.py
     # The adaptive policy's speculative shapes (``SpecConfig.name``s, each within ``spec``); the configured
     # ``spec`` is always one. None: ``default_candidates``. Fixed runs ``spec`` alone.
     spec_candidates: tuple[str, ...] | None = None
-    # Ranks the target is split over (shared/parallel.py): heads, MLP columns, vocabulary and KV heads.
-    tensor_parallel: int = 1
-    # Keep prefilled prompt pages (target and draft K/V) for later requests with the same prefix
-    # (shared/memory/prefix_cache.py): they skip the cached part of their prompt. Off by default until the whole
-    # engine, spec and hand-off test directories have run with it on (issue 33), and its GPU test has run.
-    prefix_cache: bool = False
+    tensor_parallel: int = Field(1, description="ranks the target is split over (heads, MLP columns, vocabulary, KV "
+                                 "heads; one process per rank over NCCL on `cuda`, one GPU each from `device`'s, gloo "
+                                 "on `cpu`); the draft head runs whole on every rank. A service is rank 0 and starts "
+                                 "the other ranks as followers")  # shared/parallel.py
+    # Off by default until the whole engine, spec and hand-off test directories have run with it on (issue 33),
+    # and its GPU test has run.
+    prefix_cache: bool = Field(False, description="keep prefilled prompt pages (target and draft K/V) for later "
+                               "requests sharing the prefix: they skip its computation and report `cached_tokens`; "
+                               "unreferenced pages are evicted least recently used first when the pool needs them")
 
     @property
     def headroom(self) -> int:
