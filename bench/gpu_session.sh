@@ -37,6 +37,8 @@
 #   bench/gpu_session.sh policy     # one GPU, through the stack (OpenAI API): plain vs the defaults with a draft (adaptive)
 #                                   # vs fixed chain 3 vs fixed tree, c1..c128, the 8B-shaped widened pair, greedy
 #                                   # checked equal (bench/house/policy_stack.py: policy_stack.json), ~6.5 min
+#   bench/gpu_session.sh graphs     # issue 30: colo1 c32/c64/c128 (max_running 128), graphs up to max_running; then
+#                                   # GRAPH_CAP=32 bench/gpu_session.sh graphs: the old cap of 32 (graphs_*.json, ~8 min each)
 #   bench/gpu_session.sh receive    # a decode-step proxy on the last GPU while grpc-stream hand-offs arrive, the
 #                                   # scatter before issue 28 beside the current one (bench_receive.py --legacy)
 #
@@ -191,9 +193,21 @@ for stage in "$@"; do
       done
       cat "$OUT/$stage.md" 2>/dev/null
       ;;
+    graphs)  # issue 30: one engine prefilling its own prompts (colo1), c32/c64/c128 at max_running 128, the graphs
+      # covering every batch (the default) or capped (GRAPH_CAP=32: the old fixed cap); run both on one warm machine
+      [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
+      cap=${GRAPH_CAP:-max_running}
+      [ -n "${GRAPH_CAP:-}" ] && export EYRIE_CUDA_GRAPH_MAX_BS=$GRAPH_CAP
+      run "graphs_$cap" 540 python3 bench/bench_serving.py --layouts colo1 \
+        --model /tmp/wide/target --draft /tmp/wide/eagle3 --prompts-file /tmp/wide/heldout.jsonl \
+        --workdir "/tmp/graphs_$cap" --max-running 128 --sweep 32,64,128 --deadline-s 480 --mixed-seconds 10 \
+        --point-seconds 15 --request-timeout-s 90 --out "$OUT/graphs_$cap.json"
+      cat "$OUT/graphs_$cap.md" 2>/dev/null
+      unset EYRIE_CUDA_GRAPH_MAX_BS
+      ;;
     *)
       echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention, serving," \
-        "features, tp-tests, tp, local, memory, layouts, layouts4, peer, nixl, receive, policy)" >&2
+        "features, tp-tests, tp, local, memory, layouts, layouts4, peer, nixl, receive, policy, graphs)" >&2
       exit 2
       ;;
   esac

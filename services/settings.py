@@ -130,10 +130,11 @@ class _EngineOwn(BaseSettings):
 
 
 # ``EngineConfig``'s settings a service takes, declared there once (type, default, meaning) and added here as they
-# are: everything but the tree's parts (``spec``: the service's ``spec_*``), the graph phases and their largest
-# batch (tests and benchmarks), the pools' sharing (a decode engine's own) and the shapes (text here).
+# are: everything but the tree's parts (``spec``: the service's ``spec_*``), the graph phases (tests and benchmarks),
+# the pools' sharing (a decode engine's own) and the shapes (text here).
 FROM_ENGINE = ("device", "dtype", "page_size", "num_pages", "max_running", "max_context", "chunk_size", "cuda_graph",
-               "spec_draft_ahead", "spec_policy", "tensor_parallel", "prefix_cache", "gpu_memory_fraction")
+               "cuda_graph_max_bs", "spec_draft_ahead", "spec_policy", "tensor_parallel", "prefix_cache",
+               "gpu_memory_fraction")
 EngineOptions = create_model(
     "EngineOptions", __base__=_EngineOwn, __module__=__name__,
     **{n: (EngineConfig.model_fields[n].annotation, Field(EngineConfig.model_fields[n].default,

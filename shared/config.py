@@ -93,7 +93,9 @@ class EngineConfig(BaseModel):
     spec: SpecConfig | None = None
     cuda_graph: bool = Field(False, description="capture decode, draft and verify in CUDA graphs")
     cuda_graph_phases: tuple[str, ...] = ("decode", "draft", "verify", "extend")  # each switchable
-    cuda_graph_max_bs: int = 32  # larger batches run eagerly
+    cuda_graph_max_bs: int | None = Field(None, description="largest batch the CUDA graphs are captured for "
+                                          "(unset = `max_running`: every batch the engine runs); larger batches "
+                                          "run eagerly, their kernels launched one by one")
     spec_draft_ahead: bool | None = Field(None, description="launch the next step's draft before this step's "
                                           "tokens reach the host, overlapping the host's bookkeeping (unset or "
                                           "`auto` = on with `cuda`)")
@@ -127,6 +129,11 @@ class EngineConfig(BaseModel):
     prefix_cache: bool = Field(False, description="keep prefilled prompt pages (target and draft K/V) for later "
                                "requests sharing the prefix: they skip its computation and report `cached_tokens`; "
                                "unreferenced pages are evicted least recently used first when the pool needs them")
+
+    @property
+    def graph_max_bs(self) -> int:
+        """The largest batch the CUDA graphs cover: ``cuda_graph_max_bs``, at most ``max_running`` (its default)."""
+        return min(self.max_running, self.cuda_graph_max_bs or self.max_running)
 
     @property
     def headroom(self) -> int:

@@ -95,7 +95,7 @@ class ModelRunner:
         self.caches: list[KVCache] = [self.cache] + (self.speculator.caches if self.speculator else [])
         self.graph_costs: dict[tuple[str, int], float] = {}  # (kind, batch) -> seconds, timed at capture
         graphs_on = set(config.cuda_graph_phases) if config.cuda_graph else set()
-        self.decode_graphs = PhaseGraphs("decode", self._decode_phase, "decode" in graphs_on, config.cuda_graph_max_bs,
+        self.decode_graphs = PhaseGraphs("decode", self._decode_phase, "decode" in graphs_on, config.graph_max_bs,
                                          self.graph_failures, before_replay=lambda: flush_tables([self.cache]))
 
     # ---- loading and sizing ----------------------------------------------------------------------

@@ -27,7 +27,7 @@ def profile_steps(model, config: EngineConfig, max_context: int, capture: str = 
     device = torch.device(config.device)
     chunk = min(config.chunk_size or max_context, max_context)
     width = config.spec.num_draft_tokens if config.spec is not None else 1
-    graph_rows = min(config.max_running, config.cuda_graph_max_bs) if config.cuda_graph and decodes else 0
+    graph_rows = config.graph_max_bs if config.cuda_graph and decodes else 0
     cache = _throwaway_cache(model.config, config, chunk, width, device)
     running = config.max_running if decodes else 0
     # A decode engine's prefill chunk may share its forward with a plain step's rows (one token each).

@@ -147,7 +147,7 @@ def draft_phase_reserve(config: ModelConfig, engine: EngineConfig) -> int:
     if engine.spec is None or not engine.cuda_graph:
         return 0
     shapes = len(engine.spec_shapes()) if engine.spec_policy == "adaptive" else 1
-    rows = min(engine.max_running, engine.cuda_graph_max_bs) * engine.spec.num_draft_tokens
+    rows = engine.graph_max_bs * engine.spec.num_draft_tokens
     return shapes * 2 * rows * config.vocab_size * 4 * 2
 
 

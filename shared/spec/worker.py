@@ -94,12 +94,12 @@ class SpecWorker:
             flush_tables([target_cache, *self.caches])
 
         # The configured shape first (its graphs keep the phases' own names), then the policy's others.
-        self.shapes = {s.name: self._shape(s, on, config.cuda_graph_max_bs, failures, flush, s != spec)
+        self.shapes = {s.name: self._shape(s, on, config.graph_max_bs, failures, flush, s != spec)
                        for s in dict.fromkeys([spec, *config.spec_shapes()[1:]])}
         self.phases, self.graphs = self.shapes[spec.name].phases, self.shapes[spec.name].graphs
         self.stats.track_shapes({name: sh.spec.steps for name, sh in self.shapes.items()})
         if config.spec_policy == "adaptive":  # its plain steps' graphs (fixed never runs one: it has none)
-            self.graphs.update(self._plain_graphs(on, config.cuda_graph_max_bs, failures, flush))
+            self.graphs.update(self._plain_graphs(on, config.graph_max_bs, failures, flush))
         ahead = config.spec_draft_ahead
         enabled = target_cache.layout.device.type == "cuda" if ahead is None else ahead
         room = min(cache.layout.max_context - self._draft_reach(c) for c, cache in enumerate(self.caches))

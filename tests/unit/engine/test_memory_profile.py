@@ -58,8 +58,10 @@ def test_the_draft_phases_grow_with_the_captured_rows_and_vanish_without_graphs_
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     small = draft_phase_reserve(mc, EngineConfig(cuda_graph=True, spec=SPEC, max_running=8, spec_policy="fixed"))
     assert small == 2 * 8 * SPEC.num_draft_tokens * 1000 * 4 * 2
-    assert draft_phase_reserve(mc, EngineConfig(cuda_graph=True, spec=SPEC, max_running=64,
+    assert draft_phase_reserve(mc, EngineConfig(cuda_graph=True, spec=SPEC, max_running=64, cuda_graph_max_bs=32,
                                                 spec_policy="fixed")) == 4 * small  # 32 rows
+    assert draft_phase_reserve(mc, EngineConfig(cuda_graph=True, spec=SPEC, max_running=64,
+                                                spec_policy="fixed")) == 8 * small  # graphs up to max_running
     assert draft_phase_reserve(mc, EngineConfig(cuda_graph=False, spec=SPEC)) == 0
     assert draft_phase_reserve(mc, EngineConfig(cuda_graph=True)) == 0
 
@@ -120,12 +122,12 @@ def test_the_profile_run_runs_a_full_chunk_and_the_largest_eager_and_graph_decod
     from shared.model.loader import load_target
 
     target = Recording(load_target(tiny_model_dir / "target", "float32", "cpu"))
-    config = EngineConfig(page_size=4, max_running=40, chunk_size=96, cuda_graph=True, spec=SPEC)
+    config = EngineConfig(page_size=4, max_running=40, chunk_size=96, cuda_graph=True, spec=SPEC, cuda_graph_max_bs=32)
     peaks = profile_steps(target, config, max_context=256, capture="aux", aux_layers=(0, 1), decodes=decodes)
     width = SPEC.num_draft_tokens
     steps = [(96, 1, True)]  # the chunk: its last position's logits, the draft's features captured
     if decodes:  # the chunk beside a plain step's rows; every row of the largest eager step (max_running)
-        # and of the largest captured one (32)
+        # and of the largest captured one (cuda_graph_max_bs: 32)
         steps = [(96 + 40, 1 + 40, True), (40 * width, 40 * width, True), (32 * width, 32 * width, True)]
     assert target.calls == steps
     assert peaks == StepPeaks(prefill=0, decode=0, graph=0, non_torch=None)
