@@ -143,12 +143,12 @@ def graph_target_phases(engine: EngineConfig) -> int:
 
 def draft_phase_reserve(config: ModelConfig, engine: EngineConfig) -> int:
     """The draft's captured phases (draft steps and extend, per tree shape): their float32 logits and
-    probabilities over the vocabulary for every row of the largest captured batch, twice each."""
+    probabilities over the vocabulary for every row of the largest captured batch, twice each; a shape's rows
+    are its own verified tokens per request (a chain of 3 has 4, not the configured tree's 16)."""
     if engine.spec is None or not engine.cuda_graph:
         return 0
-    shapes = len(engine.spec_shapes()) if engine.spec_policy == "adaptive" else 1
-    rows = engine.graph_max_bs * engine.spec.num_draft_tokens
-    return shapes * 2 * rows * config.vocab_size * 4 * 2
+    rows = engine.graph_max_bs * sum(s.num_draft_tokens for s in engine.spec_shapes())
+    return 2 * rows * config.vocab_size * 4 * 2
 
 
 def profiled_reserve(peaks: StepPeaks, target_phases: int, draft_phases: int) -> int:
