@@ -68,7 +68,8 @@ class SummaryPublisher:
 
     def __call__(self) -> tuple[int, str | None] | None:
         if self._pending is None and self.loop.load.prefix_version != self.version:
-            self._pending = self.loop.call(lambda engine: engine.prefix_summary(self.limit))
+            # a read of the cache: call_soon's rule holds (it may run while the device computes a step)
+            self._pending = self.loop.call_soon(lambda engine: engine.prefix_summary(self.limit))
         fresh = None
         if self._pending is not None and wait_futures([self._pending], self.wait_s).done:
             done, self._pending = self._pending, None

@@ -137,12 +137,20 @@ class LoadLedger:
         one's, the one whose load less its matched tokens is least (then the longest match, then the id);
         (the instance, its ledger key, its matched tokens). With nothing matched, the least loaded one."""
         with self._lock:
-            loads = {i.instance_id: self._load(i) for i in live}
-            ceiling = min(loads.values()) + bound
-            best = min((i for i in live if loads[i.instance_id] <= ceiling),
-                       key=lambda i: (loads[i.instance_id] - matched.get(i.instance_id, 0),
-                                      -matched.get(i.instance_id, 0), i.instance_id))
+            best = self._best_prefix(live, matched, bound)
             return best, self._place(best.instance_id, tokens, arrived), matched.get(best.instance_id, 0)
+
+    def best_prefix(self, live: list[InstanceInfo], matched: dict[str, int], bound: int) -> InstanceInfo | None:
+        """The instance ``choose_prefix`` would take, nothing placed (None when ``live`` is empty)."""
+        with self._lock:
+            return self._best_prefix(live, matched, bound) if live else None
+
+    def _best_prefix(self, live: list[InstanceInfo], matched: dict[str, int], bound: int) -> InstanceInfo:
+        loads = {i.instance_id: self._load(i) for i in live}  # under self._lock
+        ceiling = min(loads.values()) + bound
+        return min((i for i in live if loads[i.instance_id] <= ceiling),
+                   key=lambda i: (loads[i.instance_id] - matched.get(i.instance_id, 0),
+                                  -matched.get(i.instance_id, 0), i.instance_id))
 
     def least_loaded(self, live: list[InstanceInfo]) -> InstanceInfo | None:
         with self._lock:
@@ -506,9 +514,15 @@ class RouterCore:
 
     def _create_choices(self, parent: Active, k: int) -> list[Active]:
         """(On the I/O pool.) The ``k`` choices of ``parent``, each recorded (``req:{rid}#{i}``), and the
-        instances they prefer: the least loaded prefill and decode instances now."""
+        instances they prefer: the least loaded prefill and decode instances now (the prefill instance holding most
+        of the prompt's leading pages, within the bound, with prefix-aware placement)."""
         for role in ("prefill", "decode"):
-            inst = self.ledger.least_loaded(self.live(role))
+            live = self.live(role)
+            if role == "prefill" and self.settings.prefix_routing:
+                inst = self.ledger.best_prefix(live, self.prefixes.matches(role, live, parent.ids),
+                                               self.settings.prefix_balance_tokens)
+            else:
+                inst = self.ledger.least_loaded(live)
             if inst is not None:
                 parent.prefer[role] = inst.instance_id
         choices = [Active(choice_rid(parent.rid, i), ids=parent.ids, params=choice_params(parent.params, i),

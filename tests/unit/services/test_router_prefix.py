@@ -18,7 +18,7 @@ from scripted_stack import OkPrefill, SteadyDecode
 from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.common import start_grpc_server
-from services.metadata import InstanceInfo, Registry, RequestStore, connect
+from services.metadata import Heartbeat, InstanceInfo, Registry, RequestStore, connect
 from services.router.server import start_router
 from services.settings import RouterSettings
 from shared.memory.prefix_digest import PrefixSummary, prompt_digests
@@ -180,6 +180,16 @@ def test_a_stale_summary_stays_until_a_new_version_is_read(stack):
     assert placed["prefill"] == "prefill-a" and "prefix_tokens" not in placed
 
 
+def test_the_choices_of_a_request_prefer_the_instance_holding_the_prefix(stack):
+    stack.publish("prefill-b", cached=PROMPT)
+    req = pb.GenerateRequest(request_id="two", token_ids=pb.TokenIds(ids=PROMPT), n=2,
+                             sampling=pb.SamplingParams(max_new_tokens=3))
+    assert len([m for m in stack.stub.Generate(req, timeout=30) if m.HasField("finish")]) == 2
+    assert stack.servicers["prefill-b"].prompts == [PROMPT, PROMPT] and not stack.servicers["prefill-a"].prompts
+    for i in range(2):
+        assert json.loads(stack.store.get(f"two#{i}")["placements"])[-1]["prefix_tokens"] == 40
+
+
 def test_local_prefill_goes_to_the_decode_instance_holding_the_prefix(redis_url, tiny_model_dir):
     s = Stack(redis_url, tiny_model_dir, local_prefill_max_tokens=64)
     try:
@@ -192,3 +202,29 @@ def test_local_prefill_goes_to_the_decode_instance_holding_the_prefix(redis_url,
         assert s.send("cold", [5] * 41)["prefill"] == "decode-a"
     finally:
         s.stop()
+
+
+def test_a_heartbeat_publishes_its_summary_and_sends_it_again_when_redis_lost_it(redis_url):
+    """The summary is written when its version moves, renewed with the entry otherwise, written again when
+    Redis lost it, and removed with the entry."""
+    registry = Registry(connect(redis_url), ttl_s=3600)
+    published: list[tuple[int, str | None] | None] = [None]  # what the summary function says next
+    hb = Heartbeat(registry, InstanceInfo("p1", "prefill", "h:1"), interval_s=3600, summary_fn=lambda: published[0])
+    key = Registry.summary_key("p1")
+    hb.beat()  # no summary yet: none named, none written
+    assert registry.instances()[0].prefix_version is None and registry.summary("p1") is None
+    one = PrefixSummary(1, PS, True, tuple(prompt_digests(PROMPT, PS, True))).to_json()
+    published[0] = (1, one)
+    hb.beat()
+    assert registry.instances()[0].prefix_version == 1 and registry.summary("p1") == one
+    published[0] = (1, None)  # unchanged: renewed, not rewritten
+    registry.client.pexpire(key, 50_000)
+    hb.beat()
+    assert registry.client.pttl(key) > 50_000 and registry.summary("p1") == one
+    registry.client.delete(key)  # Redis lost it (a restart): the renewal finds it gone, the next beat resends it
+    hb.beat()
+    assert registry.summary("p1") is None
+    hb.beat()
+    assert registry.summary("p1") == one
+    registry.deregister("p1")
+    assert registry.summary("p1") is None and registry.instances() == []
