@@ -4,11 +4,13 @@ and streams tokens back.
 Every request the router accepts ends in Redis as ``finished``, ``failed`` (with a reason) or
 ``aborted`` (with a reason); every transition is recorded with its time. Placement picks the live
 instances with the least outstanding tokens, counting what this router placed since their last
-heartbeat. Until a decode instance holds the request nothing has reached the client, so the router places
-the request again when a decode instance is full (RESOURCE_EXHAUSTED), speaks another speculative config
-(FAILED_PRECONDITION, while another instance remains) or is unreachable, and when the prefill instance
-is unreachable. The first token goes to the client as soon as the prefill instance says the decode instance
-holds the request (``decode_reserved``), while the hand-off goes on. Once tokens streamed, a broken hand-off
+heartbeat; where instances publish prefix cache summaries, the prompt goes to the one holding most of its
+leading pages within a bound on imbalance (``prefix.py``). Until a decode instance holds the request nothing
+has reached the client, so the router places the request again when a decode instance is full
+(RESOURCE_EXHAUSTED), speaks another speculative config (FAILED_PRECONDITION, while another instance remains)
+or is unreachable, and when the prefill instance is unreachable. The first token goes to the client as soon
+as the prefill instance says the decode instance holds the request (``decode_reserved``), while the hand-off
+goes on. Once tokens streamed, a broken hand-off
 or decode stream is a failover: a prefill instance recomputes the prompt plus the tokens the client has and
 hands off to another decode instance (the same one when only the prefill side broke); the client's stream
 goes on.
@@ -365,12 +367,13 @@ class RouterCore:
         if not live:
             return None, None, 0
         matched = self.prefixes.matches(role, live, ids) if self.settings.prefix_routing else {}
-        inst, key, got = self.ledger.choose_prefix(live, tokens, arrived, matched,
-                                                   self.settings.prefix_balance_tokens)
+        return self.ledger.choose_prefix(live, tokens, arrived, matched, self.settings.prefix_balance_tokens)
+
+    def _count_placement(self, role: str, matched: int) -> None:
+        """A prompt placed on an instance of ``role`` (it took the request) whose summary held ``matched`` tokens."""
         if self.telemetry:
-            self.telemetry.placements_total.labels(role, "prefix" if got else "load").inc()
-            self.telemetry.prefix_matched_tokens.labels(role).inc(got)
-        return inst, key, got
+            self.telemetry.placements_total.labels(role, "prefix" if matched else "load").inc()
+            self.telemetry.prefix_matched_tokens.labels(role).inc(matched)
 
     def live(self, role: str) -> list[InstanceInfo]:
         """The live instances of ``role``; while Redis is away, the ones last seen (requests already accepted
@@ -765,6 +768,7 @@ class RouterCore:
                                   **({"prefix_tokens": matched} if matched else {})})
         await self._io(self.records.transition, active.rid, "prefilling", prefill_instance=prefill.instance_id,
                        decode_instance=decode.instance_id, placements=active.placements)
+        self._count_placement("prefill", matched)
         if self.telemetry:
             self.telemetry.stage_seconds.labels("placement").observe(time.perf_counter() - t0)
         return await self._prefill(active, pb.PrefillRequest(
@@ -815,6 +819,7 @@ class RouterCore:
                                   "local_prefill": True, **({"prefix_tokens": matched} if matched else {})})
         await self._io(self.records.transition, rid, "prefilling", prefill_instance=decode.instance_id,
                        decode_instance=decode.instance_id, placements=active.placements)
+        self._count_placement("decode", matched)
         if self.telemetry:
             self.telemetry.stage_seconds.labels("placement").observe(time.perf_counter() - t0)
             self.telemetry.local_prefills_total.inc()
