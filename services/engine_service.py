@@ -16,6 +16,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from typing import Protocol
 
 from services.common import (
@@ -51,6 +53,43 @@ def registry_load(load: EngineLoad, role: str) -> dict:
     requests holding pages, free target pages."""
     outstanding = load.decode_tokens if role == "decode" else load.prefill_tokens
     return {"outstanding_tokens": outstanding, "running": load.running, "free_pages": load.free_pages[0]}
+
+
+class SummaryPublisher:
+    """The heartbeat's prefix cache summary (``Heartbeat.summary_fn``): computed on the engine loop's thread
+    (``Engine.prefix_summary``, the digests of the ``limit`` most recently used cached pages) when the cache
+    gained or lost a page since the last one, and encoded here. It never holds a heartbeat up for long: a
+    summary the loop has not computed within ``wait_s`` goes out with a later beat."""
+
+    def __init__(self, loop: EngineLoop, limit: int, wait_s: float, log: ServiceLog):
+        self.loop, self.limit, self.wait_s, self.log = loop, limit, wait_s, log
+        self.version: int | None = None  # the version published
+        self._pending: Future | None = None
+
+    def __call__(self) -> tuple[int, str | None] | None:
+        if self._pending is None and self.loop.load.prefix_version != self.version:
+            # a read of the cache: call_soon's rule holds (it may run while the device computes a step)
+            self._pending = self.loop.call_soon(lambda engine: engine.prefix_summary(self.limit))
+        fresh = None
+        if self._pending is not None and wait_futures([self._pending], self.wait_s).done:
+            done, self._pending = self._pending, None
+            try:
+                summary = done.result()
+            except Exception as e:  # the loop stopped: nothing to publish
+                self.log.warning("prefix_summary_failed", reason=str(e))
+            else:
+                self.version, fresh = summary.version, summary.to_json()
+        return None if self.version is None else (self.version, fresh)
+
+
+def start_heartbeat(registry: Registry, info: InstanceInfo, loop: EngineLoop, role: str, settings: EngineSettings,
+                    log: ServiceLog) -> Heartbeat:
+    """The instance's heartbeat: its load (``registry_load``) and, with a prefix cache and
+    ``prefix_summary_pages`` > 0, its cache summary (``SummaryPublisher``)."""
+    summary = None
+    if settings.prefix_cache and settings.prefix_summary_pages:
+        summary = SummaryPublisher(loop, settings.prefix_summary_pages, settings.heartbeat_s / 2, log)
+    return Heartbeat(registry, info, settings.heartbeat_s, lambda: registry_load(loop.load, role), summary).start()
 
 
 def engine_facts(engine: Engine) -> dict:
@@ -145,7 +184,7 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
         facts = engine_facts(engine)
         info = InstanceInfo(instance_id=instance_id, role=role, grpc_address=grpc_address,
                             http_address=http_address, started_at=time.time(), model=facts)
-        heartbeat = Heartbeat(registry, info, settings.heartbeat_s, lambda: registry_load(loop.load, role)).start()
+        heartbeat = start_heartbeat(registry, info, loop, role, settings, log)
     except BaseException:
         for undo in reversed(started):
             undo()

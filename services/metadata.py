@@ -3,6 +3,8 @@
 Keys:
   ``instance:{id}``  JSON InstanceInfo, expires ``ttl_s`` after the last heartbeat (a dead instance
                      vanishes by itself)
+  ``instance:{id}:prefix``  with a prefix cache: its summary (``shared/memory/prefix_digest.py``), version
+                     ``prefix_version`` of InstanceInfo, written when it changes and expiring with the entry
   ``req:{id}``       hash: prompt/output lengths, instance ids, accept length, error reason, state,
                      and ``transitions`` (JSON list of [state, unix time]); terminal records expire
                      after the request TTL. A request of several choices (OpenAI's ``n`` / ``best_of``) has one
@@ -115,6 +117,7 @@ class InstanceInfo:
     started_at: float = 0.0
     beat: int = 0  # heartbeat sequence number: lets a router tell which of its placements a figure includes
     model: dict = field(default_factory=dict)  # an engine's dtype, page_size, max_context and spec config
+    prefix_version: int | None = None  # the version of its published prefix cache summary (None: none)
 
     @classmethod
     def from_json(cls, raw: str) -> InstanceInfo:
@@ -135,17 +138,35 @@ class Registry:
     def __init__(self, client: redis.Redis, ttl_s: float = 5.0):
         self.client, self.ttl_s = client, ttl_s
 
-    def register(self, info: InstanceInfo) -> None:
+    def register(self, info: InstanceInfo, summary: str | None = None) -> bool:
+        """Write ``info`` (its TTL renewed); with a prefix cache summary (``info.prefix_version`` set), write
+        ``summary`` when given (it changed), else renew the one written before. False when that one was gone
+        (Redis restarted, or the instance's entry expired): the caller sends it again."""
+        ttl_ms = max(1, int(self.ttl_s * 1000))
+        renew = summary is None and info.prefix_version is not None
         with self.client.pipeline() as pipe:
-            pipe.set(f"instance:{info.instance_id}", json.dumps(asdict(info)), px=max(1, int(self.ttl_s * 1000)))
+            pipe.set(f"instance:{info.instance_id}", json.dumps(asdict(info)), px=ttl_ms)
+            if summary is not None:
+                pipe.set(self.summary_key(info.instance_id), summary, px=ttl_ms)
+            elif renew:
+                pipe.pexpire(self.summary_key(info.instance_id), ttl_ms)
             pipe.sadd(self.INDEX, info.instance_id)
-            pipe.execute()
+            results = pipe.execute()
+        return bool(results[1]) if renew else True
 
     def deregister(self, instance_id: str) -> None:
         with self.client.pipeline() as pipe:
-            pipe.delete(f"instance:{instance_id}")
+            pipe.delete(f"instance:{instance_id}", self.summary_key(instance_id))
             pipe.srem(self.INDEX, instance_id)
             pipe.execute()
+
+    @staticmethod
+    def summary_key(instance_id: str) -> str:
+        return f"instance:{instance_id}:prefix"
+
+    def summary(self, instance_id: str) -> str | None:
+        """The prefix cache summary ``instance_id`` published last (None: none, or it expired)."""
+        return self.client.get(self.summary_key(instance_id))
 
     def instances(self, role: str | None = None) -> list[InstanceInfo]:
         ids = sorted(self.client.smembers(self.INDEX))
@@ -178,8 +199,13 @@ class Heartbeat:
     """Keeps an instance registered: re-registers every ``interval_s`` with fresh load figures."""
 
     def __init__(self, registry: Registry, info: InstanceInfo, interval_s: float = 1.0,
-                 load_fn: Callable[[], dict] | None = None):
+                 load_fn: Callable[[], dict] | None = None,
+                 summary_fn: Callable[[], tuple[int, str | None] | None] | None = None):
         self.registry, self.info, self.interval_s, self.load_fn = registry, info, interval_s, load_fn
+        # (version, its summary, or None when the one published before still stands), or None: no summary
+        self.summary_fn = summary_fn
+        self._summary: str | None = None  # the last summary, sent again when Redis lost it
+        self._unsent = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{info.instance_id}", daemon=True)
 
@@ -195,8 +221,15 @@ class Heartbeat:
         if self.load_fn is not None:
             for k, v in self.load_fn().items():
                 setattr(self.info, k, v)
+        if self.summary_fn is not None:
+            published = self.summary_fn()
+            if published is not None:
+                self.info.prefix_version, fresh = published
+                if fresh is not None:
+                    self._summary, self._unsent = fresh, True
         self.info.beat += 1
-        self.registry.register(self.info)
+        kept = self.registry.register(self.info, self._summary if self._unsent else None)
+        self._unsent = not kept  # a failed write raised before: still unsent
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -149,6 +149,11 @@ ENGINE_SETTINGS = tuple(name for name in EngineOptions.model_fields if name in E
 class EngineSettings(EngineOptions, CommonSettings):
     """An engine service's settings: the common ones, then the engine's."""
 
+    prefix_summary_pages: int = Field(4096, ge=0, description="with `prefix_cache`: the cached pages (most "
+                                      "recently used first) whose digests the instance publishes with its "
+                                      "heartbeat, for the router's prefix-aware placement (8 bytes each; 0 = "
+                                      "none published)")
+
 
 class PrefillSettings(EngineSettings):
     handoff_chunk_bytes: int = Field(4 << 20, description="largest KV chunk of the prefill -> decode hand-off")
@@ -203,6 +208,13 @@ class RouterSettings(CommonSettings):
                                  "INVALID_ARGUMENT naming the limit)")
     max_n: int = Field(16, ge=1, description="choices a request may ask for at most (OpenAI's n and best_of; more: "
                        "400 / INVALID_ARGUMENT naming the parameter and the limit)")
+    prefix_routing: bool = Field(True, description="place a prompt on the instance whose published prefix cache "
+                                 "summary holds most of its leading pages (instances with `prefix_cache`), within "
+                                 "`prefix_balance_tokens`; off (or no summary published): the least loaded one")
+    prefix_balance_tokens: int = Field(4096, ge=0, description="prefix-aware placement's bound on imbalance: an "
+                                       "instance is chosen for the prompt tokens it holds only while its load "
+                                       "(outstanding tokens) is within this many tokens of the least loaded one's; "
+                                       "among those the one with the least load less its matched tokens wins")
     max_header_bytes: int = Field(16384, ge=1024, description="an OpenAI HTTP request's header lines together may "
                                   "have at most this many bytes (more: 400 naming the limit)")
 

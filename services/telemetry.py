@@ -138,11 +138,19 @@ class Telemetry:
 
 
     def _prefix_metrics(self, metric) -> None:
-        """The prefix cache's (EYRIE_PREFIX_CACHE), in tokens as vLLM's prefix_cache_queries / prefix_cache_hits."""
+        """The prefix cache's (EYRIE_PREFIX_CACHE), in tokens as vLLM's prefix_cache_queries / prefix_cache_hits,
+        and the router's prefix-aware placements."""
         self.prefix_queries = metric(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = metric(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.prefix_cached = metric(Gauge, "prefix_cache_pages", "KV pages the prefix cache holds (per pool)")
         self._prefix_seen = (0, 0)
+        # The router's prompt placements (a prefill instance, or a decode instance prefilling locally), by
+        # reason: "prefix" where the instance's published cache summary held leading pages, else "load".
+        self.placements_total = metric(Counter, "router_placements", "Prompt placements by role and reason "
+                                       "(prefix: on an instance holding its leading pages; load: least loaded)",
+                                       ["role", "reason"])
+        self.prefix_matched_tokens = metric(Counter, "router_prefix_matched_tokens", "Prompt tokens the chosen "
+                                            "instances' published prefix cache summaries held, by role", ["role"])
 
     def _speculation_metrics(self, metric, seconds) -> None:
         """Speculative decoding: per request (histograms) and per token (vLLM-shaped counters)."""

@@ -237,6 +237,9 @@ class Engine:
         """The snapshot the engine loop publishes after each step (computed on the engine's thread)."""
         return EngineLoad.of(self.scheduler, self.speculator, self.spec_policy, self.prefix_cache, self.graph_failures)
 
+    def prefix_summary(self, limit: int):  # the digests of the most recently used cached pages; None: no cache
+        return self.prefix_cache.summary(limit) if self.prefix_cache is not None else None
+
     def flush_prefix_cache(self) -> int:
         """Evict every cached page no request holds (none without a prefix cache); how many pages, per cache."""
         return self.prefix_cache.flush() if self.prefix_cache is not None else 0

@@ -69,6 +69,7 @@ class EngineLoad:
     prefix_queries: int = 0
     prefix_hits: int = 0
     prefix_pages: int = 0
+    prefix_version: int = 0  # changes whenever a page is cached or evicted (the heartbeat then republishes)
 
     @classmethod
     def of(cls, scheduler, speculator, policy, prefix_cache, graph_failures) -> EngineLoad:
@@ -85,4 +86,5 @@ class EngineLoad:
             spec_tokens=w.stats.tokens.copy() if w is not None else None,
             spec_shape_tokens={n: c.copy() for n, c in w.stats.by_shape.items()} if w is not None else {},
             spec_steps=policy.steps_by_kind() if policy is not None else {},
-            **({} if pc is None else dict(prefix_queries=pc.lookups, prefix_hits=pc.hits, prefix_pages=len(pc))))
+            **({} if pc is None else dict(prefix_queries=pc.lookups, prefix_hits=pc.hits, prefix_pages=len(pc),
+                                          prefix_version=pc.version)))

@@ -4,11 +4,13 @@ and streams tokens back.
 Every request the router accepts ends in Redis as ``finished``, ``failed`` (with a reason) or
 ``aborted`` (with a reason); every transition is recorded with its time. Placement picks the live
 instances with the least outstanding tokens, counting what this router placed since their last
-heartbeat. Until a decode instance holds the request nothing has reached the client, so the router places
-the request again when a decode instance is full (RESOURCE_EXHAUSTED), speaks another speculative config
-(FAILED_PRECONDITION, while another instance remains) or is unreachable, and when the prefill instance
-is unreachable. The first token goes to the client as soon as the prefill instance says the decode instance
-holds the request (``decode_reserved``), while the hand-off goes on. Once tokens streamed, a broken hand-off
+heartbeat; where instances publish prefix cache summaries, the prompt goes to the one holding most of its
+leading pages within a bound on imbalance (``prefix.py``). Until a decode instance holds the request nothing
+has reached the client, so the router places the request again when a decode instance is full
+(RESOURCE_EXHAUSTED), speaks another speculative config (FAILED_PRECONDITION, while another instance remains)
+or is unreachable, and when the prefill instance is unreachable. The first token goes to the client as soon
+as the prefill instance says the decode instance holds the request (``decode_reserved``), while the hand-off
+goes on. Once tokens streamed, a broken hand-off
 or decode stream is a failover: a prefill instance recomputes the prompt plus the tokens the client has and
 hands off to another decode instance (the same one when only the prefill side broke); the client's stream
 goes on.
@@ -50,6 +52,7 @@ from services.metadata import InstanceInfo, Registry, RequestStore, connect
 from services.router.admission import Admission, wait_any
 from services.router.choices import best_choices, choice_counts, choice_params, choice_rid, merged, pump
 from services.router.grpc_api import RouterGrpc
+from services.router.prefix import PrefixIndex
 from services.router.records import REDIS_DOWN, RecordsUnavailable, RecordWriter
 from services.router.relay import Inbox, RelayClient
 from services.settings import RouterSettings
@@ -128,6 +131,28 @@ class LoadLedger:
         with self._lock:
             best = self._least_loaded(live)
             return best, self._place(best.instance_id, tokens, arrived)
+
+    def choose_prefix(self, live: list[InstanceInfo], tokens: int, arrived: bool, matched: dict[str, int],
+                      bound: int) -> tuple[InstanceInfo, int, int]:
+        """As ``choose`` (``live`` not empty), preferring the instances that hold the prompt's leading tokens
+        (``matched``, by instance id): among those whose load is within ``bound`` tokens of the least loaded
+        one's, the one whose load less its matched tokens is least (then the longest match, then the id);
+        (the instance, its ledger key, its matched tokens). With nothing matched, the least loaded one."""
+        with self._lock:
+            best = self._best_prefix(live, matched, bound)
+            return best, self._place(best.instance_id, tokens, arrived), matched.get(best.instance_id, 0)
+
+    def best_prefix(self, live: list[InstanceInfo], matched: dict[str, int], bound: int) -> InstanceInfo | None:
+        """The instance ``choose_prefix`` would take, nothing placed (None when ``live`` is empty)."""
+        with self._lock:
+            return self._best_prefix(live, matched, bound) if live else None
+
+    def _best_prefix(self, live: list[InstanceInfo], matched: dict[str, int], bound: int) -> InstanceInfo:
+        loads = {i.instance_id: self._load(i) for i in live}  # under self._lock
+        ceiling = min(loads.values()) + bound
+        return min((i for i in live if loads[i.instance_id] <= ceiling),
+                   key=lambda i: (loads[i.instance_id] - matched.get(i.instance_id, 0),
+                                  -matched.get(i.instance_id, 0), i.instance_id))
 
     def least_loaded(self, live: list[InstanceInfo]) -> InstanceInfo | None:
         with self._lock:
@@ -221,6 +246,7 @@ class RouterCore:
         self.max_context = min(settings.max_context or model_config.max_position_embeddings,
                                model_config.max_position_embeddings)
         self.ledger = LoadLedger()
+        self.prefixes = PrefixIndex(registry)  # the instances' published prefix cache summaries
         self.records = RecordWriter(store, telemetry=telemetry).start()
         self._seen: dict[str, list[InstanceInfo]] = {}  # each role's live instances, as last read from Redis
         self.not_ready: str | None = None  # why the router cannot take requests now (None: it can)
@@ -330,6 +356,24 @@ class RouterCore:
         instance ``prefer`` names instead while it is live and not excluded."""
         live = [i for i in self.live(role) if i.instance_id not in exclude]
         return self.ledger.choose([i for i in live if i.instance_id == prefer] or live, tokens, arrived)
+
+    def _pick_prompt(self, role: str, exclude: set[str], ids: list[int], tokens: int, arrived: bool = False,
+                     prefer: str | None = None) -> tuple[InstanceInfo, int, int] | tuple[None, None, int]:
+        """As ``_pick``, for an instance that will compute the prompt ``ids`` (a prefill instance, or a decode
+        instance prefilling locally): with ``prefix_routing``, the one holding the most of its leading pages
+        within the imbalance bound (``LoadLedger.choose_prefix``); (instance, ledger key, matched tokens)."""
+        live = [i for i in self.live(role) if i.instance_id not in exclude]
+        live = [i for i in live if i.instance_id == prefer] or live
+        if not live:
+            return None, None, 0
+        matched = self.prefixes.matches(role, live, ids) if self.settings.prefix_routing else {}
+        return self.ledger.choose_prefix(live, tokens, arrived, matched, self.settings.prefix_balance_tokens)
+
+    def _count_placement(self, role: str, matched: int) -> None:
+        """A prompt placed on an instance of ``role`` (it took the request) whose summary held ``matched`` tokens."""
+        if self.telemetry:
+            self.telemetry.placements_total.labels(role, "prefix" if matched else "load").inc()
+            self.telemetry.prefix_matched_tokens.labels(role).inc(matched)
 
     def live(self, role: str) -> list[InstanceInfo]:
         """The live instances of ``role``; while Redis is away, the ones last seen (requests already accepted
@@ -473,9 +517,15 @@ class RouterCore:
 
     def _create_choices(self, parent: Active, k: int) -> list[Active]:
         """(On the I/O pool.) The ``k`` choices of ``parent``, each recorded (``req:{rid}#{i}``), and the
-        instances they prefer: the least loaded prefill and decode instances now."""
+        instances they prefer: the least loaded prefill and decode instances now (the prefill instance holding most
+        of the prompt's leading pages, within the bound, with prefix-aware placement)."""
         for role in ("prefill", "decode"):
-            inst = self.ledger.least_loaded(self.live(role))
+            live = self.live(role)
+            if role == "prefill" and self.settings.prefix_routing:
+                inst = self.ledger.best_prefix(live, self.prefixes.matches(role, live, parent.ids),
+                                               self.settings.prefix_balance_tokens)
+            else:
+                inst = self.ledger.least_loaded(live)
             if inst is not None:
                 parent.prefer[role] = inst.instance_id
         choices = [Active(choice_rid(parent.rid, i), ids=parent.ids, params=choice_params(parent.params, i),
@@ -670,8 +720,8 @@ class RouterCore:
         attempt = 0
         while True:
             self._check_cancelled(active)
-            prefill, p_key = await self._io(self._pick, "prefill", avoid["prefill"], len(ids) + len(resume), True,
-                                            active.prefer.get("prefill"))
+            prefill, p_key, matched = await self._io(self._pick_prompt, "prefill", avoid["prefill"], ids + resume,
+                                                     len(ids) + len(resume), True, active.prefer.get("prefill"))
             decode, d_key = await self._io(self._pick, "decode", avoid["decode"] | full, left, False,
                                            active.prefer.get("decode"))
             if decode is None and full:  # every live instance is full: wait in the queue for room on any
@@ -692,7 +742,7 @@ class RouterCore:
             attempt += 1
             try:
                 return await self._try_pair(active, ids, params, t0, reason, resume, resume_logprobs, prefill,
-                                            decode, p_key, attempt)
+                                            decode, p_key, attempt, matched)
             except _Replace as r:
                 last_error = r.error
                 self._check_cancelled(active)
@@ -708,14 +758,17 @@ class RouterCore:
 
     async def _try_pair(self, active: Active, ids: list[int], params: SamplingParams, t0: float, reason: str,
                         resume: list[int], resume_logprobs: list[float], prefill: InstanceInfo,
-                        decode: InstanceInfo, p_key: int, attempt: int):
-        """One placement on (``prefill``, ``decode``): recorded, then prefilled and handed off (``_prefill``)."""
+                        decode: InstanceInfo, p_key: int, attempt: int, matched: int = 0):
+        """One placement on (``prefill``, ``decode``): recorded, then prefilled and handed off (``_prefill``).
+        ``matched``: the prompt tokens the prefill instance's published summary holds (prefix-aware placement)."""
         active.prefill, active.decode = prefill, decode
         self.log.event("placed", active.rid, prefill=prefill.instance_id, decode=decode.instance_id,
-                       attempt=attempt)
-        active.placements.append({"prefill": prefill.instance_id, "decode": decode.instance_id, "reason": reason})
+                       attempt=attempt, prefix_tokens=matched)
+        active.placements.append({"prefill": prefill.instance_id, "decode": decode.instance_id, "reason": reason,
+                                  **({"prefix_tokens": matched} if matched else {})})
         await self._io(self.records.transition, active.rid, "prefilling", prefill_instance=prefill.instance_id,
                        decode_instance=decode.instance_id, placements=active.placements)
+        self._count_placement("prefill", matched)
         if self.telemetry:
             self.telemetry.stage_seconds.labels("placement").observe(time.perf_counter() - t0)
         return await self._prefill(active, pb.PrefillRequest(
@@ -734,8 +787,8 @@ class RouterCore:
         prefills it inside its decode steps (as the single-process engine does: no second forward over the
         weights, no hand-off); its first token then comes through ``Stream``. False (the request goes to a
         prefill instance) when no decode instance is live or the one chosen refuses or cannot be reached."""
-        decode, d_key = await self._io(self._pick, "decode", avoid_decode, len(ids) + params.max_new_tokens, False,
-                                       active.prefer.get("decode"))
+        decode, d_key, matched = await self._io(self._pick_prompt, "decode", avoid_decode, ids,
+                                                len(ids) + params.max_new_tokens, False, active.prefer.get("decode"))
         if decode is None:
             return False
         rid = active.rid
@@ -760,11 +813,13 @@ class RouterCore:
                 return False
         finally:
             self.ledger.done(decode.instance_id, d_key)
-        self.log.event("placed", rid, prefill=None, decode=decode.instance_id, local_prefill=True)
+        self.log.event("placed", rid, prefill=None, decode=decode.instance_id, local_prefill=True,
+                       prefix_tokens=matched)
         active.placements.append({"prefill": decode.instance_id, "decode": decode.instance_id, "reason": reason,
-                                  "local_prefill": True})
+                                  "local_prefill": True, **({"prefix_tokens": matched} if matched else {})})
         await self._io(self.records.transition, rid, "prefilling", prefill_instance=decode.instance_id,
                        decode_instance=decode.instance_id, placements=active.placements)
+        self._count_placement("decode", matched)
         if self.telemetry:
             self.telemetry.stage_seconds.labels("placement").observe(time.perf_counter() - t0)
             self.telemetry.local_prefills_total.inc()

@@ -32,27 +32,35 @@ inserted), never writes them (its writes start at its first uncached position, a
 its references when it ends. A node with no reference is free in the scheduler's eyes: the page allocator
 evicts the least recently used unreferenced leaves when it runs short (``PageAllocator.spare``), so a page
 in use is never evicted, and the admission counts unreferenced pages as free (``KVCache.num_free_pages``).
+
+**The summary.** Each node also carries its chained digest (``shared/memory/prefix_digest.py``), computed once
+when it is cached, and the nodes are kept in the order they were last used: ``summary`` gives the router the
+digests of the most recently used ones (an instance's published cache summary, for prefix-aware placement).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from shared.memory.kv_cache import KVCache
+from shared.memory.prefix_digest import ROOT, PrefixSummary, page_digest
 
 
 class CachedPage:
     """One full page of a cached prefix: its page id in every cache, target first."""
 
-    __slots__ = ("id", "parent", "key", "pages", "children", "refs", "last_used")
+    __slots__ = ("id", "parent", "key", "pages", "children", "refs", "last_used", "digest")
 
     def __init__(self, node_id: int, parent: CachedPage | None, key: tuple | None, pages: tuple[int, ...]):
         self.id = node_id
         self.parent = parent
         self.key = key
         self.pages = pages
+        # the chained digest the router computes for the same page (prefix_digest.py)
+        self.digest = ROOT if parent is None else page_digest(parent.digest, key[1], key[2])
         self.children = 0  # cached children (a node is evictable only as a leaf)
         self.refs = 0  # requests holding it
         self.last_used = 0
@@ -75,6 +83,8 @@ class PrefixCache:
         self._unreferenced = 0
         self._leaves: list[tuple[int, int, CachedPage]] = []  # (last used, id, node): evictable leaves, lazily
         self.hits = self.lookups = 0  # prompt tokens matched, and prompt tokens looked up (hit rate)
+        self._recent: OrderedDict[CachedPage, None] = OrderedDict()  # every node, least recently used first
+        self.version = 0  # changes whenever a page is cached or evicted (the published summary's)
         for cache in caches:
             cache.allocator.spare = self
 
@@ -94,6 +104,12 @@ class PrefixCache:
     def referenced(self) -> int:
         """Nodes some request holds."""
         return len(self._nodes) - self._unreferenced
+
+    def summary(self, limit: int) -> PrefixSummary:
+        """The digests of the ``limit`` most recently used cached pages, most recent first (a parent before
+        the children it was used with), for the router's prefix-aware placement."""
+        digests = tuple(n.digest for n in itertools.islice(reversed(self._recent), max(0, limit)))
+        return PrefixSummary(self.version, self.page_size, self.successor, digests)
 
     # ---- lookup and references -------------------------------------------------------------------
     def _key(self, parent: CachedPage, tokens: Sequence[int], index: int) -> tuple:
@@ -124,6 +140,8 @@ class PrefixCache:
                 self._unreferenced -= 1
             node.refs += 1
             node.last_used = now
+        for node in reversed(path):  # the root's end last: the most recent in the summary
+            self._recent.move_to_end(node)
 
     def unlock(self, path: list[CachedPage]) -> None:
         """A request drops ``path``; nodes no request holds any more become evictable (leaves first)."""
@@ -131,6 +149,7 @@ class PrefixCache:
         for node in reversed(path):
             node.refs -= 1
             node.last_used = now
+            self._recent.move_to_end(node)
             if node.refs == 0:
                 self._unreferenced += 1
                 if node.children == 0:
@@ -147,6 +166,8 @@ class PrefixCache:
         node = CachedPage(next(self._ids), parent, key, pages)
         node.refs, node.last_used = 1, next(self._clock)
         self._nodes[key] = node
+        self._recent[node] = None
+        self.version += 1
         parent.children += 1
         return node
 
@@ -159,6 +180,8 @@ class PrefixCache:
             if node.refs or node.children or used != node.last_used or self._nodes.get(node.key) is not node:
                 continue  # stale: taken again, or given a child, since it was pushed
             del self._nodes[node.key]
+            del self._recent[node]
+            self.version += 1
             self._unreferenced -= 1
             for cache, page in zip(self.caches, node.pages):
                 cache.allocator.free([page])
