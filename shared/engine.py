@@ -125,8 +125,7 @@ class Engine:
         """Whether ``req`` is still this engine's request (not ended, nor replaced by one under its id)."""
         return self.scheduler.holds(req)
 
-    def live_requests(self) -> list[Request]:
-        """Every request not yet ended, waiting or running."""
+    def live_requests(self) -> list[Request]:  # every request not yet ended, waiting or running
         return list(self.scheduler.requests.values())
 
     # ---- stepping: schedule -> the policy picks the kind -> the runner runs -> commit -----------------
@@ -134,8 +133,7 @@ class Engine:
         """This engine's GPU as the calling thread's current CUDA device (``ModelRunner.on_device``)."""
         return self.runner.on_device()
 
-    def has_work_to_step(self) -> bool:
-        """Whether a step would run a forward (requests waiting on a transfer need none)."""
+    def has_work_to_step(self) -> bool:  # whether a step would run a forward (a transfer's wait needs none)
         return self.scheduler.has_work_to_step()
 
     def step(self) -> Events:
@@ -240,8 +238,7 @@ class Engine:
     def prefix_summary(self, limit: int):  # the digests of the most recently used cached pages; None: no cache
         return self.prefix_cache.summary(limit) if self.prefix_cache is not None else None
 
-    def flush_prefix_cache(self) -> int:
-        """Evict every cached page no request holds (none without a prefix cache); how many pages, per cache."""
+    def flush_prefix_cache(self) -> int:  # evict every cached page no request holds; how many, per cache
         return self.prefix_cache.flush() if self.prefix_cache is not None else 0
 
     def is_idle_and_clean(self) -> bool:

@@ -78,3 +78,10 @@ def test_the_decode_step_reads_in_one_screen():
     long = long_functions("shared/spec/worker.py", (ROOT / "shared/spec/worker.py").read_text(), limit=30)
     for name in ("SpecWorker.decode_step", "SpecWorker.step"):  # the step run through, and its body
         assert name not in long, f"{name} has {long.get(name)} lines"
+
+
+def test_the_engine_core_reads_in_under_300_lines():
+    """schedule -> the policy's choice -> the runner -> commit, and the narrow API around it: what grows past this
+    belongs to the runner, the scheduler, the hand-off port or the policy (issue 27)."""
+    lines = len((ROOT / "shared/engine.py").read_text().splitlines())
+    assert lines < 300, f"shared/engine.py has {lines} lines"
