@@ -208,15 +208,16 @@ class Engine:
     def handoff_increment(self, req: Request):  # prefill role: ``req``'s pages completed so far
         return self.handoff.increment(req)
 
-    def reserve_handoff(self, rid: str, prompt_ids: list[int], output_ids: list[int],
-                        output_logprobs: list[float], params: SamplingParams, committed_len: int) -> Request | None:
-        """Decode role: claim pages for a request about to arrive; None when it cannot be held now. Under
-        tensor parallelism every rank calls this, and rank 0's arguments (its seed chosen) are every rank's."""
+    def reserve_handoff(self, rid: str, prompt_ids: list[int], output_ids: list[int], output_logprobs: list[float],
+                        params: SamplingParams, committed_len: int, cached: bool = False) -> Request | None:
+        """Decode role: claim pages for a request about to arrive (None: not now); ``cached``: the sender skips the
+        pages this engine's prefix cache holds (not under TP, where rank 0's arguments are every rank's)."""
         rid, prompt_ids, output_ids, output_logprobs, params, committed_len = self.runner.rank0(
             (rid, prompt_ids, output_ids, output_logprobs, params and self.runner.seeded(params), committed_len))
         if self.scheduler.get(rid) is not None:
             raise RequestError("request_id", f"{rid!r} is already here")
-        return self.scheduler.admit_handoff(rid, prompt_ids, output_ids, output_logprobs, params, committed_len)
+        return self.scheduler.admit_handoff(rid, prompt_ids, output_ids, output_logprobs, params, committed_len,
+                                            cached and self.handoff.tp is None)
 
     def page_sink(self, req: Request, guard, in_place: bool = False):  # decode role: the receiving side
         return self.handoff.page_sink(req, guard, in_place)
@@ -226,8 +227,7 @@ class Engine:
 
     def activate_handoff(self, req: Request, committed_len: int, draft_state: DraftState | None = None,
                          output_ids: list[int] = (), output_logprobs: list[float] = ()) -> bool:
-        """Decode role: the K/V has arrived, ``req`` resumes decoding (``HandoffPort.activate``); False when
-        it is no longer this engine's request waiting for its K/V (it was aborted)."""
+        """Decode role: the K/V arrived, ``req`` decodes on (``HandoffPort.activate``); False: it was aborted."""
         return self.handoff.activate(req, committed_len, draft_state, output_ids, output_logprobs)
 
     # ---- what the engine holds -------------------------------------------------------------------

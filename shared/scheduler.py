@@ -154,14 +154,18 @@ class Scheduler:
         return req
 
     def admit_handoff(self, rid: str, prompt_ids: list[int], output_ids: list[int], output_logprobs: list[float],
-                      params: SamplingParams, committed_len: int) -> Request | None:
+                      params: SamplingParams, committed_len: int, cached: bool = False) -> Request | None:
         """Decode role: a request about to arrive, holding pages for its ``committed_len`` positions in
-        every cache, RECEIVING until ``activate``; None when it cannot be held now."""
+        every cache, RECEIVING until ``activate``; None when it cannot be held now. ``cached``: the sender
+        skips the leading pages this side holds, so the request takes its cached prefix (``_handoff_hit``)
+        as its first pages (``len(req.prefix_pages)`` of them) and only the rest are its own to fill."""
         req = self._new(rid, prompt_ids, params, output_ids, output_logprobs)
         self.check_fits(req)
-        if not self.can_admit(req, cached=False):  # a hand-off fills pages of its own: it takes no cached ones
+        hit = self._handoff_hit(req, committed_len) if cached else []
+        if not self.can_admit(req, hit):
             return None
         req.handles = [cache.open() for cache in self.caches]
+        self._hold_prefix(req, hit)
         for cache, h in zip(self.caches, req.handles):
             cache.reserve(h, committed_len)
         req.stage = Stage.RECEIVING
@@ -174,6 +178,7 @@ class Scheduler:
         """A RECEIVING request's K/V arrived: it decodes from the next step on, straight from ``state``."""
         req.receive(committed_len, state, output_ids, output_logprobs)
         req.stage = Stage.DECODING
+        self.cache_prefix(req)  # the prompt pages that arrived, as a prefill's would be (none a decode step wrote)
 
     def prompt_done(self, req: Request) -> None:
         """The last chunk of ``req``'s prompt ran: it decodes next, or (prefill role) waits for its hand-off."""
@@ -239,10 +244,10 @@ class Scheduler:
         plan.prefill.append(Chunk(req, start, end))
         return None if budget is None else budget - (end - start)
 
-    def can_admit(self, req: Request, cached: bool = True) -> bool:
-        """Whether ``req`` (not yet holding pages) fits beside what running requests may claim; ``cached``: it
-        would take its cached prefix (a request to prefill), else every page is its own (a hand-off)."""
-        return len(self.running) < self.max_running and self._admissible(req, cached=cached)
+    def can_admit(self, req: Request, hit: list[CachedPage] | None = None) -> bool:
+        """Whether ``req`` (not yet holding pages) fits beside what running requests may claim, taking the cached
+        pages ``hit`` (None: its own cached prefix, ``_hit``, as a request to prefill takes it)."""
+        return len(self.running) < self.max_running and self._admissible(req, hit=hit)
 
     def _unclaimed_pages(self) -> list[int]:
         """Per cache, the free pages no running request may still claim (its peak less what it holds)."""
@@ -250,9 +255,10 @@ class Scheduler:
                                                - cache.pages_for(r.handles[i].reserved)) for r in self.running)
                 for i, cache in enumerate(self.caches)]
 
-    def _admissible(self, req: Request, unclaimed: list[int] | None = None, cached: bool = True) -> bool:
+    def _admissible(self, req: Request, unclaimed: list[int] | None = None,
+                    hit: list[CachedPage] | None = None) -> bool:
         unclaimed = self._unclaimed_pages() if unclaimed is None else unclaimed
-        need = self._peak_pages(req, self._hit(req) if cached else [])
+        need = self._peak_pages(req, self._hit(req) if hit is None else hit)
         return all(cache.num_free_rows > 0 and h >= n for h, n, cache in zip(unclaimed, need, self.caches))
 
     # ---- the prefix cache ------------------------------------------------------------------------
@@ -262,6 +268,14 @@ class Scheduler:
         if self.prefix_cache is None:
             return []
         return self.prefix_cache.match(req.all_ids, req.prefill_len - 1)
+
+    def _handoff_hit(self, req: Request, committed_len: int) -> list[CachedPage]:
+        """The cached pages a hand-off of ``committed_len`` positions need not carry: whole pages of its longest
+        cached prefix (keyed as at a prefill's admission), never the one holding its last position (the prefill
+        computes that one, and the draft's K/V there waits for the first token)."""
+        if self.prefix_cache is None:
+            return []
+        return self.prefix_cache.match(req.all_ids, committed_len - 1)
 
     def _peak_pages(self, req: Request, hit: list[CachedPage]) -> list[int]:
         """Per cache, the free pages admitting ``req`` with ``hit`` takes: its peak less the cached pages it
@@ -275,13 +289,19 @@ class Scheduler:
             self.prefix_cache.lookups += min(req.prefill_len, req.prompt_len)
         if not hit:
             return
+        self._hold_prefix(req, hit)
+        req.advance(len(hit) * self.prefix_cache.page_size)
+        req.cached_tokens = min(req.kv_len, req.prompt_len)
+        self.prefix_cache.hits += req.cached_tokens
+
+    def _hold_prefix(self, req: Request, hit: list[CachedPage]) -> None:
+        """``req`` (its handles open, empty) holds the cached pages ``hit`` as its first ones."""
+        if not hit:
+            return
         self.prefix_cache.lock(hit)
         req.prefix_pages = hit
         for c, (cache, handle) in enumerate(zip(self.caches, req.handles)):
             cache.attach(handle, [node.pages[c] for node in hit])
-        req.advance(len(hit) * self.prefix_cache.page_size)
-        req.cached_tokens = min(req.kv_len, req.prompt_len)
-        self.prefix_cache.hits += req.cached_tokens
 
     def page_ids(self, req: Request) -> list[list[int]]:
         """Per cache (target first), ``req``'s page ids in position order (the hand-off port's page API)."""

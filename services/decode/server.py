@@ -185,7 +185,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
         def reserve(engine: Engine):  # the transfer's sink too: its pages are fixed from here
             req = engine.reserve_handoff(rid, list(request.prompt_ids), list(request.output_ids),
-                                         list(request.output_logprobs), params, request.committed_len)
+                                         list(request.output_logprobs), params, request.committed_len,
+                                         cached=request.skip_cached)
             if req is None:
                 return None, None
             sink = engine.page_sink(req, guard, request.in_place)
@@ -216,7 +217,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         # In place, the sender writes until the attach deadline at the latest (the same host, the same clock).
         return pb.ReserveResponse(accepted=True, pages=[pb.PageList(ids=p) for p in sink.page_ids]
                                   if request.in_place else [],
-                                  write_deadline=inc.attach_deadline if request.in_place else 0.0)
+                                  write_deadline=inc.attach_deadline if request.in_place else 0.0,
+                                  cached_pages=sink.held)
 
     def Admit(self, request: pb.AdmitRequest, context):  # noqa: N802
         """A prompt prefilled here (conditional disaggregation): the engine takes it as a new request and folds

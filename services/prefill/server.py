@@ -68,6 +68,15 @@ IN_PLACE = ("ipc", "nixl")  # transports that write the reserved pages themselve
 POLL_S = 0.25  # how often a waiting RPC checks that its client is still there
 
 
+def held_pages(reply: pb.ReserveResponse, reserve: pb.ReserveRequest, page_size: int) -> int:
+    """The leading pages the decode side holds (its prefix cache's: the hand-off skips them), checked: never the
+    page holding the last position it reserved for (TransferError)."""
+    if reply.cached_pages * page_size >= reserve.committed_len:
+        raise TransferError(f"the decode side holds {reply.cached_pages} pages of {page_size} positions, the "
+                            f"hand-off carries {reserve.committed_len}: it cannot hold the last one")
+    return reply.cached_pages
+
+
 def validation_message(e: ValidationError) -> str:
     """``field: message`` of the first pydantic error (INVALID_ARGUMENT details name the field)."""
     err = e.errors()[0]
@@ -293,7 +302,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         # The first token comes with the last chunk; a resumed request's outputs are all known now.
         reserve = pb.ReserveRequest(request_id=req.rid, prompt_ids=req.prompt_ids, sampling=sampling_to_pb(req.params),
                                     committed_len=req.prefill_len, output_ids=req.output_ids[:req.resumed],
-                                    output_logprobs=req.output_logprobs[:req.resumed])
+                                    output_logprobs=req.output_logprobs[:req.resumed], skip_cached=True)
         try:
             self._workers.submit(self._hand_off, job, reserve)
         except RuntimeError:  # shutting down
@@ -320,6 +329,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 return
             reserved = True
             job.events.put(Reserved())
+            job.source.held = held_pages(reply, reserve, job.source.caches[0].page_size)
             ack, transport = self._send(job, address, transport, reply, timeout)
             # Only now: the decode side has every byte. Queued, not awaited: the loop runs it before any call
             # queued after it (the call's end aborts what is still held), so the router hears at once.

@@ -172,7 +172,7 @@ def write_in_place(source: PageSource, pools: list[torch.Tensor], dest_page_ids:
                             "page lists on the decode side")
     device = source.caches[0].pool.device
     side = _side_stream(device) if device.type == "cuda" else None
-    written, sent, last = 0, [0] * len(source.caches), None
+    written, sent, last = 0, source.first_unsent(), None
     for inc in source.increments():
         if time.monotonic() > deadline - WRITE_MARGIN_S:
             raise TransferError("the decode side's write deadline passed before the pages were written")
@@ -193,7 +193,7 @@ def write_in_place(source: PageSource, pools: list[torch.Tensor], dest_page_ids:
             except Exception as e:  # the copy itself failed (a peer pointer refused, a CUDA error)
                 _drain(pools)  # no copy queued before the failure lands after it (another transport may resend)
                 raise TransportFailed(f"the in-place write failed: {type(e).__name__}: {e}") from e
-        sent, last = list(inc.done), inc.last
+        sent, last = source.first_unsent(inc.done), inc.last
     return Written(written, last)
 
 

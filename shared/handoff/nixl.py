@@ -174,7 +174,7 @@ def write_pages(agent: NixlAgent, source: PageSource, remote_blob: bytes, dest_p
     remote, pools = agent.remote(remote_blob, source.caches[0].page_size)
     if len(pools) != len(source.caches):
         raise TransferError(f"{len(source.caches)} caches here, {len(pools)} pools on the decode side")
-    written, sent, last = 0, [0] * len(source.caches), None
+    written, sent, last = 0, source.first_unsent(), None
     for inc in source.increments():
         if time.monotonic() > deadline - WRITE_MARGIN_S:
             raise TransferError("the decode side's write deadline passed before the pages were written")
@@ -184,7 +184,7 @@ def write_pages(agent: NixlAgent, source: PageSource, remote_blob: bytes, dest_p
             torch.cuda.synchronize(source.caches[0].pool.device)
         with source.guard.access():
             written += _write_increment(agent, remote, pools, source, dest_page_ids, inc, sent, deadline)
-        sent, last = list(inc.done), inc.last
+        sent, last = source.first_unsent(inc.done), inc.last
     return Written(written, last)
 
 

@@ -163,7 +163,8 @@ class HandoffPort:
             return None
         if self.tp is not None:
             return self._staged_sink(req, guard, in_place)
-        return PageSink(req.rid, self.pages.caches, self.pages.page_ids(req), guard, in_place)
+        # The pages it took from this engine's prefix cache (``admit_handoff``) are not sent.
+        return PageSink(req.rid, self.pages.caches, self.pages.page_ids(req), guard, in_place, len(req.prefix_pages))
 
     def _staged_sink(self, req: Request, guard: PageGuard, in_place: bool) -> PageSink | None:
         """Under tensor parallelism, on rank 0: a sink writing the target's K/V, every KV head, into a cache

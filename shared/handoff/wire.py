@@ -290,6 +290,12 @@ class PageSource:
     guard: PageGuard = field(default_factory=PageGuard)
     in_place: InPlaceTarget | None = None  # set (by a copy sharing the guard) once an ipc reservation is made
     feed: PageFeed | None = None  # increments while the prompt is being prefilled (None: every page is written)
+    held: int = 0  # leading pages of every cache the receiver holds already (its prefix cache's): never sent
+
+    def first_unsent(self, done: list[int] | None = None) -> list[int]:
+        """Per cache, the first page a transport has not sent after an increment that completed ``done``
+        pages (None: before the first increment): the held pages count as sent."""
+        return [max(self.held, d) for d in (done or [0] * len(self.caches))]
 
     def increments(self) -> Iterator[Increment]:
         """The hand-off's increments in order, the last one carrying ``Prefilled``."""
@@ -457,7 +463,7 @@ def iter_chunks(source: PageSource, chunk_bytes: int = 4 << 20,
     bytes (``as_wire``: what the gRPC stream sends). With a ``lane``, only that stream's planes, its chunks
     numbered on their own (each stream ends with a last chunk; stream 0's carries the draft state)."""
     staging = Staging(source.caches[0].pool.device)
-    sent, seq = [0] * len(source.caches), 0
+    sent, seq = source.first_unsent(), 0
     lanes = {} if lane is None or lane.count == 1 else {"stream": lane.index, "streams": lane.count}
     for inc in (lane.increments() if lane is not None else source.increments()):
         staging.after(inc.written)
@@ -465,7 +471,7 @@ def iter_chunks(source: PageSource, chunk_bytes: int = 4 << 20,
         slices = plan_slices(source.caches, done_pages, chunk_bytes, sent)
         if lane is not None:
             slices = [s for s in slices if (s.cache, s.layer) in lane.planes]
-        sent = list(inc.done)
+        sent = source.first_unsent(inc.done)
         headers = [pb.KVChunk(request_id=source.rid, seq=seq + i, cache=s.cache, layer=s.layer, first_page=s.first,
                               num_pages=s.count, **lanes) for i, s in enumerate(slices)]
         if inc.last is not None:
@@ -571,12 +577,15 @@ class PageSink:
     several streams (``Lane``) writes through one sink from each stream's thread at once."""
 
     def __init__(self, rid: str, caches: list[KVCache], page_ids: list[list[int]], guard: PageGuard | None = None,
-                 in_place: bool = False):
+                 in_place: bool = False, held: int = 0):
         self.rid, self.caches, self.page_ids = rid, caches, page_ids
         self.guard = guard or PageGuard()
         self.in_place = in_place  # reserved for a sender that writes the pages itself (ipc)
-        # Times each (layer, page) of each cache was written: all ones at the end, never more.
+        self.held = held  # leading pages of every cache this side holds already (the sender skips them)
+        # Times each (layer, page) of each cache was written: all ones at the end, never more (the held ones: one).
         self.written = [torch.zeros(c.layout.num_layers, len(p), dtype=torch.int32) for c, p in zip(caches, page_ids)]
+        for w in self.written:
+            w[:, :held] = 1
         self.received = 0
         self.bytes = 0
         self.streams: int | None = None  # the streams the sender split the hand-off over (from its first chunk)
@@ -659,7 +668,7 @@ class PageSink:
             self.received += 1
             self.bytes += chunk.in_place_bytes + len(chunk.draft_state)
             for w in self.written:
-                w += 1
+                w[:, self.held:] += 1
 
     def _check_range(self, chunk: pb.KVChunk, where: str) -> None:
         if chunk.cache >= len(self.caches):

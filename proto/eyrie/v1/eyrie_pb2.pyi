@@ -318,7 +318,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., host_id: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., pools: _Optional[bytes] = ..., nixl: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "output_ids", "output_logprobs", "sampling", "committed_len", "schema", "in_place")
+    __slots__ = ("request_id", "prompt_ids", "output_ids", "output_logprobs", "sampling", "committed_len", "schema", "in_place", "skip_cached")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -327,6 +327,7 @@ class ReserveRequest(_message.Message):
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_FIELD_NUMBER: _ClassVar[int]
     IN_PLACE_FIELD_NUMBER: _ClassVar[int]
+    SKIP_CACHED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     output_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -335,7 +336,8 @@ class ReserveRequest(_message.Message):
     committed_len: int
     schema: HandoffSchema
     in_place: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., output_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., committed_len: _Optional[int] = ..., schema: _Optional[_Union[HandoffSchema, _Mapping]] = ..., in_place: _Optional[bool] = ...) -> None: ...
+    skip_cached: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., output_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., committed_len: _Optional[int] = ..., schema: _Optional[_Union[HandoffSchema, _Mapping]] = ..., in_place: _Optional[bool] = ..., skip_cached: _Optional[bool] = ...) -> None: ...
 
 class PageList(_message.Message):
     __slots__ = ("ids",)
@@ -344,16 +346,18 @@ class PageList(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "pages", "write_deadline")
+    __slots__ = ("accepted", "reason", "pages", "write_deadline", "cached_pages")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     WRITE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     pages: _containers.RepeatedCompositeFieldContainer[PageList]
     write_deadline: float
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., pages: _Optional[_Iterable[_Union[PageList, _Mapping]]] = ..., write_deadline: _Optional[float] = ...) -> None: ...
+    cached_pages: int
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., pages: _Optional[_Iterable[_Union[PageList, _Mapping]]] = ..., write_deadline: _Optional[float] = ..., cached_pages: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("request_id", "cache", "layer", "first_page", "num_pages", "k", "v", "crc32", "draft_state", "last", "total_chunks", "seq", "in_place", "in_place_bytes", "output_ids", "output_logprobs", "stream", "streams")
