@@ -235,7 +235,7 @@ def _write_increment(source: PageSource, pools: list[torch.Tensor], dest_page_id
                 copy_pages_peer(pool, cache.pool, src[lo:hi], dst[lo:hi], cache.page_size)
             elif hi > lo:
                 copy_pages(pool, cache.pool, src[lo:hi], dst[lo:hi], cache.page_size)
-            written += (hi - lo) * cache.page_size * cache.pool[:, :, 0].numel() * cache.pool.element_size()
+            written += max(0, hi - lo) * cache.page_size * cache.pool[:, :, 0].numel() * cache.pool.element_size()
     if side is not None:
         side.synchronize()
     return written

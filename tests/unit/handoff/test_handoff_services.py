@@ -60,13 +60,13 @@ class Stack:
     """One prefill and one decode instance (engines built in memory), and a driver for them."""
 
     def __init__(self, models, redis_url, prefill_draft=DRAFT, transport="grpc-stream", handoff_streams=1,
-                 prefill_config=None, **decode_settings):
+                 prefill_config=None, decode_config=None, **decode_settings):
         self.transport = transport  # the hand-off's data transport, forced on the prefill side
         if transport == "nixl":  # offered by a decode instance only when it is named there too
             decode_settings.setdefault("handoff_transport", "nixl")
         self.prefill_engine = make_engine(models, prefill_draft, config(prefill_draft, **(prefill_config or {})),
                                           role="prefill")
-        decode_engine = make_engine(models, DRAFT, config(), role="decode")
+        decode_engine = make_engine(models, DRAFT, config(**(decode_config or {})), role="decode")
         smallest = 2 * max(page_bytes(c) for c in self.prefill_engine.scheduler.caches)  # many chunks per request
         # No heartbeat during the tests (it registers at start): its load query would queue engine-loop calls
         # that the abort tests count.
@@ -240,6 +240,36 @@ def test_a_prefill_with_a_prefix_cache_hands_off_the_same_and_reports_the_cached
         assert cached() == before + 7
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+def test_a_decode_instance_with_a_prefix_cache_is_sent_only_the_pages_it_lacks(models, redis_url, stacks, transport):
+    """The decode instance's prefix cache (issue 33): the pages of a hand-off's prompt it holds (its Reserve reply
+    says how many) are not sent, over every transport, and the output, seeded sampling too, and acceptance are the
+    single-process engine's; without the cache every page goes. Both pools are full after (the cache flushed)."""
+    branch = LONG[:22] + [3, 1, 4, 1, 5]  # LONG's first 5 pages of 4, and their successor (token 20)
+    engine = make_engine(models, DRAFT, config())
+    want = engine.generate([LONG, branch], GREEDY) + engine.generate([branch], SAMPLED)
+    per_page = sum(c.layout.num_layers * page_bytes(c) for c in engine.scheduler.caches)  # K + V, every cache
+    cold = stacks(transport)  # no cache on its decode side
+    warm = Stack(models, redis_url, transport=transport, decode_config=dict(prefix_cache=True))
+    try:
+        runs = {s: [s.generate(LONG), s.generate(branch), s.generate(branch, SAMPLED)] for s in (cold, warm)}
+        for results in runs.values():
+            for (tokens, finish, _), w in zip(results, want):
+                assert tokens == w.token_ids and finish.reason == "length"
+                assert (finish.spec.verify_steps, finish.spec.accepted_drafts) == (w.spec_stats["verify_steps"],
+                                                                                   w.spec_stats["accepted_drafts"])
+        sent = {s: [r[2][1].handed_off for r in results] for s, results in runs.items()}
+        # The branch's 7 pages: its first hand-off finds LONG's 5 held, its second all 6 before its last position;
+        # without the cache all 7 go. Bytes: K + V of the pages sent, and the draft state (less than a page).
+        for warm_one, cold_one, held in zip(sent[warm][1:], sent[cold][1:], (5, 6)):
+            assert 0 < cold_one.bytes - 7 * per_page < per_page, (cold_one, per_page)
+            assert 0 < warm_one.bytes - (7 - held) * per_page < per_page, (warm_one, per_page)
+        warm.decode.engine_loop.call(lambda e: e.flush_prefix_cache()).result()
+        assert warm.clean() and cold.clean()
+    finally:
+        warm.stop()
 
 
 def test_a_request_ending_at_its_first_token_is_not_handed_off(stack):
