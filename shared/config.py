@@ -127,7 +127,8 @@ class EngineConfig(BaseModel):
     # Off by default until the whole engine, spec and hand-off test directories have run with it on (issue 33),
     # and its GPU test has run.
     prefix_cache: bool = Field(False, description="keep prefilled prompt pages (target and draft K/V) for later "
-                               "requests sharing the prefix: they skip its computation and report `cached_tokens`; "
+                               "requests sharing the prefix: they skip its computation and report `cached_tokens` "
+                               "(a decode instance is handed off only the prompt pages it does not hold); "
                                "unreferenced pages are evicted least recently used first when the pool needs them")
 
     @property

@@ -13,7 +13,8 @@ The scheduler is the one owner of the engine's requests: it creates them (``subm
 With a prefix cache (``shared.memory.prefix_cache``) a request starts at its first uncached page: admission
 takes the cached pages of its prompt (they count towards its peak, and those no other request holds leave
 the free count), each prefill chunk hands the pages it completed over to the cache (``cache_prefix``), and
-``retire`` drops the request's references.
+``retire`` drops the request's references. A hand-off's reservation may take the cached pages of its prompt too
+(``admit_handoff`` with ``cached``: the sender skips them), and its prompt pages join the cache at ``activate``.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ read, one message), and a slice is cut so that a message holds at most ``chunk_b
 Every chunk carries its index (``seq``) and a CRC32C of its K bytes followed by its V bytes; the last
 chunk carries the number of chunks sent, the request's draft state
 (``shared.spec.state.DraftState.to_bytes``) and, when the reservation named none, its first token.
+The first ``held`` pages of every cache (those the receiver's prefix cache holds: ``ReserveResponse.cached_pages``)
+are neither sent (``PageSource.held``, for every transport) nor expected (``PageSink``'s ``held``).
 
 Memory in flight stays bounded: ``iter_chunks`` is a lazy generator that reads one slice when the
 transport asks for the next message (gRPC pulls the next request message only after the previous one

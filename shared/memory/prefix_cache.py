@@ -21,7 +21,9 @@ the page before a divergence that falls exactly on a page boundary (SGLang keys 
 under EAGLE for the same reason; vLLM drops the last matched block instead).
 
 **What is cached.** Pages a prefill forward computed (the prompt, and a resumed request's output but its
-last), inserted after each chunk as soon as every position of the page and its successor token are known.
+last), inserted after each chunk as soon as every position of the page and its successor token are known; on a
+decode engine, the prompt pages a hand-off brought (a prefill instance's forward computed them), inserted when
+the request is activated, and a later hand-off takes those it holds instead of receiving them.
 Positions written by decode steps (verify, compaction) are not: their K/V is the target's over a tree, equal
 to a prefill's only to rounding, and a cache that must not change an output by a token keeps to what a
 prefill of the same prompt computes.
