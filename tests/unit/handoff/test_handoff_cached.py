@@ -20,8 +20,10 @@ from handoff_helpers import (
     smallest_chunk_bytes,
 )
 
+from proto.eyrie.v1 import eyrie_pb2 as pb
+from services.prefill.server import held_pages
 from shared.engine import Engine
-from shared.handoff import PageGuard, PageSource, decode_draft_state, encode_draft_state, iter_chunks
+from shared.handoff import PageGuard, PageSource, TransferError, decode_draft_state, encode_draft_state, iter_chunks
 from shared.handoff.ipc import write_in_place
 from shared.request import Request
 from shared.sampling import SamplingParams
@@ -124,3 +126,33 @@ def test_cache_off_sends_every_page(models):
     out = disaggregated(models, "eagle3", 1, GREEDY, [FIRST, SECOND], cache=False)
     cold = disaggregated(models, "eagle3", 1, GREEDY, [SECOND], cache=False)[0]
     assert out[1][1] == 0 and out[1][2] == cold[2]
+
+
+def test_an_aborted_hand_off_gives_its_cached_pages_back_to_the_cache(models):
+    """A reservation holding cached pages, aborted before its pages came: the cache keeps them (no request holds
+    them any more, so they are evictable) and a flush leaves every pool full."""
+    prefill = make_engine(models, "eagle3", engine_config("eagle3", 1, page_size=PAGE), role="prefill")
+    decode = make_engine(models, "eagle3", engine_config("eagle3", 1, page_size=PAGE, prefix_cache=True), role="decode")
+    (req,) = prefill_until_handoff(prefill, [FIRST], GREEDY)
+    hand_off_cached(prefill, req, decode, "wire")
+    assert prefill.release(req)
+    decode.run_until_done()
+    pc = decode.prefix_cache
+    cached, free = len(pc), decode.cache.num_free_pages
+    moved = decode.reserve_handoff("b", SECOND, [], [], GREEDY, len(SECOND), cached=True)
+    assert len(moved.prefix_pages) == len(SHARED) // PAGE and pc.referenced() == len(SHARED) // PAGE
+    # the held pages left the free count (they were evictable), and so did the 2 pages of its own
+    assert decode.cache.num_free_pages == free - len(SHARED) // PAGE - 2
+    assert decode.release(moved, "abort")
+    assert (len(pc), pc.referenced(), decode.cache.num_free_pages) == (cached, 0, free)
+    assert decode.flush_prefix_cache() == cached and decode.is_idle_and_clean()
+
+
+def test_the_sender_refuses_a_decode_side_claiming_the_last_position():
+    """A Reserve reply whose held pages would cover the position the prefill computes last (a faulty or foreign
+    decode instance) fails the hand-off with a clear error rather than leaving that position unsent."""
+    reserve = pb.ReserveRequest(committed_len=9)
+    assert held_pages(pb.ReserveResponse(cached_pages=2), reserve, PAGE) == 2
+    assert held_pages(pb.ReserveResponse(), reserve, PAGE) == 0  # an older decode instance: every page
+    with pytest.raises(TransferError, match="cannot hold the last one"):
+        held_pages(pb.ReserveResponse(cached_pages=3), reserve, PAGE)

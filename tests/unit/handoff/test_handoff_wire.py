@@ -312,6 +312,30 @@ def test_fed_increments_send_each_page_once_as_the_prefill_completes_it():
         next(gen)
 
 
+def test_pages_the_receiver_holds_are_neither_sent_nor_accepted():
+    """A receiver whose prefix cache holds a request's first pages (``held``): the source, fed increments, starts
+    after them in every cache (an increment completing fewer sends nothing), the sink counts them as written and
+    refuses a chunk that writes one; the pages it held are untouched."""
+    src, dst = [cache(pages=16), cache(3, 1, 4, pages=16, seed=1)], [cache(seed=6), cache(3, 1, 4, seed=7)]
+    before = [pages_kv(c, [1, 2]) for c in dst]
+    source = PageSource("r", src, [], b"", feed=PageFeed(), held=2)
+    source.feed.put(Increment([[4, 5], [8, 9]], [1, 1]))  # within the held pages: nothing to send yet
+    source.feed.put(Increment([[4, 5, 6, 7], [8, 9, 10, 11]], [4, 4], last=Prefilled(b"state")))
+    chunks = list(iter_chunks(source, 2 * page_bytes(src[0])))
+    assert {(c.cache, c.first_page, c.num_pages) for c in chunks} == {(0, 2, 2), (1, 2, 2)}
+    assert len(chunks) == 2 + 3 and chunks[-1].last and chunks[-1].total_chunks == 5
+    sink = PageSink("r", dst, [[1, 2, 3, 4], [1, 2, 3, 4]], held=2)
+    for c in chunks:
+        sink.write(c)
+    assert sink.finish(chunks[-1]).draft_state == b"state"
+    for s, d, b, sent in zip(src, dst, before, ([6, 7], [10, 11])):
+        assert all(torch.equal(x, y) for x, y in zip(pages_kv(s, sent), pages_kv(d, [3, 4])))
+        assert all(torch.equal(x, y) for x, y in zip(b, pages_kv(d, [1, 2])))  # the held pages kept
+    everything = list(iter_chunks(PageSource("r", src, [[4, 5, 6, 7], [8, 9, 10, 11]], b""), 2 * page_bytes(src[0])))
+    with pytest.raises(TransferError, match="a second time"):
+        PageSink("r", dst, [[1, 2, 3, 4], [1, 2, 3, 4]], held=2).write(everything[0])
+
+
 def test_scatter_writes_the_named_pages_only_and_never_into_a_copy():
     from shared.handoff.wire import scatter
 
