@@ -21,6 +21,8 @@
 #   bench/gpu_session.sh prefix     # the prefix cache on == off on the GPU, graphs and drafting ahead on (issue 33)
 #   bench/gpu_session.sh prefix-route  # two prefill instances with a prefix cache, graphs on: follow-ups go to the
 #                                   # one holding their prefix, cached tokens = matched, greedy == one engine (issue 33)
+#   bench/gpu_session.sh decode-cache  # a decode instance's prefix cache on the GPU: a branch's hand-off sends only the
+#                                   # page it lacks (ipc, grpc-stream), greedy == one engine; the hand-off GPU tests (issue 33)
 #   bench/gpu_session.sh local      # c32 and c1, the stack with short prompts prefilled on the decode service, then without
 #   bench/gpu_session.sh features   # a penalised EAGLE-3 iteration vs a plain one, batch 1 and 32 (bench_features.py)
 #   bench/gpu_session.sh tp-tests   # two GPUs: TP-2 over NCCL == one GPU (graphs on/off), TP services, the second GPU
@@ -170,6 +172,10 @@ for stage in "$@"; do
       ;;
     prefix)  # the prefix cache on == off with CUDA graphs and drafting ahead (tests/gpu/test_prefix_cache_gpu.py)
       run prefix_cache 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_prefix_cache_gpu.py
+      ;;
+    decode-cache)  # the decode instance's prefix cache: hand-offs send only the pages it lacks, on the GPU
+      run decode_cache 300 python3 -m pytest -q -p no:cacheprovider tests/unit/handoff/test_handoff_gpu.py \
+        -k "decode_cache or services_on_cuda or cuda_engines"
       ;;
     prefix-route)  # prefix-aware placement through the stack on the GPU (tests/gpu/test_prefix_routing_gpu.py)
       run prefix_route 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_prefix_routing_gpu.py

@@ -158,3 +158,53 @@ def test_an_in_place_write_waits_for_its_steps_event_not_for_later_work():
     assert bool((dst[:, :, 20:28] == 1).all()) and float(dst.sum()) == 2 * 3 * 8 * 2 * 8
     assert out.bytes == 2 * page_size * 2 * 3 * 2 * 8 * 4
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("transport", ["ipc", "grpc-stream"])
+def test_a_decode_cache_on_cuda_is_sent_only_the_pages_it_lacks(models, transport):
+    """The decode instance's prefix cache on the GPU (CUDA graphs on the decode side): a second prompt sharing the
+    first's two whole pages is handed off with its third page only (its K/V bytes, plus the draft state), over
+    ipc (in-place copies from the page it lacks on) and the gRPC stream; greedy output equals the single-process
+    engine's and every pool is full after (the decode cache flushed)."""
+    import grpc
+
+    from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
+    from services.decode.server import start_decode
+    from services.metadata import EmbeddedRedis
+    from services.prefill.server import start_prefill
+    from services.settings import DecodeSettings, PrefillSettings
+    from shared.handoff.wire import page_bytes
+
+    shared = [(i * 37 + 11) % 500 for i in range(40)]  # pages 0-1 shared, their successor (token 32) too
+    prompts = [shared + list(range(1, 9)), shared + list(range(9, 17))]
+    m = models["cuda"]
+    want = make_engine(m, "eagle3", config("eagle3", 4, 16, "cuda", True)).generate(prompts, GREEDY)
+    prefill_engine = make_engine(m, "eagle3", config("eagle3", 4, 16, "cuda"), role="prefill")
+    decode_cfg = engine_config("eagle3", 4, 16, max_context=512, device="cuda", cuda_graph=True, prefix_cache=True)
+    redis = EmbeddedRedis()
+    url = redis.start()
+    prefill = start_prefill(PrefillSettings(redis_url=url, handoff_transport=transport), prefill_engine)
+    decode = start_decode(DecodeSettings(redis_url=url, handoff_transport=transport),
+                          make_engine(m, "eagle3", decode_cfg, role="decode"))
+    try:
+        pstub = pb_grpc.PrefillStub(grpc.insecure_channel(prefill.grpc_address))
+        dstub = pb_grpc.DecodeStub(grpc.insecure_channel(decode.grpc_address))
+        per_page = sum(c.layout.num_layers * page_bytes(c) for c in prefill_engine.scheduler.caches)
+        for i, (prompt, w, held) in enumerate(zip(prompts, want, (0, 2))):
+            rid = f"cached-{transport}-{i}"
+            events = list(pstub.Prefill(pb.PrefillRequest(request_id=rid, prompt_ids=prompt,
+                                                          sampling=sampling_to_pb(GREEDY),
+                                                          decode_address=decode.grpc_address), timeout=60))
+            kv = (3 - held) * per_page  # 48 tokens: 3 pages of 16
+            assert kv <= events[1].handed_off.bytes <= kv + (64 << 10), (held, kv, events[1].handed_off.bytes)
+            tokens = [events[0].first_token.token_id]
+            for msg in dstub.Stream(pb.StreamRequest(request_id=rid), timeout=60):
+                tokens += msg.token_ids
+            assert tokens == w.token_ids
+        decode.engine_loop.call(lambda e: e.flush_prefix_cache()).result(10)
+        for h in (prefill, decode):
+            assert h.engine_loop.call(lambda e: e.is_idle_and_clean()).result(10)
+    finally:
+        prefill.stop(0.5)
+        decode.stop(0.5)
+        redis.stop()
