@@ -32,6 +32,7 @@ PAGE = 4
 SHARED = [(i * 29 + 3) % 500 for i in range(22)]  # five whole pages and two tokens
 FIRST = SHARED + [7, 8, 9, 10, 11]
 SECOND = SHARED + [40, 41, 42]  # diverges inside page 5: pages 0-4 held
+ALIGNED = SHARED + [7, 8]  # six whole pages: the last one holds its last position
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.95, seed=1234)
 CASES = [(None, 1), ("eagle3", 1), ("eagle3", 4), ("eagle", 1), ("eagle", 4)]
@@ -98,17 +99,19 @@ def single_process(models, draft, topk, params, prompts) -> list[list[int]]:
 def test_a_warm_decode_cache_skips_the_pages_it_holds(models, draft, topk):
     cold = disaggregated(models, draft, topk, GREEDY, [SECOND], cache=False)[0]
     warm = disaggregated(models, draft, topk, GREEDY, [FIRST, SECOND])
-    first_out = warm[0][0]
-    turn = FIRST + first_out + [99, 98, 97]  # a multi-turn prompt: its first turn's prompt and answer held
-    again = disaggregated(models, draft, topk, GREEDY, [FIRST, turn])
-    want = single_process(models, draft, topk, GREEDY, [FIRST, SECOND, turn])
-    assert [w[0] for w in warm] + [again[1][0]] == want[:2] + [want[2]]
+    engine = make_engine(models, draft, engine_config(draft, topk, page_size=PAGE))
+    aligned_out = engine.generate([ALIGNED], GREEDY)[0].token_ids
+    turn = ALIGNED + aligned_out + [99, 98, 97]  # a multi-turn prompt: its first turn's prompt and answer
+    again = disaggregated(models, draft, topk, GREEDY, [ALIGNED, turn])
+    want = [engine.generate([p], GREEDY)[0].token_ids for p in (FIRST, SECOND, turn)]
+    assert [w[0] for w in warm] == want[:2] and [a[0] for a in again] == [aligned_out, want[2]]
     assert cold[1] == 0 and warm[0][1] == 0, "a cold decode cache held pages"
     assert warm[1][1] == len(SHARED) // PAGE, "the second hand-off did not take the shared pages"
     pages = -(-len(SECOND) // PAGE)  # every page carries as many bytes: only the pages not held travelled
     assert warm[1][2] * pages == cold[2] * (pages - warm[1][1]) and warm[1][2] > 0
-    # the first turn's prompt pages arrived, were cached at activation and are held by the second turn
-    assert again[1][1] == len(FIRST) // PAGE
+    # the first turn's 6 pages arrived (the last one holds its last position: with a draft, keyed by the first
+    # token it drew, on which the draft's K/V there depends), were cached at activation, and the second turn holds them
+    assert again[1][1] == len(ALIGNED) // PAGE
     assert all(w[3] for w in warm + again + [cold]), "the K/V on the decode side differs from the prefill's"
 
 
