@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -133,6 +134,29 @@ def no_unexpected_capture_failure(request, monkeypatch):
     if seen and request.node.get_closest_marker("capture_failure_expected") is None:
         pytest.fail("CUDA graph capture failed (contained, the phase ran eagerly): " + "; ".join(seen),
                     pytrace=False)
+
+
+# An engine's model runner sits in reference cycles (its CUDA-graph phases hold its bound methods), so its
+# weights and KV pools (shared memory for a decode engine's) go only when the cycle collector runs, which large
+# tensors do not prompt. A worker running file after file of engines grew past 15 GB and was OOM-killed (the
+# 24 GiB CI machine, two workers). After a test, a process over COLLECT_ABOVE resident collects its cycles.
+COLLECT_ABOVE = 2 << 30
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+    except OSError:  # no /proc: collect after every test
+        return COLLECT_ABOVE + 1
+
+
+@pytest.fixture(autouse=True)
+def engines_collected():
+    yield
+    if resident_bytes() > COLLECT_ABOVE:
+        gc.collect()
 
 
 @pytest.fixture(scope="session")
