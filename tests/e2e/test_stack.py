@@ -178,7 +178,9 @@ def test_redis_record_of_a_finished_request(stack):
     assert times == sorted(times) and times[0] < times[-1]
     assert rec["prompt_tokens"] == str(len(LONG)) and rec["output_tokens"] == "6"
     assert rec["prefill_instance"].startswith("prefill-") and rec["decode_instance"].startswith("decode-")
-    assert float(rec["accept_length"]) >= 1.0 and int(rec["handoff_bytes"]) > 0
+    # 1 + accepted drafts per verify step, or 0 when the adaptive policy ran only plain steps for it (timed choices)
+    accept = float(rec["accept_length"])
+    assert (accept == 0.0 or accept >= 1.0) and int(rec["handoff_bytes"]) > 0
     assert 0 < stack.store.client.ttl("req:rec-ok") <= 3600
 
 
