@@ -22,26 +22,22 @@ from collections.abc import Iterator, Sequence
 
 from services.metadata import InstanceInfo, Registry
 from services.router.records import REDIS_DOWN
-from shared.memory.prefix_digest import ROOT, PrefixSummary, leading_pages, page_digest
+from shared.memory.prefix_digest import PrefixSummary, iter_prompt_digests, leading_pages
 
 
 class PromptDigests:
-    """A prompt's page digests under one page size and successor rule, computed as far as they are read (a
-    match that stops at the first page costs one digest)."""
+    """A prompt's page digests under one page size and successor rule (``iter_prompt_digests``), kept as far as
+    they were read, for every instance that uses the rule (a match that stops at the first page costs one)."""
 
     def __init__(self, tokens: Sequence[int], page_size: int, successor: bool):
-        self.tokens, self.page_size, self.successor = tokens, page_size, successor
-        self.pages = (len(tokens) - 1) // page_size  # the ones a cache could serve (the last token is computed)
+        self._next = iter_prompt_digests(tokens, page_size, successor)
         self._done: list[bytes] = []
 
     def __iter__(self) -> Iterator[bytes]:
-        ps, t = self.page_size, self.tokens
-        for i in range(self.pages):
-            if i == len(self._done):
-                parent = self._done[-1] if self._done else ROOT
-                self._done.append(page_digest(parent, t[i * ps:(i + 1) * ps], t[(i + 1) * ps] if self.successor
-                                              else -1))
-            yield self._done[i]
+        yield from self._done
+        for digest in self._next:  # the next page's, read for the first time
+            self._done.append(digest)
+            yield digest
 
 
 class PrefixIndex:

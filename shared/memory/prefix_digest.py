@@ -21,7 +21,7 @@ import base64
 import hashlib
 import json
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 DIGEST_BYTES = 8
@@ -35,15 +35,20 @@ def page_digest(parent: bytes, page: Sequence[int], successor: int) -> bytes:
     return hashlib.blake2b(parent + data, digest_size=DIGEST_BYTES).digest()
 
 
-def prompt_digests(tokens: Sequence[int], page_size: int, successor: bool) -> list[bytes]:
-    """The digests of the pages of ``tokens`` a cache could serve: the full pages before the prompt's last
-    token (it is always computed), so with the successor rule the token after each page is known."""
-    out, parent = [], ROOT
+def iter_prompt_digests(tokens: Sequence[int], page_size: int, successor: bool) -> Iterator[bytes]:
+    """The digests of the pages of ``tokens`` a cache could serve, one at a time (a match that stops early
+    computes no more): the full pages before the prompt's last token (it is always computed), so with the
+    successor rule the token after each page is known."""
+    parent = ROOT
     for i in range((len(tokens) - 1) // page_size):
         succ = tokens[(i + 1) * page_size] if successor else -1
         parent = page_digest(parent, tokens[i * page_size:(i + 1) * page_size], succ)
-        out.append(parent)
-    return out
+        yield parent
+
+
+def prompt_digests(tokens: Sequence[int], page_size: int, successor: bool) -> list[bytes]:
+    """Every digest ``iter_prompt_digests`` gives."""
+    return list(iter_prompt_digests(tokens, page_size, successor))
 
 
 @dataclass(frozen=True)
