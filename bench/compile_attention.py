@@ -73,8 +73,8 @@ def build_attn(launch: dict):
                           options={"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]})
 
 
-def build_combine(dtype: str):
-    consts = {"HEAD_DIM": HEAD_DIM, "BLOCK_D": HEAD_DIM, "SPLITS_P2": 64}
+def build_combine(dtype: str, unroll: bool):
+    consts = {"HEAD_DIM": HEAD_DIM, "BLOCK_D": HEAD_DIM, "SPLITS_P2": 32 if unroll else 1, "UNROLL": unroll}
     types = {"Opart": "*fp32", "Lse": "*fp32", "O": f"*{dtype}"}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in _combine_kernel.arg_names}
     return triton.compile(ASTSource(_combine_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
@@ -110,12 +110,14 @@ def main() -> int:
             status = f"ERROR {type(e).__name__}: {str(e)[-400:]}"
         print({k: v for k, v in launch.items()}, status, flush=True)
     for dtype in ("bf16",) if quick else ("bf16", "fp32"):
-        try:
-            build_combine(dtype)
-            print(f"combine {dtype}: ok", flush=True)
-        except Exception as e:  # noqa: BLE001
-            failed += 1
-            print(f"combine {dtype}: ERROR {type(e).__name__}: {str(e)[-400:]}", flush=True)
+        for unroll in (True, False):
+            t0 = time.time()
+            try:
+                build_combine(dtype, unroll)
+                print(f"combine {dtype} unroll={unroll}: ok ({time.time() - t0:.1f} s)", flush=True)
+            except Exception as e:  # noqa: BLE001
+                failed += 1
+                print(f"combine {dtype} unroll={unroll}: ERROR {type(e).__name__}: {str(e)[-400:]}", flush=True)
     for dtype in ("bf16",) if quick else ("bf16", "fp32"):
         for serial in (True, False):
             pair = [built.get(tuple(sorted(attn_launch(dtype, 64, 32, 4, 3, serial, m, False).items())))

@@ -305,10 +305,24 @@ if triton is not None:
             tl.store(Lse + part, lse, mask=row_ok)
 
     @triton.jit
+    def _merge_split(Opart, Lse, s, num_rows, num_q_heads, num_splits, t, h, offs_d, d_ok, HEAD_DIM: tl.constexpr,
+                     M, A, W):
+        """One split's partial of (row ``t``, head ``h``) merged into the running max, sum and weight."""
+        part = (s * num_rows + t) * num_q_heads + h
+        one = tl.zeros([1], tl.int32) + s
+        lse = tl.load(Lse + part + one * 0, mask=one < num_splits, other=float("-inf"))
+        o = tl.load(Opart + part * HEAD_DIM + offs_d, mask=d_ok & (lse > float("-inf")), other=0.0)
+        M, a, wb = _merge_factors(M, lse)
+        return M, tl.fma(A, a, o * wb), tl.fma(W, a, wb)
+
+    @triton.jit
     def _combine_kernel(Opart, Lse, O, num_rows, num_q_heads, num_splits, stride_ot, stride_oh,
-                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr):
-        """Merge the split partials of one (row, head) in split order (``_merge_factors``), unrolled so the loads
-        issue together; a split the row saw nothing of (lse -inf, its partial never written) is not read."""
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr,
+                        UNROLL: tl.constexpr):
+        """Merge the split partials of one (row, head) in split order (``_merge_factors``): unrolled (``UNROLL``)
+        so the loads issue together, else a loop (an unrolled loop of hundreds of splits takes minutes to
+        compile); the same operations in the same order either way, so the same bits. A split the row saw
+        nothing of (lse -inf, its partial never written) is not read."""
         t = tl.program_id(0)
         h = tl.program_id(1)
         offs_d = tl.arange(0, BLOCK_D)
@@ -316,14 +330,14 @@ if triton is not None:
         M = tl.full([1], float("-inf"), tl.float32)
         W = tl.zeros([1], tl.float32)
         A = tl.zeros([BLOCK_D], tl.float32)
-        for s in tl.static_range(SPLITS_P2):
-            part = (s * num_rows + t) * num_q_heads + h
-            one = tl.zeros([1], tl.int32) + s
-            lse = tl.load(Lse + part + one * 0, mask=one < num_splits, other=float("-inf"))
-            o = tl.load(Opart + part * HEAD_DIM + offs_d, mask=d_ok & (lse > float("-inf")), other=0.0)
-            M, a, wb = _merge_factors(M, lse)
-            A = tl.fma(A, a, o * wb)
-            W = tl.fma(W, a, wb)
+        if UNROLL:
+            for s in tl.static_range(SPLITS_P2):
+                M, A, W = _merge_split(Opart, Lse, s, num_rows, num_q_heads, num_splits, t, h, offs_d, d_ok,
+                                       HEAD_DIM, M, A, W)
+        else:
+            for s in range(0, num_splits):
+                M, A, W = _merge_split(Opart, Lse, s, num_rows, num_q_heads, num_splits, t, h, offs_d, d_ok,
+                                       HEAD_DIM, M, A, W)
         out = A / tl.where(W == 0.0, 1.0, W)
         tl.store(O + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
 
@@ -342,6 +356,7 @@ MIN_SPLIT_KEYS = 64
 MAX_SPLIT_KEYS = 512  # a longer split leaves short contexts on too few SMs (batch 1 at 1k: 2 splits per head)
 SIZING_CONTEXT = 16384  # the context the split length fills the SMs at; longer ones get more splits
 MAX_SPLITS = 256  # at the longest context; past it the split length grows instead
+UNROLLED_SPLITS = 32  # the combine unrolls up to this many splits; past it a loop (256 unrolled: minutes of compile)
 PARTIAL_BYTES = 64 << 20  # the float32 partials a split launch may write; past it one program runs every split
 
 
@@ -485,9 +500,10 @@ def _launch(q, k_cache, v_cache, meta, sm_scale, window, q_positions, cfg, split
         UPCAST=upcast, SLIDING=sliding, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not serial:
+        unroll = S <= UNROLLED_SPLITS
         _combine_kernel[(T, hq)](opart, lse, out, T, hq, S, out.stride(0), out.stride(1), HEAD_DIM=d,
-                                 BLOCK_D=block_d, SPLITS_P2=triton.next_power_of_2(S),
-                                 num_warps=4 if d >= 128 else 2)
+                                 BLOCK_D=block_d, SPLITS_P2=triton.next_power_of_2(S) if unroll else 1,
+                                 UNROLL=unroll, num_warps=4 if d >= 128 else 2)
 
 
 MASK_COLS = 32  # mask columns read per step when mapping a query's visible step slots to positions

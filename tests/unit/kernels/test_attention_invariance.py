@@ -55,6 +55,23 @@ def test_one_program_for_every_split_gives_the_split_launch_bits():
     torch.testing.assert_close(a, paged_attention_ref(q, pool.k, pool.v, meta, 0.5), atol=2e-5, rtol=2e-5)
 
 
+def test_the_combine_unrolled_or_looped_gives_the_same_bits(monkeypatch):
+    """Past ``UNROLLED_SPLITS`` splits the combine kernel loops instead of unrolling (256 unrolled splits, a
+    131k-token engine's, took minutes to compile on the H100): the same bits as the unrolled merge."""
+    from kernels import attention
+
+    pool = Pool(300, 4, torch.float32, 5, DEVICE)
+    lens = [150, 33, 97]
+    kv = [pool.take(n + 1) for n in lens]
+    q = pool.queries(3)
+    meta = metadata(kv, [1, 1, 1], lens, DEVICE)
+    unrolled = paged_attention(q, pool.k, pool.v, meta, 0.5, backend="triton", num_splits=5, split_len=32)
+    monkeypatch.setattr(attention, "UNROLLED_SPLITS", 2)
+    looped = paged_attention(q, pool.k, pool.v, meta, 0.5, backend="triton", num_splits=5, split_len=32)
+    assert torch.equal(unrolled, looped)
+    torch.testing.assert_close(looped, paged_attention_ref(q, pool.k, pool.v, meta, 0.5), atol=2e-5, rtol=2e-5)
+
+
 def test_windowed_tree_rows_equal_decode_steps():
     """Sliding window: the block's first key differs between the steps, the rows' bits do not."""
     verify_vs_decode([70, 45], [TREE, CHAIN], 4, DEVICE, window=24, split_len=32, seed=6)
