@@ -74,7 +74,8 @@ def test_graphs_captured_ahead_of_serving(oracle_model_dir, cpu_reference, kind)
     """capture_graphs() records every enabled phase at every bucket before any request, on padding
     rows only; serving afterwards replays them and gives the CPU reference's tokens."""
     spec = None if kind is None else SpecConfig(topk=2, steps=3, num_draft_tokens=6)
-    cfg = EngineConfig(device="cuda", page_size=16, chunk_size=8, spec=spec, cuda_graph=True, cuda_graph_max_bs=8)
+    cfg = EngineConfig(device="cuda", page_size=16, chunk_size=8, spec=spec, cuda_graph=True, cuda_graph_max_bs=8,
+                       spec_policy="fixed")  # one shape: its phases' graphs are the speculator's
     engine = Engine(oracle_model_dir / "target", None if kind is None else oracle_model_dir / kind, cfg)
     count = engine.capture_graphs()
     graphs = [engine.decode_graphs] if kind is None else list(engine.speculator.graphs.values())
@@ -99,7 +100,8 @@ def test_drafting_ahead_under_graphs_equals_the_cpu(oracle_model_dir, kind, topk
 
     def run(device, ahead):
         cfg = EngineConfig(device=device, page_size=page_size, chunk_size=8, cuda_graph=device == "cuda",
-                           spec=SpecConfig(topk=topk, steps=steps, num_draft_tokens=n), spec_draft_ahead=ahead)
+                           spec=SpecConfig(topk=topk, steps=steps, num_draft_tokens=n), spec_draft_ahead=ahead,
+                           spec_policy="fixed")  # every step speculative: the draft ahead is used and cut
         engine = Engine(oracle_model_dir / "target", oracle_model_dir / kind, cfg)
         reqs = [engine.add_request(p, SamplingParams(max_new_tokens=m, ignore_eos=True))
                 for p, m in zip(PROMPTS, max_new)]

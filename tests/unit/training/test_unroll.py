@@ -20,8 +20,8 @@ import torch
 
 import shared.training.unroll as unroll_mod
 from shared.config import EngineConfig
-from shared.memory.sizing import make_cache
 from shared.forward_batch import build_forward_batch
+from shared.memory.sizing import make_cache
 from shared.model.drafts import load_draft
 from shared.model.loader import load_target
 from shared.training.corpus import draft_vocabulary, vocab_maps
