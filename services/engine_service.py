@@ -34,7 +34,7 @@ from services.metadata import Heartbeat, InstanceInfo, Registry, connect
 from services.settings import EngineSettings
 from services.telemetry import Telemetry
 from services.warmup import check_ready
-from shared.cuda_graphs import capture_progress
+from shared.cuda_graphs import capture_progress, default_buckets
 from shared.engine import Engine, EngineLoad
 
 
@@ -114,7 +114,12 @@ def capture_graphs(engine: Engine, enabled: bool, telemetry: Telemetry, log: Ser
     for failure in engine.graph_failures:  # contained: those phases run eagerly
         log.warning("graph_capture_failed", **failure.as_dict())
     telemetry.observe_graph_failures(engine.graph_failures)
-    log.event("graphs_captured", seconds=round(time.perf_counter() - t0, 3), graphs=count,
+    largest = max((max(g.captured_sizes, default=0) for g in engine.phase_graphs()), default=0)
+    wanted = max(default_buckets(engine.config.graph_max_bs), default=0)
+    if count and largest < wanted:  # the memory fraction left no room for the larger ones (CaptureBudget)
+        log.warning("graphs_capped", largest_batch=largest, graph_max_bs=engine.config.graph_max_bs,
+                    reason="gpu_memory_fraction: larger batches run eagerly")
+    log.event("graphs_captured", seconds=round(time.perf_counter() - t0, 3), graphs=count, largest_batch=largest,
               failed=len(engine.graph_failures), phase_seconds=engine.graph_capture_s(), **torch_memory(engine))
 
 

@@ -79,9 +79,45 @@ class CudaStatePoisoned(RuntimeError):
     """A failed capture left the CUDA generator unusable: the process must not serve on."""
 
 
+class GraphPool:
+    """The memory pool every CUDA graph of one engine captures into. A step replays one graph at a time, on one
+    stream, and copies its outputs out before the next replays, so a graph's intermediates may live where
+    another's did: the engine's graphs need about the largest one's memory, not the sum over phases, shapes
+    and batch sizes (an adaptive engine's 5 shapes x 4 phases at 128 rows ran a GPU out of memory with a pool
+    each). vLLM and SGLang share one pool the same way."""
+
+    def __init__(self):
+        self.handle = None  # the first capture's pool, then every later capture's
+
+
+class CaptureBudget:
+    """Whether the next batch size's graphs fit the engine's memory budget (its ``gpu_memory_fraction`` of the
+    device): what the allocator holds now (graph pools, capture warm-ups and pools included), plus the last
+    batch size's growth scaled to the next one's rows, plus ``outside`` (the process's memory outside PyTorch).
+    Asked before each batch size, in increasing order; the first always fits."""
+
+    def __init__(self, device: torch.device, budget: int, outside: int = 0):
+        self.device, self.budget, self.outside = device, budget, outside
+        self._last: tuple[int, int] | None = None  # (batch size, the allocator's reservation before it)
+        self.stopped_at: int | None = None  # the first batch size that did not fit
+
+    def __call__(self, bs: int) -> bool:
+        now = torch.cuda.memory_reserved(self.device)
+        if self._last is None:
+            self._last = (bs, now)
+            return True
+        last_bs, before = self._last
+        self._last = (bs, now)
+        if now + max(0, now - before) * bs / last_bs + self.outside <= self.budget:
+            return True
+        self.stopped_at = bs
+        return False
+
+
 class PhaseGraphs:
     def __init__(self, name: str, fn: Callable, enabled: bool, max_bs: int,
-                 failures: list[CaptureFailure] | None = None, before_replay: Callable[[], None] | None = None):
+                 failures: list[CaptureFailure] | None = None, before_replay: Callable[[], None] | None = None,
+                 pool: GraphPool | None = None):
         self.name = name
         self.fn = fn
         self.before_replay = before_replay  # runs before each replay (state the graph reads, made current)
@@ -89,7 +125,7 @@ class PhaseGraphs:
         self.capture = enabled and torch.cuda.is_available()
         self.buckets = default_buckets(max_bs)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple, Any]] = {}
-        self._pool = None
+        self.pool = GraphPool() if pool is None else pool  # the engine's, shared by its phases
         # Capture failures, shared by every phase of an engine (the engine's list when given).
         self.failures: list[CaptureFailure] = [] if failures is None else failures
         self.progress: tqdm | None = None  # ticked once per capture, while ``capture_progress`` holds it
@@ -99,6 +135,13 @@ class PhaseGraphs:
     def captured_sizes(self) -> list[int]:
         """The bucket sizes captured so far."""
         return sorted(self._graphs)
+
+    def stop_at(self, bs: int) -> None:
+        """Capture and replay only batch sizes below ``bs`` from now on (larger batches run eagerly, unpadded):
+        the sizes the engine's memory fraction had room for."""
+        self.buckets = [b for b in self.buckets if b < bs]
+        for b in [b for b in self._graphs if b >= bs]:
+            del self._graphs[b]
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None) if self.enabled else None
@@ -144,7 +187,8 @@ class PhaseGraphs:
             self._contain(e, _batch_size(example), rng)
             self._tick()
             return None
-        self._pool = graph.pool()
+        if self.pool.handle is None:
+            self.pool.handle = graph.pool()
         self._tick()
         return graph, static_args, static_out
 
@@ -161,7 +205,7 @@ class PhaseGraphs:
         error: BaseException | None = None
         try:
             with torch.cuda.stream(stream):
-                graph.capture_begin(*((self._pool,) if self._pool is not None else ()),
+                graph.capture_begin(*((self.pool.handle,) if self.pool.handle is not None else ()),
                                     capture_error_mode="thread_local")
                 try:
                     static_out = self.fn(*static_args)

@@ -25,7 +25,7 @@ from typing import TypeVar
 import torch
 
 from shared.config import DEFAULT_GPU_MEMORY_FRACTION, EngineConfig, SpecConfig
-from shared.cuda_graphs import CaptureFailure, PhaseGraphs
+from shared.cuda_graphs import CaptureBudget, CaptureFailure, GraphPool, PhaseGraphs
 from shared.errors import RequestError
 from shared.forward_batch import build_forward_batch, build_uniform_batch
 from shared.handoff.port import landing_pages
@@ -38,6 +38,7 @@ from shared.memory.sizing import (
     default_pages,
     device_memory,
     draft_phase_reserve,
+    graph_output_reserve,
     graph_target_phases,
     make_cache,
     page_bytes,
@@ -89,14 +90,18 @@ class ModelRunner:
         self.config = config = self._fit_pools(config, self.head, reserved)
         self.cache = make_cache(local_config(mc, tp), mc.num_hidden_layers, config, self.max_context)
         self.graph_failures: list[CaptureFailure] = []  # CUDA graphs that failed to capture (phase eager)
+        self.graph_pool = GraphPool()  # the memory every graph of this runner captures into
         self.penalty_rows = RowsCache()  # requests' penalty rows, on the device across steps (and the speculator's)
         self.speculator = None if self.head is None else SpecWorker.load(
-            self.head, self.model, self.cache, config, self.max_context, self.graph_failures, self.penalty_rows)
+            self.head, self.model, self.cache, config, self.max_context, self.graph_failures, self.penalty_rows,
+            self.graph_pool)
         self.caches: list[KVCache] = [self.cache] + (self.speculator.caches if self.speculator else [])
         self.graph_costs: dict[tuple[str, int], float] = {}  # (kind, batch) -> seconds, timed at capture
+        self.graphs_stopped_at: int | None = None  # the batch size graph captures stopped at (memory), if any
         graphs_on = set(config.cuda_graph_phases) if config.cuda_graph else set()
         self.decode_graphs = PhaseGraphs("decode", self._decode_phase, "decode" in graphs_on, config.graph_max_bs,
-                                         self.graph_failures, before_replay=lambda: flush_tables([self.cache]))
+                                         self.graph_failures, before_replay=lambda: flush_tables([self.cache]),
+                                         pool=self.graph_pool)
 
     # ---- loading and sizing ----------------------------------------------------------------------
     def _load_target(self, model: str | Path | LlamaForCausalLM, config: EngineConfig
@@ -162,7 +167,9 @@ class ModelRunner:
                 f"{total / 2**30:.2f} GiB free after the weights: lower chunk_size or max_running, or give the "
                 f"engine more of the GPU")) from e
         draft = draft_phase_reserve(head.config if head is not None else mc, config) if decodes else 0
-        return profiled_reserve(self.step_peaks, graph_target_phases(config) if decodes else 0, draft)
+        features = 0 if head is None else mc.hidden_size * max(1, len(getattr(head, "aux_layers", ())))
+        outputs = graph_output_reserve(mc, config, features) if decodes else 0
+        return profiled_reserve(self.step_peaks, graph_target_phases(config) if decodes else 0, draft + outputs)
 
     def on_device(self) -> contextlib.AbstractContextManager:
         """This runner's GPU as the calling thread's current CUDA device (a no-op off CUDA). Triton
@@ -338,16 +345,21 @@ class ModelRunner:
         costs from the first step (``shared/spec/graph_costs.py``). Returns how many graphs exist."""
         if self.device.type != "cuda" or self.role == "prefill":
             return 0
+        room = self._capture_budget()
         with self.on_device():
             if self.speculator is not None:
-                count = self.speculator.capture_graphs()
+                count = self.speculator.capture_graphs(room)
             else:
                 g = self.decode_graphs
                 if g.capture:
-                    for bs in g.buckets:
+                    for bs in list(g.buckets):
+                        if room is not None and not room(bs):
+                            g.stop_at(bs)
+                            break
                         zeros = torch.zeros(bs, dtype=torch.int64, device=self.device)
                         g(zeros, zeros.clone(), zeros.clone())
                 count = len(g.captured_sizes)
+            self.graphs_stopped_at = None if room is None else room.stopped_at
             if policy is not None and policy.kind == "adaptive" and isinstance(policy.cost, MeasuredCost):
                 self.graph_costs = seed_costs(self.speculator, policy.cost)  # the policy's costs on this device
             # Each capture's two eager warm-up runs left their blocks cached for the capture stream, where
@@ -355,6 +367,14 @@ class ModelRunner:
             # (the reserve counts one eager step's, not two). The graphs' private pools stay.
             torch.cuda.empty_cache()
             return count
+
+    def _capture_budget(self) -> CaptureBudget | None:
+        """When the pools were sized by the memory fraction: the budget graph captures stop within (past it the
+        larger batches run eagerly, and the process stays within the fraction it was given)."""
+        if self.memory_plan is None or self.tp is not None:  # ranks must capture the same sizes: not by their own
+            return None
+        outside = (self.step_peaks.non_torch or 0) if self.step_peaks is not None else 0
+        return CaptureBudget(self.device, int(self.memory_plan["budget_gib"] * 2**30), outside)
 
     def phase_graphs(self) -> list[PhaseGraphs]:
         """The CUDA graph phases ``capture_graphs`` captures (the speculator's, else the target decode's)."""

@@ -10,12 +10,15 @@ arithmetic on injected figures, so it runs on the CPU; ``device_memory`` reads t
 The reserve is measured, not guessed, on a single-GPU engine (as vLLM's profile run): before its pools exist
 the engine runs its largest steps once (``shared/memory/profile.py``: a full prefill chunk, the largest
 eager decode step, the largest graph-captured one) and ``profiled_reserve`` turns their peaks into the bytes
-kept free: the eager peak, a private pool per captured phase that runs the target, the draft's phases and
-the memory outside PyTorch's allocator (CUDA context, cuBLAS and Triton). After warm-up the service checks
+kept free: the eager peak, a graph step's peak per captured phase that runs the target (the engine's graphs
+share one pool, ``shared.cuda_graphs.GraphPool``: a bound, not a sum that is reached), the draft's phases, the
+outputs every captured batch size keeps (``graph_output_reserve``) and the memory outside PyTorch's allocator
+(CUDA context, cuBLAS and Triton). Graph capture itself stops at the batch size that would pass the fraction
+(``shared.cuda_graphs.CaptureBudget``; larger batches then run eagerly). After warm-up the service checks
 the process's real peak against the fraction (``Footprint``, ``check_footprint``). The pools leave
 ``POOL_MARGIN`` of the fraction unassigned: the profile does not measure everything the engine takes later
-(each smaller graph bucket's outputs kept in its phase's pool, CUDA graph objects, kernels loaded after the
-profile, allocator rounding), and the peak check allows only ``FOOTPRINT_SLACK`` past the fraction.
+(the graph pool's fragmentation, CUDA graph objects, kernels loaded after the profile, allocator rounding),
+and the peak check allows only ``FOOTPRINT_SLACK`` past the fraction.
 
 Every figure is this process's own: PyTorch's allocator statistics are per process and NVML's figure is the
 process's entry in the device's process list, so an engine sharing the GPU (a prefill and a decode service
@@ -149,6 +152,26 @@ def draft_phase_reserve(config: ModelConfig, engine: EngineConfig) -> int:
         return 0
     rows = engine.graph_max_bs * sum(s.num_draft_tokens for s in engine.spec_shapes())
     return 2 * rows * config.vocab_size * 4 * 2
+
+
+def graph_output_reserve(config: ModelConfig, engine: EngineConfig, features: int) -> int:
+    """The outputs every captured batch size of a phase keeps (a graph's outputs stay allocated for its
+    replays, one set per batch size, beside the shared pool's intermediates): a verify phase's logits and
+    features for each of its shape's tokens per row, an adaptive engine's plain step's and a plain engine's
+    decode logits for one. ``features``: the hidden width the draft reads per token (0 without a draft)."""
+    if not engine.cuda_graph:
+        return 0
+    from shared.cuda_graphs import default_buckets
+
+    on = set(engine.cuda_graph_phases)
+    rows = sum(default_buckets(engine.graph_max_bs))  # every batch size's graph, one row each
+    width = (config.vocab_size + features) * parse_dtype(engine.dtype).itemsize
+    if engine.spec is None:
+        return rows * width * int("decode" in on)
+    shapes = engine.spec_shapes() if engine.spec_policy == "adaptive" else (engine.spec,)
+    tokens = sum(s.num_draft_tokens for s in shapes) * int("verify" in on)
+    plain = int(engine.spec_policy == "adaptive" and "decode" in on)
+    return rows * (tokens + plain) * width
 
 
 def profiled_reserve(peaks: StepPeaks, target_phases: int, draft_phases: int) -> int:

@@ -30,7 +30,7 @@ import torch
 
 from kernels.spec_sampling import SamplingRows
 from shared.config import EngineConfig, SpecConfig
-from shared.cuda_graphs import CaptureFailure, PhaseGraphs, pad_rows, tree_map
+from shared.cuda_graphs import CaptureFailure, GraphPool, PhaseGraphs, pad_rows, tree_map
 from shared.forward_batch import build_forward_batch
 from shared.logits_process import LogitsRows, RowsCache, add_grammar, uses_processing
 from shared.memory.kv_cache import KVCache, flush_tables
@@ -72,7 +72,7 @@ class SpecShape:
 class SpecWorker:
     def __init__(self, target: LlamaForCausalLM, target_cache: KVCache, draft: DraftHead, spec: SpecConfig,
                  config: EngineConfig, max_context: int, graph_failures: list[CaptureFailure] | None = None,
-                 penalty_rows: RowsCache | None = None):
+                 penalty_rows: RowsCache | None = None, graph_pool: GraphPool | None = None):
         self.target = target
         self.target_cache = target_cache
         self.draft = draft
@@ -90,6 +90,7 @@ class SpecWorker:
         self.penalty_rows = RowsCache() if penalty_rows is None else penalty_rows
         on = set(config.cuda_graph_phases) if config.cuda_graph else set()
         failures = [] if graph_failures is None else graph_failures  # the engine's: /health reads it
+        self.graph_pool = GraphPool() if graph_pool is None else graph_pool  # every phase's and shape's graphs
         def flush() -> None:  # the step's slot reservations, on the device before a graph reads them
             flush_tables([target_cache, *self.caches])
 
@@ -115,11 +116,11 @@ class SpecWorker:
                             self.aux_layers, state_topk=self.spec.topk)
         tag = f".{spec.name}" if suffixed else ""
         graphs = {name: PhaseGraphs(name + tag, getattr(phases, name), name in on, max_bs, failures,
-                                    before_replay=flush)
+                                    before_replay=flush, pool=self.graph_pool)
                   for name in ("draft", "verify", "extend")}
         # Verify + acceptance + extend run as one graph when both phases are on, whatever the batch samples.
         graphs["verify_extend"] = PhaseGraphs("verify_extend" + tag, phases.verify_extend, {"verify", "extend"} <= on,
-                                              max_bs, failures, before_replay=flush)
+                                              max_bs, failures, before_replay=flush, pool=self.graph_pool)
         return SpecShape(spec, phases, graphs)
 
     def phase_graphs(self) -> list[PhaseGraphs]:
@@ -132,9 +133,9 @@ class SpecWorker:
         draft's features, graph-shaped with the decode phase on; the draft over its one position, with
         the extend phase on too."""
         return {"plain": PhaseGraphs("plain", self.phases.plain_decode, "decode" in on, max_bs, failures,
-                                     before_replay=flush),
+                                     before_replay=flush, pool=self.graph_pool),
                 "plain_extend": PhaseGraphs("plain_extend", self.phases.plain_extend, {"decode", "extend"} <= on,
-                                            max_bs, failures, before_replay=flush)}
+                                            max_bs, failures, before_replay=flush, pool=self.graph_pool)}
 
     @staticmethod
     def cache_count(draft: DraftHead, spec: SpecConfig) -> int:
@@ -144,12 +145,13 @@ class SpecWorker:
     @classmethod
     def load(cls, path: str | Path | DraftHead, target: LlamaForCausalLM, target_cache: KVCache,
              config: EngineConfig, max_context: int,
-             graph_failures: list[CaptureFailure] | None = None, penalty_rows: RowsCache | None = None) -> SpecWorker:
+             graph_failures: list[CaptureFailure] | None = None, penalty_rows: RowsCache | None = None,
+             graph_pool: GraphPool | None = None) -> SpecWorker:
         """``path``: a draft checkpoint directory, or a draft head already built on the target."""
         spec = config.spec or SpecConfig()
         target.config.check_tree_depth(spec.steps)
         draft = path if isinstance(path, DraftHead) else load_draft(path, target, config.dtype, config.device)
-        return cls(target, target_cache, draft, spec, config, max_context, graph_failures, penalty_rows)
+        return cls(target, target_cache, draft, spec, config, max_context, graph_failures, penalty_rows, graph_pool)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -333,11 +335,16 @@ class SpecWorker:
         """Positions past the committed length a step writes in draft cache ``c``."""
         return max(self.phases.scratch_len(c), self.spec.steps + 1)
 
-    def capture_graphs(self) -> int:
+    def capture_graphs(self, room: Callable[[int], bool] | None = None) -> int:
         """Capture each enabled phase at every bucket on padding inputs (rows 0, lengths 0), in the
-        order a decode step runs them; returns how many graphs exist afterwards."""
+        order a decode step runs them, smallest batch first; ``room(bs)`` False (the memory budget,
+        ``CaptureBudget``) stops every phase before ``bs``. Returns how many graphs exist afterwards."""
         g = self.graphs
-        for bs in g["draft"].buckets:
+        for bs in list(g["draft"].buckets):
+            if room is not None and not room(bs):
+                for p in self.phase_graphs():
+                    p.stop_at(bs)
+                break
             inp = self.padding_inputs(bs)
             for sh in self.shapes.values():
                 self._capture_shape(sh, inp)

@@ -17,6 +17,7 @@ from shared.memory.sizing import (
     StepPeaks,
     check_footprint,
     draft_phase_reserve,
+    graph_output_reserve,
     graph_target_phases,
     pages_within_budget,
     profiled_reserve,
@@ -64,6 +65,21 @@ def test_the_draft_phases_grow_with_the_captured_rows_and_vanish_without_graphs_
                                                 spec_policy="fixed")) == 8 * small  # graphs up to max_running
     assert draft_phase_reserve(mc, EngineConfig(cuda_graph=False, spec=SPEC)) == 0
     assert draft_phase_reserve(mc, EngineConfig(cuda_graph=True)) == 0
+
+
+def test_every_captured_batch_size_keeps_its_outputs_logits_and_features_per_verified_token():
+    """Buckets 1, 2, 4, 8, 16, 24 (graphs up to 24 rows): 55 rows of outputs per phase and token, bf16."""
+    mc = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    row = (1000 + 192) * 2  # logits and three layers' features of one token
+    fixed = EngineConfig(cuda_graph=True, spec=SPEC, max_running=24, spec_policy="fixed", dtype="bfloat16")
+    assert graph_output_reserve(mc, fixed, 192) == 55 * SPEC.num_draft_tokens * row
+    adaptive = EngineConfig(cuda_graph=True, spec=SPEC, max_running=24, spec_policy="adaptive", dtype="bfloat16")
+    tokens = sum(s.num_draft_tokens for s in adaptive.spec_shapes())
+    assert tokens > SPEC.num_draft_tokens
+    assert graph_output_reserve(mc, adaptive, 192) == 55 * (tokens + 1) * row  # and the plain step's logits
+    assert graph_output_reserve(mc, EngineConfig(cuda_graph=True, max_running=24), 0) == 55 * 1000 * 4  # float32
+    assert graph_output_reserve(mc, EngineConfig(cuda_graph=False, spec=SPEC), 192) == 0
 
 
 def test_a_larger_measured_peak_leaves_fewer_pages_and_a_layout_that_cannot_fit_names_the_figures():
