@@ -722,8 +722,10 @@ class RouterCore:
             self._check_cancelled(active)
             prefill, p_key, matched = await self._io(self._pick_prompt, "prefill", avoid["prefill"], ids + resume,
                                                      len(ids) + len(resume), True, active.prefer.get("prefill"))
-            decode, d_key = await self._io(self._pick, "decode", avoid["decode"] | full, left, False,
-                                           active.prefer.get("decode"))
+            # The decode instance too by prefix: with its own prefix cache it holds the pages it has, and the
+            # hand-off sends only the rest (``ReserveRequest.skip_cached``).
+            decode, d_key, d_matched = await self._io(self._pick_prompt, "decode", avoid["decode"] | full,
+                                                      ids + resume, left, False, active.prefer.get("decode"))
             if decode is None and full:  # every live instance is full: wait in the queue for room on any
                 self._release_keys(prefill, p_key)
                 await self.admission.wait_for_room(active, full, last_error, started=bool(resume))
@@ -742,7 +744,7 @@ class RouterCore:
             attempt += 1
             try:
                 return await self._try_pair(active, ids, params, t0, reason, resume, resume_logprobs, prefill,
-                                            decode, p_key, attempt, matched)
+                                            decode, p_key, attempt, matched, d_matched)
             except _Replace as r:
                 last_error = r.error
                 self._check_cancelled(active)
@@ -758,17 +760,20 @@ class RouterCore:
 
     async def _try_pair(self, active: Active, ids: list[int], params: SamplingParams, t0: float, reason: str,
                         resume: list[int], resume_logprobs: list[float], prefill: InstanceInfo,
-                        decode: InstanceInfo, p_key: int, attempt: int, matched: int = 0):
+                        decode: InstanceInfo, p_key: int, attempt: int, matched: int = 0, decode_matched: int = 0):
         """One placement on (``prefill``, ``decode``): recorded, then prefilled and handed off (``_prefill``).
-        ``matched``: the prompt tokens the prefill instance's published summary holds (prefix-aware placement)."""
+        ``matched`` / ``decode_matched``: the prompt tokens the prefill / decode instance's published summary
+        holds (prefix-aware placement)."""
         active.prefill, active.decode = prefill, decode
         self.log.event("placed", active.rid, prefill=prefill.instance_id, decode=decode.instance_id,
-                       attempt=attempt, prefix_tokens=matched)
+                       attempt=attempt, prefix_tokens=matched, decode_prefix_tokens=decode_matched)
         active.placements.append({"prefill": prefill.instance_id, "decode": decode.instance_id, "reason": reason,
-                                  **({"prefix_tokens": matched} if matched else {})})
+                                  **({"prefix_tokens": matched} if matched else {}),
+                                  **({"decode_prefix_tokens": decode_matched} if decode_matched else {})})
         await self._io(self.records.transition, active.rid, "prefilling", prefill_instance=prefill.instance_id,
                        decode_instance=decode.instance_id, placements=active.placements)
         self._count_placement("prefill", matched)
+        self._count_placement("decode", decode_matched)
         if self.telemetry:
             self.telemetry.stage_seconds.labels("placement").observe(time.perf_counter() - t0)
         return await self._prefill(active, pb.PrefillRequest(

@@ -190,6 +190,23 @@ def test_the_choices_of_a_request_prefer_the_instance_holding_the_prefix(stack):
         assert json.loads(stack.store.get(f"two#{i}")["placements"])[-1]["prefix_tokens"] == 40
 
 
+def test_the_hand_off_goes_to_the_decode_instance_holding_the_prefix(stack):
+    """Disaggregated: the decode instance too is chosen by its summary (its prefix cache takes the pages it holds,
+    and the hand-off carries only the rest), within the same imbalance bound; prefill and decode independently."""
+    decode_prefix = dict(role="decode", reason="prefix")
+    before = stack.metric("eyrie_router_placements_total", **decode_prefix)
+    stack.publish("decode-a", load=5)
+    stack.publish("decode-b", load=10, cached=PROMPT)  # more loaded, within the bound, holding 40 tokens
+    placed = stack.send("to-b", PROMPT)
+    assert (placed["decode"], placed["decode_prefix_tokens"]) == ("decode-b", 40) and "prefix_tokens" not in placed
+    assert stack.metric("eyrie_router_placements_total", **decode_prefix) == before + 1
+    assert stack.metric("eyrie_router_prefix_matched_tokens_total", role="decode") >= 40
+    cold = stack.send("cold", [5] * 41)  # nobody holds it: the least loaded decode instance
+    assert cold["decode"] == "decode-a" and "decode_prefix_tokens" not in cold
+    stack.publish("decode-b", load=5 + BOUND + 1, cached=PROMPT)  # past the bound: passed over
+    assert stack.send("over", PROMPT)["decode"] == "decode-a"
+
+
 def test_local_prefill_goes_to_the_decode_instance_holding_the_prefix(redis_url, tiny_model_dir):
     s = Stack(redis_url, tiny_model_dir, local_prefill_max_tokens=64)
     try:
