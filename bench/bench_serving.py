@@ -45,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.ideal import annotate, format_ideal, measured_in_subprocess, model_shape  # noqa: E402
 from bench.serving_load import (  # noqa: E402
     GrpcDriver,
     HttpDriver,
@@ -509,10 +510,13 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="eyrie-serving-"))
     workdir.mkdir(parents=True, exist_ok=True)
     model, draft = prepare_model(run, workdir)
+    rates = None if args.smoke else measured_in_subprocess(args.device)  # the roofline's rates (issue 30)
     if args.layouts:
         from bench.serving_layouts import run_layouts
 
         run_layouts(run, model, draft, workdir)
+        annotate(run.report, rates, model_shape(model))
+        print("\n".join(format_ideal(run.report)))
         run.save()
         return 0
     points = build_points(args)
@@ -525,8 +529,10 @@ def main(argv: list[str] | None = None) -> int:
             for transport in args.transports.split(","):
                 run_stack_phase(run, model, draft, points, transport, workdir, local)
                 run.save()
+    annotate(run.report, rates, model_shape(model))
     run.save()
     print_summary(run.report)
+    print("\n".join(format_ideal(run.report)))
     return 0
 
 
