@@ -41,8 +41,9 @@
 #   bench/gpu_session.sh policy     # one GPU, through the stack (OpenAI API): plain vs the defaults with a draft (adaptive)
 #                                   # vs fixed chain 3 vs fixed tree, c1..c128, the 8B-shaped widened pair, greedy
 #                                   # checked equal (bench/house/policy_stack.py: policy_stack.json), ~6.5 min
-#   bench/gpu_session.sh graphs     # issue 30: colo1 c32/c64/c128 (max_running 128), graphs up to max_running; then
-#                                   # GRAPH_CAP=32 bench/gpu_session.sh graphs: the old cap of 32 (graphs_*.json, ~8 min each)
+#   bench/gpu_session.sh graphs     # issue 30: colo1 c32/c64/c128 (max_running 128), graphs up to max_running (or as far
+#                                   # as the memory fraction allows: graphs_*_memory.log); then GRAPH_CAP=32 ... graphs:
+#                                   # the old cap of 32 (graphs_*.json with each fixed point's ideal, ~5 min each)
 #   bench/gpu_session.sh receive    # a decode-step proxy on the last GPU while grpc-stream hand-offs arrive, the
 #                                   # scatter before issue 28 beside the current one (bench_receive.py --legacy)
 #
@@ -212,7 +213,9 @@ for stage in "$@"; do
       run "graphs_$cap" 540 python3 bench/bench_serving.py --layouts colo1 \
         --model /tmp/wide/target --draft /tmp/wide/eagle3 --prompts-file /tmp/wide/heldout.jsonl \
         --workdir "/tmp/graphs_$cap" --max-running 128 --sweep 32,64,128 --deadline-s 480 --mixed-seconds 10 \
-        --point-seconds 15 --request-timeout-s 90 --out "$OUT/graphs_$cap.json"
+        --point-seconds 40 --request-timeout-s 90 --out "$OUT/graphs_$cap.json"
+      grep -h "gpu_memory\|graphs_captured\|graphs_capped" "/tmp/graphs_$cap"/logs-*/*.log | cut -c1-1500 \
+        > "$OUT/graphs_${cap}_memory.log"
       cat "$OUT/graphs_$cap.md" 2>/dev/null
       unset EYRIE_CUDA_GRAPH_MAX_BS
       ;;
