@@ -20,6 +20,7 @@ A request's life here:
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import math
 import queue
@@ -69,9 +70,35 @@ class NoReservation(LookupError):
     pass
 
 
+class Phase(enum.Enum):
+    """Where a handed-off request is in its life on this instance (``Incoming.move`` allows only ``NEXT``)."""
+
+    RESERVED = "reserved"  # pages claimed for the hand-off, no transfer opened yet
+    RECEIVING = "receiving"  # a transfer opened (a split hand-off: more may open) and has not ended
+    DECODING = "decoding"  # in the engine's batch: activated after its transfer, or admitted to be prefilled here
+    DEFERRED = "deferred"  # aborted while an in-place sender may still write: its pages wait for its deadline
+    ENDED = "ended"  # released (aborted or finished): nothing held; forgotten once no stream reads it
+
+
+NEXT = {Phase.RESERVED: {Phase.RECEIVING, Phase.DEFERRED, Phase.ENDED},
+        Phase.RECEIVING: {Phase.DECODING, Phase.ENDED},
+        Phase.DECODING: {Phase.ENDED},
+        Phase.DEFERRED: {Phase.ENDED},
+        Phase.ENDED: set()}
+
+
+class Writer(enum.Enum):
+    """Who writes the reserved pages."""
+
+    BYTES = "bytes"  # they arrive as bytes over a transfer (or none come: admitted)
+    WRITING = "writing"  # the sender writes them in place (ipc, nixl) and may still be writing
+    WRITTEN = "written"  # in place, and the sender writes no page any more (its transfer opened, or it said so)
+
+
 @dataclass(eq=False)
 class Incoming:
-    """One handed-off request on this instance, from Reserve to the end of its stream."""
+    """One handed-off request on this instance, from Reserve (or Admit) to the end of its stream: its ``phase``
+    (changed under the servicer's lock by ``move``), who writes its pages, and whether a stream reads it."""
 
     rid: str
     req: Request  # the engine's request (identity guards against a re-placed request of the same id)
@@ -81,13 +108,23 @@ class Incoming:
     sink: PageSink | None  # writes (or, in place, checks) the reserved pages; stops once ``guard`` is cancelled
     # (None: admitted to be prefilled here, ``Admit``: no transfer comes)
     attach_deadline: float
+    phase: Phase = Phase.RESERVED
+    writer: Writer = Writer.BYTES
     guard: PageGuard = field(default_factory=PageGuard)
-    receiving: bool = False  # a Transfer has opened
-    streaming: bool = False  # a Stream has attached
-    in_place: bool = False  # the sender writes the pages itself (ipc): they stay reserved while it may write
-    writer_done: bool = False  # in_place: the sender writes no page any more (its Transfer opened, or it said so)
-    deferred: str | None = None  # in_place: aborted while the sender might still write; released at the deadline
+    streaming: bool = False  # a Stream (or a router's relay) reads its tokens
+    deferred_reason: str | None = None  # DEFERRED: the abort's reason, given when the pages go back
     first_token_to_come: bool = False  # reserved as the prefill started: the first token comes with the last chunk
+
+    def move(self, to: Phase) -> None:
+        """Into phase ``to`` (under the servicer's lock); a move ``NEXT`` does not allow is a bug here."""
+        if to not in NEXT[self.phase]:
+            raise RuntimeError(f"{self.rid}: no move from {self.phase.value} to {to.value}")
+        self.phase = to
+
+    @property
+    def receiving(self) -> bool:
+        """A transfer has opened (it may have ended since)."""
+        return self.phase is Phase.RECEIVING or (self.phase is Phase.DECODING and self.sink is not None)
 
 
 class DecodeServicer(pb_grpc.DecodeServicer):
@@ -114,7 +151,6 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self._incoming: dict[str, Incoming] = {}
         self._relays: set[DecodeRelay] = set()  # the routers' open relay calls
         self._reserving: set[str] = set()  # request ids between Reserve's checks and its reply
-        self._deferred: set[Incoming] = set()  # in-place reservations aborted while their sender may still write
         self._stop = threading.Event()
         self._reap_at = math.inf  # the reaper wakes then (the earliest attach or in-place deadline it knows)
         self._reap_wake = threading.Event()  # set for a deadline earlier than _reap_at, and at close
@@ -208,7 +244,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             reason = f"no room now ({load.free_pages[0]} free target pages, {load.running} running)"
             self.log.event("refused", rid, reason=reason, kind="decode_full")
             return pb.ReserveResponse(accepted=False, reason=reason)
-        inc = Incoming(rid, req, request.committed_len, events, sink, guard=guard, in_place=request.in_place,
+        inc = Incoming(rid, req, request.committed_len, events, sink, guard=guard,
+                       writer=Writer.WRITING if request.in_place else Writer.BYTES,
                        attach_deadline=time.monotonic() + self.settings.stream_attach_timeout_s,
                        first_token_to_come=not request.output_ids)
         self._track(inc)
@@ -237,7 +274,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 self.loop.unsubscribe(rid, events)
                 self.log.event("refused", rid, reason=str(e), kind="admit")
                 return pb.ReserveResponse(accepted=False, reason=str(e))
-            inc = Incoming(rid, req, len(request.prompt_ids), events, None, receiving=True, writer_done=True,
+            inc = Incoming(rid, req, len(request.prompt_ids), events, None, phase=Phase.DECODING,
                            attach_deadline=time.monotonic() + self.settings.stream_attach_timeout_s)
             self._track(inc)
         self.telemetry.local_prefills_total.inc()
@@ -252,11 +289,16 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         def open_sink(rid: str) -> PageSink:
             with self._lock:
                 inc = self._incoming.get(rid)
-                if inc is None or inc.sink is None or (inc.receiving and not inc.sink.takes_another_stream()):
-                    raise NoReservation(f"request_id: {rid!r} has no reservation waiting for a transfer here")
-                first, inc.receiving = not inc.receiving, True  # or another stream of a split hand-off
+                another = inc is not None and inc.phase is Phase.RECEIVING and inc.sink is not None \
+                    and inc.sink.takes_another_stream()
+                if inc is None or inc.sink is None or not (another or inc.phase in (Phase.RESERVED, Phase.DEFERRED)):
+                    if inc is None or inc.sink is None or not inc.guard.cancelled:
+                        raise NoReservation(f"request_id: {rid!r} has no reservation waiting for a transfer here")
+                    raise TransferCancelled(f"{rid} was aborted before its transfer")
+                if inc.phase is Phase.RESERVED:
+                    inc.move(Phase.RECEIVING)
             opened.append(inc)
-            if first and inc.in_place:  # the sender opens the call only after its last write
+            if inc.writer is Writer.WRITING:  # the sender opens the call only after its last write
                 self._writer_done(inc)
             if inc.guard.cancelled:
                 raise TransferCancelled(f"{rid} was aborted before its transfer")
@@ -292,6 +334,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
         if not self.loop.call(activate).result():
             context.abort(grpc.StatusCode.ABORTED, f"{inc.rid} was aborted during its transfer")
+        with self._lock:
+            if inc.phase is Phase.RECEIVING:  # (an abort since may have ended it: its release stands)
+                inc.move(Phase.DECODING)
         dt = time.perf_counter() - t0
         self.telemetry.handoff_bytes_total.inc(received.bytes)
         self.telemetry.handoff_seconds.observe(dt)
@@ -404,7 +449,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             inc = self._incoming.get(request.request_id)
         if request.resend_as_bytes:
             return pb.AbortResponse(found=inc is not None and self._to_bytes(inc))
-        if inc is not None and request.sender_stopped and inc.in_place:
+        if inc is not None and request.sender_stopped and inc.writer is Writer.WRITING:
             self._writer_done(inc)
         return pb.AbortResponse(found=inc is not None and self._abort(inc, "aborted by request"))
 
@@ -412,10 +457,12 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         """Abort ``inc`` wherever it is (reserved, receiving, decoding); True if it was still running."""
         inc.guard.cancel()  # a transfer writes its pages no more (waits for a chunk being written)
         with self._lock:
-            defer = inc.in_place and not inc.writer_done and time.monotonic() < inc.attach_deadline
-            if defer and inc.deferred is None:
-                inc.deferred = reason
-                self._deferred.add(inc)
+            # Only before any transfer opened: the sender opens one after its last write.
+            defer = inc.writer is Writer.WRITING and time.monotonic() < inc.attach_deadline \
+                and inc.phase in (Phase.RESERVED, Phase.DEFERRED)
+            if defer and inc.phase is Phase.RESERVED:
+                inc.move(Phase.DEFERRED)
+                inc.deferred_reason = reason
                 self._reap_by(inc.attach_deadline)
         if defer:  # another process may still be writing these pages: they go back at its deadline
             self.log.event("abort_deferred", inc.rid, reason=reason, seconds_left=round(
@@ -429,27 +476,33 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         bytes (the same pages, none counted as written). False when that is no longer possible (aborted, or a
         transfer already opened)."""
         with self._lock:
-            if not inc.in_place or inc.receiving or inc.guard.cancelled or inc.sink is None:
+            if inc.writer is not Writer.WRITING or inc.phase is not Phase.RESERVED or inc.guard.cancelled:
                 return False
-            inc.in_place, inc.sink.in_place, inc.writer_done = False, False, True
+            inc.writer, inc.sink.in_place = Writer.BYTES, False
         self.log.event("resend_as_bytes", inc.rid, logging.WARNING)
         return True
 
     def _writer_done(self, inc: Incoming) -> None:
         """The in-place sender writes no page any more: an abort deferred for it completes now."""
         with self._lock:
-            inc.writer_done = True
-            reason, inc.deferred = inc.deferred, None
-            self._deferred.discard(inc)
+            inc.writer = Writer.WRITTEN
+            reason = inc.deferred_reason if inc.phase is Phase.DEFERRED else None
         if reason is not None:
             self._release(inc, reason)
 
     def _release(self, inc: Incoming, reason: str) -> bool:
+        """The one way a request's pages go back on an abort: ENDED, the engine releases it, an attached stream
+        ends with ABORTED; forgotten unless a stream still reads it (it forgets it as it ends)."""
+        with self._lock:
+            ended = inc.phase is Phase.ENDED
+            if not ended:
+                inc.move(Phase.ENDED)
+
         def abort(engine: Engine) -> bool:
             return engine.release(inc.req, "abort")
 
         try:
-            found = self.loop.call(abort).result(timeout=30)
+            found = False if ended else self.loop.call(abort).result(timeout=30)
         except Exception:  # the loop stopped (shutdown)
             found = False
         if found:
@@ -484,10 +537,12 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             now = time.monotonic()
             with self._lock:
                 self._reap_wake.clear()
-                waiting = [i for i in self._incoming.values() if not i.streaming and i.deferred is None]
+                deferred = [i for i in self._incoming.values() if i.phase is Phase.DEFERRED]
+                waiting = [i for i in self._incoming.values()
+                           if not i.streaming and i.phase not in (Phase.DEFERRED, Phase.ENDED)]
                 late = [i for i in waiting if i.attach_deadline < now]
-                expired = [i for i in self._deferred if i.attach_deadline < now]
-                self._reap_at = min((i.attach_deadline for i in (*waiting, *self._deferred)
+                expired = [i for i in deferred if i.attach_deadline < now]
+                self._reap_at = min((i.attach_deadline for i in (*waiting, *deferred)
                                      if i.attach_deadline >= now), default=math.inf)
             for inc in expired:  # the in-place sender's lease is over: it writes no page any more
                 self._writer_done(inc)

@@ -609,6 +609,40 @@ def test_decode_abort_mid_stream_ends_the_stream_and_frees_the_pages(stack):
     wait_until(lambda: aborted_on_decode(stack) == before + 1)  # counted just after the pages went back
 
 
+def test_a_hand_off_moves_through_named_phases_on_the_decode_side(stack, monkeypatch):
+    """A hand-off's life on the decode instance is one state machine: reserved -> receiving -> decoding -> ended,
+    through the one release path whether it finished or was aborted mid-stream (``services/decode/server.py``:
+    ``Phase``, the moves ``NEXT`` allows)."""
+    from services.decode.server import Incoming, Phase
+
+    moves: list[tuple[str, Phase, Phase]] = []
+    move = Incoming.move
+    monkeypatch.setattr(Incoming, "move", lambda inc, to: moves.append((inc.rid, inc.phase, to)) or move(inc, to))
+    rid = stack.rid()
+    stack.generate(LONG, rid=rid)
+    wait_until(lambda: (rid, Phase.DECODING, Phase.ENDED) in moves)  # its stream's end releases it (a no-op)
+    assert [(a, b) for r, a, b in moves if r == rid] == [(Phase.RESERVED, Phase.RECEIVING),
+                                                          (Phase.RECEIVING, Phase.DECODING),
+                                                          (Phase.DECODING, Phase.ENDED)]
+    rid, stream = start_long_stream(stack)
+    assert stack.dstub.Abort(pb.AbortRequest(request_id=rid), timeout=5).found
+    with pytest.raises(grpc.RpcError):
+        list(stream)
+    assert [b for r, _, b in moves if r == rid] == [Phase.RECEIVING, Phase.DECODING, Phase.ENDED]
+    assert stack.clean() and rid not in stack.decode.extra["servicer"]._incoming
+
+
+def test_a_move_the_state_machine_does_not_allow_is_refused():
+    from services.decode.server import Incoming, Phase
+
+    inc = Incoming("r", None, 1, None, None, attach_deadline=0.0)
+    with pytest.raises(RuntimeError, match="no move from reserved to decoding"):
+        inc.move(Phase.DECODING)  # a request decodes only after its transfer
+    inc.move(Phase.ENDED)
+    with pytest.raises(RuntimeError, match="no move from ended to reserved"):
+        inc.move(Phase.RESERVED)
+
+
 def test_a_stream_client_that_goes_away_aborts_the_request(stack):
     before = aborted_on_decode(stack)
     _, stream = start_long_stream(stack)
@@ -685,6 +719,7 @@ def test_an_in_place_sender_that_dies_mid_transfer_leaves_its_reservation_held_u
     assert stack.dstub.Abort(pb.AbortRequest(request_id=rid), timeout=5).found  # not from the sender
     # The abort is answered: it has deferred the release (or made it, wrongly) by now, no sleep needed.
     assert not stack.decode.engine_loop.call(lambda e: e.is_idle_and_clean()).result(5)  # still held
+    assert stack.decode.extra["servicer"]._incoming[rid].phase.value == "deferred"
     assert 0 < reply.write_deadline - time.monotonic() < LEASE_S  # and seen so before the deadline
     assert stack.clean(timeout=LEASE_S + 30)  # freed once the deadline passed
 
