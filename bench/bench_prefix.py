@@ -80,6 +80,7 @@ SMOKE_DEFAULTS = dict(preset="tiny", device="cpu", dtype="float32", cuda_graph="
 # shared machine is ten times slower with a spinning thread per core).
 SMOKE_ENV = {"OMP_NUM_THREADS": "1"}
 WORKLOADS = ("shared", "chat", "probe")
+HEAD_KEY = 8  # a run's prompts differ in their first this many tokens: a cold prompt finds no page cached
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -213,11 +214,24 @@ def draw(rng: random.Random, n: int, vocab: tuple[int, int], text_ids: list[int]
     return [rng.randrange(*vocab) for _ in range(n)]
 
 
+def fresh(rng: random.Random, n: int, vocab: tuple[int, int], text_ids: list[int] | None, taken: set) -> list[int]:
+    """``draw``, again while its first ``HEAD_KEY`` tokens start an earlier prompt (a text repeats itself: two
+    windows could share a first page, and a cold request would find it cached); its start is then taken."""
+    for _ in range(100):
+        ids = draw(rng, n, vocab, text_ids)
+        if tuple(ids[:HEAD_KEY]) not in taken:
+            break
+    taken.add(tuple(ids[:HEAD_KEY]))
+    return ids
+
+
 def shared_prefix_specs(prefixes: int, prefix_tokens: int, questions: int, question_tokens: int, output: int,
-                        vocab: tuple[int, int], text_ids: list[int] | None, seed: str) -> list[PrefixSpec]:
-    """Every prefix's first question, then every prefix's second, ... (a pure function of its arguments)."""
-    rng = random.Random(f"prefix/{seed}")
-    heads = [draw(rng, prefix_tokens, vocab, text_ids) for _ in range(prefixes)]
+                        vocab: tuple[int, int], text_ids: list[int] | None, seed: str,
+                        taken: set | None = None) -> list[PrefixSpec]:
+    """Every prefix's first question, then every prefix's second, ... (a pure function of its arguments; each
+    prefix starts unlike the others and those in ``taken``, which gains theirs)."""
+    rng, taken = random.Random(f"prefix/{seed}"), set() if taken is None else taken
+    heads = [fresh(rng, prefix_tokens, vocab, text_ids, taken) for _ in range(prefixes)]
     asks = [[draw(rng, question_tokens, vocab, text_ids) for _ in range(questions)] for _ in range(prefixes)]
     return [PrefixSpec(heads[p] + asks[p][q], output, group=p, turn=q) for q in range(questions)
             for p in range(prefixes)]
@@ -250,16 +264,16 @@ def run_shared(driver: UsageDriver, specs: list[PrefixSpec], concurrency: int, i
     return run_closed_loop(gated(driver, specs, wait_s), specs, concurrency, issue_s, PrefixRecord)
 
 
-def run_chat(driver: UsageDriver, conversations: int, turns: int, lengths: tuple[int, int, int],
+def run_chat(driver: UsageDriver, openings: list[list[int]], turns: int, new: int, output: int,
              vocab: tuple[int, int], text_ids: list[int] | None, seed: int, issue_s: float) -> list[PrefixRecord]:
-    """Every conversation at once, its turns one after the other; the records in order of sending."""
-    first, new, output = lengths
+    """Every conversation (its first prompt in ``openings``) at once, its turns one after the other; the records
+    in order of sending."""
     deadline = time.perf_counter() + issue_s
-    per: list[list[PrefixRecord]] = [[] for _ in range(conversations)]
+    per: list[list[PrefixRecord]] = [[] for _ in openings]
+    rngs = [random.Random(f"chat/{seed}/{c}") for c in range(len(openings))]
 
     def conversation(c: int) -> None:
-        rng = random.Random(f"chat/{seed}/{c}")
-        prompt = draw(rng, first, vocab, text_ids)
+        rng, prompt = rngs[c], openings[c]
         for t in range(turns):
             if t:
                 prompt = prompt + per[c][-1].token_ids + draw(rng, new, vocab, text_ids)
@@ -271,7 +285,7 @@ def run_chat(driver: UsageDriver, conversations: int, turns: int, lengths: tuple
             if not record.ok:
                 return
 
-    threads = [threading.Thread(target=conversation, args=(c,), daemon=True) for c in range(conversations)]
+    threads = [threading.Thread(target=conversation, args=(c,), daemon=True) for c in range(len(openings))]
     for t in threads:
         t.start()
     for t in threads:
@@ -368,7 +382,33 @@ class Bench:
         write_json(self.args.out, self.report)
 
 
-def run_one(bench: Bench, pr: PrefixRun, flags: dict, budget_s: float, vocab: tuple[int, int],
+@dataclass(frozen=True)
+class Plan:
+    """A run's prompts, the same in every run (a pure function of the settings), each prefix and conversation
+    starting unlike every other (``fresh``)."""
+
+    warmup: list[PrefixSpec]
+    shared: list[PrefixSpec]
+    probe: list[PrefixSpec]
+    chat: list[list[int]]  # each conversation's first prompt
+
+
+def plan_prompts(args, vocab: tuple[int, int], text_ids: list[int] | None) -> Plan:
+    taken: set = set()
+    # The warm-up: prefixes of their own, cold and warm, several at once (kernels compiled, pools touched).
+    warmup = shared_prefix_specs(min(8, args.prefixes), args.prefix_tokens, 2, args.question_tokens,
+                                 min(8, args.output_tokens), vocab, text_ids, f"warmup/{args.seed}", taken)
+    shared = shared_prefix_specs(args.prefixes, args.prefix_tokens, args.questions, args.question_tokens,
+                                 args.output_tokens, vocab, text_ids, str(args.seed), taken)
+    probe = shared_prefix_specs(args.probe, args.prefix_tokens, 2, args.question_tokens, args.probe_output, vocab,
+                                text_ids, f"probe/{args.seed}", taken)
+    probe.sort(key=lambda s: (s.group, s.turn))  # each prefix cold, then warm, one request at a time
+    rng = random.Random(f"chat-opening/{args.seed}")
+    chat = [fresh(rng, args.chat_lengths[0], vocab, text_ids, taken) for _ in range(args.chat_shape[0])]
+    return Plan(warmup, shared, probe, chat)
+
+
+def run_one(bench: Bench, pr: PrefixRun, flags: dict, budget_s: float, plan: Plan, vocab: tuple[int, int],
             text_ids: list[int] | None) -> None:
     """Start the run's stack, warm it, run each workload that fits ``budget_s``, stop it."""
     args, t0 = bench.args, time.monotonic()
@@ -376,11 +416,8 @@ def run_one(bench: Bench, pr: PrefixRun, flags: dict, budget_s: float, vocab: tu
     try:
         pr.start(flags, budget_s)
         driver = UsageDriver(pr.stack.openai_address, args.request_timeout_s)
-        # The warm-up: prefixes of their own, cold and warm, several at once (kernels compiled, pools touched).
-        warm = shared_prefix_specs(min(8, args.prefixes), args.prefix_tokens, 2, args.question_tokens,
-                                   min(8, args.output_tokens), vocab, text_ids, f"warmup/{args.seed}")
-        pr.out["warmup_failed"] = sum(not r.ok for r in run_shared(driver, warm, min(16, args.concurrency), left(),
-                                                                    args.request_timeout_s))
+        warm = run_shared(driver, plan.warmup, min(16, args.concurrency), left(), args.request_timeout_s)
+        pr.out["warmup_failed"] = sum(not r.ok for r in warm)
         for name in args.workload_list:
             if name == "chat" and not all(args.chat_shape) or name == "probe" and not args.probe:
                 continue
@@ -388,7 +425,7 @@ def run_one(bench: Bench, pr: PrefixRun, flags: dict, budget_s: float, vocab: tu
                 pr.out.setdefault("skipped", []).append(name)
                 continue
             before = pr.snapshot()
-            pr.out[name] = {**run_workload(name, args, driver, vocab, text_ids, left()), **pr.delta(before)}
+            pr.out[name] = {**run_workload(name, args, driver, plan, vocab, text_ids, left()), **pr.delta(before)}
             bench.save()
             print(format_line(pr.out["label"], name, pr.out[name]), flush=True)
         pr.services()
@@ -401,21 +438,16 @@ def run_one(bench: Bench, pr: PrefixRun, flags: dict, budget_s: float, vocab: tu
         bench.save()
 
 
-def run_workload(name: str, args, driver: UsageDriver, vocab, text_ids, issue_s: float) -> dict:
+def run_workload(name: str, args, driver: UsageDriver, plan: Plan, vocab, text_ids, issue_s: float) -> dict:
     if name == "shared":
-        specs = shared_prefix_specs(args.prefixes, args.prefix_tokens, args.questions, args.question_tokens,
-                                    args.output_tokens, vocab, text_ids, str(args.seed))
-        records = run_shared(driver, specs, args.concurrency, issue_s, args.request_timeout_s)
+        records = run_shared(driver, plan.shared, args.concurrency, issue_s, args.request_timeout_s)
         return workload_summary(name, records, args.concurrency, args.output_tokens)
     if name == "chat":
-        (conversations, turns), output = args.chat_shape, args.chat_lengths[2]
-        records = run_chat(driver, conversations, turns, args.chat_lengths, vocab, text_ids, args.seed, issue_s)
-        return workload_summary(name, records, conversations, output)
-    specs = shared_prefix_specs(args.probe, args.prefix_tokens, 2, args.question_tokens, args.probe_output, vocab,
-                                text_ids, f"probe/{args.seed}")
-    specs.sort(key=lambda s: (s.group, s.turn))  # each prefix cold, then warm, one request at a time
-    return workload_summary(name, run_shared(driver, specs, 1, issue_s, args.request_timeout_s), 1,
-                            args.probe_output)
+        _, new, output = args.chat_lengths
+        records = run_chat(driver, plan.chat, args.chat_shape[1], new, output, vocab, text_ids, args.seed, issue_s)
+        return workload_summary(name, records, len(plan.chat), output)
+    records = run_shared(driver, plan.probe, 1, issue_s, args.request_timeout_s)
+    return workload_summary(name, records, 1, args.probe_output)
 
 
 def plan_runs(args) -> list[tuple[str, str, str]]:
@@ -471,14 +503,14 @@ def main(argv: list[str] | None = None) -> int:
     vocab, text_ids = prompt_vocab(model), prompt_text_ids(model, args.prompts_file)
     # The engines' flags as bench_serving's layouts set them: device and memory fraction each instance its own.
     flags = {**engine_flags(argparse.Namespace(**vars(args), gpu_memory_fraction=None)), "device": None}
-    runs = plan_runs(args)
+    runs, plan = plan_runs(args), plan_prompts(args, vocab, text_ids)
     for i, (layout, draft_name, cache) in enumerate(runs):
         budget = (bench.left() - 5) / (len(runs) - i)
         if budget < args.min_phase_s:
             bench.report["skipped"].append(f"{layout} cache {cache} draft {draft_name}")
             continue
         pr = PrefixRun(bench, layout, cache, draft_name, model, drafts[draft_name], workdir)
-        run_one(bench, pr, {**flags, "prefix_cache": cache == "on"}, budget, vocab, text_ids)
+        run_one(bench, pr, {**flags, "prefix_cache": cache == "on"}, budget, plan, vocab, text_ids)
     bench.save()
     markdown = tables(bench.report)
     Path(args.out).with_suffix(".md").write_text(f"{heading(bench.report)} (raw JSON: {Path(args.out).name})\n\n"

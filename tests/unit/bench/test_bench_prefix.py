@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.bench_prefix import parse_args, shared_prefix_specs
+from bench.bench_prefix import HEAD_KEY, parse_args, shared_prefix_specs
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKLOAD_FIELDS = ("issued", "completed", "failed", "output_tokens", "output_tok_s", "requests_s", "duration_s",
@@ -45,6 +45,17 @@ def test_the_shared_workload_interleaves_prefixes_each_first_question_first():
     text = list(range(100, 400))
     for s in shared_prefix_specs(2, 32, 2, 8, 5, (2, 500), text, "t"):  # windows of the text
         assert all(b == a + 1 for a, b in zip(s.prompt_ids[:32], s.prompt_ids[1:32]))
+
+
+def test_prefixes_of_a_repeating_text_still_start_apart_across_workloads():
+    """A text that repeats itself every 50 tokens: 20 windows drawn at random would share a start (and a cold
+    request its first page) almost surely; the prefixes drawn (and those of a second call given the same
+    ``taken``) all start differently."""
+    text, taken = list(range(1000, 1050)) * 20, set()
+    first = shared_prefix_specs(20, 32, 2, 8, 5, (2, 500), text, "a", taken)
+    second = shared_prefix_specs(5, 32, 2, 8, 5, (2, 500), text, "b", taken)
+    starts = [tuple(s.prompt_ids[:HEAD_KEY]) for s in first + second if s.turn == 0]
+    assert len(starts) == 25 == len(set(starts)) == len(taken)
 
 
 @pytest.mark.parametrize("flags, says", [(["--questions", "1"], "--questions must be at least 2"),
