@@ -212,8 +212,9 @@ for stage in "$@"; do
     prefix-bench|prefix-bench2)  # issue 33's benchmark, the widened pair built once (/tmp/wide), one table
       [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
       if [ "$stage" = prefix-bench ]; then which=colo1,pd1 prefixes=16; else which=pd2 prefixes=64; fi
-      # Whatever the widening took of this call's 10 minutes, the benchmark stops issuing by its deadline.
-      deadline=$(( 540 - SECONDS )); [ "$deadline" -gt 480 ] && deadline=480
+      # What the widening (and the stages before) took of this call's 10 minutes is taken off the deadline:
+      # the benchmark stops issuing by it, its last requests drain and its services stop within the 45 s after.
+      deadline=$(( 520 - SECONDS )); [ "$deadline" -gt 460 ] && deadline=460; [ "$deadline" -lt 60 ] && deadline=60
       name=${stage//-/_}
       run "$name" $((deadline + 45)) python3 bench/bench_prefix.py --layouts "$which" --cache on,off \
         --model /tmp/wide/target --draft /tmp/wide/eagle3 --prompts-file /tmp/wide/heldout.jsonl \
