@@ -157,7 +157,19 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
     if len(args.chat_shape) != 2 or len(args.chat_lengths) != 3 or min(args.chat_lengths) < 1:
         ap.error(f"--chat {args.chat!r} / --chat-tokens {args.chat_tokens!r}: expected CxT and FIRST:NEW:OUTPUT "
                  "(each length at least 1)")
-    args.cache_list, args.workload_list = caches, workloads
+    unknown = [n for n in args.layouts.split(",") if n.strip() and n.strip() not in LAYOUTS]
+    if unknown:
+        ap.error(f"--layouts: unknown layout {unknown[0]!r} (known: {', '.join(LAYOUTS)})")
+    drafts = [d.strip() for d in args.draft.split(",") if d.strip()]
+    for d in drafts:
+        if d == "eagle3" and args.model:
+            ap.error("--draft eagle3 writes a random head beside a written model; with --model give the head's "
+                     "directory")
+        if d not in ("none", "eagle3") and not (Path(d) / "config.json").exists():
+            ap.error(f"--draft {d}: not a checkpoint directory (no config.json)")
+    if args.model and not (Path(args.model) / "config.json").exists():
+        ap.error(f"--model {args.model}: not a checkpoint directory (no config.json)")
+    args.cache_list, args.workload_list, args.draft_list = caches, workloads, drafts or ["none"]
 
 
 # ---- requests and their records ------------------------------------------------------------------
@@ -366,8 +378,8 @@ class Bench:
 
     def __init__(self, args):
         self.t0, self.args = time.monotonic(), args
-        settings = {k: v for k, v in vars(args).items() if k not in ("chat_shape", "chat_lengths", "cache_list",
-                                                                      "workload_list")}
+        derived = ("chat_shape", "chat_lengths", "cache_list", "workload_list", "draft_list", "layout_list")
+        settings = {k: v for k, v in vars(args).items() if k not in derived}
         self.report: dict = {"settings": settings, "runs": [], "comparisons": [], "skipped": []}
 
     def child_env(self) -> dict:
@@ -452,16 +464,14 @@ def run_workload(name: str, args, driver: UsageDriver, plan: Plan, vocab, text_i
 
 def plan_runs(args) -> list[tuple[str, str, str]]:
     """(layout, draft name, cache) in run order: a layout's cache on and off next to each other."""
-    drafts = [d.strip() for d in args.draft.split(",") if d.strip()]
-    return [(layout, d, c) for layout in args.layout_list for d in drafts for c in args.cache_list]
+    return [(layout, d, c) for layout in args.layout_list for d in args.draft_list for c in args.cache_list]
 
 
 def prepare(bench: Bench, workdir: Path) -> tuple[str, dict[str, str | None]]:
-    """The target checkpoint and each draft name's directory (None: no draft)."""
+    """The target checkpoint (``--model``, else one written under ``workdir``) and each draft name's directory
+    (None: no draft; ``eagle3``: a random head written with the checkpoint)."""
     args = bench.args
-    names = [d.strip() for d in args.draft.split(",") if d.strip()]
-    model = args.model
-    written: dict = {}
+    model, written = args.model, {}
     if model is None:
         import torch
 
@@ -469,19 +479,10 @@ def prepare(bench: Bench, workdir: Path) -> tuple[str, dict[str, str | None]]:
 
         shard = {"shard_bytes": 200_000} if args.smoke else {}
         written = write_serving_model(workdir / "model", args.preset, args.device, getattr(torch, args.dtype),
-                                      "eagle3" in names, **shard)
+                                      "eagle3" in args.draft_list, **shard)
         bench.report["model"] = written
         model = written["target"]
-    elif "eagle3" in names:
-        raise SystemExit("bench_prefix.py: error: --draft eagle3 writes a random head beside a written model; "
-                         "with --model give the head's directory")
-    drafts = {}
-    for n in names:
-        d = None if n == "none" else written["draft"] if n == "eagle3" else n
-        if d is not None and not (Path(d) / "config.json").exists():
-            raise SystemExit(f"bench_prefix.py: error: --draft {n}: {d} is not a checkpoint directory")
-        drafts[n] = d
-    return model, drafts
+    return model, {n: None if n == "none" else written["draft"] if n == "eagle3" else n for n in args.draft_list}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,7 +61,10 @@ def test_prefixes_of_a_repeating_text_still_start_apart_across_workloads():
 @pytest.mark.parametrize("flags, says", [(["--questions", "1"], "--questions must be at least 2"),
                                          (["--cache", "maybe"], "--cache 'maybe'"),
                                          (["--chat", "4"], "--chat '4'"),
-                                         (["--workloads", "shared,nope"], "--workloads 'shared,nope'")])
+                                         (["--workloads", "shared,nope"], "--workloads 'shared,nope'"),
+                                         (["--layouts", "colo1,pd9"], "unknown layout 'pd9'"),
+                                         (["--draft", "/nonexistent/head"], "--draft /nonexistent/head: not a "
+                                                                            "checkpoint directory")])
 def test_bad_flags_exit_2_naming_the_flag(flags, says, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(["--smoke", *flags])
