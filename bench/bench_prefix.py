@@ -21,6 +21,10 @@ back):
 * the TTFT probe: ``--probe`` N new prefixes at concurrency 1, each a cold request then a warm one (another
   question), ``--probe-output`` tokens out: a cached prompt's TTFT against an uncached one, no queue.
 
+Every run sends the same prompts (planned once from ``--seed``), each prefix and conversation starting unlike
+every other, after a warm-up of its own prefixes (cold and warm, several at once). With a draft, a warm request
+finds its prefix less the last page (a cached page's key holds the token after it: here a question's first).
+
 Per run and workload: output tok/s, requests/s, TTFT p50/p99 of the cold and of the warm requests, the cached
 tokens the responses report (summed per kind, and per request in ``requests_detail``), failed requests (a
 request is complete when every token and its usage came back), the hand-off bytes the prefill services count
