@@ -44,6 +44,11 @@
 #   bench/gpu_session.sh graphs     # issue 30: colo1 c32/c64/c128 (max_running 128), graphs up to max_running (or as far
 #                                   # as the memory fraction allows: graphs_*_memory.log); then GRAPH_CAP=32 ... graphs:
 #                                   # the old cap of 32 (graphs_*.json with each fixed point's ideal, ~5 min each)
+#   bench/gpu_session.sh prefix-bench   # issue 33: the shared-prefix benchmark, one GPU: colo1 and pd1, the prefix cache
+#                                   # on and off, the widened pair with its EAGLE-3 head, OpenAI API: 16 prefixes x 10
+#                                   # questions (2048 + 128 tokens, 256 out, c32), chat 16x4, the c1 TTFT probe
+#                                   # (bench/bench_prefix.py: prefix_bench.json / .md, ~8 min)
+#   bench/gpu_session.sh prefix-bench2  # the same on two GPUs for pd2 (1P1D), the issue's 64 prefixes x 10 questions
 #   bench/gpu_session.sh receive    # a decode-step proxy on the last GPU while grpc-stream hand-offs arrive, the
 #                                   # scatter before issue 28 beside the current one (bench_receive.py --legacy)
 #
@@ -205,6 +210,22 @@ for stage in "$@"; do
       done
       cat "$OUT/$stage.md" 2>/dev/null
       ;;
+    prefix-bench|prefix-bench2)  # issue 33's benchmark, the widened pair built once (/tmp/wide), one table
+      [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
+      if [ "$stage" = prefix-bench ]; then which=colo1,pd1 prefixes=16; else which=pd2 prefixes=64; fi
+      # What the widening (and the stages before) took of this call's 10 minutes is taken off the deadline:
+      # the benchmark stops issuing by it, its last requests drain and its services stop within the 45 s after.
+      deadline=$(( 520 - SECONDS )); [ "$deadline" -gt 460 ] && deadline=460; [ "$deadline" -lt 60 ] && deadline=60
+      name=${stage//-/_}
+      run "$name" $((deadline + 45)) python3 bench/bench_prefix.py --layouts "$which" --cache on,off \
+        --model /tmp/wide/target --draft /tmp/wide/eagle3 --prompts-file /tmp/wide/heldout.jsonl \
+        --prefixes "$prefixes" --questions 10 --workdir "/tmp/$name" --deadline-s "$deadline" \
+        --request-timeout-s 120 --out "$OUT/$name.json"
+      for d in /tmp/"$name"/logs-*; do  # every run's service logs, a failed start's included
+        [ -d "$d" ] && mkdir -p "$OUT/$(basename "$d")" && cp "$d"/*.log "$OUT/$(basename "$d")/"
+      done
+      cat "$OUT/$name.md" 2>/dev/null
+      ;;
     graphs)  # issue 30: one engine prefilling its own prompts (colo1), c32/c64/c128 at max_running 128, the graphs
       # covering every batch (the default) or capped (GRAPH_CAP=32: the old fixed cap); run both on one warm machine
       [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
@@ -221,7 +242,8 @@ for stage in "$@"; do
       ;;
     *)
       echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention, serving," \
-        "features, tp-tests, tp, local, memory, layouts, layouts4, peer, nixl, receive, policy, graphs)" >&2
+        "features, tp-tests, tp, local, memory, layouts, layouts4, peer, nixl, receive, policy, graphs," \
+        "prefix, prefix-route, decode-cache, prefix-bench, prefix-bench2)" >&2
       exit 2
       ;;
   esac

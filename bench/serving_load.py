@@ -128,9 +128,11 @@ def summarize(point: Point, records: list[RequestRecord]) -> dict:
 
 # ---- the stack's clients -------------------------------------------------------------------------
 def run_closed_loop(send: Callable[[RequestSpec, RequestRecord], None], specs: list[RequestSpec],
-                    concurrency: int, issue_s: float) -> list[RequestRecord]:
+                    concurrency: int, issue_s: float,
+                    new_record: Callable[[float, int], RequestRecord] = RequestRecord) -> list[RequestRecord]:
     """``concurrency`` threads each send the next request when their last one ended, until every spec was
-    sent or ``issue_s`` passed; ``send`` fills the record (it must not raise)."""
+    sent or ``issue_s`` passed; ``send`` fills the record (it must not raise). The records (``new_record(sent,
+    expected_tokens)``: a subclass may carry more) come back in issue order, the specs' order."""
     records: list[RequestRecord] = []
     lock = threading.Lock()
     queue = iter(specs)
@@ -142,7 +144,7 @@ def run_closed_loop(send: Callable[[RequestSpec, RequestRecord], None], specs: l
                 spec = next(queue, None)
                 if spec is None:
                     return
-                record = RequestRecord(time.perf_counter(), spec.max_new_tokens)
+                record = new_record(time.perf_counter(), spec.max_new_tokens)
                 records.append(record)
             record.sent = time.perf_counter()
             send(spec, record)
@@ -192,9 +194,12 @@ class HttpDriver:
         host, port = address.rsplit(":", 1)
         self.host, self.port, self.timeout_s, self.model = host, int(port), timeout_s, model
 
+    def payload(self, spec: RequestSpec) -> dict:
+        return {"model": self.model, "prompt": spec.prompt_ids, "max_tokens": spec.max_new_tokens,
+                "temperature": 0.0, "ignore_eos": True, "stream": True, "return_token_ids": True}
+
     def __call__(self, spec: RequestSpec, record: RequestRecord) -> None:
-        body = json.dumps({"model": self.model, "prompt": spec.prompt_ids, "max_tokens": spec.max_new_tokens,
-                           "temperature": 0.0, "ignore_eos": True, "stream": True, "return_token_ids": True})
+        body = json.dumps(self.payload(spec))
         conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
         try:
             conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
@@ -208,8 +213,7 @@ class HttpDriver:
         finally:
             conn.close()
 
-    @staticmethod
-    def _read_events(resp, record: RequestRecord) -> None:
+    def _read_events(self, resp, record: RequestRecord) -> None:
         while True:
             line = resp.readline()
             if not line:
@@ -223,9 +227,13 @@ class HttpDriver:
             if "error" in event:
                 record.error = f"stream error: {event['error'].get('message')}"
                 return
-            n = sum(len(c.get("token_ids") or []) for c in event.get("choices", []))
-            if n:
-                record.arrivals.append((time.perf_counter(), n))
+            self.on_event(event, record)
+
+    def on_event(self, event: dict, record: RequestRecord) -> None:
+        """One streamed chunk: the tokens it carried, stamped."""
+        n = sum(len(c.get("token_ids") or []) for c in event.get("choices", []))
+        if n:
+            record.arrivals.append((time.perf_counter(), n))
 
 
 # ---- the engine in-process -----------------------------------------------------------------------
