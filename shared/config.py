@@ -94,8 +94,10 @@ class EngineConfig(BaseModel):
     cuda_graph: bool = Field(False, description="capture decode, draft and verify in CUDA graphs")
     cuda_graph_phases: tuple[str, ...] = ("decode", "draft", "verify", "extend")  # each switchable
     cuda_graph_max_bs: int | None = Field(None, description="largest batch the CUDA graphs are captured for "
-                                          "(unset = `max_running`: every batch the engine runs); larger batches "
-                                          "run eagerly, their kernels launched one by one")
+                                          "(unset = `max_running`: every batch the engine runs, as far as "
+                                          "`gpu_memory_fraction` leaves room: a `graphs_capped` warning names "
+                                          "where capture stopped); larger batches run eagerly, their kernels "
+                                          "launched one by one")
     spec_draft_ahead: bool | None = Field(None, description="launch the next step's draft before this step's "
                                           "tokens reach the host, overlapping the host's bookkeeping (unset or "
                                           "`auto` = on with `cuda`)")
