@@ -209,8 +209,9 @@ class RouterSettings(CommonSettings):
     max_n: int = Field(16, ge=1, description="choices a request may ask for at most (OpenAI's n and best_of; more: "
                        "400 / INVALID_ARGUMENT naming the parameter and the limit)")
     prefix_routing: bool = Field(True, description="place a prompt on the instance whose published prefix cache "
-                                 "summary holds most of its leading pages (instances with `prefix_cache`: the prefill instance, and the "
-                                 "decode instance, whose hand-off then carries only the pages it lacks), within "
+                                 "summary holds most of its leading pages (instances with `prefix_cache`: the "
+                                 "prefill instance, and the decode instance, whose hand-off then carries only the "
+                                 "pages it lacks), within "
                                  "`prefix_balance_tokens`; off (or no summary published): the least loaded one")
     prefix_balance_tokens: int = Field(4096, ge=0, description="prefix-aware placement's bound on imbalance: an "
                                        "instance is chosen for the prompt tokens it holds only while its load "
