@@ -42,7 +42,14 @@ from collections import Counter
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tp_ranks import RANK_TIMEOUT_S, engine_outputs, forward_logits, path_outputs, run_group
+from tp_ranks import (
+    RANK_TIMEOUT_S,
+    engine_outputs,
+    forward_logits,
+    handoff_cached_from_one_rank,
+    path_outputs,
+    run_group,
+)
 
 from services.cli import main
 from shared.config import EngineConfig
@@ -264,6 +271,12 @@ def test_a_tp2_decode_with_a_prefix_cache_takes_the_pages_it_holds(tp2, oracle_r
     engine = Engine(oracle_root / "target", None, EngineConfig(page_size=1, chunk_size=None))
     want = [r.token_ids for r in engine.generate(CACHED_PROMPTS, GREEDY[0])]
     got = [rank[f"cached {kind} {topk} {transport}"] for rank in tp2]
+    one = handoff_cached_from_one_rank(None, str(oracle_root), kind, topk, transport, CACHED_PAGE, CACHED_PROMPTS,
+                                       GREEDY[0])  # the same into a TP-1 decode engine
+    assert [(q["tokens"], q["held"], q["sent"]) for q in one["requests"]] == [
+        (q["tokens"], q["held"], q["sent"]) for q in got[0]["requests"]]
+    assert one["cached"] == got[0]["cached"] and one["clean"], "TP 1 cached other pages"
+    assert all(q["same_kv"] for q in one["requests"])
     pages = [-(-len(p) // CACHED_PAGE) for p in CACHED_PROMPTS]
     for r, rank in enumerate(got):
         first, second = rank["requests"]
