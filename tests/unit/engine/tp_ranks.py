@@ -325,8 +325,8 @@ def handoff_cached_from_one_rank(tp: TPGroup | None, root: str, kind: str, topk:
 
     def config(role_tp: int, cache: bool) -> EngineConfig:
         return EngineConfig(page_size=page_size, chunk_size=8, max_running=8, max_context=160, spec=spec_config(topk),
-                            tensor_parallel=role_tp, prefix_cache=cache, device=device,
-                            cuda_graph=device.startswith("cuda"))
+                            tensor_parallel=role_tp, prefix_cache=cache, device=device, num_pages=512,
+                            cuda_graph=device.startswith("cuda"))  # pools not sized by a GPU's memory (two engines)
 
     rank = tp.rank if tp is not None else 0
     share = tp.broadcast if tp is not None else (lambda x: x)
