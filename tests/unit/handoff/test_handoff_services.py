@@ -278,13 +278,13 @@ def test_a_decode_instance_with_a_prefix_cache_is_sent_only_the_pages_it_lacks(m
         warm.stop()
 
 
-@pytest.mark.parametrize("transport", ["grpc-stream", "ipc"])
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
 def test_a_tp2_decode_instance_with_a_prefix_cache_is_sent_only_the_pages_it_lacks(models, redis_url, transport):
     """The same under tensor parallelism: the decode instance is rank 0 of two gloo ranks (its follower replays
     every reservation, activation and the cache's flush, so both ranks' caches hold the same pages under the same
-    ids); its Reserve reply names the pages every rank holds, the sender skips them (ipc: writing the rest into
-    rank 0's landing cache) and each rank takes its heads of the rest. Output equals the single-process engine's,
-    both pools are full after the cache's flush, and the follower ends with its service."""
+    ids); its Reserve reply names the pages every rank holds, the sender skips them (ipc and nixl: writing the rest
+    into rank 0's landing cache) and each rank takes its heads of the rest. Output equals the single-process
+    engine's, both pools are full after the cache's flush, and the follower ends with its service."""
     branch = LONG[:22] + [3, 1, 4, 1, 5]  # LONG's first 5 pages of 4, and their successor
     root = models.root  # engines from the checkpoints: the follower loads its rank's share from them
     engine = Engine(root / "target", root / DRAFT, config())
