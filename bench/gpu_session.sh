@@ -26,6 +26,8 @@
 #   bench/gpu_session.sh local      # c32 and c1, the stack with short prompts prefilled on the decode service, then without
 #   bench/gpu_session.sh features   # a penalised EAGLE-3 iteration vs a plain one, batch 1 and 32 (bench_features.py)
 #   bench/gpu_session.sh tp-tests   # two GPUs: TP-2 over NCCL == one GPU (graphs on/off), TP services, the second GPU
+#   bench/gpu_session.sh tp-cache   # two GPUs: a TP-2 decode engine's prefix cache over NCCL, graphs on: a hand-off
+#                                   # takes the pages both ranks hold and is sent the rest, output/bytes/K/V == TP 1
 #   bench/gpu_session.sh tp         # two GPUs: 8B decode step TP 1 vs TP 2 vs its floor, IPC into a peer GPU (bench_tp.py)
 #   bench/gpu_session.sh memory     # one GPU: prefill + decode at 0.45 each, EAGLE-3, 8B shape: served, peaks within 0.45
 #                                   # (services' logs in $OUT/memory-logs, their memory events in memory_events.log)
@@ -136,6 +138,9 @@ for stage in "$@"; do
       run tp_tests 540 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py \
         tests/gpu/test_tensor_parallel_stack_gpu.py \
         "tests/gpu/test_graphs_gpu.py::test_an_engine_on_the_second_gpu_stepped_from_another_thread"
+      ;;
+    tp-cache)  # issue 33 under TP: tests/gpu/test_tensor_parallel_gpu.py's prefix-cache hand-offs (wire, ipc)
+      run tp_cache 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py -k prefix_cache
       ;;
     tp)
       run bench_tp 450 python3 bench/bench_tp.py --out "$OUT/tp.json"

@@ -1,14 +1,14 @@
 """Tensor-parallel services: the service process is rank 0, ranks 1 .. N-1 follow it.
 
 Rank 0 serves: its gRPC servers, its engine loop and every decision are the service's. Ranks 1 .. N-1 are
-processes it starts (``start_engine``), each building the same engine on its own GPU, that replay rank 0's
-engine calls in the same order. The narrowest point to replay is the engine loop's calls: every call that
-changes an engine (a step, an arrival, a reservation, an activation, a hand-off's source and increments, a
-release, the capture of the CUDA graphs) goes through ``Leader``, which sends its name down a pipe to each
-follower before running it; the collectives inside (a step's all-reduces, an arrival's broadcast of rank 0's
-arguments, a hand-off's gather or scatter) then meet. What a call reads (load, prefilled, page ids, schema) is
-rank 0's alone. Followers get no arguments they would ignore: the engine broadcasts rank 0's where it needs
-them. A request is named by its serial number (requests are created by the same calls in the same order on
+processes it starts (``start_engine``), each building the same engine on its own GPU, that replay rank 0's engine
+calls in the same order. The narrowest point to replay is the engine loop's calls: every call that changes an
+engine (a step, an arrival, a reservation, an activation, a hand-off's source and increments, a release, the
+capture of the CUDA graphs, a flush of the prefix cache) goes through ``Leader``, which sends its name down a
+pipe to each follower before running it; the collectives inside (a step's all-reduces, an arrival's broadcast of
+rank 0's arguments, a hand-off's gather or scatter) then meet. What a call reads (load, prefilled, page ids,
+schema) is rank 0's alone. Followers get no arguments they would ignore: the engine broadcasts rank 0's where it
+needs them. A request is named by its serial number (requests are created by the same calls in the same order on
 every rank). A call that names a request the engine no longer holds is a no-op on every rank (``release`` and
 ``activate_handoff`` return False), so rank 0 runs it alone.
 
@@ -40,7 +40,7 @@ from shared.request import Request
 
 # The engine calls that change an engine, replayed on every rank in rank 0's order.
 REPLAYED = frozenset({"step", "add_request", "reserve_handoff", "activate_handoff", "page_source",
-                      "handoff_increment", "release", "abort", "capture_graphs"})
+                      "handoff_increment", "release", "abort", "capture_graphs", "flush_prefix_cache"})
 
 
 @dataclass(frozen=True)

@@ -211,13 +211,13 @@ class Engine:
     def reserve_handoff(self, rid: str, prompt_ids: list[int], output_ids: list[int], output_logprobs: list[float],
                         params: SamplingParams, committed_len: int, cached: bool = False) -> Request | None:
         """Decode role: claim pages for a request about to arrive (None: not now); ``cached``: the sender skips the
-        pages this engine's prefix cache holds (not under TP, where rank 0's arguments are every rank's)."""
-        rid, prompt_ids, output_ids, output_logprobs, params, committed_len = self.runner.rank0(
-            (rid, prompt_ids, output_ids, output_logprobs, params and self.runner.seeded(params), committed_len))
+        pages this engine's prefix cache holds (under TP every rank's cache holds the same, from the same calls)."""
+        params = params and self.runner.seeded(params)
+        rid, prompt_ids, output_ids, output_logprobs, params, committed_len, cached = self.runner.rank0(
+            (rid, prompt_ids, output_ids, output_logprobs, params, committed_len, cached))
         if self.scheduler.get(rid) is not None:
             raise RequestError("request_id", f"{rid!r} is already here")
-        return self.scheduler.admit_handoff(rid, prompt_ids, output_ids, output_logprobs, params, committed_len,
-                                            cached and self.handoff.tp is None)
+        return self.scheduler.admit_handoff(rid, prompt_ids, output_ids, output_logprobs, params, committed_len, cached)
 
     def page_sink(self, req: Request, guard, in_place: bool = False):  # decode role: the receiving side
         return self.handoff.page_sink(req, guard, in_place)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import zlib
 from collections.abc import Callable
 from typing import Protocol
 
@@ -170,17 +171,24 @@ class HandoffPort:
         """Under tensor parallelism, on rank 0: a sink writing the target's K/V, every KV head, into a cache
         of its own, from which ``activate`` gives each rank its heads (the draft's K/V lands in rank 0's
         pages, copied to the others then). ``in_place``: the sender writes the target's K/V into pages of
-        the landing cache (``pools``) instead; None when it has no room now. None on the other ranks."""
+        the landing cache (``pools``) instead; None when it has no room now. None on the other ranks. Pages the
+        prefix cache holds (on every rank, ``admit_handoff``) are the sink's ``held`` ones, never sent."""
         if self.tp.rank != 0:
             return None
         caches, ids = self.pages.caches, self.pages.page_ids(req)
+        # The leading pages every rank's prefix cache holds (``admit_handoff``) are not sent: the staging or
+        # landing pages are the arriving ones only, the held ones stand in as page 0 (never written, never read).
+        held = len(req.prefix_pages)
+        arriving = len(ids[0]) - held
         if in_place:
-            if self.landing is None or self.landing.num_free_pages < len(ids[0]):
+            if self.landing is None or self.landing.num_free_pages < arriving:
                 return None
-            landed = self._landed[req.rid] = self.landing.allocator.alloc(len(ids[0]))
-            return PageSink(req.rid, [self.landing, *caches[1:]], [landed, *ids[1:]], guard, in_place=True)
-        staging = self._staged[req.rid] = staging_cache(caches[0].layout, self.kv_heads, len(ids[0]))
-        return PageSink(req.rid, [staging, *caches[1:]], [staging_pages(len(ids[0])), *ids[1:]], guard)
+            landed = self._landed[req.rid] = self.landing.allocator.alloc(arriving)
+            return PageSink(req.rid, [self.landing, *caches[1:]], [[0] * held + landed, *ids[1:]], guard,
+                            in_place=True, held=held)
+        staging = self._staged[req.rid] = staging_cache(caches[0].layout, self.kv_heads, arriving)
+        return PageSink(req.rid, [staging, *caches[1:]], [[0] * held + staging_pages(arriving), *ids[1:]], guard,
+                        held=held)
 
     def pools(self) -> list[torch.Tensor]:
         """Per cache (target first), its whole K/V pool: what a decode engine exports to a same-host prefill
@@ -208,16 +216,22 @@ class HandoffPort:
     def _spread(self, req: Request, committed_len: int, draft_state: DraftState | None,
                 output_ids, output_logprobs) -> tuple:
         """Under tensor parallelism, a collective: what arrived on rank 0 on every rank: each rank's share of
-        the target's KV heads, the draft's pages, the draft state and outputs (the arguments rank 0 got)."""
+        the target's KV heads, the draft's pages, the draft state and outputs (the arguments rank 0 got). The
+        pages taken from the prefix cache are not: every rank's holds them (checked: the request's page ids and
+        its count of cached pages alike on every rank)."""
         caches, ids = self.pages.caches, self.pages.page_ids(req)
+        # The pages the prefix cache holds stay as they are; the ranks' caches hold the same, under the same ids.
+        held = len(req.prefix_pages)
+        self.tp.agree(zlib.crc32(repr((held, ids)).encode()), "a hand-off's pages")
+        arriving = [pages[held:] for pages in ids]
         landed, staged = self._landed.get(req.rid), self._staged.pop(req.rid, None)
         if landed is not None:
-            scatter_pages(self.landing, landed, caches[0], ids[0], self.tp)
+            scatter_pages(self.landing, landed, caches[0], arriving[0], self.tp)
         else:
-            scatter_pages(staged, None if staged is None else staging_pages(len(ids[0])), caches[0], ids[0],
+            scatter_pages(staged, None if staged is None else staging_pages(len(arriving[0])), caches[0], arriving[0],
                           self.tp)
         self._land_off(req.rid)
-        for cache, pages in zip(caches[1:], ids[1:]):
+        for cache, pages in zip(caches[1:], arriving[1:]):
             share_pages(cache, pages, self.tp)
         arrived = None if self.tp.rank != 0 else (
             committed_len, None if draft_state is None else draft_state.to_bytes(), list(output_ids),

@@ -18,6 +18,9 @@ references run in this process, with the same functions. What is checked:
   (page size 1);
 * and back: a TP-1 prefill hands off to a TP-2 decode engine (rank 0 receives every KV head, each rank keeps
   its own, checked exactly), which generates the target's greedy output (EAGLE tree page 16, multi-layer page 1);
+* and into a TP-2 decode engine with its prefix cache on: a second prompt sharing the first's leading pages takes
+  them on both ranks, the hand-off carries only the rest (wire format, and in place into the landing cache),
+  output and K/V as without the cache, the ranks' caches alike, every pool full after a flush;
 * engines built from checkpoint paths, each rank reading only its share of the target, give TP 1's greedy
   output for EAGLE and for an EAGLE-3 head that copies the target's whole LM head at load;
 * under the adaptive policy (a timed choice each step: rank 0's) the ranks stay in step;
@@ -39,7 +42,14 @@ from collections import Counter
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tp_ranks import RANK_TIMEOUT_S, engine_outputs, forward_logits, path_outputs, run_group
+from tp_ranks import (
+    RANK_TIMEOUT_S,
+    engine_outputs,
+    forward_logits,
+    handoff_cached_from_one_rank,
+    path_outputs,
+    run_group,
+)
 
 from services.cli import main
 from shared.config import EngineConfig
@@ -60,6 +70,12 @@ CASES = [(kind, shape, page_size, 8) for kind in KINDS for shape in ("chain", "t
 ADAPTIVE = [("eagle", "tree", 16, 8)]  # under the adaptive policy, whose timed choice is rank 0's
 HANDOFFS = (("eagle3", 16), ("mtp", 1))  # draft kind, page size of a TP-2 prefill -> TP-1 decode hand-off
 HANDBACKS = (("eagle", 16), ("mtp", 1))  # the same, TP-1 prefill -> TP-2 decode (a tree of 6 nodes)
+# TP-1 prefill -> TP-2 decode with its prefix cache on (draft kind, topk, transport), page size 4: the second
+# prompt shares the first's 22 leading tokens (5 whole pages and 2 tokens) and diverges inside page 5
+CACHED_PAGE = 4
+SHARED = [(i * 29 + 3) % 500 for i in range(22)]
+CACHED_PROMPTS = [SHARED + [7, 8, 9, 10, 11], SHARED + [40, 41, 42]]
+CACHED = (("eagle3", 1, "wire"), ("eagle3", 4, "ipc"))
 # shape, setting (test_sampling_lossless.SETTINGS), requests, batch: 600 draws reject a split that changes the
 # law (test_sampling_lossless draws 3000 per setting to prove the law itself; here p > 0.1 on every view)
 SAMPLED = ("chain", "all", 600, 600)
@@ -110,7 +126,10 @@ def tp2(odd_target, oracle_root, small_vocab, path_drafts):
             **{f"handoff {kind}": ("handoff_to_one_rank", (str(oracle_root), kind, page_size, PROMPTS, GREEDY[0]))
                for kind, page_size in HANDOFFS},
             **{f"handback {kind}": ("handoff_from_one_rank", (str(oracle_root), kind, page_size, PROMPTS, GREEDY[0]))
-               for kind, page_size in HANDBACKS}}
+               for kind, page_size in HANDBACKS},
+            **{f"cached {kind} {topk} {transport}": (
+                "handoff_cached_from_one_rank", (str(oracle_root), kind, topk, transport, CACHED_PAGE, CACHED_PROMPTS,
+                                                 GREEDY[0])) for kind, topk, transport in CACHED}}
     from tp_ranks import suite
 
     t0 = time.perf_counter()
@@ -239,6 +258,38 @@ def test_a_tp1_prefill_hands_off_to_a_tp2_decode_losslessly(tp2, target_tokens, 
         assert got["same_kv"] == [True] * len(PROMPTS), f"rank {r}: K/V not what the prefill engine computed"
         assert got["tokens"] == target_tokens, f"rank {r}"
         assert got["clean"], f"rank {r}: pages or request slots left allocated"
+
+
+@pytest.mark.parametrize("kind,topk,transport", CACHED, ids=[f"{k}-topk{t}-{tr}" for k, t, tr in CACHED])
+def test_a_tp2_decode_with_a_prefix_cache_takes_the_pages_it_holds(tp2, oracle_root, kind, topk, transport):
+    """Issue 33 under tensor parallelism: a TP-2 decode engine's prefix cache holds the same pages under the same
+    ids on every rank (every rank runs the same reservations and activations), so the second hand-off's reservation
+    takes the 5 shared pages on both ranks, rank 0's sink says so, the sender skips them (over the wire format, or
+    in place into rank 0's landing cache) and each rank scatters only its heads of the 2 pages that arrive. The
+    output is the single-process engine's, each rank's K/V at every position (held ones too) is its heads of what
+    the TP-1 prefill computed, and after the cache's flush every pool of both ranks is full."""
+    engine = Engine(oracle_root / "target", None, EngineConfig(page_size=1, chunk_size=None))
+    want = [r.token_ids for r in engine.generate(CACHED_PROMPTS, GREEDY[0])]
+    got = [rank[f"cached {kind} {topk} {transport}"] for rank in tp2]
+    one = handoff_cached_from_one_rank(None, str(oracle_root), kind, topk, transport, CACHED_PAGE, CACHED_PROMPTS,
+                                       GREEDY[0])  # the same into a TP-1 decode engine
+    assert [(q["tokens"], q["held"], q["sent"]) for q in one["requests"]] == [
+        (q["tokens"], q["held"], q["sent"]) for q in got[0]["requests"]]
+    assert one["cached"] == got[0]["cached"] and one["clean"], "TP 1 cached other pages"
+    assert all(q["same_kv"] for q in one["requests"])
+    pages = [-(-len(p) // CACHED_PAGE) for p in CACHED_PROMPTS]
+    for r, rank in enumerate(got):
+        first, second = rank["requests"]
+        assert [q["tokens"] for q in rank["requests"]] == want, f"rank {r}"
+        assert [q["same_kv"] for q in rank["requests"]] == [True, True], f"rank {r}: K/V not the prefill's"
+        assert (first["held"], second["held"]) == (0, len(SHARED) // CACHED_PAGE), f"rank {r}"
+        assert rank["referenced"] == 0 and rank["flushed"] == 0 and rank["clean"], f"rank {r}: pages kept"
+    first, second = got[0]["requests"]
+    assert (first["sink_held"], second["sink_held"]) == (0, len(SHARED) // CACHED_PAGE)
+    # every page carries as many bytes: the first hand-off sent all its pages, the second only those not held
+    assert second["sent"] * pages[0] == first["sent"] * (pages[1] - second["held"]) and second["sent"] > 0
+    assert got[0]["cached"] == got[1]["cached"] and len(got[0]["cached"]) >= len(SHARED) // CACHED_PAGE, (
+        "the ranks' prefix caches differ")
 
 
 # ---- the command line --------------------------------------------------------------------------------

@@ -295,14 +295,80 @@ def handoff_from_one_rank(tp: TPGroup, root: str, kind: str, page_size: int, pro
             "clean": decode.is_idle_and_clean() and (prefill is None or prefill.is_idle_and_clean())}
 
 
-def kept_its_heads(decode: Engine, req, sent: list, tp: TPGroup) -> bool:
+def kept_its_heads(decode: Engine, req, sent: list, tp: TPGroup | None) -> bool:
     """Whether ``req``'s K/V on this rank is exactly ``sent`` (the whole engine's, per cache and layer): this
-    rank's heads of the target's layers, every head of the draft's."""
+    rank's heads of the target's layers, every head of the draft's (``tp`` None: every head of every cache)."""
     from tests.unit.handoff.handoff_helpers import positions_kv
 
     layers, heads = len(decode.cache.k), decode.cache.layout.num_kv_heads
-    mine = slice(tp.rank * heads, (tp.rank + 1) * heads)
+    mine = slice(tp.rank * heads, (tp.rank + 1) * heads) if tp is not None else slice(None)
     got = positions_kv(decode, req, req.kv_len)
     return len(got) == len(sent) and all(
-        torch.equal(g, s[:, mine] if i < layers else s) for i, (gkv, skv) in enumerate(zip(got, sent))
+        torch.equal(g.cpu(), s[:, mine].cpu() if i < layers else s.cpu()) for i, (gkv, skv) in enumerate(zip(got, sent))
         for g, s in zip(gkv, skv))
+
+
+def handoff_cached_from_one_rank(tp: TPGroup | None, root: str, kind: str, topk: int, transport: str, page_size: int,
+                                 prompts: list[list[int]], params: SamplingParams, device: str = "cpu") -> dict:
+    """A TP-1 prefill engine (rank 0's) hands ``prompts`` one after the other to a TP-2 decode engine with its
+    prefix cache on (issue 33): each reservation asks to skip the cached pages (``cached=True``), the sender skips
+    what rank 0's sink says every rank holds (``wire``: the wire format; ``ipc``: written in place into rank 0's
+    landing cache), each rank takes its heads of the rest, and the prompt pages join every rank's cache at
+    activation; each request decodes to its end before the next arrives. Each rank returns, per prompt, its tokens,
+    the cached pages its reservation took here (and rank 0's sink's count), the K/V bytes sent and whether its K/V
+    at every position is the prefill's (its heads); then the cached page ids, whether a request still holds one,
+    and whether every pool is full after the cache's flush. ``tp`` None: the same into a TP-1 decode engine."""
+    from shared.handoff import PageGuard, PageSource, decode_draft_state, encode_draft_state, iter_chunks
+    from shared.handoff.ipc import write_in_place
+    from shared.handoff.wire import page_bytes
+    from tests.unit.handoff.handoff_helpers import positions_kv, prefill_until_handoff, spec_config
+
+    def config(role_tp: int, cache: bool) -> EngineConfig:
+        return EngineConfig(page_size=page_size, chunk_size=8, max_running=8, max_context=160, spec=spec_config(topk),
+                            tensor_parallel=role_tp, prefix_cache=cache, device=device, num_pages=512,
+                            cuda_graph=device.startswith("cuda"))  # pools not sized by a GPU's memory (two engines)
+
+    rank = tp.rank if tp is not None else 0
+    share = tp.broadcast if tp is not None else (lambda x: x)
+    split = add_feature_path(load_models(Path(root), device=rank_device(device, rank)))
+    decode = Engine(split.target, split.drafts[kind], config(tp.size if tp else 1, True), role="decode", tp=tp)
+    prefill = None
+    if rank == 0:
+        whole = add_feature_path(load_models(Path(root), device=rank_device(device, 0)))
+        prefill = Engine(whole.target, whole.drafts[kind], config(1, False), role="prefill")
+        decode.handoff_schema().check(prefill.handoff_schema())
+    out = []
+    for prompt in prompts:
+        req = prefill_until_handoff(prefill, [prompt], params)[0] if prefill is not None else None
+        args = (req.rid, req.prompt_ids, req.output_ids, req.output_logprobs, req.params, req.kv_len) if req else (
+            (None,) * 6)
+        there = decode.reserve_handoff(*args, cached=True)  # every rank: rank 0's arguments win
+        held, sink_held, sent, state, kv_len, kv = len(there.prefix_pages), None, None, None, 0, None
+        if req is not None:
+            sink = decode.page_sink(there, PageGuard(), in_place=transport == "ipc")
+            source = PageSource(req.rid, prefill.scheduler.caches, prefill.scheduler.page_ids(req),
+                                encode_draft_state(req), held=sink.held)
+            if transport == "ipc":
+                sent, blob = write_in_place(source, decode.kv_pools(), sink.page_ids, time.monotonic() + 60).bytes, \
+                    source.draft_state
+            else:
+                last = None
+                for chunk in iter_chunks(source, max(page_bytes(c) for c in prefill.scheduler.caches)):
+                    sink.write(chunk)
+                    last = chunk
+                received = sink.finish(last)
+                sent, blob = received.bytes - len(received.draft_state), received.draft_state
+            state = decode_draft_state(blob, decode.handoff_schema(), req.kv_len, decode.device)
+            sink_held, kv_len = sink.held, req.kv_len
+            kv = [(k.cpu(), v.cpu()) for k, v in positions_kv(prefill, req, req.kv_len)]  # to every rank's device
+            prefill.release(req)
+        assert decode.activate_handoff(there, kv_len, state)
+        same_kv = kept_its_heads(decode, there, share(kv), tp)
+        decode.run_until_done()
+        out.append({"tokens": decode.result(there).token_ids, "held": held, "sink_held": sink_held, "sent": sent,
+                    "same_kv": same_kv})
+    pc = decode.prefix_cache
+    cached, referenced = sorted(pc.cached_pages()), pc.referenced()
+    decode.flush_prefix_cache()
+    return {"requests": out, "cached": cached, "referenced": referenced, "flushed": len(pc),
+            "clean": decode.is_idle_and_clean() and (prefill is None or prefill.is_idle_and_clean())}

@@ -25,9 +25,11 @@ from proto.eyrie.v1 import eyrie_pb2 as pb
 from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 from services.common import start_grpc_server
 from services.decode.server import start_decode
+from services.followers import Leader
 from services.metadata import EmbeddedRedis, Registry, connect
 from services.prefill.server import start_prefill
 from services.settings import DecodeSettings, PrefillSettings
+from shared.engine import Engine
 from shared.handoff import PageSource, iter_chunks, sampling_to_pb
 from shared.handoff.nixl import agents_of, nixl_api
 from shared.handoff.wire import page_bytes
@@ -60,13 +62,16 @@ class Stack:
     """One prefill and one decode instance (engines built in memory), and a driver for them."""
 
     def __init__(self, models, redis_url, prefill_draft=DRAFT, transport="grpc-stream", handoff_streams=1,
-                 prefill_config=None, decode_config=None, **decode_settings):
+                 prefill_config=None, decode_config=None, prefill_engine=None, **decode_settings):
+        """``decode_settings`` naming ``tensor_parallel``: the decode service builds its engine (and starts its
+        followers) from the checkpoints the settings name."""
         self.transport = transport  # the hand-off's data transport, forced on the prefill side
         if transport == "nixl":  # offered by a decode instance only when it is named there too
             decode_settings.setdefault("handoff_transport", "nixl")
-        self.prefill_engine = make_engine(models, prefill_draft, config(prefill_draft, **(prefill_config or {})),
-                                          role="prefill")
-        decode_engine = make_engine(models, DRAFT, config(**(decode_config or {})), role="decode")
+        self.prefill_engine = prefill_engine or make_engine(
+            models, prefill_draft, config(prefill_draft, **(prefill_config or {})), role="prefill")
+        decode_engine = None if "tensor_parallel" in decode_settings else make_engine(
+            models, DRAFT, config(**(decode_config or {})), role="decode")
         smallest = 2 * max(page_bytes(c) for c in self.prefill_engine.scheduler.caches)  # many chunks per request
         # No heartbeat during the tests (it registers at start): its load query would queue engine-loop calls
         # that the abort tests count.
@@ -271,6 +276,42 @@ def test_a_decode_instance_with_a_prefix_cache_is_sent_only_the_pages_it_lacks(m
         assert warm.clean() and cold.clean()
     finally:
         warm.stop()
+
+
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+def test_a_tp2_decode_instance_with_a_prefix_cache_is_sent_only_the_pages_it_lacks(models, redis_url, transport):
+    """The same under tensor parallelism: the decode instance is rank 0 of two gloo ranks (its follower replays
+    every reservation, activation and the cache's flush, so both ranks' caches hold the same pages under the same
+    ids); its Reserve reply names the pages every rank holds, the sender skips them (ipc and nixl: writing the rest
+    into rank 0's landing cache) and each rank takes its heads of the rest. Output equals the single-process
+    engine's, both pools are full after the cache's flush, and the follower ends with its service."""
+    branch = LONG[:22] + [3, 1, 4, 1, 5]  # LONG's first 5 pages of 4, and their successor
+    root = models.root  # engines from the checkpoints: the follower loads its rank's share from them
+    engine = Engine(root / "target", root / DRAFT, config())
+    want = engine.generate([LONG, branch], GREEDY)
+    per_page = sum(c.layout.num_layers * page_bytes(c) for c in engine.scheduler.caches)  # K + V, every cache
+    settings = dict(model=str(root / "target"), draft=str(root / DRAFT), page_size=PAGE, chunk_size=8,
+                    max_context=512, max_running=MAX_RUNNING, spec_topk=TOPK, spec_steps=3, spec_policy="fixed",
+                    prefix_cache=True, tensor_parallel=2)
+    s = Stack(models, redis_url, transport=transport, prefill_engine=Engine(root / "target", root / DRAFT, config(),
+                                                                            role="prefill"), **settings)
+    leader = s.decode.engine_loop.engine
+    try:
+        assert isinstance(leader, Leader) and leader.engine.runner.tp.size == 2
+        runs = [s.generate(LONG), s.generate(branch), s.generate(branch)]
+        for (tokens, finish, _), w in zip(runs, [*want, want[1]]):
+            assert tokens == w.token_ids and finish.reason == "length"
+        # LONG's 8 pages all go; the branch's 7: its first hand-off finds LONG's 5 held, its second all 6 before its
+        # last position (K + V of the pages sent, and the draft state: less than a page)
+        for (_, _, events), pages in zip(runs, (8, 7 - 5, 7 - 6)):
+            assert 0 < events[1].handed_off.bytes - pages * per_page < per_page, (events[1].handed_off, per_page)
+        assert s.decode.engine_loop.call(lambda e: e.flush_prefix_cache()).result() > 0  # on both ranks
+        assert s.clean() and leader.broken is None
+        assert s.generate(branch)[0] == want[1].token_ids  # the ranks' pools still alike (each step's plan checked)
+        assert s.clean()
+    finally:
+        s.stop()
+    assert [p.exitcode for p in leader.ranks] == [0], "the follower did not end with its service"
 
 
 def test_a_request_ending_at_its_first_token_is_not_handed_off(stack):
