@@ -328,21 +328,28 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             self._drop(opened, f"transfer failed: {e}")
             context.abort(grpc.StatusCode.INTERNAL, f"transfer failed: {e}")
 
-        def activate(engine: Engine) -> bool:  # straight into draft(): no pseudo-forward
-            return engine.activate_handoff(inc.req, inc.committed_len, state, received.output_ids,
-                                           received.output_logprobs)
-
-        if not self.loop.call(activate).result():
+        if not self._activate(inc, state, received):
             context.abort(grpc.StatusCode.ABORTED, f"{inc.rid} was aborted during its transfer")
-        with self._lock:
-            if inc.phase is Phase.RECEIVING:  # (an abort since may have ended it: its release stands)
-                inc.move(Phase.DECODING)
         dt = time.perf_counter() - t0
         self.telemetry.handoff_bytes_total.inc(received.bytes)
         self.telemetry.handoff_seconds.observe(dt)
         self.log.event("handoff_received", inc.rid, bytes=received.bytes, chunks=received.chunks,
                        seconds=round(dt, 6))
         return pb.TransferAck(bytes=received.bytes, chunks=received.chunks)
+
+    def _activate(self, inc: Incoming, state, received: Received) -> bool:
+        """Every page arrived: the request joins the engine's batch (straight into draft(): no pseudo-forward),
+        decoding from now on; False when it was aborted meanwhile (its release stands)."""
+        def activate(engine: Engine) -> bool:
+            return engine.activate_handoff(inc.req, inc.committed_len, state, received.output_ids,
+                                           received.output_logprobs)
+
+        if not self.loop.call(activate).result():
+            return False
+        with self._lock:
+            if inc.phase is Phase.RECEIVING:  # (an abort since may have ended it)
+                inc.move(Phase.DECODING)
+        return True
 
     def _drop(self, opened: list[Incoming], reason: str) -> None:
         for inc in opened:

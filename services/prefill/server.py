@@ -101,7 +101,7 @@ class Reserved:
     failover, so the first token may reach the client."""
 
 
-class Stage(enum.Enum):
+class Phase(enum.Enum):
     """Where a Prefill call's request is (``Job.move`` allows only ``AFTER``; the last two are final)."""
 
     PREFILLING = "prefilling"  # its prompt computes; no hand-off under way yet
@@ -111,13 +111,13 @@ class Stage(enum.Enum):
     ENDED = "ended"  # aborted, failed, or finished at its first token: released here
 
 
-AFTER = {Stage.PREFILLING: {Stage.HANDING_OFF, Stage.ENDED}, Stage.HANDING_OFF: {Stage.RESERVED, Stage.ENDED},
-         Stage.RESERVED: {Stage.HANDED_OFF, Stage.ENDED}, Stage.HANDED_OFF: set(), Stage.ENDED: set()}
+AFTER = {Phase.PREFILLING: {Phase.HANDING_OFF, Phase.ENDED}, Phase.HANDING_OFF: {Phase.RESERVED, Phase.ENDED},
+         Phase.RESERVED: {Phase.HANDED_OFF, Phase.ENDED}, Phase.HANDED_OFF: set(), Phase.ENDED: set()}
 
 
 @dataclass
 class Job:
-    """One Prefill RPC: its request, its ``stage``, where it goes, and the queue its events arrive on."""
+    """One Prefill RPC: its request, its ``phase``, where it goes, and the queue its events arrive on."""
 
     rid: str
     decode_address: str
@@ -126,16 +126,16 @@ class Job:
     source: PageSource | None = None  # set when the hand-off starts (on arrival, or as the first chunk computes)
     fed: int = 0  # the request's committed length when the last increment was fed to the source
     t_prompt_done: float = 0.0  # when the last increment (the prompt done) was fed
-    stage: Stage = Stage.PREFILLING
+    phase: Phase = Phase.PREFILLING
 
-    def move(self, to: Stage) -> bool:
+    def move(self, to: Phase) -> bool:
         """Into ``to`` (under the servicer's lock); False once final (a later word on an ended call, from another
         thread, changes nothing); a move ``AFTER`` does not allow otherwise is a bug here."""
-        if not AFTER[self.stage]:
+        if not AFTER[self.phase]:
             return False
-        if to not in AFTER[self.stage]:
-            raise RuntimeError(f"{self.rid}: no move from {self.stage.value} to {to.value}")
-        self.stage = to
+        if to not in AFTER[self.phase]:
+            raise RuntimeError(f"{self.rid}: no move from {self.phase.value} to {to.value}")
+        self.phase = to
         return True
 
 
@@ -226,7 +226,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             first.top_logprobs.CopyFrom(top_logprobs_pb(ev.top_logprobs[0]))
         yield pb.PrefillEvent(first_token=first)
         if ev.finish_reason is not None:  # ended at its first token: nothing to hand off
-            self._move(job, Stage.ENDED)
+            self._move(job, Phase.ENDED)
             if job.source is not None:  # the hand-off under way stops (and frees the decode side's pages)
                 job.source.guard.cancel()
             self.telemetry.requests_total.labels(ev.finish_reason).inc()
@@ -313,7 +313,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             if req.params.max_new_tokens == 1 or req.kv_len == job.fed:
                 continue  # it ends at its first token, or nothing new since the last increment
             if job.source is None and not self._start_hand_off(engine, job, req):
-                self._move(job, Stage.ENDED)
+                self._move(job, Phase.ENDED)
                 engine.release(req, "abort")
                 continue
             if job.source.guard.cancelled and not job.fed:  # its start failed during the step (shutting down)
@@ -327,7 +327,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         """Loop thread: reserve on the decode side and send as the prefill goes (a hand-off worker); False
         when the workers are shut down (the Prefill call is told)."""
         job.source = engine.page_source(req, fed=True)
-        self._move(job, Stage.HANDING_OFF)
+        self._move(job, Phase.HANDING_OFF)
         # The first token comes with the last chunk; a resumed request's outputs are all known now.
         reserve = pb.ReserveRequest(request_id=req.rid, prompt_ids=req.prompt_ids, sampling=sampling_to_pb(req.params),
                                     committed_len=req.prefill_len, output_ids=req.output_ids[:req.resumed],
@@ -357,13 +357,13 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                          message=f"decode {address} cannot hold the request now: {reply.reason}")
                 return
             reserved = True
-            self._move(job, Stage.RESERVED)  # (an abort since has cancelled the guard: the send stops)
+            self._move(job, Phase.RESERVED)  # (an abort since has cancelled the guard: the send stops)
             job.events.put(Reserved())
             job.source.held = held_pages(reply, reserve, job.source.caches[0].page_size)
             ack, transport = self._send(job, address, transport, reply, timeout)
             # Only now: the decode side has every byte. Queued, not awaited: the loop runs it before any call
             # queued after it (the call's end aborts what is still held), so the router hears at once.
-            self._move(job, Stage.HANDED_OFF)
+            self._move(job, Phase.HANDED_OFF)
             self._release(job, "handed_off", wait=False)
             now = time.perf_counter()  # the hand-off's own time: what it added after the prompt's last chunk
             outcome = HandoffOutcome(ack=ack, seconds=now - max(job.t_prompt_done, t0), transport=transport.name)
@@ -397,7 +397,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 job.source.guard.cancel()
                 if reserved:
                     self.client.abort(address, job.rid)
-                self._move(job, Stage.ENDED)
+                self._move(job, Phase.ENDED)
                 self._release(job, "abort")
             job.events.put(outcome)
 
@@ -476,7 +476,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         def abort(engine: Engine) -> bool:
             if job.source is not None:  # set on this thread: a hand-off that started after the check above
                 job.source.guard.cancel()
-            self._move(job, Stage.ENDED)  # (none once handed off: the request is the decode instance's)
+            self._move(job, Phase.ENDED)  # (none once handed off: the request is the decode instance's)
             return job.req is not None and engine.release(job.req, "abort")
 
         try:
@@ -489,7 +489,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             job.events.put(TokenEvent(job.rid, [], [], "abort"))  # a waiting RPC ends at once
         return found
 
-    def _move(self, job: Job, to: Stage) -> bool:
+    def _move(self, job: Job, to: Phase) -> bool:
         with self._lock:
             return job.move(to)
 

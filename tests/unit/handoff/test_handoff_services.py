@@ -673,25 +673,25 @@ def test_a_hand_off_moves_through_named_phases_on_the_decode_side(stack, monkeyp
     assert stack.clean() and rid not in stack.decode.extra["servicer"]._incoming
 
 
-def test_a_prefill_call_moves_through_named_stages(stack, monkeypatch):
+def test_a_prefill_call_moves_through_named_phases_too(stack, monkeypatch):
     """The prefill side's life of a request is one state machine too: prefilling -> handing off -> reserved ->
     handed off; one ending at its first token ends without a hand-off; an abort before its prompt ran ends it
-    (``services/prefill/server.py``: ``Stage``, the moves ``AFTER`` allows; the last two are final)."""
-    from services.prefill.server import Job, Stage
+    (``services/prefill/server.py``: ``Phase``, the moves ``AFTER`` allows; the last two are final)."""
+    from services.prefill.server import Job, Phase
 
-    moves: list[tuple[str, Stage, Stage]] = []
+    moves: list[tuple[str, Phase, Phase]] = []
     move = Job.move
-    monkeypatch.setattr(Job, "move", lambda job, to: moves.append((job.rid, job.stage, to)) or move(job, to))
+    monkeypatch.setattr(Job, "move", lambda job, to: moves.append((job.rid, job.phase, to)) or move(job, to))
     rid = stack.rid()
     stack.generate(LONG, rid=rid)
-    wait_until(lambda: [to for r, _, to in moves if r == rid][-1:] == [Stage.ENDED])  # the call's end: a no-op
+    wait_until(lambda: [to for r, _, to in moves if r == rid][-1:] == [Phase.ENDED])  # the call's end: a no-op
     assert [(a, b) for r, a, b in moves if r == rid] == [
-        (Stage.PREFILLING, Stage.HANDING_OFF), (Stage.HANDING_OFF, Stage.RESERVED),
-        (Stage.RESERVED, Stage.HANDED_OFF), (Stage.HANDED_OFF, Stage.ENDED)]
+        (Phase.PREFILLING, Phase.HANDING_OFF), (Phase.HANDING_OFF, Phase.RESERVED),
+        (Phase.RESERVED, Phase.HANDED_OFF), (Phase.HANDED_OFF, Phase.ENDED)]
     one = stack.rid()
     stack.generate(LONG, SamplingParams(max_new_tokens=1), rid=one)
     wait_until(lambda: any(r == one for r, _, _ in moves))
-    assert [(a, b) for r, a, b in moves if r == one][0] == (Stage.PREFILLING, Stage.ENDED)
+    assert [(a, b) for r, a, b in moves if r == one][0] == (Phase.PREFILLING, Phase.ENDED)
     assert stack.clean()
 
 
