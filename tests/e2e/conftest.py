@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -26,12 +27,31 @@ def redis_url():
     server.stop()
 
 
+# The Redis databases ``start_stack`` hands out, each to one live stack at a time (15 and 14 are tests' own). A
+# database given to a new stack while an older one still ran (a module's stack beside per-test stacks: the
+# number once went round modulo 16) held both stacks' instances, and a router placed a request on the other
+# stack's decode instance as it stopped (found by tests/stress.sh).
+STACK_DBS = range(1, 14)
+_dbs_in_use: set[int] = set()
+_dbs_lock = threading.Lock()
+
+
+def _take_db() -> int:
+    with _dbs_lock:
+        free = next((d for d in STACK_DBS if d not in _dbs_in_use), None)
+        if free is None:
+            raise RuntimeError(f"more than {len(STACK_DBS)} in-process stacks alive at once in one process")
+        _dbs_in_use.add(free)
+        return free
+
+
 @dataclass
 class InProcessStack:
     router: object
     prefills: list
     decodes: list
     redis_url: str
+    db: int | None = None  # the database ``start_stack`` took for it, given back at ``stop``
 
     @property
     def stub(self) -> pb_grpc.GenerationStub:
@@ -72,6 +92,10 @@ class InProcessStack:
         self.router.stop(0.5)
         for h in [*self.prefills, *self.decodes]:
             h.stop(0.5)
+        if self.db is not None:
+            with _dbs_lock:
+                _dbs_in_use.discard(self.db)
+            self.db = None
         # A stopped stack leaves no NIXL agent behind (each one's UCX threads poll a core without pause).
         assert all(a.agent is None for a in agents), "a NIXL agent outlived the stack's services"
 
@@ -85,16 +109,21 @@ def start_stack(redis_url: str, model_dir, draft: str | None, *, prefill_extra=N
                 router_extra=None, num_decodes: int = 1, transport: str = "auto", **engine) -> InProcessStack:
     """One router + prefill + decode(s) on ``model_dir``; each stack gets its own Redis database. ``transport``
     forces the hand-off's data transport on both services (auto: what the handshake negotiates)."""
-    db = start_stack.counter = getattr(start_stack, "counter", 0) + 1
-    url = redis_url.replace("db=0", f"db={db % 16}")
+    db = _take_db()
+    url = redis_url.replace("db=0", f"db={db}")
     connect(url).flushdb()
     base = dict(model=str(model_dir / "target"), draft=str(model_dir / draft) if draft else None, redis_url=url,
                 heartbeat_s=0.2, handoff_transport=transport, **engine)
-    prefill = start_prefill(PrefillSettings(**{**base, **(prefill_extra or {})}))
-    decodes = [start_decode(DecodeSettings(**{**base, **(decode_extra or {})})) for _ in range(num_decodes)]
-    router = start_router(RouterSettings(model=base["model"], redis_url=url, placement_timeout_s=5,
-                                         **(router_extra or {})))
-    return InProcessStack(router, [prefill], decodes, url)
+    try:
+        prefill = start_prefill(PrefillSettings(**{**base, **(prefill_extra or {})}))
+        decodes = [start_decode(DecodeSettings(**{**base, **(decode_extra or {})})) for _ in range(num_decodes)]
+        router = start_router(RouterSettings(model=base["model"], redis_url=url, placement_timeout_s=5,
+                                             **(router_extra or {})))
+    except BaseException:
+        with _dbs_lock:
+            _dbs_in_use.discard(db)
+        raise
+    return InProcessStack(router, [prefill], decodes, url, db)
 
 def emptied(directory, timeout: float = 10.0) -> bool:
     """``directory`` is empty, or soon is: torch's shared-memory manager (started for the decode service's
