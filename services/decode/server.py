@@ -121,11 +121,6 @@ class Incoming:
             raise RuntimeError(f"{self.rid}: no move from {self.phase.value} to {to.value}")
         self.phase = to
 
-    @property
-    def receiving(self) -> bool:
-        """A transfer has opened (it may have ended since)."""
-        return self.phase is Phase.RECEIVING or (self.phase is Phase.DECODING and self.sink is not None)
-
 
 class DecodeServicer(pb_grpc.DecodeServicer):
     def __init__(self, loop: EngineLoop, settings: DecodeSettings, telemetry: Telemetry, instance_id: str = "",

@@ -404,7 +404,7 @@ def test_a_transfer_broken_off_mid_way_frees_the_reservation(stack):
     # Break off once the decode side has read the first chunk (and so knows the request): a transfer that
     # breaks before naming its request cannot be told apart and is reaped at the attach deadline instead.
     incoming = stack.decode.extra["servicer"]._incoming
-    wait_until(lambda: incoming[rid].receiving, timeout=10)
+    wait_until(lambda: incoming[rid].phase.value in ("receiving", "decoding"), timeout=10)
     break_off(stack, rid, call, hang)
 
 
