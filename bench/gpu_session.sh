@@ -51,6 +51,8 @@
 #                                   # questions (2048 + 128 tokens, 256 out, c32), chat 16x4, the c1 TTFT probe
 #                                   # (bench/bench_prefix.py: prefix_bench.json / .md, ~8 min)
 #   bench/gpu_session.sh prefix-bench2  # the same on two GPUs for pd2 (1P1D), the issue's 64 prefixes x 10 questions
+#   bench/gpu_session.sh profile    # issue 30: one engine in-process at c32/c64/c128, per step kind wall vs device time and
+#                                   # a torch.profiler window (bench/profile_engine.py), with the EAGLE-3 head then without
 #   bench/gpu_session.sh receive    # a decode-step proxy on the last GPU while grpc-stream hand-offs arrive, the
 #                                   # scatter before issue 28 beside the current one (bench_receive.py --legacy)
 #
@@ -245,10 +247,19 @@ for stage in "$@"; do
       cat "$OUT/graphs_$cap.md" 2>/dev/null
       unset EYRIE_CUDA_GRAPH_MAX_BS
       ;;
+    profile)  # issue 30 item 1: where one engine's time goes at c32/c64/c128 (in-process, the widened pair, graphs):
+      # per step kind wall vs device time, a torch.profiler window's kernel time; the default (adaptive) then no draft
+      [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
+      run profile_adaptive 280 python3 bench/profile_engine.py --model /tmp/wide/target --draft /tmp/wide/eagle3 \
+        --prompts-file /tmp/wide/heldout.jsonl --concurrency ${PROFILE_C:-32,64,128} --out "$OUT/profile_adaptive.json"
+      run profile_plain 240 python3 bench/profile_engine.py --model /tmp/wide/target \
+        --prompts-file /tmp/wide/heldout.jsonl --concurrency ${PROFILE_C:-32,64,128} --out "$OUT/profile_plain.json"
+      cat "$OUT"/profile_adaptive.log "$OUT"/profile_plain.log | grep -v Warning | head -120
+      ;;
     *)
       echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention, serving," \
         "features, tp-tests, tp, local, memory, layouts, layouts4, peer, nixl, receive, policy, graphs," \
-        "prefix, prefix-route, decode-cache, prefix-bench, prefix-bench2)" >&2
+        "prefix, prefix-route, decode-cache, prefix-bench, prefix-bench2, profile)" >&2
       exit 2
       ;;
   esac

@@ -1,0 +1,224 @@
+"""Where an engine's time goes under a closed-loop load (issue 30 item 1): each step's kind, rows, prefill tokens,
+host wall time and device span, summed per step kind, beside the device's own kernel time over a window.
+
+The engine runs in-process as the services build it (``EngineSettings``, graphs captured, warmed), the
+fixed workload (prompt:output tokens, real text with ``--prompts-file``) at each concurrency in a closed loop.
+Per step: its kind (``decode`` / ``mixed`` / ``prefill``, with the speculative shape the policy chose or
+``plain``), its decode rows and prefill tokens, the wall time of ``Engine.step`` (which waits for the device)
+and the device span between CUDA events recorded at its start and end. A window of steps runs under
+``torch.profiler``: the kernels' summed time against the window's wall time says how long the GPU sat idle,
+and the top kernels say what the busy time was. The graphs' own costs (timed at capture) are the floor each
+decode kind could reach.
+
+    python bench/profile_engine.py --model DIR --draft DIR --prompts-file F --concurrency 64,128 --out prof.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.bench_serving import prompt_text_ids, prompt_vocab  # noqa: E402
+from bench.serving_load import Point, make_requests  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--prompts-file", default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--concurrency", default="64,128")
+    ap.add_argument("--waves", type=int, default=2, help="requests per point = waves x concurrency")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--output", type=int, default=256)
+    ap.add_argument("--max-running", type=int, default=128)
+    ap.add_argument("--spec-policy", default=None)
+    ap.add_argument("--chunk-size", type=int, default=None)
+    ap.add_argument("--gpu-memory-fraction", type=float, default=0.9)
+    ap.add_argument("--profile-steps", type=int, default=40, help="steps in the torch.profiler window")
+    ap.add_argument("--out", required=True)
+    return ap.parse_args(argv)
+
+
+class StepLog:
+    """Wraps an engine's scheduler and shape choice to learn each step's kind; times each step."""
+
+    def __init__(self, engine):
+        import torch
+
+        self.engine, self.torch, self.steps = engine, torch, []
+        self.plan, self.shape = None, None
+        schedule, choose = engine.scheduler.schedule, engine._choose_shape
+
+        def scheduled():
+            self.plan, self.shape = schedule(), None
+            return self.plan
+
+        def chosen(reqs):
+            self.shape = choose(reqs)
+            return self.shape
+
+        engine.scheduler.schedule, engine._choose_shape = scheduled, chosen
+
+    def step(self):
+        torch = self.torch
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        events = self.engine.step()
+        end.record()
+        end.synchronize()
+        wall = time.perf_counter() - t0
+        plan = self.plan
+        if plan is not None and not plan.empty:
+            kind = "mixed" if plan.prefill and plan.decode else "decode" if plan.decode else "prefill"
+            self.steps.append({"kind": kind, "shape": (self.shape or "plain") if plan.decode else "-",
+                               "rows": len(plan.decode), "prefill_tokens": sum(c.end - c.start for c in plan.prefill),
+                               "chunks": len(plan.prefill), "wall_ms": wall * 1e3,
+                               "device_ms": start.elapsed_time(end)})
+        return events
+
+
+def closed_loop(log: StepLog, specs, concurrency: int, on_step=None) -> dict:
+    """Closed loop over ``specs`` at ``concurrency``; output tokens and seconds."""
+    from shared.sampling import SamplingParams
+
+    pending, inflight, tokens = list(reversed(specs)), set(), 0
+    t0 = time.perf_counter()
+    while pending or inflight:
+        while pending and len(inflight) < concurrency:
+            spec = pending.pop()
+            req = log.engine.add_request(spec.prompt_ids, SamplingParams(max_new_tokens=spec.max_new_tokens,
+                                                                         ignore_eos=True))
+            inflight.add(req.rid)
+        if on_step is not None:
+            on_step(len(log.steps))
+        for req, toks in log.step():
+            tokens += len(toks)
+            if req.finish_reason is not None:
+                inflight.discard(req.rid)
+    return {"output_tokens": tokens, "seconds": time.perf_counter() - t0}
+
+
+def by_kind(steps: list[dict]) -> dict:
+    """Per (kind, shape, rows bucket): steps, wall and device time summed and mean, prefill tokens."""
+    groups: dict[str, dict] = defaultdict(lambda: {"steps": 0, "wall_s": 0.0, "device_s": 0.0, "rows": 0,
+                                                   "prefill_tokens": 0})
+    for s in steps:
+        rows = s["rows"]
+        bucket = 1 << max(0, (rows - 1).bit_length()) if rows else 0
+        g = groups[f"{s['kind']}/{s['shape']}/rows<={bucket}"]
+        g["steps"] += 1
+        g["wall_s"] += s["wall_ms"] / 1e3
+        g["device_s"] += s["device_ms"] / 1e3
+        g["rows"] += rows
+        g["prefill_tokens"] += s["prefill_tokens"]
+    total = sum(g["wall_s"] for g in groups.values()) or 1.0
+    for g in groups.values():
+        n = g["steps"]
+        g.update(wall_ms_mean=round(g["wall_s"] / n * 1e3, 3), device_ms_mean=round(g["device_s"] / n * 1e3, 3),
+                 rows_mean=round(g["rows"] / n, 1), share_of_wall=round(g["wall_s"] / total, 3),
+                 wall_s=round(g["wall_s"], 3), device_s=round(g["device_s"], 3))
+    return dict(sorted(groups.items(), key=lambda kv: -kv[1]["wall_s"]))
+
+
+def profile_window(torch, start_at: int, count: int):
+    """A callback for ``closed_loop`` that starts torch.profiler at step ``start_at`` and stops ``count`` later;
+    ``result()`` is then the window's wall, kernel time summed and top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    state = {"prof": None, "t0": 0.0, "wall": 0.0, "done": False}
+
+    def on_step(n: int) -> None:
+        if state["done"]:
+            return
+        if state["prof"] is None and n >= start_at:
+            torch.cuda.synchronize()
+            state["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            state["prof"].__enter__()
+            state["t0"] = time.perf_counter()
+        elif state["prof"] is not None and n >= start_at + count:
+            torch.cuda.synchronize()
+            state["wall"] = time.perf_counter() - state["t0"]
+            state["prof"].__exit__(None, None, None)
+            state["done"] = True
+
+    def result() -> dict:
+        prof = state["prof"]
+        if prof is None or not state["done"]:
+            return {}
+        kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) is not None
+                   and str(e.device_type).endswith("CUDA") and e.self_device_time_total > 0]
+        total_us = sum(e.self_device_time_total for e in kernels)
+        top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:20]
+        return {"steps": count, "wall_ms": round(state["wall"] * 1e3, 2), "kernel_ms": round(total_us / 1e3, 2),
+                "device_busy": round(total_us / 1e6 / state["wall"], 3) if state["wall"] else None,
+                "top_kernels": [{"name": e.key[:120], "calls": e.count, "ms": round(e.self_device_time_total / 1e3, 2)}
+                                for e in top]}
+
+    return on_step, result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from services.settings import EngineSettings
+    from shared.engine import Engine
+
+    flags = {"device": args.device, "dtype": args.dtype, "max_running": args.max_running, "gpu_memory_fraction": args.gpu_memory_fraction,
+             "cuda_graph": True}
+    if args.spec_policy:
+        flags["spec_policy"] = args.spec_policy
+    if args.chunk_size:
+        flags["chunk_size"] = args.chunk_size
+    settings = EngineSettings(model=args.model, draft=args.draft, **flags)
+    engine = Engine(settings.model, settings.draft, settings.engine_config())
+    t0 = time.perf_counter()
+    engine.capture_graphs()
+    report: dict = {"args": vars(args), "graph_capture_s": round(time.perf_counter() - t0, 1),
+                    "graph_costs_ms": {f"{k}/{b}": round(s * 1e3, 3) for (k, b), s in sorted(engine.graph_costs.items())},
+                    "chunk_size": engine.scheduler.chunk_size, "points": []}
+    vocab, text_ids = tuple(prompt_vocab(args.model)), prompt_text_ids(args.model, args.prompts_file)
+    log = StepLog(engine)
+    top = max(int(c) for c in args.concurrency.split(","))
+    closed_loop(log, make_requests(Point("warmup", top, top, (args.prompt,) * 2, (4, 4), seed=1), vocab, text_ids), top)
+    for c in (int(x) for x in args.concurrency.split(",")):
+        log.steps = []
+        point = Point("fixed", c, args.waves * c, (args.prompt,) * 2, (args.output,) * 2, seed=c)
+        on_step, window = profile_window(torch, start_at=c // 2 + 20, count=args.profile_steps)
+        ran = closed_loop(log, make_requests(point, vocab, text_ids), c, on_step)
+        steps = log.steps
+        entry = {"concurrency": c, "requests": point.requests, "output_tok_s": round(ran["output_tokens"] / ran["seconds"], 1),
+                 "seconds": round(ran["seconds"], 2), "steps": len(steps),
+                 "wall_s": round(sum(s["wall_ms"] for s in steps) / 1e3, 3),
+                 "device_span_s": round(sum(s["device_ms"] for s in steps) / 1e3, 3),
+                 "by_kind": by_kind(steps), "profile_window": window(),
+                 "timeline": [[s["kind"][0], s["shape"], s["rows"], s["prefill_tokens"], round(s["wall_ms"], 2),
+                               round(s["device_ms"], 2)] for s in steps]}
+        report["points"].append(entry)
+        print(f"c{c}: {entry['output_tok_s']} tok/s over {entry['seconds']} s, {len(steps)} steps", flush=True)
+        for name, g in list(entry["by_kind"].items())[:8]:
+            print(f"  {name:40s} {g['steps']:5d} steps  wall {g['wall_ms_mean']:8.2f} ms  device "
+                  f"{g['device_ms_mean']:8.2f} ms  rows {g['rows_mean']:6.1f}  share {g['share_of_wall']:.2f}",
+                  flush=True)
+        w = entry["profile_window"]
+        if w:
+            print(f"  window {w['steps']} steps: wall {w['wall_ms']} ms, kernels {w['kernel_ms']} ms "
+                  f"(busy {w['device_busy']})", flush=True)
+            for k in w["top_kernels"][:10]:
+                print(f"    {k['ms']:9.2f} ms  {k['calls']:6d}  {k['name']}", flush=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
