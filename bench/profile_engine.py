@@ -174,8 +174,8 @@ def main(argv=None) -> int:
     from services.settings import EngineSettings
     from shared.engine import Engine
 
-    flags = {"device": args.device, "dtype": args.dtype, "max_running": args.max_running, "gpu_memory_fraction": args.gpu_memory_fraction,
-             "cuda_graph": True}
+    flags = {"device": args.device, "dtype": args.dtype, "max_running": args.max_running,
+             "gpu_memory_fraction": args.gpu_memory_fraction, "cuda_graph": True}
     if args.spec_policy:
         flags["spec_policy"] = args.spec_policy
     if args.chunk_size:
@@ -185,7 +185,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     engine.capture_graphs()
     report: dict = {"args": vars(args), "graph_capture_s": round(time.perf_counter() - t0, 1),
-                    "graph_costs_ms": {f"{k}/{b}": round(s * 1e3, 3) for (k, b), s in sorted(engine.graph_costs.items())},
+                    "graph_costs_ms": {f"{k}/{b}": round(s * 1e3, 3)
+                                       for (k, b), s in sorted(engine.graph_costs.items())},
                     "chunk_size": engine.scheduler.chunk_size, "points": []}
     vocab, text_ids = tuple(prompt_vocab(args.model)), prompt_text_ids(args.model, args.prompts_file)
     log = StepLog(engine)
@@ -197,7 +198,8 @@ def main(argv=None) -> int:
         on_step, window = profile_window(torch, start_at=c // 2 + 20, count=args.profile_steps)
         ran = closed_loop(log, make_requests(point, vocab, text_ids), c, on_step)
         steps = log.steps
-        entry = {"concurrency": c, "requests": point.requests, "output_tok_s": round(ran["output_tokens"] / ran["seconds"], 1),
+        entry = {"concurrency": c, "requests": point.requests,
+                 "output_tok_s": round(ran["output_tokens"] / ran["seconds"], 1),
                  "seconds": round(ran["seconds"], 2), "steps": len(steps),
                  "wall_s": round(sum(s["wall_ms"] for s in steps) / 1e3, 3),
                  "device_span_s": round(sum(s["device_ms"] for s in steps) / 1e3, 3),

@@ -6,6 +6,10 @@ is the batch. Capture runs the function on padding inputs only (request row 0, w
 the sink page), so capturing mutates no request's state. Replay copies the real rows into the static
 inputs and resets the padding rows to their harmless values every time (stale padding rows gave
 SGLang illegal memory accesses), then clones the outputs so the next replay cannot overwrite them.
+Every batch size of a phase writes its outputs into one buffer of the phase (``SharedOutputs``, rows for
+the largest bucket): a graph's own outputs are freed at the end of its capture and their memory goes back
+to the pool, so a phase keeps one set of outputs, not one per batch size (an adaptive engine's verify
+logits over 15 batch sizes and 5 shapes were most of its graphs' memory).
 A batch larger than the largest bucket, or a phase switched off, runs eagerly: same function.
 
 Capture is made safe and contained (a failed capture once poisoned a whole process):
@@ -114,6 +118,42 @@ class CaptureBudget:
         return False
 
 
+class SharedOutputs:
+    """One phase's outputs for every batch size: per output tensor whose first dimension grows with the batch
+    (``rows_per_request`` x bs), a buffer for the largest bucket, allocated outside the graph pool before the
+    first capture; a graph copies its outputs into the buffer's first rows (inside the graph) and replays
+    return those rows. Outputs that do not scale with the batch stay the graph's own."""
+
+    def __init__(self):
+        self.buffers: list[torch.Tensor | None] | None = None  # per output leaf, in ``tree_map`` order
+
+    def allocate(self, example_out: Any, bs: int, max_bs: int) -> None:
+        """Size the buffers from a warm-up's outputs at batch size ``bs`` (once: the first capture's)."""
+        if self.buffers is not None:
+            return
+        leaves: list[torch.Tensor] = []
+        tree_map(leaves.append, example_out)
+        self.buffers = [torch.empty((t.shape[0] // bs * max_bs, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                        if t.dim() and t.shape[0] and t.shape[0] % bs == 0 else None for t in leaves]
+
+    def bind(self, out: Any) -> Any:
+        """Inside a capture: ``out`` copied into the buffers' first rows; the views the graph's replays return
+        (a leaf the buffers cannot hold, by shape or dtype, stays the graph's own)."""
+        index = iter(range(len(self.buffers or ())))
+
+        def one(t: torch.Tensor) -> torch.Tensor:
+            i = next(index, None)
+            buf = None if i is None or self.buffers is None else self.buffers[i]
+            if (buf is None or not t.dim() or t.shape[1:] != buf.shape[1:] or t.dtype != buf.dtype
+                    or t.shape[0] > buf.shape[0]):
+                return t
+            view = buf[:t.shape[0]]
+            view.copy_(t)
+            return view
+
+        return tree_map(one, out)
+
+
 class PhaseGraphs:
     def __init__(self, name: str, fn: Callable, enabled: bool, max_bs: int,
                  failures: list[CaptureFailure] | None = None, before_replay: Callable[[], None] | None = None,
@@ -124,6 +164,7 @@ class PhaseGraphs:
         self.enabled = enabled  # pad to buckets (also on the CPU, where it exercises the padding path)
         self.capture = enabled and torch.cuda.is_available()
         self.buckets = default_buckets(max_bs)
+        self.outputs = SharedOutputs()  # every batch size's outputs, in one buffer
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple, Any]] = {}
         self.pool = GraphPool() if pool is None else pool  # the engine's, shared by its phases
         # Capture failures, shared by every phase of an engine (the engine's list when given).
@@ -178,7 +219,9 @@ class PhaseGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # every kernel compiled, loaded and autotuned before capture, on its stream
-                self.fn(*static_args)
+                warm = self.fn(*static_args)
+        self.outputs.allocate(warm, _batch_size(example), max(self.buckets))
+        del warm
         torch.cuda.synchronize()  # nothing else in flight when capture begins
         rng = torch.cuda.get_rng_state()
         try:
@@ -208,7 +251,7 @@ class PhaseGraphs:
                 graph.capture_begin(*((self.pool.handle,) if self.pool.handle is not None else ()),
                                     capture_error_mode="thread_local")
                 try:
-                    static_out = self.fn(*static_args)
+                    static_out = self.outputs.bind(self.fn(*static_args))
                 except Exception as e:  # noqa: BLE001 (the capture must still be ended)
                     error = e
                 try:

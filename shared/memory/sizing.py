@@ -131,32 +131,29 @@ class StepPeaks:
 
 
 def graph_target_phases(engine: EngineConfig) -> int:
-    """Captured phases whose graph runs the target's forward, each with a private memory pool as large as its
-    largest bucket's step: the plain decode; with a draft, verify and verify + extend per tree shape, and an
-    adaptive engine's plain step."""
+    """Graph pools to keep room for: one, shared by every captured phase (``shared.cuda_graphs.GraphPool``: a
+    step replays one graph at a time, so the pool needs the largest graph step's intermediates, the profiled
+    one), or none without a captured phase that runs the target."""
     if not engine.cuda_graph:
         return 0
     on = set(engine.cuda_graph_phases)
-    if engine.spec is None:
-        return int("decode" in on)
-    shapes = len(engine.spec_shapes()) if engine.spec_policy == "adaptive" else 1
-    plain = int(engine.spec_policy == "adaptive" and "decode" in on)
-    return shapes * (int("verify" in on) + int({"verify", "extend"} <= on)) + plain
+    return int("decode" in on) if engine.spec is None else int(bool({"decode", "verify"} & on))
 
 
 def draft_phase_reserve(config: ModelConfig, engine: EngineConfig) -> int:
-    """The draft's captured phases (draft steps and extend, per tree shape): their float32 logits and
-    probabilities over the vocabulary for every row of the largest captured batch, twice each; a shape's rows
-    are its own verified tokens per request (a chain of 3 has 4, not the configured tree's 16)."""
+    """The draft's captured phases (draft steps and extend): their float32 logits and probabilities over the
+    vocabulary for every row of the largest captured batch, twice each, for the shape with the most rows (the
+    phases share the graph pool: one runs at a time); a shape's rows are its own verified tokens per request
+    (a chain of 3 has 4, not the configured tree's 16)."""
     if engine.spec is None or not engine.cuda_graph:
         return 0
-    rows = engine.graph_max_bs * sum(s.num_draft_tokens for s in engine.spec_shapes())
+    rows = engine.graph_max_bs * max(s.num_draft_tokens for s in engine.spec_shapes())
     return 2 * rows * config.vocab_size * 4 * 2
 
 
 def graph_output_reserve(config: ModelConfig, engine: EngineConfig, features: int) -> int:
-    """The outputs every captured batch size of a phase keeps (a graph's outputs stay allocated for its
-    replays, one set per batch size, beside the shared pool's intermediates): a verify phase's logits and
+    """The outputs the captured phases keep: one set per phase at its largest batch size (every batch size of a
+    phase writes into the same buffer, ``shared.cuda_graphs.SharedOutputs``): a verify phase's logits and
     features for each of its shape's tokens per row, an adaptive engine's plain step's and a plain engine's
     decode logits for one. ``features``: the hidden width the draft reads per token (0 without a draft)."""
     if not engine.cuda_graph:
@@ -164,7 +161,7 @@ def graph_output_reserve(config: ModelConfig, engine: EngineConfig, features: in
     from shared.cuda_graphs import default_buckets
 
     on = set(engine.cuda_graph_phases)
-    rows = sum(default_buckets(engine.graph_max_bs))  # every batch size's graph, one row each
+    rows = max(default_buckets(engine.graph_max_bs))  # the largest batch size's graph, one row each
     width = (config.vocab_size + features) * parse_dtype(engine.dtype).itemsize
     if engine.spec is None:
         return rows * width * int("decode" in on)

@@ -33,18 +33,18 @@ SPEC = SpecConfig(topk=1, steps=3)
     (EngineConfig(cuda_graph=False), 0),
     (EngineConfig(cuda_graph=True), 1),  # the plain decode
     (EngineConfig(cuda_graph=True, cuda_graph_phases=("draft",)), 0),
-    (EngineConfig(cuda_graph=True, spec=SPEC, spec_policy="fixed"), 2),  # verify, and verify + extend
+    (EngineConfig(cuda_graph=True, spec=SPEC, spec_policy="fixed"), 1),  # verify, and verify + extend: one pool
     (EngineConfig(cuda_graph=True, spec=SPEC, spec_policy="fixed", cuda_graph_phases=("decode", "verify")), 1),
+    (EngineConfig(cuda_graph=True, spec=SPEC, spec_policy="fixed", cuda_graph_phases=("draft", "extend")), 0),
 ])
-def test_graph_phases_that_run_the_target_are_counted(config, phases):
+def test_graph_phases_that_run_the_target_share_one_pool(config, phases):
     assert graph_target_phases(config) == phases
 
 
-def test_an_adaptive_engine_counts_every_shape_and_its_plain_step():
+def test_an_adaptive_engine_keeps_room_for_one_pool_whatever_its_shapes():
     config = EngineConfig(cuda_graph=True, spec=SPEC, spec_policy="adaptive")
-    shapes = len(config.spec_shapes())
-    assert shapes > 1
-    assert graph_target_phases(config) == 2 * shapes + 1
+    assert len(config.spec_shapes()) > 1
+    assert graph_target_phases(config) == 1
 
 
 def test_the_reserve_is_the_eager_peak_a_pool_per_target_phase_the_draft_and_what_lies_outside_pytorch():
@@ -63,22 +63,25 @@ def test_the_draft_phases_grow_with_the_captured_rows_and_vanish_without_graphs_
                                                 spec_policy="fixed")) == 4 * small  # 32 rows
     assert draft_phase_reserve(mc, EngineConfig(cuda_graph=True, spec=SPEC, max_running=64,
                                                 spec_policy="fixed")) == 8 * small  # graphs up to max_running
+    adaptive = EngineConfig(cuda_graph=True, spec=SpecConfig(topk=4, steps=4, num_draft_tokens=16), max_running=8)
+    assert len(adaptive.spec_shapes()) > 1  # the shapes share the pool: the one with the most rows counts
+    assert draft_phase_reserve(mc, adaptive) == 2 * 8 * 16 * 1000 * 4 * 2
     assert draft_phase_reserve(mc, EngineConfig(cuda_graph=False, spec=SPEC)) == 0
     assert draft_phase_reserve(mc, EngineConfig(cuda_graph=True)) == 0
 
 
-def test_every_captured_batch_size_keeps_its_outputs_logits_and_features_per_verified_token():
-    """Buckets 1, 2, 4, 8, 16, 24 (graphs up to 24 rows): 55 rows of outputs per phase and token, bf16."""
+def test_a_phase_keeps_one_set_of_outputs_at_its_largest_batch_logits_and_features_per_verified_token():
+    """Buckets 1, 2, 4, 8, 16, 24 (graphs up to 24 rows) write one buffer: 24 rows per phase and token, bf16."""
     mc = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     row = (1000 + 192) * 2  # logits and three layers' features of one token
     fixed = EngineConfig(cuda_graph=True, spec=SPEC, max_running=24, spec_policy="fixed", dtype="bfloat16")
-    assert graph_output_reserve(mc, fixed, 192) == 55 * SPEC.num_draft_tokens * row
+    assert graph_output_reserve(mc, fixed, 192) == 24 * SPEC.num_draft_tokens * row
     adaptive = EngineConfig(cuda_graph=True, spec=SPEC, max_running=24, spec_policy="adaptive", dtype="bfloat16")
     tokens = sum(s.num_draft_tokens for s in adaptive.spec_shapes())
     assert tokens > SPEC.num_draft_tokens
-    assert graph_output_reserve(mc, adaptive, 192) == 55 * (tokens + 1) * row  # and the plain step's logits
-    assert graph_output_reserve(mc, EngineConfig(cuda_graph=True, max_running=24), 0) == 55 * 1000 * 4  # float32
+    assert graph_output_reserve(mc, adaptive, 192) == 24 * (tokens + 1) * row  # and the plain step's logits
+    assert graph_output_reserve(mc, EngineConfig(cuda_graph=True, max_running=24), 0) == 24 * 1000 * 4  # float32
     assert graph_output_reserve(mc, EngineConfig(cuda_graph=False, spec=SPEC), 192) == 0
 
 
