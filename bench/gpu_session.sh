@@ -252,7 +252,7 @@ for stage in "$@"; do
       [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
       run profile_adaptive 280 python3 bench/profile_engine.py --model /tmp/wide/target --draft /tmp/wide/eagle3 \
         --prompts-file /tmp/wide/heldout.jsonl --concurrency ${PROFILE_C:-32,64,128} --out "$OUT/profile_adaptive.json"
-      run profile_plain 240 python3 bench/profile_engine.py --model /tmp/wide/target \
+      [ "${PROFILE_PLAIN:-1}" = 0 ] || run profile_plain 240 python3 bench/profile_engine.py --model /tmp/wide/target \
         --prompts-file /tmp/wide/heldout.jsonl --concurrency ${PROFILE_C:-32,64,128} --out "$OUT/profile_plain.json"
       cat "$OUT"/profile_adaptive.log "$OUT"/profile_plain.log | grep -v Warning | head -120
       ;;

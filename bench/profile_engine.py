@@ -62,8 +62,8 @@ class StepLog:
             self.plan, self.shape = schedule(), None
             return self.plan
 
-        def chosen(reqs):
-            self.shape = choose(reqs)
+        def chosen(reqs, **kw):
+            self.shape = choose(reqs, **kw)
             return self.shape
 
         engine.scheduler.schedule, engine._choose_shape = scheduled, chosen
@@ -85,6 +85,32 @@ class StepLog:
                                "chunks": len(plan.prefill), "wall_ms": wall * 1e3,
                                "device_ms": start.elapsed_time(end)})
         return events
+
+
+class CompileLog:
+    """Triton kernels compiled while the engine serves (each a stall of every request in the step that met it):
+    per compile, the step it happened in, the kernel, its seconds and its constexpr values."""
+
+    def __init__(self, log: StepLog):
+        self.entries: list[list] = []
+        try:
+            from triton.runtime.jit import JITFunction
+        except ImportError:
+            return
+        original = getattr(JITFunction, "_do_compile", None)
+        if original is None:  # another Triton: not counted
+            return
+        entries = self.entries
+
+        def timed(fn, key, signature, device, constexprs, *rest):
+            t0 = time.perf_counter()
+            try:
+                return original(fn, key, signature, device, constexprs, *rest)
+            finally:
+                entries.append([len(log.steps), getattr(fn, "__name__", str(fn)), round(time.perf_counter() - t0, 3),
+                                str(constexprs)[:300]])
+
+        JITFunction._do_compile = timed
 
 
 def closed_loop(log: StepLog, specs, concurrency: int, on_step=None) -> dict:
@@ -190,10 +216,12 @@ def main(argv=None) -> int:
                     "chunk_size": engine.scheduler.chunk_size, "points": []}
     vocab, text_ids = tuple(prompt_vocab(args.model)), prompt_text_ids(args.model, args.prompts_file)
     log = StepLog(engine)
+    compiles = CompileLog(log)
+    report["graphs"] = {g.name: max(g.captured_sizes, default=0) for g in engine.phase_graphs()}
     top = max(int(c) for c in args.concurrency.split(","))
     closed_loop(log, make_requests(Point("warmup", top, top, (args.prompt,) * 2, (4, 4), seed=1), vocab, text_ids), top)
     for c in (int(x) for x in args.concurrency.split(",")):
-        log.steps = []
+        log.steps, compiles.entries[:] = [], []
         point = Point("fixed", c, args.waves * c, (args.prompt,) * 2, (args.output,) * 2, seed=c)
         on_step, window = profile_window(torch, start_at=c // 2 + 20, count=args.profile_steps)
         ran = closed_loop(log, make_requests(point, vocab, text_ids), c, on_step)
@@ -203,7 +231,7 @@ def main(argv=None) -> int:
                  "seconds": round(ran["seconds"], 2), "steps": len(steps),
                  "wall_s": round(sum(s["wall_ms"] for s in steps) / 1e3, 3),
                  "device_span_s": round(sum(s["device_ms"] for s in steps) / 1e3, 3),
-                 "by_kind": by_kind(steps), "profile_window": window(),
+                 "by_kind": by_kind(steps), "profile_window": window(), "compiles": list(compiles.entries),
                  "timeline": [[s["kind"][0], s["shape"], s["rows"], s["prefill_tokens"], round(s["wall_ms"], 2),
                                round(s["device_ms"], 2)] for s in steps]}
         report["points"].append(entry)
@@ -212,6 +240,9 @@ def main(argv=None) -> int:
             print(f"  {name:40s} {g['steps']:5d} steps  wall {g['wall_ms_mean']:8.2f} ms  device "
                   f"{g['device_ms_mean']:8.2f} ms  rows {g['rows_mean']:6.1f}  share {g['share_of_wall']:.2f}",
                   flush=True)
+        if entry["compiles"]:
+            print(f"  {len(entry['compiles'])} Triton compiles, {sum(c[2] for c in entry['compiles']):.1f} s: "
+                  + ", ".join(f"step {c[0]} {c[1]} {c[2]} s" for c in entry["compiles"][:12]), flush=True)
         w = entry["profile_window"]
         if w:
             print(f"  window {w['steps']} steps: wall {w['wall_ms']} ms, kernels {w['kernel_ms']} ms "

@@ -164,15 +164,19 @@ class SpecPolicy:
         """A policy over ``shapes`` (``SpecConfig``s, the configured one first)."""
         return cls(kind, [Candidate(s.name, Acceptance(s.steps), chain=s.topk == 1) for s in shapes], cost)
 
-    def choose(self, batch: int, pinned: bool = False) -> str | None:
+    def choose(self, batch: int, pinned: bool = False, mixed: bool = False) -> str | None:
         """The shape this step of ``batch`` requests runs, None for a plain step; counted in ``choices``.
-        ``pinned``: the configured shape, whatever the policy (a seeded sampled request is in the batch)."""
+        ``pinned``: the configured shape, whatever the policy (a seeded sampled request is in the batch).
+        ``mixed``: the step also runs prefill chunks, so its time is not the kind's (``ran``): it explores
+        and probes nothing (a kind tried there would stay unmeasured and be tried again at every such step:
+        an H100 at c128 ran 64 prefill steps with the 16-token tree that way, 175-207 ms each), and a kind
+        switched to is run again at the next decode step, where it can be timed."""
         if pinned and self.pin:
             name = self.candidates[0].name
-        elif self.again is not None and self.kind == "adaptive":
+        elif self.again is not None and self.kind == "adaptive" and not mixed:
             name, self.again = (None if self.again == "plain" else self.again), None
         else:
-            name = self._decide(batch)
+            name = self._decide(batch, mixed)
         self.choices["plain" if name is None else "spec"] += 1
         if name is not None:
             self.shapes[name] = self.shapes.get(name, 0) + 1
@@ -211,17 +215,31 @@ class SpecPolicy:
     def _candidate(self, shape: str) -> Candidate:
         return next(c for c in self.candidates if c.name == shape)
 
-    def _decide(self, batch: int) -> str | None:
+    def _cost(self, batch: int, kind: str) -> float | None:
+        """Seconds of a step of ``kind`` at ``batch``: its bucket's, or where that was never timed, the nearest
+        smaller bucket's scaled up linearly with the batch (an overestimate where steps are memory-bound, so
+        a kind is not preferred on a guess: it is measured when a probe or the incumbent runs it); None when
+        no bucket of it is known."""
+        def at(b: int) -> float | None:
+            return self.cost.decode_s(b) if kind == "plain" else self.cost.spec_s(b, kind)
+
+        s, b = at(batch), bucket(batch) // 2
+        while s is None and b >= 1:
+            s = None if at(b) is None else at(b) * batch / b
+            b //= 2
+        return s
+
+    def _decide(self, batch: int, mixed: bool = False) -> str | None:
         first = self.candidates[0]
         if self.kind == "fixed":
             return first.name
-        spec_s = {c.name: self.cost.spec_s(batch, c.name) for c in self.candidates}
-        for c in self.candidates:  # what is not known yet is measured first
-            if c.tokens is None or spec_s[c.name] is None:
-                return c.name
-        decode_s = self.cost.decode_s(batch)
-        if decode_s is None:
-            return None  # then a plain step, once, to know what it costs
+        spec_s = {c.name: self._cost(batch, c.name) for c in self.candidates}
+        decode_s = self._cost(batch, "plain")
+        unknown = [c for c in self.candidates if c.tokens is None or spec_s[c.name] is None]
+        if unknown or decode_s is None:  # what is not known yet is measured first, at a step that times it
+            if mixed:
+                return self._known_best(spec_s, decode_s)
+            return unknown[0].name if unknown else None  # else a plain step, once, to know what it costs
         rates = {None: 1 / decode_s} | {c.name: c.tokens / spec_s[c.name] for c in self.candidates}
         best = max(rates, key=rates.get)  # plain on a tie (first)
         # A switch costs a step (a draft launched ahead is dropped): the kind chosen last time (not a probe)
@@ -236,7 +254,14 @@ class SpecPolicy:
                 c.probe_interval, c.probe = 0, None
             else:
                 self._back_off_after_probe(c)
-        return self._probe(batch, best, spec_s) or best
+        return best if mixed else self._probe(batch, best, spec_s) or best
+
+    def _known_best(self, spec_s: dict[str, float | None], decode_s: float | None) -> str | None:
+        """Among the kinds whose acceptance and cost are known, the most tokens per second (plain if none)."""
+        rates = {None: 1 / decode_s} if decode_s else {}
+        rates |= {c.name: c.tokens / spec_s[c.name] for c in self.candidates
+                  if c.tokens is not None and spec_s[c.name]}
+        return max(rates, key=rates.get) if rates else None
 
     def _probe(self, batch: int, best: str | None, spec_s: dict[str, float]) -> str | None:
         """A shape not chosen whose acceptance is due for a probe (the longest idle), if any; a shape another

@@ -97,3 +97,41 @@ def test_on_the_cpu_nothing_is_timed_at_start_and_each_kind_is_timed_by_its_step
     kinds = {k for k, _ in engine.spec_policy.cost.seconds}
     assert kinds and kinds <= {*engine.speculator.shapes, "plain"}
     assert engine.is_idle_and_clean()
+
+
+def test_a_batch_past_the_timed_buckets_is_decided_on_the_largest_timed_one_scaled_not_explored():
+    """Graph costs seeded up to 32 rows only (capture stopped there): at 64 and 128 every kind is estimated from
+    its 32-row cost scaled with the batch, so the policy decides (the chain of 2, as at 32) instead of trying the
+    first shape, the 16-token tree, whose eager steps cost 67-207 ms at those batches on an H100."""
+    cost = MeasuredCost()
+    for kind, ms in {"plain": 9.0, "tree-k4-s4-n16": 40.0, "tree-k4-s4-n8": 25.0, "chain3": 14.0, "chain2": 12.0,
+                     "chain1": 11.0}.items():
+        cost.seed(kind, 32, ms / 1000)
+    policy = SpecPolicy.of("adaptive", [SpecConfig.parse(n) for n in DEFAULT_SHAPES], cost)
+    policy.probe_every = policy.max_probe_every = 10 ** 6
+    policy.observe("tree-k4-s4-n16", 100, [80, 60, 40, 20])
+    policy.observe("tree-k4-s4-n8", 100, [70, 50, 30, 10])
+    policy.observe("chain3", 100, [70, 35, 15])
+    assert policy._cost(128, "chain2") == pytest.approx(0.012 * 4) and policy._cost(128, "plain") == 0.036
+    assert policy.choose(64) == "chain2" and policy.choose(128) == "chain2"
+    cost.record("chain2", 128, 0.2)  # measured: far dearer than the guess
+    cost.record("chain2", 128, 0.2)
+    assert policy.choose(128) == "chain3"  # 2.2 / 56 ms (guessed) now beats 2.05 / 200 ms (measured) and 1 / 36
+
+
+def test_a_step_with_prefill_chunks_explores_and_probes_nothing():
+    """Its time is not any kind's: a kind tried there stays unmeasured and would be tried again at each such step."""
+    cost = MeasuredCost()
+    cost.seed("plain", 8, 0.009)
+    cost.seed("chain3", 8, 0.014)
+    policy = SpecPolicy.of("adaptive", [SpecConfig.parse(n) for n in ("tree-k4-s4-n16", "chain3")], cost)
+    policy.observe("chain3", 100, [70, 35, 15])  # the tree's acceptance and cost are unknown
+    assert [policy.choose(8, mixed=True) for _ in range(3)] == ["chain3"] * 3  # 2.2 / 14 ms beats 1 / 9 ms
+    assert policy.choose(8) == "tree-k4-s4-n16"  # a decode step, which times it, tries it
+    policy.observe("tree-k4-s4-n16", 100, [0, 0, 0, 0])  # nothing accepted
+    cost.seed("tree-k4-s4-n16", 8, 0.040)
+    policy.probe_every = 1  # every step would probe the losing tree ...
+    assert policy.choose(8, mixed=True) == "chain3"  # ... but not a mixed one
+    assert policy.choose(8) == "tree-k4-s4-n16"
+    plain = SpecPolicy.of("adaptive", [SpecConfig.parse("chain3")], MeasuredCost())
+    assert plain.choose(8, mixed=True) is None  # nothing known: a plain step

@@ -147,8 +147,8 @@ def test_trained_pair_greedy_with_schemas_equals_target_only(pair, topk, steps, 
     params = [SamplingParams(max_new_tokens=40, json_schema=json.dumps(s)) for s in SCHEMAS]
     config = dict(max_running=4, max_context=96, page_size=page, chunk_size=4)
     want = Engine(pair[0], config=EngineConfig(**config)).generate(prompts, params)
-    engine = Engine(pair[0], draft=pair[1], config=EngineConfig(**config, spec=SpecConfig(
-        topk=topk, steps=steps, num_draft_tokens=ndt)))
+    engine = Engine(pair[0], draft=pair[1], config=EngineConfig(**config, spec_policy="fixed", spec=SpecConfig(
+        topk=topk, steps=steps, num_draft_tokens=ndt)))  # the shape named, each step (the policy's choice aside)
     got = engine.generate(prompts, params)
     for g, w in zip(got, want, strict=True):
         assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason)

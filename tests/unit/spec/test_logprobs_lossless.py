@@ -46,7 +46,7 @@ def assert_same_logprobs(got, want, atol: float = 1e-5, asked: list[bool] | None
 def test_speculative_top_logprobs_equal_target_only(oracle_models: Models, kind, topk, steps, ndt, page):
     prompts = PROMPTS[:3]
     want = oracle_models.engine(page_size=page, chunk_size=None).generate(prompts, TOP)
-    engine = oracle_models.engine(kind, topk=topk, steps=steps, ndt=ndt, page_size=page, chunk_size=8)
+    engine = oracle_models.fixed(kind, topk=topk, steps=steps, ndt=ndt, page_size=page, chunk_size=8)
     got = engine.generate(prompts, TOP)
     assert_same_logprobs(got, want)
     assert engine.is_idle_and_clean()

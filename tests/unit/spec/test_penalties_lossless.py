@@ -80,7 +80,7 @@ def test_greedy_with_the_feature_equals_target_only(oracle_models: Models, featu
     params = params_for(feature)
     prompts = [REPEATS, *PROMPTS[:2]] if feature == "frequency_on_repeats" else PROMPTS[:3]
     want = oracle_models.engine(page_size=page, chunk_size=None).generate(prompts, params)
-    engine = oracle_models.engine(kind, topk=topk, steps=steps, ndt=ndt, page_size=page, chunk_size=8)
+    engine = oracle_models.fixed(kind, topk=topk, steps=steps, ndt=ndt, page_size=page, chunk_size=8)
     got = engine.generate(prompts, params)
     for g, w in zip(got, want, strict=True):
         assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason)
