@@ -18,8 +18,8 @@ def resolve_dtype(dtype: str, device: str, stored: str | None) -> str:
     """The dtype an engine configured with ``dtype`` runs in on ``device``, for a checkpoint stored in ``stored``
     (its config.json's, ``checkpoint_dtype``; None when it names none). An explicit dtype is itself. ``auto``:
     on ``cuda`` the checkpoint's own when it is half (bfloat16 or float16), else bfloat16 (a float32 checkpoint,
-    or none named: half the memory and twice the speed of float32; bfloat16 rather than float16 for its range,
-    where vLLM picks float16); on the CPU always float32."""
+    or none named: half float32's memory and bytes read per step, a half type as vLLM's ``auto`` picks for such a
+    checkpoint, bfloat16 rather than float16 for its range); on the CPU always float32."""
     if dtype != "auto":
         return dtype
     if device.split(":")[0] != "cuda":
