@@ -29,6 +29,8 @@
 #   bench/gpu_session.sh tp-cache   # two GPUs: a TP-2 decode engine's prefix cache over NCCL, graphs on: a hand-off
 #                                   # takes the pages both ranks hold and is sent the rest, output/bytes/K/V == TP 1
 #   bench/gpu_session.sh tp         # two GPUs: 8B decode step TP 1 vs TP 2 vs its floor, IPC into a peer GPU (bench_tp.py)
+#   bench/gpu_session.sh dtype-auto # one GPU: dtype auto loads the bf16 widened pair (/tmp/wide) as bfloat16 (weights,
+#                                   # head, pools: half fp32's bytes), == explicit bfloat16; fp16 kept, fp32 -> bf16
 #   bench/gpu_session.sh memory     # one GPU: prefill + decode at 0.45 each, EAGLE-3, 8B shape: served, peaks within 0.45
 #                                   # (services' logs in $OUT/memory-logs, their memory events in memory_events.log)
 #   bench/gpu_session.sh layouts    # two GPUs: colo1, pd1, pd2, colo2 as users deploy them, 8B-shaped pair, one table, ~8 min
@@ -196,6 +198,11 @@ for stage in "$@"; do
     serving)
       run serving 575 python3 bench/bench_serving.py --workdir /tmp/serving --out "$OUT/serving.json"
       cp -r /tmp/serving/logs-* /tmp/serving/engine.log "$OUT/" 2>/dev/null
+      ;;
+    dtype-auto)  # the widened pair once (/tmp/wide, written in bf16), then tests/gpu/test_dtype_auto_gpu.py on it
+      [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
+      EYRIE_WIDE_PAIR=/tmp/wide run dtype_auto 420 python3 -m pytest -q -s -p no:cacheprovider \
+        tests/gpu/test_dtype_auto_gpu.py
       ;;
     memory)  # the widened pair once (/tmp/wide), then tests/gpu/test_memory_promise_gpu.py on it
       [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide

@@ -2,12 +2,42 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEVICES = ("cpu", "cuda")
 DEFAULT_GPU_MEMORY_FRACTION = 0.9  # one engine alone on its GPU (two sharing one: 0.45 each, as `eyrie up`)
+DTYPES = ("float32", "bfloat16", "float16")  # what an engine runs in; ``auto`` resolves to one at load
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+def resolve_dtype(dtype: str, device: str, stored: str | None) -> str:
+    """The dtype an engine configured with ``dtype`` runs in on ``device``, for a checkpoint stored in ``stored``
+    (its config.json's, ``checkpoint_dtype``; None when it names none). An explicit dtype is itself. ``auto``:
+    on ``cuda`` the checkpoint's own when it is half (bfloat16 or float16), else bfloat16 (a float32 checkpoint,
+    or none named: half float32's memory and bytes read per step, a half type as vLLM's ``auto`` picks for such a
+    checkpoint, bfloat16 rather than float16 for its range); on the CPU always float32."""
+    if dtype != "auto":
+        return dtype
+    if device.split(":")[0] != "cuda":
+        return "float32"
+    return stored if stored in HALF_DTYPES else "bfloat16"
+
+
+def checkpoint_dtype(model_dir: str | Path) -> str | None:
+    """The dtype the checkpoint at ``model_dir`` says its weights are in: config.json's ``dtype`` (as
+    transformers 5 writes it) or ``torch_dtype`` (earlier ones), ``torch.`` prefix dropped; None when it names
+    none, or has no readable config.json (the loader then names what is wrong with it)."""
+    try:
+        with open(Path(model_dir) / "config.json") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    named = (cfg.get("dtype") or cfg.get("torch_dtype")) if isinstance(cfg, dict) else None
+    return named.removeprefix("torch.") if isinstance(named, str) else None
 
 
 class SpecConfig(BaseModel):
@@ -83,7 +113,9 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True)
     device: str = Field("cpu", description="`cpu` or `cuda` (`cuda:N`)")
-    dtype: str = Field("float32", description="`float32`, `bfloat16` or `float16`")
+    dtype: str = Field("auto", description="`auto`, `float32`, `bfloat16` or `float16`. `auto` on `cuda`: the "
+                       "checkpoint's own dtype (config.json `dtype` / `torch_dtype`) when it is bfloat16 or float16, "
+                       "else bfloat16 (a float32 checkpoint too); on `cpu`: float32")
     page_size: int = Field(16, description="tokens per KV page (prefill and decode must agree)")
     num_pages: int | None = Field(None, description="KV pages per pool (default: enough for `max_running` requests "
                                   "of `max_context` tokens)")
@@ -133,6 +165,13 @@ class EngineConfig(BaseModel):
                                "(a decode instance is handed off only the prompt pages it does not hold); "
                                "unreferenced pages are evicted least recently used first when the pool needs them")
 
+    def resolved(self, model_dir: str | Path) -> EngineConfig:
+        """This config with ``dtype`` as the engine runs the checkpoint at ``model_dir`` (``resolve_dtype``):
+        what the engine's weights, pools, hand-off schema and reports then carry (``auto`` never past here)."""
+        if self.dtype != "auto":
+            return self
+        return self.model_copy(update={"dtype": resolve_dtype(self.dtype, self.device, checkpoint_dtype(model_dir))})
+
     @property
     def graph_max_bs(self) -> int:
         """The largest batch the CUDA graphs cover: ``cuda_graph_max_bs``, at most ``max_running`` (its default)."""
@@ -177,8 +216,8 @@ class EngineConfig(BaseModel):
     @field_validator("dtype")
     @classmethod
     def _dtype(cls, v: str) -> str:
-        if v not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {v!r}")
+        if v != "auto" and v not in DTYPES:
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {v!r}")
         return v
 
     @field_validator("spec_policy")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,14 @@ from typing import TypeVar
 
 import torch
 
-from shared.config import DEFAULT_GPU_MEMORY_FRACTION, EngineConfig, SpecConfig
+from shared.config import (
+    DEFAULT_GPU_MEMORY_FRACTION,
+    DTYPES,
+    EngineConfig,
+    SpecConfig,
+    checkpoint_dtype,
+    resolve_dtype,
+)
 from shared.cuda_graphs import CaptureBudget, CaptureFailure, GraphPool, PhaseGraphs
 from shared.errors import RequestError
 from shared.forward_batch import build_forward_batch, build_uniform_batch
@@ -59,6 +67,7 @@ from shared.spec.worker import SpecWorker
 from shared.stepping import Stepping
 
 T = TypeVar("T")
+log = logging.getLogger("eyrie.weights")
 
 
 class ModelRunner:
@@ -77,6 +86,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise RequestError("device", "cuda was asked for but no CUDA device is available")
+        config = resolved_dtype(config, model)  # from here on the dtype the weights and pools are in, never auto
         reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0  # before the weights
         self.model, lm_head = self._load_target(model, config)
         mc = self.model.config
@@ -379,3 +389,22 @@ class ModelRunner:
     def phase_graphs(self) -> list[PhaseGraphs]:
         """The CUDA graph phases ``capture_graphs`` captures (the speculator's, else the target decode's)."""
         return self.speculator.phase_graphs() if self.speculator is not None else [self.decode_graphs]
+
+
+def resolved_dtype(config: EngineConfig, model: str | Path | LlamaForCausalLM) -> EngineConfig:
+    """``config`` with ``dtype="auto"`` resolved for the target ``model`` (``resolve_dtype``: the checkpoint's
+    own dtype on a GPU when it is half, else bfloat16; float32 on the CPU), logged as a ``dtype_resolved`` event.
+    A target passed in built keeps its weights' dtype: the caches and the draft head are made to match it. Every
+    tensor-parallel rank resolves alike (the same checkpoint, the same kind of device)."""
+    if config.dtype != "auto":
+        return config
+    if isinstance(model, LlamaForCausalLM):
+        stored = str(model.lm_head.weight.dtype).removeprefix("torch.")  # never FP8: the LM head stays unquantized
+        dtype = stored if stored in DTYPES else resolve_dtype("auto", config.device, None)
+    else:
+        stored = checkpoint_dtype(model)
+        dtype = resolve_dtype("auto", config.device, stored)
+    resolved = config.model_copy(update={"dtype": dtype})
+    fields = {"configured": "auto", "dtype": resolved.dtype, "checkpoint": stored, "device": config.device}
+    log.info("dtype_resolved", extra={"event": "dtype_resolved", "fields": fields})
+    return resolved

@@ -40,8 +40,8 @@ CONCURRENT = 4
 SETTING = "all"  # temperature, top-k and top-p together
 # On the GPU (the sampling and verification kernels are Triton's there): two engines of fixed small pools share
 # the device, CUDA graphs on, room for every choice in flight.
-DEVICES = {"cpu": {}, "cuda": dict(device="cuda:0", num_pages=512, max_running=CONCURRENT * N, max_context=64,
-                                   cuda_graph=True)}
+DEVICES = {"cpu": {}, "cuda": dict(device="cuda:0", dtype="float32", num_pages=512, max_running=CONCURRENT * N,
+                                   max_context=64, cuda_graph=True)}
 
 
 def run_requests(stack) -> list[list[tuple[tuple[int, ...], int]]]:

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 def test_capture_progress_counts_each_graph_captured(tiny_model_dir, draft, monkeypatch):
     spec = SpecConfig(topk=2, steps=2, num_draft_tokens=4) if draft else None
     engine = Engine(tiny_model_dir / "target", tiny_model_dir / draft if draft else None,
-                    EngineConfig(device="cuda", page_size=4, chunk_size=8, spec=spec, cuda_graph=True,
+                    EngineConfig(device="cuda", dtype="float32", page_size=4, chunk_size=8, spec=spec, cuda_graph=True,
                                  cuda_graph_max_bs=8))
     graphs = engine.phase_graphs()
     monkeypatch.setattr("sys.stderr", io.StringIO())  # not a terminal: the bar is off (tqdm counts nothing then)

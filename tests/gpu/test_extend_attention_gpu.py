@@ -179,7 +179,8 @@ def test_engine_prefill_through_the_extend_kernel_equals_paged_and_cpu(oracle_mo
     def run(device, chunk, min_q):
         monkeypatch.setattr(layers, "EXTEND_MIN_Q", min_q)
         engine = Engine(oracle_model_dir / "target", None,
-                        EngineConfig(device=device, page_size=16, chunk_size=chunk, cuda_graph=False))
+                        EngineConfig(device=device, dtype="float32", page_size=16, chunk_size=chunk,
+                                     cuda_graph=False))
         out = [r.token_ids for r in engine.generate(prompts, params)]
         assert engine.is_idle_and_clean()
         return out

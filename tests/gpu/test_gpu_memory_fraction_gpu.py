@@ -25,7 +25,7 @@ from shared.engine import Engine
 from shared.request import RequestError
 from shared.sampling import SamplingParams
 try:
-    e = Engine(sys.argv[1], config=EngineConfig(device="cuda", gpu_memory_fraction=0.4, max_running=64,
+    e = Engine(sys.argv[1], config=EngineConfig(device="cuda", dtype="float32", gpu_memory_fraction=0.4, max_running=64,
                                                 max_context=131000, cuda_graph=True))
 except RequestError as err:
     print(json.dumps({"refused": str(err)}), flush=True)

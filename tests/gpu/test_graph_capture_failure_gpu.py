@@ -27,7 +27,8 @@ SPEC = SpecConfig(topk=2, steps=3, num_draft_tokens=6)
 
 
 def _engine(model_dir, graphs: bool) -> Engine:
-    cfg = EngineConfig(device="cuda", page_size=16, chunk_size=8, spec=SPEC, cuda_graph=graphs, cuda_graph_max_bs=8)
+    cfg = EngineConfig(device="cuda", dtype="float32", page_size=16, chunk_size=8, spec=SPEC, cuda_graph=graphs,
+                       cuda_graph_max_bs=8)
     return Engine(model_dir / "target", model_dir / "eagle3", cfg)
 
 

@@ -18,7 +18,8 @@ PARAMS = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
 
 def test_captured_graphs_seed_every_kinds_cost_and_the_policy_needs_no_timing_step(oracle_model_dir):
-    config = EngineConfig(device="cuda", page_size=16, chunk_size=8, cuda_graph=True, cuda_graph_max_bs=16,
+    config = EngineConfig(device="cuda", dtype="float32", page_size=16, chunk_size=8, cuda_graph=True,
+                          cuda_graph_max_bs=16,
                           spec=SpecConfig(topk=4, steps=4, num_draft_tokens=16))  # the default policy: adaptive
     engine = Engine(oracle_model_dir / "target", oracle_model_dir / "eagle3", config)
     policy = engine.spec_policy
@@ -44,7 +45,8 @@ def test_captured_graphs_seed_every_kinds_cost_and_the_policy_needs_no_timing_st
 
 
 def test_a_fixed_engine_times_nothing(oracle_model_dir):
-    config = EngineConfig(device="cuda", page_size=16, chunk_size=8, cuda_graph=True, cuda_graph_max_bs=4,
-                          spec=SpecConfig(topk=2, steps=3, num_draft_tokens=6), spec_policy="fixed")
+    config = EngineConfig(device="cuda", dtype="float32", page_size=16, chunk_size=8, cuda_graph=True,
+                          cuda_graph_max_bs=4, spec=SpecConfig(topk=2, steps=3, num_draft_tokens=6),
+                          spec_policy="fixed")
     engine = Engine(oracle_model_dir / "target", oracle_model_dir / "eagle3", config)
     assert engine.capture_graphs() > 0 and engine.graph_costs == {} and engine.spec_policy.cost.prior == {}

@@ -19,7 +19,8 @@ PARAMS = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
 
 def _run(model_dir, draft, device, graphs, spec=None, page_size=16):
-    cfg = EngineConfig(device=device, page_size=page_size, chunk_size=8, spec=spec, cuda_graph=graphs)
+    cfg = EngineConfig(device=device, dtype="float32", page_size=page_size, chunk_size=8, spec=spec,
+                       cuda_graph=graphs)
     engine = Engine(model_dir / "target", None if draft is None else model_dir / draft, cfg)
     results = engine.generate(PROMPTS, PARAMS)
     assert engine.is_idle_and_clean()
@@ -50,7 +51,7 @@ def test_spec_graph_equals_eager_and_cpu(oracle_model_dir, cpu_reference, kind, 
 
 def test_graph_capture_mutates_no_request_state(oracle_model_dir):
     """Capturing happens on padding rows only: a request's K/V is the same before and after."""
-    cfg = EngineConfig(device="cuda", page_size=16, chunk_size=None, cuda_graph=True,
+    cfg = EngineConfig(device="cuda", dtype="float32", page_size=16, chunk_size=None, cuda_graph=True,
                        spec=SpecConfig(topk=2, steps=3, num_draft_tokens=6))
     engine = Engine(oracle_model_dir / "target", oracle_model_dir / "eagle", cfg)
     req = engine.add_request(PROMPTS[1], PARAMS)
@@ -74,8 +75,8 @@ def test_graphs_captured_ahead_of_serving(oracle_model_dir, cpu_reference, kind)
     """capture_graphs() records every enabled phase at every bucket before any request, on padding
     rows only; serving afterwards replays them and gives the CPU reference's tokens."""
     spec = None if kind is None else SpecConfig(topk=2, steps=3, num_draft_tokens=6)
-    cfg = EngineConfig(device="cuda", page_size=16, chunk_size=8, spec=spec, cuda_graph=True, cuda_graph_max_bs=8,
-                       spec_policy="fixed")  # one shape: its phases' graphs are the speculator's
+    cfg = EngineConfig(device="cuda", dtype="float32", page_size=16, chunk_size=8, spec=spec, cuda_graph=True,
+                       cuda_graph_max_bs=8, spec_policy="fixed")  # one shape: its phases' graphs are the speculator's
     engine = Engine(oracle_model_dir / "target", None if kind is None else oracle_model_dir / kind, cfg)
     count = engine.capture_graphs()
     graphs = [engine.decode_graphs] if kind is None else list(engine.speculator.graphs.values())
@@ -99,8 +100,9 @@ def test_drafting_ahead_under_graphs_equals_the_cpu(oracle_model_dir, kind, topk
     join_prompt, join_after = [11, 12, 13, 14], 6
 
     def run(device, ahead):
-        cfg = EngineConfig(device=device, page_size=page_size, chunk_size=8, cuda_graph=device == "cuda",
-                           spec=SpecConfig(topk=topk, steps=steps, num_draft_tokens=n), spec_draft_ahead=ahead,
+        cfg = EngineConfig(device=device, dtype="float32", page_size=page_size, chunk_size=8,
+                           cuda_graph=device == "cuda", spec=SpecConfig(topk=topk, steps=steps, num_draft_tokens=n),
+                           spec_draft_ahead=ahead,
                            spec_policy="fixed")  # every step speculative: the draft ahead is used and cut
         engine = Engine(oracle_model_dir / "target", oracle_model_dir / kind, cfg)
         reqs = [engine.add_request(p, SamplingParams(max_new_tokens=m, ignore_eos=True))
@@ -133,7 +135,7 @@ def test_an_engine_on_the_second_gpu_stepped_from_another_thread(oracle_model_di
     out = {}
 
     def run():
-        cfg = EngineConfig(device="cuda:1", page_size=16, chunk_size=8, cuda_graph=True,
+        cfg = EngineConfig(device="cuda:1", dtype="float32", page_size=16, chunk_size=8, cuda_graph=True,
                            spec=SpecConfig(topk=1, steps=3, num_draft_tokens=4))
         engine = Engine(oracle_model_dir / "target", oracle_model_dir / "eagle", cfg)
         engine.capture_graphs()

@@ -42,7 +42,8 @@ def switching():
 
 
 def adaptive(model_dir, kind, device, graphs, cost, **cfg):
-    config = EngineConfig(**{"device": device, "page_size": 16, "chunk_size": 8, "cuda_graph": graphs,
+    config = EngineConfig(**{"device": device, "dtype": "float32", "page_size": 16, "chunk_size": 8,
+                             "cuda_graph": graphs,
                              "cuda_graph_max_bs": 8, "spec": SpecConfig(topk=2, steps=3, num_draft_tokens=6),
                              "spec_policy": "adaptive", "spec_candidates": (), **cfg})  # one shape or plain
     engine = Engine(model_dir / "target", model_dir / kind, config)
@@ -116,7 +117,7 @@ def test_draft_state_after_a_replayed_plain_step_equals_the_eager_one(oracle_mod
 
 
 def test_a_fixed_engine_captures_no_plain_step_graphs_and_capture_times_are_per_phase(oracle_model_dir):
-    config = EngineConfig(device="cuda", page_size=16, cuda_graph=True, cuda_graph_max_bs=8,
+    config = EngineConfig(device="cuda", dtype="float32", page_size=16, cuda_graph=True, cuda_graph_max_bs=8,
                           spec=SpecConfig(topk=2, steps=3, num_draft_tokens=6), spec_policy="fixed")
     fixed = Engine(oracle_model_dir / "target", oracle_model_dir / "eagle3", config)
     adaptive_engine = adaptive(oracle_model_dir, "eagle3", "cuda", True, plain_only())

@@ -18,7 +18,7 @@ PARAMS = [SamplingParams(max_new_tokens=24, ignore_eos=True),
 
 def _run(model_dir, kind, page_size, cached):
     spec = SpecConfig(topk=2, steps=3, num_draft_tokens=6)
-    cfg = EngineConfig(device="cuda", page_size=page_size, chunk_size=16, spec=spec, cuda_graph=True,
+    cfg = EngineConfig(device="cuda", dtype="float32", page_size=page_size, chunk_size=16, spec=spec, cuda_graph=True,
                        prefix_cache=cached, spec_policy="fixed")  # the steps compared: not timed choices
     engine = Engine(model_dir / "target", model_dir / kind, cfg)
     out = []

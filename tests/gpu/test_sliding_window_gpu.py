@@ -99,5 +99,6 @@ def test_windowed_mistral_decodes_on_cuda_as_on_the_cpu(tmp_path):
     want = [r.token_ids for r in cpu]
     for draft in (None, root / "eagle"):
         spec = SpecConfig(topk=2, steps=3, num_draft_tokens=6) if draft else None
-        gpu = Engine(root / "target", draft, EngineConfig(device="cuda", chunk_size=128, spec=spec))
+        gpu = Engine(root / "target", draft, EngineConfig(device="cuda", dtype="float32", chunk_size=128,
+                                                          spec=spec))
         assert [r.token_ids for r in gpu.generate(prompts, params)] == want, draft

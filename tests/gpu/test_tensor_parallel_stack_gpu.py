@@ -26,8 +26,8 @@ pytestmark = [pytest.mark.gpu,
 PROMPTS = [[5, 17, 33, 2, 9], [(i * 37 + 11) % 500 for i in range(30)]]
 NEW, CHUNK, MAX_CONTEXT = 16, 8, 64
 SPEC = SpecConfig(topk=2, steps=3, num_draft_tokens=6)
-ENGINE = dict(device="cuda:0", page_size=16, chunk_size=CHUNK, max_context=MAX_CONTEXT, max_running=4, num_pages=64,
-              cuda_graph=True)
+ENGINE = dict(device="cuda:0", dtype="float32", page_size=16, chunk_size=CHUNK, max_context=MAX_CONTEXT, max_running=4,
+              num_pages=64, cuda_graph=True)
 CASES = [("prefill", "ipc"), ("decode", "grpc-stream")]
 
 

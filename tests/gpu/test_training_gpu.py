@@ -33,7 +33,7 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def greedy(target: Path, draft: Path | None, device: str = "cuda", spec: SpecConfig | None = None):
-    engine = Engine(target, draft, EngineConfig(device=device, chunk_size=8, spec=spec))
+    engine = Engine(target, draft, EngineConfig(device=device, dtype="float32", chunk_size=8, spec=spec))
     out = [r.token_ids for r in engine.generate(PROMPTS, PARAMS)]
     return out, (engine.spec_stats.totals.accept_length if engine.speculator is not None else None)
 

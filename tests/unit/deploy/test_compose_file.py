@@ -171,7 +171,7 @@ def test_every_eyrie_variable_is_a_settings_field_and_parses(compose, monkeypatc
         if role == "router":
             assert settings.openai_port == 8000 and not settings.api_key
         elif name in GPU_ENGINES:
-            assert settings.device == "cuda" and settings.dtype == "bfloat16" and settings.cuda_graph is True
+            assert settings.device == "cuda" and settings.dtype == "auto" and settings.cuda_graph is True
         else:
             assert settings.device == "cpu" and settings.draft == "/models/eagle3"
 

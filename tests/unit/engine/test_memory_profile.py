@@ -81,7 +81,8 @@ def test_a_phase_keeps_one_set_of_outputs_at_its_largest_batch_logits_and_featur
     tokens = sum(s.num_draft_tokens for s in adaptive.spec_shapes())
     assert tokens > SPEC.num_draft_tokens
     assert graph_output_reserve(mc, adaptive, 192) == 24 * (tokens + 1) * row  # and the plain step's logits
-    assert graph_output_reserve(mc, EngineConfig(cuda_graph=True, max_running=24), 0) == 24 * 1000 * 4  # float32
+    assert graph_output_reserve(mc, EngineConfig(cuda_graph=True, max_running=24, dtype="float32"), 0) \
+        == 24 * 1000 * 4
     assert graph_output_reserve(mc, EngineConfig(cuda_graph=False, spec=SPEC), 192) == 0
 
 
@@ -141,7 +142,8 @@ def test_the_profile_run_runs_a_full_chunk_and_the_largest_eager_and_graph_decod
     from shared.model.loader import load_target
 
     target = Recording(load_target(tiny_model_dir / "target", "float32", "cpu"))
-    config = EngineConfig(page_size=4, max_running=40, chunk_size=96, cuda_graph=True, spec=SPEC, cuda_graph_max_bs=32)
+    config = EngineConfig(page_size=4, max_running=40, chunk_size=96, cuda_graph=True, spec=SPEC, cuda_graph_max_bs=32,
+                          dtype="float32")  # the target's (an engine resolves auto so; this calls the profile itself)
     peaks = profile_steps(target, config, max_context=256, capture="aux", aux_layers=(0, 1), decodes=decodes)
     width = SPEC.num_draft_tokens
     steps = [(96, 1, True)]  # the chunk: its last position's logits, the draft's features captured
@@ -150,6 +152,7 @@ def test_the_profile_run_runs_a_full_chunk_and_the_largest_eager_and_graph_decod
         steps = [(96 + 40, 1 + 40, True), (40 * width, 40 * width, True), (32 * width, 32 * width, True)]
     assert target.calls == steps
     assert peaks == StepPeaks(prefill=0, decode=0, graph=0, non_torch=None)
-    chunked_whole = profile_steps(target, EngineConfig(page_size=4, max_running=2, chunk_size=None), max_context=64,
+    chunked_whole = profile_steps(target, EngineConfig(page_size=4, max_running=2, chunk_size=None, dtype="float32"),
+                                  max_context=64,
                                   decodes=False)  # whole prompts: a step is one max_context prompt
     assert target.calls[-1] == (64, 1, False) and chunked_whole.non_torch is None

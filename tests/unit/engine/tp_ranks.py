@@ -48,7 +48,7 @@ def forward_logits(tp: TPGroup | None, target: str, prompts: list[list[int]]) ->
     model = load_target(target)
     if tp is not None:
         shard_target(model, tp, torch.device("cpu"))
-    config = EngineConfig(page_size=1, max_running=len(prompts), max_context=64)
+    config = EngineConfig(page_size=1, max_running=len(prompts), max_context=64, dtype="float32")
     cache = make_cache(local_config(model.config, tp), model.config.num_hidden_layers, config, 64)
     handles = [cache.open() for _ in prompts]
     for h, p in zip(handles, prompts):

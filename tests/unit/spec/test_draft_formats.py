@@ -57,7 +57,8 @@ def direct(head: DraftHead, ids: list[int], features: torch.Tensor, step_token: 
     """The loaded head called directly: an extend over every row (positions 0..T-1), then one draft
     step at position T fed ``step_token`` and the extend's last hidden state. Fresh cache."""
     T = len(ids)
-    cache = make_cache(head.config, head.layers_per_cache, EngineConfig(max_running=1, page_size=4), 64)
+    cache = make_cache(head.config, head.layers_per_cache, EngineConfig(max_running=1, page_size=4, dtype="float32"),
+                       64)
     h = cache.open()
     cache.reserve(h, T + 1)
     pos = torch.arange(T)

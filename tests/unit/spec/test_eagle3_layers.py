@@ -41,7 +41,8 @@ def target(tmp_path_factory):
 
 def captured(model, prompt: list[int], capture: str, aux: tuple[int, ...] = ()) -> torch.Tensor:
     """Eyrie's target forward over ``prompt`` in a fresh cache: the captured features, every row."""
-    cache = make_cache(model.config, model.config.num_hidden_layers, EngineConfig(max_running=1, page_size=4), 64)
+    config = EngineConfig(max_running=1, page_size=4, dtype="float32")
+    cache = make_cache(model.config, model.config.num_hidden_layers, config, 64)
     h = cache.open()
     cache.reserve(h, len(prompt))
     pos = torch.arange(len(prompt))

@@ -200,7 +200,7 @@ def test_negative_control_penalising_every_node_with_the_committed_counts_fails(
 def test_sampled_output_with_penalties_follows_the_target_only_law_on_the_gpu(pair, prompt, params, law, shape):
     """The same on CUDA: the Triton acceptance kernels, graphs on (a penalised batch replays the verify and
     extend graphs, processed between them)."""
-    results = sample(pair, prompt, params, shape, device="cuda", cuda_graph=True)
+    results = sample(pair, prompt, params, shape, device="cuda", dtype="float32", cuda_graph=True)
     p = pvalues(results, law)
     print(f"{shape} on the GPU: chi-square p " + ", ".join(f"k={k} {v:.3g}" for k, v in p.items()))
     assert min(p.values()) * DEPTH > P_MIN, p

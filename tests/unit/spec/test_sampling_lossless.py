@@ -279,7 +279,7 @@ def engine_runs(root, shape: str, settings: tuple[str, ...], per_setting: int, d
     kind, spec = SPECS[shape]
     engine = Engine(root / "target", root / kind, EngineConfig(page_size=4, max_running=BATCH + GREEDY_ROWS,
                                                                max_context=32, chunk_size=None, spec=spec,
-                                                               device=device, spec_policy=policy))
+                                                               device=device, dtype="float32", spec_policy=policy))
     greedy = SamplingParams(max_new_tokens=DEPTH, ignore_eos=True)
     todo = [(name, SamplingParams(**SETTINGS[name], seed=100_000 * j + i, max_new_tokens=DEPTH, ignore_eos=True))
             for i in range(per_setting) for j, name in enumerate(settings)]  # interleaved: every batch mixes them

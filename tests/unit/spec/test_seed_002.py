@@ -256,7 +256,7 @@ def test_under_cuda_graph_replay(oracle_model_dir, kind):
     those logits), and the continuous outputs of the replayed extend (draft K/V, hidden state, first
     tree level) are compared after every step, with the target K/V the replayed verify wrote."""
     root = Path(oracle_model_dir)
-    config = EngineConfig(**SMALL, device="cuda", page_size=4, chunk_size=16, cuda_graph=True,
+    config = EngineConfig(**SMALL, device="cuda", dtype="float32", page_size=4, chunk_size=16, cuda_graph=True,
                           spec=SpecConfig(topk=1, steps=4, num_draft_tokens=5), spec_policy="fixed")
     engine = Engine(root / "target", root / kind, config)
     assert decode_and_compare(engine).forwards == 3 * 3 * 3

@@ -52,7 +52,7 @@ def random_head(kind: str, target, target_cfg: dict, hot: torch.Tensor | None, s
 def served_steps(target, draft, ids: list[int], t: int, steps: int) -> list[torch.Tensor]:
     """Logits of the served extend at position t and of draft steps 1..steps-1 after it, each step
     j fed token t+1+j (forced, as the unrolled objective feeds them) at position t+j."""
-    config = EngineConfig(page_size=4)
+    config = EngineConfig(page_size=4, dtype="float32")
     L = t + 1
     capture = "aux" if draft.kind == "eagle3" else "last"
     tcache = make_cache(target.config, target.config.num_hidden_layers, config, 64)
