@@ -370,6 +370,8 @@ class ModelRunner:
                         g(zeros, zeros.clone(), zeros.clone())
                 count = len(g.captured_sizes)
             self.graphs_stopped_at = None if room is None else room.stopped_at
+            if policy is not None and policy.kind == "adaptive" and count:  # shapes chosen where they are graphed
+                policy.graphed = self.speculator.graphed_batches()
             if policy is not None and policy.kind == "adaptive" and isinstance(policy.cost, MeasuredCost):
                 self.graph_costs = seed_costs(self.speculator, policy.cost)  # the policy's costs on this device
             # Each capture's two eager warm-up runs left their blocks cached for the capture stream, where

@@ -37,7 +37,7 @@ def seed_costs(worker: SpecWorker, cost: MeasuredCost, replays: int = REPLAYS) -
     """Time every shape's step and the plain step at each captured batch size that is its own cost bucket (a
     power of two: the largest batch of that bucket), seed ``cost`` with them and return them ((kind, batch) ->
     seconds). Only kinds whose graphs were captured at that size are timed."""
-    captured = set(worker.graphs["draft"].captured_sizes)
+    captured = set().union(*(p.captured_sizes for p in worker.phase_graphs()))
     timed = {}
     for bs in sorted(b for b in captured if bucket(b) == b):
         for kind, step in _padding_steps(worker, bs).items():

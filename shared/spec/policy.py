@@ -152,6 +152,10 @@ class SpecPolicy:
     again: str | None = None  # a kind switched to, to run once more so that its own time is measured
     incumbent: str | None = None  # the kind chosen as the best last time (probes aside)
     pin: bool = True  # a pinned step runs the configured shape (False: tests of the law under switching, seeded)
+    # Per shape, the largest batch its step runs as CUDA graphs (``SpecWorker.graphed_batches``); None: no graphs
+    # (every kind eager, as on the CPU). A shape is not chosen past it: an eager speculative step at a large batch
+    # costs several graph steps, and compiles kernels the first time (an H100 at 57-64 rows: 67-252 ms a step).
+    graphed: dict[str, int] | None = None
 
     def __post_init__(self):
         if self.kind not in POLICIES:
@@ -173,7 +177,7 @@ class SpecPolicy:
         switched to is run again at the next decode step, where it can be timed."""
         if pinned and self.pin:
             name = self.candidates[0].name
-        elif self.again is not None and self.kind == "adaptive" and not mixed:
+        elif self.again is not None and self.kind == "adaptive" and not mixed and self._runs_at(self.again, batch):
             name, self.again = (None if self.again == "plain" else self.again), None
         else:
             name = self._decide(batch, mixed)
@@ -229,18 +233,23 @@ class SpecPolicy:
             b //= 2
         return s
 
+    def _runs_at(self, kind: str, batch: int) -> bool:
+        """Whether ``kind`` may run a step of ``batch`` requests: its graphs cover it (plain always may)."""
+        return kind == "plain" or self.graphed is None or batch <= self.graphed.get(kind, 0)
+
     def _decide(self, batch: int, mixed: bool = False) -> str | None:
         first = self.candidates[0]
         if self.kind == "fixed":
             return first.name
-        spec_s = {c.name: self._cost(batch, c.name) for c in self.candidates}
+        cands = [c for c in self.candidates if self._runs_at(c.name, batch)]
+        spec_s = {c.name: self._cost(batch, c.name) for c in cands}
         decode_s = self._cost(batch, "plain")
-        unknown = [c for c in self.candidates if c.tokens is None or spec_s[c.name] is None]
+        unknown = [c for c in cands if c.tokens is None or spec_s[c.name] is None]
         if unknown or decode_s is None:  # what is not known yet is measured first, at a step that times it
             if mixed:
-                return self._known_best(spec_s, decode_s)
+                return self._known_best(cands, spec_s, decode_s)
             return unknown[0].name if unknown else None  # else a plain step, once, to know what it costs
-        rates = {None: 1 / decode_s} | {c.name: c.tokens / spec_s[c.name] for c in self.candidates}
+        rates = {None: 1 / decode_s} | {c.name: c.tokens / spec_s[c.name] for c in cands}
         best = max(rates, key=rates.get)  # plain on a tie (first)
         # A switch costs a step (a draft launched ahead is dropped): the kind chosen last time (not a probe)
         # keeps running unless another is clearly faster.
@@ -249,24 +258,25 @@ class SpecPolicy:
             if current in rates and rates[current] >= (1 - self.stay) * rates[best]:
                 best = current
         self.incumbent = best or "plain"
-        for c in self.candidates:
+        for c in cands:
             if c.name == best:
                 c.probe_interval, c.probe = 0, None
             else:
                 self._back_off_after_probe(c)
-        return best if mixed else self._probe(batch, best, spec_s) or best
+        return best if mixed else self._probe(cands, batch, best, spec_s) or best
 
-    def _known_best(self, spec_s: dict[str, float | None], decode_s: float | None) -> str | None:
+    @staticmethod
+    def _known_best(cands: list[Candidate], spec_s: dict[str, float | None], decode_s: float | None) -> str | None:
         """Among the kinds whose acceptance and cost are known, the most tokens per second (plain if none)."""
         rates = {None: 1 / decode_s} if decode_s else {}
-        rates |= {c.name: c.tokens / spec_s[c.name] for c in self.candidates
-                  if c.tokens is not None and spec_s[c.name]}
+        rates |= {c.name: c.tokens / spec_s[c.name] for c in cands if c.tokens is not None and spec_s[c.name]}
         return max(rates, key=rates.get) if rates else None
 
-    def _probe(self, batch: int, best: str | None, spec_s: dict[str, float]) -> str | None:
-        """A shape not chosen whose acceptance is due for a probe (the longest idle), if any; a shape another
-        one's steps keep measuring (a shallower chain) is never probed for it."""
-        due = [c for c in self.candidates if c.name != best and c.idle + 1 >= (c.probe_interval or self.probe_every)
+    def _probe(self, cands: list[Candidate], batch: int, best: str | None, spec_s: dict[str, float]) -> str | None:
+        """A shape not chosen whose acceptance is due for a probe (the longest idle), if any, among ``cands``
+        (those that may run at ``batch``); a shape another one's steps keep measuring (a shallower chain) is never
+        probed for it."""
+        due = [c for c in cands if c.name != best and c.idle + 1 >= (c.probe_interval or self.probe_every)
                and not any(o is not c and o.covers(c) for o in self.candidates)]
         if not due:
             return None

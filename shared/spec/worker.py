@@ -60,6 +60,21 @@ def shifted_tokens(req: Request, start: int, end: int) -> list[int]:
     return ids[start + 1:end + 1]
 
 
+ADAPTIVE_GRAPH_TOKENS = 512  # verified tokens per step up to which an adaptive engine's shapes get CUDA graphs
+
+
+def shape_graph_rows(spec: SpecConfig, max_bs: int, adaptive: bool) -> int:
+    """The largest batch a shape's graphs are captured for: ``max_bs`` under the fixed policy; under the adaptive
+    one, as many rows as keep a step within ``ADAPTIVE_GRAPH_TOKENS`` verified tokens (the 16-token tree to 32
+    rows, a chain of 3 to 128): past that its verify costs more than its tokens gain (an H100 at the 8B shape:
+    the tree's eager steps at 57-64 rows took 67-252 ms against 12-24 ms for a plain step), and its graphs'
+    memory is better spent on the shapes the policy runs there. The policy then picks among the shapes whose
+    graphs cover a batch (``SpecPolicy.graphed``)."""
+    if not adaptive:
+        return max_bs
+    return max(1, min(max_bs, ADAPTIVE_GRAPH_TOKENS // spec.num_draft_tokens))
+
+
 @dataclass
 class SpecShape:
     """One tree shape the worker can run a decode step with: its phases and their CUDA graphs."""
@@ -95,7 +110,9 @@ class SpecWorker:
             flush_tables([target_cache, *self.caches])
 
         # The configured shape first (its graphs keep the phases' own names), then the policy's others.
-        self.shapes = {s.name: self._shape(s, on, config.graph_max_bs, failures, flush, s != spec)
+        adaptive = config.spec_policy == "adaptive"
+        self.shapes = {s.name: self._shape(s, on, shape_graph_rows(s, config.graph_max_bs, adaptive), failures,
+                                           flush, s != spec)
                        for s in dict.fromkeys([spec, *config.spec_shapes()[1:]])}
         self.phases, self.graphs = self.shapes[spec.name].phases, self.shapes[spec.name].graphs
         self.stats.track_shapes({name: sh.spec.steps for name, sh in self.shapes.items()})
@@ -340,17 +357,32 @@ class SpecWorker:
         order a decode step runs them, smallest batch first; ``room(bs)`` False (the memory budget,
         ``CaptureBudget``) stops every phase before ``bs``. Returns how many graphs exist afterwards."""
         g = self.graphs
-        for bs in list(g["draft"].buckets):
+        for bs in sorted(set().union(*(p.buckets for p in self.phase_graphs()))):
             if room is not None and not room(bs):
                 for p in self.phase_graphs():
                     p.stop_at(bs)
                 break
             inp = self.padding_inputs(bs)
             for sh in self.shapes.values():
-                self._capture_shape(sh, inp)
-            if "plain" in g and g["plain"].capture:
+                if bs in sh.graphs["draft"].buckets:  # an adaptive engine's wide shapes stop earlier
+                    self._capture_shape(sh, inp)
+            if "plain" in g and g["plain"].capture and bs in g["plain"].buckets:
                 self.plain_padding_step(inp)
         return sum(len(p.captured_sizes) for p in self.phase_graphs())
+
+    def graphed_batches(self) -> dict[str, int]:
+        """Per shape, the largest batch size its step runs as graphs (every captured phase of it has that
+        bucket; 0: none); ``plain`` too under an adaptive policy."""
+        def largest(phases: list[PhaseGraphs]) -> int:
+            on = [p for p in phases if p.capture]
+            return min((max(p.captured_sizes, default=0) for p in on), default=0)
+
+        out = {name: largest([sh.graphs["draft"], sh.graphs["verify_extend"]]
+                             if sh.graphs["verify_extend"].capture else list(sh.graphs.values())[:3])
+               for name, sh in self.shapes.items()}
+        if "plain" in self.graphs:
+            out["plain"] = largest([self.graphs["plain"], self.graphs["plain_extend"]])
+        return out
 
     def padding_inputs(self, bs: int) -> DecodeInputs:
         """A decode step's inputs of ``bs`` padding rows (request row 0, length 0: the sink page), as capture

@@ -135,3 +135,40 @@ def test_a_step_with_prefill_chunks_explores_and_probes_nothing():
     assert policy.choose(8) == "tree-k4-s4-n16"
     plain = SpecPolicy.of("adaptive", [SpecConfig.parse("chain3")], MeasuredCost())
     assert plain.choose(8, mixed=True) is None  # nothing known: a plain step
+
+
+def test_a_shape_runs_only_where_its_graphs_cover_the_batch():
+    """``graphed``: the largest batch each kind's step runs as CUDA graphs. Past it a shape is neither chosen,
+    explored, probed nor run again to be timed; plain always may run."""
+    policy = seeded_policy()
+    policy.graphed = {"tree-k4-s4-n16": 32, "tree-k4-s4-n8": 64, "chain3": 128, "chain2": 8, "chain1": 128,
+                      "plain": 128}
+    assert policy.choose(1) == "tree-k4-s4-n16"  # as without graphs: it is covered at 1
+    assert policy.choose(16) == "chain3"  # chain2 (the best at 16) is graphed to 8 only: 2.2 / 14 ms next
+    policy.again = "chain2"  # a switch to be timed at the next step: not at a batch it is not graphed for
+    assert policy.choose(16) == "chain3" and policy.again == "chain2"
+    assert policy.choose(8) == "chain2" and policy.again is None
+    policy.graphed = {"plain": 128}  # no shape graphed at 128
+    policy.probe_every = 1  # and every shape due for a probe
+    assert [policy.choose(128) for _ in range(3)] == [None] * 3
+    fresh = SpecPolicy.of("adaptive", [SpecConfig.parse("chain3")], MeasuredCost())
+    fresh.graphed = {"chain3": 4}
+    assert fresh.choose(16) is None and fresh.choose(2) == "chain3"  # unknown: explored only where graphed
+
+
+def test_an_adaptive_engines_wide_shapes_get_graphs_up_to_a_token_budget_and_a_fixed_one_to_max_running():
+    from shared.spec.worker import ADAPTIVE_GRAPH_TOKENS, shape_graph_rows
+
+    tree, chain = SpecConfig.parse("tree-k4-s4-n16"), SpecConfig.parse("chain3")
+    assert ADAPTIVE_GRAPH_TOKENS == 512
+    assert shape_graph_rows(tree, 128, adaptive=True) == 32 and shape_graph_rows(chain, 128, adaptive=True) == 128
+    assert shape_graph_rows(tree, 128, adaptive=False) == 128 and shape_graph_rows(tree, 16, adaptive=True) == 16
+
+
+def test_each_shapes_graph_buckets_stop_at_its_own_rows(oracle_models):
+    engine = oracle_models.engine("eagle3", topk=4, steps=4, ndt=16, max_running=64, cuda_graph=True)
+    shapes = engine.speculator.shapes
+    tops = {name: max(sh.graphs["draft"].buckets) for name, sh in shapes.items()}
+    assert tops["tree-k4-s4-n16"] == 32 and tops["tree-k4-s4-n8"] == 64 and tops["chain3"] == 64
+    assert max(engine.speculator.graphs["plain"].buckets) == 64
+    assert engine.capture_graphs() == 0 and engine.spec_policy.graphed is None  # the CPU captures nothing
