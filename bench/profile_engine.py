@@ -44,6 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--chunk-size", type=int, default=None)
     ap.add_argument("--gpu-memory-fraction", type=float, default=0.9)
     ap.add_argument("--profile-steps", type=int, default=40, help="steps in the torch.profiler window")
+    ap.add_argument("--cprofile", action="store_true", help="the window under cProfile (host functions), not torch's")
     ap.add_argument("--out", required=True)
     return ap.parse_args(argv)
 
@@ -193,6 +194,45 @@ def profile_window(torch, start_at: int, count: int):
     return on_step, result
 
 
+def cprofile_window(start_at: int, count: int, top: int = 30):
+    """As ``profile_window``, with cProfile: the host functions with the most own and cumulative time per step."""
+    import cProfile
+    import pstats
+
+    state = {"prof": None, "done": False, "t0": 0.0, "wall": 0.0}
+
+    def on_step(n: int) -> None:
+        if state["done"]:
+            return
+        if state["prof"] is None and n >= start_at:
+            state["prof"], state["t0"] = cProfile.Profile(), time.perf_counter()
+            state["prof"].enable()
+        elif state["prof"] is not None and n >= start_at + count:
+            state["prof"].disable()
+            state["wall"], state["done"] = time.perf_counter() - state["t0"], True
+
+    def result() -> dict:
+        if not state["done"]:
+            return {}
+        stats = pstats.Stats(state["prof"])
+        stats.strip_dirs()
+
+        def rows(key: str) -> list:
+            stats.sort_stats(key)
+            out = []
+            for fn in stats.fcn_list[:top]:
+                cc, nc, tt, ct, _ = stats.stats[fn]
+                out.append({"function": f"{fn[0]}:{fn[1]}({fn[2]})", "calls_per_step": round(nc / count, 1),
+                            "own_ms_per_step": round(tt / count * 1e3, 3),
+                            "cum_ms_per_step": round(ct / count * 1e3, 3)})
+            return out
+
+        return {"steps": count, "wall_ms": round(state["wall"] * 1e3, 2), "by_own": rows("tottime"),
+                "by_cumulative": rows("cumulative")}
+
+    return on_step, result
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -223,7 +263,9 @@ def main(argv=None) -> int:
     for c in (int(x) for x in args.concurrency.split(",")):
         log.steps, compiles.entries[:] = [], []
         point = Point("fixed", c, args.waves * c, (args.prompt,) * 2, (args.output,) * 2, seed=c)
-        on_step, window = profile_window(torch, start_at=c // 2 + 20, count=args.profile_steps)
+        window_of = (lambda a, b: cprofile_window(a, b)) if args.cprofile else (
+            lambda a, b: profile_window(torch, a, b))
+        on_step, window = window_of(c // 2 + 20, args.profile_steps)
         ran = closed_loop(log, make_requests(point, vocab, text_ids), c, on_step)
         steps = log.steps
         entry = {"concurrency": c, "requests": point.requests,
@@ -244,7 +286,14 @@ def main(argv=None) -> int:
             print(f"  {len(entry['compiles'])} Triton compiles, {sum(c[2] for c in entry['compiles']):.1f} s: "
                   + ", ".join(f"step {c[0]} {c[1]} {c[2]} s" for c in entry["compiles"][:12]), flush=True)
         w = entry["profile_window"]
-        if w:
+        if w and args.cprofile:
+            print(f"  host window {w['steps']} steps, {w['wall_ms']} ms; per step, own / cumulative ms:", flush=True)
+            for r in w["by_own"][:18]:
+                print(f"    {r['own_ms_per_step']:8.3f} {r['cum_ms_per_step']:8.3f} {r['calls_per_step']:7.1f}  "
+                      f"{r['function']}", flush=True)
+            for r in w["by_cumulative"][:22]:
+                print(f"    cum {r['cum_ms_per_step']:8.3f}  {r['function']}", flush=True)
+        elif w:
             print(f"  window {w['steps']} steps: wall {w['wall_ms']} ms, kernels {w['kernel_ms']} ms "
                   f"(busy {w['device_busy']})", flush=True)
             for k in w["top_kernels"][:10]:
