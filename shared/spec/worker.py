@@ -92,6 +92,7 @@ class SpecWorker:
         self.target_cache = target_cache
         self.draft = draft
         self.spec = spec
+        self.max_running = config.max_running
         if draft.kind == "mtp" and draft.num_caches < spec.steps:
             raise ValueError(f"spec steps: the multi-layer draft has {draft.num_caches} layers, "
                              f"steps={spec.steps} needs one per step")
@@ -371,14 +372,16 @@ class SpecWorker:
         return sum(len(p.captured_sizes) for p in self.phase_graphs())
 
     def graphed_batches(self) -> dict[str, int]:
-        """Per shape, the largest batch size its step runs as graphs (every captured phase of it has that
-        bucket; 0: none); ``plain`` too under an adaptive policy."""
+        """Per shape, the largest batch size its step runs as graphs (every graph-enabled phase of it has that
+        bucket; 0: none, as after a contained capture failure, which runs the phase eagerly); ``plain`` too under
+        an adaptive policy. A shape whose phases are all configured eager is not limited (``max_running``)."""
         def largest(phases: list[PhaseGraphs]) -> int:
-            on = [p for p in phases if p.capture]
-            return min((max(p.captured_sizes, default=0) for p in on), default=0)
+            on = [p for p in phases if p.enabled]
+            return min((max(p.captured_sizes, default=0) if p.capture else 0 for p in on),
+                       default=self.max_running)
 
         out = {name: largest([sh.graphs["draft"], sh.graphs["verify_extend"]]
-                             if sh.graphs["verify_extend"].capture else list(sh.graphs.values())[:3])
+                             if sh.graphs["verify_extend"].enabled else list(sh.graphs.values())[:3])
                for name, sh in self.shapes.items()}
         if "plain" in self.graphs:
             out["plain"] = largest([self.graphs["plain"], self.graphs["plain_extend"]])

@@ -172,3 +172,23 @@ def test_each_shapes_graph_buckets_stop_at_its_own_rows(oracle_models):
     assert tops["tree-k4-s4-n16"] == 32 and tops["tree-k4-s4-n8"] == 64 and tops["chain3"] == 64
     assert max(engine.speculator.graphs["plain"].buckets) == 64
     assert engine.capture_graphs() == 0 and engine.spec_policy.graphed is None  # the CPU captures nothing
+
+
+def test_graphed_batches_count_a_contained_capture_failure_as_eager_and_leave_all_eager_shapes_unlimited(oracle_models):
+    engine = oracle_models.engine("eagle3", topk=4, steps=4, ndt=16, max_running=64, cuda_graph=True)
+    w = engine.speculator
+    for sh in w.shapes.values():  # as after a capture on a GPU: every bucket captured
+        for p in sh.graphs.values():
+            p.capture, p._graphs = True, {b: None for b in p.buckets}
+    w.graphs["plain"].capture = w.graphs["plain_extend"].capture = True
+    w.graphs["plain"]._graphs = w.graphs["plain_extend"]._graphs = {b: None for b in w.graphs["plain"].buckets}
+    assert w.graphed_batches() == {"tree-k4-s4-n16": 32, "tree-k4-s4-n8": 64, "chain3": 64, "chain2": 64,
+                                   "chain1": 64, "plain": 64}
+    w.shapes["chain3"].graphs["verify_extend"].capture = False  # its capture failed: the phase runs eagerly
+    assert w.graphed_batches()["chain3"] == 0
+    for p in w.shapes["chain2"].graphs.values():
+        p.enabled = False  # configured eager: not limited by graphs
+    assert w.graphed_batches()["chain2"] == 64
+    for sh in w.shapes.values():
+        for p in sh.graphs.values():
+            p._graphs = {}  # nothing is replayed on the CPU
