@@ -44,6 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--chunk-size", type=int, default=None)
     ap.add_argument("--gpu-memory-fraction", type=float, default=0.9)
     ap.add_argument("--profile-steps", type=int, default=40, help="steps in the torch.profiler window")
+    ap.add_argument("--profile-after", type=int, default=20, help="the window starts this many steps past c/2")
     ap.add_argument("--cprofile", action="store_true", help="the window under cProfile (host functions), not torch's")
     ap.add_argument("--out", required=True)
     return ap.parse_args(argv)
@@ -70,13 +71,15 @@ class StepLog:
         engine.scheduler.schedule, engine._choose_shape = scheduled, chosen
 
     def step(self):
-        torch = self.torch
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch, cuda = self.torch, self.engine.device.type == "cuda"
+        start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (0, 0)
         t0 = time.perf_counter()
-        start.record()
+        if cuda:
+            start.record()
         events = self.engine.step()
-        end.record()
-        end.synchronize()
+        if cuda:
+            end.record()
+            end.synchronize()
         wall = time.perf_counter() - t0
         plan = self.plan
         if plan is not None and not plan.empty:
@@ -84,7 +87,7 @@ class StepLog:
             self.steps.append({"kind": kind, "shape": (self.shape or "plain") if plan.decode else "-",
                                "rows": len(plan.decode), "prefill_tokens": sum(c.end - c.start for c in plan.prefill),
                                "chunks": len(plan.prefill), "wall_ms": wall * 1e3,
-                               "device_ms": start.elapsed_time(end)})
+                               "device_ms": start.elapsed_time(end) if cuda else wall * 1e3})
         return events
 
 
@@ -168,12 +171,15 @@ def profile_window(torch, start_at: int, count: int):
         if state["done"]:
             return
         if state["prof"] is None and n >= start_at:
-            torch.cuda.synchronize()
-            state["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.synchronize()
+            state["prof"] = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
             state["prof"].__enter__()
             state["t0"] = time.perf_counter()
         elif state["prof"] is not None and n >= start_at + count:
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             state["wall"] = time.perf_counter() - state["t0"]
             state["prof"].__exit__(None, None, None)
             state["done"] = True
@@ -240,8 +246,9 @@ def main(argv=None) -> int:
     from services.settings import EngineSettings
     from shared.engine import Engine
 
+    cuda = args.device.startswith("cuda")
     flags = {"device": args.device, "dtype": args.dtype, "max_running": args.max_running,
-             "gpu_memory_fraction": args.gpu_memory_fraction, "cuda_graph": True}
+             "gpu_memory_fraction": args.gpu_memory_fraction if cuda else None, "cuda_graph": cuda}
     if args.spec_policy:
         flags["spec_policy"] = args.spec_policy
     if args.chunk_size:
@@ -265,7 +272,7 @@ def main(argv=None) -> int:
         point = Point("fixed", c, args.waves * c, (args.prompt,) * 2, (args.output,) * 2, seed=c)
         window_of = (lambda a, b: cprofile_window(a, b)) if args.cprofile else (
             lambda a, b: profile_window(torch, a, b))
-        on_step, window = window_of(c // 2 + 20, args.profile_steps)
+        on_step, window = window_of(c // 2 + args.profile_after, args.profile_steps)
         ran = closed_loop(log, make_requests(point, vocab, text_ids), c, on_step)
         steps = log.steps
         entry = {"concurrency": c, "requests": point.requests,

@@ -291,5 +291,5 @@ class SpecPolicy:
             return
         _, batch, expected = c.probe
         c.probe = None
-        if self.cost.spec_s(batch, c.name) >= self.settled * expected:
+        if self._cost(batch, c.name) >= self.settled * expected:
             c.probe_interval = min(2 * (c.probe_interval or self.probe_every), self.max_probe_every)

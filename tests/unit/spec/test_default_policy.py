@@ -192,3 +192,20 @@ def test_graphed_batches_count_a_contained_capture_failure_as_eager_and_leave_al
     for sh in w.shapes.values():
         for p in sh.graphs.values():
             p._graphs = {}  # nothing is replayed on the CPU
+
+
+def test_a_probe_at_a_bucket_known_only_by_scaling_backs_off_on_the_estimate():
+    """A probe chosen on a scaled estimate (the bucket untimed) and not timed itself (the first step after a switch)
+    is judged against the same estimate: the bucket's own cost is still unknown."""
+    cost = MeasuredCost()
+    cost.seed("plain", 8, 0.009)
+    cost.seed("chain3", 8, 0.014)
+    cost.seed("tree-k4-s4-n16", 8, 0.040)
+    policy = SpecPolicy.of("adaptive", [SpecConfig.parse(n) for n in ("tree-k4-s4-n16", "chain3")], cost)
+    policy.observe("chain3", 100, [70, 35, 15])
+    policy.observe("tree-k4-s4-n16", 100, [10, 5, 2, 1])
+    policy.probe_every = 1
+    assert policy.choose(16) == "tree-k4-s4-n16"  # a probe: its 16-row cost is the 8-row one scaled
+    policy.observe("tree-k4-s4-n16", 100, [10, 5, 2, 1])  # the probe's verify, its time not recorded
+    assert policy.choose(16) in ("chain3", "tree-k4-s4-n16")  # judged on the estimate: no error
+    assert policy._candidate("tree-k4-s4-n16").probe_interval == 2

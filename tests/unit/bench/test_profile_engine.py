@@ -1,0 +1,33 @@
+"""bench/profile_engine.py on the CPU (the tiny trained pair): every step is logged with its kind, the kinds add up
+to the steps, every request's tokens are counted, and the profiler windows (torch's, cProfile's) report."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import profile_engine
+
+PAIR = Path(__file__).resolve().parents[3] / "models" / "tiny-pair"
+
+
+@pytest.mark.parametrize("host", [False, True])  # the target alone under torch.profiler; with its draft, cProfile
+def test_a_closed_loop_is_logged_step_by_step_with_a_profiled_window(tmp_path, host):
+    out = tmp_path / "prof.json"
+    draft = ["--draft", str(PAIR / "eagle3"), "--cprofile"] if host else []  # the adaptive policy's steps too
+    argv = ["--model", str(PAIR / "target"), "--device", "cpu", "--dtype", "float32",
+            "--concurrency", "2,3", "--waves", "2", "--prompt", "12", "--output", "6", "--profile-steps", "3",
+            "--profile-after", "0", "--max-running", "8", "--out", str(out)] + draft
+    assert profile_engine.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert [p["concurrency"] for p in report["points"]] == [2, 3]
+    for p in report["points"]:
+        assert p["requests"] == 2 * p["concurrency"]
+        assert sum(g["steps"] for g in p["by_kind"].values()) == p["steps"] == len(p["timeline"])
+        kinds = {k.split("/")[0] for k in p["by_kind"]}
+        assert "decode" in kinds and kinds & {"mixed", "prefill"}  # prompts arrive while others decode
+        assert p["output_tok_s"] > 0 and p["steps_tok_s"] >= p["output_tok_s"]
+        assert all(row[2] <= p["concurrency"] for row in p["timeline"])  # rows never past the closed loop's
+        window = p["profile_window"]
+        assert window["steps"] == 3
+        assert (window["by_own"] and window["by_cumulative"]) if host else window["top_kernels"] is not None
