@@ -30,9 +30,15 @@ class ModelShape:
     flop_per_token: float  # 2 x parameters
 
 
-def model_shape(model_dir: str | Path) -> ModelShape:
-    """The target's figures from its checkpoint: tensor bytes from the safetensors headers, KV from config.json."""
+def model_shape(model_dir: str | Path, dtype: str = "auto", device: str = "cuda") -> ModelShape:
+    """The target's figures as an engine of ``dtype`` on ``device`` serves its checkpoint: tensor bytes from the
+    safetensors headers (halved for a float32 checkpoint served in a half type, as ``auto`` serves it on a GPU),
+    KV from config.json in the served dtype."""
+    from shared.config import checkpoint_dtype, resolve_dtype
+
     model_dir = Path(model_dir)
+    stored = checkpoint_dtype(model_dir)
+    served = resolve_dtype(dtype, device, stored)
     cfg = json.loads((model_dir / "config.json").read_text())
     weight_bytes, params = 0, 0
     for f in sorted(model_dir.glob("*.safetensors")):
@@ -48,7 +54,9 @@ def model_shape(model_dir: str | Path) -> ModelShape:
             weight_bytes += t["data_offsets"][1] - t["data_offsets"][0]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    itemsize = 2 if cfg.get("torch_dtype", "bfloat16") in ("bfloat16", "float16") else 4
+    itemsize = 2 if served in ("bfloat16", "float16") else 4
+    if stored in (None, "float32") and itemsize == 2:
+        weight_bytes //= 2  # read as the half type it is converted to at load
     kv = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * itemsize
     return ModelShape(weight_bytes=weight_bytes, kv_bytes_per_token=kv, flop_per_token=2.0 * params)
 

@@ -27,12 +27,16 @@ def test_the_model_figures_come_off_the_checkpoint(tiny_model_dir):
     target = tiny_model_dir / "target"
     cfg = json.loads((target / "config.json").read_text())
     tensors = {k: v for f in target.glob("*.safetensors") for k, v in load_file(f).items()}
-    shape = model_shape(target)
-    assert shape.weight_bytes == sum(t.numel() * t.element_size() for t in tensors.values())
-    assert shape.flop_per_token == 2 * sum(t.numel() for t in tensors.values())
+    stored = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert all(t.dtype == torch.float32 for t in tensors.values())  # a float32 checkpoint
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    itemsize = torch.tensor([], dtype=getattr(torch, cfg.get("torch_dtype", "bfloat16"))).element_size()
-    assert shape.kv_bytes_per_token == 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * itemsize
+    kv_fp32 = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
+    as_stored = model_shape(target, "float32")  # served as it is stored
+    assert as_stored.weight_bytes == stored and as_stored.kv_bytes_per_token == kv_fp32
+    assert as_stored.flop_per_token == 2 * sum(t.numel() for t in tensors.values())
+    on_gpu = model_shape(target)  # auto on a GPU: bfloat16, so half the bytes read per step and per token
+    assert on_gpu.weight_bytes == stored // 2 and on_gpu.kv_bytes_per_token == kv_fp32 // 2
+    assert on_gpu.flop_per_token == as_stored.flop_per_token
 
 
 def test_only_the_fixed_points_gain_an_ideal_and_a_ratio():
