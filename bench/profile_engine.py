@@ -44,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--chunk-size", type=int, default=None)
     ap.add_argument("--gpu-memory-fraction", type=float, default=0.9)
     ap.add_argument("--profile-steps", type=int, default=40, help="steps in the torch.profiler window")
-    ap.add_argument("--profile-after", type=int, default=20, help="the window starts this many steps past c/2")
+    ap.add_argument("--profile-after", type=int, default=20,
+                    help="the window starts this many steps past the first c (the first wave's prefill chunks)")
     ap.add_argument("--cprofile", action="store_true", help="the window under cProfile (host functions), not torch's")
     ap.add_argument("--out", required=True)
     return ap.parse_args(argv)
@@ -272,7 +273,7 @@ def main(argv=None) -> int:
         point = Point("fixed", c, args.waves * c, (args.prompt,) * 2, (args.output,) * 2, seed=c)
         window_of = (lambda a, b: cprofile_window(a, b)) if args.cprofile else (
             lambda a, b: profile_window(torch, a, b))
-        on_step, window = window_of(c // 2 + args.profile_after, args.profile_steps)
+        on_step, window = window_of(c + args.profile_after, args.profile_steps)
         ran = closed_loop(log, make_requests(point, vocab, text_ids), c, on_step)
         steps = log.steps
         entry = {"concurrency": c, "requests": point.requests,
