@@ -277,6 +277,7 @@ class RouterCore:
         self.loop: asyncio.AbstractEventLoop | None = None  # every request's walk runs here (ensure_loop)
         self._io_pool = ThreadPoolExecutor(64, thread_name_prefix="router-io")  # Redis calls (they block)
         self._channels: dict[str, grpc.aio.Channel] = {}  # on the loop
+        self._stubs: dict[tuple[type, str], object] = {}  # (stub class, address) -> stub on its channel (on the loop)
         self._relays: dict[str, RelayClient] = {}  # each decode instance's relay (on the loop)
         self._md = (("authorization", f"Bearer {settings.api_key}"),) if settings.api_key else None
         self.admission = Admission(settings.max_queued, settings.queue_timeout_s,
@@ -408,10 +409,13 @@ class RouterCore:
     def _stub(self, cls, address: str):
         """A stub on the core's event loop (grpc.aio channels belong to one loop); the internal services ask
         for the key too, sent as call metadata."""
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        return cls(ch)
+        stub = self._stubs.get((cls, address))
+        if stub is None:  # a stub builds a callable per method: one per (service, address), not one per call
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            stub = self._stubs[(cls, address)] = cls(ch)
+        return stub
 
     # ---- the event loop ----------------------------------------------------------------------------
     def ensure_loop(self) -> asyncio.AbstractEventLoop:
@@ -1171,7 +1175,7 @@ class RouterCore:
         self.records.stop()
         loop, self.loop = self.loop, None
         if loop is not None and loop.is_running():
-            channels, self._channels = list(self._channels.values()), {}
+            channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
 
             async def close_channels() -> None:
                 for relay in self._relays.values():
