@@ -841,7 +841,7 @@ class OpenAIServer:
             yield b"data: " + json.dumps(e.body()).encode() + b"\n\n"
 
     def _chunk(self, base: dict, parsed: Parsed, msg: pb.GenerateResponse, finish, offset: int, rid: str) -> dict:
-        ids, lps, tops = list(msg.token_ids), list(msg.logprobs), list(msg.top_logprobs)
+        ids, lps, tops = msg.token_ids, msg.logprobs, msg.top_logprobs  # copied only where they go out
         choice: dict = {"index": msg.index, "finish_reason": _finish_reason(finish),
                         "stop_reason": _stop_reason(finish)}
         if parsed.chat:
@@ -851,7 +851,7 @@ class OpenAIServer:
             choice["text"] = msg.text
             choice["logprobs"] = self._completion_logprobs(ids, lps, offset, tops) if parsed.logprobs else None
         if parsed.return_token_ids:
-            choice["token_ids"] = ids
+            choice["token_ids"] = list(ids)
         chunk = {**base, "choices": [choice]}
         if finish is not None:
             chunk["eyrie"] = _extension(rid, [finish])

@@ -7,12 +7,18 @@ after it broke) and returns an ``Inbox``: the request's messages as the relay's 
 ``grpc.RpcError`` (``RelayRpcError``) where the call would have ended with a status (a broken relay breaks every
 request on it, each then failed over), ``asyncio.CancelledError`` once ``cancel()``-ed. A decode instance without
 the relay (UNIMPLEMENTED) is remembered: its requests use ``Stream``.
+
+While the request's walk waits on its inbox, the reader may hand a message to the inbox's ``direct`` instead
+(``RouterCore._relay_now``: a token that needs no await goes to the client's session from the reader itself),
+so a relay batch wakes each stream's client once and the walk's task not at all. A message ``direct`` refuses,
+and every message after it until the walk waits again, queues for the walk: their order is kept.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable
 
 import grpc
 
@@ -38,25 +44,38 @@ RELAY_METADATA = ("eyrie-relay", "1")  # the decode service's relay sends it fir
 
 
 class Inbox:
-    __slots__ = ("_conn", "rid", "_items", "_wake", "_error", "_cancelled")
+    __slots__ = ("_conn", "rid", "_items", "_wake", "_error", "_cancelled", "direct", "_waiting")
 
     def __init__(self, conn: _Conn, rid: str):
         self._conn, self.rid = conn, rid
         self._items: collections.deque = collections.deque()
         self._wake = asyncio.Event()
-        self._error: grpc.RpcError | None = None
+        self._error: BaseException | None = None
         self._cancelled = False
+        # Takes a message while the walk waits (True: it went on to the client; False: the walk takes it).
+        self.direct: Callable[[pb.GenerateResponse], bool] | None = None
+        self._waiting = False  # the walk waits in __anext__ with nothing queued: ``direct`` may take messages
 
     def push(self, msg: pb.GenerateResponse) -> None:
+        if self._waiting:
+            try:
+                if self.direct(msg):
+                    return
+            except Exception as e:  # noqa: BLE001 (the walk raises it: the request fails, the relay goes on)
+                self.fail(e)
+                return
+            self._waiting = False  # this one queues for the walk, and whatever follows it too
         self._items.append(msg)
         self._wake.set()
 
-    def fail(self, error: grpc.RpcError) -> None:
+    def fail(self, error: BaseException) -> None:
         self._error = error
+        self._waiting = False
         self._wake.set()
 
     def cancel(self) -> None:
         self._cancelled = True
+        self._waiting = False
         self._wake.set()
         self._conn.inboxes.pop(self.rid, None)
 
@@ -70,7 +89,11 @@ class Inbox:
             if self._error is not None:
                 raise self._error
             self._wake.clear()
-            await self._wake.wait()
+            self._waiting = self.direct is not None
+            try:
+                await self._wake.wait()
+            finally:
+                self._waiting = False
         return self._items.popleft()
 
 

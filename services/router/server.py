@@ -34,7 +34,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -218,6 +218,27 @@ class _Broken(Exception):
         self.error, self.avoid = error, avoid
 
 
+@dataclass(eq=False)
+class _Delivered:
+    """What a request's walk has handed to its client (touched on the core's event loop only)."""
+
+    detok: TextStream  # the text so far, cut at a stop string
+    return_logprobs: bool  # the client asked for them (the walk keeps them anyway, for a failover)
+    # The consumer's intake (``Session.put``), or None: messages that need no await go to it straight from the
+    # relay's reader (``RouterCore._relay_now``); the others are yielded by the walk.
+    deliver: Callable[[pb.GenerateResponse], None] | None = None
+    ids: list[int] = field(default_factory=list)  # tokens the client has
+    logprobs: list[float] = field(default_factory=list)  # theirs
+
+    def sent(self, out: pb.GenerateResponse) -> pb.GenerateResponse:
+        """``out`` goes to the client: its tokens kept for a failover, its logprobs dropped unless asked for."""
+        self.ids += out.token_ids
+        self.logprobs += out.logprobs
+        if not self.return_logprobs:
+            del out.logprobs[:]
+        return out
+
+
 @dataclass
 class _Handoff:
     """The rest of a Prefill call whose first token went to the client before its hand-off ended."""
@@ -256,6 +277,7 @@ class RouterCore:
         self.loop: asyncio.AbstractEventLoop | None = None  # every request's walk runs here (ensure_loop)
         self._io_pool = ThreadPoolExecutor(64, thread_name_prefix="router-io")  # Redis calls (they block)
         self._channels: dict[str, grpc.aio.Channel] = {}  # on the loop
+        self._stubs: dict[tuple[type, str], object] = {}  # (stub class, address) -> stub on its channel (on the loop)
         self._relays: dict[str, RelayClient] = {}  # each decode instance's relay (on the loop)
         self._md = (("authorization", f"Bearer {settings.api_key}"),) if settings.api_key else None
         self.admission = Admission(settings.max_queued, settings.queue_timeout_s,
@@ -387,10 +409,13 @@ class RouterCore:
     def _stub(self, cls, address: str):
         """A stub on the core's event loop (grpc.aio channels belong to one loop); the internal services ask
         for the key too, sent as call metadata."""
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        return cls(ch)
+        stub = self._stubs.get((cls, address))
+        if stub is None:  # a stub builds a callable per method: one per (service, address), not one per call
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            stub = self._stubs[(cls, address)] = cls(ch)
+        return stub
 
     # ---- the event loop ----------------------------------------------------------------------------
     def ensure_loop(self) -> asyncio.AbstractEventLoop:
@@ -430,17 +455,20 @@ class RouterCore:
         finally:
             asyncio.run_coroutine_threadsafe(agen.aclose(), loop).result(60)
 
-    async def stream(self, req: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def stream(self, req: pb.GenerateRequest, deliver: Callable[[pb.GenerateResponse], None] | None = None
+                     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream the request's responses; the last one carries ``finish``. Runs on the core's loop.
 
         Raises RequestError (bad input: nothing recorded) or RouterError (recorded as failed/aborted).
         ``abort(rid)`` ends it at once; closing the iterator (or cancelling its task) is the client going away.
+        ``deliver`` (a ``Session``'s intake): the messages of the decode's relay that need no await go to it
+        straight from the relay's reader, in order with the ones yielded (which the caller gives it too).
         """
         active = await self._admit(req)
         t0 = time.perf_counter()
         n, best_of = choice_counts(req)
-        walk = self._walk(active, active.ids, active.params, req.return_logprobs, t0) if best_of == 1 else \
-            self._walk_choices(active, n, best_of, req.return_logprobs, t0)
+        walk = self._walk(active, active.ids, active.params, req.return_logprobs, t0, deliver) if best_of == 1 \
+            else self._walk_choices(active, n, best_of, req.return_logprobs, t0)
         async with aclosing(self._recorded(active, walk)) as run:
             async for out in run:
                 yield out
@@ -613,7 +641,7 @@ class RouterCore:
         await self._abort_remote(active)
 
     async def _walk(self, active: Active, ids: list[int], params: SamplingParams, return_logprobs: bool,
-                    t0: float):
+                    t0: float, deliver: Callable[[pb.GenerateResponse], None] | None = None):
         """Place, stream, and on a broken decode stream place again: a prefill instance recomputes the prompt
         plus all but the last of the tokens the client has, samples nothing, and hands off with the last as
         the next input: another decode instance resumes at the committed length the lost one had. Every draw
@@ -624,8 +652,8 @@ class RouterCore:
         if params.seed is None:
             params = params.model_copy(update={"seed": secrets.randbits(64)})
         detok = TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens)
-        sent: list[int] = []  # tokens the client has
-        sent_logprobs: list[float] = []  # theirs
+        given = _Delivered(detok, return_logprobs, deliver)
+        sent, sent_logprobs = given.ids, given.logprobs  # tokens the client has, and theirs
         avoid: set[str] = set()  # decode instances whose stream broke
         reason, broken, failovers = "new request", None, 0
         while True:
@@ -648,12 +676,8 @@ class RouterCore:
                 if handoff is not None:  # the first token went out before the hand-off ended: it ends now
                     await self._await_handoff(active, handoff)
                 budget = params.max_new_tokens - len(sent)
-                async with aclosing(self._stream(active, len(ids), budget, detok, t0)) as stream:
+                async with aclosing(self._stream(active, len(ids), budget, given, t0)) as stream:
                     async for out in stream:
-                        sent += out.token_ids
-                        sent_logprobs += out.logprobs  # kept for a failover; the client gets them if it asked
-                        if not return_logprobs:
-                            del out.logprobs[:]
                         yield out
                 return
             except _Broken as b:
@@ -924,11 +948,12 @@ class RouterCore:
         return RouterError(grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.UNKNOWN else code,
                            f"prefill instance {prefill.instance_id}: {msg}")
 
-    async def _stream(self, active: Active, prompt_tokens: int, budget: int, detok: TextStream, t0: float):
-        """The decode instance's messages as the client's; _Broken when its stream breaks (``budget``: the
-        tokens it may still generate). The first token of a prompt prefilled there comes from it too. The
-        messages come through the instance's relay (shared by this router's requests there), or through a
-        ``Stream`` call of the request's own where the instance has no relay."""
+    async def _stream(self, active: Active, prompt_tokens: int, budget: int, given: _Delivered, t0: float):
+        """The decode instance's messages as the client's (``given`` keeps what they hand over); _Broken when
+        its stream breaks (``budget``: the tokens it may still generate). The first token of a prompt prefilled
+        there comes from it too. The messages come through the instance's relay (shared by this router's
+        requests there), or through a ``Stream`` call of the request's own where the instance has no relay; from
+        a relay, with ``given.deliver``, those that need no await go to the client from the relay's reader."""
         rid, decode = active.rid, active.decode
         d_key = self.ledger.place(decode.instance_id, budget, arrived=True)
         t1 = time.perf_counter()
@@ -936,15 +961,17 @@ class RouterCore:
         # finds a vanished peer, and the client's own deadline cancels this call through abort().
         call = self._open_stream(decode, rid)
         self._attach(active, call)
+        if isinstance(call, Inbox) and given.deliver is not None:
+            call.direct = partial(self._relay_now, active, given)
         try:
             while True:
                 try:
                     async for msg in call:
                         self._check_cancelled(active)
-                        if await self._relay_message(active, msg, prompt_tokens, detok, t0, t1):
-                            yield msg
+                        final = await self._relay_message(active, msg, prompt_tokens, given.detok, t0, t1)
+                        yield given.sent(msg)
+                        if final:
                             return
-                        yield msg
                     break
                 except grpc.RpcError as e:
                     if not self._no_relay(decode, call, e):
@@ -982,6 +1009,18 @@ class RouterCore:
         before anything came through it; the request then streams over ``Stream``."""
         relay = self._relays.get(decode.grpc_address)
         return isinstance(call, Inbox) and relay is not None and relay.never_opened(error)
+
+    @staticmethod
+    def _relay_now(active: Active, given: _Delivered, msg: pb.GenerateResponse) -> bool:
+        """``_relay_message`` and the hand-over for a message that needs no await (a token after the first,
+        not the last), in the relay's reader while the walk waits: it goes to ``given.deliver`` from here, the
+        walk's task not woken. False: the walk takes it (and every message after it, in order)."""
+        if active.ttft is None or msg.HasField("finish") or active.cancelled.is_set():
+            return False
+        active.output_tokens += len(msg.token_ids)
+        msg.text = given.detok.push(list(msg.token_ids))
+        given.deliver(given.sent(msg))
+        return True
 
     async def _relay_message(self, active: Active, msg: pb.GenerateResponse, prompt_tokens: int,
                              detok: TextStream, t0: float, t1: float) -> bool:
@@ -1136,7 +1175,7 @@ class RouterCore:
         self.records.stop()
         loop, self.loop = self.loop, None
         if loop is not None and loop.is_running():
-            channels, self._channels = list(self._channels.values()), {}
+            channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
 
             async def close_channels() -> None:
                 for relay in self._relays.values():

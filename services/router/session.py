@@ -1,9 +1,11 @@
 """One request's session between the router core and a client connection (gRPC or HTTP).
 
-The core's walk (``RouterCore.stream``) runs in a task of its own and leaves its messages here; the client's
-side takes whatever has arrived since it last wrote, merged into one message (``merge``): when the client
-reads slower than the engines write, tokens are coalesced (one gRPC message or one SSE event carries
-several) instead of queueing message by message. The walk's task is not the client's: a client that goes
+The core's walk (``RouterCore.stream``) runs in a task of its own and leaves its messages here (``put``); the
+client's side takes whatever has arrived since it last wrote, merged into one message (``merge``): when the
+client reads slower than the engines write, tokens are coalesced (one gRPC message or one SSE event carries
+several) instead of queueing message by message. While the request streams from a decode instance's relay, the
+relay's reader puts its tokens here itself (``RouterCore._relay_now``): a token wakes the client's side only,
+not the walk's task as well. The walk's task is not the client's: a client that goes
 away ends the request through ``RouterCore.abort`` (recorded "aborted"), and the walk's own clean-up (Redis
 records, aborts on the services) is never cut short by the client's cancellation.
 """
@@ -26,11 +28,15 @@ class Session:
         self._wake = asyncio.Event()
         self.task = asyncio.get_running_loop().create_task(self._pump(request))
 
+    def put(self, msg: pb.GenerateResponse) -> None:
+        """A message of the walk's for the client (from the walk's task, or from a relay's reader)."""
+        self._pending.append(msg)
+        self._wake.set()
+
     async def _pump(self, request: pb.GenerateRequest) -> None:
         try:
-            async for msg in self.core.stream(request):
-                self._pending.append(msg)
-                self._wake.set()
+            async for msg in self.core.stream(request, deliver=self.put):
+                self.put(msg)
         except BaseException as e:  # noqa: BLE001 (handed to the client's side, which raises it)
             self._error = e
         finally:
@@ -43,6 +49,8 @@ class Session:
         while not self._pending and not self._done:
             self._wake.clear()
             await self._wake.wait()
+        if len(self._pending) == 1:
+            return self._pending.pop()
         if self._pending:
             index = self._pending[0].index  # a request of several choices: one choice's messages at a time
             if all(m.index == index for m in self._pending):

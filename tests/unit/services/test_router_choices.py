@@ -50,7 +50,7 @@ class _Core:
     def __init__(self, messages):
         self.messages = messages
 
-    async def stream(self, request):
+    async def stream(self, request, deliver=None):
         for m in self.messages:
             yield m
 
