@@ -318,8 +318,7 @@ class ModelRunner:
     def _decode_inputs(self, reqs: list[Request], bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A decode step's rows, lengths and tokens ([bs] each, on the device; padding rows are row 0,
         length 0, token 0), the target slot each request writes reserved."""
-        for req in reqs:
-            self.cache.reserve(req.handles[0], req.kv_len + 1)
+        self.cache.reserve_many([r.handles[0] for r in reqs], [r.kv_len + 1 for r in reqs])
         # One host-to-device copy for the step's inputs.
         host = torch.zeros(3, bs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         host[:, :len(reqs)] = torch.tensor([[r.handles[0].row for r in reqs], [r.kv_len for r in reqs],

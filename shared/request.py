@@ -79,6 +79,8 @@ class Request:
                tops: list[list[tuple[int, float]]] | None = None) -> list[int]:
         """Append sampled tokens up to the first stop condition; returns those appended. ``tops``: each
         token's top log-probabilities (given when the request asked for them)."""
+        if tops is None and self.text is None and self.grammar is None and self.t_first_token is not None:
+            return self._commit_ids(tokens, logprobs)
         taken = []
         for i, (tok, lp) in enumerate(zip(tokens, logprobs)):
             if self.finish_reason is not None:
@@ -91,6 +93,26 @@ class Request:
             if self.t_first_token is None:
                 self.t_first_token = time.perf_counter()
             self.finish_reason = self._stop_string(tok) or self._grammar_done(tok) or self._stop_reason(tok)
+        return taken
+
+    def _commit_ids(self, tokens: list[int], logprobs: list[float]) -> list[int]:
+        """``commit`` of a request whose stop conditions are its stop and EOS tokens and its length only (no stop
+        strings, grammar or top log-probabilities, its first token out): the same tokens and finish reason,
+        the run cut in one scan and appended at once (a decode step commits for every request)."""
+        if self.finish_reason is not None:
+            return []
+        room = max(self.params.max_new_tokens - len(self.output_ids), 1)  # the first token always goes in
+        n = min(len(tokens), len(logprobs), room)
+        stops, eos = self.params.stop_token_ids, () if self.params.ignore_eos else self.eos_ids
+        reason = "length" if n == room else None
+        for i in range(n):
+            if tokens[i] in stops or tokens[i] in eos:
+                n, reason = i + 1, "stop"
+                break
+        taken = list(tokens[:n])
+        self.output_ids.extend(taken)
+        self.output_logprobs.extend(logprobs[:n])
+        self.finish_reason = reason
         return taken
 
     def advance(self, kv_len: int) -> None:

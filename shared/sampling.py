@@ -139,9 +139,19 @@ def sampling_ints(params: list[SamplingParams], seeds: list[int]) -> list[list[i
 def sampling_rows_from(params: list[SamplingParams], top_k: torch.Tensor, seed: torch.Tensor,
                        device: torch.device | str) -> SamplingRows:
     """``SamplingRows`` from integer rows already on the device and the float rows of ``params``."""
-    floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]],
-                          dtype=torch.float32).view(2, len(params)).to(device)
+    floats = to_device(torch.tensor([[p.temperature for p in params], [p.top_p for p in params]],
+                                    dtype=torch.float32).view(2, len(params)), device)
     return SamplingRows(temperature=floats[0], top_k=top_k, top_p=floats[1], seed=seed)
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor's copy on ``device``, without waiting for the device: on a GPU through pinned memory (a
+    copy from pageable memory waits for every kernel queued before it, leaving the GPU idle behind the host's
+    work that follows it)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -108,6 +108,13 @@ class ReqToTokenMap:
             self._pending_rows.extend([row] * n)
             self._pending_cols.extend(range(start, start + n))
 
+    def write_at(self, rows: np.ndarray, cols: np.ndarray, slots: np.ndarray) -> None:
+        """Entries ``(rows[i], cols[i])`` take ``slots[i]``: scattered writes, e.g. a batch's reservations."""
+        self._host_np[rows, cols] = slots
+        if self._table is not self.host and len(rows):
+            self._pending_rows.extend(rows.tolist())
+            self._pending_cols.extend(cols.tolist())
+
     def flush(self) -> None:
         """One copy of the writes the device table lacks (nothing when none)."""
         if not self._pending_rows:
@@ -222,6 +229,40 @@ class KVCache:
         del slots[n_positions - h.reserved:]  # the last new page may be partly used
         self.req_to_token.write(h.row, h.reserved, slots)
         h.reserved = n_positions
+
+    def reserve_many(self, handles: list[KVHandle], ends: list[int]) -> None:
+        """``reserve(h, n)`` for each (distinct) handle and end, in one pass over the batch (a decode step
+        reserves a few positions for each of its requests: a call each cost ~10 us of host time, 2.6 ms a step
+        at 128 rows with one draft cache). The same pages, in the same order, and the same slots as those
+        calls one at a time; where they would raise or evict cached pages, they run one at a time."""
+        todo = [(h, n) for h, n in zip(handles, ends) if n > h.reserved]
+        if not todo:
+            return
+        ps = self.page_size
+        have = np.fromiter((h.reserved for h, _ in todo), dtype=np.int64, count=len(todo))
+        want = np.fromiter((n for _, n in todo), dtype=np.int64, count=len(todo))
+        have_pages = -(-have // ps)
+        need = -(-want // ps) - have_pages  # new pages per handle
+        total = int(need.sum())
+        if int(want.max()) > self.layout.max_context or total > self.allocator.num_free:
+            for h, n in todo:
+                self.reserve(h, n)
+            return
+        pages = np.array(self.allocator.alloc(total), dtype=np.int64)  # handle i's: after those of the ones before
+        counts = want - have
+        pos = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts - have, counts)
+        rows = np.repeat(np.fromiter((h.row for h, _ in todo), dtype=np.int64, count=len(todo)), counts)
+        page_index = pos // ps
+        # A position on a page the handle holds (the tail of its last one) keeps that page; the others take
+        # their new pages in order: handle i's first new page (index have_pages[i]) is pages[sum(need[:i])].
+        first = np.repeat(np.cumsum(need) - need - have_pages, counts)
+        old = page_index < np.repeat(have_pages, counts)
+        page = np.empty_like(pos)
+        page[old] = self.req_to_token.host.numpy()[rows[old], page_index[old] * ps] // ps
+        page[~old] = pages[first[~old] + page_index[~old]]
+        self.req_to_token.write_at(rows, pos, page * ps + pos % ps)
+        for h, n in todo:
+            h.reserved = n
 
     def shrink(self, h: KVHandle, n_positions: int) -> None:
         """Release every page not needed for positions [0, n_positions)."""

@@ -16,6 +16,7 @@ import torch
 
 from shared.cuda_graphs import PhaseGraphs, pad_rows, tree_map
 from shared.request import Request
+from shared.sampling import to_device
 from shared.spec.phases import DecodeInputs, StepOutput
 from shared.spec.state import DraftState
 from shared.spec.tree import DraftTree
@@ -62,7 +63,7 @@ class LaunchedDraft:
 def as_padding(inp: DecodeInputs, rows: list[int]) -> DecodeInputs:
     """``inp`` with ``rows`` turned into padding rows (request row 0, length 0, zeros): whatever
     tree they carry, they then read and write only the sink slots."""
-    index = torch.tensor(rows, dtype=torch.int64, device=inp.L.device)
+    index = to_device(torch.tensor(rows, dtype=torch.int64), inp.L.device)
     return tree_map(lambda t: t.index_fill(0, index, 0), inp)
 
 
@@ -116,7 +117,7 @@ class DraftAhead:
         inp, index = pending.inp, None
         if len(rows) < len(pending.reqs):
             inp = as_padding(inp, sorted(set(range(len(pending.reqs))) - set(rows)))
-            index = torch.tensor(rows, dtype=torch.int64, device=inp.L.device)
+            index = to_device(torch.tensor(rows, dtype=torch.int64), inp.L.device)  # no wait for the device
             self.partial += 1
         return Drafted(inp, pending.tree, len(reqs), index, pending.seconds)
 
@@ -139,7 +140,7 @@ class DraftAhead:
         to ``caps``, which only a request that finishes in this step can exceed: its row, never used,
         then stays within the pages reserved for it."""
         last = (out.accept_len - 1).unsqueeze(1)
-        cap = torch.tensor(caps, dtype=torch.int64).to(inp.L.device, non_blocking=True)
+        cap = to_device(torch.tensor(caps, dtype=torch.int64), inp.L.device)
         L = torch.minimum(inp.L + out.accept_len, cap)
         return DecodeInputs(target_rows=inp.target_rows, draft_rows=inp.draft_rows, L=L,
                             bonus=out.tokens.gather(1, last).squeeze(1), hidden=out.hidden.to(self.dtype),

@@ -146,12 +146,20 @@ class SpecRecorder:
         if shape in self.by_shape:
             self.by_shape[shape].record(verified, steps)
         n = len(events)
-        for (req, taken), accepted in zip(events, verified):
-            req.stats.add(SpecStats(verify_steps=1, accepted_drafts=accepted - 1, proposed_drafts=steps,
-                                    committed_tokens=len(taken),  # a stop inside the run: only up to it
-                                    draft_time_s=draft_s / n, verify_time_s=verify_s / n))
+        committed = [len(taken) for _, taken in events]  # a stop inside the run: only up to it
+        share_d, share_v = (draft_s / n, verify_s / n) if n else (0.0, 0.0)
+        for (req, _), accepted, took in zip(events, verified, committed):
+            # ``SpecStats.add`` of this verify, field by field (a dataclass and an add per request cost ~8 us
+            # each, 1 ms a step at 128 rows)
+            st = req.stats
+            st.verify_steps += 1
+            st.accepted_drafts += accepted - 1
+            st.proposed_drafts += steps
+            st.committed_tokens += took
+            st.draft_time_s += share_d
+            st.verify_time_s += share_v
         batch = SpecBatchStats(step=self.num_batches, request_ids=[r.rid for r, _ in events],
-                               committed=[len(toks) for _, toks in events], verified=verified,
+                               committed=committed, verified=verified,
                                drafts_per_request=steps, draft_time_s=draft_s, verify_time_s=verify_s)
         self.totals.add(batch.totals())
         if events:  # an empty step verifies nothing: no batch to report

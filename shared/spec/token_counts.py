@@ -11,6 +11,7 @@ tokens cut by a stop inside an accepted run still count: they measure the draft)
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -33,9 +34,10 @@ class SpecTokenCounts:
     def record(self, verified: list[int], steps: int | None = None) -> None:
         """One verify step: per request, the nodes verification accepted, root included (>= 1); ``steps``:
         the step's draft positions (a shallower tree's; default ``self.steps``)."""
-        for n in verified:
-            self.drafts += 1
-            self.draft_tokens += steps or self.steps
-            self.accepted_tokens += n - 1
+        m = len(verified)
+        self.drafts += m
+        self.draft_tokens += (steps or self.steps) * m
+        self.accepted_tokens += sum(verified) - m
+        for n, count in Counter(verified).items():  # a few distinct lengths, however large the batch
             for pos in range(n - 1):
-                self.accepted_per_pos[pos] += 1
+                self.accepted_per_pos[pos] += count

@@ -82,3 +82,47 @@ def test_a_device_table_takes_every_write_in_one_copy_when_read():
     m.free_row(a)
     m.write(b, 2, [12])
     assert torch.equal(m.table, m.host) and m.table[a].abs().sum() == 0 and copies == [7, 1]
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_batch_reservations_give_the_one_at_a_time_pages_and_slots(page_size):
+    """``reserve_many`` over a batch leaves the table, every handle and the free list (its order too: later
+    allocations take the same pages) as ``reserve`` called handle after handle, shrinks between batches."""
+    rng = random.Random(10 + page_size)
+    one, many = cache(page_size), cache(page_size)
+    for c in (one, many):
+        c.req_to_token._table = c.req_to_token.host.clone()  # a device mirror, as on a GPU
+    handles = [(one.open(), many.open()) for _ in range(4)]
+    for _ in range(150):
+        batch = rng.sample(handles, rng.randrange(1, 5))
+        for ho, hm in batch:
+            if rng.random() < 0.2 and ho.reserved:
+                n = rng.randrange(ho.reserved)
+                one.shrink(ho, n)
+                many.shrink(hm, n)
+        ends = [min(ho.reserved + rng.choice([0, 1, 2, 3, 6, page_size, 2 * page_size + 1, 40]), 120)
+                for ho, _ in batch]
+        for (ho, _), n in zip(batch, ends):
+            one.reserve(ho, n)
+        many.reserve_many([hm for _, hm in batch], ends)
+        assert [ho.reserved for ho, _ in handles] == [hm.reserved for _, hm in handles]
+    assert torch.equal(one.req_to_token.host, many.req_to_token.host)
+    assert one.allocator._free == many.allocator._free
+    assert torch.equal(many.req_to_token.table, many.req_to_token.host)  # every write reached the mirror
+
+
+def test_a_batch_reservation_that_cannot_fit_fails_as_one_at_a_time():
+    """Past max_context, or short of pages, the batch runs the calls one at a time: the same error, after
+    the same earlier handles got their pages."""
+    for ends in ([8, 600], [8, 400]):  # past max_context (512); more than the 20 pages
+        one, many = cache(16), cache(16)
+        for c in (one, many):
+            c.allocator = type(c.allocator)(20)
+        (a1, b1), (a2, b2) = (one.open(), one.open()), (many.open(), many.open())
+        with pytest.raises(Exception) as want:
+            for h, n in zip((a1, b1), ends):
+                one.reserve(h, n)
+        with pytest.raises(type(want.value), match=str(want.value)):
+            many.reserve_many([a2, b2], ends)
+        assert (a2.reserved, b2.reserved) == (a1.reserved, b1.reserved) == (8, 0)
+        assert one.allocator._free == many.allocator._free
