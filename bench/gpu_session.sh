@@ -55,6 +55,7 @@
 #   bench/gpu_session.sh prefix-bench2  # the same on two GPUs for pd2 (1P1D), the issue's 64 prefixes x 10 questions
 #   bench/gpu_session.sh profile    # issue 30: one engine in-process at c32/c64/c128, per step kind wall vs device time and
 #                                   # a torch.profiler window (bench/profile_engine.py), with the EAGLE-3 head then without
+#   bench/gpu_session.sh profile-host  # the same engine's host functions per step under cProfile at c64/c128
 #   bench/gpu_session.sh receive    # a decode-step proxy on the last GPU while grpc-stream hand-offs arrive, the
 #                                   # scatter before issue 28 beside the current one (bench_receive.py --legacy)
 #
@@ -263,10 +264,17 @@ for stage in "$@"; do
         --prompts-file /tmp/wide/heldout.jsonl --concurrency ${PROFILE_C:-32,64,128} --out "$OUT/profile_plain.json"
       cat "$OUT"/profile_adaptive.log "$OUT"/profile_plain.log | grep -v Warning | head -120
       ;;
+    profile-host)  # issue 30 item 2: the host functions per step of one engine (cProfile), EAGLE-3 adaptive, c64/c128
+      [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
+      run profile_host 300 python3 bench/profile_engine.py --model /tmp/wide/target --draft /tmp/wide/eagle3 \
+        --prompts-file /tmp/wide/heldout.jsonl --concurrency 64,128 --cprofile --profile-steps 30 \
+        --out "$OUT/profile_host.json"
+      grep -v Warning "$OUT/profile_host.log" | head -120
+      ;;
     *)
       echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention, serving," \
         "features, tp-tests, tp, local, memory, layouts, layouts4, peer, nixl, receive, policy, graphs," \
-        "prefix, prefix-route, decode-cache, prefix-bench, prefix-bench2, profile)" >&2
+        "prefix, prefix-route, decode-cache, prefix-bench, prefix-bench2, profile, profile-host)" >&2
       exit 2
       ;;
   esac
