@@ -65,8 +65,8 @@ class StepLog:
             self.plan, self.shape = schedule(), None
             return self.plan
 
-        def chosen(reqs, **kw):
-            self.shape = choose(reqs, **kw)
+        def chosen(plan, **kw):
+            self.shape = choose(plan, **kw)
             return self.shape
 
         engine.scheduler.schedule, engine._choose_shape = scheduled, chosen

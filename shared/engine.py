@@ -155,21 +155,20 @@ class Engine:
     def _step(self) -> Stepping:
         plan = self.scheduler.schedule()
         self.runner.agree_plan(plan)
-        shape = (self._choose_shape(plan.decode, mixed=bool(plan.prefill))
-                 if plan.decode and self.spec_policy is not None else None)
+        shape = self._choose_shape(plan) if plan.decode and self.spec_policy is not None else None
         counts = self.speculator.stats.tokens.copy() if shape is not None else None
         events = yield from self.runner.run(plan, shape, self.scheduler.joins_next)
         if self.spec_policy is not None and not plan.empty:
             self._record(plan, shape, counts)
         return self.scheduler.commit(plan, events)
 
-    def _choose_shape(self, reqs: list[Request], mixed: bool = False) -> str | None:
-        """The shape the policy picks for a decode step of ``reqs``, None for a plain step; under tensor
+    def _choose_shape(self, plan: StepPlan) -> str | None:
+        """The shape the policy picks for ``plan``'s decode rows, None for a plain step; under tensor
         parallelism rank 0's, as the choice is timed. A sampled request with its own seed pins the configured
         shape while it runs: its draws follow the shape, and its seed promises one output in any batch."""
         pinned = self.spec_policy.kind != "fixed" and any(r.params.seed is not None and not r.params.greedy
-                                                          for r in reqs)
-        shape = self.spec_policy.choose(len(reqs), pinned=pinned, mixed=mixed)
+                                                          for r in plan.decode)
+        shape = self.spec_policy.choose(len(plan.decode), pinned=pinned, mixed=bool(plan.prefill))
         return shape if self.spec_policy.kind == "fixed" else self.runner.rank0(shape)
 
     def _record(self, plan: StepPlan, shape: str | None, before) -> None:

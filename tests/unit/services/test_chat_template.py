@@ -56,7 +56,7 @@ def serve(redis_url):
         handles.append(handle)
         seen: list[pb.GenerateRequest] = []
 
-        async def stream(req):  # instead of placing it on engines: one token, finished
+        async def stream(req, deliver=None):  # instead of placing it on engines: one token, finished
             seen.append(req)
             yield pb.GenerateResponse(request_id=req.request_id, token_ids=[7], text="x",
                                       finish=pb.Finish(reason="length", usage=pb.Usage(prompt_tokens=1,
