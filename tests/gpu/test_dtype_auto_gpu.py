@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,22 +20,10 @@ from shared.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
-ROOT = Path(__file__).resolve().parents[2]
 SPEC = SpecConfig(topk=1, steps=3, num_draft_tokens=4)
 PROMPTS = [list(range(3, 60)), [7, 9] * 20, [100 + (i * 37) % 1900 for i in range(90)]]
 TINY_PROMPTS = [[5, 17, 33, 2, 9], list(range(40, 77))]  # within the tiny model's 512 ids
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def wide_pair(tmp_path_factory) -> Path:
-    given = os.environ.get("EYRIE_WIDE_PAIR")
-    if given:
-        return Path(given)
-    out = tmp_path_factory.mktemp("wide")
-    subprocess.run([sys.executable, "-m", "bench.house.widen_tiny", "--out", str(out)], cwd=ROOT, check=True,
-                   timeout=600, stdout=subprocess.DEVNULL)
-    return out
 
 
 def config(**kw) -> EngineConfig:

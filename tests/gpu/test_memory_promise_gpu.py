@@ -37,17 +37,6 @@ def log_dir(name: str, tmp_path: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def wide_pair(tmp_path_factory) -> Path:
-    given = os.environ.get("EYRIE_WIDE_PAIR")
-    if given:
-        return Path(given)
-    out = tmp_path_factory.mktemp("wide")
-    subprocess.run([sys.executable, "-m", "bench.house.widen_tiny", "--out", str(out)], cwd=ROOT, check=True,
-                   timeout=600, stdout=subprocess.DEVNULL)
-    return out
-
-
 def test_prefill_and_decode_at_0_45_with_an_eagle3_draft_serve_within_their_share(wide_pair, tmp_path):
     placed = instances("pd1", "cuda")
     assert [own["gpu_memory_fraction"] for _, own in placed] == [0.45, 0.45]  # eyrie up's default split
