@@ -229,7 +229,8 @@ class SpecPolicy:
 
         s, b = at(batch), bucket(batch) // 2
         while s is None and b >= 1:
-            s = None if at(b) is None else at(b) * batch / b
+            known = at(b)
+            s = None if known is None else known * batch / b
             b //= 2
         return s
 

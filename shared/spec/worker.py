@@ -380,7 +380,8 @@ class SpecWorker:
                        default=self.max_running)
 
         out = {name: largest([sh.graphs["draft"], sh.graphs["verify_extend"]]
-                             if sh.graphs["verify_extend"].enabled else list(sh.graphs.values())[:3])
+                             if sh.graphs["verify_extend"].enabled
+                             else [sh.graphs[k] for k in ("draft", "verify", "extend")])
                for name, sh in self.shapes.items()}
         if "plain" in self.graphs:
             out["plain"] = largest([self.graphs["plain"], self.graphs["plain_extend"]])
