@@ -48,14 +48,19 @@ def test_auto_loads_the_bf16_wide_target_as_bfloat16(wide_pair):
     assert {p.dtype for p in params} == {torch.bfloat16}
     assert {p.dtype for p in engine.runner.head.parameters() if p.is_floating_point()} == {torch.bfloat16}
     assert all(c.k[0].dtype == torch.bfloat16 and c.v[0].dtype == torch.bfloat16 for c in engine.runner.caches)
-    weights = sum(p.numel() * p.element_size() for p in params)
-    numel = sum(p.numel() for p in params)
+    # The fused projections (qkv_weight, gate_up_weight) are plain tensors beside the parameters
+    tensors = params + [t for m in engine.model.modules() for t in (getattr(m, "qkv_weight", None),
+                                                                     getattr(m, "gate_up_weight", None))
+                        if t is not None]
+    assert {t.dtype for t in tensors} == {torch.bfloat16}
+    weights = sum(t.numel() * t.element_size() for t in tensors)
+    numel = sum(t.numel() for t in tensors)
     assert weights == 2 * numel and numel > 7e9, (weights, numel)  # ~16 GB of an 8B shape, not fp32's ~32
     print(json.dumps({"dtype": engine.config.dtype, "weights_gib": round(weights / 2**30, 2),
                       "allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 2)}))
     auto = [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
     assert engine.is_idle_and_clean()
-    del engine, params
+    del engine, params, tensors
     free_gpu()
     explicit = Engine(target, draft, config(dtype="bfloat16"))
     assert auto == [r.token_ids for r in explicit.generate(PROMPTS, GREEDY)]
