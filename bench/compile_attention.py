@@ -30,8 +30,8 @@ from bench.compile_extend import resource_usage  # noqa: E402
 from kernels.attention import MASK_COLS, _attn_kernel, _combine_kernel  # noqa: E402
 
 HEAD_DIM, GROUP = 128, 4
-POINTERS = ("Q", "K", "V", "O", "Opart", "Lse", "qo_indptr", "kv_indptr", "kv_indices", "prefix_lens", "mask_ptr",
-            "mask_indptr", "QPos")
+POINTERS = ("Q", "K", "V", "O", "Opart", "Lse", "Range", "qo_indptr", "kv_indptr", "kv_indices", "prefix_lens",
+            "mask_ptr", "mask_indptr", "QPos")
 
 
 def attn_launch(dtype: str, block_m: int, block_n: int, warps: int, stages: int, serial: bool, mask: bool,
@@ -54,8 +54,8 @@ def launches(quick: bool = False) -> list[dict]:
 
 def build_attn(launch: dict):
     dt = launch["dtype"]
-    pointer_types = {"Q": dt, "K": dt, "V": dt, "O": dt, "Opart": "fp32", "Lse": "fp32", "mask_ptr": "u8",
-                     "QPos": "i64"}
+    pointer_types = {"Q": dt, "K": dt, "V": dt, "O": dt, "Opart": "fp32", "Lse": "fp32", "Range": "i32",
+                     "mask_ptr": "u8", "QPos": "i64"}
     consts = {"GROUP": GROUP, "HEAD_DIM": HEAD_DIM, "BLOCK_D": HEAD_DIM, "BLOCK_Q": launch["BLOCK_M"] // GROUP,
               "BLOCK_M": launch["BLOCK_M"], "BLOCK_N": launch["BLOCK_N"], "BLOCK_E": MASK_COLS,
               "SERIAL": launch["SERIAL"], "HAS_MASK": launch["HAS_MASK"],
@@ -75,7 +75,7 @@ def build_attn(launch: dict):
 
 def build_combine(dtype: str, unroll: bool):
     consts = {"HEAD_DIM": HEAD_DIM, "BLOCK_D": HEAD_DIM, "SPLITS_P2": 32 if unroll else 1, "UNROLL": unroll}
-    types = {"Opart": "*fp32", "Lse": "*fp32", "O": f"*{dtype}"}
+    types = {"Opart": "*fp32", "Lse": "*fp32", "O": f"*{dtype}", "Range": "*i32"}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in _combine_kernel.arg_names}
     return triton.compile(ASTSource(_combine_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4, "num_stages": 1})

@@ -56,6 +56,8 @@
 #   bench/gpu_session.sh profile    # issue 30: one engine in-process at c32/c64/c128, per step kind wall vs device time and
 #                                   # a torch.profiler window (bench/profile_engine.py), with the EAGLE-3 head then without
 #   bench/gpu_session.sh profile-host  # the same engine's host functions per step under cProfile at c64/c128
+#   bench/gpu_session.sh split-attn # decode-like attention at the engine's graph bounds: serial vs every n'th split
+#   bench/gpu_session.sh anatomy    # the kernels of padding steps per (kind, batch), from the captured graphs
 #   bench/gpu_session.sh receive    # a decode-step proxy on the last GPU while grpc-stream hand-offs arrive, the
 #                                   # scatter before issue 28 beside the current one (bench_receive.py --legacy)
 #
@@ -271,10 +273,23 @@ for stage in "$@"; do
         --out "$OUT/profile_host.json"
       grep -v Warning "$OUT/profile_host.log" | head -120
       ;;
+    split-attn)  # issue 30: decode-like attention at the engine's graph bounds, serial vs every n'th split, bits checked;
+      # then the attention kernels' GPU tests (decode == verify rows, any split, sliding window)
+      run split_attn 240 python3 bench/bench_split_attention.py --out "$OUT/split_attn.json"
+      run attn_gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
+        tests/gpu/test_attention_invariance_gpu.py tests/gpu/test_sliding_window_gpu.py
+      ;;
+    anatomy)  # issue 30/31: the kernels of padding steps per (kind, batch) from the captured graphs (step_anatomy.py)
+      [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
+      run anatomy 300 python3 bench/step_anatomy.py --model /tmp/wide/target --draft /tmp/wide/eagle3 \
+        --cases "${ANATOMY_CASES:-plain/16,plain/32,plain/64,chain1/16,chain1/32,chain1/64,chain3/16,chain3/32}" \
+        --out "$OUT/anatomy.json"
+      grep -v Warning "$OUT/anatomy.log" | head -150
+      ;;
     *)
       echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention, serving," \
         "features, tp-tests, tp, local, memory, layouts, layouts4, peer, nixl, receive, policy, graphs," \
-        "prefix, prefix-route, decode-cache, prefix-bench, prefix-bench2, profile, profile-host)" >&2
+        "prefix, prefix-route, decode-cache, prefix-bench, prefix-bench2, profile, profile-host, split-attn, anatomy)" >&2
       exit 2
       ;;
   esac

@@ -27,10 +27,10 @@ How the kernel is laid out:
     those tokens). Tiles past the prefix gather each query's own keys by position and run the tile once per
     query of the block, keeping that query's rows;
   - a split's partial (normalised output, log-sum-exp) is merged into the running one in split order with
-    fmas (``_merge_factors``): either one program per split writes partials and the combine kernel merges
-    them (few programs: batch 1 at long context uses many SMs), or one program runs every split of its block
-    and merges as it goes (enough programs already, or too many partials to hold). Both give the same bits,
-    so the choice may follow the batch.
+    fmas (``_merge_factors``): either a few programs per block each run every n'th split and write its partials,
+    which the combine kernel merges (few blocks: batch 1 at long context uses many SMs), or one program runs
+    every split of its block and merges as it goes (enough programs already, or too many partials to hold).
+    Both give the same bits, so the choice may follow the batch.
 * A tile a row sees nothing of leaves its state exactly as it was, and a split it sees nothing of (log-sum-exp
   -inf) merges as nothing: the first key a block reads (a window's start) may differ between steps.
 * Softmax is online in float32 in the exp2 domain; a row that sees no key in a split contributes
@@ -68,8 +68,8 @@ class AttnConfig:
     block_q: int  # query tokens per program
     block_m: int  # tile rows = next power of two >= block_q * group (at least 16 for tl.dot)
     block_n: int  # keys per inner iteration
-    num_splits: int  # programs per (query block, kv head), one per split, merged by the combine kernel; 1: one
-    num_warps: int   # program runs every split of its block (the same bits)
+    num_splits: int  # programs per (query block, kv head), each running every num_splits'th split of the block
+    num_warps: int   # and writing its partials for the combine kernel; 1: one program runs every split (same bits)
     num_stages: int
     split_len: int = 0  # keys per split, a multiple of block_n (0: paged_attention's choice)
 
@@ -199,7 +199,7 @@ if triton is not None:
         return m_new, tl.exp2(M - m_safe), tl.exp2(lse - m_safe)
 
     @triton.jit
-    def _attn_kernel(Q, K, V, O, Opart, Lse,
+    def _attn_kernel(Q, K, V, O, Opart, Lse, Range,
                      qo_indptr, kv_indptr, kv_indices, prefix_lens, mask_ptr, mask_indptr, QPos,
                      qk_scale, num_kv_heads, num_q_heads, num_rows, window, split_len,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -293,50 +293,63 @@ if triton is not None:
             tl.store(O + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                      out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         else:
-            lo = tl.maximum(split * split_len, first_key)
-            hi = tl.minimum(split * split_len + split_len, kv_end)
-            o, lse = _split_partial(q, lo, hi, gather_from, kv_start, kv_len, prefix, extra, mask_base, first_tok,
-                                    n_tok, tok, vis_end, own_col, q_pos, window, kv_indices, K, V, stride_kt,
-                                    stride_kh, stride_vt, stride_vh, kvh, mask_ptr, offs_d, d_ok, qk_scale, HAS_MASK,
-                                    BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_E, PRECISION, SLIDING)
-            part = (split * num_rows + row) * num_q_heads + head  # Opart [S, T, Hq, D], Lse [S, T, Hq]
-            tl.store(Opart + part[:, None] * HEAD_DIM + offs_d[None, :], o,
-                     mask=(row_ok & (lse > float("-inf")))[:, None] & d_ok[None, :])
-            tl.store(Lse + part, lse, mask=row_ok)
+            # Program ``split`` of the block's ``num_programs(2)`` runs splits split, split + P, ... of the block's
+            # [s_lo, s_hi), writing each one's partial; the combine kernel merges [s_lo, s_hi) in order (Range).
+            s_lo = first_key // split_len
+            s_hi = tl.cdiv(kv_end, split_len)
+            if (split == 0) & (kvh == 0):
+                tl.store(Range + row * 2, s_lo + row * 0, mask=row_ok)
+                tl.store(Range + row * 2 + 1, s_hi + row * 0, mask=row_ok)
+            for s in range(s_lo + split, s_hi, tl.num_programs(2)):
+                lo = tl.maximum(s * split_len, first_key)
+                hi = tl.minimum(s * split_len + split_len, kv_end)
+                o, lse = _split_partial(q, lo, hi, gather_from, kv_start, kv_len, prefix, extra, mask_base,
+                                        first_tok, n_tok, tok, vis_end, own_col, q_pos, window, kv_indices, K, V,
+                                        stride_kt, stride_kh, stride_vt, stride_vh, kvh, mask_ptr, offs_d, d_ok,
+                                        qk_scale, HAS_MASK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_E, PRECISION, SLIDING)
+                part = (s * num_rows + row) * num_q_heads + head  # Opart [S, T, Hq, D], Lse [S, T, Hq]
+                tl.store(Opart + part[:, None] * HEAD_DIM + offs_d[None, :], o,
+                         mask=(row_ok & (lse > float("-inf")))[:, None] & d_ok[None, :])
+                tl.store(Lse + part, lse, mask=row_ok)
 
     @triton.jit
-    def _merge_split(Opart, Lse, s, num_rows, num_q_heads, num_splits, t, h, offs_d, d_ok, HEAD_DIM: tl.constexpr,
+    def _merge_split(Opart, Lse, s, num_rows, num_q_heads, s_lo, s_hi, t, h, offs_d, d_ok, HEAD_DIM: tl.constexpr,
                      M, A, W):
-        """One split's partial of (row ``t``, head ``h``) merged into the running max, sum and weight."""
+        """One split's partial of (row ``t``, head ``h``) merged into the running max, sum and weight; a split
+        outside the row's block's [s_lo, s_hi) was not written and merges as nothing."""
         part = (s * num_rows + t) * num_q_heads + h
         one = tl.zeros([1], tl.int32) + s
-        lse = tl.load(Lse + part + one * 0, mask=one < num_splits, other=float("-inf"))
+        lse = tl.load(Lse + part + one * 0, mask=(one >= s_lo) & (one < s_hi), other=float("-inf"))
         o = tl.load(Opart + part * HEAD_DIM + offs_d, mask=d_ok & (lse > float("-inf")), other=0.0)
         M, a, wb = _merge_factors(M, lse)
         return M, tl.fma(A, a, o * wb), tl.fma(W, a, wb)
 
     @triton.jit
-    def _combine_kernel(Opart, Lse, O, num_rows, num_q_heads, num_splits, stride_ot, stride_oh,
+    def _combine_kernel(Opart, Lse, O, Range, num_rows, num_q_heads, num_splits, stride_ot, stride_oh,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr,
                         UNROLL: tl.constexpr):
-        """Merge the split partials of one (row, head) in split order (``_merge_factors``): unrolled (``UNROLL``)
-        so the loads issue together, else a loop (an unrolled loop of hundreds of splits takes minutes to
-        compile); the same operations in the same order either way, so the same bits. A split the row saw
-        nothing of (lse -inf, its partial never written) is not read."""
+        """Merge the split partials of one (row, head) in split order (``_merge_factors``), over the splits its
+        block ran (``Range``: [s_lo, s_hi), as the serial launch runs them): unrolled (``UNROLL``) so the loads
+        issue together, else a loop (an unrolled loop of hundreds of splits takes minutes to compile); the same
+        operations in the same order either way, so the same bits. A split the row saw nothing of (lse -inf, its
+        partial never written) is not read. A row of no request has no range written: clamped, it merges only
+        what lies in the buffers (its output is unspecified, as the serial launch leaves it unwritten)."""
         t = tl.program_id(0)
         h = tl.program_id(1)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
+        s_lo = tl.maximum(tl.load(Range + t * 2), 0)
+        s_hi = tl.minimum(tl.load(Range + t * 2 + 1), num_splits)
         M = tl.full([1], float("-inf"), tl.float32)
         W = tl.zeros([1], tl.float32)
         A = tl.zeros([BLOCK_D], tl.float32)
         if UNROLL:
             for s in tl.static_range(SPLITS_P2):
-                M, A, W = _merge_split(Opart, Lse, s, num_rows, num_q_heads, num_splits, t, h, offs_d, d_ok,
+                M, A, W = _merge_split(Opart, Lse, s, num_rows, num_q_heads, s_lo, s_hi, t, h, offs_d, d_ok,
                                        HEAD_DIM, M, A, W)
         else:
-            for s in range(0, num_splits):
-                M, A, W = _merge_split(Opart, Lse, s, num_rows, num_q_heads, num_splits, t, h, offs_d, d_ok,
+            for s in range(s_lo, s_hi):
+                M, A, W = _merge_split(Opart, Lse, s, num_rows, num_q_heads, s_lo, s_hi, t, h, offs_d, d_ok,
                                        HEAD_DIM, M, A, W)
         out = A / tl.where(W == 0.0, 1.0, W)
         tl.store(O + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
@@ -358,6 +371,9 @@ SIZING_CONTEXT = 16384  # the context the split length fills the SMs at; longer 
 MAX_SPLITS = 256  # at the longest context; past it the split length grows instead
 UNROLLED_SPLITS = 32  # the combine unrolls up to this many splits; past it a loop (256 unrolled: minutes of compile)
 PARTIAL_BYTES = 64 << 20  # the float32 partials a split launch may write; past it one program runs every split
+SPLIT_PROGRAMS = 4  # a split launch's programs per SM: its programs per block are this many waves' worth, each
+#                     running every n'th split of its block (a static grid over the longest context's splits
+#                     left most programs empty: batch 32 x 640 keys read KV at ~0.9 TB/s on an H100)
 
 
 def choose_split_len(max_context: int, num_kv_heads: int, device: torch.device) -> int:
@@ -387,8 +403,9 @@ def choose_config(q: torch.Tensor, num_kv_heads: int, batch: int, max_q_len: int
     with 32-key tiles (71% with 64); extend at 4096 tokens reaches 230 TFLOP/s with 64-key tiles (218 with 128).
 
     Keys split every ``split_len`` positions (``choose_split_len``; ``num_splits`` instead: that many over
-    ``max_kv_len``, for tests and benchmarks). A launch with few programs runs one per split and merges
-    them in a second kernel; one with enough programs (or too many partials to hold) runs every split of
+    ``max_kv_len``, for tests and benchmarks: one program per split). A launch with few blocks gives each
+    ``SPLIT_PROGRAMS`` waves' worth of programs, each running every n'th split of its block, and merges the
+    partials in a second kernel; one with enough programs (or too many partials to hold) runs every split of
     a query block in one program, merging in the same order: the same bits either way.
     """
     group = q.shape[1] // num_kv_heads
@@ -409,12 +426,13 @@ def choose_config(q: torch.Tensor, num_kv_heads: int, batch: int, max_q_len: int
     split_len = -(-max(split_len or MIN_SPLIT_KEYS, block_n) // block_n) * block_n
     n_splits = -(-bound // split_len)
     programs = max(1, -(-max_q_len // block_q) * batch * num_kv_heads)
-    if num_splits is not None:
-        serial = num_splits <= 1
-    else:
+    if num_splits is not None:  # one program per split
+        serial, per_block = num_splits <= 1, n_splits
+    else:  # enough programs per block to fill the SMs; each runs every per_block'th split
         partials = q.shape[0] * n_splits * q.shape[1] * d * 4
-        serial = n_splits <= 1 or programs >= 2 * _sms(q.device) or partials > PARTIAL_BYTES
-    return AttnConfig(block_q=block_q, block_m=block_m, block_n=block_n, num_splits=1 if serial else n_splits,
+        per_block = min(n_splits, -(-SPLIT_PROGRAMS * _sms(q.device) // programs))
+        serial = per_block <= 1 or programs >= 2 * _sms(q.device) or partials > PARTIAL_BYTES
+    return AttnConfig(block_q=block_q, block_m=block_m, block_n=block_n, num_splits=1 if serial else per_block,
                       split_len=split_len, num_warps=num_warps, num_stages=num_stages)
 
 
@@ -480,17 +498,19 @@ def _launch(q, k_cache, v_cache, meta, sm_scale, window, q_positions, cfg, split
     sliding = window > 0
     q_pos = q_positions if (sliding and has_mask) else meta.qo_indptr  # any pointer when unused
     serial = cfg.num_splits <= 1
-    S = 1 if serial else max(cfg.num_splits, -(-bound // split_len))  # the grid covers every split
+    S = 1 if serial else -(-bound // split_len)  # the partials cover every split of the longest context
+    P = 1 if serial else min(cfg.num_splits, S)  # programs per block, each running every P'th split
     if not serial:
         opart = torch.empty((S, T, hq, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((S, T, hq), dtype=torch.float32, device=q.device)
+        ranges = torch.empty((T, 2), dtype=torch.int32, device=q.device)
     else:
-        opart = lse = out  # unused
+        opart = lse = ranges = out  # unused
     block_d = max(16, triton.next_power_of_2(d))  # tl.dot needs K, N >= 16
     upcast = q.dtype == torch.bfloat16 and not q.is_cuda  # only the interpreter runs off CUDA
     precision = "ieee" if (q.dtype == torch.float32 or upcast) else "tf32"
-    _attn_kernel[(n_qblocks, B * hkv, S)](
-        q, k_cache, v_cache, out, opart, lse,
+    _attn_kernel[(n_qblocks, B * hkv, P)](
+        q, k_cache, v_cache, out, opart, lse, ranges,
         meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.prefix_lens, mask, mask_indptr, q_pos,
         sm_scale * LOG2E, hkv, hq, T, window, split_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -501,7 +521,7 @@ def _launch(q, k_cache, v_cache, meta, sm_scale, window, q_positions, cfg, split
     )
     if not serial:
         unroll = S <= UNROLLED_SPLITS
-        _combine_kernel[(T, hq)](opart, lse, out, T, hq, S, out.stride(0), out.stride(1), HEAD_DIM=d,
+        _combine_kernel[(T, hq)](opart, lse, out, ranges, T, hq, S, out.stride(0), out.stride(1), HEAD_DIM=d,
                                  BLOCK_D=block_d, SPLITS_P2=triton.next_power_of_2(S) if unroll else 1,
                                  UNROLL=unroll, num_warps=4 if d >= 128 else 2)
 

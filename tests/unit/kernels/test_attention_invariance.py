@@ -4,7 +4,8 @@ Speculation is lossless only if the target's logits at a verify row equal, bit f
 step would compute at that position: greedy output with and without the draft must match. So a query at
 position p over keys [0, p] must reduce them in one order whatever the step: split bounds at fixed positions
 (``split_len``), one tile shape for decode-like launches, a tree node's ancestors read as the positions they
-stand for, and the splits merged in one order (one program per split, or one program for all of them).
+stand for, and the splits merged in one order (a few programs per block each running every n'th split, one per
+split, or one program for all of them).
 
 Runs the kernel under TRITON_INTERPRET=1 on the CPU (conftest sets it) with tiny shapes; every comparison is
 ``torch.equal``. tests/gpu/test_attention_invariance_gpu.py checks the same on CUDA at the 8B shapes.
@@ -53,6 +54,24 @@ def test_one_program_for_every_split_gives_the_split_launch_bits():
     b = paged_attention(q, pool.k, pool.v, meta, 0.5, backend="triton", num_splits=5, split_len=32)
     assert torch.equal(a, b)
     torch.testing.assert_close(a, paged_attention_ref(q, pool.k, pool.v, meta, 0.5), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("programs", [2, 3])
+def test_programs_running_every_nth_split_give_the_serial_bits(programs):
+    """A split launch with fewer programs per block than splits (each runs splits p, p + n, ...; the combine merges
+    the block's range of splits) gives the serial launch's bits."""
+    pool = Pool(600, 4, torch.float32, 5, DEVICE)
+    lens = [150, 33, 97, 260]
+    kv = [pool.take(n + 1) for n in lens]
+    q = pool.queries(4)
+    meta = metadata(kv, [1, 1, 1, 1], lens, DEVICE)
+    serial = AttnConfig(block_q=16, block_m=64, block_n=32, num_splits=1, num_warps=4, num_stages=3, split_len=32)
+    strided = AttnConfig(block_q=16, block_m=64, block_n=32, num_splits=programs, num_warps=4, num_stages=3,
+                         split_len=32)
+    a = paged_attention(q, pool.k, pool.v, meta, 0.5, backend="triton", config=serial)
+    b = paged_attention(q, pool.k, pool.v, meta, 0.5, backend="triton", config=strided)
+    assert torch.equal(a, b)
+    torch.testing.assert_close(b, paged_attention_ref(q, pool.k, pool.v, meta, 0.5), atol=2e-5, rtol=2e-5)
 
 
 def test_the_combine_unrolled_or_looped_gives_the_same_bits(monkeypatch):
