@@ -163,28 +163,29 @@ if triton is not None:
             acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, slot, ok, visible, K, V, stride_kt, stride_kh, stride_vt,
                                        stride_vh, kvh, offs_d, d_ok, qk_scale, PRECISION)
         if HAS_MASK:
-            done = tl.zeros([BLOCK_M], tl.int32)  # rows already updated by a pass
-            for jj in range(0, n_tok):  # last query first: in a tree, a node not yet covered is a leaf
-                tj = first_tok + n_tok - 1 - jj
-                mine = (tok == tj) & (done == 0)
-                if tl.max(mine.to(tl.int32), 0) > 0:
-                    covers = mine | _nested_in(mask_ptr, mask_base, tj, tok, own_col, extra, BLOCK_E) & (done == 0)
-                    end_j = tl.max(tl.where(tok == tj, vis_end, 0), 0)  # past it the tiles are nothing to tj
-                    for start in range(tl.maximum(lo, gather_from), tl.minimum(hi, end_j), BLOCK_N):
-                        offs_n = start + tl.arange(0, BLOCK_N)
-                        r = offs_n - prefix
-                        in_prefix = r < 0
-                        col, cnt = _step_cols(mask_ptr, mask_base + tj * extra, extra, r, BLOCK_N, BLOCK_E)
-                        ok = in_prefix | (r < cnt)
-                        slot = tl.load(kv_indices + kv_start + tl.where(in_prefix, offs_n, prefix + col), mask=ok,
-                                       other=0)
-                        visible = _visible(offs_n, vis_end, q_pos, prefix, window, HAS_MASK, SLIDING) & ok[None, :]
-                        a2, m2, l2 = _attn_tile(acc, m_i, l_i, q, slot, ok, visible, K, V, stride_kt, stride_kh,
-                                                stride_vt, stride_vh, kvh, offs_d, d_ok, qk_scale, PRECISION)
-                        acc = tl.where(covers[:, None], a2, acc)
-                        m_i = tl.where(covers, m2, m_i)
-                        l_i = tl.where(covers, l2, l_i)
-                    done = tl.where(covers, 1, done)
+            if hi > tl.maximum(lo, gather_from):  # a split of shared prefix tiles only needs no pass
+                done = tl.zeros([BLOCK_M], tl.int32)  # rows already updated by a pass
+                for jj in range(0, n_tok):  # last query first: in a tree, a node not yet covered is a leaf
+                    tj = first_tok + n_tok - 1 - jj
+                    mine = (tok == tj) & (done == 0)
+                    if tl.max(mine.to(tl.int32), 0) > 0:
+                        covers = mine | _nested_in(mask_ptr, mask_base, tj, tok, own_col, extra, BLOCK_E) & (done == 0)
+                        end_j = tl.max(tl.where(tok == tj, vis_end, 0), 0)  # past it the tiles are nothing to tj
+                        for start in range(tl.maximum(lo, gather_from), tl.minimum(hi, end_j), BLOCK_N):
+                            offs_n = start + tl.arange(0, BLOCK_N)
+                            r = offs_n - prefix
+                            in_prefix = r < 0
+                            col, cnt = _step_cols(mask_ptr, mask_base + tj * extra, extra, r, BLOCK_N, BLOCK_E)
+                            ok = in_prefix | (r < cnt)
+                            slot = tl.load(kv_indices + kv_start + tl.where(in_prefix, offs_n, prefix + col), mask=ok,
+                                           other=0)
+                            visible = _visible(offs_n, vis_end, q_pos, prefix, window, HAS_MASK, SLIDING) & ok[None, :]
+                            a2, m2, l2 = _attn_tile(acc, m_i, l_i, q, slot, ok, visible, K, V, stride_kt, stride_kh,
+                                                    stride_vt, stride_vh, kvh, offs_d, d_ok, qk_scale, PRECISION)
+                            acc = tl.where(covers[:, None], a2, acc)
+                            m_i = tl.where(covers, m2, m_i)
+                            l_i = tl.where(covers, l2, l_i)
+                        done = tl.where(covers, 1, done)
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
         return o, lse
@@ -371,9 +372,10 @@ SIZING_CONTEXT = 16384  # the context the split length fills the SMs at; longer 
 MAX_SPLITS = 256  # at the longest context; past it the split length grows instead
 UNROLLED_SPLITS = 32  # the combine unrolls up to this many splits; past it a loop (256 unrolled: minutes of compile)
 PARTIAL_BYTES = 64 << 20  # the float32 partials a split launch may write; past it one program runs every split
-SPLIT_PROGRAMS = 4  # a split launch's programs per SM: its programs per block are this many waves' worth, each
-#                     running every n'th split of its block (a static grid over the longest context's splits
-#                     left most programs empty: batch 32 x 640 keys read KV at ~0.9 TB/s on an H100)
+SPLIT_PROGRAMS = 2  # programs per SM a launch aims at: fewer blocks than that get floor(that / blocks) programs
+#                     each, running every n'th split of the block; more run serially. On an H100 (bench_split_
+#                     attention.py, graph bounds of a 4096-token engine): decode at 8 / 16 rows fastest with 4 / 2
+#                     programs per block, at 32+ rows serially (one per split: 1.8x slower at 32 rows x 640 keys)
 
 
 def choose_split_len(max_context: int, num_kv_heads: int, device: torch.device) -> int:
@@ -428,10 +430,10 @@ def choose_config(q: torch.Tensor, num_kv_heads: int, batch: int, max_q_len: int
     programs = max(1, -(-max_q_len // block_q) * batch * num_kv_heads)
     if num_splits is not None:  # one program per split
         serial, per_block = num_splits <= 1, n_splits
-    else:  # enough programs per block to fill the SMs; each runs every per_block'th split
+    else:  # about SPLIT_PROGRAMS programs per SM in all; each runs every per_block'th split of its block
         partials = q.shape[0] * n_splits * q.shape[1] * d * 4
-        per_block = min(n_splits, -(-SPLIT_PROGRAMS * _sms(q.device) // programs))
-        serial = per_block <= 1 or programs >= 2 * _sms(q.device) or partials > PARTIAL_BYTES
+        per_block = min(n_splits, SPLIT_PROGRAMS * _sms(q.device) // programs)
+        serial = per_block <= 1 or partials > PARTIAL_BYTES
     return AttnConfig(block_q=block_q, block_m=block_m, block_n=block_n, num_splits=1 if serial else per_block,
                       split_len=split_len, num_warps=num_warps, num_stages=num_stages)
 
