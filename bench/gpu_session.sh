@@ -58,6 +58,9 @@
 #   bench/gpu_session.sh profile-host  # the same engine's host functions per step under cProfile at c64/c128
 #   bench/gpu_session.sh split-attn # decode-like attention at the engine's graph bounds: serial vs every n'th split
 #   bench/gpu_session.sh anatomy    # the kernels of padding steps per (kind, batch), from the captured graphs
+#   bench/gpu_session.sh mixed-attn # issue 30: a mixed step's decode rows through the decode launch, chunks through the
+#                                   # extend kernel: the bits (tests/gpu/test_mixed_attention_gpu.py), then one layer's
+#                                   # attention before (whole batch through extend) vs after, in us (mixed_attention.json)
 #   bench/gpu_session.sh receive    # a decode-step proxy on the last GPU while grpc-stream hand-offs arrive, the
 #                                   # scatter before issue 28 beside the current one (bench_receive.py --legacy)
 #
@@ -178,6 +181,12 @@ for stage in "$@"; do
       cat "$OUT/policy.log" | tail -n 12
       rm -rf "$work"
       ;;
+    mixed-attn)
+      run mixed_attn_tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mixed_attention_gpu.py \
+        "tests/gpu/test_extend_attention_gpu.py::test_engine_prefill_through_the_extend_kernel_equals_paged_and_cpu"
+      run mixed_attn_bench 300 python3 bench/bench_mixed_attention.py --out "$OUT/mixed_attention.json"
+      cat "$OUT/mixed_attn_bench.log"
+      ;;
     receive)
       last=$(( $(nvidia-smi -L | wc -l) - 1 ))
       run bench_receive 240 python3 bench/bench_receive.py --device "cuda:$last" --tokens 512 --seconds 20 --legacy \
@@ -289,7 +298,8 @@ for stage in "$@"; do
     *)
       echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention, serving," \
         "features, tp-tests, tp, local, memory, layouts, layouts4, peer, nixl, receive, policy, graphs," \
-        "prefix, prefix-route, decode-cache, prefix-bench, prefix-bench2, profile, profile-host, split-attn, anatomy)" >&2
+        "prefix, prefix-route, decode-cache, prefix-bench, prefix-bench2, profile, profile-host, split-attn, anatomy," \
+        "mixed-attn)" >&2
       exit 2
       ;;
   esac

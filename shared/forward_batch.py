@@ -8,12 +8,16 @@ the request-to-token map, and its keys are the row's slots ``[0, kv_len[b])``: t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.attention_ref import AttentionMetadata
 from shared.memory.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from kernels.mixed_attention import MixedSplit
 
 
 @dataclass
@@ -24,10 +28,21 @@ class ForwardBatch:
     attn: AttentionMetadata
     logits_rows: torch.Tensor | None = None  # [R] int64 rows of T that need logits; None = all
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # RoPE of `positions`, memoised per forward
+    # split_mixed(attn, group) per GQA group, memoised per forward: every layer of a mixed step shares one split
+    mixed_splits: dict[int, MixedSplit | None] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
+
+    def mixed_split(self, group: int) -> MixedSplit | None:
+        """The batch's decode-like requests and its long ones as two batches (``kernels.mixed_attention``), made
+        on the first layer's call from the metadata's host copies and reused by the others."""
+        if group not in self.mixed_splits:
+            from kernels.mixed_attention import split_mixed
+
+            self.mixed_splits[group] = split_mixed(self.attn, group)
+        return self.mixed_splits[group]
 
 
 def build_forward_batch(

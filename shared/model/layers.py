@@ -11,6 +11,7 @@ from torch import nn
 
 from kernels.extend_attention import extend_attention
 from kernels.fused import rope_store, silu_mul
+from kernels.mixed_attention import mixed_attention
 from kernels.norm_rope import apply_rope, rms_norm
 from shared.forward_batch import ForwardBatch
 from shared.model.config import ModelConfig, RopeConfig
@@ -121,6 +122,17 @@ class Attention(nn.Module):
         qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return linear(x, self.qkv_weight, self.qkv_bias).split([qd, kd, kd], dim=-1)
 
+    def _extend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 batch: ForwardBatch) -> torch.Tensor:
+        """A batch with prefill chunks: the extend kernel, except for its decode rows (and chunks as short) in a
+        mixed step, which take the decode launch (``kernels.mixed_attention``): the bits a decode step gives them."""
+        loc = batch.out_cache_loc
+        split = batch.mixed_split(q.shape[1] // k_cache.shape[1])
+        if split is not None:
+            return mixed_attention(q, k_cache, v_cache, loc, split, self.scale, self.window,
+                                   batch.positions if self.window else None)
+        return extend_attention(q, k_cache[loc], v_cache[loc], k_cache, v_cache, batch.attn, self.scale, self.window)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         T = x.shape[0]
         k_cache, v_cache = cache.k[self.cache_layer], cache.v[self.cache_layer]
@@ -140,9 +152,7 @@ class Attention(nn.Module):
             k_cache[batch.out_cache_loc] = k.to(k_cache.dtype)
             v_cache[batch.out_cache_loc] = v.reshape(T, self.num_kv_heads, self.head_dim).to(v_cache.dtype)
         if _long_extend(q, batch):  # prefill chunks: this step's K/V read densely (TMA), not by slot
-            loc = batch.out_cache_loc
-            o = extend_attention(q, k_cache[loc], v_cache[loc], k_cache, v_cache, batch.attn, self.scale,
-                                 self.window)
+            o = self._extend(q, k_cache, v_cache, batch)
         else:
             o = self._attend(q, k_cache, v_cache, batch.attn, self.scale, self.window,
                              batch.positions if self.window else None)
