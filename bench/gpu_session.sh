@@ -43,8 +43,8 @@
 #   bench/gpu_session.sh nixl       # two GPUs: NIXL VRAM writes GPU 0 -> GPU 1 per UCX_TLS (bench_nixl.py; needs the
 #                                   # nixl-cu13 wheel in .whl: ../shared/tools/gpu-wheels.sh nixl-cu13==1.5.1)
 #   bench/gpu_session.sh policy     # one GPU, through the stack (OpenAI API): plain vs the defaults with a draft (adaptive)
-#                                   # vs fixed chain 3 vs fixed tree, c1..c128, the 8B-shaped widened pair, greedy
-#                                   # checked equal (bench/house/policy_stack.py: policy_stack.json), ~6.5 min
+#                                   # (POLICY_RUNS=plain,chain3,tree: the fixed shapes, a second call), c1..c128, the
+#                                   # 8B-shaped widened pair, greedy checked equal (bench/house/policy_stack.py), ~9 min
 #   bench/gpu_session.sh graphs     # issue 30: colo1 c32/c64/c128 (max_running 128), graphs up to max_running (or as far
 #                                   # as the memory fraction allows: graphs_*_memory.log); then GRAPH_CAP=32 ... graphs:
 #                                   # the old cap of 32 (graphs_*.json with each fixed point's ideal, ~5 min each)
@@ -56,6 +56,8 @@
 #   bench/gpu_session.sh profile    # issue 30: one engine in-process at c32/c64/c128, per step kind wall vs device time and
 #                                   # a torch.profiler window (bench/profile_engine.py), with the EAGLE-3 head then without
 #   bench/gpu_session.sh profile-host  # the same engine's host functions per step under cProfile at c64/c128
+#   bench/gpu_session.sh profile-mixed # a torch.profiler window over c128's first-wave mixed steps, without and with
+#                                   # the EAGLE-3 head (profile_mixed_{plain,adaptive}.json)
 #   bench/gpu_session.sh split-attn # decode-like attention at the engine's graph bounds: serial vs every n'th split
 #   bench/gpu_session.sh anatomy    # the kernels of padding steps per (kind, batch), from the captured graphs
 #   bench/gpu_session.sh mixed-attn # issue 30: a mixed step's decode rows through the decode launch, chunks through the
@@ -173,8 +175,10 @@ for stage in "$@"; do
       shm_kb=$(df -k --output=avail /dev/shm 2>/dev/null | tail -n 1)
       work=/tmp/eyrie-policy
       [[ ${shm_kb:-0} =~ ^[0-9]+$ && ${shm_kb:-0} -gt $((40 << 20)) ]] && work=/dev/shm/eyrie-policy
-      PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 run policy 420 python3 -m bench.house.policy_stack \
-        --out "$OUT" --work "$work"
+      # All four stacks do not fit one call's 10 minutes (the adaptive one's start alone took 93 s on an H100):
+      # POLICY_RUNS=plain,default then POLICY_RUNS=plain,chain3,tree, one call each
+      PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 run policy 560 python3 -m bench.house.policy_stack \
+        --out "$OUT" --work "$work" --runs "${POLICY_RUNS:-plain,default}" --deadline-s 500
       for d in "$work"/logs-*; do
         [ -d "$d" ] && mkdir -p "$OUT/$(basename "$d")" && cp "$d"/*.log "$OUT/$(basename "$d")/"
       done
@@ -275,6 +279,21 @@ for stage in "$@"; do
         --prompts-file /tmp/wide/heldout.jsonl --concurrency ${PROFILE_C:-32,64,128} --out "$OUT/profile_plain.json"
       cat "$OUT"/profile_adaptive.log "$OUT"/profile_plain.log | grep -v Warning | head -120
       ;;
+    profile-mixed)  # issue 30: a torch.profiler window over the first wave's mixed steps (a 512-token chunk beside the
+      # decode rows) at c128, the target alone then with the EAGLE-3 head: where a chunk's 25-50 ms go
+      [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
+      run profile_mixed_plain 150 python3 bench/profile_engine.py --model /tmp/wide/target \
+        --prompts-file /tmp/wide/heldout.jsonl --concurrency 128 --profile-after=-100 --profile-steps 30 \
+        --out "$OUT/profile_mixed_plain.json"
+      run profile_mixed_adaptive 280 python3 bench/profile_engine.py --model /tmp/wide/target \
+        --draft /tmp/wide/eagle3 --prompts-file /tmp/wide/heldout.jsonl --concurrency 128 --profile-after=-100 \
+        --profile-steps 30 --out "$OUT/profile_mixed_adaptive.json"
+      for f in "$OUT"/profile_mixed_*.json; do
+        python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['points'][0]['profile_window']; print(sys.argv[1], \
+          w.get('steps'), w.get('wall_ms'), w.get('kernel_ms')); [print('  ', r['calls'], r['ms'], r['name'][:80]) \
+          for r in w.get('top_kernels', [])[:16]]" "$f"
+      done
+      ;;
     profile-host)  # issue 30 item 2: the host functions per step of one engine (cProfile), EAGLE-3 adaptive, c64/c128
       [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
       run profile_host 300 python3 bench/profile_engine.py --model /tmp/wide/target --draft /tmp/wide/eagle3 \
@@ -298,8 +317,8 @@ for stage in "$@"; do
     *)
       echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention, serving," \
         "features, tp-tests, tp, local, memory, layouts, layouts4, peer, nixl, receive, policy, graphs," \
-        "prefix, prefix-route, decode-cache, prefix-bench, prefix-bench2, profile, profile-host, split-attn, anatomy," \
-        "mixed-attn)" >&2
+        "prefix, prefix-route, decode-cache, prefix-bench, prefix-bench2, profile, profile-host, profile-mixed," \
+        "split-attn, anatomy, mixed-attn)" >&2
       exit 2
       ;;
   esac
