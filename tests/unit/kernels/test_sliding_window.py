@@ -134,3 +134,31 @@ def test_extend_kernel_window_with_packed_heads():
     ref = paged_attention_ref(q, k, v, meta, 0.37, 11)
     out = extend_attention(q, k_new, v_new, k, v, meta, 0.37, 11, backend="triton", config=cfg)
     torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("programs", [2, 3])
+def test_paged_kernel_programs_over_every_nth_split_past_the_window(programs):
+    """A few programs per block each running every n'th split (the block's first splits skipped: they are past
+    the window) give the serial launch's bits, in decode and in tree verify."""
+    from kernels.attention import AttnConfig
+
+    def config(n):
+        return AttnConfig(block_q=16, block_m=64, block_n=16, num_splits=n, num_warps=4, num_stages=3, split_len=16)
+
+    prefix = [70, 9, 130]
+    q, k, v, meta = make_case([1, 1, 1], prefix, [1, 1, 1], 4, 8, 2, 16, torch.float32, seed=11)
+    serial = paged_attention(q, k, v, meta, 0.3, 24, backend="triton", config=config(1))
+    strided = paged_attention(q, k, v, meta, 0.3, 24, backend="triton", config=config(programs))
+    assert torch.equal(serial, strided)
+    torch.testing.assert_close(strided, paged_attention_ref(q, k, v, meta, 0.3, 24), **TOL[torch.float32])
+    parents, depth = [-1, 0, 0, 1, 2, 3], torch.tensor([0, 1, 1, 2, 2, 3])
+    mask = tree_mask(parents)
+    q, k, v, meta = make_case([6, 6], [33, 12], [6, 6], 4, 4, 2, 16, torch.float32, masks=[mask, mask], seed=12)
+    pos = torch.cat([p + depth for p in [33, 12]]).to(q.device)
+    tree_config = AttnConfig(block_q=8, block_m=32, block_n=16, num_splits=1, num_warps=4, num_stages=3,
+                             split_len=16)
+    serial = paged_attention(q, k, v, meta, 0.5, 8, pos, backend="triton", config=tree_config)
+    strided = paged_attention(q, k, v, meta, 0.5, 8, pos, backend="triton",
+                              config=AttnConfig(**{**tree_config.__dict__, "num_splits": programs}))
+    assert torch.equal(serial, strided)
+    torch.testing.assert_close(strided, paged_attention_ref(q, k, v, meta, 0.5, 8, pos), **TOL[torch.float32])
