@@ -71,8 +71,8 @@ class Engine:
         self.scheduler = Scheduler(runner.caches, cfg.max_running, cfg.chunk_size, cfg.headroom, mc.eos_token_ids,
                                    role == "prefill", tokenizer, grammars, self.prefix_cache)
         self.handoff = HandoffPort(self.scheduler, self.device, runner.on_device, self.config, mc.vocab_size,
-                                   mc.num_key_value_heads, runner.tp, runner.landing_pages(), runner.head,
-                                   self.speculator and self.speculator.spec)
+                                   mc.num_key_value_heads, runner if runner.distributed else None,
+                                   runner.landing_pages(), runner.head, self.speculator and self.speculator.spec)
         # The per-request tables beside the scheduler's go with the request (``Scheduler.retire``).
         self.scheduler.on_retire += [runner.penalty_rows.release, self.handoff.forget] + (
             [self.speculator.ahead.forget] if self.speculator else [])

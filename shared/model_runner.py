@@ -57,7 +57,16 @@ from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.model.loader import load_target
 from shared.model.shard_loader import load_target_shard, read_lm_head
-from shared.parallel import TPGroup, local_config, rank_device, shard_target
+from shared.parallel import (
+    TPGroup,
+    gather_pages,
+    gather_pages_into,
+    local_config,
+    rank_device,
+    scatter_pages,
+    shard_target,
+    share_pages,
+)
 from shared.request import Request
 from shared.sampling import SamplingParams, request_seed, sample, top_logprobs, top_pairs
 from shared.scheduler import StepPlan
@@ -127,7 +136,8 @@ class ModelRunner:
     def landing_pages(self, config: EngineConfig | None = None) -> int:
         """The hand-off port's landing cache's pages (``shared.handoff.port.landing_pages``)."""
         config = config or self.config
-        return landing_pages(self.tp, self.role, self.max_context + config.headroom, config.page_size)
+        return landing_pages(self.tp is not None and self.tp.rank == 0 and self.role == "decode",
+                             self.max_context + config.headroom, config.page_size)
 
     def _fit_pools(self, config: EngineConfig, head: DraftHead | None, reserved_before: int) -> EngineConfig:
         """On a GPU without ``num_pages``: the page count that keeps this engine, weights (loaded since the
@@ -220,12 +230,37 @@ class ModelRunner:
             return params
         return params.model_copy(update={"seed": request_seed(params)})
 
+    @property
+    def leads(self) -> bool:
+        """Whether this runner decides for its group: rank 0 of a split engine, or an engine of one rank."""
+        return self.tp is None or self.tp.rank == 0
+
+    def agree(self, value: int, what: str) -> None:
+        """Under tensor parallelism, check that every rank computed rank 0's ``value`` (a digest of ``what``)."""
+        if self.tp is not None:
+            self.tp.agree(value, what)
+
+    # The hand-off's collectives under tensor parallelism (``shared.handoff.port.SplitPages``): K/V pages
+    # between this rank's share of the KV heads and rank 0's staging caches of every head.
+    def gather_pages(self, cache: KVCache, pages: list[int]) -> KVCache | None:
+        return gather_pages(cache, pages, self.tp)
+
+    def gather_pages_into(self, staging: KVCache | None, first: int, cache: KVCache, pages: list[int]) -> None:
+        gather_pages_into(staging, first, cache, pages, self.tp)
+
+    def scatter_pages(self, staging: KVCache | None, staged: list[int] | None, cache: KVCache,
+                      pages: list[int]) -> None:
+        scatter_pages(staging, staged, cache, pages, self.tp)
+
+    def share_pages(self, cache: KVCache, pages: list[int]) -> None:
+        share_pages(cache, pages, self.tp)
+
     def agree_plan(self, plan: StepPlan) -> None:
         """Under tensor parallelism, check that every rank runs ``plan`` from the same pools."""
         if self.tp is not None:
             key = ([(r.rid, r.kv_len) for r in plan.decode], [(c.req.rid, c.start, c.end) for c in plan.prefill],
                    [c.num_free_pages for c in self.caches])
-            self.tp.agree(zlib.crc32(repr(key).encode()), "the step plan")
+            self.agree(zlib.crc32(repr(key).encode()), "the step plan")
 
     # ---- a step ----------------------------------------------------------------------------------
     def run(self, plan: StepPlan, shape: str | None = None,

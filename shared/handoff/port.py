@@ -24,15 +24,7 @@ from shared.config import EngineConfig, SpecConfig
 from shared.handoff.schema import HandoffSchema
 from shared.handoff.wire import Increment, PageFeed, PageGuard, PageSink, PageSource, Prefilled, encode_draft_state
 from shared.memory.kv_cache import KVCache
-from shared.parallel import (
-    TPGroup,
-    gather_pages,
-    gather_pages_into,
-    scatter_pages,
-    share_pages,
-    staging_cache,
-    staging_pages,
-)
+from shared.parallel import staging_cache, staging_pages
 from shared.request import Request, Stage
 from shared.spec.state import DraftState
 
@@ -53,12 +45,31 @@ class EnginePages(Protocol):
                  output_ids: list[int], output_logprobs: list[float]) -> None: ...
 
 
-def landing_pages(tp: TPGroup | None, role: str, positions: int, page_size: int) -> int:
+class SplitPages(Protocol):
+    """What the port asks of a split engine's model runner (the tensor-parallel seam): its rank's place and the
+    collectives that move a hand-off's K/V between every rank's heads and rank 0 (``shared/parallel.py``)."""
+
+    @property
+    def leads(self) -> bool: ...  # rank 0: the rank that sends and receives the group's hand-offs
+
+    def gather_pages(self, cache: KVCache, pages: list[int]) -> KVCache | None: ...
+
+    def gather_pages_into(self, staging: KVCache | None, first: int, cache: KVCache, pages: list[int]) -> None: ...
+
+    def scatter_pages(self, staging: KVCache | None, staged: list[int] | None, cache: KVCache,
+                      pages: list[int]) -> None: ...
+
+    def share_pages(self, cache: KVCache, pages: list[int]) -> None: ...
+
+    def agree(self, value: int, what: str) -> None: ...  # every rank computed rank 0's ``value``
+
+    def rank0(self, value): ...  # rank 0's ``value`` on every rank
+
+
+def landing_pages(leads_split_decode: bool, positions: int, page_size: int) -> int:
     """The landing cache's pages: room for ``LANDING_REQUESTS`` requests of ``positions`` (the whole context
-    and headroom) on rank 0 of a split decode engine, 0 elsewhere."""
-    if tp is None or tp.rank != 0 or role != "decode":
-        return 0
-    return LANDING_REQUESTS * -(-positions // page_size)
+    and headroom) on rank 0 of a split decode engine (``leads_split_decode``), 0 elsewhere."""
+    return LANDING_REQUESTS * -(-positions // page_size) if leads_split_decode else 0
 
 
 class HandoffPort:
@@ -66,17 +77,18 @@ class HandoffPort:
 
     def __init__(self, pages: EnginePages, device: torch.device,
                  on_device: Callable[[], contextlib.AbstractContextManager], config: EngineConfig, vocab_size: int,
-                 kv_heads: int, tp: TPGroup | None = None, landing: int = 0, draft=None,
+                 kv_heads: int, split: SplitPages | None = None, landing: int = 0, draft=None,
                  tree: SpecConfig | None = None):
         """``device``: the engine's, made the thread's current CUDA device by ``on_device()``; ``kv_heads``: the
-        target's KV heads, every rank's; ``landing``: the landing cache's pages (``landing_pages``); ``draft``
-        (a ``DraftHead``) and ``tree``: the speculation, None without."""
+        target's KV heads, every rank's; ``split``: under tensor parallelism the engine's model runner, whose
+        collectives gather and scatter every rank's heads (None on one rank); ``landing``: the landing cache's
+        pages (``landing_pages``); ``draft`` (a ``DraftHead``) and ``tree``: the speculation, None without."""
         self.pages, self.device, self.on_device = pages, device, on_device
-        self.tp = tp
+        self.split = split
         self.kv_heads = kv_heads
         target = pages.caches[0]
         layouts = [c.layout for c in pages.caches]
-        if tp is not None:  # a split engine's hand-offs carry every KV head (``page_source``)
+        if split is not None:  # a split engine's hand-offs carry every KV head (``page_source``)
             layouts[0] = dataclasses.replace(layouts[0], num_kv_heads=kv_heads)
         # What this engine's hand-offs carry; the other side of a hand-off must agree on all of it.
         self.schema = HandoffSchema.build(
@@ -97,7 +109,7 @@ class HandoffPort:
         read them off the engine's thread until then; an abort cancels the guard first. Under tensor
         parallelism a collective, None on ranks other than 0 (``_gathered_source``)."""
         caches = self.pages.caches
-        if self.tp is not None:
+        if self.split is not None:
             return self._gathered_source(req, fed)
         if fed:
             return PageSource(req.rid, caches, [], b"", feed=PageFeed())
@@ -112,13 +124,13 @@ class HandoffPort:
         caches = self.pages.caches
         if fed:
             self._gathered[req.rid] = 0
-            if self.tp.rank != 0:
+            if not self.split.leads:
                 return None
             staged = staging_cache(caches[0].layout, self.kv_heads, caches[0].pages_for(req.prefill_len))
             self._staged[req.rid] = staged
             return PageSource(req.rid, [staged, *caches[1:]], [], b"", feed=PageFeed())
         ids = self.pages.page_ids(req)
-        staging = gather_pages(caches[0], ids[0], self.tp)
+        staging = self.split.gather_pages(caches[0], ids[0])
         if staging is None:
             return None
         return PageSource(req.rid, [staging, *caches[1:]], [staging_pages(len(ids[0])), *ids[1:]],
@@ -133,7 +145,7 @@ class HandoffPort:
         page_ids = self.pages.page_ids(req)
         parked = req.stage is Stage.HANDOFF
         done = [len(p) if parked else req.kv_len // c.page_size for c, p in zip(self.pages.caches, page_ids)]
-        if self.tp is not None:  # a collective: the target's pages come from the staging cache (``page_source``)
+        if self.split is not None:  # a collective: the target's pages come from the staging cache (``page_source``)
             page_ids[0] = self._gather_done(req, page_ids[0], done[0])
         written = None
         if self.device.type == "cuda":
@@ -150,7 +162,7 @@ class HandoffPort:
         cache's ids of ``pages``."""
         first = self._gathered[req.rid]
         if done > first:
-            gather_pages_into(self._staged.get(req.rid), first, self.pages.caches[0], pages[first:done], self.tp)
+            self.split.gather_pages_into(self._staged.get(req.rid), first, self.pages.caches[0], pages[first:done])
             self._gathered[req.rid] = done
         return staging_pages(len(pages))
 
@@ -162,7 +174,7 @@ class HandoffPort:
         no room now."""
         if not self._receiving(req):
             return None
-        if self.tp is not None:
+        if self.split is not None:
             return self._staged_sink(req, guard, in_place)
         # The pages it took from this engine's prefix cache (``admit_handoff``) are not sent.
         return PageSink(req.rid, self.pages.caches, self.pages.page_ids(req), guard, in_place, len(req.prefix_pages))
@@ -173,7 +185,7 @@ class HandoffPort:
         pages, copied to the others then). ``in_place``: the sender writes the target's K/V into pages of
         the landing cache (``pools``) instead; None when it has no room now. None on the other ranks. Pages the
         prefix cache holds (on every rank, ``admit_handoff``) are the sink's ``held`` ones, never sent."""
-        if self.tp.rank != 0:
+        if not self.split.leads:
             return None
         caches, ids = self.pages.caches, self.pages.page_ids(req)
         # The leading pages every rank's prefix cache holds (``admit_handoff``) are not sent: the staging or
@@ -196,7 +208,7 @@ class HandoffPort:
         share of the KV heads: rank 0 of a decode engine exports its landing cache in the target's place
         (``page_sink`` in place), the other ranks nothing."""
         caches = self.pages.caches
-        if self.tp is not None:
+        if self.split is not None:
             return [] if self.landing is None else [self.landing.pool, *(c.pool for c in caches[1:])]
         return [c.pool for c in caches]
 
@@ -207,7 +219,7 @@ class HandoffPort:
         its K/V (it was aborted)."""
         if not self._receiving(req):
             return False
-        if self.tp is not None:
+        if self.split is not None:
             committed_len, draft_state, output_ids, output_logprobs = self._spread(
                 req, committed_len, draft_state, output_ids, output_logprobs)
         self.pages.activate(req, committed_len, draft_state, output_ids, output_logprobs)
@@ -222,21 +234,21 @@ class HandoffPort:
         caches, ids = self.pages.caches, self.pages.page_ids(req)
         # The pages the prefix cache holds stay as they are; the ranks' caches hold the same, under the same ids.
         held = len(req.prefix_pages)
-        self.tp.agree(zlib.crc32(repr((held, ids)).encode()), "a hand-off's pages")
+        self.split.agree(zlib.crc32(repr((held, ids)).encode()), "a hand-off's pages")
         arriving = [pages[held:] for pages in ids]
         landed, staged = self._landed.get(req.rid), self._staged.pop(req.rid, None)
         if landed is not None:
-            scatter_pages(self.landing, landed, caches[0], arriving[0], self.tp)
+            self.split.scatter_pages(self.landing, landed, caches[0], arriving[0])
         else:
-            scatter_pages(staged, None if staged is None else staging_pages(len(arriving[0])), caches[0], arriving[0],
-                          self.tp)
+            self.split.scatter_pages(staged, None if staged is None else staging_pages(len(arriving[0])), caches[0],
+                                     arriving[0])
         self._land_off(req.rid)
         for cache, pages in zip(caches[1:], arriving[1:]):
-            share_pages(cache, pages, self.tp)
-        arrived = None if self.tp.rank != 0 else (
+            self.split.share_pages(cache, pages)
+        arrived = None if not self.split.leads else (
             committed_len, None if draft_state is None else draft_state.to_bytes(), list(output_ids),
             list(output_logprobs))
-        committed_len, blob, output_ids, output_logprobs = self.tp.broadcast(arrived)
+        committed_len, blob, output_ids, output_logprobs = self.split.rank0(arrived)
         state = None if blob is None else DraftState.from_bytes(blob, self.device)
         return committed_len, state, output_ids, output_logprobs
 
@@ -246,7 +258,7 @@ class HandoffPort:
     # ---- the port's tables -----------------------------------------------------------------------
     def forget(self, req: Request) -> None:
         """``req`` ended (the scheduler's ``retire``): its staging tables and landing pages go."""
-        if self.tp is None:
+        if self.split is None:
             return
         self._staged.pop(req.rid, None)
         self._gathered.pop(req.rid, None)
