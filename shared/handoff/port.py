@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import zlib
 from collections.abc import Callable
 from typing import Protocol
 
@@ -46,11 +45,9 @@ class EnginePages(Protocol):
 
 
 class SplitPages(Protocol):
-    """What the port asks of a split engine's model runner (the tensor-parallel seam): its rank's place and the
-    collectives that move a hand-off's K/V between every rank's heads and rank 0 (``shared/parallel.py``)."""
-
-    @property
-    def leads(self) -> bool: ...  # rank 0: the rank that sends and receives the group's hand-offs
+    """What the port asks of a split engine's model runner (the tensor-parallel seam): the collectives that move
+    a hand-off's K/V between every rank's heads and rank 0's staging caches (``shared/parallel.py``); the runner
+    sends each to the other ranks, which run it too (``shared/replay.py``)."""
 
     def gather_pages(self, cache: KVCache, pages: list[int]) -> KVCache | None: ...
 
@@ -60,10 +57,6 @@ class SplitPages(Protocol):
                       pages: list[int]) -> None: ...
 
     def share_pages(self, cache: KVCache, pages: list[int]) -> None: ...
-
-    def agree(self, value: int, what: str) -> None: ...  # every rank computed rank 0's ``value``
-
-    def rank0(self, value): ...  # rank 0's ``value`` on every rank
 
 
 def landing_pages(leads_split_decode: bool, positions: int, page_size: int) -> int:
@@ -98,7 +91,7 @@ class HandoffPort:
         # Rank 0 of a split decode engine: where same-host prefills write hand-offs in place, every KV head.
         self.landing = staging_cache(target.layout, kv_heads, landing, shareable=True) if landing else None
         self._staged: dict[str, KVCache] = {}  # under TP, on rank 0: hand-offs' target K/V, every KV head, by id
-        self._gathered: dict[str, int] = {}  # under TP, every rank: a fed hand-off's target pages gathered so far
+        self._gathered: dict[str, int] = {}  # under TP, on rank 0: a fed hand-off's target pages gathered so far
         self._landed: dict[str, list[int]] = {}  # under TP, decode rank 0: in-place hand-offs' landing pages, by id
 
     # ---- the sending side (prefill) --------------------------------------------------------------
@@ -107,7 +100,7 @@ class HandoffPort:
         ``fed``: empty, to be fed an ``Increment`` after each step of its prefill (``increment``). The pages
         an increment names as done are not written again until ``req`` is released, so the transport may
         read them off the engine's thread until then; an abort cancels the guard first. Under tensor
-        parallelism a collective, None on ranks other than 0 (``_gathered_source``)."""
+        parallelism a collective (``_gathered_source``)."""
         caches = self.pages.caches
         if self.split is not None:
             return self._gathered_source(req, fed)
@@ -116,23 +109,19 @@ class HandoffPort:
         return PageSource(req.rid, caches, self.pages.page_ids(req), encode_draft_state(req))
 
     def _gathered_source(self, req: Request, fed: bool) -> PageSource | None:
-        """Under tensor parallelism, on rank 0 the source of a request's hand-off with every rank's KV heads
-        gathered into a cache of its own (the draft's caches are whole on every rank already), so that it fits
-        a decode engine of any split; None on the other ranks. Parked: a collective, every page gathered now.
+        """Under tensor parallelism, the source of a request's hand-off with every rank's KV heads gathered into a
+        cache of its own (the draft's caches are whole on every rank already), so that it fits a decode engine
+        of any split. Parked: a collective, every page gathered now.
         ``fed``: the cache is sized for the prompt and each ``increment`` gathers the pages completed since
         the last one (a collective then)."""
         caches = self.pages.caches
         if fed:
             self._gathered[req.rid] = 0
-            if not self.split.leads:
-                return None
             staged = staging_cache(caches[0].layout, self.kv_heads, caches[0].pages_for(req.prefill_len))
             self._staged[req.rid] = staged
             return PageSource(req.rid, [staged, *caches[1:]], [], b"", feed=PageFeed())
         ids = self.pages.page_ids(req)
         staging = self.split.gather_pages(caches[0], ids[0])
-        if staging is None:
-            return None
         return PageSource(req.rid, [staging, *caches[1:]], [staging_pages(len(ids[0])), *ids[1:]],
                           encode_draft_state(req))
 
@@ -180,13 +169,11 @@ class HandoffPort:
         return PageSink(req.rid, self.pages.caches, self.pages.page_ids(req), guard, in_place, len(req.prefix_pages))
 
     def _staged_sink(self, req: Request, guard: PageGuard, in_place: bool) -> PageSink | None:
-        """Under tensor parallelism, on rank 0: a sink writing the target's K/V, every KV head, into a cache
-        of its own, from which ``activate`` gives each rank its heads (the draft's K/V lands in rank 0's
-        pages, copied to the others then). ``in_place``: the sender writes the target's K/V into pages of
-        the landing cache (``pools``) instead; None when it has no room now. None on the other ranks. Pages the
-        prefix cache holds (on every rank, ``admit_handoff``) are the sink's ``held`` ones, never sent."""
-        if not self.split.leads:
-            return None
+        """Under tensor parallelism: a sink writing the target's K/V, every KV head, into a cache of its own, from
+        which ``activate`` gives each rank its heads (the draft's K/V lands in rank 0's pages, copied to the
+        others then). ``in_place``: the sender writes the target's K/V into pages of the landing cache (``pools``)
+        instead; None when it has no room now. Pages the prefix cache holds (on every rank, ``admit_handoff``)
+        are the sink's ``held`` ones, never sent."""
         caches, ids = self.pages.caches, self.pages.page_ids(req)
         # The leading pages every rank's prefix cache holds (``admit_handoff``) are not sent: the staging or
         # landing pages are the arriving ones only, the held ones stand in as page 0 (never written, never read).
@@ -220,22 +207,17 @@ class HandoffPort:
         if not self._receiving(req):
             return False
         if self.split is not None:
-            committed_len, draft_state, output_ids, output_logprobs = self._spread(
-                req, committed_len, draft_state, output_ids, output_logprobs)
+            self._spread(req)
         self.pages.activate(req, committed_len, draft_state, output_ids, output_logprobs)
         return True
 
-    def _spread(self, req: Request, committed_len: int, draft_state: DraftState | None,
-                output_ids, output_logprobs) -> tuple:
-        """Under tensor parallelism, a collective: what arrived on rank 0 on every rank: each rank's share of
-        the target's KV heads, the draft's pages, the draft state and outputs (the arguments rank 0 got). The
-        pages taken from the prefix cache are not: every rank's holds them (checked: the request's page ids and
-        its count of cached pages alike on every rank)."""
+    def _spread(self, req: Request) -> None:
+        """Under tensor parallelism, collectives: each rank's share of the target's KV heads that arrived, and the
+        draft's pages (the other ranks replay these calls, then the activation with rank 0's arguments:
+        ``shared/replay.py``). The pages taken from the prefix cache are not sent: every rank's holds them."""
         caches, ids = self.pages.caches, self.pages.page_ids(req)
         # The pages the prefix cache holds stay as they are; the ranks' caches hold the same, under the same ids.
-        held = len(req.prefix_pages)
-        self.split.agree(zlib.crc32(repr((held, ids)).encode()), "a hand-off's pages")
-        arriving = [pages[held:] for pages in ids]
+        arriving = [pages[len(req.prefix_pages):] for pages in ids]
         landed, staged = self._landed.get(req.rid), self._staged.pop(req.rid, None)
         if landed is not None:
             self.split.scatter_pages(self.landing, landed, caches[0], arriving[0])
@@ -245,12 +227,6 @@ class HandoffPort:
         self._land_off(req.rid)
         for cache, pages in zip(caches[1:], arriving[1:]):
             self.split.share_pages(cache, pages)
-        arrived = None if not self.split.leads else (
-            committed_len, None if draft_state is None else draft_state.to_bytes(), list(output_ids),
-            list(output_logprobs))
-        committed_len, blob, output_ids, output_logprobs = self.split.rank0(arrived)
-        state = None if blob is None else DraftState.from_bytes(blob, self.device)
-        return committed_len, state, output_ids, output_logprobs
 
     def _receiving(self, req: Request) -> bool:
         return self.pages.holds(req) and req.stage is Stage.RECEIVING
