@@ -93,13 +93,14 @@ def follow(runner: ModelRunner, book: Scheduler) -> list[Request]:
     """A follower: run the calls rank 0 sends (``runner.receive``) until rank 0 lets it go (``done``) or its
     channel ends; the requests rank 0's calls created here, in order."""
     made = []
-    while (message := runner.receive()) is not None and message[0] != "done":
-        name, *args = message
-        if name in _BOOK:
-            made.append(_BOOK[name](runner, book, *args))
-        else:
-            _CALLS[name](runner, book, *args)
-    return [r for r in made if r is not None]
+    with runner.on_device():  # the thread's current CUDA device: this rank's GPU (kernels, events, graphs)
+        while (message := runner.receive()) is not None and message[0] != "done":
+            name, *args = message
+            if name in _BOOK:
+                made.append(_BOOK[name](runner, book, *args))
+            else:
+                _CALLS[name](runner, book, *args)
+    return made
 
 
 def _run(runner: ModelRunner, book: Scheduler, plan: tuple, shape: str | None) -> None:
@@ -119,9 +120,17 @@ def _activate(runner: ModelRunner, book: Scheduler, rid: str, committed_len: int
     book.activate(book.requests[rid], committed_len, state, output_ids, output_logprobs)
 
 
+def _admit_handoff(runner: ModelRunner, book: Scheduler, rid: str, *args) -> Request:
+    req = book.admit_handoff(rid, *args)
+    if req is None:
+        raise RuntimeError(f"tensor-parallel rank {runner.rank}: rank 0 reserved pages for {rid!r}, this rank "
+                           f"has no room; the ranks' books diverged")
+    return req
+
+
 _BOOK = {  # the calls that create a request
     "submit": lambda runner, book, *args: book.submit(*args),
-    "admit_handoff": lambda runner, book, *args: book.admit_handoff(*args),
+    "admit_handoff": _admit_handoff,
 }
 _CALLS = {
     "run": _run,
