@@ -57,18 +57,27 @@ class Leading:
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams, output_ids=(),
                output_logprobs=()) -> Request:
         params = seeded(params)
-        req = self._scheduler.submit(rid, prompt_ids, params, output_ids, output_logprobs)
-        self._send("submit", rid, list(prompt_ids), params, list(output_ids), list(output_logprobs))
-        return req
+        req = self._scheduler.submit(rid, prompt_ids, params, output_ids, output_logprobs)  # a refusal: here alone
+        return self._sent(req, "submit", rid, list(prompt_ids), params, list(output_ids), list(output_logprobs))
 
     def admit_handoff(self, rid: str, prompt_ids: list[int], output_ids: list[int], output_logprobs: list[float],
                       params: SamplingParams, committed_len: int, cached: bool = False) -> Request | None:
         params = params and seeded(params)
         req = self._scheduler.admit_handoff(rid, prompt_ids, output_ids, output_logprobs, params, committed_len,
                                             cached)
-        if req is not None:
-            self._send("admit_handoff", rid, list(prompt_ids), list(output_ids), list(output_logprobs), params,
-                       committed_len, cached)
+        if req is None:  # no room now: nothing changed
+            return None
+        return self._sent(req, "admit_handoff", rid, list(prompt_ids), list(output_ids), list(output_logprobs),
+                          params, committed_len, cached)
+
+    def _sent(self, req: Request, *call) -> Request:
+        """``req``, just created here, once ``call`` reached the followers; ended again (its pages back) when
+        the group is broken, whose ``RuntimeError`` the caller gets."""
+        try:
+            self._send(*call)
+        except RuntimeError:
+            self._scheduler.retire(req, "error")
+            raise
         return req
 
     def activate(self, req: Request, committed_len: int, state: DraftState | None, output_ids=(),

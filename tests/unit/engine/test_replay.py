@@ -22,13 +22,13 @@ PARAMS = [SamplingParams(max_new_tokens=8, ignore_eos=True),  # greedy
           SamplingParams(temperature=0.8, top_k=20, seed=7, max_new_tokens=8, ignore_eos=True)]
 
 
-def pair(root, draft: str | None) -> tuple[Engine, Engine, deque]:
-    """A leading engine whose calls go down a queue, and an engine that follows them from it."""
+def pair(root, draft: str | None, send=None) -> tuple[Engine, Engine, deque]:
+    """A leading engine whose calls go down a queue (or to ``send``), and an engine that follows them from it."""
     config = EngineConfig(page_size=4, chunk_size=8, max_running=4, max_context=96,
                           spec=SpecConfig(topk=2, steps=3, num_draft_tokens=6) if draft else None)
     leader, follower = (Engine(root / "target", root / draft if draft else None, config) for _ in range(2))
     sent = deque()
-    leader.runner.send = lambda name, *args: sent.append((name, *args))
+    leader.runner.send = send or (lambda name, *args: sent.append((name, *args)))
     leader.scheduler = Leading(leader.scheduler, leader.runner.send)
     follower.runner.receive = lambda: sent.popleft() if sent else None
     return leader, follower, sent
@@ -78,3 +78,17 @@ def test_a_follower_whose_pages_differ_from_rank_0s_stops_with_an_error(tiny_mod
     with pytest.raises(RuntimeError, match="differs from rank 0's"):
         follower.follow()
     assert leader.abort(req.rid) and follower.abort(req.rid)  # (the engines' pools back for the leak check)
+
+
+def test_a_request_that_cannot_reach_the_followers_is_not_kept(tiny_model_dir):
+    """A broken group (a follower gone): an arrival or a reservation rank 0 cannot send raises, and rank 0 keeps
+    nothing of it (no request, no page)."""
+    def broken(*call):
+        raise RuntimeError("the tensor-parallel group is broken: a follower is gone")
+
+    leader, _, _ = pair(tiny_model_dir, None, broken)
+    with pytest.raises(RuntimeError, match="broken"):
+        leader.add_request(PROMPTS[0], PARAMS[0])
+    with pytest.raises(RuntimeError, match="broken"):
+        leader.reserve_handoff("r", [5, 6, 7], [8], [0.0], PARAMS[0], 3)
+    assert not leader.requests and leader.is_idle_and_clean()
