@@ -224,8 +224,7 @@ def shape_summary(steps: dict[str, int], who: str) -> str:
 
 def _generate_engine(model, draft, config, cleanup: contextlib.ExitStack):
     """The engine of ``eyrie generate``. With ``tensor_parallel`` N > 1 this process is rank 0 of N: ranks 1 ..
-    N - 1 start as processes that build the same engine and follow this one's (``follow_generate``), and end
-    with it."""
+    N - 1 start as processes that follow this one's engine (``follow_generate``), and end with it."""
     from shared.engine import Engine
 
     n = config.tensor_parallel
@@ -245,11 +244,10 @@ def _generate_engine(model, draft, config, cleanup: contextlib.ExitStack):
 
 
 def follow_generate(tp, model, draft, config) -> None:
-    """A rank other than 0 of ``eyrie generate``: the same engine as rank 0's, running its calls
-    (``Engine.follow``), printing nothing."""
-    from shared.engine import Engine
+    """A rank other than 0 of ``eyrie generate``: a ``Follower`` of rank 0's engine, printing nothing."""
+    from shared.follower import Follower
 
-    Engine(model, draft, config, tp=tp).follow()
+    Follower(model, draft, config, tp=tp).follow()
 
 
 def _end_group(ranks: list) -> None:

@@ -1,13 +1,14 @@
 """Tensor-parallel services: the service process is rank 0, ranks 1 .. N-1 follow it.
 
 Rank 0 serves: its gRPC servers, its engine loop and every decision are the service's. Ranks 1 .. N-1 are
-processes it starts (``start_engine``), each building the same engine on its own GPU and following rank 0's
-(``Engine.follow``, ``shared/replay.py``): rank 0's model runner sends each call that touches the device (a
-step's run with rank 0's plan and shape, the capture of the CUDA graphs, a hand-off's gathers and scatters) and
-each change to its scheduler's tables made between steps (an arrival with the seed rank 0 chose, a reservation,
-an activation, a release, a flush of the prefix cache) down a pipe to each follower before running it; the
-followers run the same calls, and the collectives inside meet. Rank 0 alone checks requests, schedules and
-picks each step's kind; what a call reads (load, prefilled, page ids, schema) is rank 0's alone.
+processes it starts (``start_engine``), each a ``Follower`` on its own GPU (``shared/follower.py``, built as
+rank 0's engine is) following rank 0's engine (``shared/replay.py``): rank 0's model runner sends each call
+that touches the device (a step's run with rank 0's plan and shape, the capture of the CUDA graphs, a
+hand-off's gathers and scatters) and each change to its scheduler's tables made between steps (an arrival with
+the seed rank 0 chose, a reservation, an activation, a release, a flush of the prefix cache) down a pipe to
+each follower before running it; the followers run the same calls, and the collectives inside meet. Rank 0
+alone checks requests, schedules and picks each step's kind; what a call reads (load, prefilled, page ids,
+schema) is rank 0's alone.
 
 The engine loop runs rank 0's calls between steps only under tensor parallelism (``EngineLoop``): a call made
 while the device computes a step would change rank 0's book before the step's commit, the followers' after it.
@@ -28,6 +29,7 @@ import time
 import torch.distributed as dist
 
 from shared.engine import Engine
+from shared.follower import Follower
 from shared.model.config import ModelConfig
 from shared.parallel import TPGroup, check_split, free_address, init_group, start_ranks
 
@@ -115,11 +117,11 @@ class PipeEnd:
 
 
 def follow(tp: TPGroup, role: str, settings, pipes: list) -> None:
-    """A follower (rank ``tp.rank`` > 0): the same engine as rank 0's, running the calls rank 0 sends, until
+    """A follower (rank ``tp.rank`` > 0): built as rank 0's engine is, running the calls rank 0 sends, until
     the pipe ends."""
     _exit_with_parent()
     channel = PipeEnd(pipes[tp.rank - 1])
-    Engine(settings.model, settings.draft, settings.engine_config(), role=role, tp=tp, channel=channel).follow()
+    Follower(settings.model, settings.draft, settings.engine_config(), role=role, tp=tp, channel=channel).follow()
 
 
 def _exit_with_parent(poll_s: float = 0.5) -> None:

@@ -25,16 +25,13 @@ from types import MappingProxyType
 from shared.config import EngineConfig
 from shared.cuda_graphs import PhaseGraphs
 from shared.errors import RequestError
-from shared.grammar import GrammarCompiler
 from shared.handoff.port import HandoffPort
-from shared.memory.prefix_cache import PrefixCache
 from shared.model.drafts import DraftHead
 from shared.model.llama import LlamaForCausalLM
 from shared.model.tokenizer import Tokenizer
 from shared.model_runner import ModelRunner
 from shared.outputs import EngineLoad, GenerationResult
 from shared.parallel import TPGroup
-from shared.replay import follow
 from shared.request import Request
 from shared.request_checks import RequestChecks
 from shared.sampling import SamplingParams
@@ -49,36 +46,29 @@ class Engine:
     def __init__(self, model: str | Path | LlamaForCausalLM, draft: str | Path | DraftHead | None = None,
                  config: EngineConfig | None = None, tokenizer: Tokenizer | None = None,
                  role: str = "both", tp: TPGroup | None = None, channel=None):
-        """``tp``: this rank's tensor-parallel group when ``config.tensor_parallel`` > 1 (``shared/parallel.py``):
-        every rank builds its engine alike; rank 0's is driven, the others ``follow`` it (``shared/replay.py``),
-        rank 0's calls reaching them over ``channel`` (``ModelRunner``'s)."""
+        """``tp``: under tensor parallelism (``config.tensor_parallel`` > 1, ``shared/parallel.py``) this rank's
+        group, of which this engine is rank 0: its runner's calls reach the other ranks' ``Follower``s
+        (``shared/follower.py``) over ``channel`` (``ModelRunner``'s)."""
         if role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, got {role!r}")
         self.role = role
         self.runner = runner = ModelRunner(model, draft, config or EngineConfig(), role, tp, channel)
+        if runner.rank != 0:
+            raise ValueError(f"rank {runner.rank} of a tensor-parallel group follows rank 0's engine: a Follower")
         self.config, self.device, self.max_context = runner.config, runner.device, runner.max_context
         mc = self.model.config
-        if tokenizer is None and not isinstance(model, LlamaForCausalLM) and (Path(model) / "tokenizer.json").exists():
-            tokenizer = Tokenizer(model)
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer = tokenizer or Tokenizer.beside(model)
         self.checks = RequestChecks(mc.vocab_size, self.max_context, tokenizer)
         self.spec_policy = None if runner.speculator is None else SpecPolicy.of(
             self.config.spec_policy, [s.spec for s in runner.speculator.shapes.values()], MeasuredCost())
         self._decode_end: float | None = None  # when the last decode step ended (the policy's step costs)
-        # With a draft, a cached page's key carries the token after it (the draft's K/V depends on it).
-        self.prefix_cache = None if not self.config.prefix_cache else PrefixCache(
-            runner.caches, successor=runner.head is not None)
-        grammars = GrammarCompiler(tokenizer, mc.vocab_size, mc.eos_token_ids) if tokenizer is not None else None
-        c = self.config  # rank 0's scheduler under tensor parallelism sends its changes to the others (``leading``)
-        self.scheduler = runner.leading(Scheduler(runner.caches, c.max_running, c.chunk_size, c.headroom,
-                                                  mc.eos_token_ids, role == "prefill", tokenizer, grammars,
-                                                  self.prefix_cache))
+        # Under tensor parallelism the scheduler sends its changes to the other ranks (``ModelRunner.leading``).
+        self.scheduler = runner.leading(Scheduler.over(runner, tokenizer, role))
+        self.prefix_cache = self.scheduler.prefix_cache
         self.handoff = HandoffPort(self.scheduler, self.device, runner.on_device, self.config, mc.vocab_size,
                                    mc.num_key_value_heads, runner if runner.distributed else None,
                                    runner.landing_pages(), runner.head, self.speculator and self.speculator.spec)
-        # The per-request tables beside the scheduler's go with the request (``Scheduler.retire``).
-        self.scheduler.on_retire.extend([runner.penalty_rows.release, self.handoff.forget] + (
-            [self.speculator.ahead.forget] if self.speculator else []))
+        self.scheduler.on_retire.append(self.handoff.forget)  # its tables go with the request (``Scheduler.retire``)
         self._ids = itertools.count()
 
     @property
@@ -266,10 +256,7 @@ class Engine:
         """Seconds spent capturing each phase's CUDA graphs so far, by phase (those with a graph)."""
         return {g.name: round(g.capture_s, 3) for g in self.phase_graphs() if g.captured_sizes}
 
-    def follow(self) -> list[Request]:  # a rank other than 0: run rank 0's calls, ``shared/replay.py``'s ``follow``
-        return follow(self.runner, self.scheduler)
-
-    def release_followers(self) -> None:  # rank 0 of a split engine: the others return from ``follow``
+    def release_followers(self) -> None:  # under tensor parallelism: the other ranks return from ``follow``
         self.runner.send("done")
 
     # ---- the Python API --------------------------------------------------------------------------

@@ -4,8 +4,8 @@ Rank 0's engine alone decides: it checks requests, chooses the seeds of those th
 its policy picks each step's kind. Its model runner sends each call that touches the device to the followers
 before running it (``ModelRunner.send``): a step's run, with rank 0's plan named by request ids and chunk
 bounds (host ints) and its shape; the capture of the CUDA graphs; the hand-off's gathers and scatters of K/V
-pages. A follower (``follow``) runs the same runner method on its share of the weights and KV heads, and the
-collectives inside (a forward's all-reduces, a gather's) meet.
+pages. A follower (``follow``, run by ``shared.follower.Follower``) runs the same runner method on its share
+of the weights and KV heads, and the collectives inside (a forward's all-reduces, a gather's) meet.
 
 A follower holds the book of rank 0's requests and pages, a scheduler of its own that never schedules: a
 step's pages are reserved inside the step (the speculative worker reserves and shrinks them) and a step's

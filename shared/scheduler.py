@@ -82,6 +82,21 @@ class Scheduler:
         # draft launched ahead, the hand-off port's staging) are freed here, not found stale later.
         self.on_retire: list[Callable[[Request], None]] = []
 
+    @classmethod
+    def over(cls, runner, tokenizer: Tokenizer | None, role: str) -> Scheduler:
+        """The scheduler of an engine (or of a tensor-parallel follower's book) over ``runner``'s caches (a
+        ``ModelRunner``), with its settings; with ``prefix_cache`` on, its prefix cache; with a tokenizer, the
+        grammars of requests with a JSON schema. The tables the runner keeps per request go with it (``retire``)."""
+        config, mc = runner.config, runner.model.config
+        # With a draft, a cached page's key carries the token after it (the draft's K/V depends on it).
+        prefix = PrefixCache(runner.caches, successor=runner.head is not None) if config.prefix_cache else None
+        grammars = GrammarCompiler(tokenizer, mc.vocab_size, mc.eos_token_ids) if tokenizer is not None else None
+        book = cls(runner.caches, config.max_running, config.chunk_size, config.headroom, mc.eos_token_ids,
+                   role == "prefill", tokenizer, grammars, prefix)
+        w = runner.speculator
+        book.on_retire += [runner.penalty_rows.release] + ([w.ahead.forget] if w is not None else [])
+        return book
+
     # ---- the table -------------------------------------------------------------------------------
     def get(self, rid: str) -> Request | None:
         return self.requests.get(rid)

@@ -1,8 +1,9 @@
 """Rank 0's calls replayed (shared/replay.py), in one process: a leading engine's calls, sent down a queue instead
-of to other ranks, make a second engine following them (``Engine.follow``) hold the same requests and draw the
-same tokens, requests without a seed included (the leader chose their seeds, once); rank 0's refusals and
-aborts leave the follower's book as rank 0's; and a follower whose pages differ from rank 0's after applying its
-plan stops with an error naming the divergence. The same over two gloo ranks: test_tensor_parallel.py."""
+of to other ranks, make a second engine following them (``shared.replay.follow``, as a ``Follower`` does) hold
+the same requests and draw the same tokens, requests without a seed included (the leader chose their seeds,
+once); rank 0's refusals and aborts leave the follower's book as rank 0's; a follower whose pages differ from
+rank 0's after applying its plan stops with an error naming the divergence; and a request rank 0 cannot send
+is not kept. The same over two gloo ranks: test_tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
 from shared.errors import RequestError
-from shared.replay import Leading
+from shared.replay import Leading, follow
 from shared.sampling import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [40, 41], list(range(3, 30))]
@@ -23,7 +24,8 @@ PARAMS = [SamplingParams(max_new_tokens=8, ignore_eos=True),  # greedy
 
 
 def pair(root, draft: str | None, send=None) -> tuple[Engine, Engine, deque]:
-    """A leading engine whose calls go down a queue (or to ``send``), and an engine that follows them from it."""
+    """A leading engine whose calls go down a queue (or to ``send``), and an engine whose runner and scheduler
+    follow them from it (``follows``)."""
     config = EngineConfig(page_size=4, chunk_size=8, max_running=4, max_context=96,
                           spec=SpecConfig(topk=2, steps=3, num_draft_tokens=6) if draft else None)
     leader, follower = (Engine(root / "target", root / draft if draft else None, config) for _ in range(2))
@@ -34,6 +36,10 @@ def pair(root, draft: str | None, send=None) -> tuple[Engine, Engine, deque]:
     return leader, follower, sent
 
 
+def follows(engine: Engine) -> list:
+    return follow(engine.runner, engine.scheduler)
+
+
 @pytest.mark.parametrize("draft", [None, "eagle"])
 def test_a_follower_holds_the_leaders_requests_and_draws_its_tokens(tiny_model_dir, draft):
     leader, follower, sent = pair(tiny_model_dir, draft)
@@ -41,7 +47,7 @@ def test_a_follower_holds_the_leaders_requests_and_draws_its_tokens(tiny_model_d
     assert reqs[1].params.seed is not None  # chosen by the leader, sent with the request
     leader.run_until_done()
     assert any(name == "run" for name, *_ in sent)
-    made = follower.follow()
+    made = follows(follower)
     assert [r.rid for r in made] == [r.rid for r in reqs] and [r.seed for r in made] == [r.seed for r in reqs]
     assert [r.output_ids for r in made] == [r.output_ids for r in reqs]
     assert all(len(r.output_ids) == 8 for r in made)
@@ -59,12 +65,12 @@ def test_refusals_and_aborts_leave_the_followers_book_as_the_leaders(tiny_model_
     gone = leader.add_request([8, 9, 10], PARAMS[1])
     leader.step()
     assert leader.abort(gone.rid)
-    made = follower.follow()
+    made = follows(follower)
     assert [r.rid for r in made] == [kept.rid, gone.rid]
     assert list(follower.requests) == [kept.rid] and made[1].finish_reason == "abort"
     assert made[0].output_ids == kept.output_ids and len(kept.output_ids) == 1
     leader.run_until_done()
-    assert follower.follow() == [] and made[0].output_ids == kept.output_ids and len(kept.output_ids) == 8
+    assert follows(follower) == [] and made[0].output_ids == kept.output_ids and len(kept.output_ids) == 8
     assert follower.is_idle_and_clean() and leader.is_idle_and_clean()
 
 
@@ -76,7 +82,7 @@ def test_a_follower_whose_pages_differ_from_rank_0s_stops_with_an_error(tiny_mod
     assert name == "run" and chunks
     sent[-1] = (name, (decode, chunks, [free[0] + 1]), shape)  # as if rank 0 held one page fewer
     with pytest.raises(RuntimeError, match="differs from rank 0's"):
-        follower.follow()
+        follows(follower)
     assert leader.abort(req.rid) and follower.abort(req.rid)  # (the engines' pools back for the leak check)
 
 

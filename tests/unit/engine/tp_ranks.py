@@ -2,8 +2,8 @@
 
 Each function takes the rank's ``TPGroup`` first (None: TP 1, called in the test's own process), runs on
 tiny models and returns what the test compares; ``run_group`` runs one on every rank of a group. Rank 0 drives
-its engines; the other ranks follow them (``Engine.follow``: rank 0's calls, replayed) and read what their own
-engine holds: the requests rank 0's calls made there, their tokens, their K/V.
+its engines; the other ranks build ``Follower``s of them (``built``), which run rank 0's calls (``follow``), and
+read what their own runner and book hold: the requests rank 0's calls made there, their tokens, their K/V.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
+from shared.follower import Follower
 from shared.forward_batch import build_forward_batch
 from shared.memory.sizing import make_cache
 from shared.model.loader import load_target
@@ -68,7 +69,12 @@ def leads(tp: TPGroup | None) -> bool:
     return tp is None or tp.rank == 0
 
 
-def generated(engine: Engine, tp: TPGroup | None, prompts, params) -> list:
+def built(tp: TPGroup | None, *args, **kwargs) -> Engine | Follower:
+    """Rank 0's engine (or the only rank's), or on another rank the ``Follower`` of it, built alike."""
+    return (Engine if leads(tp) else Follower)(*args, tp=tp, **kwargs)
+
+
+def generated(engine: Engine | Follower, tp: TPGroup | None, prompts, params) -> list:
     """``engine.generate(prompts, params)`` on rank 0 (or the only rank); on the others the results of the
     requests rank 0's generate made there, followed until rank 0 let them go."""
     if not leads(tp):
@@ -95,7 +101,7 @@ def engine_outputs(tp: TPGroup | None, root: str, cases: list[tuple], prompts: l
         config = EngineConfig(page_size=page_size, chunk_size=chunk, max_running=8, max_context=160,
                               spec=SHAPES[shape] if kind else None, tensor_parallel=tp.size if tp else 1,
                               device=device, cuda_graph=cuda_graph, spec_policy=spec_policy)
-        engine = Engine(models.target, models.drafts[kind] if kind else None, config, tp=tp)
+        engine = built(tp, models.target, models.drafts[kind] if kind else None, config)
         got = generated(engine, tp, prompts, params)
         results[(kind, shape, page_size, chunk)] = {
             "tokens": [r.token_ids for r in got], "logprobs": [r.logprobs for r in got],
@@ -117,7 +123,7 @@ def path_outputs(tp: TPGroup | None, target: str, drafts: dict[str, str], prompt
     for name, draft in drafts.items():
         config = EngineConfig(page_size=16, chunk_size=8, max_running=8, max_context=160, spec=SHAPES["chain"],
                               tensor_parallel=tp.size if tp else 1)
-        engine = Engine(target, draft, config, tp=tp)
+        engine = built(tp, target, draft, config)
         got = generated(engine, tp, prompts, params)
         head = getattr(engine.speculator.draft, "lm_head", None)
         results[name] = {"tokens": [r.token_ids for r in got], "clean": engine.is_idle_and_clean(),
@@ -143,9 +149,9 @@ def folded_prefills(tp: TPGroup, root: str, prompts: list[list[int]], params: Sa
     models = add_feature_path(load_models(Path(root)))
     config = EngineConfig(page_size=16, chunk_size=8, max_running=8, max_context=160, spec=SHAPES["tree"],
                           tensor_parallel=tp.size, spec_policy="adaptive", spec_candidates=())
-    engine = Engine(models.target, models.drafts["eagle"], config, tp=tp)
-    policy = engine.spec_policy
-    if tp.rank == 0:
+    engine = built(tp, models.target, models.drafts["eagle"], config)
+    policy = engine.spec_policy if tp.rank == 0 else None  # rank 0's alone: a follower has none
+    if policy is not None:
         policy.cost, policy.probe_every = DearSpec(), 10 ** 6
         policy.candidates[0].acceptance.observe([2])
     plans, model, forwards = [], CountingModel(engine.model), []
@@ -166,7 +172,7 @@ def folded_prefills(tp: TPGroup, root: str, prompts: list[list[int]], params: Sa
         book.commit = lambda plan, events: forwards.append(model.calls - before[-1]) or commit(plan, events)
         reqs = engine.follow()
     return {"tokens": [engine.result(r).token_ids for r in reqs], "forwards": forwards,
-            "clean": engine.is_idle_and_clean(), "choices": dict(policy.choices),
+            "clean": engine.is_idle_and_clean(), "choices": dict(policy.choices) if policy else {},
             "mixed": [i for i, p in enumerate(plans) if p.prefill and p.decode]}
 
 
@@ -204,7 +210,7 @@ def sampled_outputs(tp: TPGroup | None, root: str, shape: str, setting: str, n: 
     root = Path(root)
     config = EngineConfig(page_size=4, max_running=batch, max_context=32, chunk_size=None, spec=spec,
                           tensor_parallel=tp.size if tp else 1)
-    engine = Engine(root / "target", root / kind, config, tp=tp)
+    engine = built(tp, root / "target", root / kind, config)
     params = [SamplingParams(**SETTINGS[setting], seed=i, max_new_tokens=DEPTH, ignore_eos=True) for i in range(n)]
     rows = []
     for start in range(0, n, batch):
@@ -249,7 +255,7 @@ def handoff_to_one_rank(tp: TPGroup, root: str, kind: str, page_size: int, promp
                             tensor_parallel=role_tp)
 
     split = add_feature_path(load_models(Path(root)))
-    prefill = Engine(split.target, split.drafts[kind], config(tp.size), role="prefill", tp=tp)
+    prefill = built(tp, split.target, split.drafts[kind], config(tp.size), role="prefill")
     if tp.rank != 0:
         prefill.follow()
         return None
@@ -290,7 +296,7 @@ def handoff_from_one_rank(tp: TPGroup, root: str, kind: str, page_size: int, pro
                             tensor_parallel=role_tp)
 
     split = add_feature_path(load_models(Path(root)))
-    decode = Engine(split.target, split.drafts[kind], config(tp.size), role="decode", tp=tp)
+    decode = built(tp, split.target, split.drafts[kind], config(tp.size), role="decode")
     parked, prefill = [], None
     if tp.rank == 0:
         whole = add_feature_path(load_models(Path(root)))
@@ -368,7 +374,7 @@ def handoff_cached_from_one_rank(tp: TPGroup | None, root: str, kind: str, topk:
     share = tp.broadcast if tp is not None else (lambda x: x)
     lead = leads(tp)
     split = add_feature_path(load_models(Path(root), device=rank_device(device, rank)))
-    decode = Engine(split.target, split.drafts[kind], config(tp.size if tp else 1, True), role="decode", tp=tp)
+    decode = built(tp, split.target, split.drafts[kind], config(tp.size if tp else 1, True), role="decode")
     prefill = None
     if rank == 0:
         whole = add_feature_path(load_models(Path(root), device=rank_device(device, 0)))
