@@ -14,6 +14,8 @@ import pytest
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
 from shared.errors import RequestError
+from shared.follower import Follower
+from shared.parallel import TPGroup
 from shared.replay import Leading, follow
 from shared.sampling import SamplingParams
 
@@ -98,3 +100,13 @@ def test_a_request_that_cannot_reach_the_followers_is_not_kept(tiny_model_dir):
     with pytest.raises(RuntimeError, match="broken"):
         leader.reserve_handoff("r", [5, 6, 7], [8], [0.0], PARAMS[0], 3)
     assert not leader.requests and leader.is_idle_and_clean()
+
+
+def test_rank_0_is_an_engine_and_the_other_ranks_are_followers(tiny_model_dir):
+    """Under tensor parallelism only rank 0 has an engine (a scheduler that decides, a policy, request checks);
+    the other ranks are ``Follower``s of it. (Building either on the wrong rank needs no collective.)"""
+    config = EngineConfig(tensor_parallel=2, max_context=64)
+    with pytest.raises(ValueError, match="rank 1 of a tensor-parallel group follows rank 0's engine"):
+        Engine(tiny_model_dir / "target", config=config, tp=TPGroup(rank=1, size=2, group=None, control=None))
+    with pytest.raises(ValueError, match="a follower is a rank other than 0"):
+        Follower(tiny_model_dir / "target", config=config, tp=TPGroup(rank=0, size=2, group=None, control=None))
