@@ -41,6 +41,7 @@ from bench.bench_handoff import figures, make_cache, pages, writes_into_another_
 from bench.common import build_target, copy_bandwidth, engine_config, llama8b_config, write_json  # noqa: E402
 from bench.timing import timer_ms  # noqa: E402
 from shared.engine import Engine  # noqa: E402
+from shared.follower import Follower  # noqa: E402
 from shared.model.factory import PRESETS, llama_hf_config  # noqa: E402
 from shared.parallel import TPGroup, free_address, join_ranks, rank_device, start_ranks  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
@@ -89,8 +90,9 @@ def decode_rows(tp: TPGroup | None, args) -> list[dict]:
     rows = []
     for bs in args.batches:
         config = engine_config(args.context, bs, device=args.device, dtype=args.dtype, cuda_graph=cuda)
-        engine = Engine(target, config=config.model_copy(update={"tensor_parallel": tp.size if tp else 1}), tp=tp)
-        reqs = idle_requests(engine, bs, args.context)
+        built = Engine if tp is None or tp.rank == 0 else Follower  # rank 1 follows rank 0's engine
+        engine = built(target, config=config.model_copy(update={"tensor_parallel": tp.size if tp else 1}), tp=tp)
+        reqs = idle_requests(engine, tp, bs, args.context)
         row = {"tp": tp.size if tp else 1, "rank": tp.rank if tp else 0, "batch": bs, "context": args.context,
                **step_ms(engine, reqs, args.context, args.iters), "weight_bytes": read_bytes(engine.model),
                "kv_bytes": kv_bytes(engine, bs * args.context), "copy_bw_Bps": bw}
@@ -108,17 +110,23 @@ def decode_rows(tp: TPGroup | None, args) -> list[dict]:
     return rows
 
 
-def idle_requests(engine: Engine, batch: int, ctx: int) -> list:
+def idle_requests(engine: Engine, tp: TPGroup | None, batch: int, ctx: int) -> list:
     """``batch`` requests holding ``ctx`` positions of K/V each, ready to decode. Made through the scheduler
-    alone, the same on every rank: the engine's hand-off path would wait for K/V from a prefill."""
-    reqs = []
-    for i in range(batch):
-        params = SamplingParams(max_new_tokens=64, ignore_eos=True, seed=i)
-        req = engine.scheduler.admit_handoff(f"b{i}", [1] * ctx, [2], [0.0], params, ctx)
-        assert req is not None, "pool too small for the benchmark"
-        engine.scheduler.activate(req, ctx, None)
+    alone (the engine's hand-off path would wait for K/V from a prefill): on rank 0, the other ranks replaying
+    its reservations and activations (``Follower.follow``), so every rank holds the same."""
+    if tp is not None and tp.rank != 0:
+        reqs = engine.follow()
+    else:
+        reqs = []
+        for i in range(batch):
+            params = SamplingParams(max_new_tokens=64, ignore_eos=True, seed=i)
+            req = engine.scheduler.admit_handoff(f"b{i}", [1] * ctx, [2], [0.0], params, ctx)
+            assert req is not None, "pool too small for the benchmark"
+            engine.scheduler.activate(req, ctx, None)
+            reqs.append(req)
+        engine.release_followers()
+    for req in reqs:
         engine.cache.reserve(req.handles[0], ctx + 1)  # the slot the step writes
-        reqs.append(req)
     return reqs
 
 

@@ -198,7 +198,7 @@ def cmd_generate(args) -> int:
     with contextlib.ExitStack() as cleanup:  # the tiny model, when one is made, is removed on exit
         model, draft = _checkpoints(settings, cleanup)
         try:
-            engine = _generate_engine(model, draft, config, (prompts, params), cleanup)
+            engine = _generate_engine(model, draft, config, cleanup)
             stats = engine.spec_stats
             if stats is not None:
                 stats.keep_batches(None)  # one bounded run: every verify step's statistics
@@ -222,10 +222,9 @@ def shape_summary(steps: dict[str, int], who: str) -> str:
     return f"[{who} ran {kind} most: {steps[kind]} of {total} decode steps" + (f"; {rest}" if rest else "") + "]"
 
 
-def _generate_engine(model, draft, config, work: tuple, cleanup: contextlib.ExitStack):
+def _generate_engine(model, draft, config, cleanup: contextlib.ExitStack):
     """The engine of ``eyrie generate``. With ``tensor_parallel`` N > 1 this process is rank 0 of N: ranks 1 ..
-    N - 1 start as processes that build the same engine and run ``generate`` on ``work`` (prompts, params)
-    alongside it (``follow_generate``), and end with it."""
+    N - 1 start as processes that follow this one's engine (``follow_generate``), and end with it."""
     from shared.engine import Engine
 
     n = config.tensor_parallel
@@ -236,17 +235,19 @@ def _generate_engine(model, draft, config, work: tuple, cleanup: contextlib.Exit
 
     check_split(ModelConfig.from_dir(model), n)
     address = free_address()
-    ranks = start_ranks(range(1, n), n, address, config.device, follow_generate, (model, draft, config, *work))
+    ranks = start_ranks(range(1, n), n, address, config.device, follow_generate, (model, draft, config))
     tp = init_group(n, 0, address, config.device)
     cleanup.callback(_end_group, ranks)
-    return Engine(model, draft, config, tp=tp)
+    engine = Engine(model, draft, config, tp=tp)
+    cleanup.callback(engine.release_followers)  # before the group ends
+    return engine
 
 
-def follow_generate(tp, model, draft, config, prompts, params) -> None:
-    """A rank other than 0 of ``eyrie generate``: the same engine and calls as rank 0's, printing nothing."""
-    from shared.engine import Engine
+def follow_generate(tp, model, draft, config) -> None:
+    """A rank other than 0 of ``eyrie generate``: a ``Follower`` of rank 0's engine, printing nothing."""
+    from shared.follower import Follower
 
-    Engine(model, draft, config, tp=tp).generate(prompts, params)
+    Follower(model, draft, config, tp=tp).follow()
 
 
 def _end_group(ranks: list) -> None:

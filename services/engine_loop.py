@@ -73,7 +73,8 @@ class EngineLoop:
         self.hold_tokens = hold_tokens
         self._held: list[tuple[Request, list[int]]] = []
         # Under tensor parallelism every call runs between steps (``services/followers.py``): the followers
-        # replay rank 0's calls in order, and one made during a step would reach them after theirs.
+        # replay rank 0's calls in order, and one made during a step would change rank 0's requests before the
+        # step's commit, the followers' after it.
         self.between_steps_only = getattr(engine, "distributed", False)
         self.hold = HoldGate.from_env()  # a test's fault injection: None unless its environment variable is set
 

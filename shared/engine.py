@@ -25,9 +25,7 @@ from types import MappingProxyType
 from shared.config import EngineConfig
 from shared.cuda_graphs import PhaseGraphs
 from shared.errors import RequestError
-from shared.grammar import GrammarCompiler
 from shared.handoff.port import HandoffPort
-from shared.memory.prefix_cache import PrefixCache
 from shared.model.drafts import DraftHead
 from shared.model.llama import LlamaForCausalLM
 from shared.model.tokenizer import Tokenizer
@@ -47,35 +45,30 @@ from shared.stepping import Events, InFlight, Stepping
 class Engine:
     def __init__(self, model: str | Path | LlamaForCausalLM, draft: str | Path | DraftHead | None = None,
                  config: EngineConfig | None = None, tokenizer: Tokenizer | None = None,
-                 role: str = "both", tp: TPGroup | None = None):
-        """``tp``: this rank's tensor-parallel group when ``config.tensor_parallel`` > 1 (``shared/parallel.py``);
-        every rank builds its engine alike and calls the same methods, rank 0's arguments winning."""
+                 role: str = "both", tp: TPGroup | None = None, channel=None):
+        """``tp``: under tensor parallelism (``config.tensor_parallel`` > 1, ``shared/parallel.py``) this rank's
+        group, of which this engine is rank 0: its runner's calls reach the other ranks' ``Follower``s
+        (``shared/follower.py``) over ``channel`` (``ModelRunner``'s)."""
         if role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, got {role!r}")
         self.role = role
-        self.runner = runner = ModelRunner(model, draft, config or EngineConfig(), role, tp)
+        self.runner = runner = ModelRunner(model, draft, config or EngineConfig(), role, tp, channel)
+        if runner.rank != 0:
+            raise ValueError(f"rank {runner.rank} of a tensor-parallel group follows rank 0's engine: a Follower")
         self.config, self.device, self.max_context = runner.config, runner.device, runner.max_context
         mc = self.model.config
-        if tokenizer is None and not isinstance(model, LlamaForCausalLM) and (Path(model) / "tokenizer.json").exists():
-            tokenizer = Tokenizer(model)
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer = tokenizer or Tokenizer.beside(model)
         self.checks = RequestChecks(mc.vocab_size, self.max_context, tokenizer)
         self.spec_policy = None if runner.speculator is None else SpecPolicy.of(
             self.config.spec_policy, [s.spec for s in runner.speculator.shapes.values()], MeasuredCost())
         self._decode_end: float | None = None  # when the last decode step ended (the policy's step costs)
-        # With a draft, a cached page's key carries the token after it (the draft's K/V depends on it).
-        self.prefix_cache = None if not self.config.prefix_cache else PrefixCache(
-            runner.caches, successor=runner.head is not None)
-        grammars = GrammarCompiler(tokenizer, mc.vocab_size, mc.eos_token_ids) if tokenizer is not None else None
-        cfg = self.config
-        self.scheduler = Scheduler(runner.caches, cfg.max_running, cfg.chunk_size, cfg.headroom, mc.eos_token_ids,
-                                   role == "prefill", tokenizer, grammars, self.prefix_cache)
+        # Under tensor parallelism the scheduler sends its changes to the other ranks (``ModelRunner.leading``).
+        self.scheduler = runner.leading(Scheduler.over(runner, tokenizer, role))
+        self.prefix_cache = self.scheduler.prefix_cache
         self.handoff = HandoffPort(self.scheduler, self.device, runner.on_device, self.config, mc.vocab_size,
-                                   mc.num_key_value_heads, runner.tp, runner.landing_pages(), runner.head,
-                                   self.speculator and self.speculator.spec)
-        # The per-request tables beside the scheduler's go with the request (``Scheduler.retire``).
-        self.scheduler.on_retire += [runner.penalty_rows.release, self.handoff.forget] + (
-            [self.speculator.ahead.forget] if self.speculator else [])
+                                   mc.num_key_value_heads, runner if runner.distributed else None,
+                                   runner.landing_pages(), runner.head, self.speculator and self.speculator.spec)
+        self.scheduler.on_retire.append(self.handoff.forget)  # its tables go with the request (``Scheduler.retire``)
         self._ids = itertools.count()
 
     @property
@@ -91,17 +84,13 @@ class Engine:
                     rid: str | None = None, output_ids: list[int] = (), output_logprobs: list[float] = ()) -> Request:
         """Queue a request; with ``output_ids`` (and their logprobs), one resuming after the output tokens a
         client already has (a failover): its prefill computes them too and samples nothing, so the next
-        token is drawn where and as the request's first run would have drawn it. Under tensor parallelism
-        every rank calls this, and rank 0's request (its prompt, parameters with the seed rank 0 chose, id)
-        or rank 0's refusal is every rank's."""
-        return self.scheduler.submit(*self.runner.agreed(
-            lambda: self._checked(prompt, params, rid, output_ids, output_logprobs)))
+        token is drawn where and as the request's first run would have drawn it."""
+        return self.scheduler.submit(*self._checked(prompt, params, rid, output_ids, output_logprobs))
 
     def _checked(self, prompt: str | list[int], params: SamplingParams | None, rid: str | None,
                  output_ids: list[int], output_logprobs: list[float]) -> tuple:
-        """The request's id, prompt ids, parameters (under tensor parallelism with a seed) and resumed outputs."""
-        params = self.runner.seeded(params or SamplingParams())
-        ids = self.checks.request(prompt, params, output_ids, output_logprobs)
+        """The request's id, prompt ids, parameters and resumed outputs."""
+        ids = self.checks.request(prompt, params := params or SamplingParams(), output_ids, output_logprobs)
         rid = rid or f"req-{next(self._ids)}"
         if self.scheduler.get(rid) is not None:
             raise RequestError("request_id", f"{rid!r} is already running")
@@ -154,7 +143,6 @@ class Engine:
 
     def _step(self) -> Stepping:
         plan = self.scheduler.schedule()
-        self.runner.agree_plan(plan)
         shape = self._choose_shape(plan) if plan.decode and self.spec_policy is not None else None
         counts = self.speculator.stats.tokens.copy() if shape is not None else None
         events = yield from self.runner.run(plan, shape, self.scheduler.joins_next)
@@ -163,13 +151,12 @@ class Engine:
         return self.scheduler.commit(plan, events)
 
     def _choose_shape(self, plan: StepPlan) -> str | None:
-        """The shape the policy picks for ``plan``'s decode rows, None for a plain step; under tensor
-        parallelism rank 0's, as the choice is timed. A sampled request with its own seed pins the configured
-        shape while it runs: its draws follow the shape, and its seed promises one output in any batch."""
+        """The shape the policy picks for ``plan``'s decode rows, None for a plain step. A sampled request with
+        its own seed pins the configured shape while it runs: its draws follow the shape, and its seed promises
+        one output in any batch."""
         pinned = self.spec_policy.kind != "fixed" and any(r.params.seed is not None and not r.params.greedy
                                                           for r in plan.decode)
-        shape = self.spec_policy.choose(len(plan.decode), pinned=pinned, mixed=bool(plan.prefill))
-        return shape if self.spec_policy.kind == "fixed" else self.runner.rank0(shape)
+        return self.spec_policy.choose(len(plan.decode), pinned=pinned, mixed=bool(plan.prefill))
 
     def _record(self, plan: StepPlan, shape: str | None, before) -> None:
         """Tell the policy what a step's decode ran: a speculative step's acceptance, and the kind's cost, the
@@ -212,9 +199,6 @@ class Engine:
                         params: SamplingParams, committed_len: int, cached: bool = False) -> Request | None:
         """Decode role: claim pages for a request about to arrive (None: not now); ``cached``: the sender skips the
         pages this engine's prefix cache holds (under TP every rank's cache holds the same, from the same calls)."""
-        params = params and self.runner.seeded(params)
-        rid, prompt_ids, output_ids, output_logprobs, params, committed_len, cached = self.runner.rank0(
-            (rid, prompt_ids, output_ids, output_logprobs, params, committed_len, cached))
         if self.scheduler.get(rid) is not None:
             raise RequestError("request_id", f"{rid!r} is already here")
         return self.scheduler.admit_handoff(rid, prompt_ids, output_ids, output_logprobs, params, committed_len, cached)
@@ -239,7 +223,7 @@ class Engine:
         return self.prefix_cache.summary(limit) if self.prefix_cache is not None else None
 
     def flush_prefix_cache(self) -> int:  # evict every cached page no request holds; how many, per cache
-        return self.prefix_cache.flush() if self.prefix_cache is not None else 0
+        return self.scheduler.flush_prefix_cache()
 
     def is_idle_and_clean(self) -> bool:
         """True when no request runs and every cache is full again (the no-leak invariant)."""
@@ -271,6 +255,9 @@ class Engine:
     def graph_capture_s(self) -> dict[str, float]:
         """Seconds spent capturing each phase's CUDA graphs so far, by phase (those with a graph)."""
         return {g.name: round(g.capture_s, 3) for g in self.phase_graphs() if g.captured_sizes}
+
+    def release_followers(self) -> None:  # under tensor parallelism: the other ranks return from ``follow``
+        self.runner.send("done")
 
     # ---- the Python API --------------------------------------------------------------------------
     def run_until_done(self, max_steps: int | None = None) -> None:

@@ -7,10 +7,11 @@ choice (a speculative shape, or None for a plain step) and yields once, where th
 step's tokens (``shared/stepping.py``). It knows no scheduler: what a step leaves the scheduler to do (a
 prompt done, pages for the prefix cache, requests to retire) is the engine's commit, after the run.
 
-Tensor parallelism is this class's seam (with ``shared/parallel.py``): every rank builds its runner alike
-and runs the same plans, and what one rank alone may decide (a request's check, its seed, the policy's
-timed choice) rank 0 decides and broadcasts (``agreed``, ``seeded``, ``rank0``). The model's split layers
-hold the group for their all-reduces; nothing above the runner names it.
+Tensor parallelism is this class's seam (with ``shared/parallel.py``): every rank builds its runner alike;
+rank 0's engine alone decides, and its runner sends each call that touches the device (``run``,
+``capture_graphs``, the hand-off's gathers and scatters) to the other ranks before running it (``send``),
+which run the same method (``shared/replay.py``). The model's split layers hold the group for their
+all-reduces; nothing above the runner names it.
 """
 
 from __future__ import annotations
@@ -18,10 +19,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
@@ -57,28 +56,41 @@ from shared.model.drafts import DraftHead, load_draft
 from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.model.loader import load_target
 from shared.model.shard_loader import load_target_shard, read_lm_head
-from shared.parallel import TPGroup, local_config, rank_device, shard_target
+from shared.parallel import (
+    GroupChannel,
+    TPGroup,
+    gather_pages,
+    gather_pages_into,
+    local_config,
+    rank_device,
+    scatter_pages,
+    shard_target,
+    share_pages,
+)
+from shared.replay import Leading, described
 from shared.request import Request
-from shared.sampling import SamplingParams, request_seed, sample, top_logprobs, top_pairs
-from shared.scheduler import StepPlan
+from shared.sampling import sample, top_logprobs, top_pairs
+from shared.scheduler import Scheduler, StepPlan
 from shared.spec.graph_costs import seed_costs
 from shared.spec.policy import MeasuredCost, SpecPolicy
 from shared.spec.worker import SpecWorker
 from shared.stepping import Stepping
 
-T = TypeVar("T")
 log = logging.getLogger("eyrie.weights")
 
 
 class ModelRunner:
     def __init__(self, model: str | Path | LlamaForCausalLM, draft: str | Path | DraftHead | None,
-                 config: EngineConfig, role: str, tp: TPGroup | None = None):
+                 config: EngineConfig, role: str, tp: TPGroup | None = None, channel=None):
         """``tp``: this rank's group when ``config.tensor_parallel`` > 1; rank r runs on the r-th GPU from the
-        configured one. ``config`` as the runner fits it (``num_pages`` chosen on a GPU) is ``self.config``."""
+        configured one; ``channel``: how rank 0's calls reach the others (``send(message)`` on rank 0,
+        ``receive()`` on the others, None at its end; the group's own host group by default). ``config`` as the
+        runner fits it (``num_pages`` chosen on a GPU) is ``self.config``."""
         if (tp.size if tp is not None else 1) != config.tensor_parallel:
             raise ValueError(f"tensor_parallel={config.tensor_parallel} needs a group of that many ranks "
                              f"(got {tp.size if tp is not None else 'none'})")
         self.tp, self.role = tp, role
+        self.channel = channel or (GroupChannel(tp) if tp is not None else None)
         if tp is not None:
             config = config.model_copy(update={"device": rank_device(config.device, tp.rank)})
         if role == "decode" and not config.shareable_kv:  # a same-host prefill writes into its pools
@@ -127,7 +139,8 @@ class ModelRunner:
     def landing_pages(self, config: EngineConfig | None = None) -> int:
         """The hand-off port's landing cache's pages (``shared.handoff.port.landing_pages``)."""
         config = config or self.config
-        return landing_pages(self.tp, self.role, self.max_context + config.headroom, config.page_size)
+        return landing_pages(self.tp is not None and self.tp.rank == 0 and self.role == "decode",
+                             self.max_context + config.headroom, config.page_size)
 
     def _fit_pools(self, config: EngineConfig, head: DraftHead | None, reserved_before: int) -> EngineConfig:
         """On a GPU without ``num_pages``: the page count that keeps this engine, weights (loaded since the
@@ -188,44 +201,49 @@ class ModelRunner:
         (every new thread's) would launch its kernels and record its events on the wrong GPU."""
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
-    # ---- tensor parallelism: what rank 0 decides ---------------------------------------------------
+    # ---- tensor parallelism: rank 0's calls, replayed by the others (``shared/replay.py``) ----------
     @property
     def distributed(self) -> bool:
         """Whether this runner is one rank of a tensor-parallel group."""
         return self.tp is not None
 
-    def agreed(self, decide: Callable[[], T]) -> T:
-        """``decide()``'s result, or the ``RequestError`` it raised, on every rank: rank 0's."""
-        if self.tp is None:
-            return decide()
-        agreed = None
-        if self.tp.rank == 0:
-            try:
-                agreed = ("ok", decide())
-            except RequestError as e:
-                agreed = ("refused", e.field, str(e).removeprefix(f"{e.field}: "))
-        agreed = self.tp.broadcast(agreed)
-        if agreed[0] == "refused":
-            raise RequestError(agreed[1], agreed[2])
-        return agreed[1]
+    @property
+    def rank(self) -> int:  # this runner's rank in its group (0 on one rank)
+        return 0 if self.tp is None else self.tp.rank
 
-    def rank0(self, value: T) -> T:
-        """Rank 0's ``value`` on every rank (``value`` itself on one rank)."""
-        return value if self.tp is None else self.tp.broadcast(value)
+    def send(self, name: str, *args) -> None:
+        """On rank 0 of a split group, the call ``name(*args)`` to every other rank, before rank 0 runs it; a
+        no-op on one rank and on the others (which run it from ``receive``)."""
+        if self.tp is not None and self.tp.rank == 0:
+            self.channel.send((name, *args))
 
-    def seeded(self, params: SamplingParams) -> SamplingParams:
-        """Under tensor parallelism, ``params`` with a seed (the request's own, or one chosen here, on rank 0):
-        every rank's draws are then alike."""
-        if self.tp is None or params.seed is not None:
-            return params
-        return params.model_copy(update={"seed": request_seed(params)})
+    def receive(self) -> tuple | None:
+        """On a rank other than 0, rank 0's next call (``send``); None when its channel ended."""
+        return self.channel.receive()
 
-    def agree_plan(self, plan: StepPlan) -> None:
-        """Under tensor parallelism, check that every rank runs ``plan`` from the same pools."""
-        if self.tp is not None:
-            key = ([(r.rid, r.kv_len) for r in plan.decode], [(c.req.rid, c.start, c.end) for c in plan.prefill],
-                   [c.num_free_pages for c in self.caches])
-            self.tp.agree(zlib.crc32(repr(key).encode()), "the step plan")
+    def leading(self, scheduler: Scheduler) -> Scheduler:
+        """The engine's scheduler as rank 0 of a split group uses it: each change to its tables made between
+        steps sent to the other ranks, whose books must stay rank 0's (``shared.replay.Leading``)."""
+        return Leading(scheduler, self.send) if self.tp is not None and self.tp.rank == 0 else scheduler
+
+    # The hand-off's collectives under tensor parallelism (``shared.handoff.port.SplitPages``): K/V pages
+    # between this rank's share of the KV heads and rank 0's staging caches of every head.
+    def gather_pages(self, cache: KVCache, pages: list[int]) -> KVCache | None:
+        self.send("gather_pages", pages)
+        return gather_pages(cache, pages, self.tp)
+
+    def gather_pages_into(self, staging: KVCache | None, first: int, cache: KVCache, pages: list[int]) -> None:
+        self.send("gather_pages_into", first, pages)
+        gather_pages_into(staging, first, cache, pages, self.tp)
+
+    def scatter_pages(self, staging: KVCache | None, staged: list[int] | None, cache: KVCache,
+                      pages: list[int]) -> None:
+        self.send("scatter_pages", pages)
+        scatter_pages(staging, staged, cache, pages, self.tp)
+
+    def share_pages(self, cache: KVCache, pages: list[int]) -> None:
+        self.send("share_pages", next(i for i, c in enumerate(self.caches) if c is cache), pages)
+        share_pages(cache, pages, self.tp)
 
     # ---- a step ----------------------------------------------------------------------------------
     def run(self, plan: StepPlan, shape: str | None = None,
@@ -237,7 +255,9 @@ class ModelRunner:
         has a tree shape of its own, the chunks run in a forward of their own. Every row's draft state is left
         as separate forwards would leave it (``SpecWorker.draft_extend_rows``), so the output is the same.
         ``joins_next(batch)``: whether the next decode step runs a request ``batch`` does not (asked after the
-        chunks ran; a draft launched ahead is for this batch only). Returns (request, tokens it committed)."""
+        chunks ran; a draft launched ahead is for this batch only). Returns (request, tokens it committed). Rank 0
+        of a split group sends the plan (its request ids and chunk bounds) and ``shape`` to the others first."""
+        self.send("run", described(plan, self.caches), shape)
         w = self.speculator
         if w is not None and (not plan.decode or shape is None):
             w.drop_ahead()  # no speculative step now: a draft launched ahead would be stale or wait in vain
@@ -347,13 +367,17 @@ class ModelRunner:
         return [(r, r.commit([t], [lp], tp)) for r, t, lp, tp in zip(reqs, tokens.tolist(), logprobs.tolist(), tops)]
 
     # ---- CUDA graphs -----------------------------------------------------------------------------
-    def capture_graphs(self, policy: SpecPolicy | None = None) -> int:
+    def capture_graphs(self, policy: SpecPolicy | None = None, timed: bool | None = None) -> int:
         """Capture every enabled CUDA graph of every batch-size bucket now (``Engine.capture_graphs``), on
         padding rows only (request row 0, length 0: the sink page). Under an adaptive ``policy`` with measured
-        costs, then time each shape's graphs and the plain step's at each captured batch size: the policy's
-        costs from the first step (``shared/spec/graph_costs.py``). Returns how many graphs exist."""
+        costs (``timed``: a follower replaying rank 0's capture, which has no policy), then time each shape's
+        graphs and the plain step's at each captured batch size: the policy's costs from the first step
+        (``shared/spec/graph_costs.py``). Returns how many graphs exist."""
         if self.device.type != "cuda" or self.role == "prefill":
             return 0
+        if timed is None:
+            timed = policy is not None and policy.kind == "adaptive" and isinstance(policy.cost, MeasuredCost)
+            self.send("capture_graphs", timed)
         room = self._capture_budget()
         with self.on_device():
             if self.speculator is not None:
@@ -371,8 +395,8 @@ class ModelRunner:
             self.graphs_stopped_at = None if room is None else room.stopped_at
             if policy is not None and policy.kind == "adaptive" and count:  # shapes chosen where they are graphed
                 policy.graphed = self.speculator.graphed_batches()
-            if policy is not None and policy.kind == "adaptive" and isinstance(policy.cost, MeasuredCost):
-                self.graph_costs = seed_costs(self.speculator, policy.cost)  # the policy's costs on this device
+            if timed:  # the policy's costs on this device (a follower's are thrown away: rank 0 chooses)
+                self.graph_costs = seed_costs(self.speculator, policy.cost if policy is not None else MeasuredCost())
             # Each capture's two eager warm-up runs left their blocks cached for the capture stream, where
             # no other step can reuse them: released, or they would sit beside the default stream's blocks
             # (the reserve counts one eager step's, not two). The graphs' private pools stay.

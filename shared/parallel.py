@@ -13,18 +13,17 @@ The draft head is replicated: every rank runs the whole head (a layer or a few: 
 collectives to each of the draft's many small steps for little memory), and it reads the target's embedding
 and LM head through the sharded modules above.
 
-Every rank runs the same engine: the same scheduler on the same requests makes the same plan, and the
-collectives leave the same hidden states and logits on every rank, so the same tokens are drawn with the
-same per-request seeds. What is not a function of those shared inputs, rank 0 decides and broadcasts
-(``TPGroup.broadcast``): a request's arrival and its seed (``Engine.add_request``, ``reserve_handoff``),
-and the adaptive policy's timed choice. Each step, rank 0's plan is checked on the other ranks (``TPGroup.agree``), so a
-divergence stops the engine with an error instead of corrupting the pools.
+Rank 0's engine alone decides (checks, seeds, schedules, picks each step's kind); its model runner sends each
+call that touches the device to the other ranks, which run the same call (``shared/replay.py``): the same plan
+on the same requests, and the collectives leave the same hidden states and logits on every rank, so the same
+tokens are drawn with the same per-request seeds. A follower whose pages differ from rank 0's after applying
+its plan stops with an error instead of corrupting the pools.
 
 Hand-offs leave and enter a split engine with every KV head (``gather_pages``, ``scatter_pages``), so a
 prefill group and a decode group of different sizes fit each other.
 
-Collectives run over NCCL on CUDA devices and gloo on the CPU; host objects (requests, decisions, plan
-digests) always go over a gloo group, so they never wait on the device. On CUDA the device collectives of a
+Collectives run over NCCL on CUDA devices and gloo on the CPU; host objects (rank 0's calls) always go over
+a gloo group (or a service's pipes), so they never wait on the device. On CUDA the device collectives of a
 forward (the blocks' all-reduces, the embedding's, the LM head's all-gather) are captured inside the engine's
 CUDA graphs like any kernel: NCCL runs them on the capture stream's fork and the graph replays them. Every
 rank captures and replays the same graphs in the same order (the same plans), the communicator exists
@@ -109,6 +108,21 @@ class TPGroup:
             raise ValueError(f"tensor_parallel={self.size} does not divide {what} ({n})")
         k = n // self.size
         return slice(self.rank * k, (self.rank + 1) * k)
+
+
+class GroupChannel:
+    """Rank 0's calls to the other ranks (``ModelRunner.send``) over the group's host (gloo) group: a broadcast
+    each, which the others wait in (up to ``TIMEOUT``: for a group whose rank 0 is never idle that long, as a
+    test's or ``eyrie generate``'s; a service's ranks talk over pipes, ``services/followers.py``)."""
+
+    def __init__(self, tp: TPGroup):
+        self.tp = tp
+
+    def send(self, message: tuple) -> None:
+        self.tp.broadcast(message)
+
+    def receive(self) -> tuple:
+        return self.tp.broadcast(None)
 
 
 # ---- starting a group ------------------------------------------------------------------------------

@@ -82,6 +82,21 @@ class Scheduler:
         # draft launched ahead, the hand-off port's staging) are freed here, not found stale later.
         self.on_retire: list[Callable[[Request], None]] = []
 
+    @classmethod
+    def over(cls, runner, tokenizer: Tokenizer | None, role: str) -> Scheduler:
+        """The scheduler of an engine (or of a tensor-parallel follower's book) over ``runner``'s caches (a
+        ``ModelRunner``), with its settings; with ``prefix_cache`` on, its prefix cache; with a tokenizer, the
+        grammars of requests with a JSON schema. The tables the runner keeps per request go with it (``retire``)."""
+        config, mc = runner.config, runner.model.config
+        # With a draft, a cached page's key carries the token after it (the draft's K/V depends on it).
+        prefix = PrefixCache(runner.caches, successor=runner.head is not None) if config.prefix_cache else None
+        grammars = GrammarCompiler(tokenizer, mc.vocab_size, mc.eos_token_ids) if tokenizer is not None else None
+        book = cls(runner.caches, config.max_running, config.chunk_size, config.headroom, mc.eos_token_ids,
+                   role == "prefill", tokenizer, grammars, prefix)
+        w = runner.speculator
+        book.on_retire += [runner.penalty_rows.release] + ([w.ahead.forget] if w is not None else [])
+        return book
+
     # ---- the table -------------------------------------------------------------------------------
     def get(self, rid: str) -> Request | None:
         return self.requests.get(rid)
@@ -227,14 +242,34 @@ class Scheduler:
             # shrinks by its whole peak less the cached pages others hold (no rescan of the running requests).
             hit = self._hit(req)
             taken = self._peak_pages(req, hit)
-            req.handles = [cache.open() for cache in self.caches]
-            self._take_prefix(req, hit)
-            req.stage = Stage.PREFILLING
-            self.running.append(req)
+            self._admit(req, hit)
             budget = self._add_chunk(plan, req, budget)
             unclaimed = [h - t for h, t in zip(unclaimed, taken)]
             if budget == 0:
                 break
+        return plan
+
+    def _admit(self, req: Request, hit: list[CachedPage]) -> None:
+        """Waiting ``req`` (taken off the queue) runs from this step on, holding its cached prefix ``hit``."""
+        req.handles = [cache.open() for cache in self.caches]
+        self._take_prefix(req, hit)
+        req.stage = Stage.PREFILLING
+        self.running.append(req)
+
+    def replay(self, decode: list[str], chunks: list[tuple[str, int, int]]) -> StepPlan:
+        """A tensor-parallel follower's step (``shared/replay.py``): rank 0's plan, named by request ids and chunk
+        bounds, applied to these tables (the same as rank 0's): the requests rank 0 admitted are admitted here in
+        its order and each chunk's pages reserved as rank 0's were, so the pages are the same on every rank."""
+        plan = StepPlan(decode=[self.requests[rid] for rid in decode])
+        for rid, start, end in chunks:
+            req = self.requests[rid]
+            if req.stage is Stage.WAITING:
+                if self.waiting[0] is not req:
+                    raise RuntimeError(f"rank 0 admitted {rid!r}, which does not head this rank's queue")
+                self._admit(self.waiting.popleft(), self._hit(req))
+            if req.kv_len != start:
+                raise RuntimeError(f"rank 0's chunk of {rid!r} starts at {start}, this rank's at {req.kv_len}")
+            self._add_chunk(plan, req, end - start)
         return plan
 
     def _add_chunk(self, plan: StepPlan, req: Request, budget: int | None) -> int | None:
@@ -303,6 +338,10 @@ class Scheduler:
         req.prefix_pages = hit
         for c, (cache, handle) in enumerate(zip(self.caches, req.handles)):
             cache.attach(handle, [node.pages[c] for node in hit])
+
+    def flush_prefix_cache(self) -> int:
+        """Evict every cached page no request holds; how many (0 without a prefix cache)."""
+        return self.prefix_cache.flush() if self.prefix_cache is not None else 0
 
     def page_ids(self, req: Request) -> list[list[int]]:
         """Per cache (target first), ``req``'s page ids in position order (the hand-off port's page API)."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import zlib
 from collections.abc import Callable
 from typing import Protocol
 
@@ -24,15 +23,7 @@ from shared.config import EngineConfig, SpecConfig
 from shared.handoff.schema import HandoffSchema
 from shared.handoff.wire import Increment, PageFeed, PageGuard, PageSink, PageSource, Prefilled, encode_draft_state
 from shared.memory.kv_cache import KVCache
-from shared.parallel import (
-    TPGroup,
-    gather_pages,
-    gather_pages_into,
-    scatter_pages,
-    share_pages,
-    staging_cache,
-    staging_pages,
-)
+from shared.parallel import staging_cache, staging_pages
 from shared.request import Request, Stage
 from shared.spec.state import DraftState
 
@@ -53,12 +44,25 @@ class EnginePages(Protocol):
                  output_ids: list[int], output_logprobs: list[float]) -> None: ...
 
 
-def landing_pages(tp: TPGroup | None, role: str, positions: int, page_size: int) -> int:
+class SplitPages(Protocol):
+    """What the port asks of a split engine's model runner (the tensor-parallel seam): the collectives that move
+    a hand-off's K/V between every rank's heads and rank 0's staging caches (``shared/parallel.py``); the runner
+    sends each to the other ranks, which run it too (``shared/replay.py``)."""
+
+    def gather_pages(self, cache: KVCache, pages: list[int]) -> KVCache | None: ...
+
+    def gather_pages_into(self, staging: KVCache | None, first: int, cache: KVCache, pages: list[int]) -> None: ...
+
+    def scatter_pages(self, staging: KVCache | None, staged: list[int] | None, cache: KVCache,
+                      pages: list[int]) -> None: ...
+
+    def share_pages(self, cache: KVCache, pages: list[int]) -> None: ...
+
+
+def landing_pages(leads_split_decode: bool, positions: int, page_size: int) -> int:
     """The landing cache's pages: room for ``LANDING_REQUESTS`` requests of ``positions`` (the whole context
-    and headroom) on rank 0 of a split decode engine, 0 elsewhere."""
-    if tp is None or tp.rank != 0 or role != "decode":
-        return 0
-    return LANDING_REQUESTS * -(-positions // page_size)
+    and headroom) on rank 0 of a split decode engine (``leads_split_decode``), 0 elsewhere."""
+    return LANDING_REQUESTS * -(-positions // page_size) if leads_split_decode else 0
 
 
 class HandoffPort:
@@ -66,17 +70,18 @@ class HandoffPort:
 
     def __init__(self, pages: EnginePages, device: torch.device,
                  on_device: Callable[[], contextlib.AbstractContextManager], config: EngineConfig, vocab_size: int,
-                 kv_heads: int, tp: TPGroup | None = None, landing: int = 0, draft=None,
+                 kv_heads: int, split: SplitPages | None = None, landing: int = 0, draft=None,
                  tree: SpecConfig | None = None):
         """``device``: the engine's, made the thread's current CUDA device by ``on_device()``; ``kv_heads``: the
-        target's KV heads, every rank's; ``landing``: the landing cache's pages (``landing_pages``); ``draft``
-        (a ``DraftHead``) and ``tree``: the speculation, None without."""
+        target's KV heads, every rank's; ``split``: under tensor parallelism the engine's model runner, whose
+        collectives gather and scatter every rank's heads (None on one rank); ``landing``: the landing cache's
+        pages (``landing_pages``); ``draft`` (a ``DraftHead``) and ``tree``: the speculation, None without."""
         self.pages, self.device, self.on_device = pages, device, on_device
-        self.tp = tp
+        self.split = split
         self.kv_heads = kv_heads
         target = pages.caches[0]
         layouts = [c.layout for c in pages.caches]
-        if tp is not None:  # a split engine's hand-offs carry every KV head (``page_source``)
+        if split is not None:  # a split engine's hand-offs carry every KV head (``page_source``)
             layouts[0] = dataclasses.replace(layouts[0], num_kv_heads=kv_heads)
         # What this engine's hand-offs carry; the other side of a hand-off must agree on all of it.
         self.schema = HandoffSchema.build(
@@ -86,7 +91,7 @@ class HandoffPort:
         # Rank 0 of a split decode engine: where same-host prefills write hand-offs in place, every KV head.
         self.landing = staging_cache(target.layout, kv_heads, landing, shareable=True) if landing else None
         self._staged: dict[str, KVCache] = {}  # under TP, on rank 0: hand-offs' target K/V, every KV head, by id
-        self._gathered: dict[str, int] = {}  # under TP, every rank: a fed hand-off's target pages gathered so far
+        self._gathered: dict[str, int] = {}  # under TP, on rank 0: a fed hand-off's target pages gathered so far
         self._landed: dict[str, list[int]] = {}  # under TP, decode rank 0: in-place hand-offs' landing pages, by id
 
     # ---- the sending side (prefill) --------------------------------------------------------------
@@ -95,32 +100,28 @@ class HandoffPort:
         ``fed``: empty, to be fed an ``Increment`` after each step of its prefill (``increment``). The pages
         an increment names as done are not written again until ``req`` is released, so the transport may
         read them off the engine's thread until then; an abort cancels the guard first. Under tensor
-        parallelism a collective, None on ranks other than 0 (``_gathered_source``)."""
+        parallelism a collective (``_gathered_source``)."""
         caches = self.pages.caches
-        if self.tp is not None:
+        if self.split is not None:
             return self._gathered_source(req, fed)
         if fed:
             return PageSource(req.rid, caches, [], b"", feed=PageFeed())
         return PageSource(req.rid, caches, self.pages.page_ids(req), encode_draft_state(req))
 
     def _gathered_source(self, req: Request, fed: bool) -> PageSource | None:
-        """Under tensor parallelism, on rank 0 the source of a request's hand-off with every rank's KV heads
-        gathered into a cache of its own (the draft's caches are whole on every rank already), so that it fits
-        a decode engine of any split; None on the other ranks. Parked: a collective, every page gathered now.
+        """Under tensor parallelism, the source of a request's hand-off with every rank's KV heads gathered into a
+        cache of its own (the draft's caches are whole on every rank already), so that it fits a decode engine
+        of any split. Parked: a collective, every page gathered now.
         ``fed``: the cache is sized for the prompt and each ``increment`` gathers the pages completed since
         the last one (a collective then)."""
         caches = self.pages.caches
         if fed:
             self._gathered[req.rid] = 0
-            if self.tp.rank != 0:
-                return None
             staged = staging_cache(caches[0].layout, self.kv_heads, caches[0].pages_for(req.prefill_len))
             self._staged[req.rid] = staged
             return PageSource(req.rid, [staged, *caches[1:]], [], b"", feed=PageFeed())
         ids = self.pages.page_ids(req)
-        staging = gather_pages(caches[0], ids[0], self.tp)
-        if staging is None:
-            return None
+        staging = self.split.gather_pages(caches[0], ids[0])
         return PageSource(req.rid, [staging, *caches[1:]], [staging_pages(len(ids[0])), *ids[1:]],
                           encode_draft_state(req))
 
@@ -133,7 +134,7 @@ class HandoffPort:
         page_ids = self.pages.page_ids(req)
         parked = req.stage is Stage.HANDOFF
         done = [len(p) if parked else req.kv_len // c.page_size for c, p in zip(self.pages.caches, page_ids)]
-        if self.tp is not None:  # a collective: the target's pages come from the staging cache (``page_source``)
+        if self.split is not None:  # a collective: the target's pages come from the staging cache (``page_source``)
             page_ids[0] = self._gather_done(req, page_ids[0], done[0])
         written = None
         if self.device.type == "cuda":
@@ -150,7 +151,7 @@ class HandoffPort:
         cache's ids of ``pages``."""
         first = self._gathered[req.rid]
         if done > first:
-            gather_pages_into(self._staged.get(req.rid), first, self.pages.caches[0], pages[first:done], self.tp)
+            self.split.gather_pages_into(self._staged.get(req.rid), first, self.pages.caches[0], pages[first:done])
             self._gathered[req.rid] = done
         return staging_pages(len(pages))
 
@@ -162,19 +163,17 @@ class HandoffPort:
         no room now."""
         if not self._receiving(req):
             return None
-        if self.tp is not None:
+        if self.split is not None:
             return self._staged_sink(req, guard, in_place)
         # The pages it took from this engine's prefix cache (``admit_handoff``) are not sent.
         return PageSink(req.rid, self.pages.caches, self.pages.page_ids(req), guard, in_place, len(req.prefix_pages))
 
     def _staged_sink(self, req: Request, guard: PageGuard, in_place: bool) -> PageSink | None:
-        """Under tensor parallelism, on rank 0: a sink writing the target's K/V, every KV head, into a cache
-        of its own, from which ``activate`` gives each rank its heads (the draft's K/V lands in rank 0's
-        pages, copied to the others then). ``in_place``: the sender writes the target's K/V into pages of
-        the landing cache (``pools``) instead; None when it has no room now. None on the other ranks. Pages the
-        prefix cache holds (on every rank, ``admit_handoff``) are the sink's ``held`` ones, never sent."""
-        if self.tp.rank != 0:
-            return None
+        """Under tensor parallelism: a sink writing the target's K/V, every KV head, into a cache of its own, from
+        which ``activate`` gives each rank its heads (the draft's K/V lands in rank 0's pages, copied to the
+        others then). ``in_place``: the sender writes the target's K/V into pages of the landing cache (``pools``)
+        instead; None when it has no room now. Pages the prefix cache holds (on every rank, ``admit_handoff``)
+        are the sink's ``held`` ones, never sent."""
         caches, ids = self.pages.caches, self.pages.page_ids(req)
         # The leading pages every rank's prefix cache holds (``admit_handoff``) are not sent: the staging or
         # landing pages are the arriving ones only, the held ones stand in as page 0 (never written, never read).
@@ -196,7 +195,7 @@ class HandoffPort:
         share of the KV heads: rank 0 of a decode engine exports its landing cache in the target's place
         (``page_sink`` in place), the other ranks nothing."""
         caches = self.pages.caches
-        if self.tp is not None:
+        if self.split is not None:
             return [] if self.landing is None else [self.landing.pool, *(c.pool for c in caches[1:])]
         return [c.pool for c in caches]
 
@@ -207,38 +206,27 @@ class HandoffPort:
         its K/V (it was aborted)."""
         if not self._receiving(req):
             return False
-        if self.tp is not None:
-            committed_len, draft_state, output_ids, output_logprobs = self._spread(
-                req, committed_len, draft_state, output_ids, output_logprobs)
+        if self.split is not None:
+            self._spread(req)
         self.pages.activate(req, committed_len, draft_state, output_ids, output_logprobs)
         return True
 
-    def _spread(self, req: Request, committed_len: int, draft_state: DraftState | None,
-                output_ids, output_logprobs) -> tuple:
-        """Under tensor parallelism, a collective: what arrived on rank 0 on every rank: each rank's share of
-        the target's KV heads, the draft's pages, the draft state and outputs (the arguments rank 0 got). The
-        pages taken from the prefix cache are not: every rank's holds them (checked: the request's page ids and
-        its count of cached pages alike on every rank)."""
+    def _spread(self, req: Request) -> None:
+        """Under tensor parallelism, collectives: each rank's share of the target's KV heads that arrived, and the
+        draft's pages (the other ranks replay these calls, then the activation with rank 0's arguments:
+        ``shared/replay.py``). The pages taken from the prefix cache are not sent: every rank's holds them."""
         caches, ids = self.pages.caches, self.pages.page_ids(req)
         # The pages the prefix cache holds stay as they are; the ranks' caches hold the same, under the same ids.
-        held = len(req.prefix_pages)
-        self.tp.agree(zlib.crc32(repr((held, ids)).encode()), "a hand-off's pages")
-        arriving = [pages[held:] for pages in ids]
+        arriving = [pages[len(req.prefix_pages):] for pages in ids]
         landed, staged = self._landed.get(req.rid), self._staged.pop(req.rid, None)
         if landed is not None:
-            scatter_pages(self.landing, landed, caches[0], arriving[0], self.tp)
+            self.split.scatter_pages(self.landing, landed, caches[0], arriving[0])
         else:
-            scatter_pages(staged, None if staged is None else staging_pages(len(arriving[0])), caches[0], arriving[0],
-                          self.tp)
+            self.split.scatter_pages(staged, None if staged is None else staging_pages(len(arriving[0])), caches[0],
+                                     arriving[0])
         self._land_off(req.rid)
         for cache, pages in zip(caches[1:], arriving[1:]):
-            share_pages(cache, pages, self.tp)
-        arrived = None if self.tp.rank != 0 else (
-            committed_len, None if draft_state is None else draft_state.to_bytes(), list(output_ids),
-            list(output_logprobs))
-        committed_len, blob, output_ids, output_logprobs = self.tp.broadcast(arrived)
-        state = None if blob is None else DraftState.from_bytes(blob, self.device)
-        return committed_len, state, output_ids, output_logprobs
+            self.split.share_pages(cache, pages)
 
     def _receiving(self, req: Request) -> bool:
         return self.pages.holds(req) and req.stage is Stage.RECEIVING
@@ -246,7 +234,7 @@ class HandoffPort:
     # ---- the port's tables -----------------------------------------------------------------------
     def forget(self, req: Request) -> None:
         """``req`` ended (the scheduler's ``retire``): its staging tables and landing pages go."""
-        if self.tp is None:
+        if self.split is None:
             return
         self._staged.pop(req.rid, None)
         self._gathered.pop(req.rid, None)

@@ -17,6 +17,12 @@ class Tokenizer:
         path = Path(path)
         self._tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
 
+    @classmethod
+    def beside(cls, model) -> Tokenizer | None:
+        """The tokenizer saved beside the checkpoint directory ``model``; None for a model passed in built, or a
+        checkpoint without ``tokenizer.json``."""
+        return cls(model) if isinstance(model, (str, Path)) and (Path(model) / "tokenizer.json").exists() else None
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()

@@ -1,10 +1,10 @@
 """Tensor parallelism has one seam: the model runner (``shared/model_runner.py``) with ``shared/parallel.py``.
 
 Read from the source: no module of shared/ or services/ reads a tensor-parallel group's members (``tp.`` or
-``self.tp``) unless it is the runner, the group itself, the split model it runs (its layers all-reduce), the
-hand-off port (a split engine's hand-offs gather and scatter every KV head) or the rank processes a service
-starts. The engine, the scheduler and the speculator see the runner's answers (``agreed``, ``seeded``,
-``rank0``, ``agree_plan``), never the group.
+``self.tp``) unless it is the runner, the group itself, the split model it runs (its layers all-reduce) or the
+rank processes a service starts. The engine, the scheduler, the speculator, the hand-off port and the replay
+(``shared/replay.py``) see the runner (``send``, ``receive``, ``leading``; the port its gathers and scatters of
+every KV head), never the group.
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 SEAM = {"shared/model_runner.py": "the seam", "shared/parallel.py": "the group and its collectives",
-        "shared/handoff/port.py": "a split engine's hand-offs: gathers and scatters of every KV head",
-        "services/followers.py": "the rank processes a split service starts",
-        "services/cli.py": "the ranks `eyrie generate --tensor-parallel` starts"}
+        "services/followers.py": "the rank processes a split service starts"}
 MODEL = "shared/model/"  # the split target's layers hold the group for their all-reduces
 
 

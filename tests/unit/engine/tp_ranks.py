@@ -1,7 +1,9 @@
 """What each rank of the tensor-parallel tests runs (a module of its own: spawned ranks import it by name).
 
 Each function takes the rank's ``TPGroup`` first (None: TP 1, called in the test's own process), runs on
-tiny models and returns what the test compares; ``run_group`` runs one on every rank of a group.
+tiny models and returns what the test compares; ``run_group`` runs one on every rank of a group. Rank 0 drives
+its engines; the other ranks build ``Follower``s of them (``built``), which run rank 0's calls (``follow``), and
+read what their own runner and book hold: the requests rank 0's calls made there, their tokens, their K/V.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
+from shared.follower import Follower
 from shared.forward_batch import build_forward_batch
 from shared.memory.sizing import make_cache
 from shared.model.loader import load_target
@@ -61,6 +64,26 @@ def forward_logits(tp: TPGroup | None, target: str, prompts: list[list[int]]) ->
     return {"logits": logits, "kv_heads": cache.layout.num_kv_heads}
 
 
+def leads(tp: TPGroup | None) -> bool:
+    """Whether this rank drives its engines: rank 0, or the only one."""
+    return tp is None or tp.rank == 0
+
+
+def built(tp: TPGroup | None, *args, **kwargs) -> Engine | Follower:
+    """Rank 0's engine (or the only rank's), or on another rank the ``Follower`` of it, built alike."""
+    return (Engine if leads(tp) else Follower)(*args, tp=tp, **kwargs)
+
+
+def generated(engine: Engine | Follower, tp: TPGroup | None, prompts, params) -> list:
+    """``engine.generate(prompts, params)`` on rank 0 (or the only rank); on the others the results of the
+    requests rank 0's generate made there, followed until rank 0 let them go."""
+    if not leads(tp):
+        return [engine.result(r) for r in engine.follow()]
+    got = engine.generate(prompts, params)
+    engine.release_followers()
+    return got
+
+
 # ---- the engine ------------------------------------------------------------------------------------
 SHAPES = {"chain": SpecConfig(topk=1, steps=3, num_draft_tokens=4), "tree": SpecConfig(topk=2, steps=3,
                                                                                        num_draft_tokens=6)}
@@ -78,8 +101,8 @@ def engine_outputs(tp: TPGroup | None, root: str, cases: list[tuple], prompts: l
         config = EngineConfig(page_size=page_size, chunk_size=chunk, max_running=8, max_context=160,
                               spec=SHAPES[shape] if kind else None, tensor_parallel=tp.size if tp else 1,
                               device=device, cuda_graph=cuda_graph, spec_policy=spec_policy)
-        engine = Engine(models.target, models.drafts[kind] if kind else None, config, tp=tp)
-        got = engine.generate(prompts, params)
+        engine = built(tp, models.target, models.drafts[kind] if kind else None, config)
+        got = generated(engine, tp, prompts, params)
         results[(kind, shape, page_size, chunk)] = {
             "tokens": [r.token_ids for r in got], "logprobs": [r.logprobs for r in got],
             "finish": [r.finish_reason for r in got], "clean": engine.is_idle_and_clean(),
@@ -100,8 +123,8 @@ def path_outputs(tp: TPGroup | None, target: str, drafts: dict[str, str], prompt
     for name, draft in drafts.items():
         config = EngineConfig(page_size=16, chunk_size=8, max_running=8, max_context=160, spec=SHAPES["chain"],
                               tensor_parallel=tp.size if tp else 1)
-        engine = Engine(target, draft, config, tp=tp)
-        got = engine.generate(prompts, params)
+        engine = built(tp, target, draft, config)
+        got = generated(engine, tp, prompts, params)
         head = getattr(engine.speculator.draft, "lm_head", None)
         results[name] = {"tokens": [r.token_ids for r in got], "clean": engine.is_idle_and_clean(),
                          "accept_length": [r.spec_stats["accept_length"] for r in got],
@@ -121,26 +144,35 @@ class DearSpec:
 
 def folded_prefills(tp: TPGroup, root: str, prompts: list[list[int]], params: SamplingParams) -> dict:
     """An adaptive EAGLE engine (tree, chunks of 8) whose rank 0 finds speculation dear: the prompts' later chunks
-    run in the plain decode steps' target forwards (``ModelRunner.run``); the other ranks, timing their
-    own steps, must follow rank 0's choice. The tokens, target forwards per step, and which steps were mixed."""
+    run in the plain decode steps' target forwards (``ModelRunner.run``); the other ranks, with policies of their
+    own, must follow rank 0's choice. The tokens, target forwards per step, and which steps were mixed."""
     models = add_feature_path(load_models(Path(root)))
     config = EngineConfig(page_size=16, chunk_size=8, max_running=8, max_context=160, spec=SHAPES["tree"],
                           tensor_parallel=tp.size, spec_policy="adaptive", spec_candidates=())
-    engine = Engine(models.target, models.drafts["eagle"], config, tp=tp)
-    policy = engine.spec_policy
-    if tp.rank == 0:
+    engine = built(tp, models.target, models.drafts["eagle"], config)
+    policy = engine.spec_policy if tp.rank == 0 else None  # rank 0's alone: a follower has none
+    if policy is not None:
         policy.cost, policy.probe_every = DearSpec(), 10 ** 6
         policy.candidates[0].acceptance.observe([2])
-    plans, model = [], CountingModel(engine.model)
-    schedule, engine.runner.model = engine.scheduler.schedule, model
-    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
-    reqs, forwards = [engine.add_request(p, params) for p in prompts], []
-    while engine.scheduler.has_work():
-        before = model.calls
-        engine.step()
-        forwards.append(model.calls - before)
+    plans, model, forwards = [], CountingModel(engine.model), []
+    engine.runner.model = model
+    if tp.rank == 0:
+        schedule = engine.scheduler.schedule
+        engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+        reqs = [engine.add_request(p, params) for p in prompts]
+        while engine.scheduler.has_work():
+            before = model.calls
+            engine.step()
+            forwards.append(model.calls - before)
+        engine.release_followers()
+    else:  # each step of rank 0's replayed here: its plan applied, run, committed
+        book, before = engine.scheduler, []
+        replay, commit = book.replay, book.commit
+        book.replay = lambda *plan: before.append(model.calls) or plans.append(replay(*plan)) or plans[-1]
+        book.commit = lambda plan, events: forwards.append(model.calls - before[-1]) or commit(plan, events)
+        reqs = engine.follow()
     return {"tokens": [engine.result(r).token_ids for r in reqs], "forwards": forwards,
-            "clean": engine.is_idle_and_clean(), "choices": dict(policy.choices),
+            "clean": engine.is_idle_and_clean(), "choices": dict(policy.choices) if policy else {},
             "mixed": [i for i, p in enumerate(plans) if p.prefill and p.decode]}
 
 
@@ -178,12 +210,13 @@ def sampled_outputs(tp: TPGroup | None, root: str, shape: str, setting: str, n: 
     root = Path(root)
     config = EngineConfig(page_size=4, max_running=batch, max_context=32, chunk_size=None, spec=spec,
                           tensor_parallel=tp.size if tp else 1)
-    engine = Engine(root / "target", root / kind, config, tp=tp)
+    engine = built(tp, root / "target", root / kind, config)
     params = [SamplingParams(**SETTINGS[setting], seed=i, max_new_tokens=DEPTH, ignore_eos=True) for i in range(n)]
     rows = []
     for start in range(0, n, batch):
-        rows += engine.generate([PROMPT] * len(params[start:start + batch]), params[start:start + batch])
-    unseeded = engine.generate([PROMPT] * 4, SamplingParams(temperature=1.0, max_new_tokens=DEPTH, ignore_eos=True))
+        rows += generated(engine, tp, [PROMPT] * len(params[start:start + batch]), params[start:start + batch])
+    unseeded = generated(engine, tp, [PROMPT] * 4,
+                         SamplingParams(temperature=1.0, max_new_tokens=DEPTH, ignore_eos=True))
     return {"tokens": [r.token_ids for r in rows], "accepted": [r.spec_stats["accepted_drafts"] for r in rows],
             "unseeded": [r.token_ids for r in unseeded], "clean": engine.is_idle_and_clean()}
 
@@ -209,9 +242,9 @@ def suite(tp: TPGroup, jobs: dict[str, tuple]) -> dict:
 # ---- hand-off between groups of different sizes --------------------------------------------------
 def handoff_to_one_rank(tp: TPGroup, root: str, kind: str, page_size: int, prompts: list[list[int]],
                         params: SamplingParams) -> dict | None:
-    """A TP-2 prefill engine (both ranks) parks ``prompts`` for their hand-off; rank 0 sends each, its KV
-    heads gathered from both ranks (``Engine.page_source``), through the wire format to a TP-1 decode engine
-    of its own (the models loaded again, whole), which generates the rest. Rank 0 returns the decode
+    """A TP-2 prefill engine (rank 1 following rank 0's) parks ``prompts`` for their hand-off; rank 0 sends each,
+    its KV heads gathered from both ranks (``Engine.page_source``), through the wire format to a TP-1 decode
+    engine of its own (the models loaded again, whole), which generates the rest. Rank 0 returns the decode
     side's outputs and whether both engines' pools are free again; rank 1 None."""
     from shared.handoff import PageSink, decode_draft_state, iter_chunks
     from shared.handoff.wire import page_bytes
@@ -222,28 +255,27 @@ def handoff_to_one_rank(tp: TPGroup, root: str, kind: str, page_size: int, promp
                             tensor_parallel=role_tp)
 
     split = add_feature_path(load_models(Path(root)))
-    prefill = Engine(split.target, split.drafts[kind], config(tp.size), role="prefill", tp=tp)
-    decode = None
-    if tp.rank == 0:
-        whole = add_feature_path(load_models(Path(root)))
-        decode = Engine(whole.target, whole.drafts[kind], config(1), role="decode")
-        decode.handoff_schema().check(prefill.handoff_schema())  # the handshake: every KV head arrives
+    prefill = built(tp, split.target, split.drafts[kind], config(tp.size), role="prefill")
+    if tp.rank != 0:
+        prefill.follow()
+        return None
+    whole = add_feature_path(load_models(Path(root)))
+    decode = Engine(whole.target, whole.drafts[kind], config(1), role="decode")
+    decode.handoff_schema().check(prefill.handoff_schema())  # the handshake: every KV head arrives
     moved = []
     for req in prefill_until_handoff(prefill, prompts, params):
-        source = prefill.page_source(req)  # a collective: every rank calls it
-        if decode is not None:
-            there = decode.reserve_handoff(req.rid, req.prompt_ids, req.output_ids, req.output_logprobs, req.params,
-                                           req.kv_len)
-            sink, last = PageSink(req.rid, decode.scheduler.caches, decode.scheduler.page_ids(there)), None
-            for chunk in iter_chunks(source, max(page_bytes(c) for c in decode.scheduler.caches)):  # many chunks
-                sink.write(chunk)
-                last = chunk
-            state = decode_draft_state(sink.finish(last).draft_state, decode.handoff_schema(), req.kv_len)
-            assert decode.activate_handoff(there, req.kv_len, state)
-            moved.append(there)
+        source = prefill.page_source(req)  # a collective: rank 1 replays it
+        there = decode.reserve_handoff(req.rid, req.prompt_ids, req.output_ids, req.output_logprobs, req.params,
+                                       req.kv_len)
+        sink, last = PageSink(req.rid, decode.scheduler.caches, decode.scheduler.page_ids(there)), None
+        for chunk in iter_chunks(source, max(page_bytes(c) for c in decode.scheduler.caches)):  # many chunks
+            sink.write(chunk)
+            last = chunk
+        state = decode_draft_state(sink.finish(last).draft_state, decode.handoff_schema(), req.kv_len)
+        assert decode.activate_handoff(there, req.kv_len, state)
+        moved.append(there)
         prefill.release(req)
-    if decode is None:
-        return None
+    prefill.release_followers()
     decode.run_until_done()
     return {"tokens": [decode.result(r).token_ids for r in moved], "clean": decode.is_idle_and_clean()
             and prefill.is_idle_and_clean()}
@@ -252,9 +284,9 @@ def handoff_to_one_rank(tp: TPGroup, root: str, kind: str, page_size: int, promp
 def handoff_from_one_rank(tp: TPGroup, root: str, kind: str, page_size: int, prompts: list[list[int]],
                           params: SamplingParams) -> dict:
     """The way back: rank 0's TP-1 prefill engine (the models whole) parks ``prompts`` and sends each through
-    the wire format to a TP-2 decode engine (both ranks: rank 0 receives every KV head, each rank keeps its
-    own, ``Engine.activate_handoff``), which generates the rest. Each rank returns the outputs and whether
-    its pools are free again."""
+    the wire format to a TP-2 decode engine (rank 0 receives every KV head, each rank keeps its own,
+    ``Engine.activate_handoff``: rank 1 follows rank 0's engine), which generates the rest. Each rank returns the
+    outputs and whether its pools are free again."""
     from shared.handoff import PageGuard, decode_draft_state, iter_chunks
     from shared.handoff.wire import page_bytes
     from tests.unit.handoff.handoff_helpers import positions_kv, prefill_until_handoff
@@ -264,7 +296,7 @@ def handoff_from_one_rank(tp: TPGroup, root: str, kind: str, page_size: int, pro
                             tensor_parallel=role_tp)
 
     split = add_feature_path(load_models(Path(root)))
-    decode = Engine(split.target, split.drafts[kind], config(tp.size), role="decode", tp=tp)
+    decode = built(tp, split.target, split.drafts[kind], config(tp.size), role="decode")
     parked, prefill = [], None
     if tp.rank == 0:
         whole = add_feature_path(load_models(Path(root)))
@@ -273,26 +305,36 @@ def handoff_from_one_rank(tp: TPGroup, root: str, kind: str, page_size: int, pro
         parked = prefill_until_handoff(prefill, prompts, params)
     moved, same_kv = [], []
     for i in range(tp.broadcast(len(parked))):
-        req = parked[i] if parked else None
-        # Every rank reserves and activates (collectives: rank 0's arguments win); rank 0 alone receives.
-        there = decode.reserve_handoff(*((req.rid, req.prompt_ids, req.output_ids, req.output_logprobs, req.params,
-                                          req.kv_len) if req else (None,) * 6))
-        state, kv_len = None, 0
-        if req is not None:
+        sent = None
+        if tp.rank == 0:  # rank 0 reserves, receives and activates; rank 1 replays its calls (until let go)
+            req = parked[i]
+            there = decode.reserve_handoff(req.rid, req.prompt_ids, req.output_ids, req.output_logprobs, req.params,
+                                           req.kv_len)
             sink, last = decode.page_sink(there, PageGuard()), None
             for chunk in iter_chunks(prefill.page_source(req), max(page_bytes(c) for c in prefill.scheduler.caches)):
                 sink.write(chunk)
                 last = chunk
             state = decode_draft_state(sink.finish(last).draft_state, decode.handoff_schema(), req.kv_len)
-            kv_len = req.kv_len
-            sent = positions_kv(prefill, req, kv_len)
+            sent = positions_kv(prefill, req, req.kv_len)
             prefill.release(req)
-        assert decode.activate_handoff(there, kv_len, state)
-        same_kv.append(kept_its_heads(decode, there, tp.broadcast(sent if req else None), tp))
+            assert decode.activate_handoff(there, req.kv_len, state)
+            decode.release_followers()
+        else:
+            (there,) = decode.follow()
+        same_kv.append(kept_its_heads(decode, there, tp.broadcast(sent), tp))
         moved.append(there)
-    decode.run_until_done()
+    run_until_done(decode, tp)
     return {"tokens": [decode.result(r).token_ids for r in moved], "same_kv": same_kv,
             "clean": decode.is_idle_and_clean() and (prefill is None or prefill.is_idle_and_clean())}
+
+
+def run_until_done(engine: Engine, tp: TPGroup | None) -> None:
+    """``engine.run_until_done()`` on rank 0 (or the only rank), followed by the others."""
+    if not leads(tp):
+        engine.follow()
+        return
+    engine.run_until_done()
+    engine.release_followers()
 
 
 def kept_its_heads(decode: Engine, req, sent: list, tp: TPGroup | None) -> bool:
@@ -330,8 +372,9 @@ def handoff_cached_from_one_rank(tp: TPGroup | None, root: str, kind: str, topk:
 
     rank = tp.rank if tp is not None else 0
     share = tp.broadcast if tp is not None else (lambda x: x)
+    lead = leads(tp)
     split = add_feature_path(load_models(Path(root), device=rank_device(device, rank)))
-    decode = Engine(split.target, split.drafts[kind], config(tp.size if tp else 1, True), role="decode", tp=tp)
+    decode = built(tp, split.target, split.drafts[kind], config(tp.size if tp else 1, True), role="decode")
     prefill = None
     if rank == 0:
         whole = add_feature_path(load_models(Path(root), device=rank_device(device, 0)))
@@ -339,12 +382,17 @@ def handoff_cached_from_one_rank(tp: TPGroup | None, root: str, kind: str, topk:
         decode.handoff_schema().check(prefill.handoff_schema())
     out = []
     for prompt in prompts:
-        req = prefill_until_handoff(prefill, [prompt], params)[0] if prefill is not None else None
-        args = (req.rid, req.prompt_ids, req.output_ids, req.output_logprobs, req.params, req.kv_len) if req else (
-            (None,) * 6)
-        there = decode.reserve_handoff(*args, cached=True)  # every rank: rank 0's arguments win
-        held, sink_held, sent, state, kv_len, kv = len(there.prefix_pages), None, None, None, 0, None
-        if req is not None:
+        sink_held, sent, kv = None, None, None
+        # Rank 0 reserves, receives and activates; the others replay its calls (until let go).
+        if lead:
+            req = prefill_until_handoff(prefill, [prompt], params)[0]
+            there = decode.reserve_handoff(req.rid, req.prompt_ids, req.output_ids, req.output_logprobs, req.params,
+                                           req.kv_len, cached=True)
+            decode.release_followers()
+        else:
+            (there,) = decode.follow()
+        held = len(there.prefix_pages)  # the cached pages its reservation took here
+        if lead:
             sink = decode.page_sink(there, PageGuard(), in_place=transport == "ipc")
             source = PageSource(req.rid, prefill.scheduler.caches, prefill.scheduler.page_ids(req),
                                 encode_draft_state(req), held=sink.held)
@@ -359,16 +407,23 @@ def handoff_cached_from_one_rank(tp: TPGroup | None, root: str, kind: str, topk:
                 received = sink.finish(last)
                 sent, blob = received.bytes - len(received.draft_state), received.draft_state
             state = decode_draft_state(blob, decode.handoff_schema(), req.kv_len, decode.device)
-            sink_held, kv_len = sink.held, req.kv_len
+            sink_held = sink.held
             kv = [(k.cpu(), v.cpu()) for k, v in positions_kv(prefill, req, req.kv_len)]  # to every rank's device
             prefill.release(req)
-        assert decode.activate_handoff(there, kv_len, state)
+            assert decode.activate_handoff(there, req.kv_len, state)
+            decode.release_followers()
+        else:
+            decode.follow()
         same_kv = kept_its_heads(decode, there, share(kv), tp)
-        decode.run_until_done()
+        run_until_done(decode, tp)
         out.append({"tokens": decode.result(there).token_ids, "held": held, "sink_held": sink_held, "sent": sent,
                     "same_kv": same_kv})
     pc = decode.prefix_cache
     cached, referenced = sorted(pc.cached_pages()), pc.referenced()
-    decode.flush_prefix_cache()
+    if lead:
+        decode.flush_prefix_cache()
+        decode.release_followers()
+    else:
+        decode.follow()
     return {"requests": out, "cached": cached, "referenced": referenced, "flushed": len(pc),
             "clean": decode.is_idle_and_clean() and (prefill is None or prefill.is_idle_and_clean())}
