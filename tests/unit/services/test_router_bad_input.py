@@ -25,7 +25,7 @@ from tests.unit.services.scripted_stack import start_scripted_stack
 # The request id grammar as documented (letters, digits, '.', '_', ':' or '-'; 1-128), written out here
 # independently of the router's own pattern.
 ID_GRAMMAR = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-FIELD_PREFIXES = ("request_id:", "request:", "prompt", "sampling.")
+FIELD_PREFIXES = ("request_id:", "request:", "prompt", "sampling.", "n:", "best_of:")  # n, best_of: top-level fields
 FUZZ = settings(max_examples=60, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 # A planted bug need only be found, not shrunk to its smallest example (shrinking takes minutes); the same
