@@ -170,11 +170,10 @@ class Registry:
         return self.client.get(self.summary_key(instance_id))
 
     def instances(self, role: str | None = None) -> list[InstanceInfo]:
-        ids = sorted(self.client.smembers(self.INDEX))
-        if not ids:
-            return []
+        """The live instances (of ``role``), by id; one round trip (a script reads the index and the entries)."""
+        flat = _INSTANCES(keys=[self.INDEX], client=self.client)  # [id, its entry or None, ...]
         out, gone = [], []
-        for instance_id, raw in zip(ids, self.client.mget([f"instance:{i}" for i in ids])):
+        for instance_id, raw in sorted(zip(flat[::2], flat[1::2])):
             if raw is None:  # its heartbeats stopped: the key expired
                 gone.append(instance_id)
                 continue
@@ -348,6 +347,17 @@ end
 redis.call('HSET', KEYS[1], unpack(ARGV, 3))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
+""")
+
+# The registry's index and every entry it names (``instance:{id}``, nil once expired) as [id, entry, ...].
+_INSTANCES = redis.Redis().register_script("""
+local ids = redis.call('SMEMBERS', KEYS[1])
+local out = {}
+for _, id in ipairs(ids) do
+  out[#out + 1] = id
+  out[#out + 1] = redis.call('GET', 'instance:' .. id)
+end
+return out
 """)
 
 _DISCARD = redis.Redis().register_script("""
