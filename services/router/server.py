@@ -19,8 +19,9 @@ preferring one pair of instances, their messages merged with their index (``choi
 Redis can blink: record writes go through ``RecordWriter`` (retried, buffered, flushed on return).
 
 Everything runs on one event loop per router process (``RouterCore.ensure_loop``): the engines are called
-over grpc.aio, Redis (blocking) from an I/O pool, a decode instance's tokens come through its relay
-(``relay.py``), and a request that finds every decode instance full waits in ``admission.py``'s queue.
+over grpc.aio, Redis (blocking) from an I/O pool in batches (``batches.py``), a decode instance's tokens come
+through its relay (``relay.py``), and a request that finds every decode instance full waits in ``admission.py``'s
+queue.
 """
 
 from __future__ import annotations
