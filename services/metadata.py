@@ -284,10 +284,11 @@ class RequestStore:
 
     def write_many(self, writes: list[tuple]) -> list[bool]:
         """Several writes in one round trip, in order, each as its method would: ``("create", rid, created_at,
-        fields)``, ``("transition", rid, state, fields)`` or ``("discard", rid, created_at)``. Not atomic as a
-        whole (each write is); a script Redis lost (a restart) is loaded and the writes that needed it sent again."""
+        fields)``, ``("transition", rid, state, fields, at)`` (``at``: its time, None: now) or ``("discard", rid,
+        created_at)``. Not atomic as a whole (each write is); a script Redis lost (a restart) is loaded and the
+        writes that needed it sent again."""
         calls = [self._create_call(w[1], w[2], w[3]) if w[0] == "create" else
-                 self._transition_call(w[1], w[2], w[3]) if w[0] == "transition" else
+                 self._transition_call(w[1], w[2], w[3], w[4]) if w[0] == "transition" else
                  (_DISCARD, [self.key(w[1])], [w[2]]) for w in writes]
         with self.client.pipeline(transaction=False) as pipe:
             for script, keys, args in calls:
@@ -310,13 +311,14 @@ class RequestStore:
         pairs = [x for kv in mapping.items() for x in kv]
         return _CREATE, [self.key(rid)], [int(self.live_ttl_s * 1000), repr(now), *pairs]
 
-    def _transition_call(self, rid: str, state: str, fields: dict) -> tuple:
+    def _transition_call(self, rid: str, state: str, fields: dict, at: float | None = None) -> tuple:
         if state not in STATES:
             raise ValueError(f"unknown request state {state!r}")
         mapping = {k: _scalar(v) for k, v in fields.items() if k not in ("state", "transitions")}
         pairs = [x for kv in mapping.items() for x in kv]
         ttl_ms = max(1, int(self.ttl_s * 1000)) if state in TERMINAL else 0
-        return _TRANSITION, [self.key(rid)], [state, repr(time.time()), ttl_ms, _TERMINAL_ARG, *pairs]
+        now = time.time() if at is None else at
+        return _TRANSITION, [self.key(rid)], [state, repr(now), ttl_ms, _TERMINAL_ARG, *pairs]
 
     def update(self, rid: str, **fields) -> None:
         self.client.hset(self.key(rid), mapping={k: _scalar(v) for k, v in fields.items()})

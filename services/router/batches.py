@@ -27,12 +27,17 @@ class Batches:
         self._task: asyncio.Task | None = None  # the one sending batches, while there are any
 
     async def __call__(self, item):
+        return await self.ask(item)
+
+    def ask(self, item) -> asyncio.Future:
+        """``item`` in the next batch (on the running loop); its result to come. Whatever is asked later goes in
+        the same batch or a later one."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._asked.append((item, fut))
         if self._task is None:
             self._task = loop.create_task(self._send(loop))
-        return await fut
+        return fut
 
     async def _send(self, loop: asyncio.AbstractEventLoop) -> None:
         batch: list[tuple[object, asyncio.Future]] = []

@@ -39,7 +39,7 @@ class RecordWrite:
     rid: str
     state: str  # a state to record, CREATE or DISCARD
     fields: dict = field(default_factory=dict)
-    at: float | None = None  # a create's time (set when it is first sent)
+    at: float | None = None  # a create's time (set when it is first sent); a transition's (None: when written)
 
 
 class RecordWriter:
@@ -149,7 +149,7 @@ class RecordWriter:
             return "create", write.rid, write.at, write.fields
         if write.state == DISCARD:
             return "discard", write.rid, write.fields["created_at"]
-        return "transition", write.rid, write.state, write.fields
+        return "transition", write.rid, write.state, write.fields, write.at
 
     def _retrying(self, fn):
         for delay in (*self.backoff_s, None):

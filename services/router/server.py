@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
+import logging
 import math
 import re
 import secrets
@@ -430,7 +431,17 @@ class RouterCore:
 
     async def _record(self, rid: str, state: str, **fields):
         """``RecordWriter.transition`` (or, ``state`` CREATE, ``create``) in the next batch of record writes."""
-        return await self._writes(RecordWrite(rid, state, fields))
+        return await self._writes(RecordWrite(rid, state, fields, None if state == CREATE else time.time()))
+
+    def _record_soon(self, rid: str, state: str, **fields) -> None:
+        """A transition the walk does not wait for (the client's tokens do not wait on Redis), recorded with its
+        time now: in the next batch, so before any write the request asks for after it (batches go one at a
+        time, in order; the request's end is awaited)."""
+        self._writes.ask(RecordWrite(rid, state, fields, time.time())).add_done_callback(self._written)
+
+    def _written(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is not None:  # a bug (Redis away buffers the write)
+            self.log.event("record_failed", None, logging.ERROR, reason=repr(fut.exception()))
 
     def live(self, role: str) -> list[InstanceInfo]:
         """The live instances of ``role``; while Redis is away, the ones last seen (requests already accepted
@@ -830,8 +841,8 @@ class RouterCore:
         active.placements.append({"prefill": prefill.instance_id, "decode": decode.instance_id, "reason": reason,
                                   **({"prefix_tokens": matched} if matched else {}),
                                   **({"decode_prefix_tokens": decode_matched} if decode_matched else {})})
-        await self._record(active.rid, "prefilling", prefill_instance=prefill.instance_id,
-                           decode_instance=decode.instance_id, placements=active.placements)
+        self._record_soon(active.rid, "prefilling", prefill_instance=prefill.instance_id,
+                          decode_instance=decode.instance_id, placements=list(active.placements))
         self._count_placement("prefill", matched)
         self._count_placement("decode", decode_matched)
         if self.telemetry:
@@ -883,8 +894,8 @@ class RouterCore:
                        prefix_tokens=matched)
         active.placements.append({"prefill": decode.instance_id, "decode": decode.instance_id, "reason": reason,
                                   "local_prefill": True, **({"prefix_tokens": matched} if matched else {})})
-        await self._record(rid, "prefilling", prefill_instance=decode.instance_id,
-                           decode_instance=decode.instance_id, placements=active.placements)
+        self._record_soon(rid, "prefilling", prefill_instance=decode.instance_id, decode_instance=decode.instance_id,
+                          placements=list(active.placements))
         self._count_placement("decode", matched)
         if self.telemetry:
             self.telemetry.stage_seconds.labels("placement").observe(time.perf_counter() - t0)
@@ -918,7 +929,7 @@ class RouterCore:
                                    seconds=round(time.perf_counter() - t1, 6), finish_reason=ft.finish_reason or None)
                     if ft.finish_reason:
                         return first, None
-                    await self._record(rid, "transferring")
+                    self._record_soon(rid, "transferring")
                     t1 = time.perf_counter()
                     if ft.decode_reserved:
                         return first, _Handoff(call, t1)
@@ -961,7 +972,7 @@ class RouterCore:
         if self.telemetry:
             self.telemetry.stage_seconds.labels("handoff").observe(time.perf_counter() - t0)
         self.log.event("handoff_done", rid, decode=decode.instance_id, bytes=done.bytes, seconds=round(done.seconds, 6))
-        await self._record(rid, "decoding", handoff_bytes=done.bytes, handoff_s=round(done.seconds, 6))
+        self._record_soon(rid, "decoding", handoff_bytes=done.bytes, handoff_s=round(done.seconds, 6))
 
     @staticmethod
     def _classify(e: grpc.RpcError, prefill: InstanceInfo, decode: InstanceInfo) -> Exception:
@@ -1063,7 +1074,7 @@ class RouterCore:
         """Turn the decode's message into the client's (in place); True when it is the last."""
         if active.ttft is None and msg.token_ids:  # a prompt prefilled on its decode instance
             self._first_token(active, t0)
-            await self._record(active.rid, "decoding")
+            self._record_soon(active.rid, "decoding")
         active.output_tokens += len(msg.token_ids)
         final = msg.HasField("finish")
         msg.text = detok.push(list(msg.token_ids), final)

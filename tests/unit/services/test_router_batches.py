@@ -53,19 +53,21 @@ def test_a_batch_of_writes_equals_the_single_writes_and_loads_a_lost_script_agai
     store.create("taken")
     client.script_flush()  # a restarted Redis: no script loaded
     done = store.write_many([("create", "a", 100.0, {"prompt_tokens": 3}), ("create", "taken", 101.0, {}),
-                             ("transition", "a", "prefilling", {"placements": [{"decode": "d"}]}),
-                             ("create", "b", 102.0, {}), ("transition", "a", "decoding", {}),
-                             ("transition", "a", "finished", {"output_tokens": 8}),
-                             ("transition", "a", "failed", {}),  # after a terminal state: refused
+                             ("transition", "a", "prefilling", {"placements": [{"decode": "d"}]}, None),
+                             ("create", "b", 102.0, {}), ("transition", "a", "decoding", {}, 2e9),
+                             ("transition", "a", "finished", {"output_tokens": 8}, None),
+                             ("transition", "a", "failed", {}, None),  # after a terminal state: refused
                              ("discard", "b", repr(102.0))])
     assert done == [True, False, True, True, True, True, False, True]
     rec = store.get("a")
     assert [s for s, _ in rec["transitions"]] == ["queued", "prefilling", "decoding", "finished"]
+    times = [t for _, t in rec["transitions"]]  # a transition's own time where it has one, increasing
+    assert times[0] == 100.0 < times[1] < times[2] == 2e9 < times[3] < 2e9 + 1e-3
     assert (rec["state"], rec["prompt_tokens"], rec["output_tokens"]) == ("finished", "3", "8")
     assert rec["placements"] == '[{"decode": "d"}]' and 0 < client.ttl("req:a") <= 60
     assert store.get("b") == {} and store.get("taken")["state"] == "queued"
     with pytest.raises(ValueError, match="unknown request state"):
-        store.write_many([("transition", "a", "nowhere", {})])
+        store.write_many([("transition", "a", "nowhere", {}, None)])
 
 
 class _BlinkingStore:
