@@ -34,6 +34,7 @@ log = logging.getLogger("eyrie.metadata")
 
 STATES = ("queued", "prefilling", "transferring", "decoding", "finished", "failed", "aborted")
 TERMINAL = ("finished", "failed", "aborted")
+_TERMINAL_ARG = "," + ",".join(TERMINAL) + ","  # the transition script's ARGV[4]
 
 
 def connect(url: str, max_connections: int = 64) -> redis.Redis:
@@ -267,31 +268,57 @@ class RequestStore:
         Atomic across routers, and all or nothing: one script writes the whole record and its TTL (Redis going
         away halfway leaves no half-written record without a TTL behind), in one round trip.
         """
-        now = time.time() if created_at is None else created_at
-        mapping = {k: _scalar(v) for k, v in fields.items()}
-        mapping.update(state="queued", created_at=repr(now), transitions=json.dumps([["queued", now]]))
-        pairs = [x for kv in mapping.items() for x in kv]
-        return bool(_CREATE(keys=[self.key(rid)], args=[int(self.live_ttl_s * 1000), repr(now), *pairs],
-                            client=self.client))
+        return bool(self._call(*self._create_call(rid, created_at, fields)))
 
     def transition(self, rid: str, state: str, **fields) -> bool:
         """Append ``state`` with its time; False when the record already ended (terminal states are final).
         One script (one round trip, atomic: concurrent writers lose nothing); times strictly increase even if
         the clock steps back or two writes share a tick."""
-        if state not in STATES:
-            raise ValueError(f"unknown request state {state!r}")
-        mapping = {k: _scalar(v) for k, v in fields.items() if k not in ("state", "transitions")}
-        pairs = [x for kv in mapping.items() for x in kv]
-        ttl_ms = max(1, int(self.ttl_s * 1000)) if state in TERMINAL else 0
-        return bool(_TRANSITION(keys=[self.key(rid)], args=[state, repr(time.time()), ttl_ms,
-                                                            "," + ",".join(TERMINAL) + ",", *pairs],
-                                client=self.client))
+        return bool(self._call(*self._transition_call(rid, state, fields)))
 
     def discard(self, rid: str, created_at: str) -> bool:
         """Delete the record of ``rid`` if it is the one created at ``created_at`` (``repr`` of the time) and is
         still only ``queued``: a create whose answer was lost, for a request the router then refused (its
         client may send it again under the same id). False when there is no such record."""
-        return bool(_DISCARD(keys=[self.key(rid)], args=[created_at], client=self.client))
+        return bool(self._call(_DISCARD, [self.key(rid)], [created_at]))
+
+    def write_many(self, writes: list[tuple]) -> list[bool]:
+        """Several writes in one round trip, in order, each as its method would: ``("create", rid, created_at,
+        fields)``, ``("transition", rid, state, fields, at)`` (``at``: its time, None: now) or ``("discard", rid,
+        created_at)``. Not atomic as a whole (each write is); a script Redis lost (a restart) is loaded and the
+        writes that needed it sent again."""
+        calls = [self._create_call(w[1], w[2], w[3]) if w[0] == "create" else
+                 self._transition_call(w[1], w[2], w[3], w[4]) if w[0] == "transition" else
+                 (_DISCARD, [self.key(w[1])], [w[2]]) for w in writes]
+        with self.client.pipeline(transaction=False) as pipe:
+            for script, keys, args in calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            results = pipe.execute(raise_on_error=False)
+        for i, r in enumerate(results):
+            if isinstance(r, redis.exceptions.NoScriptError):  # it did not run: run it now (loaded by the call)
+                results[i] = self._call(*calls[i])
+            elif isinstance(r, Exception):
+                raise r
+        return [bool(r) for r in results]
+
+    def _call(self, script, keys: list[str], args: list):
+        return script(keys=keys, args=args, client=self.client)
+
+    def _create_call(self, rid: str, created_at: float | None, fields: dict) -> tuple:
+        now = time.time() if created_at is None else created_at
+        mapping = {k: _scalar(v) for k, v in fields.items()}
+        mapping.update(state="queued", created_at=repr(now), transitions=json.dumps([["queued", now]]))
+        pairs = [x for kv in mapping.items() for x in kv]
+        return _CREATE, [self.key(rid)], [int(self.live_ttl_s * 1000), repr(now), *pairs]
+
+    def _transition_call(self, rid: str, state: str, fields: dict, at: float | None = None) -> tuple:
+        if state not in STATES:
+            raise ValueError(f"unknown request state {state!r}")
+        mapping = {k: _scalar(v) for k, v in fields.items() if k not in ("state", "transitions")}
+        pairs = [x for kv in mapping.items() for x in kv]
+        ttl_ms = max(1, int(self.ttl_s * 1000)) if state in TERMINAL else 0
+        now = time.time() if at is None else at
+        return _TRANSITION, [self.key(rid)], [state, repr(now), ttl_ms, _TERMINAL_ARG, *pairs]
 
     def update(self, rid: str, **fields) -> None:
         self.client.hset(self.key(rid), mapping={k: _scalar(v) for k, v in fields.items()})

@@ -194,6 +194,10 @@ class RouterSettings(CommonSettings):
     reuse_port: bool = Field(False, description="several router processes on one host serve the same gRPC and OpenAI "
                              "ports (SO_REUSEPORT: the kernel spreads the connections over them); each router is "
                              "stateless for placement (`eyrie up --routers N` sets it)")
+    gil_switch_interval_ms: float = Field(0.5, gt=0, description="the router process's Python thread switch interval "
+                                          "(`sys.setswitchinterval`): its I/O pool threads' Redis batches hand the "
+                                          "GIL back to the event loop within this (Python's default 5 ms added "
+                                          "~5-8 ms to every relayed token at 256-512 streams: docs/benchmarks.md)")
     decode_relay: bool = Field(True, description="stream tokens from each decode instance over one relay per "
                                "router (a step's tokens for all of this router's requests in one message) rather "
                                "than a stream per request")

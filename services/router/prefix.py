@@ -76,6 +76,14 @@ class PrefixIndex:
             self._held[inst.instance_id] = (inst.role, inst.prefix_version, summary, held)
         return summary, held
 
+    def held(self, live: list[InstanceInfo]) -> bool:
+        """True when ``matches`` needs no Redis read for ``live``: every summary they publish was read at the
+        version they name."""
+        with self._lock:
+            return all(i.prefix_version is None or
+                       (kept := self._held.get(i.instance_id)) is not None and kept[1] == i.prefix_version
+                       for i in live)
+
     def matches(self, role: str, live: list[InstanceInfo], tokens: Sequence[int]) -> dict[str, int]:
         """Per instance of ``live`` (all of ``role``) that publishes a summary, the leading prompt tokens of
         ``tokens`` it holds cached (whole pages); {} when none publishes one. Forgets the summaries of

@@ -27,6 +27,7 @@ from services.metadata import TERMINAL, RequestStore
 
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # Redis away, not a bug in the write
 DISCARD = "discard"  # a buffered write that deletes a refused request's record, if its create landed
+CREATE = "create"  # a write of ``write_batch`` that records a new request (``create``)
 
 
 class RecordsUnavailable(Exception):
@@ -34,10 +35,11 @@ class RecordsUnavailable(Exception):
 
 
 @dataclass
-class _Write:
+class RecordWrite:
     rid: str
-    state: str
+    state: str  # a state to record, CREATE or DISCARD
     fields: dict = field(default_factory=dict)
+    at: float | None = None  # a create's time (set when it is first sent); a transition's (None: when written)
 
 
 class RecordWriter:
@@ -45,7 +47,7 @@ class RecordWriter:
                  backoff_s: tuple[float, ...] = (0.02, 0.05, 0.1), flush_interval_s: float = 0.1, telemetry=None):
         self.store, self.max_buffered, self.backoff_s = store, max_buffered, backoff_s
         self.flush_interval_s = flush_interval_s
-        self._buffer: collections.deque[_Write] = collections.deque()
+        self._buffer: collections.deque[RecordWrite] = collections.deque()
         self._lock = threading.Lock()  # the buffer
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="records-flusher", daemon=True)
@@ -96,12 +98,12 @@ class RecordWriter:
         except REDIS_DOWN as e:
             self.last_error = str(e)
             with self._lock:  # it may have landed, its answer lost: undone once Redis answers
-                self._push(_Write(rid, DISCARD, {"created_at": repr(now)}))
+                self._push(RecordWrite(rid, DISCARD, {"created_at": repr(now)}))
             raise RecordsUnavailable(f"Redis is unreachable ({e})") from None
 
     def transition(self, rid: str, state: str, **fields) -> None:
         """Record ``state`` now, or as soon as Redis answers; never raises for want of Redis."""
-        write = _Write(rid, state, fields)
+        write = RecordWrite(rid, state, fields)
         # No lock on the way to Redis (writes of different requests need no order between them); a request's
         # own writes come from one thread in turn, so once one of them is buffered the next one queues too.
         if not self._buffer:
@@ -113,6 +115,42 @@ class RecordWriter:
         with self._lock:
             self._push(write)
 
+    def write_batch(self, writes: list[RecordWrite]) -> list:
+        """``writes`` (of different requests: no order among them is kept but theirs) in one round trip; per
+        write, what ``create`` returns (True, or False: the id is taken) or raises (RecordsUnavailable, returned
+        here), or None for a transition (buffered when Redis stays away, as ``transition`` does). Blocks."""
+        tried = not self._buffer
+        if tried:  # as in ``transition``: no lock on the way to Redis
+            now = time.time()
+            for w in writes:
+                if w.state == CREATE:
+                    w.at = now
+            try:
+                done = self._retrying(lambda: self.store.write_many([self._op(w) for w in writes]))
+                return [d if w.state == CREATE else None for w, d in zip(writes, done)]
+            except REDIS_DOWN as e:
+                self.last_error = str(e)
+        with self._lock:
+            return [self._defer(w, tried) for w in writes]
+
+    def _defer(self, write: RecordWrite, tried: bool):  # under self._lock
+        """A write Redis did not take: a transition buffered (None), a create refused (``tried``: it may have
+        landed, its answer lost, so its record's discard is buffered)."""
+        if write.state != CREATE:
+            self._push(write)
+            return None
+        if tried:
+            self._push(RecordWrite(write.rid, DISCARD, {"created_at": repr(write.at)}))
+        return RecordsUnavailable(f"Redis is unreachable ({self.last_error})")
+
+    @staticmethod
+    def _op(write: RecordWrite) -> tuple:
+        if write.state == CREATE:
+            return "create", write.rid, write.at, write.fields
+        if write.state == DISCARD:
+            return "discard", write.rid, write.fields["created_at"]
+        return "transition", write.rid, write.state, write.fields, write.at
+
     def _retrying(self, fn):
         for delay in (*self.backoff_s, None):
             try:
@@ -123,13 +161,13 @@ class RecordWriter:
                     raise
                 time.sleep(delay)
 
-    def _apply(self, write: _Write) -> None:
+    def _apply(self, write: RecordWrite) -> None:
         if write.state == DISCARD:
             self.store.discard(write.rid, **write.fields)
         else:
             self.store.transition(write.rid, write.state, **write.fields)
 
-    def _push(self, write: _Write) -> None:  # under self._lock
+    def _push(self, write: RecordWrite) -> None:  # under self._lock
         if len(self._buffer) >= self.max_buffered:
             victim = next((w for w in self._buffer if w.state not in TERMINAL and w.state != DISCARD),
                           self._buffer[0])

@@ -19,8 +19,9 @@ preferring one pair of instances, their messages merged with their index (``choi
 Redis can blink: record writes go through ``RecordWriter`` (retried, buffered, flushed on return).
 
 Everything runs on one event loop per router process (``RouterCore.ensure_loop``): the engines are called
-over grpc.aio, Redis (blocking) from an I/O pool, a decode instance's tokens come through its relay
-(``relay.py``), and a request that finds every decode instance full waits in ``admission.py``'s queue.
+over grpc.aio, Redis (blocking) from an I/O pool in batches (``batches.py``), a decode instance's tokens come
+through its relay (``relay.py``), and a request that finds every decode instance full waits in ``admission.py``'s
+queue.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
+import logging
 import math
 import re
 import secrets
+import sys
 import threading
 import time
 import uuid
@@ -50,10 +53,11 @@ from services.common import ServiceHandle, ServiceTelemetry, new_instance_id
 from services.logs import ServiceLog
 from services.metadata import InstanceInfo, Registry, RequestStore, connect
 from services.router.admission import Admission, wait_any
+from services.router.batches import Batches
 from services.router.choices import best_choices, choice_counts, choice_params, choice_rid, merged, pump
 from services.router.grpc_api import RouterGrpc
 from services.router.prefix import PrefixIndex
-from services.router.records import REDIS_DOWN, RecordsUnavailable, RecordWriter
+from services.router.records import CREATE, REDIS_DOWN, RecordsUnavailable, RecordWrite, RecordWriter
 from services.router.relay import Inbox, RelayClient
 from services.settings import RouterSettings
 from services.telemetry import Telemetry
@@ -276,6 +280,9 @@ class RouterCore:
         self._lock = threading.Lock()  # the loop's start
         self.loop: asyncio.AbstractEventLoop | None = None  # every request's walk runs here (ensure_loop)
         self._io_pool = ThreadPoolExecutor(64, thread_name_prefix="router-io")  # Redis calls (they block)
+        # The walks' record writes and registry reads, a batch per hop to the pool and round trip (``batches.py``)
+        self._writes = Batches(self.records.write_batch, self._io_pool)
+        self._reads = Batches(self._read_registry, self._io_pool)
         self._channels: dict[str, grpc.aio.Channel] = {}  # on the loop
         self._stubs: dict[tuple[type, str], object] = {}  # (stub class, address) -> stub on its channel (on the loop)
         self._relays: dict[str, RelayClient] = {}  # each decode instance's relay (on the loop)
@@ -380,11 +387,13 @@ class RouterCore:
         return self.ledger.choose([i for i in live if i.instance_id == prefer] or live, tokens, arrived)
 
     def _pick_prompt(self, role: str, exclude: set[str], ids: list[int], tokens: int, arrived: bool = False,
-                     prefer: str | None = None) -> tuple[InstanceInfo, int, int] | tuple[None, None, int]:
+                     prefer: str | None = None, seen: list[InstanceInfo] | None = None
+                     ) -> tuple[InstanceInfo, int, int] | tuple[None, None, int]:
         """As ``_pick``, for an instance that will compute the prompt ``ids`` (a prefill instance, or a decode
         instance prefilling locally): with ``prefix_routing``, the one holding the most of its leading pages
-        within the imbalance bound (``LoadLedger.choose_prefix``); (instance, ledger key, matched tokens)."""
-        live = [i for i in self.live(role) if i.instance_id not in exclude]
+        within the imbalance bound (``LoadLedger.choose_prefix``); (instance, ledger key, matched tokens).
+        ``seen``: the live instances of ``role`` as just read (default: read them now)."""
+        live = [i for i in (self.live(role) if seen is None else seen) if i.instance_id not in exclude]
         live = [i for i in live if i.instance_id == prefer] or live
         if not live:
             return None, None, 0
@@ -396,6 +405,44 @@ class RouterCore:
         if self.telemetry:
             self.telemetry.placements_total.labels(role, "prefix" if matched else "load").inc()
             self.telemetry.prefix_matched_tokens.labels(role).inc(matched)
+
+    async def _pick_now(self, role: str, seen: dict[str, list[InstanceInfo]], exclude: set[str], ids: list[int],
+                        tokens: int, arrived: bool = False, prefer: str | None = None):
+        """``_pick_prompt`` from the instances ``seen`` (``_registry``), on the loop; on the I/O pool where a
+        prefix summary is still to be read from Redis."""
+        live = seen.get(role, [])
+        if self.settings.prefix_routing and not self.prefixes.held(live):
+            return await self._io(self._pick_prompt, role, exclude, ids, tokens, arrived, prefer, live)
+        return self._pick_prompt(role, exclude, ids, tokens, arrived, prefer, live)
+
+    async def _registry(self) -> dict[str, list[InstanceInfo]]:
+        """Each role's live instances, from a registry read begun after this call (one read for the placements
+        asking together, ``batches.py``); while Redis is away, the ones last seen."""
+        return await self._reads(None)
+
+    def _read_registry(self, asks: list) -> list[dict[str, list[InstanceInfo]]]:
+        """(On the I/O pool.) One registry read for every one of ``asks``."""
+        try:
+            every = self.registry.instances()
+        except REDIS_DOWN:
+            return [dict(self._seen)] * len(asks)
+        seen = {role: [i for i in every if i.role == role] for role in ("prefill", "decode")}
+        self._seen.update(seen)
+        return [seen] * len(asks)
+
+    async def _record(self, rid: str, state: str, **fields):
+        """``RecordWriter.transition`` (or, ``state`` CREATE, ``create``) in the next batch of record writes."""
+        return await self._writes(RecordWrite(rid, state, fields, None if state == CREATE else time.time()))
+
+    def _record_soon(self, rid: str, state: str, **fields) -> None:
+        """A transition the walk does not wait for (the client's tokens do not wait on Redis), recorded with its
+        time now: in the next batch, so before any write the request asks for after it (batches go one at a
+        time, in order; the request's end is awaited)."""
+        self._writes.ask(RecordWrite(rid, state, fields, time.time())).add_done_callback(self._written)
+
+    def _written(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is not None:  # a bug (Redis away buffers the write)
+            self.log.event("record_failed", None, logging.ERROR, reason=repr(fut.exception()))
 
     def live(self, role: str) -> list[InstanceInfo]:
         """The live instances of ``role``; while Redis is away, the ones last seen (requests already accepted
@@ -576,8 +623,7 @@ class RouterCore:
         """Every choice of ``parent`` finished: so does the request (its record sums their output)."""
         parent.output_tokens = output = sum(c.output_tokens for c in parent.choices)
         self.log.event("finished", parent.rid, choices=len(parent.choices), output_tokens=output)
-        await self._io(self.records.transition, parent.rid, "finished", output_tokens=output,
-                       choices=[c.rid for c in parent.choices])
+        await self._record(parent.rid, "finished", output_tokens=output, choices=[c.rid for c in parent.choices])
 
     async def _admit(self, req: pb.GenerateRequest) -> Active:
         """Validate and record a new request: its ``Active``, or RequestError / RouterError (not recorded)."""
@@ -600,8 +646,8 @@ class RouterCore:
         created = False
         n, best_of = choice_counts(req)
         try:
-            created = not duplicate and await self._io(self._create, rid, ids, params,
-                                                       **(dict(n=n, best_of=best_of) if best_of > 1 else {}))
+            created = not duplicate and await self._create(rid, ids, params,
+                                                           **(dict(n=n, best_of=best_of) if best_of > 1 else {}))
         finally:
             if (duplicate or not created) and self._active.get(rid) is active:
                 del self._active[rid]
@@ -613,7 +659,7 @@ class RouterCore:
                        temperature=params.temperature, text=req.WhichOneof("prompt") == "text")
         return active
 
-    def _create(self, rid: str, ids: list[int], params: SamplingParams, **fields) -> bool:
+    async def _create(self, rid: str, ids: list[int], params: SamplingParams, **fields) -> bool:
         """Record the new request (False: its id is taken), with ``fields``; refused with UNAVAILABLE when it
         cannot be recorded."""
         if self.settings.max_concurrent_requests and len(self._active) > self.settings.max_concurrent_requests:
@@ -622,7 +668,8 @@ class RouterCore:
                               f"request {rid}: the router is at its limit of {self.settings.max_concurrent_requests} "
                               "concurrent requests; try again shortly", retry_after_s=1, http_status=429)
         try:
-            return self.records.create(rid, prompt_tokens=len(ids), max_new_tokens=params.max_new_tokens, **fields)
+            return await self._record(rid, CREATE, prompt_tokens=len(ids), max_new_tokens=params.max_new_tokens,
+                                      **fields)
         except RecordsUnavailable as e:
             self._count_error("unavailable")
             self.log.event("refused", rid, field=None, message=f"cannot record the request: {e}")
@@ -635,7 +682,7 @@ class RouterCore:
                        output_tokens=active.output_tokens,
                        prefill=active.prefill.instance_id if active.prefill else None,
                        decode=active.decode.instance_id if active.decode else None)
-        await self._io(self.records.transition, active.rid, state, error=reason, output_tokens=active.output_tokens)
+        await self._record(active.rid, state, error=reason, output_tokens=active.output_tokens)
         if code is not None:
             self._count_error(code.name.lower())
         await self._abort_remote(active)
@@ -744,12 +791,13 @@ class RouterCore:
         attempt = 0
         while True:
             self._check_cancelled(active)
-            prefill, p_key, matched = await self._io(self._pick_prompt, "prefill", avoid["prefill"], ids + resume,
-                                                     len(ids) + len(resume), True, active.prefer.get("prefill"))
+            seen = await self._registry()
+            prefill, p_key, matched = await self._pick_now("prefill", seen, avoid["prefill"], ids + resume,
+                                                           len(ids) + len(resume), True, active.prefer.get("prefill"))
             # The decode instance too by prefix: with its own prefix cache it holds the pages it has, and the
             # hand-off sends only the rest (``ReserveRequest.skip_cached``).
-            decode, d_key, d_matched = await self._io(self._pick_prompt, "decode", avoid["decode"] | full,
-                                                      ids + resume, left, False, active.prefer.get("decode"))
+            decode, d_key, d_matched = await self._pick_now("decode", seen, avoid["decode"] | full, ids + resume,
+                                                            left, False, active.prefer.get("decode"))
             if decode is None and full:  # every live instance is full: wait in the queue for room on any
                 self._release_keys(prefill, p_key)
                 await self.admission.wait_for_room(active, full, last_error, started=bool(resume))
@@ -794,8 +842,8 @@ class RouterCore:
         active.placements.append({"prefill": prefill.instance_id, "decode": decode.instance_id, "reason": reason,
                                   **({"prefix_tokens": matched} if matched else {}),
                                   **({"decode_prefix_tokens": decode_matched} if decode_matched else {})})
-        await self._io(self.records.transition, active.rid, "prefilling", prefill_instance=prefill.instance_id,
-                       decode_instance=decode.instance_id, placements=active.placements)
+        self._record_soon(active.rid, "prefilling", prefill_instance=prefill.instance_id,
+                          decode_instance=decode.instance_id, placements=list(active.placements))
         self._count_placement("prefill", matched)
         self._count_placement("decode", decode_matched)
         if self.telemetry:
@@ -816,8 +864,9 @@ class RouterCore:
         prefills it inside its decode steps (as the single-process engine does: no second forward over the
         weights, no hand-off); its first token then comes through ``Stream``. False (the request goes to a
         prefill instance) when no decode instance is live or the one chosen refuses or cannot be reached."""
-        decode, d_key, matched = await self._io(self._pick_prompt, "decode", avoid_decode, ids,
-                                                len(ids) + params.max_new_tokens, False, active.prefer.get("decode"))
+        seen, tokens = await self._registry(), len(ids) + params.max_new_tokens
+        decode, d_key, matched = await self._pick_now("decode", seen, avoid_decode, ids, tokens, False,
+                                                      active.prefer.get("decode"))
         if decode is None:
             return False
         rid = active.rid
@@ -846,8 +895,8 @@ class RouterCore:
                        prefix_tokens=matched)
         active.placements.append({"prefill": decode.instance_id, "decode": decode.instance_id, "reason": reason,
                                   "local_prefill": True, **({"prefix_tokens": matched} if matched else {})})
-        await self._io(self.records.transition, rid, "prefilling", prefill_instance=decode.instance_id,
-                       decode_instance=decode.instance_id, placements=active.placements)
+        self._record_soon(rid, "prefilling", prefill_instance=decode.instance_id, decode_instance=decode.instance_id,
+                          placements=list(active.placements))
         self._count_placement("decode", matched)
         if self.telemetry:
             self.telemetry.stage_seconds.labels("placement").observe(time.perf_counter() - t0)
@@ -881,7 +930,7 @@ class RouterCore:
                                    seconds=round(time.perf_counter() - t1, 6), finish_reason=ft.finish_reason or None)
                     if ft.finish_reason:
                         return first, None
-                    await self._io(self.records.transition, rid, "transferring")
+                    self._record_soon(rid, "transferring")
                     t1 = time.perf_counter()
                     if ft.decode_reserved:
                         return first, _Handoff(call, t1)
@@ -924,8 +973,7 @@ class RouterCore:
         if self.telemetry:
             self.telemetry.stage_seconds.labels("handoff").observe(time.perf_counter() - t0)
         self.log.event("handoff_done", rid, decode=decode.instance_id, bytes=done.bytes, seconds=round(done.seconds, 6))
-        await self._io(self.records.transition, rid, "decoding", handoff_bytes=done.bytes,
-                       handoff_s=round(done.seconds, 6))
+        self._record_soon(rid, "decoding", handoff_bytes=done.bytes, handoff_s=round(done.seconds, 6))
 
     @staticmethod
     def _classify(e: grpc.RpcError, prefill: InstanceInfo, decode: InstanceInfo) -> Exception:
@@ -1027,7 +1075,7 @@ class RouterCore:
         """Turn the decode's message into the client's (in place); True when it is the last."""
         if active.ttft is None and msg.token_ids:  # a prompt prefilled on its decode instance
             self._first_token(active, t0)
-            await self._io(self.records.transition, active.rid, "decoding")
+            self._record_soon(active.rid, "decoding")
         active.output_tokens += len(msg.token_ids)
         final = msg.HasField("finish")
         msg.text = detok.push(list(msg.token_ids), final)
@@ -1057,11 +1105,10 @@ class RouterCore:
         self.log.event("finished", rid, reason=finish.reason, output_tokens=finish.usage.completion_tokens,
                        ttft_s=round(finish.ttft_s, 6), latency_s=round(finish.latency_s, 6),
                        accept_length=round(finish.spec.accept_length, 4))
-        await self._io(self.records.transition, rid, "finished", finish_reason=finish.reason,
-                       output_tokens=finish.usage.completion_tokens,
-                       accept_length=round(finish.spec.accept_length, 4),
-                       accept_rate=round(finish.spec.accept_rate, 4), ttft_s=round(finish.ttft_s, 6),
-                       latency_s=round(finish.latency_s, 6))
+        await self._record(rid, "finished", finish_reason=finish.reason, output_tokens=finish.usage.completion_tokens,
+                           accept_length=round(finish.spec.accept_length, 4),
+                           accept_rate=round(finish.spec.accept_rate, 4), ttft_s=round(finish.ttft_s, 6),
+                           latency_s=round(finish.latency_s, 6))
         if self.telemetry:
             self.telemetry.stage_seconds.labels("total").observe(finish.latency_s)
             self.telemetry.observe_request_end(finish.reason or "stop", finish.usage.prompt_tokens,
@@ -1219,6 +1266,7 @@ def load_model_files(model: str | None) -> tuple[ModelConfig, Tokenizer | None]:
 
 
 def start_router(settings: RouterSettings) -> ServiceHandle:
+    sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)  # the loop gets the GIL back from the I/O pool
     instance_id = settings.instance_id or new_instance_id("router")
     model_config, tokenizer = load_model_files(settings.model)
     telemetry = ServiceTelemetry("router", instance_id, settings.host, settings.http_port, settings.api_key,
