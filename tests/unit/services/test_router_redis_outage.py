@@ -7,6 +7,7 @@ The outage lasts ``REDIS_OUTAGE_S`` seconds (default 3; the issue's figure is 15
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -241,3 +242,17 @@ def test_a_create_whose_answer_was_lost_is_neither_a_taken_id_nor_left_behind(re
     # The discard takes only that create's record: one made since under the same id (another router's) stays.
     RequestStore(client).create("again")
     assert RequestStore(client).discard("again", repr(123.0)) is False and RequestStore(client).exists("again")
+
+
+def test_a_router_sets_its_gil_switch_interval(redis, tiny_model_dir):
+    """The router's I/O pool threads (Redis batches) hand the GIL back to its event loop within the configured
+    interval, not Python's default 5 ms (docs/benchmarks.md: ~5-8 ms added to every relayed token at 256 streams)."""
+    before = sys.getswitchinterval()
+    router = start_router(RouterSettings(model=str(tiny_model_dir / "target"), redis_url=redis.url,
+                                         gil_switch_interval_ms=0.75))
+    try:
+        assert sys.getswitchinterval() == pytest.approx(0.00075)
+    finally:
+        router.stop()
+        sys.setswitchinterval(before)
+    assert RouterSettings(model=str(tiny_model_dir / "target")).gil_switch_interval_ms == 0.5
