@@ -407,10 +407,10 @@ def choose_config(q: torch.Tensor, num_kv_heads: int, batch: int, max_q_len: int
     with 32-key tiles (71% with 64); extend at 4096 tokens reaches 230 TFLOP/s with 64-key tiles (218 with 128).
 
     Keys split every ``split_len`` positions (``choose_split_len``; ``num_splits`` instead: that many over
-    ``max_kv_len``, for tests and benchmarks: one program per split). A launch with few blocks gives each
-    ``SPLIT_PROGRAMS`` waves' worth of programs, each running every n'th split of its block, and merges the
-    partials in a second kernel; one with enough programs (or too many partials to hold) runs every split of
-    a query block in one program, merging in the same order: the same bits either way.
+    ``max_kv_len``, for tests and benchmarks: one program per split). A launch of fewer blocks than
+    ``SPLIT_PROGRAMS`` per SM gives each block floor(that / blocks) programs, each running every n'th split of
+    it, and merges the partials in a second kernel; one with enough programs (or too many partials to hold)
+    runs every split of a query block in one program, merging in the same order: the same bits either way.
     """
     group = q.shape[1] // num_kv_heads
     d = q.shape[2]

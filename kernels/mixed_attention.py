@@ -21,6 +21,7 @@ gathered and scattered through index tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -71,7 +72,8 @@ def _part(meta: AttentionMetadata, reqs: list[int]) -> Part:
     else:
         rows = _runs(qo, reqs).to(device)
         kv_indices = meta.kv_indices[_runs(kv, reqs).to(device)]
-    qo_sub, kv_sub, pre_sub = _indptr(q_lens), _indptr(kv_lens), [pre[b] for b in reqs]
+    qo_sub, kv_sub = list(accumulate(q_lens, initial=0)), list(accumulate(kv_lens, initial=0))
+    pre_sub = [pre[b] for b in reqs]
     host = torch.tensor(qo_sub + kv_sub + pre_sub, dtype=torch.int64, pin_memory=device.type == "cuda")
     dev = host.to(device, non_blocking=True)
     n = len(reqs)
@@ -85,13 +87,6 @@ def _part(meta: AttentionMetadata, reqs: list[int]) -> Part:
 def _runs(indptr: list[int], reqs: list[int]) -> torch.Tensor:
     """The positions ``indptr[b]..indptr[b + 1]`` of every request of ``reqs``, in order (on the host)."""
     return torch.cat([torch.arange(indptr[b], indptr[b + 1], dtype=torch.int64) for b in reqs])
-
-
-def _indptr(lens: list[int]) -> list[int]:
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + n)
-    return out
 
 
 def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,

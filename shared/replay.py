@@ -18,6 +18,7 @@ rank 0's arguments, its chosen seed included; a step's admissions and commit are
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -87,10 +88,8 @@ class Leading:
         self._scheduler.activate(req, committed_len, state, output_ids, output_logprobs)
 
     def retire(self, req: Request, reason: str | None = None) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # the group is broken: rank 0's own pages are freed all the same
             self._send("retire", req.rid, reason)
-        except RuntimeError:  # the group is broken: rank 0's own pages are freed all the same
-            pass
         self._scheduler.retire(req, reason)
 
     def flush_prefix_cache(self) -> int:
