@@ -147,8 +147,10 @@ for stage in "$@"; do
       run attention 570 python3 bench/bench_attention.py --quick --out "$OUT/attention.json"
       ;;
     tp-tests)
-      run tp_tests 540 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py \
-        tests/gpu/test_tensor_parallel_stack_gpu.py \
+      # --timeout: a hung test prints every thread's stack and the rest still run (pytest-timeout from .whl)
+      run tp_tests 560 python3 -m pytest -q -p no:cacheprovider --timeout 240 -rA \
+        tests/gpu/test_tensor_parallel_stack_gpu.py tests/gpu/test_tensor_parallel_gpu.py \
+        tests/gpu/test_tensor_parallel_load_gpu.py \
         "tests/gpu/test_graphs_gpu.py::test_an_engine_on_the_second_gpu_stepped_from_another_thread"
       ;;
     tp-cache)  # issue 33 under TP: tests/gpu/test_tensor_parallel_gpu.py's prefix-cache hand-offs (wire, ipc)
