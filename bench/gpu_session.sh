@@ -155,15 +155,19 @@ for stage in "$@"; do
       ;;
     tp-diag)  # the TP GPU tests one at a time, each with its own bound; at the bound every Python process of the
       # test (pytest and its spawned ranks, PYTHONFAULTHANDLER) prints its threads' stacks into the log, then ends
-      for t in "tests/gpu/test_tensor_parallel_gpu.py::test_collectives_captured_in_a_cuda_graph_replay_on_new_inputs 100" \
-               "tests/gpu/test_tensor_parallel_gpu.py::test_tp2_over_nccl_equals_one_gpu[False] 150" \
-               "tests/gpu/test_tensor_parallel_stack_gpu.py::test_a_tp2_service_over_nccl_in_the_stack_gives_one_gpus_greedy_output[tp2-decode-grpc-stream] 150" \
-               "tests/gpu/test_tensor_parallel_load_gpu.py 60"; do
+      S=tests/gpu/test_tensor_parallel_stack_gpu.py::test_a_tp2_service_over_nccl_in_the_stack_gives_one_gpus_greedy_output
+      for t in "$S[tp2-decode-grpc-stream] 130" "tests/gpu/test_tensor_parallel_gpu.py::test_tp2_over_nccl_equals_one_gpu[True] 150" \
+               "$S[tp2-prefill-ipc] 110" "tests/gpu/test_tensor_parallel_gpu.py -k prefix_cache 100" \
+               "tests/gpu/test_tensor_parallel_load_gpu.py 30" \
+               "tests/gpu/test_graphs_gpu.py::test_an_engine_on_the_second_gpu_stepped_from_another_thread 50" \
+               "tests/gpu/test_tensor_parallel_gpu.py::test_collectives_captured_in_a_cuda_graph_replay_on_new_inputs 30" \
+               "tests/gpu/test_tensor_parallel_gpu.py::test_tp2_over_nccl_equals_one_gpu[False] 60"; do
         set -- $t
-        name=tp_diag_$(echo "$1" | sed 's/.*:://; s/[^A-Za-z0-9]/_/g' | cut -c1-40)
-        ( sleep $(($2 - 15)); pkill -ABRT -f spawn_main; sleep 3; pkill -ABRT -f "pytest.*$(basename "${1%%::*}")" ) &
+        secs=${!#}; args=("${@:1:$#-1}")
+        name=tp_diag_$(echo "${args[*]}" | sed 's/.*:://; s/[^A-Za-z0-9]/_/g' | cut -c1-40)
+        ( sleep $((secs - 15)); pkill -ABRT -f spawn_main; sleep 3; pkill -ABRT -f "pytest.*$(basename "${1%%::*}")" ) &
         watcher=$!
-        PYTHONFAULTHANDLER=1 run "$name" "$2" python3 -m pytest -q -s -p no:cacheprovider -rA "$1"
+        PYTHONFAULTHANDLER=1 run "$name" "$secs" python3 -m pytest -q -s -p no:cacheprovider -rA "${args[@]}"
         kill $watcher 2>/dev/null; pkill -9 -f spawn_main; sleep 1
       done
       shift $#

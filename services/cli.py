@@ -251,9 +251,9 @@ def follow_generate(tp, model, draft, config) -> None:
 
 
 def _end_group(ranks: list) -> None:
-    import torch.distributed as dist
+    from shared.parallel import leave_group
 
-    dist.destroy_process_group()
+    leave_group()
     for p in ranks:
         p.join(timeout=30)
 

@@ -26,12 +26,10 @@ import os
 import threading
 import time
 
-import torch.distributed as dist
-
 from shared.engine import Engine
 from shared.follower import Follower
 from shared.model.config import ModelConfig
-from shared.parallel import TPGroup, check_split, free_address, init_group, start_ranks
+from shared.parallel import TPGroup, check_split, free_address, init_group, leave_group, start_ranks
 
 
 def start_engine(role: str, settings) -> Engine | Leader:
@@ -90,17 +88,17 @@ class Leader:
             raise RuntimeError(f"the tensor-parallel group is broken: {self.broken}") from e
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """End the followers (their pipes close: each returns from ``follow``) and this rank's group."""
+        """End the followers (their pipes close: each returns from ``follow`` and leaves the group) and this
+        rank's part of the group, as they leave theirs (NCCL's destroy waits for every rank's)."""
         for pipe in self._pipes:
             pipe.close()
         deadline = time.monotonic() + timeout_s
+        leave_group(timeout_s)
         for p in self.ranks:
             p.join(max(0.1, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join(5)
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 class PipeEnd:

@@ -32,10 +32,12 @@ before the first capture (``warm_up``), and nothing inside a captured phase talk
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -167,6 +169,22 @@ def free_address() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
+def leave_group(timeout_s: float = 30.0) -> bool:
+    """This rank's part of ending the group: ``destroy_process_group``, which under NCCL waits for the other
+    ranks' (each rank calls this as the others do, not after joining them); past ``timeout_s`` (a rank that
+    died or never came) the group is aborted instead. True when it ended cleanly."""
+    if not dist.is_initialized():
+        return True
+    done = threading.Thread(target=dist.destroy_process_group, name="eyrie-tp-leave", daemon=True)
+    done.start()
+    done.join(timeout_s)
+    if not done.is_alive():
+        return True
+    with contextlib.suppress(Exception):  # aborting is local: it returns whatever state the peers are in
+        dist.distributed_c10d._abort_process_group()
+    return False
+
+
 def _rank_main(rank: int, size: int, address: str, device: str, fn: Callable, args: tuple) -> None:
     try:
         tp = init_group(size, rank, address, device)
@@ -174,7 +192,8 @@ def _rank_main(rank: int, size: int, address: str, device: str, fn: Callable, ar
     except BaseException:  # noqa: BLE001 (a rank's failure is reported on its stderr, then exit 1)
         traceback.print_exc()
         sys.exit(1)
-    dist.destroy_process_group()
+    if not leave_group():
+        sys.exit(1)
 
 
 def start_ranks(ranks: range, size: int, address: str, device: str, fn: Callable, args: tuple) -> list:
