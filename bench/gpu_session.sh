@@ -156,15 +156,18 @@ for stage in "$@"; do
     tp-diag)  # the TP GPU tests one at a time, each with its own bound; at the bound every Python process of the
       # test (pytest and its spawned ranks, PYTHONFAULTHANDLER) prints its threads' stacks into the log, then ends
       S=tests/gpu/test_tensor_parallel_stack_gpu.py::test_a_tp2_service_over_nccl_in_the_stack_gives_one_gpus_greedy_output
-      for t in "$S[tp2-decode-grpc-stream] 130" "tests/gpu/test_tensor_parallel_gpu.py::test_tp2_over_nccl_equals_one_gpu[True] 150" \
-               "$S[tp2-prefill-ipc] 110" "tests/gpu/test_tensor_parallel_gpu.py -k prefix_cache 100" \
-               "tests/gpu/test_tensor_parallel_load_gpu.py 30" \
-               "tests/gpu/test_graphs_gpu.py::test_an_engine_on_the_second_gpu_stepped_from_another_thread 50" \
-               "tests/gpu/test_tensor_parallel_gpu.py::test_collectives_captured_in_a_cuda_graph_replay_on_new_inputs 30" \
-               "tests/gpu/test_tensor_parallel_gpu.py::test_tp2_over_nccl_equals_one_gpu[False] 60"; do
+      DIAG=(); [ -n "${TP_DIAG:-}" ] && IFS=';' read -ra DIAG <<< "$TP_DIAG"  # "test bound;test bound;..."
+      [ ${#DIAG[@]} -gt 0 ] || DIAG=("$S[tp2-decode-grpc-stream] 130" "tests/gpu/test_tensor_parallel_gpu.py::test_tp2_over_nccl_equals_one_gpu[True] 150"  \
+                 "$S[tp2-prefill-ipc] 110" "tests/gpu/test_tensor_parallel_gpu.py -k prefix_cache 100"  \
+                 "tests/gpu/test_tensor_parallel_load_gpu.py 30"  \
+                 "tests/gpu/test_graphs_gpu.py::test_an_engine_on_the_second_gpu_stepped_from_another_thread 50"  \
+                 "tests/gpu/test_tensor_parallel_gpu.py::test_collectives_captured_in_a_cuda_graph_replay_on_new_inputs 30"  \
+                 "tests/gpu/test_tensor_parallel_gpu.py::test_tp2_over_nccl_equals_one_gpu[False] 60")
+      k=0
+      for t in "${DIAG[@]}"; do
         set -- $t
         secs=${!#}; args=("${@:1:$#-1}")
-        name=tp_diag_$(echo "${args[*]}" | sed 's/.*:://; s/[^A-Za-z0-9]/_/g' | cut -c1-40)
+        k=$((k + 1)); name=tp_diag_${k}_$(echo "${args[*]}" | sed 's/.*:://; s/[^A-Za-z0-9]/_/g' | cut -c1-40)
         ( sleep $((secs - 15)); pkill -ABRT -f spawn_main; sleep 3; pkill -ABRT -f "pytest.*$(basename "${1%%::*}")" ) &
         watcher=$!
         PYTHONFAULTHANDLER=1 run "$name" "$secs" python3 -m pytest -q -s -p no:cacheprovider -rA "${args[@]}"

@@ -184,6 +184,14 @@ class PhaseGraphs:
         for b in [b for b in self._graphs if b >= bs]:
             del self._graphs[b]
 
+    def release(self) -> None:
+        """Drop every captured graph (this phase runs eagerly from now on): before a tensor-parallel group is
+        destroyed, since NCCL's destroy hangs while a graph holding its collectives lives (pytorch#115388)."""
+        for graph, _, _ in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self.capture = False
+
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None) if self.enabled else None
 

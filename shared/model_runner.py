@@ -415,6 +415,11 @@ class ModelRunner:
         """The CUDA graph phases ``capture_graphs`` captures (the speculator's, else the target decode's)."""
         return self.speculator.phase_graphs() if self.speculator is not None else [self.decode_graphs]
 
+    def release_graphs(self) -> None:
+        """Drop every CUDA graph (steps run eagerly after): a rank does so before it leaves its group."""
+        for g in self.phase_graphs():
+            g.release()
+
 
 def resolved_dtype(config: EngineConfig, model: str | Path | LlamaForCausalLM) -> EngineConfig:
     """``config`` with ``dtype="auto"`` resolved for the target ``model`` (``resolve_dtype``: the checkpoint's

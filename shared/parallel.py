@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import multiprocessing
 import socket
 import sys
@@ -171,10 +172,12 @@ def free_address() -> str:
 
 def leave_group(timeout_s: float = 30.0) -> bool:
     """This rank's part of ending the group: ``destroy_process_group``, which under NCCL waits for the other
-    ranks' (each rank calls this as the others do, not after joining them); past ``timeout_s`` (a rank that
-    died or never came) the group is aborted instead. True when it ended cleanly."""
+    ranks' (each rank calls this as the others do, not after joining them) and hangs while a CUDA graph that
+    captured its collectives lives (pytorch#115388: the caller releases its engines' graphs first); past
+    ``timeout_s`` (a rank that died or never came) the group is aborted instead. True when it ended cleanly."""
     if not dist.is_initialized():
         return True
+    gc.collect()  # engines gone out of use: their CUDA graphs (NCCL's destroy hangs while one lives) freed now
     done = threading.Thread(target=dist.destroy_process_group, name="eyrie-tp-leave", daemon=True)
     done.start()
     done.join(timeout_s)
