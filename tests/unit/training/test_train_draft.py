@@ -59,9 +59,11 @@ def test_written_head_is_lossless_and_accepted_through_the_engine(trained, oracl
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     plain = [r.token_ids for r in Engine(target, config=EngineConfig(chunk_size=8)).generate(prompts, params)]
     for spec in (SpecConfig(topk=1, steps=3, num_draft_tokens=4), SpecConfig(topk=2, steps=3, num_draft_tokens=6)):
-        engine = Engine(target, draft=out, config=EngineConfig(chunk_size=8, spec=spec))
+        engine = Engine(target, draft=out, config=EngineConfig(chunk_size=8, spec=spec, spec_policy="fixed"))
         assert [r.token_ids for r in engine.generate(prompts, params)] == plain, spec
-        assert engine.spec_stats.totals.accept_length > 1.5, spec  # the trained head, not a random one
+        # The trained head, not a random one: every step the shape asked for (``fixed``; the adaptive default
+        # chooses by measured step times, so a loaded machine's steps would move the figure).
+        assert engine.spec_stats.totals.accept_length > 1.5, spec
         assert engine.is_idle_and_clean()
 
 
