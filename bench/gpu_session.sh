@@ -25,7 +25,9 @@
 #                                   # page it lacks (ipc, grpc-stream), greedy == one engine; the hand-off GPU tests (issue 33)
 #   bench/gpu_session.sh local      # c32 and c1, the stack with short prompts prefilled on the decode service, then without
 #   bench/gpu_session.sh features   # a penalised EAGLE-3 iteration vs a plain one, batch 1 and 32 (bench_features.py)
-#   bench/gpu_session.sh tp-tests   # two GPUs: TP-2 over NCCL == one GPU (graphs on/off), TP services, the second GPU
+#   bench/gpu_session.sh tp-tests   # two GPUs: TP-2 over NCCL == one GPU (graphs on/off), TP services, the second GPU,
+#                                   # each test its own process and bound, stacks of every process at a bound
+#                                   # (TP_DIAG="TEST BOUND;TEST BOUND": a chosen few; ~4 min for all)
 #   bench/gpu_session.sh tp-cache   # two GPUs: a TP-2 decode engine's prefix cache over NCCL, graphs on: a hand-off
 #                                   # takes the pages both ranks hold and is sent the rest, output/bytes/K/V == TP 1
 #   bench/gpu_session.sh tp         # two GPUs: 8B decode step TP 1 vs TP 2 vs its floor, IPC into a peer GPU (bench_tp.py)
@@ -146,14 +148,7 @@ for stage in "$@"; do
     attention)
       run attention 570 python3 bench/bench_attention.py --quick --out "$OUT/attention.json"
       ;;
-    tp-tests)
-      # --timeout: a hung test prints every thread's stack and the rest still run (pytest-timeout from .whl)
-      run tp_tests 560 python3 -m pytest -q -p no:cacheprovider --timeout 240 -rA \
-        tests/gpu/test_tensor_parallel_stack_gpu.py tests/gpu/test_tensor_parallel_gpu.py \
-        tests/gpu/test_tensor_parallel_load_gpu.py \
-        "tests/gpu/test_graphs_gpu.py::test_an_engine_on_the_second_gpu_stepped_from_another_thread"
-      ;;
-    tp-diag)  # the TP GPU tests one at a time, each with its own bound; at the bound every Python process of the
+    tp-tests|tp-diag)  # the TP GPU tests one at a time, each with its own bound; at the bound every Python process of the
       # test (pytest and its spawned ranks, PYTHONFAULTHANDLER) prints its threads' stacks into the log, then ends
       S=tests/gpu/test_tensor_parallel_stack_gpu.py::test_a_tp2_service_over_nccl_in_the_stack_gives_one_gpus_greedy_output
       DIAG=(); [ -n "${TP_DIAG:-}" ] && IFS=';' read -ra DIAG <<< "$TP_DIAG"  # "test bound;test bound;..."
