@@ -4,6 +4,7 @@
 # JSON under $OUT (default ./out/gpu), so a stage cut off by its time limit still leaves what it did.
 #
 #   bench/gpu_session.sh suite      # the whole GPU suite, one command: pytest tests/gpu tests/unit -m gpu
+#   SUITE_PART=1 bench/gpu_session.sh suite-x2   # two GPUs: half the one-GPU suite, both GPUs at once (then PART=2)
 #   bench/gpu_session.sh hazards    # which events invalidate a CUDA graph capture (bench/capture_hazards.py)
 #   bench/gpu_session.sh tests      # GPU tests: kernels at real shapes, graphs == eager == CPU, drafting ahead
 #   bench/gpu_session.sh choices    # n=16 choices through the stack on the GPU: the target's law, choices independent
@@ -91,6 +92,16 @@ run() {  # run NAME SECONDS COMMAND...: the command's output in $OUT/NAME.log, i
 
 for stage in "$@"; do
   case $stage in
+    suite-x2)  # two GPUs: half the one-GPU suite (SUITE_PART=1 or 2: tests/gpu's files alternately, part 2 with
+      # tests/unit -m gpu) on both GPUs at once, an xdist worker per GPU (EYRIE_GPU_PER_WORKER, tests/conftest.py);
+      # -v streams each result into the log, so a call cut off still says what ran. The two-GPU tests: tp-tests.
+      mapfile -t files < <(ls tests/gpu/test_*.py | sort)
+      part=${SUITE_PART:-1}; sel=()
+      for i in "${!files[@]}"; do [ $((i % 2 + 1)) = "$part" ] && sel+=("${files[$i]}"); done
+      [ "$part" = 2 ] && sel+=(tests/unit)
+      EYRIE_GPU_PER_WORKER=2 run "gpu_suite_x2_part$part" 560 python3 -m pytest -v -p no:cacheprovider -n 2 \
+        --dist loadfile --timeout 300 --durations 30 -m gpu "${sel[@]}"
+      ;;
     suite)
       run gpu_suite 540 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit -m gpu
       ;;

@@ -8,6 +8,13 @@ import os
 import pytest
 import torch
 
+# EYRIE_GPU_PER_WORKER=N (bench/gpu_session.sh suite-x2): pytest-xdist worker k sees only GPU k mod N, set before
+# CUDA starts (the check below starts it), so the one-GPU tests run N at a time on a machine of N GPUs (the two-GPU
+# tests then skip: they run apart).
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("EYRIE_GPU_PER_WORKER"):
+    _worker = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw"))
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(_worker % int(os.environ["EYRIE_GPU_PER_WORKER"]))
+
 # Triton kernels run under the interpreter when there is no GPU; set before any kernel is imported
 # (forced: without a GPU the kernel tests have no other way to run).
 if not torch.cuda.is_available():
