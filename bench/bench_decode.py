@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import build_draft, build_target, copy_bandwidth, engine_config, param_bytes, time_cuda, write_json
 from shared.config import SpecConfig
 from shared.engine import Engine
+from shared.model.fp8 import mark_same_rows
 from shared.sampling import SamplingParams
 from shared.stepping import drive
 
@@ -312,6 +313,9 @@ def main():
     ap.add_argument("--plain-step", action="store_true",
                     help="also time the adaptive policy's plain step (with a draft) against a plain engine's "
                          "decode step at --batches x --contexts, graph and eager")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="the engine's batch_invariant: every projection of the target and its LM head through the "
+                         "launch whose row output does not depend on the row count (its price against the default)")
     args = ap.parse_args()
     torch.manual_seed(0)
     t0 = time.time()
@@ -319,8 +323,11 @@ def main():
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
     target = build_target()
-    print(f"target weights {param_bytes(target) / 1e9:.2f} GB", flush=True)
-    results = {"device": torch.cuda.get_device_name(), "copy_bw_Bps": bw, "decode": [], "verify": [], "spec": [],
+    if args.batch_invariant:
+        mark_same_rows(target, every_row_count=True)
+    print(f"target weights {param_bytes(target) / 1e9:.2f} GB, batch_invariant {args.batch_invariant}", flush=True)
+    results = {"device": torch.cuda.get_device_name(), "copy_bw_Bps": bw, "batch_invariant": args.batch_invariant,
+               "decode": [], "verify": [], "spec": [],
                "spec_grid": [], "plain_step": []}
     if not args.skip_decode:
         bench_target_decode(target, bw, [int(x) for x in args.batches.split(",")],

@@ -4,6 +4,7 @@
 # JSON under $OUT (default ./out/gpu), so a stage cut off by its time limit still leaves what it did.
 #
 #   bench/gpu_session.sh suite      # the whole GPU suite, one command: pytest tests/gpu tests/unit -m gpu
+#   bench/gpu_session.sh batch-invariant  # batch_invariant's GPU tests, then its price on the decode step (~5 min)
 #   SUITE_PART=1 bench/gpu_session.sh suite-x2   # two GPUs: half the one-GPU suite, both GPUs at once (then PART=2)
 #   bench/gpu_session.sh hazards    # which events invalidate a CUDA graph capture (bench/capture_hazards.py)
 #   bench/gpu_session.sh tests      # GPU tests: kernels at real shapes, graphs == eager == CPU, drafting ahead
@@ -92,6 +93,15 @@ run() {  # run NAME SECONDS COMMAND...: the command's output in $OUT/NAME.log, i
 
 for stage in "$@"; do
   case $stage in
+    batch-invariant)  # the engine's batch_invariant: its GPU tests (a row's bits at every row count at the 8B
+      # shapes; greedy with a draft == without at batch in bf16), then the batch-1/32 decode step and the EAGLE-3
+      # iteration without and with it (its price). Through the stack: EYRIE_BATCH_INVARIANT=true ... policy
+      run batch_invariant_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_batch_invariant_gpu.py
+      for bi in off on; do
+        run "batch_invariant_decode_$bi" 150 python3 bench/bench_decode.py --batches 1,32 --contexts 1024 \
+          --draft eagle3 --verify-ns 8 $([ $bi = on ] && echo --batch-invariant) --out "$OUT/batch_invariant_$bi.json"
+      done
+      ;;
     suite-x2)  # two GPUs: half the one-GPU suite (SUITE_PART=1 or 2: tests/gpu's files alternately, part 2 with
       # tests/unit -m gpu) on both GPUs at once, an xdist worker per GPU (EYRIE_GPU_PER_WORKER, tests/conftest.py);
       # -v streams each result into the log, so a call cut off still says what ran. The two-GPU tests: tp-tests.
@@ -348,7 +358,7 @@ for stage in "$@"; do
       echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention, serving," \
         "features, tp-tests, tp, local, memory, layouts, layouts4, peer, nixl, receive, policy, graphs," \
         "prefix, prefix-route, decode-cache, prefix-bench, prefix-bench2, profile, profile-host, profile-mixed," \
-        "split-attn, anatomy, mixed-attn)" >&2
+        "split-attn, anatomy, mixed-attn, batch-invariant, suite-x2, tp-diag)" >&2
       exit 2
       ;;
   esac

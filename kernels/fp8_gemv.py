@@ -155,13 +155,15 @@ def check_config(rows: int, k: int, bk: int, config: tuple[int, int, int, int]) 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                bias: torch.Tensor | None = None, *, backend: str = "auto",
-               config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """``x @ (weight * scale).T + bias`` for FP8 ``weight`` [N, K] with ``scale`` in ``block``s."""
+               config: tuple[int, int, int, int] | None = None, max_rows: int | None = MAX_ROWS) -> torch.Tensor:
+    """``x @ (weight * scale).T + bias`` for FP8 ``weight`` [N, K] with ``scale`` in ``block``s: the kernel up to
+    ``max_rows`` rows (None: at every row count, a row's bits never depending on the others), the reference
+    past them."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     n, k = weight.shape
     bn, bk = block
     use = triton is not None and (backend == "triton" or (backend == "auto" and x.is_cuda))
-    if not use or rows == 0 or rows > MAX_ROWS or (bk < k and bk & -bk < 16):
+    if not use or rows == 0 or (max_rows is not None and rows > max_rows) or (bk < k and bk & -bk < 16):
         return fp8_linear_ref(x, weight, scale, block, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(rows, k)
@@ -183,14 +185,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 
 
 def same_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                     backend: str = "auto") -> torch.Tensor:
+                     backend: str = "auto", max_rows: int | None = MAX_ROWS) -> torch.Tensor:
     """``x @ weight.T + bias`` for a dense (bf16/fp16/fp32) ``weight`` through the same ``tl.dot`` launch as
     the FP8 product (the conversion is a no-op and the per-channel scale is one 1.0): a row's output is the
-    same bits at every row count up to ``MAX_ROWS``, which ``kernels/gemv.py`` (one row, 2-16, then cuBLAS)
-    does not give. An FP8 target's bf16 LM head runs it (``shared/model/fp8.py prepare``), so a decode step's
-    logits and a verify step's agree."""
+    same bits at every row count up to ``max_rows`` (None: every count), which ``kernels/gemv.py`` (one row,
+    2-16, then cuBLAS) does not give. An FP8 target's bf16 LM head runs it (``shared/model/fp8.py prepare``),
+    and a bf16 target's every projection under the engine's ``batch_invariant``, so a decode step's logits and
+    a verify step's agree."""
     unit = unit_scale(x.device)
-    return fp8_linear(x, weight, unit, (weight.shape[0], weight.shape[1]), bias, backend=backend)
+    return fp8_linear(x, weight, unit, (weight.shape[0], weight.shape[1]), bias, backend=backend, max_rows=max_rows)
 
 
 _UNIT: dict[torch.device, torch.Tensor] = {}

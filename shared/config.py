@@ -158,6 +158,12 @@ class EngineConfig(BaseModel):
                                  "heads; one process per rank over NCCL on `cuda`, one GPU each from `device`'s, gloo "
                                  "on `cpu`); the draft head runs whole on every rank. A service is rank 0 and starts "
                                  "the other ranks as followers")  # shared/parallel.py
+    batch_invariant: bool = Field(False, description="on `cuda`: every projection of the target and its LM head "
+                                  "through one launch whose output for a row is the same bits whatever rows run "
+                                  "beside it (kernels/fp8_gemv.py), at every row count: greedy output with a draft "
+                                  "then equals greedy output without, token for token, in bf16 as in FP8, whatever "
+                                  "the batch (cuBLAS and the few-row kernel sum a row in an order that depends on the "
+                                  "row count); slower than those (docs/benchmarks.md); no effect on the CPU")
     # Off by default until the whole engine, spec and hand-off test directories have run with it on (issue 33),
     # and its GPU test has run.
     prefix_cache: bool = Field(False, description="keep prefilled prompt pages (target and draft K/V) for later "

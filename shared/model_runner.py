@@ -53,6 +53,7 @@ from shared.memory.sizing import (
     profiled_reserve,
 )
 from shared.model.drafts import DraftHead, load_draft
+from shared.model.fp8 import mark_same_rows
 from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.model.loader import load_target
 from shared.model.shard_loader import load_target_shard, read_lm_head
@@ -107,6 +108,8 @@ class ModelRunner:
             draft, self.model, config.dtype, config.device, lm_head)  # before the pools: sized after the weights
         if tp is not None:  # a target passed in whole: split after the draft's load, which may copy its LM head
             shard_target(self.model, tp, self.device)
+        if config.batch_invariant:  # a row's product the same bits at every row count (after the split's copies)
+            mark_same_rows(self.model, every_row_count=True)
         self.load_peak, self.step_peaks = 0, None  # on one GPU: set by the profile run (``_step_reserve``)
         self.memory_plan: dict | None = None  # on a GPU without num_pages: the figures the pools were sized by
         self.config = config = self._fit_pools(config, self.head, reserved)

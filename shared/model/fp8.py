@@ -265,16 +265,23 @@ def prepare(model: nn.Module) -> nn.Module:
     return model
 
 
-def mark_same_rows(model: nn.Module) -> None:
-    """Mark an FP8 model's dense projection weights (its bf16 LM head, unquantized modules): ``linear`` runs
-    them through ``kernels.fp8_gemv.same_rows_linear`` on CUDA, whose output for a row does not depend on the
-    row count, so a decode step's logits and a verify step's are the same bits (``kernels/gemv.py`` sums one
-    row, 2-16 rows and more in three orders). The unit scale it needs is made here, outside any capture."""
+def mark_same_rows(model: nn.Module, every_row_count: bool = False) -> None:
+    """Mark a model's dense projection weights (an FP8 model's bf16 LM head, unquantized modules; every one of
+    a bf16 model's with ``every_row_count``): ``linear`` runs them through ``kernels.fp8_gemv.same_rows_linear``
+    on CUDA, whose output for a row does not depend on the row count, so a decode step's logits and a verify
+    step's are the same bits (``kernels/gemv.py`` sums one row, 2-16 rows and more in three orders).
+    ``every_row_count`` (the engine's ``batch_invariant``): at every row count, not only up to ``MAX_ROWS``
+    (long prefill chunks, and a mixed step's decode rows beside one, included), FP8 weights too. The unit scale
+    the launch needs is made here, outside any capture."""
     for m in model.modules():
         if isinstance(m, nn.Embedding):
             continue
         for t in [*m.parameters(recurse=False), *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]:
-            if t.dim() == 2 and t.is_floating_point() and not is_fp8(t):
+            if t.dim() == 2 and t.is_floating_point():
+                if every_row_count:
+                    t.same_rows_unbounded = True
+                if is_fp8(t):
+                    continue
                 t.same_rows = True
                 if t.is_cuda:
                     from kernels import fp8_gemv
@@ -293,19 +300,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``x @ W.T + b`` for a dense weight (``kernels/gemv.py``; an FP8 model's ``same_rows`` ones: the FP8
     kernel's launch) or an FP8 one (see the module's docstring)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    every = getattr(weight, "same_rows_unbounded", False)  # ``mark_same_rows(every_row_count=True)``
     if not is_fp8(weight):
         if getattr(weight, "same_rows", False) and x.is_cuda and x.dtype == weight.dtype and 0 < rows \
-                and _gemv_on(rows):
+                and (every or _gemv_on(rows)):
             from kernels import fp8_gemv
 
-            return fp8_gemv.same_rows_linear(x, weight, bias)
+            return fp8_gemv.same_rows_linear(x, weight, bias, max_rows=None if every else fp8_gemv.MAX_ROWS)
         return dense_linear(x, weight, bias)
     if not x.is_cuda:
         return F.linear(x, dequantized(weight, x.dtype), bias)
     from kernels import fp8_gemv
 
-    if _gemv_on(rows):
-        return fp8_gemv.fp8_linear(x, weight, weight.fp8_scale, weight.fp8_block, bias)
+    if every or _gemv_on(rows):
+        return fp8_gemv.fp8_linear(x, weight, weight.fp8_scale, weight.fp8_block, bias,
+                                   max_rows=None if every else fp8_gemv.MAX_ROWS)
     return scaled_mm_linear(x, weight, bias)
 
 

@@ -143,3 +143,22 @@ def test_a_dense_weight_through_the_fp8_launch_is_the_same_bits_at_every_row_cou
         assert torch.equal(same_rows_linear(x[:rows], w, b, backend="triton"), every[:rows]), rows
     for row in (3, TILE_ROWS + 2, x.shape[0] - 1):
         assert torch.equal(same_rows_linear(x[row:row + 1], w, b, backend="triton"), every[row:row + 1]), row
+
+
+def test_every_row_count_runs_the_launch_past_max_rows_when_asked():
+    """The engine's ``batch_invariant`` (``max_rows=None``): past ``MAX_ROWS`` rows (a long prefill chunk, a mixed
+    step's decode rows beside one) the same launch still runs, a row the same bits as alone or among fewer rows;
+    by default those rows go to the reference product instead."""
+    torch.manual_seed(11)
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    w = torch.randn(24, 32, dtype=dtype, device=DEVICE)
+    x = torch.randn(MAX_ROWS + 3, 32, dtype=dtype, device=DEVICE)
+    every = same_rows_linear(x, w, backend="triton", max_rows=None)
+    ref = torch.nn.functional.linear(x.double(), w.double())
+    assert ((every.double() - ref).norm() / ref.norm()).item() < (1e-5 if dtype == torch.float32 else 2e-2)
+    for rows in (1, TILE_ROWS + 1, MAX_ROWS):
+        assert torch.equal(same_rows_linear(x[:rows], w, backend="triton", max_rows=None), every[:rows]), rows
+    last = x.shape[0] - 1
+    assert torch.equal(same_rows_linear(x[last:], w, backend="triton"), every[last:])
+    bounded = same_rows_linear(x, w, backend="triton")  # the reference past MAX_ROWS: F.linear's product
+    torch.testing.assert_close(bounded, torch.nn.functional.linear(x, w))
