@@ -92,6 +92,7 @@ class ModelRunner:
                              f"(got {tp.size if tp is not None else 'none'})")
         self.tp, self.role = tp, role
         self.channel = channel or (GroupChannel(tp) if tp is not None else None)
+        self.leads = tp is not None and tp.rank == 0  # rank 0 of a split group: sends its calls (``send``)
         if tp is not None:
             config = config.model_copy(update={"device": rank_device(config.device, tp.rank)})
         if role == "decode" and not config.shareable_kv:  # a same-host prefill writes into its pools
@@ -217,7 +218,7 @@ class ModelRunner:
     def send(self, name: str, *args) -> None:
         """On rank 0 of a split group, the call ``name(*args)`` to every other rank, before rank 0 runs it; a
         no-op on one rank and on the others (which run it from ``receive``)."""
-        if self.tp is not None and self.tp.rank == 0:
+        if self.leads:
             self.channel.send((name, *args))
 
     def receive(self) -> tuple | None:
@@ -227,7 +228,7 @@ class ModelRunner:
     def leading(self, scheduler: Scheduler) -> Scheduler:
         """The engine's scheduler as rank 0 of a split group uses it: each change to its tables made between
         steps sent to the other ranks, whose books must stay rank 0's (``shared.replay.Leading``)."""
-        return Leading(scheduler, self.send) if self.tp is not None and self.tp.rank == 0 else scheduler
+        return Leading(scheduler, self.send) if self.leads else scheduler
 
     # The hand-off's collectives under tensor parallelism (``shared.handoff.port.SplitPages``): K/V pages
     # between this rank's share of the KV heads and rank 0's staging caches of every head.
@@ -260,7 +261,8 @@ class ModelRunner:
         ``joins_next(batch)``: whether the next decode step runs a request ``batch`` does not (asked after the
         chunks ran; a draft launched ahead is for this batch only). Returns (request, tokens it committed). Rank 0
         of a split group sends the plan (its request ids and chunk bounds) and ``shape`` to the others first."""
-        self.send("run", described(plan, self.caches), shape)
+        if self.leads:  # (the plan's description is built only where it is sent)
+            self.send("run", described(plan, self.caches), shape)
         w = self.speculator
         if w is not None and (not plan.decode or shape is None):
             w.drop_ahead()  # no speculative step now: a draft launched ahead would be stale or wait in vain

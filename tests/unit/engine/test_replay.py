@@ -32,6 +32,7 @@ def pair(root, draft: str | None, send=None) -> tuple[Engine, Engine, deque]:
                           spec=SpecConfig(topk=2, steps=3, num_draft_tokens=6) if draft else None)
     leader, follower = (Engine(root / "target", root / draft if draft else None, config) for _ in range(2))
     sent = deque()
+    leader.runner.leads = True  # as rank 0 of a group: its calls are sent
     leader.runner.send = send or (lambda name, *args: sent.append((name, *args)))
     leader.scheduler = Leading(leader.scheduler, leader.runner.send)
     follower.runner.receive = lambda: sent.popleft() if sent else None
