@@ -4,6 +4,7 @@
 # JSON under $OUT (default ./out/gpu), so a stage cut off by its time limit still leaves what it did.
 #
 #   bench/gpu_session.sh suite      # the whole GPU suite, one command: pytest tests/gpu tests/unit -m gpu
+#   bench/gpu_session.sh router-cpu # the router benchmark (bench_router.py: 1 and 2 routers) on the GPU machine's cores
 #   bench/gpu_session.sh batch-invariant  # batch_invariant's GPU tests, then its price on the decode step (~5 min)
 #   SUITE_PART=1 bench/gpu_session.sh suite-x2   # two GPUs: half the one-GPU suite, both GPUs at once (then PART=2)
 #   bench/gpu_session.sh hazards    # which events invalidate a CUDA graph capture (bench/capture_hazards.py)
@@ -101,6 +102,11 @@ for stage in "$@"; do
         run "batch_invariant_decode_$bi" 150 python3 bench/bench_decode.py --batches 1,32 --contexts 1024 \
           --draft eagle3 --verify-ns 8 $([ $bi = on ] && echo --batch-invariant) --out "$OUT/batch_invariant_$bi.json"
       done
+      ;;
+    router-cpu)  # issue 29 on the GPU machine's own cores (16+, none shared with the bench as on the 2-core CPU
+      # machine): one router and two against synthetic instances with room for both, 256 and 512 streams
+      run router_cpu 300 python3 bench/bench_router.py --streams 256,512 --routers 1,2 --instances 8 --clients 4 \
+        --duration-s 10 --out "$OUT/router_cpu.json"
       ;;
     suite-x2)  # two GPUs: half the one-GPU suite (SUITE_PART=1 or 2: tests/gpu's files alternately, part 2 with
       # tests/unit -m gpu) on both GPUs at once, an xdist worker per GPU (EYRIE_GPU_PER_WORKER, tests/conftest.py);
@@ -358,7 +364,7 @@ for stage in "$@"; do
       echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention, serving," \
         "features, tp-tests, tp, local, memory, layouts, layouts4, peer, nixl, receive, policy, graphs," \
         "prefix, prefix-route, decode-cache, prefix-bench, prefix-bench2, profile, profile-host, profile-mixed," \
-        "split-attn, anatomy, mixed-attn, batch-invariant, suite-x2, tp-diag)" >&2
+        "split-attn, anatomy, mixed-attn, batch-invariant, suite-x2, tp-diag, router-cpu)" >&2
       exit 2
       ;;
   esac
