@@ -114,7 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--spec-steps", type=int, default=3)
     ap.add_argument("--spec-draft-tokens", type=int)
     ap.add_argument("--spec-policy", choices=["fixed", "adaptive"], help="per decode step: always speculate, or "
-                                                                         "speculate where it pays (default: fixed)")
+                                                                         "speculate where it pays (default: the "
+                                                                         "engine's, adaptive)")
     ap.add_argument("--spec-candidates", help="with --spec-policy adaptive: the tree shapes it chooses among besides "
                                               "the configured one (EYRIE_SPEC_CANDIDATES; default: chains of 1..3)")
     ap.add_argument("--prompts-file", help="text (or JSONL of {\"text\"}) the prompts are windows of, tokenized "

@@ -40,6 +40,8 @@
 #                                   # (services' logs in $OUT/memory-logs, their memory events in memory_events.log)
 #   bench/gpu_session.sh layouts    # two GPUs: colo1, pd1, pd2, colo2 as users deploy them, 8B-shaped pair, one table, ~8 min
 #                                   # (LAYOUT_TRANSPORT=grpc-stream: every layout's hand-off transport; default auto)
+#   bench/gpu_session.sh pd2-arrivals  # two GPUs: pd2 quiet and with arrivals, a peer copy's wait on the device vs
+#                                   # on the host (EYRIE_PEER_WAIT), ~8 min
 #   bench/gpu_session.sh layouts4   # four GPUs: pd4 (1P3D) vs colo4, the same workloads and goodput, ~6 min
 #   bench/gpu_session.sh peer       # two GPUs: peer hand-off tests, then a 4096-token 8B hand-off (target + EAGLE-3
 #                                   # draft) into a peer GPU, every copy mode (staged per chunk size, pull, runs;
@@ -286,6 +288,19 @@ for stage in "$@"; do
       done
       cat "$OUT/$stage.md" 2>/dev/null
       ;;
+    pd2-arrivals)  # issue 28: pd2's 32 streams quiet and while 2048-token prompts arrive (bench_serving's mixed
+      # workload), the copy into the peer GPU waiting on the device (the old way: a stream of the prefill process
+      # blocked on the decode GPU) against on the host (EYRIE_PEER_WAIT, shared/handoff/ipc.py); fixed chain of 3
+      [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
+      for wait in device host; do
+        EYRIE_PEER_WAIT=$wait run "pd2_arrivals_$wait" 250 python3 bench/bench_serving.py --layouts pd2 \
+          --model /tmp/wide/target --draft /tmp/wide/eagle3 --prompts-file /tmp/wide/heldout.jsonl \
+          --workdir "/tmp/pd2_$wait" --sweep 32 --point-seconds 10 --mixed-seconds 10 --deadline-s 220 \
+          --request-timeout-s 90 --spec-policy fixed --out "$OUT/pd2_arrivals_$wait.json"
+        [ -d "/tmp/pd2_$wait/logs-pd2" ] && cp -r "/tmp/pd2_$wait/logs-pd2" "$OUT/logs_pd2_$wait"
+        cat "$OUT/pd2_arrivals_$wait.md" 2>/dev/null
+      done
+      ;;
     prefix-bench|prefix-bench2)  # issue 33's benchmark, the widened pair built once (/tmp/wide), one table
       [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
       if [ "$stage" = prefix-bench ]; then which=colo1,pd1 prefixes=16; else which=pd2 prefixes=64; fi
@@ -364,7 +379,7 @@ for stage in "$@"; do
       echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention, serving," \
         "features, tp-tests, tp, local, memory, layouts, layouts4, peer, nixl, receive, policy, graphs," \
         "prefix, prefix-route, decode-cache, prefix-bench, prefix-bench2, profile, profile-host, profile-mixed," \
-        "split-attn, anatomy, mixed-attn, batch-invariant, suite-x2, tp-diag, router-cpu)" >&2
+        "split-attn, anatomy, mixed-attn, batch-invariant, suite-x2, tp-diag, router-cpu, pd2-arrivals)" >&2
       exit 2
       ;;
   esac

@@ -172,6 +172,7 @@ def write_in_place(source: PageSource, pools: list[torch.Tensor], dest_page_ids:
                             "page lists on the decode side")
     device = source.caches[0].pool.device
     side = _side_stream(device) if device.type == "cuda" else None
+    host_waits = side is not None and PEER_WAIT == "host" and any(p.device != device for p in pools)
     written, sent, last = 0, source.first_unsent(), None
     for inc in source.increments():
         if time.monotonic() > deadline - WRITE_MARGIN_S:
@@ -181,10 +182,17 @@ def write_in_place(source: PageSource, pools: list[torch.Tensor], dest_page_ids:
             # stream: by the time a hand-off starts, that stream holds later chunks (other requests' too), and
             # waiting for all of them held the first increment back. Without an event (an increment of
             # pages already written), everything queued so far is waited for.
-            if inc.written is not None:
+            waited = inc.written if inc.written is not None else torch.cuda.default_stream(device)
+            if host_waits:
+                # Into a peer GPU (the decode service's): this host thread waits (the GIL let go), so that
+                # nothing this process queues on the decode GPU sits there waiting for a chunk still computing
+                # here; another process's work blocked on that GPU takes its share of the time slices the GPU
+                # gives the decode service's steps (two processes time-slice one GPU without MPS).
+                waited.synchronize()
+            elif inc.written is not None:
                 side.wait_event(inc.written)
             else:
-                side.wait_stream(torch.cuda.default_stream(device))
+                side.wait_stream(waited)
         with source.guard.access():  # an abort waits for this increment's copies, then no other starts
             try:
                 written += _write_increment(source, pools, dest_page_ids, inc, sent, side)
@@ -208,6 +216,11 @@ def _drain(pools: list[torch.Tensor]) -> None:
         except Exception:  # noqa: S110 (a broken context: nothing more can land either)
             pass
 
+
+# How an increment into a peer GPU's pools waits for the chunk that wrote its pages: ``host`` (this process's thread
+# waits for its event, then queues the copy) or ``device`` (the copy queued at once behind a stream wait, the wait
+# then pending on the decode GPU too): ``EYRIE_PEER_WAIT``, for the A/B of bench/gpu_session.sh pd2-arrivals.
+PEER_WAIT = "device" if os.environ.get("EYRIE_PEER_WAIT") == "device" else "host"
 
 _SIDE_STREAMS = threading.local()
 
