@@ -239,7 +239,7 @@ def _generate_engine(model, draft, config, cleanup: contextlib.ExitStack):
     tp = init_group(n, 0, address, config.device)
     cleanup.callback(_end_group, ranks)
     engine = Engine(model, draft, config, tp=tp)
-    cleanup.callback(engine.runner.release_graphs)  # before the group ends (NCCL's destroy waits on live graphs)
+    cleanup.callback(engine.release_graphs)  # before the group ends (NCCL's destroy waits on live graphs)
     cleanup.callback(engine.release_followers)  # before that
     return engine
 
@@ -248,11 +248,7 @@ def follow_generate(tp, model, draft, config) -> None:
     """A rank other than 0 of ``eyrie generate``: a ``Follower`` of rank 0's engine, printing nothing."""
     from shared.follower import Follower
 
-    follower = Follower(model, draft, config, tp=tp)
-    try:
-        follower.follow()
-    finally:
-        follower.runner.release_graphs()  # before the group ends
+    Follower(model, draft, config, tp=tp).follow()  # its graphs dropped as it returns, before the group ends
 
 
 def _end_group(ranks: list) -> None:

@@ -94,7 +94,7 @@ class Leader:
             pipe.close()
         deadline = time.monotonic() + timeout_s
         if self.engine is not None:
-            self.engine.runner.release_graphs()  # NCCL's destroy hangs while its captured collectives live
+            self.engine.release_graphs()  # NCCL's destroy hangs while its captured collectives live
         leave_group(timeout_s)
         for p in self.ranks:
             p.join(max(0.1, deadline - time.monotonic()))
@@ -121,11 +121,7 @@ def follow(tp: TPGroup, role: str, settings, pipes: list) -> None:
     the pipe ends."""
     _exit_with_parent()
     channel = PipeEnd(pipes[tp.rank - 1])
-    follower = Follower(settings.model, settings.draft, settings.engine_config(), role=role, tp=tp, channel=channel)
-    try:
-        follower.follow()
-    finally:
-        follower.runner.release_graphs()  # before the group is left (``Leader.close``)
+    Follower(settings.model, settings.draft, settings.engine_config(), role=role, tp=tp, channel=channel).follow()
 
 
 def _exit_with_parent(poll_s: float = 0.5) -> None:

@@ -259,6 +259,9 @@ class Engine:
     def release_followers(self) -> None:  # under tensor parallelism: the other ranks return from ``follow``
         self.runner.send("done")
 
+    def release_graphs(self) -> None:  # before its split group ends: NCCL's destroy hangs while a graph lives
+        self.runner.release_graphs()
+
     # ---- the Python API --------------------------------------------------------------------------
     def run_until_done(self, max_steps: int | None = None) -> None:
         for _ in range(max_steps) if max_steps else itertools.count():

@@ -38,8 +38,12 @@ class Follower:
 
     def follow(self) -> list[Request]:
         """Run rank 0's calls until it lets this rank go (``Engine.release_followers``) or its channel ends;
-        the requests they created here, in order."""
-        return follow(self.runner, self.scheduler)
+        the requests they created here, in order. Its CUDA graphs are dropped then: the group ends after this,
+        and NCCL's destroy hangs while a graph holding its collectives lives."""
+        try:
+            return follow(self.runner, self.scheduler)
+        finally:
+            self.runner.release_graphs()
 
     def result(self, req: Request) -> GenerationResult:  # ``req``'s result here (as rank 0's ``Engine.result``)
         return GenerationResult.of(req, self.scheduler.tokenizer, self.runner.speculator is not None)
