@@ -209,3 +209,25 @@ def test_a_probe_at_a_bucket_known_only_by_scaling_backs_off_on_the_estimate():
     policy.observe("tree-k4-s4-n16", 100, [10, 5, 2, 1])  # the probe's verify, its time not recorded
     assert policy.choose(16) in ("chain3", "tree-k4-s4-n16")  # judged on the estimate: no error
     assert policy._candidate("tree-k4-s4-n16").probe_interval == 2
+
+
+def test_a_batch_just_past_a_bucket_is_costed_near_it_not_at_the_next():
+    """A prompt or two joining 32 streams (33-34 rows): the costs between the timed 32 and 64 are interpolated,
+    so the policy keeps the chain it runs at 32 rows instead of costing every kind at 64 rows (where plain wins:
+    the verify grows faster with the batch), and a 33-row step's own time goes into the 32-row bucket."""
+    cost = MeasuredCost()
+    for batch, kinds in {32: {"plain": 9.0, "chain3": 14.0, "chain2": 12.0, "chain1": 11.0},
+                         64: {"plain": 11.0, "chain3": 30.0, "chain2": 24.0, "chain1": 20.0}}.items():
+        for kind, ms in kinds.items():
+            cost.seed(kind, batch, ms / 1000)
+    policy = SpecPolicy.of("adaptive", [SpecConfig.parse(n) for n in ("chain3", "chain2", "chain1")], cost)
+    policy.probe_every = policy.max_probe_every = 10 ** 6  # no probe: the choices alone
+    policy.observe("chain3", 100, [70, 35, 15])
+    assert policy.choose(32) == "chain2" and policy.choose(64) is None
+    assert policy.choose(33) == "chain2" and policy.choose(34) == "chain2"
+    assert cost.spec_s(33, "chain2") == pytest.approx(0.012 + 0.012 / 32)
+    assert cost.spec_s(48, "plain") == pytest.approx(0.010)
+    cost.record("chain2", 33, 0.0125)
+    assert cost.counts == {("chain2", 32): 1} and cost.spec_s(32, "chain2") == pytest.approx(0.0125)
+    cost.record("plain", 48, 0.010)  # halfway: the larger bucket
+    assert ("plain", 64) in cost.counts
