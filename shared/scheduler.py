@@ -214,10 +214,12 @@ class Scheduler:
         return self.chunk_size is None or ahead < self.chunk_size
 
     def joins_next(self, batch: list[Request]) -> bool:
-        """Whether the next decode step will run a request ``batch`` does not: one whose prompt
-        completed during this step, or a hand-off being received."""
+        """Whether the next decode step will run a request ``batch`` does not: one whose prompt completed
+        during this step. Not a hand-off being received: it joins once its pages have come (a call between
+        steps, which nobody foresees), and its prompt's prefill takes many steps: a draft launched ahead is
+        wasted only by the one step before the join (the next drafts anew), not withheld from them all."""
         these = {id(r) for r in batch}
-        return any(r.stage in (Stage.DECODING, Stage.RECEIVING) and id(r) not in these for r in self.running)
+        return any(r.stage is Stage.DECODING and id(r) not in these for r in self.running)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

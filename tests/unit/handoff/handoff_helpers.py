@@ -95,14 +95,14 @@ def smallest_chunk_bytes(engine: Engine) -> int:
 
 
 def hand_off(prefill: Engine, req: Request, decode: Engine, chunk_bytes: int | None = None,
-             state_bytes: bytes | None = None) -> Request:
+             state_bytes: bytes | None = None, moved: Request | None = None) -> Request:
     """Move ``req`` from ``prefill`` to ``decode`` through the wire format, as the services do: reserve
-    on the decode side, stream the chunks into the reserved pages, check, activate. Returns the decode
-    side's request (the prefill side's is left for the caller to release)."""
+    on the decode side (or take ``moved``, reserved there already), stream the chunks into the reserved pages,
+    check, activate. Returns the decode side's request (the prefill side's is left for the caller to release)."""
     source = PageSource(req.rid, prefill.scheduler.caches, prefill.scheduler.page_ids(req),
                         encode_draft_state(req) if state_bytes is None else state_bytes)
-    moved = decode.reserve_handoff(req.rid, req.prompt_ids, req.output_ids, req.output_logprobs, req.params,
-                                   req.kv_len)
+    moved = moved or decode.reserve_handoff(req.rid, req.prompt_ids, req.output_ids, req.output_logprobs,
+                                            req.params, req.kv_len)
     assert moved is not None, "the decode engine refused the request"
     sink = PageSink(req.rid, decode.scheduler.caches, decode.scheduler.page_ids(moved))
     last = None

@@ -170,3 +170,32 @@ def test_an_unseeded_request_keeps_its_seed_across_the_hand_off(models):
     assert len({r.seed for r in reqs}) == len(reqs)
     decode.run_until_done()
     assert decode.is_idle_and_clean() and prefill.is_idle_and_clean()
+
+
+@pytest.mark.parametrize("draft, topk", [("eagle", 1), ("eagle3", 4)])
+def test_steps_draft_ahead_while_a_hand_off_is_received_and_it_joins_losslessly(models, draft, topk):
+    """A decode engine drafting ahead keeps doing so while a second request's hand-off is on its way (its join,
+    between steps, is foreseen by nobody: at most the one step before it drafts in vain), and both requests give
+    the single engine's greedy output."""
+    config = engine_config(draft, topk, 16, max_context=512)
+    want = [r.token_ids for r in make_engine(models, draft, config).generate(PROMPTS[:2], GREEDY)]
+    prefill = make_engine(models, draft, config, role="prefill")
+    decode = make_engine(models, draft, config.model_copy(update={"spec_draft_ahead": True}), role="decode")
+    first, second = prefill_until_handoff(prefill, PROMPTS[:2], GREEDY)
+    a = hand_off(prefill, first, decode)
+    prefill.release(first)
+    while decode.speculator.ahead.pending is None:
+        decode.step()
+    moved = decode.reserve_handoff(second.rid, second.prompt_ids, second.output_ids, second.output_logprobs,
+                                   second.params, second.kv_len)
+    assert moved is not None
+    used = decode.speculator.ahead.used
+    for _ in range(3):  # the second's pages still on their way
+        decode.step()
+        assert decode.speculator.ahead.pending is not None
+    assert decode.speculator.ahead.used == used + 3
+    b = hand_off(prefill, second, decode, moved=moved)  # its pages arrive, it joins between steps
+    prefill.release(second)
+    decode.run_until_done()
+    assert [decode.result(a).token_ids, decode.result(b).token_ids] == want
+    assert decode.speculator.ahead.mismatched <= 1 and decode.is_idle_and_clean() and prefill.is_idle_and_clean()
