@@ -74,7 +74,9 @@
 #                                   # scatter before issue 28 beside the current one (bench_receive.py --legacy)
 #
 # Several stages in one call run in the order given. Python packages the GPU image lacks come from
-# ./.whl (../shared/tools/gpu-wheels.sh on the CPU machine; carry .whl with the call).
+# ./.whl (../shared/tools/gpu-wheels.sh on the CPU machine; carry .whl with the call). suite-x2 and tp-tests also
+# need pytest-xdist, execnet and pytest-timeout there: `python -m pip download --no-deps -d .whl pytest-xdist
+# execnet pytest-timeout` (pure-Python wheels, ~0.2 MiB).
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
