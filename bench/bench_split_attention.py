@@ -36,17 +36,19 @@ def tree_mask(parents: list[int]) -> torch.Tensor:
     return m
 
 
-def case(batch: int, context: int, engine_context: int, q_len: int, gen: torch.Generator):
-    """(q, k_cache, v_cache, meta) with ``batch`` requests of ``context`` cached keys and ``q_len`` new ones."""
-    per_req = -(-(context + q_len) // PAGE)
-    pages = batch * per_req + 8
+def case(contexts: list[int], engine_context: int, q_len: int, gen: torch.Generator):
+    """(q, k_cache, v_cache, meta) with a request per ``contexts`` entry (its cached keys), ``q_len`` new keys each."""
+    batch = len(contexts)
+    per_req = [-(-(c + q_len) // PAGE) for c in contexts]
+    pages = sum(per_req) + 8
     slots = pages * PAGE
     k = torch.randn(slots, HKV, D, generator=gen, dtype=torch.float32).to("cuda", torch.bfloat16)
     v = torch.randn(slots, HKV, D, generator=gen, dtype=torch.float32).to("cuda", torch.bfloat16)
     order = torch.randperm(pages - 1, generator=gen) + 1  # page 0: the sink
-    kv_indices, kv_indptr = [], [0]
-    for b in range(batch):
-        req_pages = order[b * per_req:(b + 1) * per_req]
+    kv_indices, kv_indptr, first = [], [0], 0
+    for context, n in zip(contexts, per_req):
+        req_pages = order[first:first + n]
+        first += n
         idx = (req_pages[:, None] * PAGE + torch.arange(PAGE)[None, :]).reshape(-1)[:context + q_len]
         kv_indices.append(idx)
         kv_indptr.append(kv_indptr[-1] + context + q_len)
@@ -54,7 +56,7 @@ def case(batch: int, context: int, engine_context: int, q_len: int, gen: torch.G
     meta = AttentionMetadata(
         qo_indptr=torch.arange(batch + 1, device="cuda") * q_len,
         kv_indptr=torch.tensor(kv_indptr, device="cuda"), kv_indices=torch.cat(kv_indices).to("cuda"),
-        prefix_lens=torch.full((batch,), context, device="cuda"),
+        prefix_lens=torch.tensor(contexts, device="cuda"),
         max_q_len=q_len, max_kv_len=engine_context,  # graph-static bounds, as build_uniform_batch sets them
         split_len=choose_split_len(engine_context, HKV, torch.device("cuda")))
     if q_len > 1:
@@ -81,8 +83,9 @@ def time_us(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) * 1e3 / (iters // 10 * 10)
 
 
-def point(batch: int, context: int, engine_context: int, q_len: int, programs: list[int], gen) -> dict:
-    q, k, v, meta = case(batch, context, engine_context, q_len, gen)
+def point(contexts: list[int], engine_context: int, q_len: int, programs: list[int], gen) -> dict:
+    batch, context = len(contexts), contexts[0]
+    q, k, v, meta = case(contexts, engine_context, q_len, gen)
     chosen = choose_config(q, HKV, batch, q_len, engine_context, split_len=meta.split_len,
                            has_mask=meta.custom_mask is not None)
     base = dict(block_q=chosen.block_q, block_m=chosen.block_m, block_n=chosen.block_n, num_warps=chosen.num_warps,
@@ -93,8 +96,9 @@ def point(batch: int, context: int, engine_context: int, q_len: int, programs: l
     configs.update({f"p{p}": AttnConfig(num_splits=p, **base) for p in programs if 1 < p < splits})
     out = torch.empty_like(q)
     ref = paged_attention(q, k, v, meta, D ** -0.5, config=configs["serial"])
-    kv_bytes = batch * (context + q_len) * HKV * D * 2 * 2
-    row = {"batch": batch, "context": context, "q_len": q_len, "engine_context": engine_context,
+    kv_bytes = sum(c + q_len for c in contexts) * HKV * D * 2 * 2
+    row = {"batch": batch, "context": context, "longest": max(contexts), "q_len": q_len,
+           "engine_context": engine_context,
            "split_len": chosen.split_len, "splits": splits, "chosen_programs": chosen.num_splits, "us": {},
            "gb_s": {}, "equal_serial": {}}
     for name, cfg in configs.items():
@@ -112,25 +116,33 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="640,2048")
     ap.add_argument("--engine-context", type=int, default=4096 + 64, help="the grid's static key bound")
     ap.add_argument("--programs", default="2,3,4,6,8,12")
+    ap.add_argument("--tails", default="",
+                    help="SHORT:LONG:BATCHES (e.g. 640:2080:33,40,64): batches of SHORT-key rows but one of LONG keys "
+                         "(a long prompt's hand-off joining streams: does its row's serial walk set the launch time?)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     gen = torch.Generator().manual_seed(0)
     programs = [int(p) for p in args.programs.split(",")]
+    shapes = [[int(c)] * int(b) for c in args.contexts.split(",") for b in args.batches.split(",") if c and b]
+    if args.tails:
+        short, long, batches = args.tails.split(":")
+        shapes += [[int(short)] * (int(b) - 1) + [int(long)] for b in batches.split(",")]
     rows = []
     for q_len in (1, 8):
-        for context in (int(c) for c in args.contexts.split(",")):
-            for batch in (int(b) for b in args.batches.split(",")):
-                if q_len == 8 and batch > 64:
-                    continue
-                row = point(batch, context, args.engine_context, q_len, programs, gen)
-                rows.append(row)
-                best = min(row["us"], key=row["us"].get)
-                print(f"{'decode' if q_len == 1 else 'tree8':6s} b{batch:<4d} ctx {context:5d}: chosen "
-                      f"(P={row['chosen_programs']}) {row['us']['chosen']:7.1f} us {row['gb_s']['chosen']:6.0f} GB/s"
-                      f" | serial {row['us']['serial']:7.1f} | one/split {row['us']['one_per_split']:7.1f} | best "
-                      f"{best} {row['us'][best]:.1f} us {row['gb_s'][best]:.0f} GB/s | equal "
-                      f"{all(row['equal_serial'].values())}", flush=True)
-                torch.cuda.empty_cache()
+        for contexts in shapes:
+            batch, context = len(contexts), contexts[0]
+            if q_len == 8 and batch > 64:
+                continue
+            row = point(contexts, args.engine_context, q_len, programs, gen)
+            rows.append(row)
+            best = min(row["us"], key=row["us"].get)
+            tail = f"+{max(contexts)}" if max(contexts) != context else ""
+            print(f"{'decode' if q_len == 1 else 'tree8':6s} b{batch:<4d} ctx {context:5d}{tail}: chosen "
+                  f"(P={row['chosen_programs']}) {row['us']['chosen']:7.1f} us {row['gb_s']['chosen']:6.0f} GB/s"
+                  f" | serial {row['us']['serial']:7.1f} | one/split {row['us']['one_per_split']:7.1f} | best "
+                  f"{best} {row['us'][best]:.1f} us {row['gb_s'][best]:.0f} GB/s | equal "
+                  f"{all(row['equal_serial'].values())}", flush=True)
+            torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

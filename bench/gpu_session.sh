@@ -367,6 +367,9 @@ for stage in "$@"; do
     split-attn)  # issue 30: decode-like attention at the engine's graph bounds, serial vs every n'th split, bits checked;
       # then the attention kernels' GPU tests (decode == verify rows, any split, sliding window)
       run split_attn 240 python3 bench/bench_split_attention.py --out "$OUT/split_attn.json"
+      # a long prompt's row among short ones (issue 28's arrivals: one 2080-key row beside 640-key streams)
+      run split_attn_tails 120 python3 bench/bench_split_attention.py --contexts "" --tails 640:2080:33,40,64 \
+        --programs 2,4 --out "$OUT/split_attn_tails.json"
       run attn_gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
         tests/gpu/test_attention_invariance_gpu.py tests/gpu/test_sliding_window_gpu.py
       ;;
