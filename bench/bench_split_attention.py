@@ -9,6 +9,8 @@ launch's bits.
 Shape: Llama-3.1-8B's attention (32 query / 8 KV heads x 128, bf16, pages of 16 in a shuffled pool). Rows:
 ``decode`` (one query per request) and ``tree8`` (8 verified tokens per request under a tree mask, as the
 adaptive policy's 8-token tree verifies). Bandwidth = the KV bytes the step must read over the time.
+``tailP:T`` rows: ``EYRIE_ATTN_TAIL=P:T``'s launch (``AttnConfig.tail_split``); ``--tails`` adds batches of short
+rows with one long one, where it is meant to pay.
 """
 
 from __future__ import annotations
@@ -94,6 +96,9 @@ def point(contexts: list[int], engine_context: int, q_len: int, programs: list[i
     configs = {"chosen": chosen, "serial": AttnConfig(num_splits=1, **base),
                "one_per_split": AttnConfig(num_splits=splits, **base)}
     configs.update({f"p{p}": AttnConfig(num_splits=p, **base) for p in programs if 1 < p < splits})
+    # EYRIE_ATTN_TAIL's launch: P programs per block, a block using cdiv(its splits, T) of them (one alone: serial)
+    configs.update({f"tail{p}:{t}": AttnConfig(num_splits=p, tail_split=t, **base)
+                    for p in (2, 4) for t in (4, 8) if p < splits})
     out = torch.empty_like(q)
     ref = paged_attention(q, k, v, meta, D ** -0.5, config=configs["serial"])
     kv_bytes = sum(c + q_len for c in contexts) * HKV * D * 2 * 2

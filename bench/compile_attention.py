@@ -35,9 +35,9 @@ POINTERS = ("Q", "K", "V", "O", "Opart", "Lse", "Range", "qo_indptr", "kv_indptr
 
 
 def attn_launch(dtype: str, block_m: int, block_n: int, warps: int, stages: int, serial: bool, mask: bool,
-                sliding: bool) -> dict:
+                sliding: bool, tail: bool = False) -> dict:
     return {"dtype": dtype, "BLOCK_M": block_m, "BLOCK_N": block_n, "SERIAL": serial, "HAS_MASK": mask,
-            "SLIDING": sliding, "num_warps": warps, "num_stages": stages}
+            "SLIDING": sliding, "TAIL": tail, "num_warps": warps, "num_stages": stages}
 
 
 def launches(quick: bool = False) -> list[dict]:
@@ -47,6 +47,8 @@ def launches(quick: bool = False) -> list[dict]:
             for mask in (False, True):
                 for sliding in (False, True):
                     out.append(attn_launch(dtype, 64, 32, 4, 3, serial, mask, sliding))
+            if not serial:  # EYRIE_ATTN_TAIL's launch: a block of few splits alone, a long one's shared
+                out += [attn_launch(dtype, 64, 32, 4, 3, False, mask, False, tail=True) for mask in (False, True)]
     if not quick:
         out.append(attn_launch("bf16", 128, 64, 8, 3, True, False, False))  # long causal (extend) tiles
     return out
@@ -58,7 +60,7 @@ def build_attn(launch: dict):
                      "mask_ptr": "u8", "QPos": "i64"}
     consts = {"GROUP": GROUP, "HEAD_DIM": HEAD_DIM, "BLOCK_D": HEAD_DIM, "BLOCK_Q": launch["BLOCK_M"] // GROUP,
               "BLOCK_M": launch["BLOCK_M"], "BLOCK_N": launch["BLOCK_N"], "BLOCK_E": MASK_COLS,
-              "SERIAL": launch["SERIAL"], "HAS_MASK": launch["HAS_MASK"],
+              "SERIAL": launch["SERIAL"], "HAS_MASK": launch["HAS_MASK"], "TAIL": launch.get("TAIL", False),
               "PRECISION": "ieee" if dt == "fp32" else "tf32", "UPCAST": False, "SLIDING": launch["SLIDING"]}
     sig = {}
     for name in _attn_kernel.arg_names:

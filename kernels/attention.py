@@ -46,6 +46,7 @@ No host synchronisation: the grid comes from Python ints only (rows, heads, spli
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,8 @@ class AttnConfig:
     num_warps: int   # and writing its partials for the combine kernel; 1: one program runs every split (same bits)
     num_stages: int
     split_len: int = 0  # keys per split, a multiple of block_n (0: paged_attention's choice)
+    tail_split: int = 0  # > 0 (a split launch): a block uses cdiv(its splits, this) of its programs, one alone
+    #                     writing its rows itself: short rows as a serial launch, a long one's splits shared
 
 
 if triton is not None:
@@ -201,15 +204,38 @@ if triton is not None:
 
     # The row count is not specialized on (divisible by 16, equal to 1): an eager step's odd count (a mixed step's
     # decode rows) reuses the kernel its graphs compiled at start instead of compiling one mid-serve (~1 s on an H100)
-    @triton.jit(do_not_specialize=["num_rows"])
+    @triton.jit
+    def _all_splits(q, s_lo, s_hi, first_key, kv_end, split_len, gather_from, kv_start, kv_len, prefix, extra,
+                    mask_base, first_tok, n_tok, tok, vis_end, own_col, q_pos, window, kv_indices, K, V, stride_kt,
+                    stride_kh, stride_vt, stride_vh, kvh, mask_ptr, offs_d, d_ok, qk_scale, HAS_MASK: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                    PRECISION: tl.constexpr, SLIDING: tl.constexpr):
+        """Splits [s_lo, s_hi) of a block, each one's partial merged into the running result in order (what the
+        combine kernel does with the partials of a split launch: the same operations, so the same bits)."""
+        M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        W = tl.zeros([BLOCK_M], tl.float32)
+        A = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for s in range(s_lo, s_hi):
+            lo = tl.maximum(s * split_len, first_key)
+            hi = tl.minimum(s * split_len + split_len, kv_end)
+            o, lse = _split_partial(q, lo, hi, gather_from, kv_start, kv_len, prefix, extra, mask_base, first_tok,
+                                    n_tok, tok, vis_end, own_col, q_pos, window, kv_indices, K, V, stride_kt,
+                                    stride_kh, stride_vt, stride_vh, kvh, mask_ptr, offs_d, d_ok, qk_scale,
+                                    HAS_MASK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_E, PRECISION, SLIDING)
+            M, a, wb = _merge_factors(M, lse)
+            A = tl.fma(A, a[:, None], o * wb[:, None])
+            W = tl.fma(W, a, wb)
+        return A / tl.where(W == 0.0, 1.0, W)[:, None]
+
+    @triton.jit(do_not_specialize=["num_rows", "tail_split"])
     def _attn_kernel(Q, K, V, O, Opart, Lse, Range,
                      qo_indptr, kv_indptr, kv_indices, prefix_lens, mask_ptr, mask_indptr, QPos,
-                     qk_scale, num_kv_heads, num_q_heads, num_rows, window, split_len,
+                     qk_scale, num_kv_heads, num_q_heads, num_rows, window, split_len, tail_split,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, SERIAL: tl.constexpr,
                      HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                     SLIDING: tl.constexpr):
+                     SLIDING: tl.constexpr, TAIL: tl.constexpr):
         qb = tl.program_id(0)
         bh = tl.program_id(1)
         split = tl.program_id(2)
@@ -278,42 +304,68 @@ if triton is not None:
         # Keys are cut into splits of ``split_len`` positions (a multiple of BLOCK_N) from position 0, whatever
         # the step: split s is [s * split_len, (s + 1) * split_len). SERIAL runs every split here and merges
         # them in order; otherwise program ``split`` writes its partial and the combine kernel merges them.
+        s_lo = first_key // split_len
+        s_hi = tl.cdiv(kv_end, split_len)
         if SERIAL:
-            M = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            W = tl.zeros([BLOCK_M], tl.float32)
-            A = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            for s in range(first_key // split_len, tl.cdiv(kv_end, split_len)):
-                lo = tl.maximum(s * split_len, first_key)
-                hi = tl.minimum(s * split_len + split_len, kv_end)
-                o, lse = _split_partial(q, lo, hi, gather_from, kv_start, kv_len, prefix, extra, mask_base, first_tok,
-                                        n_tok, tok, vis_end, own_col, q_pos, window, kv_indices, K, V, stride_kt,
-                                        stride_kh, stride_vt, stride_vh, kvh, mask_ptr, offs_d, d_ok, qk_scale,
-                                        HAS_MASK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_E, PRECISION, SLIDING)
-                M, a, wb = _merge_factors(M, lse)
-                A = tl.fma(A, a[:, None], o * wb[:, None])
-                W = tl.fma(W, a, wb)
-            out = A / tl.where(W == 0.0, 1.0, W)[:, None]
+            out = _all_splits(q, s_lo, s_hi, first_key, kv_end, split_len, gather_from, kv_start, kv_len, prefix,
+                              extra, mask_base, first_tok, n_tok, tok, vis_end, own_col, q_pos, window, kv_indices, K,
+                              V, stride_kt, stride_kh, stride_vt, stride_vh, kvh, mask_ptr, offs_d, d_ok, qk_scale,
+                              HAS_MASK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_E, PRECISION, SLIDING)
             tl.store(O + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                      out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         else:
-            # Program ``split`` of the block's ``num_programs(2)`` runs splits split, split + P, ... of the block's
+            # Program ``split`` of the block's P programs runs splits split, split + P, ... of the block's
             # [s_lo, s_hi), writing each one's partial; the combine kernel merges [s_lo, s_hi) in order (Range).
-            s_lo = first_key // split_len
-            s_hi = tl.cdiv(kv_end, split_len)
-            if (split == 0) & (kvh == 0):
-                tl.store(Range + row * 2, s_lo + row * 0, mask=row_ok)
-                tl.store(Range + row * 2 + 1, s_hi + row * 0, mask=row_ok)
-            for s in range(s_lo + split, s_hi, tl.num_programs(2)):
-                lo = tl.maximum(s * split_len, first_key)
-                hi = tl.minimum(s * split_len + split_len, kv_end)
-                o, lse = _split_partial(q, lo, hi, gather_from, kv_start, kv_len, prefix, extra, mask_base,
-                                        first_tok, n_tok, tok, vis_end, own_col, q_pos, window, kv_indices, K, V,
-                                        stride_kt, stride_kh, stride_vt, stride_vh, kvh, mask_ptr, offs_d, d_ok,
-                                        qk_scale, HAS_MASK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_E, PRECISION, SLIDING)
-                part = (s * num_rows + row) * num_q_heads + head  # Opart [S, T, Hq, D], Lse [S, T, Hq]
-                tl.store(Opart + part[:, None] * HEAD_DIM + offs_d[None, :], o,
-                         mask=(row_ok & (lse > float("-inf")))[:, None] & d_ok[None, :])
-                tl.store(Lse + part, lse, mask=row_ok)
+            # TAIL: a block uses only cdiv(its splits, tail_split) of its P programs: one of few splits runs them
+            # all in program 0 and writes its output itself (Range [-1, 0): the combine leaves its rows), so
+            # short rows cost what a serial launch costs while a long row's splits are shared.
+            used = tl.num_programs(2) + s_lo * 0
+            solo = used < 0
+            if TAIL:
+                used = tl.minimum(used, tl.maximum(1, tl.cdiv(s_hi - s_lo, tail_split)))
+                solo = used == 1
+            if solo:
+                if split == 0:
+                    out = _all_splits(q, s_lo, s_hi, first_key, kv_end, split_len, gather_from, kv_start, kv_len,
+                                      prefix, extra, mask_base, first_tok, n_tok, tok, vis_end, own_col, q_pos, window,
+                                      kv_indices, K, V, stride_kt, stride_kh, stride_vt, stride_vh, kvh, mask_ptr,
+                                      offs_d, d_ok, qk_scale, HAS_MASK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_E, PRECISION,
+                                      SLIDING)
+                    tl.store(O + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                             out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+                    if kvh == 0:
+                        tl.store(Range + row * 2, row * 0 - 1, mask=row_ok)
+                        tl.store(Range + row * 2 + 1, row * 0, mask=row_ok)
+            elif split < used:
+                _split_partials(Opart, Lse, Range, q, split, used, s_lo, s_hi, first_key, kv_end, split_len,
+                                gather_from, kv_start, kv_len, prefix, extra, mask_base, first_tok, n_tok, tok, vis_end,
+                                own_col, q_pos, window, kv_indices, K, V, stride_kt, stride_kh, stride_vt, stride_vh,
+                                kvh, mask_ptr, offs_d, d_ok, qk_scale, row, row_ok, head, num_rows, num_q_heads,
+                                HEAD_DIM, HAS_MASK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_E, PRECISION, SLIDING)
+
+    @triton.jit
+    def _split_partials(Opart, Lse, Range, q, split, used, s_lo, s_hi, first_key, kv_end, split_len, gather_from,
+                        kv_start, kv_len, prefix, extra, mask_base, first_tok, n_tok, tok, vis_end, own_col, q_pos,
+                        window, kv_indices, K, V, stride_kt, stride_kh, stride_vt, stride_vh, kvh, mask_ptr, offs_d,
+                        d_ok, qk_scale, row, row_ok, head, num_rows, num_q_heads, HEAD_DIM: tl.constexpr,
+                        HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_E: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr):
+        """Program ``split`` of the ``used`` a block runs: splits split, split + used, ... of [s_lo, s_hi), each
+        one's partial written for the combine kernel (program 0 of KV head 0 writes the rows' Range)."""
+        if (split == 0) & (kvh == 0):
+            tl.store(Range + row * 2, s_lo + row * 0, mask=row_ok)
+            tl.store(Range + row * 2 + 1, s_hi + row * 0, mask=row_ok)
+        for s in range(s_lo + split, s_hi, used):
+            lo = tl.maximum(s * split_len, first_key)
+            hi = tl.minimum(s * split_len + split_len, kv_end)
+            o, lse = _split_partial(q, lo, hi, gather_from, kv_start, kv_len, prefix, extra, mask_base,
+                                    first_tok, n_tok, tok, vis_end, own_col, q_pos, window, kv_indices, K, V,
+                                    stride_kt, stride_kh, stride_vt, stride_vh, kvh, mask_ptr, offs_d, d_ok,
+                                    qk_scale, HAS_MASK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_E, PRECISION, SLIDING)
+            part = (s * num_rows + row) * num_q_heads + head  # Opart [S, T, Hq, D], Lse [S, T, Hq]
+            tl.store(Opart + part[:, None] * HEAD_DIM + offs_d[None, :], o,
+                     mask=(row_ok & (lse > float("-inf")))[:, None] & d_ok[None, :])
+            tl.store(Lse + part, lse, mask=row_ok)
 
     @triton.jit
     def _merge_split(Opart, Lse, s, num_rows, num_q_heads, s_lo, s_hi, t, h, offs_d, d_ok, HEAD_DIM: tl.constexpr,
@@ -341,7 +393,8 @@ if triton is not None:
         h = tl.program_id(1)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
-        s_lo = tl.maximum(tl.load(Range + t * 2), 0)
+        first = tl.load(Range + t * 2)  # -1: the row's block ran every split and wrote it (a TAIL launch)
+        s_lo = tl.maximum(first, 0)
         s_hi = tl.minimum(tl.load(Range + t * 2 + 1), num_splits)
         M = tl.full([1], float("-inf"), tl.float32)
         W = tl.zeros([1], tl.float32)
@@ -355,7 +408,8 @@ if triton is not None:
                 M, A, W = _merge_split(Opart, Lse, s, num_rows, num_q_heads, s_lo, s_hi, t, h, offs_d, d_ok,
                                        HEAD_DIM, M, A, W)
         out = A / tl.where(W == 0.0, 1.0, W)
-        tl.store(O + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
+        tl.store(O + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty),
+                 mask=d_ok & (offs_d * 0 + first >= 0))
 
 
 @functools.lru_cache(maxsize=8)
@@ -378,6 +432,22 @@ SPLIT_PROGRAMS = 2  # programs per SM a launch aims at: fewer blocks than that g
 #                     each, running every n'th split of the block; more run serially. On an H100 (bench_split_
 #                     attention.py, graph bounds of a 4096-token engine): decode at 8 / 16 rows fastest with 4 / 2
 #                     programs per block, at 32+ rows serially (one per split: 1.8x slower at 32 rows x 640 keys)
+
+
+def _tail_setting() -> tuple[int, int]:
+    """``EYRIE_ATTN_TAIL=P:T`` (opt-in until measured: bench/bench_split_attention.py --tails): where a launch
+    would run each block serially (many rows), P programs per block instead, a block using cdiv(its splits, T) of
+    them: a long row among short ones (a long prompt's hand-off joining streams) no longer sets the launch's time
+    alone. Unset: (0, 0)."""
+    raw = os.environ.get("EYRIE_ATTN_TAIL", "")
+    try:
+        p, t = (int(x) for x in raw.split(":")) if raw else (0, 0)
+    except ValueError:
+        raise ValueError(f"EYRIE_ATTN_TAIL must be PROGRAMS:SPLITS (e.g. 4:8), got {raw!r}") from None
+    return (p, t) if p > 1 and t > 0 else (0, 0)
+
+
+TAIL_PROGRAMS, TAIL_SPLITS = _tail_setting()
 
 
 def choose_split_len(max_context: int, num_kv_heads: int, device: torch.device) -> int:
@@ -436,6 +506,10 @@ def choose_config(q: torch.Tensor, num_kv_heads: int, batch: int, max_q_len: int
         partials = q.shape[0] * n_splits * q.shape[1] * d * 4
         per_block = min(n_splits, SPLIT_PROGRAMS * _sms(q.device) // programs)
         serial = per_block <= 1 or partials > PARTIAL_BYTES
+        if serial and TAIL_PROGRAMS > 1 and n_splits > TAIL_SPLITS and partials <= PARTIAL_BYTES:
+            return AttnConfig(block_q=block_q, block_m=block_m, block_n=block_n,
+                              num_splits=min(TAIL_PROGRAMS, n_splits), split_len=split_len, num_warps=num_warps,
+                              num_stages=num_stages, tail_split=TAIL_SPLITS)
     return AttnConfig(block_q=block_q, block_m=block_m, block_n=block_n, num_splits=1 if serial else per_block,
                       split_len=split_len, num_warps=num_warps, num_stages=num_stages)
 
@@ -516,12 +590,13 @@ def _launch(q, k_cache, v_cache, meta, sm_scale, window, q_positions, cfg, split
     _attn_kernel[(n_qblocks, B * hkv, P)](
         q, k_cache, v_cache, out, opart, lse, ranges,
         meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.prefix_lens, mask, mask_indptr, q_pos,
-        sm_scale * LOG2E, hkv, hq, T, window, split_len,
+        sm_scale * LOG2E, hkv, hq, T, window, split_len, max(1, cfg.tail_split),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_E=MASK_COLS, SERIAL=serial, HAS_MASK=has_mask, PRECISION=precision,
-        UPCAST=upcast, SLIDING=sliding, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        UPCAST=upcast, SLIDING=sliding, TAIL=cfg.tail_split > 0 and not serial, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if not serial:
         unroll = S <= UNROLLED_SPLITS

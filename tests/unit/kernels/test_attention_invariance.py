@@ -74,6 +74,35 @@ def test_programs_running_every_nth_split_give_the_serial_bits(programs):
     torch.testing.assert_close(b, paged_attention_ref(q, pool.k, pool.v, meta, 0.5), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("programs,tail", [(2, 2), (3, 2), (4, 1), (3, 20)])
+def test_a_tail_launch_gives_the_serial_bits(programs, tail):
+    """``tail_split`` (``EYRIE_ATTN_TAIL``): each block uses cdiv(its splits, tail) of its programs, one alone
+    running every split and writing its rows itself (the combine leaves them): short and long rows together, the
+    serial launch's bits."""
+    pool = Pool(900, 4, torch.float32, 5, DEVICE)
+    lens = [40, 33, 300, 97, 20]
+    kv = [pool.take(n + 1) for n in lens]
+    q = pool.queries(len(lens))
+    meta = metadata(kv, [1] * len(lens), lens, DEVICE)
+    base = dict(block_q=16, block_m=64, block_n=32, num_warps=4, num_stages=3, split_len=32)
+    a = paged_attention(q, pool.k, pool.v, meta, 0.5, backend="triton", config=AttnConfig(num_splits=1, **base))
+    b = paged_attention(q, pool.k, pool.v, meta, 0.5, backend="triton",
+                        config=AttnConfig(num_splits=programs, tail_split=tail, **base))
+    assert torch.equal(a, b)
+    torch.testing.assert_close(b, paged_attention_ref(q, pool.k, pool.v, meta, 0.5), atol=2e-5, rtol=2e-5)
+
+
+def test_tree_rows_equal_decode_steps_under_a_tail_launch(monkeypatch):
+    """With ``EYRIE_ATTN_TAIL`` set, launches that would run each block serially share a long block's splits:
+    a verify step's tree rows are still the same bits as decode steps (short and long prefixes together)."""
+    from kernels import attention
+
+    monkeypatch.setattr(attention, "TAIL_PROGRAMS", 3)
+    monkeypatch.setattr(attention, "TAIL_SPLITS", 2)
+    monkeypatch.setattr(attention, "SPLIT_PROGRAMS", 0)  # every launch would be serial: the tail rule takes it
+    verify_vs_decode([150, 9, 70], [TREE, CHAIN, TREE], 4, DEVICE, split_len=32)
+
+
 def test_the_combine_unrolled_or_looped_gives_the_same_bits(monkeypatch):
     """Past ``UNROLLED_SPLITS`` splits the combine kernel loops instead of unrolling (256 unrolled splits, a
     131k-token engine's, took minutes to compile on the H100): the same bits as the unrolled merge."""
