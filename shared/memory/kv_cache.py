@@ -161,8 +161,17 @@ def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     shareable through CUDA IPC handles."""
     pool = torch.zeros(shape, dtype=dtype, device=device)
     if shareable and pool.device.type == "cpu":
-        pool.untyped_storage()._share_filename_cpu_()
+        for attempt in range(SHARE_ATTEMPTS):
+            try:
+                pool.untyped_storage()._share_filename_cpu_()
+                break
+            except RuntimeError as e:  # torch's shared-memory manager (a daemon) can miss its answer's deadline
+                if "Shared memory manager" not in str(e) or attempt == SHARE_ATTEMPTS - 1:  # on a loaded host
+                    raise
     return pool
+
+
+SHARE_ATTEMPTS = 3  # a pool's share into named memory, tried again when torch's manager timed out
 
 
 class KVCache:
