@@ -57,3 +57,31 @@ def test_a_forced_transport_wins_or_fails_naming_why():
         negotiate("rdma", reply(host_id()), CPU)  # (nixl is one since issue 28)
     with pytest.raises(TransferError, match="does not offer nixl"):
         negotiate("nixl", reply(host_id()), CPU)
+
+
+def test_a_pool_share_the_shared_memory_manager_missed_is_tried_again(monkeypatch):
+    """torch's shared-memory manager (a daemon) can miss its deadline on a loaded host: the share is tried again;
+    any other failure, or the manager missing every attempt, is raised."""
+    share, calls = torch.UntypedStorage._share_filename_cpu_, []
+
+    def flaky(self, *a, fail=1, **kw):
+        calls.append(1)
+        if len(calls) <= fail:
+            raise RuntimeError("Shared memory manager connection has timed out")
+        return share(self, *a, **kw)
+
+    monkeypatch.setattr(torch.UntypedStorage, "_share_filename_cpu_", flaky)
+    pool = allocate_pool((2, 1, 8, 1, 2), torch.float32, torch.device("cpu"), shareable=True)
+    assert len(calls) == 2 and pool.is_shared() and not pool.any()
+    calls.clear()
+    monkeypatch.setattr(torch.UntypedStorage, "_share_filename_cpu_", lambda self, *a, **kw: flaky(self, fail=9))
+    with pytest.raises(RuntimeError, match="Shared memory manager"):
+        allocate_pool((2, 1, 8, 1, 2), torch.float32, torch.device("cpu"), shareable=True)
+    assert len(calls) == 3
+
+    def broken(self, *a, **kw):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(torch.UntypedStorage, "_share_filename_cpu_", broken)
+    with pytest.raises(RuntimeError, match="something else"):
+        allocate_pool((2, 1, 8, 1, 2), torch.float32, torch.device("cpu"), shareable=True)
