@@ -53,8 +53,8 @@ def test_stale_table_is_detected():
 
 
 # Read from the environment by a kernel module, once per process, not service settings: the peer-GPU copy's
-# mode and staging (kernels/page_copy.py PeerSettings).
-KERNEL_KNOBS = {"peer_copy", "peer_chunk_mb", "peer_buffers"}
+# mode and staging (kernels/page_copy.py PeerSettings), and how its increments wait (shared/handoff/ipc.py).
+KERNEL_KNOBS = {"peer_copy", "peer_chunk_mb", "peer_buffers", "peer_wait"}
 
 
 def test_every_eyrie_name_is_a_setting():
