@@ -199,7 +199,6 @@ for stage in "$@"; do
         PYTHONFAULTHANDLER=1 run "$name" "$secs" python3 -m pytest -q -s -p no:cacheprovider -rA "${args[@]}"
         kill $watcher 2>/dev/null; pkill -9 -f spawn_main; sleep 1
       done
-      shift $#
       ;;
     tp-cache)  # issue 33 under TP: tests/gpu/test_tensor_parallel_gpu.py's prefix-cache hand-offs (wire, ipc)
       run tp_cache 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py -k prefix_cache

@@ -319,8 +319,8 @@ if triton is not None:
             # TAIL: a block uses only cdiv(its splits, tail_split) of its P programs: one of few splits runs them
             # all in program 0 and writes its output itself (Range [-1, 0): the combine leaves its rows), so
             # short rows cost what a serial launch costs while a long row's splits are shared.
-            used = tl.num_programs(2) + s_lo * 0
-            solo = used < 0
+            used = tl.num_programs(2) + s_lo * 0  # tensors from here (TAIL's branch reassigns both)
+            solo = used < 0  # never, without TAIL
             if TAIL:
                 used = tl.minimum(used, tl.maximum(1, tl.cdiv(s_hi - s_lo, tail_split)))
                 solo = used == 1

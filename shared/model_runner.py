@@ -143,7 +143,7 @@ class ModelRunner:
     def landing_pages(self, config: EngineConfig | None = None) -> int:
         """The hand-off port's landing cache's pages (``shared.handoff.port.landing_pages``)."""
         config = config or self.config
-        return landing_pages(self.tp is not None and self.tp.rank == 0 and self.role == "decode",
+        return landing_pages(self.leads and self.role == "decode",
                              self.max_context + config.headroom, config.page_size)
 
     def _fit_pools(self, config: EngineConfig, head: DraftHead | None, reserved_before: int) -> EngineConfig:
