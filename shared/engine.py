@@ -173,7 +173,7 @@ class Engine:
         end, last = time.perf_counter(), self._decode_end
         self._decode_end = end
         self.spec_policy.ran(shape or "plain", len(plan.decode), 0.0 if last is None else end - last,
-                             not plan.prefill and last is not None)
+                             not plan.prefill and last is not None, mixed=bool(plan.prefill))
 
     # ---- disaggregation: the hand-off's port (``shared/handoff/port.py``) -------------------------
     def handoff_schema(self):  # what this engine's hand-offs carry; the other side must agree on all of it

@@ -189,10 +189,13 @@ class SpecPolicy:
     def choose(self, batch: int, pinned: bool = False, mixed: bool = False) -> str | None:
         """The shape this step of ``batch`` requests runs, None for a plain step; counted in ``choices``.
         ``pinned``: the configured shape, whatever the policy (a seeded sampled request is in the batch).
-        ``mixed``: the step also runs prefill chunks, so its time is not the kind's (``ran``): it explores
-        and probes nothing (a kind tried there would stay unmeasured and be tried again at every such step:
-        an H100 at c128 ran 64 prefill steps with the 16-token tree that way, 175-207 ms each), and a kind
-        switched to is run again at the next decode step, where it can be timed."""
+        ``mixed``: the step also runs prefill chunks. The adaptive policy runs it plain: the decode rows then
+        ride in the chunks' target forward, which reads the weights anyway (a few ms for 64 rows beside a
+        512-token chunk), where a speculative step needs a verify forward of its own after the chunks' (an H100
+        at c64: 50-55 ms against 31-36 for the one forward). What speculation adds there is ``b (E - 1)`` tokens
+        for a whole speculative step's time, a lower rate than that step gives on its own (``b E``) in the time
+        it would have taken: the time is better spent on the next decode step. Nothing is explored or probed
+        there either (its time is no kind's: ``ran``)."""
         if pinned and self.pin:
             name = self.candidates[0].name
         elif self.again is not None and self.kind == "adaptive" and not mixed and self._runs_at(self.again, batch):
@@ -206,7 +209,7 @@ class SpecPolicy:
             c.idle = 0 if c.name == name else c.idle + 1
         return name
 
-    def ran(self, kind: str, batch: int, seconds: float, timed: bool = True) -> None:
+    def ran(self, kind: str, batch: int, seconds: float, timed: bool = True, mixed: bool = False) -> None:
         """A step of ``kind`` ("plain" or a shape) took ``seconds`` on the host. Its time is the kind's own
         only after a step of the same kind: the first step after a switch also waits for what the step before
         left on the device (a draft launched ahead, a plain step's draft extend) and starts without a draft
@@ -215,7 +218,13 @@ class SpecPolicy:
         over what the last step left on the device (H100, c32: the tree's steps timed 11.5 ms that way
         against 25.6 ms per step in a run of them), so the time is not the kind's either; and a plain step that
         ran the arriving requests' prefill chunks in its own target forward (``ModelRunner.run``: one
-        forward, as a plain engine's step, not a prefill forward before it), whose time is theirs too."""
+        forward, as a plain engine's step, not a prefill forward before it), whose time is theirs too.
+        ``mixed``: such a step (its kind is the chunks' choice, not a switch: ``choose``): no kind is run
+        again for it, and the next step, which may wait for its tail (the draft's extend over the chunks),
+        is not recorded either."""
+        if mixed:
+            self.last = None
+            return
         if kind == self.last and timed and isinstance(self.cost, MeasuredCost):
             self.cost.record(kind, batch, seconds)
         elif kind != self.last and self.last is not None:
@@ -260,13 +269,13 @@ class SpecPolicy:
         first = self.candidates[0]
         if self.kind == "fixed":
             return first.name
+        if mixed:
+            return None  # the decode rows ride in the chunks' forward (``choose``)
         cands = [c for c in self.candidates if self._runs_at(c.name, batch)]
         spec_s = {c.name: self._cost(batch, c.name) for c in cands}
         decode_s = self._cost(batch, "plain")
         unknown = [c for c in cands if c.tokens is None or spec_s[c.name] is None]
         if unknown or decode_s is None:  # what is not known yet is measured first, at a step that times it
-            if mixed:
-                return self._known_best(cands, spec_s, decode_s)
             return unknown[0].name if unknown else None  # else a plain step, once, to know what it costs
         rates = {None: 1 / decode_s} | {c.name: c.tokens / spec_s[c.name] for c in cands}
         best = max(rates, key=rates.get)  # plain on a tie (first)
@@ -282,14 +291,7 @@ class SpecPolicy:
                 c.probe_interval, c.probe = 0, None
             else:
                 self._back_off_after_probe(c)
-        return best if mixed else self._probe(cands, batch, best, spec_s) or best
-
-    @staticmethod
-    def _known_best(cands: list[Candidate], spec_s: dict[str, float | None], decode_s: float | None) -> str | None:
-        """Among the kinds whose acceptance and cost are known, the most tokens per second (plain if none)."""
-        rates = {None: 1 / decode_s} if decode_s else {}
-        rates |= {c.name: c.tokens / spec_s[c.name] for c in cands if c.tokens is not None and spec_s[c.name]}
-        return max(rates, key=rates.get) if rates else None
+        return self._probe(cands, batch, best, spec_s) or best
 
     def _probe(self, cands: list[Candidate], batch: int, best: str | None, spec_s: dict[str, float]) -> str | None:
         """A shape not chosen whose acceptance is due for a probe (the longest idle), if any, among ``cands``

@@ -119,22 +119,42 @@ def test_a_batch_past_the_timed_buckets_is_decided_on_the_largest_timed_one_scal
     assert policy.choose(128) == "chain3"  # 2.2 / 56 ms (guessed) now beats 2.05 / 200 ms (measured) and 1 / 36
 
 
-def test_a_step_with_prefill_chunks_explores_and_probes_nothing():
-    """Its time is not any kind's: a kind tried there stays unmeasured and would be tried again at each such step."""
+def test_a_step_with_prefill_chunks_runs_plain_and_explores_nothing():
+    """Under the adaptive policy a step with prefill chunks is plain: its decode rows ride in the chunks' forward,
+    where a speculative step would need a verify forward of its own, for fewer tokens per second than that step
+    gives alone (``SpecPolicy.choose``). Nothing is explored or probed there; ``fixed`` and a pinned step still
+    speculate."""
     cost = MeasuredCost()
     cost.seed("plain", 8, 0.009)
     cost.seed("chain3", 8, 0.014)
     policy = SpecPolicy.of("adaptive", [SpecConfig.parse(n) for n in ("tree-k4-s4-n16", "chain3")], cost)
     policy.observe("chain3", 100, [70, 35, 15])  # the tree's acceptance and cost are unknown
-    assert [policy.choose(8, mixed=True) for _ in range(3)] == ["chain3"] * 3  # 2.2 / 14 ms beats 1 / 9 ms
-    assert policy.choose(8) == "tree-k4-s4-n16"  # a decode step, which times it, tries it
-    policy.observe("tree-k4-s4-n16", 100, [0, 0, 0, 0])  # nothing accepted
-    cost.seed("tree-k4-s4-n16", 8, 0.040)
-    policy.probe_every = 1  # every step would probe the losing tree ...
-    assert policy.choose(8, mixed=True) == "chain3"  # ... but not a mixed one
+    assert policy.choose(8) == "tree-k4-s4-n16"  # a decode step, which times it, tries it ...
+    policy.observe("tree-k4-s4-n16", 100, [95, 90, 85, 80])
+    cost.seed("tree-k4-s4-n16", 8, 0.010)  # ... and finds it best by far (4.5 / 10 ms)
     assert policy.choose(8) == "tree-k4-s4-n16"
-    plain = SpecPolicy.of("adaptive", [SpecConfig.parse("chain3")], MeasuredCost())
-    assert plain.choose(8, mixed=True) is None  # nothing known: a plain step
+    assert [policy.choose(8, mixed=True) for _ in range(3)] == [None] * 3  # plain all the same
+    policy.probe_every = 1  # every step would probe the chain ...
+    assert policy.choose(8, mixed=True) is None  # ... but not a mixed one
+    assert policy.choose(8, pinned=True, mixed=True) == "tree-k4-s4-n16"  # a seeded request: the configured shape
+    fixed = SpecPolicy.of("fixed", [SpecConfig.parse("chain3")], MeasuredCost())
+    assert fixed.choose(8, mixed=True) == "chain3"
+
+
+def test_a_mixed_step_neither_asks_a_kind_again_nor_times_the_step_after_it():
+    """A mixed step's plain kind is the chunks' choice, not a switch: the speculative shape that ran before it is
+    chosen on, not a plain step forced to be timed; the step after it, which may wait for the mixed step's tail,
+    is not recorded, the one after that is."""
+    cost = MeasuredCost()
+    policy = SpecPolicy.of("adaptive", [SpecConfig.parse("chain3")], cost)
+    policy.ran("chain3", 8, 0.014)
+    policy.ran("chain3", 8, 0.014)  # recorded
+    policy.ran("plain", 8, 0.030, timed=False, mixed=True)
+    assert policy.again is None and policy.last is None
+    policy.ran("chain3", 8, 0.050)  # waited for the mixed step's tail: not the kind's time
+    assert cost.counts[("chain3", 8)] == 1 and policy.again is None
+    policy.ran("chain3", 8, 0.016)
+    assert cost.counts[("chain3", 8)] == 2
 
 
 def test_a_shape_runs_only_where_its_graphs_cover_the_batch():

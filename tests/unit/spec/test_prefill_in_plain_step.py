@@ -78,8 +78,8 @@ def test_prefill_arriving_while_others_decode_runs_in_the_plain_steps_one_forwar
     run = Staggered(adaptive(oracle_models, kind, False, DEAR_SPEC, chunk_size=CHUNK))
     kinds = []
     ran = run.engine.spec_policy.ran
-    run.engine.spec_policy.ran = lambda kind, b, s, timed=True: kinds.append((len(run.plans) - 1, kind, timed)) or \
-        ran(kind, b, s, timed)
+    run.engine.spec_policy.ran = lambda kind, b, s, timed=True, mixed=False: \
+        kinds.append((len(run.plans) - 1, kind, timed)) or ran(kind, b, s, timed, mixed)
     assert_same_greedy(run.run(params), want, kind)
     mixed = run.mixed_steps()
     assert len(mixed) >= 3 and mixed == plain.mixed_steps()  # the same schedule as the plain engine's
