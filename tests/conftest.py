@@ -21,6 +21,38 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+def row_invariant_interpreter_dot() -> None:
+    """Under the interpreter, ``tl.dot`` as a GPU computes it: each output element's sum the same whatever the other
+    rows of the tile. Triton's interpreter hands the tile to ``np.matmul``, i.e. to OpenBLAS, whose kernel (chosen by
+    the CPU) may sum a row differently by its place in the tile or the tile's row count: on an AVX-512 AMD EPYC
+    (2026-12-07) a tree's verify rows differed from the same rows as decode steps by 2e-7..6e-7 with the kernel
+    OpenBLAS picked and with Haswell's (``OPENBLAS_CORETYPE``), and not with SkylakeX's, which the earlier CI
+    machines had. An MMA's sum over K, like numpy's ``einsum`` without BLAS, does not depend on the other rows,
+    so the kernels' row-invariance tests test the kernels, not the BLAS. Integer and FP8 dots are left as they are."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    blas_dot = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        acc = d.data.dtype
+        if not np.issubdtype(acc, np.floating) or any(x.dtype.primitive_bitwidth == 8 for x in (a, b)):
+            return blas_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        out = np.einsum("...ik,...kj->...ij", a.data.astype(acc, copy=False), b.data.astype(acc, copy=False),
+                        optimize=False)
+        return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        row_invariant_interpreter_dot()
+    except ImportError:  # no Triton: the kernel tests skip
+        pass
+
+
 LEFT_RUNNING = "engines_left_running"
 
 # Under pytest-xdist (.ci/run: two workers on a 2-core machine) each worker is a process of its own.
