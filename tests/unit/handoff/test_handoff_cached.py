@@ -3,7 +3,9 @@ the pages of the prompt the decode engine holds already (whole pages, keyed with
 never the one holding the last position), the sender skips them (the wire format, or ipc's in-place copies), the
 received prompt pages join the decode engine's cache at activation, and the output equals the single-process
 engine's token for token (greedy and seeded sampling; no draft, EAGLE and EAGLE-3, chain and tree), with the K/V
-at every position of every cache equal to the prefill engine's, and every pool full again after."""
+at every position of every cache equal to the prefill engine's, and every pool full again after. A failover's
+resume through warm caches (the prefill takes the prompt's cached pages, the hand-off skips the decode side's)
+continues exactly as the uninterrupted stream."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from services.prefill.server import held_pages
 from shared.engine import Engine
 from shared.handoff import PageGuard, PageSource, TransferError, decode_draft_state, encode_draft_state, iter_chunks
 from shared.handoff.ipc import write_in_place
-from shared.request import Request
+from shared.request import Request, Stage
 from shared.sampling import SamplingParams
 
 PAGE = 4
@@ -35,7 +37,7 @@ SECOND = SHARED + [40, 41, 42]  # diverges inside page 5: pages 0-4 held
 ALIGNED = SHARED + [7, 8]  # six whole pages: the last one holds its last position
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.95, seed=1234)
-CASES = [(None, 1), ("eagle3", 1), ("eagle3", 4), ("eagle", 1), ("eagle", 4)]
+CASES = [(None, 1), ("eagle3", 1), ("eagle3", 4), ("eagle", 1), ("eagle", 4), ("mtp", 1), ("mtp", 4)]
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +161,43 @@ def test_the_sender_refuses_a_decode_side_claiming_the_last_position():
     assert held_pages(pb.ReserveResponse(), reserve, PAGE) == 0  # an older decode instance: every page
     with pytest.raises(TransferError, match="cannot hold the last one"):
         held_pages(pb.ReserveResponse(cached_pages=3), reserve, PAGE)
+
+
+@pytest.mark.parametrize("draft,topk", [(None, 1), ("eagle3", 4), ("mtp", 1)])
+def test_a_failover_resume_through_warm_caches_continues_as_if_uninterrupted(models, draft, topk):
+    """A failover's resume (``tests/unit/handoff/test_resume.py``) with both caches warm: the request ran once
+    through a prefill and a decode engine, each with its prefix cache on; resumed after a decode step (the
+    prompt and the client's tokens prefilled again on that prefill engine, handed to that decode engine), the
+    prefill takes the prompt's cached pages and samples nothing, the hand-off skips the pages the decode engine
+    holds, and the resumed stream continues exactly as the uninterrupted one (seeded sampling: tokens and
+    logprobs); both engines' pools are full again after, the caches holding nothing a request references."""
+    config = dict(page_size=PAGE, prefix_cache=True, max_context=512)
+    prefill = make_engine(models, draft, engine_config(draft, topk, **config), role="prefill")
+    decode = make_engine(models, draft, engine_config(draft, topk, **config), role="decode")
+    (req,) = prefill_until_handoff(prefill, [FIRST], SEEDED)
+    first, held, _ = hand_off_cached(prefill, req, decode, "wire")
+    assert held == 0 and prefill.release(req)
+    ends = [len(first.output_ids)]  # where a decode step ended: where a client's stream can break
+    while decode.scheduler.has_work():
+        decode.step()
+        if len(first.output_ids) != ends[-1]:
+            ends.append(len(first.output_ids))
+    tokens, logprobs = first.output_ids, first.output_logprobs
+    assert len(tokens) == SEEDED.max_new_tokens and len(ends) > 3
+    k = ends[len(ends) // 2]
+    resumed = prefill.add_request(FIRST, SEEDED, rid="resumed", output_ids=tokens[:k], output_logprobs=logprobs[:k])
+    while resumed.stage is not Stage.HANDOFF:
+        assert not any(t for _, t in prefill.step()), "a resumed prefill samples nothing"
+    assert resumed.kv_len == len(FIRST) + k - 1
+    assert resumed.cached_tokens == len(FIRST) // PAGE * PAGE  # the prompt's whole pages (its tail page is not full)
+    moved, held, _ = hand_off_cached(prefill, resumed, decode, "wire")
+    assert held == (len(FIRST) - 1) // PAGE, "the resumed hand-off did not skip the prompt pages the decode held"
+    assert prefill.release(resumed)
+    decode.run_until_done()
+    assert moved.output_ids == tokens
+    assert moved.output_logprobs[k:] == pytest.approx(logprobs[k:], abs=1e-4)
+    for engine in (prefill, decode):
+        assert engine.prefix_cache.referenced() == 0 and len(engine.prefix_cache) > 0
+        assert engine.is_idle_and_clean()
+        engine.flush_prefix_cache()
+        assert all(c.allocator.num_free == c.layout.num_pages for c in engine.scheduler.caches)
