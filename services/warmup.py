@@ -27,7 +27,8 @@ CPU_WARMUP_TOKENS = 16  # the warm-up prompt off a GPU (on one: a full prefill c
 
 def warm_up(engine) -> dict:
     """One request through ``engine`` (an ``Engine`` or a tensor-parallel ``Leader``), its pages released
-    after; a ``RequestError`` (field ``warmup``) naming what failed."""
+    after, and its prompt's pages flushed from the prefix cache (made-up ids: a cache summary must not publish
+    them); a ``RequestError`` (field ``warmup``) naming what failed."""
     config, prefill = engine.config, engine.role == "prefill"
     output = 1 if prefill else max(1, min(WARMUP_OUTPUT, engine.max_context - 2))  # a tiny context: fewer
     chunk = config.chunk_size or engine.max_context
@@ -55,6 +56,8 @@ def warm_up(engine) -> dict:
     finally:
         if req is not None and engine.holds(req):
             engine.release(req, "warmup")
+        if engine.prefix_cache is not None:
+            engine.flush_prefix_cache()
     return {"prompt_tokens": n, "output_tokens": len(req.output_ids), "seconds": round(time.perf_counter() - t0, 3)}
 
 

@@ -90,15 +90,18 @@ def test_a_failing_warm_up_keeps_the_service_out_of_service_and_stops_its_start(
     assert engine.is_idle_and_clean()  # the warm-up request's pages went back
 
 
+@pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "prefix-cache"])
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_warm_up_runs_a_short_prompt_off_a_gpu_and_gives_every_page_back(tiny_model_dir, role):
+def test_a_warm_up_runs_a_short_prompt_off_a_gpu_and_gives_every_page_back(tiny_model_dir, role, cache):
     engine = Engine(str(tiny_model_dir / "target"), str(tiny_model_dir / "eagle3"),
-                    EngineConfig(page_size=4, max_context=128, chunk_size=48, spec=SpecConfig(topk=1, steps=3)),
-                    role=role)
+                    EngineConfig(page_size=4, max_context=128, chunk_size=48, spec=SpecConfig(topk=1, steps=3),
+                                 prefix_cache=cache), role=role)
     facts = warm_up(engine)
     assert facts["prompt_tokens"] == CPU_WARMUP_TOKENS  # on a GPU: the 48-token chunk
     assert facts["output_tokens"] == (1 if role == "prefill" else 4)
     assert engine.is_idle_and_clean() and not engine.requests
+    if cache:  # the made-up prompt's pages are not kept: nothing published, nothing to evict later
+        assert engine.prefix_summary(64).digests == () and engine.flush_prefix_cache() == 0
 
 
 def test_a_served_decode_instance_counts_none_of_its_warm_up_in_metrics(tiny_model_dir, redis_url):
