@@ -15,6 +15,14 @@ takes the cached pages of its prompt (they count towards its peak, and those no 
 the free count), each prefill chunk hands the pages it completed over to the cache (``cache_prefix``), and
 ``retire`` drops the request's references. A hand-off's reservation may take the cached pages of its prompt too
 (``admit_handoff`` with ``cached``: the sender skips them), and its prompt pages join the cache at ``activate``.
+
+Requests with one prompt arriving together (a request's n choices) prefill it once: a waiting request whose next
+page past its cached prefix is one a prefilling request is computing and will cache (the same key: the same
+parent, tokens and, with a draft, successor) stays queued until that page is cached, then is admitted with the
+hit (``_in_flight``). It keeps its place and its room (those behind it are admitted only beside it) and lets
+them pass meanwhile; it waits only on a running request, whose prefill every step advances, so never on a
+waiting one (no cycle) and never longer than that prefill. The decision reads the scheduler's own tables only:
+a tensor-parallel follower replays it (``replay``) like any other admission.
 """
 
 from __future__ import annotations
@@ -210,6 +218,8 @@ class Scheduler:
         running requests, and the prompts being prefilled leave room in that step's chunk budget."""
         if not self.waiting or self.waiting[0] is not req or not self.can_admit(req):
             return False
+        if self._in_flight(req, self._hit(req)):
+            return False
         ahead = sum(r.prompt_len - r.kv_len for r in self.running if r.stage is Stage.PREFILLING)
         return self.chunk_size is None or ahead < self.chunk_size
 
@@ -237,19 +247,31 @@ class Scheduler:
             budget = self._add_chunk(plan, req, budget)
             if budget == 0:
                 return plan
-        unclaimed = self._unclaimed_pages() if self.waiting else []
-        while self.waiting and len(self.running) < self.max_running and self._admissible(self.waiting[0], unclaimed):
-            req = self.waiting.popleft()
-            # What it reserved left the free pages, the rest of its peak joined the claims: the unclaimed
-            # shrinks by its whole peak less the cached pages others hold (no rescan of the running requests).
+        if self.waiting:
+            self._admit_waiting(plan, budget)
+        return plan
+
+    def _admit_waiting(self, plan: StepPlan, budget: int | None) -> None:
+        """Admit waiting requests in order while they fit and the chunk budget lasts; one waiting for a page in
+        flight (``_in_flight``) stays queued, its slot and pages kept from those behind it."""
+        unclaimed, slots, kept = self._unclaimed_pages(), self.max_running - len(self.running), 0
+        while kept < len(self.waiting):
+            req = self.waiting[kept]  # the first ``kept`` wait for pages in flight
             hit = self._hit(req)
             taken = self._peak_pages(req, hit)
+            if slots <= 0 or not self._fits(unclaimed, taken):
+                return
+            # What it reserves leaves the free pages, the rest of its peak joins the claims: the unclaimed
+            # shrinks by its whole peak less the cached pages others hold (no rescan of the running requests).
+            unclaimed, slots = [h - t for h, t in zip(unclaimed, taken)], slots - 1
+            if self._in_flight(req, hit):
+                kept += 1
+                continue
+            del self.waiting[kept]
             self._admit(req, hit)
             budget = self._add_chunk(plan, req, budget)
-            unclaimed = [h - t for h, t in zip(unclaimed, taken)]
             if budget == 0:
-                break
-        return plan
+                return
 
     def _admit(self, req: Request, hit: list[CachedPage]) -> None:
         """Waiting ``req`` (taken off the queue) runs from this step on, holding its cached prefix ``hit``."""
@@ -266,9 +288,10 @@ class Scheduler:
         for rid, start, end in chunks:
             req = self.requests[rid]
             if req.stage is Stage.WAITING:
-                if self.waiting[0] is not req:
-                    raise RuntimeError(f"rank 0 admitted {rid!r}, which does not head this rank's queue")
-                self._admit(self.waiting.popleft(), self._hit(req))
+                if req not in self.waiting:
+                    raise RuntimeError(f"rank 0 admitted {rid!r}, which is not in this rank's queue")
+                self.waiting.remove(req)
+                self._admit(req, self._hit(req))
             if req.kv_len != start:
                 raise RuntimeError(f"rank 0's chunk of {rid!r} starts at {start}, this rank's at {req.kv_len}")
             self._add_chunk(plan, req, end - start)
@@ -296,7 +319,9 @@ class Scheduler:
     def _admissible(self, req: Request, unclaimed: list[int] | None = None,
                     hit: list[CachedPage] | None = None) -> bool:
         unclaimed = self._unclaimed_pages() if unclaimed is None else unclaimed
-        need = self._peak_pages(req, self._hit(req) if hit is None else hit)
+        return self._fits(unclaimed, self._peak_pages(req, self._hit(req) if hit is None else hit))
+
+    def _fits(self, unclaimed: list[int], need: list[int]) -> bool:
         return all(cache.num_free_rows > 0 and h >= n for h, n, cache in zip(unclaimed, need, self.caches))
 
     # ---- the prefix cache ------------------------------------------------------------------------
@@ -306,6 +331,19 @@ class Scheduler:
         if self.prefix_cache is None:
             return []
         return self.prefix_cache.match(req.all_ids, req.prefill_len - 1)
+
+    def _in_flight(self, req: Request, hit: list[CachedPage]) -> bool:
+        """Whether waiting ``req``'s next page past its cached prefix ``hit`` is one a prefilling request will
+        cache: it holds the same chain ``hit``, its next page has the same key, and its prefill (which runs a
+        chunk every step) reaches that page. ``req`` then waits for it rather than computing it again."""
+        pc = self.prefix_cache
+        if pc is None or len(hit) >= pc.pages_within(req.all_ids, req.prefill_len - 1):
+            return False
+        key = pc.next_key(hit, req.all_ids)
+        return any(r.stage is Stage.PREFILLING and len(r.prefix_pages) == len(hit)
+                   and (not hit or r.prefix_pages[-1] is hit[-1])
+                   and len(hit) < pc.pages_within(r.all_ids, r.prefill_len)
+                   and pc.next_key(r.prefix_pages, r.all_ids) == key for r in self.running)
 
     def _handoff_hit(self, req: Request, committed_len: int) -> list[CachedPage]:
         """The cached pages a hand-off of ``committed_len`` positions need not carry: whole pages of its longest
@@ -356,10 +394,8 @@ class Scheduler:
         pc = self.prefix_cache
         if pc is None or not req.handles:
             return
-        tokens, ps = req.all_ids, pc.page_size
-        done = min(req.kv_len, req.prefill_len) // ps
-        if pc.successor:
-            done = min(done, (len(tokens) - 1) // ps)
+        tokens = req.all_ids
+        done = pc.pages_within(tokens, min(req.kv_len, req.prefill_len))
         parent = req.prefix_pages[-1] if req.prefix_pages else pc.root
         for i in range(len(req.prefix_pages), done):
             node = pc.insert(parent, tokens, i, tuple(cache.pages_of(h, i, i + 1)[0]

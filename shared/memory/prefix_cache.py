@@ -119,13 +119,24 @@ class PrefixCache:
         succ = tokens[(index + 1) * ps] if self.successor else -1
         return parent.id, tuple(tokens[index * ps:(index + 1) * ps]), succ
 
+    def pages_within(self, tokens: Sequence[int], limit: int) -> int:
+        """How many leading pages of ``tokens`` within ``limit`` positions have a key: with a draft, only those
+        whose successor token is in ``tokens``."""
+        pages = limit // self.page_size
+        if self.successor:
+            pages = min(pages, (len(tokens) - 1) // self.page_size)
+        return max(0, pages)
+
+    def next_key(self, path: list[CachedPage], tokens: Sequence[int]) -> tuple:
+        """The key of page ``len(path)`` of ``tokens`` after the chain ``path`` (from the root): the page a
+        lookup probes next, and the one a request holding ``path`` inserts next."""
+        return self._key(path[-1] if path else self.root, tokens, len(path))
+
     def match(self, tokens: Sequence[int], limit: int) -> list[CachedPage]:
         """The longest chain of cached pages for ``tokens``, covering at most ``limit`` positions (the ones
         whose K/V the request may take rather than compute); with a draft, a page only when the token after
         it is in ``tokens``."""
-        pages = limit // self.page_size
-        if self.successor:
-            pages = min(pages, (len(tokens) - 1) // self.page_size)
+        pages = self.pages_within(tokens, limit)
         path, node = [], self.root
         for i in range(pages):
             node = self._nodes.get(self._key(node, tokens, i))
