@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +37,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.serving_load import HttpDriver, Point, RequestRecord, make_requests, run_closed_loop, summarize
-from bench.serving_stack import ServingStack, handoff_totals, local_prefills
+from bench.serving_stack import ServingStack, handoff_totals, local_prefills, loop_delta, loop_totals
 
 LAYOUTS = {"colo1": ((), (0,)), "pd1": ((0,), (0,)), "pd2": ((0,), (1,)), "colo2": ((), (0, 1)),
            "pd4": ((0,), (1, 2, 3)), "colo4": ((), (0, 1, 2, 3))}  # GPU indices of prefill, decode
@@ -163,6 +164,16 @@ class LayoutRun:
         print(format_line(self.name, result), flush=True)
         return result
 
+    def measured(self, run: Callable[[], object]) -> tuple[object, dict]:
+        """``run()``'s result, and what each engine service's loop did meanwhile (``loop_delta``: busy share, steps
+        by kind with their mean time and rows), so a slow point says which engine held it up and how."""
+        engines = [name for name in self.stack.ready if name != "router"]
+        before = {name: loop_totals(self.stack.metrics(name)) for name in engines}
+        t0 = time.perf_counter()
+        out = run()
+        wall = time.perf_counter() - t0
+        return out, {name: loop_delta(before[name], loop_totals(self.stack.metrics(name)), wall) for name in engines}
+
     def services(self) -> None:
         """Each engine service's memory peak and its hand-offs and local prefills (from its /metrics)."""
         found = {}
@@ -205,8 +216,9 @@ def run_layout(run, name: str, model: str, draft: str | None, workdir: Path, fla
             if left() < args.point_seconds + 10:
                 lr.out.setdefault("skipped", []).append(p.name)
                 continue
-            records = run_closed_loop(driver, make_requests(p, vocab, text_ids), p.concurrency, args.point_seconds)
-            lr.point(p.name, records, p)
+            records, loops = lr.measured(lambda p=p: run_closed_loop(driver, make_requests(p, vocab, text_ids),
+                                                                   p.concurrency, args.point_seconds))
+            lr.point(p.name, records, p, loops=loops)
         mixed_points(lr, driver, vocab, text_ids, left)
         lr.services()
     except (RuntimeError, TimeoutError, OSError) as e:
@@ -236,14 +248,17 @@ def mixed_points(lr: LayoutRun, driver, vocab, text_ids, left) -> None:
     if left() < 2 * issue_s + 2 * args.point_seconds:
         lr.out.setdefault("skipped", []).append("mixed")
         return
-    quiet = run_closed_loop(driver, make_requests(streams, vocab, text_ids), m.streams, issue_s)
-    lr.point("mixed/quiet", quiet, streams)
+    quiet, loops = lr.measured(lambda: run_closed_loop(driver, make_requests(streams, vocab, text_ids), m.streams,
+                                                       issue_s))
+    lr.point("mixed/quiet", quiet, streams, loops=loops)
     n = int(issue_s / m.interval_s) + 1
     arrival = Point("arrival", 1, n, (m.arrival_prompt,) * 2, (m.arrival_output,) * 2, seed=3)
-    loaded, arrived = run_with_arrivals(driver, make_requests(streams, vocab, text_ids), m.streams,
-                                        make_requests(arrival, vocab, text_ids), m.interval_s, issue_s)
-    lr.point("mixed/arrivals", loaded, streams, all_goodput=goodput(loaded + arrived, args.slo_ttft_s, args.slo_itl_s))
-    lr.point("mixed/arrived", arrived, arrival)
+    (loaded, arrived), loops = lr.measured(lambda: run_with_arrivals(
+        driver, make_requests(streams, vocab, text_ids), m.streams, make_requests(arrival, vocab, text_ids),
+        m.interval_s, issue_s))
+    lr.point("mixed/arrivals", loaded, streams, all_goodput=goodput(loaded + arrived, args.slo_ttft_s, args.slo_itl_s),
+             loops=loops)
+    lr.point("mixed/arrived", arrived, arrival, loops=loops)  # the same window as the streams
 
 
 # ---- the report --------------------------------------------------------------------------------------
@@ -252,10 +267,13 @@ def fmt(x, scale: float = 1.0, digits: int = 0) -> str:
 
 
 def format_line(layout: str, p: dict) -> str:
+    loops = "".join(f"\n    {name}: busy {d['busy']}, calls {d['calls_share']}, " + ", ".join(
+        f"{k} {n} x {d['step_ms'][k]} ms ({d['rows_mean'][k]} rows)" for k, n in d["steps"].items())
+        for name, d in p.get("loops", {}).items())
     return (f"{layout:6s} {p['point']:16s} done {p['completed']}/{p['issued']}  tok/s {fmt(p['output_tok_s'], 1, 1)}"
             f"  TTFT p50/p99 {fmt(p['ttft_p50_s'], 1, 3)}/{fmt(p['ttft_p99_s'], 1, 3)} s  ITL p50/p99 "
             f"{fmt(p['itl_p50_s'], 1e3, 1)}/{fmt(p['itl_p99_s'], 1e3, 1)} ms  goodput "
-            f"{p['goodput']['met']}/{p['goodput']['of']} ({p['goodput']['req_s']:.2f} req/s)")
+            f"{p['goodput']['met']}/{p['goodput']['of']} ({p['goodput']['req_s']:.2f} req/s)" + loops)
 
 
 def table(report: dict) -> str:

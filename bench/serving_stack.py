@@ -201,3 +201,37 @@ def handoff_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
             d["gbps"] = d["bytes"] / d["seconds"] / 1e9 if d["seconds"] > 0 else None
             out[transport] = d
     return out
+
+
+LOOP_SERIES = {"eyrie_engine_loop_seconds_total": ("seconds", "part"), "eyrie_engine_steps_total": ("steps", "kind"),
+               "eyrie_engine_step_decode_rows_total": ("rows", "kind")}
+
+
+def loop_totals(metrics_text: str) -> dict:
+    """An engine service's loop counters (``services.engine_loop.LoopTimes`` on /metrics): seconds by part, steps
+    and decode rows by step kind, prompt tokens."""
+    out: dict = {"seconds": {}, "steps": {}, "rows": {}, "prefill_tokens": 0.0}
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name in LOOP_SERIES:
+                field, label = LOOP_SERIES[s.name]
+                out[field][s.labels.get(label, "")] = s.value
+            elif s.name == "eyrie_engine_step_prefill_tokens_total":
+                out["prefill_tokens"] = s.value
+    return out
+
+
+def loop_delta(before: dict, after: dict, wall_s: float) -> dict:
+    """What an engine service's loop did between two ``loop_totals`` over ``wall_s`` seconds: the share of the wall
+    in steps (``busy``) and in calls between steps, and per step kind the steps, their mean time and mean decode
+    rows (the counters advance after each step: a point's last idle stretch is not in them)."""
+    gained = {f: {k: v - before[f].get(k, 0.0) for k, v in after[f].items()} for f in ("seconds", "steps", "rows")}
+    steps = {k: int(n) for k, n in gained["steps"].items() if n > 0}
+    secs = gained["seconds"]
+    step_s = sum(v for k, v in secs.items() if k.startswith("step_"))
+    return {"busy": round(step_s / wall_s, 3) if wall_s > 0 else None,
+            "calls_share": round(secs.get("calls", 0.0) / wall_s, 4) if wall_s > 0 else None,
+            "steps": steps,
+            "step_ms": {k: round(1e3 * secs.get(f"step_{k}", 0.0) / n, 2) for k, n in steps.items()},
+            "rows_mean": {k: round(gained["rows"].get(k, 0.0) / n, 1) for k, n in steps.items()},
+            "prefill_tokens": int(after["prefill_tokens"] - before["prefill_tokens"])}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from services.faults import HoldGate
 from services.logs import ServiceLog
 from shared.engine import Engine, EngineLoad
 from shared.request import Request
+from shared.stepping import StepFacts
 
 
 @dataclass
@@ -39,6 +41,35 @@ class TokenEvent:
     finish_reason: str | None = None
     request: Request | None = None  # set on the final event (stats, lengths)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when asked for
+
+
+@dataclass
+class LoopTimes:
+    """Where the loop thread's time went, as running totals (the telemetry turns them into counters,
+    ``eyrie_engine_loop_seconds_total{part}``): per step kind (``StepFacts.kind``) the steps' time from launch to
+    finish (the device's work, and the host's beside it: the previous step's tokens published, calls served
+    while it runs), the steps, their decode rows and prefill tokens; ``calls``: between steps, the service's
+    calls (admissions, hand-off activations, releases); ``after_step``: the service's hook after each step;
+    ``idle``: waiting for work. Their sum is the loop's wall time, so a busy share reads off it."""
+
+    seconds: dict[str, float] = field(default_factory=dict)  # "step_decode", ..., "calls", "after_step", "idle"
+    steps: dict[str, int] = field(default_factory=dict)  # step kind -> steps
+    rows: dict[str, int] = field(default_factory=dict)  # step kind -> decode rows
+    shapes: dict[str, int] = field(default_factory=dict)  # decode steps by shape (a tree shape, or plain)
+    prefill_tokens: int = 0
+
+    def add(self, part: str, seconds: float) -> None:
+        self.seconds[part] = self.seconds.get(part, 0.0) + seconds
+
+    def step(self, facts: StepFacts | None, seconds: float) -> None:
+        kind = facts.kind if facts is not None else "idle"
+        self.add(f"step_{kind}", seconds)
+        self.steps[kind] = self.steps.get(kind, 0) + 1
+        if facts is not None:
+            self.rows[kind] = self.rows.get(kind, 0) + facts.rows
+            self.prefill_tokens += facts.prefill_tokens
+            if facts.shape is not None:
+                self.shapes[facts.shape] = self.shapes.get(facts.shape, 0) + 1
 
 
 class EngineLoop:
@@ -77,6 +108,7 @@ class EngineLoop:
         # step's commit, the followers' after it.
         self.between_steps_only = getattr(engine, "distributed", False)
         self.hold = HoldGate.from_env()  # a test's fault injection: None unless its environment variable is set
+        self.times = LoopTimes()  # the loop thread's time by part, running totals (read on the loop thread)
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -174,19 +206,20 @@ class EngineLoop:
                 q.put_many(batch)
 
     def _run(self) -> None:
-        engine = self.engine
+        engine, times, clock = self.engine, self.times, time.perf_counter
         while not self._stop.is_set():
+            t0 = clock()
             if self._drain_calls():
+                t1 = clock()
+                times.add("calls", t1 - t0)
                 self._after_step()  # calls (releases, aborts, admissions) change what the gauges show
+                t0 = clock()
+                times.add("after_step", t0 - t1)
             if self.hold is not None and self.hold.holds(engine):  # held at a test's state: calls only
-                self._publish_held()
-                self._wake.wait(0.01)
-                self._wake.clear()
+                self._idle(0.01, t0)
                 continue
             if not engine.has_work_to_step():
-                self._publish_held()
-                self._wake.wait(0.05)
-                self._wake.clear()
+                self._idle(0.05, t0)
                 continue
             try:
                 self.step_once()
@@ -196,8 +229,18 @@ class EngineLoop:
                 self.error = e
                 self._fail_all(f"engine error: {e}")
                 continue
+            t1 = clock()
+            times.step(getattr(engine, "last_step", None), t1 - t0)
             self._after_step()
+            times.add("after_step", clock() - t1)
         self._publish_held()
+
+    def _idle(self, wait_s: float, since: float) -> None:
+        """Nothing to step: the held tokens go out, then wait for a call or ``wait_s`` (counted as idle)."""
+        self._publish_held()
+        self._wake.wait(wait_s)
+        self._wake.clear()
+        self.times.add("idle", time.perf_counter() - since)
 
     def step_once(self) -> list[tuple[Request, list[int]]]:
         """One step, overlapped: launch it, publish the previous step's tokens and serve what may run beside

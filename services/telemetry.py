@@ -179,6 +179,17 @@ class Telemetry:
                                             ["shape", "position"])
         self.spec_steps = metric(Counter, "spec_decode_num_steps", "Decode steps by the kind the speculation policy "
                                  "ran: a tree shape, or plain (no draft)", ["shape"])
+        # The engine loop's time (``services.engine_loop.LoopTimes``): where a service's engine thread spends its
+        # wall, so a slow layout's cause reads off /metrics (busy share, mean step by kind, calls between steps).
+        self.loop_seconds = metric(Counter, "engine_loop_seconds", "Engine thread time by part: step_decode, "
+                                   "step_mixed, step_prefill (launch to finish), calls, after_step, idle", ["part"])
+        self.engine_steps = metric(Counter, "engine_steps", "Engine steps by kind: decode, mixed (prefill chunks "
+                                   "beside decode rows), prefill", ["kind"])
+        self.engine_step_rows = metric(Counter, "engine_step_decode_rows", "Decode rows of the engine's steps, by "
+                                       "step kind", ["kind"])
+        self.engine_prefill_tokens = metric(Counter, "engine_step_prefill_tokens", "Prompt tokens the engine's "
+                                            "steps computed")
+        self._loop_seen: dict[tuple[str, str], float] = {}  # (series, label) -> the running total counted
         self._spec_counted: dict[str, SpecTokenCounts] = {}  # per shape, what the counters above have counted
         self._steps_counted: dict[str, int] = {}  # per kind, the steps counted so far
 
@@ -222,6 +233,26 @@ class Telemetry:
         self._prefix_seen = (queries, hits)
         self.prefix_cached.set(load.prefix_pages)
         self._count_spec_tokens(load.spec_shape_tokens, load.spec_steps)
+
+    def observe_loop(self, times) -> None:
+        """Advance the engine-loop counters by what ``times`` (``services.engine_loop.LoopTimes``, running
+        totals) gained since the last call."""
+        for series, label, total in [*(("s", k, v) for k, v in times.seconds.items()),
+                                     *(("n", k, v) for k, v in times.steps.items()),
+                                     *(("r", k, v) for k, v in times.rows.items()),
+                                     ("t", "", times.prefill_tokens)]:
+            gained = total - self._loop_seen.get((series, label), 0)
+            if gained <= 0:
+                continue
+            self._loop_seen[(series, label)] = total
+            if series == "s":
+                self.loop_seconds.labels(label).inc(gained)
+            elif series == "n":
+                self.engine_steps.labels(label).inc(gained)
+            elif series == "r":
+                self.engine_step_rows.labels(label).inc(gained)
+            else:
+                self.engine_prefill_tokens.inc(gained)
 
     @property
     def handoff_bytes_total(self):

@@ -39,7 +39,7 @@ from shared.scheduler import Scheduler, StepPlan
 from shared.spec.policy import MeasuredCost, SpecPolicy
 from shared.spec.state import DraftState
 from shared.spec.stats import SpecRecorder
-from shared.stepping import Events, InFlight, Stepping
+from shared.stepping import Events, InFlight, StepFacts, Stepping
 
 
 class Engine:
@@ -62,6 +62,7 @@ class Engine:
         self.spec_policy = None if runner.speculator is None else SpecPolicy.of(
             self.config.spec_policy, [s.spec for s in runner.speculator.shapes.values()], MeasuredCost())
         self._decode_end: float | None = None  # when the last decode step ended (the policy's step costs)
+        self.last_step: StepFacts | None = None  # what the step launched last ran (the loop's accounting)
         # Under tensor parallelism the scheduler sends its changes to the other ranks (``ModelRunner.leading``).
         self.scheduler = runner.leading(Scheduler.over(runner, tokenizer, role))
         self.prefix_cache = self.scheduler.prefix_cache
@@ -145,6 +146,7 @@ class Engine:
         plan = self.scheduler.schedule()
         shape = self._choose_shape(plan) if plan.decode and self.spec_policy is not None else None
         counts = self.speculator.stats.tokens.copy() if shape is not None else None
+        self.last_step = StepFacts.of(plan, shape)
         events = yield from self.runner.run(plan, shape, self.scheduler.joins_next)
         if self.spec_policy is not None and not plan.empty:
             self._record(plan, shape, counts)

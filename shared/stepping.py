@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Generator
+from dataclasses import dataclass
 
 from shared.request import Request
 
@@ -42,3 +43,22 @@ class InFlight:
                 self.events = drive(self.running)
             self.running = None
         return self.events
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    """What a step ran, for the engine loop's accounting of its time (``services/engine_loop.py``): ``kind``
+    ``decode`` (decode rows only), ``mixed`` (prefill chunks beside decode rows) or ``prefill`` (chunks only),
+    ``idle`` for an empty plan; ``shape`` the speculative shape its decode rows ran, ``plain``, or None without
+    decode rows; how many decode rows and prefill tokens."""
+
+    kind: str
+    shape: str | None
+    rows: int
+    prefill_tokens: int
+
+    @classmethod
+    def of(cls, plan, shape: str | None) -> StepFacts:  # ``plan``: a ``shared.scheduler.StepPlan``
+        rows, tokens = len(plan.decode), sum(ch.end - ch.start for ch in plan.prefill)
+        kind = ("mixed" if tokens else "decode") if rows else ("prefill" if tokens else "idle")
+        return cls(kind, (shape or "plain") if rows else None, rows, tokens)

@@ -562,6 +562,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
     def after_step(self, engine: Engine) -> None:
         self.telemetry.observe_load(self.loop.load)
+        self.telemetry.observe_loop(self.loop.times)
 
     def while_stepping(self, engine: Engine) -> None:
         """Nothing to start during a step: reservations come as ``call_soon`` calls."""

@@ -304,6 +304,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         """Loop thread: feed each prefilling request's hand-off the pages its last step completed (starting
         the hand-off at its first chunk where ``while_stepping`` did not)."""
         self.telemetry.observe_load(self.loop.load)
+        self.telemetry.observe_loop(self.loop.times)
         for req in engine.prefilled():
             with self._lock:
                 job = self._jobs.get(req.rid)

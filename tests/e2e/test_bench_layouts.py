@@ -12,10 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 POINTS = ["fixed/c1", "fixed/c2", "probe/c1", "mixed/quiet", "mixed/arrivals", "mixed/arrived"]
 
 
+@pytest.mark.slow  # ~40 s, two layouts' processes: test_bench_serving's first smoke keeps the script's default path
 def test_smoke_layouts_run_every_workload_on_each_layout_and_write_one_table(tmp_path):
     out = tmp_path / "layouts.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -45,6 +48,15 @@ def test_smoke_layouts_run_every_workload_on_each_layout_and_write_one_table(tmp
     assert pd["services"]["decode"]["local_prefills"] == 0
     handed = sum(h["count"] for h in pd["services"]["prefill"]["handoff"].values())
     assert handed >= sum(p["issued"] for p in pd["points"])  # every prompt handed off (warm-up requests too)
+    # Each point says what each engine's loop did meanwhile: colocated, the decode instance's steps computed the
+    # prompts; disaggregated, the prefill instance's did and the decode instance's only decoded.
+    for p in colo["points"]:
+        assert set(p["loops"]) == {"decode"} and p["loops"]["decode"]["prefill_tokens"] > 0, p["loops"]
+        assert 0 < p["loops"]["decode"]["busy"] <= 1.05, p["loops"]
+    for p in pd["points"]:
+        loops = p["loops"]
+        assert loops["prefill"]["prefill_tokens"] > 0 and loops["decode"]["prefill_tokens"] == 0, loops
+        assert set(loops["decode"]["steps"]) == {"decode"} and loops["decode"]["rows_mean"]["decode"] >= 1, loops
     table = out.with_suffix(".md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| colo1 ") or line.startswith("| pd1 ")]
     assert len(rows) == 2 and "prefill cpu, decode cpu" in rows[1], table
