@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
+import select
 import statistics
 import sys
 import threading
@@ -144,7 +146,7 @@ def bench_grpc(args, src: KVCache, src_pages: list[int]) -> list[dict]:
             t.close()
         conn.send("done")
     assert conn.recv(), "the pages did not arrive intact"
-    receiver.join(30)
+    join_exited(receiver, 30)
     # CPU seconds per GB on each side (every thread of the process): the figure a loaded machine moves least.
     gb = nbytes * args.repeat / 1e9
     return [{"transport": "grpc-stream", **figures(nbytes, times[k]), "chunk_mb": args.chunk_mb, "streams": k,
@@ -169,6 +171,25 @@ def bench_ipc(args, src: KVCache, src_pages: list[int]) -> dict:
                                 time.monotonic() + 60).bytes
         times.append(time.perf_counter() - t0)
     return [{"transport": "ipc", **figures(nbytes, times)}]
+
+
+def join_exited(proc, timeout: float) -> None:
+    """``proc.join(timeout)`` that returns once ``proc`` itself has exited. ``join`` waits on the process's
+    sentinel, a pipe every process it starts inherits: the first CPU tensor it shares by name starts torch's
+    shared-memory manager, which holds the pipe open after ``proc`` is gone, so ``join`` sat out its whole
+    timeout (30 s of a 40 s ``bench_tp --smoke``). Here the wait is on the process (a pidfd, Linux 5.3+)."""
+    if proc.exitcode is not None:  # (reaps it when it has exited)
+        return
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # no pidfd here: the sentinel, as before
+        proc.join(timeout)
+        return
+    try:
+        select.select([fd], [], [], timeout)  # readable once the process has exited
+    finally:
+        os.close(fd)
+    proc.exitcode  # noqa: B018 (reaps it)
 
 
 def _hold_pools(args, conn) -> None:
@@ -227,7 +248,7 @@ def writes_into_another_process(dst_args, src: KVCache, src_pages: list[int], ds
         parent.send("done")
         return nbytes, times, parent.recv()
     finally:
-        proc.join(30)
+        join_exited(proc, 30)
         if proc.is_alive():
             proc.kill()
 
@@ -368,7 +389,7 @@ def bench_peer(args) -> list[dict]:
                                                                         args.repeat)))
         parent.send("done")
     finally:
-        proc.join(30)
+        join_exited(proc, 30)
         if proc.is_alive():
             proc.kill()
     results.append(guarded("memcpy-peer", lambda: peer_memcpy(src_dev, dst_dev, nbytes, args.repeat)))

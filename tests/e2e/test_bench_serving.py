@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES = ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "duration_s")
 
@@ -46,6 +48,7 @@ def test_smoke_run_measures_every_point_on_both_sides_and_completes_every_reques
     assert all(r["output_tok_s_ratio"] > 0 for r in stack["ratios"])
 
 
+@pytest.mark.slow  # ~18 s, a second stack: the smoke above keeps the script's path (local prefill: test_local_prefill)
 def test_smoke_run_with_local_prefill_prefills_short_prompts_on_the_decode_service(tmp_path):
     """``--local-prefill 40``: the fixed workload's 32-token prompts are prefilled on the decode service (no
     hand-off), the mixed workload's longer ones (8..48 tokens) partly handed off; every request completes."""
