@@ -57,6 +57,12 @@ LEFT_RUNNING = "engines_left_running"
 
 # Under pytest-xdist (.ci/run: two workers on a 2-core machine) each worker is a process of its own.
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    # The processes the tests start (services, `eyrie` commands, spawned ranks and followers) inherit one intra-op
+    # thread too, as the workers run (pytest_configure): two spinning OpenMP threads in each of them cost CPU the
+    # other worker needed (issue 35: a TP-2 decode stack's three hand-off tests took 31.5 s user, 8.6 s sys with
+    # two threads against 20.5 s, 4.5 s with one). A value set outside the suite stays.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The files that take a minute or more on the CI machine, longest first: with `--dist loadfile
 # --no-loadscope-reorder` the workers take files in collection order, so these go out first and no long
 # file starts last while the other worker sits idle.
