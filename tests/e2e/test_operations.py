@@ -369,8 +369,11 @@ def test_api_key_guards_every_grpc_service_and_http_route_of_every_service(redis
 
 @pytest.fixture(scope="module")
 def process_stack(tiny_model_dir, tmp_path_factory):
+    # The router waits 3 s, not 10, for a decode instance to take over a stream whose decode was killed
+    # (test_kill_9_of_decode_mid_stream: none can, it fails either way; 10 s of it were idle)
     stack = Stack(str(tiny_model_dir / "target"), str(tiny_model_dir / "mtp"), None, free_port(),
-                  extra={"page_size": 4, "chunk_size": 8}, log_dir=tmp_path_factory.mktemp("logs")).start()
+                  extra={"page_size": 4, "chunk_size": 8}, router_extra={"placement_timeout_s": 3.0},
+                  log_dir=tmp_path_factory.mktemp("logs")).start()
     yield stack
     stack.stop()
 
