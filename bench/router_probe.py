@@ -10,7 +10,7 @@ Every ``bench_router.py`` option is taken as is. The router process additionally
 - loop callbacks over ``--slow-ms`` (wall time and the loop thread's CPU time: wall >> CPU is the thread losing
   the CPU or the GIL inside the callback);
 - the loop thread's scheduler figures once a second (``/proc/self/task/TID/schedstat``: time run, time runnable
-  but waiting for a CPU);
+  but waiting for a CPU), and every thread's CPU time by name (the I/O pool, gRPC's poller, ...);
 - per relayed message (10% sampled), when the relay's reader hands it on and when the client's handler yields
   it, less the synthetic instance's stamp: the part of the added latency before the router reads a relay batch,
   and the part inside the router (both relative to the smallest reader delay seen, the clocks' offset).
@@ -115,6 +115,18 @@ def probed_router_main(args, model_dir: str, conn) -> None:
             with open(path) as f:
                 ran, waited, slices = (int(x) for x in f.read().split())
             st["sched"].append((time.monotonic() - t_start, ran / 1e9, waited / 1e9, slices))
+            threads = collections.Counter()  # every thread's CPU seconds so far, by name (Python's, else the OS')
+            names = {t.native_id: t.name.rstrip("0123456789_") for t in threading.enumerate()}
+            names[threading.get_native_id()] = "loop"
+            for task in os.listdir("/proc/self/task"):
+                try:
+                    with open(f"/proc/self/task/{task}/comm") as f:
+                        name = names.get(int(task)) or f"os:{f.read().strip()}"
+                    with open(f"/proc/self/task/{task}/schedstat") as f:
+                        threads[name] += int(f.read().split()[0]) / 1e9
+                except OSError:
+                    pass  # ended meanwhile
+            st.setdefault("threads", []).append((time.monotonic() - t_start, dict(threads)))
             await asyncio.sleep(1.0)
 
     if full:
@@ -218,6 +230,10 @@ def summary(st: dict, t0: float, t1: float) -> dict:
         a, b = sched[0], sched[-1]
         out["loop_thread"] = {"over_s": round(b[0] - a[0], 1), "ran_s": round(b[1] - a[1], 2),
                               "runnable_waiting_s": round(b[2] - a[2], 2)}
+    threads = [x for x in st.get("threads", []) if t0 <= x[0] < t1 + 1]
+    if len(threads) >= 2:  # CPU seconds per thread over the window (threads that ended meanwhile are missed)
+        a, b = threads[0][1], threads[-1][1]
+        out["threads_cpu_s"] = {k: round(v - a.get(k, 0.0), 2) for k, v in b.items() if v - a.get(k, 0.0) >= 0.01}
     base = st["t_start"]
     recv = [t - lp for t, lp in st["recv"] if t0 <= t - base < t1]
     yielded = [t - lp for t, lp in st["yield"] if t0 <= t - base < t1]
