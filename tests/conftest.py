@@ -63,6 +63,10 @@ if XDIST_WORKER:
     # other worker needed (issue 35: a TP-2 decode stack's three hand-off tests took 31.5 s user, 8.6 s sys with
     # two threads against 20.5 s, 4.5 s with one). A value set outside the suite stays.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+# NIXL agents (the nixl transport's stacks, in this process and in the services it starts) pause 100 us between
+# progress rounds instead of polling without pause: each idle agent kept a core busy while its stack lived
+# (shared.handoff.nixl.PROGRESS_DELAY_ENV). A value set outside the suite stays (0: NIXL's own, no pause).
+os.environ.setdefault("EYRIE_NIXL_PROGRESS_DELAY_US", "100")
 # The files that take a minute or more on the CI machine, longest first: with `--dist loadfile
 # --no-loadscope-reorder` the workers take files in collection order, so these go out first and no long
 # file starts last while the other worker sits idle.

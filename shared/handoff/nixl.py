@@ -30,6 +30,11 @@ from shared.handoff.ipc import WRITE_MARGIN_S, Written
 from shared.handoff.wire import PageSource, TransferError, TransportFailed
 
 POLL_S = 0.0005  # between checks of a posted transfer (UCX progresses it inside each check)
+# Microseconds the agent's progress thread sleeps between rounds (NIXL's ``pthrDelay``; its Python API fixes 0: the
+# thread polls without pause, a core per idle agent). 0, the default, leaves NIXL's own; the test suite sets 100
+# (tests/conftest.py: two agents of an idle stack took 1.4 CPU cores, with 100 us about 0.02 each).
+PROGRESS_DELAY_ENV = "EYRIE_NIXL_PROGRESS_DELAY_US"
+_AGENT_CONFIG_LOCK = threading.Lock()
 
 
 def nixl_api():
@@ -55,6 +60,28 @@ class RemotePool:
     dev: int
 
 
+def make_agent(api, name: str, progress_delay_us: int = 0):
+    """A NIXL agent with the UCX backend whose progress thread sleeps ``progress_delay_us`` between rounds (0: NIXL's
+    default, no pause). ``nixl_agent`` sets ``pthrDelay`` to 0 on the config it makes; for the agent's creation its
+    module's config class is one whose ``pthrDelay`` keeps the delay asked for."""
+    config = api.nixl_agent_config(backends=["UCX"])
+    if progress_delay_us <= 0:
+        return api.nixl_agent(name, config)
+    bind = api.nixlBind
+    base = bind.nixlAgentConfig
+    field = base.__dict__["pthrDelay"]  # the C++ field's property
+
+    class Delayed(base):
+        pthrDelay = property(field.__get__, lambda self, _value: field.__set__(self, progress_delay_us))
+
+    with _AGENT_CONFIG_LOCK:
+        bind.nixlAgentConfig = Delayed
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            bind.nixlAgentConfig = base
+
+
 class NixlAgent:
     """One NIXL agent of this process, its pools registered once; calls into it are serialised. ``close`` ends it:
     its UCX backend runs progress threads that poll without pause (NIXL's Python API sets no progress delay), so an
@@ -67,7 +94,7 @@ class NixlAgent:
         if api is None:
             raise TransferError("NIXL is not installed (pip install 'eyrie-serve[nixl]')")
         self.name = f"{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        self.agent = make_agent(api, self.name, int(os.environ.get(PROGRESS_DELAY_ENV) or 0))
         self._registered: dict[tuple[int, int], tuple[torch.Tensor, object]] = {}  # (address, bytes) -> the pool
         # (kept alive) and its registration
         self._remote: dict[bytes, str] = {}  # a remote agent's metadata -> its name here
