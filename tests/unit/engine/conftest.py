@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_checks import GREEDY, PROMPTS, check_pools_full
 
 from shared.config import EngineConfig
@@ -22,3 +23,13 @@ def solo_reference(tiny_model_dir):
 def pools_back_after_each_test(engine_pools_checked):
     """Every engine a test here builds ends with all its pages and request slots free (tests/conftest.py)."""
     yield
+
+
+@pytest.fixture
+def one_thread():
+    """A tiny model: one intra-op thread is as fast as two and steadier on a busy machine (two xdist workers share
+    two cores); the test files that want it for every test name it in ``pytestmark``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -143,13 +143,6 @@ def check_in_use_never_evicted(e: Engine) -> None:
         assert not free & held, f"cache {i}: pages both free and in use: {sorted(free & held)}"
 
 
-@pytest.fixture
-def one_thread():
-    """A tiny model: one intra-op thread is as fast as two and steadier on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("kind", [None, "mtp"])  # mtp: three draft caches, each page evicted from all four

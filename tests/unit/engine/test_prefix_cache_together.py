@@ -40,12 +40,7 @@ def engine(root, cached: bool, chunk: int | None, kind: str | None = None, num_p
                                spec=spec, prefix_cache=cached))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/unit/engine/conftest.py
 
 
 def run_together(e: Engine, prompts: list[list[int]], params: list[SamplingParams]):

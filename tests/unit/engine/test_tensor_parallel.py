@@ -145,12 +145,7 @@ def target_tokens(oracle_root) -> list[list[int]]:
     return [r.token_ids for r in engine.generate(PROMPTS, GREEDY[0])]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/unit/engine/conftest.py
 
 
 def test_split_logits_equal_the_whole_model_and_each_rank_holds_half_the_kv_heads(tp2, odd_target):
