@@ -55,7 +55,6 @@ class LoopTimes:
     seconds: dict[str, float] = field(default_factory=dict)  # "step_decode", ..., "calls", "after_step", "idle"
     steps: dict[str, int] = field(default_factory=dict)  # step kind -> steps
     rows: dict[str, int] = field(default_factory=dict)  # step kind -> decode rows
-    shapes: dict[str, int] = field(default_factory=dict)  # decode steps by shape (a tree shape, or plain)
     prefill_tokens: int = 0
 
     def add(self, part: str, seconds: float) -> None:
@@ -68,8 +67,6 @@ class LoopTimes:
         if facts is not None:
             self.rows[kind] = self.rows.get(kind, 0) + facts.rows
             self.prefill_tokens += facts.prefill_tokens
-            if facts.shape is not None:
-                self.shapes[facts.shape] = self.shapes.get(facts.shape, 0) + 1
 
 
 class EngineLoop:

@@ -189,7 +189,7 @@ class Telemetry:
                                        "step kind", ["kind"])
         self.engine_prefill_tokens = metric(Counter, "engine_step_prefill_tokens", "Prompt tokens the engine's "
                                             "steps computed")
-        self._loop_seen: dict[tuple[str, str], float] = {}  # (series, label) -> the running total counted
+        self._loop_seen: dict[tuple[int, str | None], float] = {}  # (metric, label) -> the total counted
         self._spec_counted: dict[str, SpecTokenCounts] = {}  # per shape, what the counters above have counted
         self._steps_counted: dict[str, int] = {}  # per kind, the steps counted so far
 
@@ -237,22 +237,14 @@ class Telemetry:
     def observe_loop(self, times) -> None:
         """Advance the engine-loop counters by what ``times`` (``services.engine_loop.LoopTimes``, running
         totals) gained since the last call."""
-        for series, label, total in [*(("s", k, v) for k, v in times.seconds.items()),
-                                     *(("n", k, v) for k, v in times.steps.items()),
-                                     *(("r", k, v) for k, v in times.rows.items()),
-                                     ("t", "", times.prefill_tokens)]:
-            gained = total - self._loop_seen.get((series, label), 0)
-            if gained <= 0:
-                continue
-            self._loop_seen[(series, label)] = total
-            if series == "s":
-                self.loop_seconds.labels(label).inc(gained)
-            elif series == "n":
-                self.engine_steps.labels(label).inc(gained)
-            elif series == "r":
-                self.engine_step_rows.labels(label).inc(gained)
-            else:
-                self.engine_prefill_tokens.inc(gained)
+        totals = [(self.loop_seconds, times.seconds), (self.engine_steps, times.steps),
+                  (self.engine_step_rows, times.rows), (self.engine_prefill_tokens, {None: times.prefill_tokens})]
+        for metric, by_label in totals:
+            for label, total in by_label.items():
+                gained = total - self._loop_seen.get((id(metric), label), 0)
+                if gained > 0:
+                    self._loop_seen[(id(metric), label)] = total
+                    (metric if label is None else metric.labels(label)).inc(gained)
 
     @property
     def handoff_bytes_total(self):
