@@ -80,9 +80,14 @@
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
+# The wheels go in once per machine (a marker says so): two invocations may then run side by side (a CPU stage
+# pinned to some cores beside a GPU stage) without one reinstalling under the other's running processes.
 if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  if [ ! -f /tmp/site/.eyrie-wheels ] || [ -n "$(find .whl -name '*.whl' -newer /tmp/site/.eyrie-wheels)" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && touch /tmp/site/.eyrie-wheels
+  fi
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv > "$OUT/device.csv" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/device.csv"
