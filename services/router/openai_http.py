@@ -587,10 +587,12 @@ def _combined(finishes: list[pb.Finish]) -> pb.Finish:
 
 
 def _usage(finishes: list[pb.Finish]) -> dict:
-    """The prompt's tokens once, the choices' output tokens summed, with the prompt tokens found in a prefix cache
-    (as OpenAI and vLLM report it: the first choice's; its prompt is every choice's)."""
+    """The prompt's tokens once, the choices' output tokens summed, and the prompt tokens found in a prefix cache
+    (as OpenAI and vLLM report it): the fewest any choice found. The choices prefill their prompt once
+    (``Scheduler._in_flight``): the one that computed it found only what was cached before the request, and which
+    choice that is depends on the order they reached the instance, not on their index."""
     return {**_token_usage(finishes[0].usage.prompt_tokens, sum(f.usage.completion_tokens for f in finishes)),
-            "prompt_tokens_details": {"cached_tokens": finishes[0].usage.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": min(f.usage.cached_tokens for f in finishes)}}
 
 
 def _token_usage(prompt: int, completion: int) -> dict:
@@ -836,7 +838,7 @@ class OpenAIServer:
                 offsets[msg.index] = offset + len(msg.text)
                 msg = await self._next(session, parsed)
             if len(finishes) == parsed.n and parsed.include_usage:
-                yield _event({**base, "choices": [], "usage": _usage(list(finishes.values()))}, parsed)
+                yield _event({**base, "choices": [], "usage": _usage([finishes[i] for i in sorted(finishes)])}, parsed)
         except ApiError as e:  # the headers are gone: report in the stream, as OpenAI-style servers do
             yield b"data: " + json.dumps(e.body()).encode() + b"\n\n"
 
