@@ -79,10 +79,15 @@ def best_choices(messages: list[pb.GenerateResponse], n: int, return_logprobs: b
     for index in dict.fromkeys(m.index for m in messages):
         whole[index] = merge([m for m in messages if m.index == index])
     ranked = sorted(whole, key=lambda i: (-sum(whole[i].logprobs), i))[:n]
+    # The prompt's cached tokens are the request's: the fewest any choice found (the one that computed the prompt
+    # may not be among the best; ``openai_http._usage`` takes the fewest of those returned)
+    cached = min((m.finish.usage.cached_tokens for m in whole.values() if m.HasField("finish")), default=0)
     out = []
     for rank, index in enumerate(ranked):
         msg = whole[index]
         msg.index = rank
+        if msg.HasField("finish"):
+            msg.finish.usage.cached_tokens = cached
         if not return_logprobs:
             del msg.logprobs[:]
         out.append(msg)

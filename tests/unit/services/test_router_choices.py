@@ -44,6 +44,15 @@ def test_best_of_ranks_choices_by_cumulative_logprob_ties_to_the_lower_index():
     assert list(kept[0].token_ids) == [3, 6] and list(kept[0].logprobs) == [-0.125, -0.125]
 
 
+def test_best_of_reports_the_cached_prompt_tokens_of_every_choice_run():
+    # choice 3 computed the prompt (0 cached), the others took its pages; choice 3 is not among the best two
+    messages = [msg(i, [i], [-0.1 * (i + 1)], True) for i in range(4)]
+    for m in messages:
+        m.finish.usage.cached_tokens = 0 if m.index == 3 else 24
+    best = best_choices(messages, 2, return_logprobs=False)
+    assert [m.finish.usage.cached_tokens for m in best] == [0, 0]
+
+
 class _Core:
     """A core whose walk yields the given messages, then ends."""
 
