@@ -2,6 +2,7 @@
 decode instances (no GPU, no model weights, real gRPC, real Redis).
 
     python bench/bench_router.py --streams 64,256,512,1024 --routers 1,2 --out docs/bench/router_cpu.json
+    python bench/bench_router.py --api openai --streams 256,512      # the clients on the OpenAI API (SSE)
 
 Each synthetic decode instance (``Synth``, all in one process) implements ``Decode.Admit``, ``Stream`` and
 ``Abort`` and registers itself in Redis with heartbeats like an engine: the router takes every request as a
@@ -195,9 +196,9 @@ def router_main(args, model_dir: str, conn) -> None:  # noqa: D103
 
     settings = RouterSettings(model=model_dir, redis_url=args.redis_url, local_prefill_max_tokens=1 << 20,
                               max_concurrent_requests=0, log_level="WARNING", heartbeat_s=1.0,
-                              decode_relay=not args.no_relay)
+                              decode_relay=not args.no_relay, openai_port=0 if args.api == "openai" else None)
     handle = start_router(settings)
-    conn.send((os.getpid(), handle.grpc_address))
+    conn.send((os.getpid(), handle.extra["openai_address"] if args.api == "openai" else handle.grpc_address))
     conn.recv()  # stop
     handle.stop(0.5)
 
@@ -226,18 +227,74 @@ async def _stream_slot(stub, args, base: float, stats: dict, stop_at: float, mea
             stats["requests"] += 1
 
 
+async def _sse_slot(address: str, args, base: float, stats: dict, stop_at: float, measure_from: float) -> None:
+    """One stream over the OpenAI API (``/v1/completions``, ``stream``), on one kept-alive HTTP/1.1 connection.
+    A minimal client (chunked transfer, SSE lines, one ``json.loads`` per event) so that the clients' own parsing
+    takes as little of the machine as it can; each event's first ``token_logprobs`` is its oldest token's stamp."""
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port), limit=1 << 20)
+    prompt = [random.randrange(3, 30000) for _ in range(args.prompt_tokens)]
+    body = json.dumps({"prompt": prompt, "max_tokens": args.max_tokens, "stream": True,
+                       "logprobs": 0, "return_token_ids": True, "ignore_eos": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    try:
+        while time.monotonic() < stop_at:
+            writer.write(head + body)
+            status = await reader.readline()
+            if b" 200 " not in status:
+                raise RuntimeError(f"HTTP {status!r}")
+            while (await reader.readline()) not in (b"\r\n", b""):
+                pass  # headers (the body is chunked: uvicorn streams a response of no stated length)
+            last, pending, done = None, b"", False
+            while True:  # to the last chunk (after [DONE]): the connection then takes the next request
+                size = int((await reader.readline()).strip() or b"0", 16)
+                if size == 0:
+                    await reader.readline()
+                    break
+                pending += (await reader.readexactly(size + 2))[:-2]  # the chunk's data, less its CRLF
+                *events, pending = pending.split(b"\n\n")
+                for ev in events:
+                    data = ev[6:].rstrip(b"\r\n") if ev.startswith(b"data: ") else b""
+                    if not data:
+                        continue
+                    if data == b"[DONE]":
+                        done = True
+                        continue
+                    choice = json.loads(data)["choices"][0]
+                    ids, lps = choice.get("token_ids") or [], (choice.get("logprobs") or {}).get("token_logprobs")
+                    now = time.monotonic()
+                    if ids and measure_from <= now < stop_at:
+                        stats["tokens"] += len(ids)
+                        stats["messages"] += 1
+                        if lps and random.random() < 0.2:
+                            stats["added"].append(now - base - lps[0])
+                        if last is not None and random.random() < 0.2:
+                            stats["itl"].append((now - last) / len(ids))
+                    if ids:
+                        last = now
+            if done and time.monotonic() >= measure_from:
+                stats["requests"] += 1
+    finally:
+        writer.close()
+
+
 async def _client(args, routers: list[str], streams: int, base: float, start_at: float) -> dict:
     import grpc
 
     from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 
-    channels = [grpc.aio.insecure_channel(a) for a in routers]
-    stubs = [pb_grpc.GenerationStub(c) for c in channels]
     stats = {"tokens": 0, "messages": 0, "requests": 0, "added": [], "itl": []}
     measure_from = start_at + args.warmup_s
     stop_at = measure_from + args.duration_s
     while time.monotonic() < start_at:
         await asyncio.sleep(0.01)
+    if args.api == "openai":
+        await asyncio.gather(*(_sse_slot(routers[i % len(routers)], args, base, stats, stop_at, measure_from)
+                               for i in range(streams)))
+        return stats
+    channels = [grpc.aio.insecure_channel(a) for a in routers]
+    stubs = [pb_grpc.GenerationStub(c) for c in channels]
     await asyncio.gather(*(_stream_slot(stubs[i % len(stubs)], args, base, stats, stop_at, measure_from)
                            for i in range(streams)))
     for c in channels:
@@ -337,6 +394,8 @@ def main() -> int:
     ap.add_argument("--warmup-s", type=float, default=3.0)
     ap.add_argument("--duration-s", type=float, default=10.0)
     ap.add_argument("--no-relay", action="store_true", help="a Stream call per request (the relay off)")
+    ap.add_argument("--api", choices=("grpc", "openai"), default="grpc",
+                    help="the clients' API: the router's gRPC Generate, or the OpenAI API's streamed completions")
     ap.add_argument("--redis-url", default=None, help="default: an embedded Redis")
     ap.add_argument("--out", default=None, help="write the JSON here too")
     args = ap.parse_args()

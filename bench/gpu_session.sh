@@ -4,7 +4,7 @@
 # JSON under $OUT (default ./out/gpu), so a stage cut off by its time limit still leaves what it did.
 #
 #   bench/gpu_session.sh suite      # the whole GPU suite, one command: pytest tests/gpu tests/unit -m gpu
-#   bench/gpu_session.sh router-cpu # the router benchmark (bench_router.py: 1 and 2 routers) on the GPU machine's cores
+#   bench/gpu_session.sh router-cpu # bench_router.py (1 and 2 routers; gRPC, then OpenAI clients) on the GPU machine's cores
 #   bench/gpu_session.sh batch-invariant  # batch_invariant's GPU tests, then its price on the decode step (~5 min)
 #   SUITE_PART=1 bench/gpu_session.sh suite-x2   # two GPUs: half the one-GPU suite, both GPUs at once (then PART=2)
 #   bench/gpu_session.sh hazards    # which events invalidate a CUDA graph capture (bench/capture_hazards.py)
@@ -114,8 +114,11 @@ for stage in "$@"; do
       ;;
     router-cpu)  # issue 29 on the GPU machine's own cores (16+, none shared with the bench as on the 2-core CPU
       # machine): one router and two against synthetic instances with room for both, 256 and 512 streams
-      run router_cpu 300 python3 bench/bench_router.py --streams 256,512 --routers 1,2 --instances 8 --clients 4 \
-        --duration-s 10 --out "$OUT/router_cpu.json"
+      # through the router's gRPC API, then the OpenAI API (streamed completions, as bench_serving's clients)
+      for api in grpc openai; do
+        run "router_cpu_$api" 240 python3 bench/bench_router.py --api "$api" --streams 256,512 --routers 1,2 \
+          --instances 8 --clients 4 --duration-s 10 --out "$OUT/router_cpu_$api.json"
+      done
       ;;
     suite-x2)  # two GPUs: half the one-GPU suite (SUITE_PART=1 or 2: tests/gpu's files alternately, part 2 with
       # tests/unit -m gpu) on both GPUs at once, an xdist worker per GPU (EYRIE_GPU_PER_WORKER, tests/conftest.py);
