@@ -114,10 +114,14 @@ for stage in "$@"; do
       ;;
     router-cpu)  # issue 29 on the GPU machine's own cores (16+, none shared with the bench as on the 2-core CPU
       # machine): one router and two against synthetic instances with room for both, 256 and 512 streams
-      # through the router's gRPC API, then the OpenAI API (streamed completions, as bench_serving's clients)
+      # through the router's gRPC API, then the OpenAI API (streamed completions, as bench_serving's clients): the
+      # capacity (8 instances of 10k tok/s each: the routers saturate), 1 router then 2; then the latency a router
+      # adds at the issue's rate (8 x 2,500 = 20k tok/s offered over 512 streams)
       for api in grpc openai; do
-        run "router_cpu_$api" 240 python3 bench/bench_router.py --api "$api" --streams 256,512 --routers 1,2 \
+        run "router_cpu_$api" 150 python3 bench/bench_router.py --api "$api" --streams 512 --routers 1,2 \
           --instances 8 --clients 4 --duration-s 10 --out "$OUT/router_cpu_$api.json"
+        run "router_cpu_${api}_20k" 90 python3 bench/bench_router.py --api "$api" --streams 512 --routers 1 \
+          --instances 8 --instance-tok-s 2500 --clients 4 --duration-s 10 --out "$OUT/router_cpu_${api}_20k.json"
       done
       ;;
     suite-x2)  # two GPUs: half the one-GPU suite (SUITE_PART=1 or 2: tests/gpu's files alternately, part 2 with
