@@ -66,7 +66,7 @@ def test_greedy_through_the_stack_equals_engine_and_target(redis_url, oracle_mod
     assert single_process(oracle_model_dir, draft, topk, page_size) == target_only
     stack = start_stack(redis_url, oracle_model_dir, draft, page_size=page_size, chunk_size=CHUNK, spec_topk=topk,
                         spec_steps=spec.steps, spec_draft_tokens=spec.num_draft_tokens, max_context=MAX_CONTEXT,
-                        max_running=4, transport=transport)
+                        max_running=4, transport=transport, spec_policy="fixed")  # it asserts verify steps ran
     try:
         accept = []
         for prompt, want in zip([SHORT, LONG], target_only):

@@ -36,7 +36,8 @@ def test_a_tp2_service_in_the_stack_gives_the_single_engines_greedy_output(redis
     tp2 = {"tensor_parallel": 2}
     stack = start_stack(redis_url, oracle_model_dir, "eagle3", page_size=4, chunk_size=CHUNK, spec_topk=SPEC.topk,
                         spec_steps=SPEC.steps, spec_draft_tokens=SPEC.num_draft_tokens, max_context=MAX_CONTEXT,
-                        max_running=4, transport=transport, prefill_extra=tp2 if split == "prefill" else None,
+                        max_running=4, transport=transport, spec_policy="fixed",  # it asserts verify steps ran
+                        prefill_extra=tp2 if split == "prefill" else None,
                         decode_extra=tp2 if split == "decode" else None)
     service = (stack.prefills if split == "prefill" else stack.decodes)[0]
     leader = service.engine_loop.engine

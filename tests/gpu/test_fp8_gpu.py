@@ -124,7 +124,8 @@ def _greedy_with_and_without_head(model_dir, dtype: str, graphs: bool):
     plain = Engine(model_dir / "target", config=cfg)
     assert all(w.is_cuda and w.dtype == fp8.FP8 for w in fp8.fp8_weights_of(plain.model))
     spec = Engine(model_dir / "target", draft=model_dir / "eagle3",
-                  config=cfg.model_copy(update={"spec": SpecConfig(topk=2, steps=3, num_draft_tokens=6)}))
+                  config=cfg.model_copy(update={"spec": SpecConfig(topk=2, steps=3, num_draft_tokens=6),
+                                                "spec_policy": "fixed"}))  # verify steps asserted below
     prompts = [[5, 6, 7, 8], list(range(20, 60)), [300, 2, 2, 9]]
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
     with_head = [r.token_ids for r in spec.generate(prompts, params)]

@@ -44,6 +44,7 @@ def test_a_tp2_service_over_nccl_in_the_stack_gives_one_gpus_greedy_output(redis
     tp2 = {"tensor_parallel": 2}
     stack = start_stack(redis_url, oracle_model_dir, "eagle3", spec_topk=SPEC.topk, spec_steps=SPEC.steps,
                         spec_draft_tokens=SPEC.num_draft_tokens, transport=transport, **ENGINE,
+                        spec_policy="fixed",  # it asserts verify steps ran (adaptive follows timed costs)
                         prefill_extra=tp2 if split == "prefill" else None,
                         decode_extra=tp2 if split == "decode" else None)
     service = (stack.prefills if split == "prefill" else stack.decodes)[0]

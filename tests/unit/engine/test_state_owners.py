@@ -29,7 +29,8 @@ QUEUES = {"requests": SCHEDULER, "running": SCHEDULER, "waiting": SCHEDULER}  # 
 # Fields of the same name on objects that are not requests, each with what it is.
 NOT_REQUESTS = {("shared/handoff/wire.py", "draft_state"): "the KVChunk protobuf message's bytes field",
                 ("services/faults.py", "stage"): "a test hold gate's own stage to hold the loop at",
-                ("services/router/server.py", "cached_tokens"): "the Finish protobuf message's usage field"}
+                ("services/router/server.py", "cached_tokens"): "the Finish protobuf message's usage field",
+                ("services/router/choices.py", "cached_tokens"): "the Finish protobuf message's usage field"}
 MUTATORS = {"append", "extend", "insert", "remove", "pop", "popleft", "appendleft", "clear", "update",
             "setdefault", "sort", "reverse", "__setitem__", "__delitem__"}
 
