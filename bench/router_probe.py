@@ -99,7 +99,7 @@ def probed_router_main(args, model_dir: str, conn) -> None:
         grpc_api.AioGeneration.generate = probed_generate
     settings = RouterSettings(model=model_dir, redis_url=args.redis_url, local_prefill_max_tokens=1 << 20,
                               max_concurrent_requests=0, log_level="WARNING", heartbeat_s=1.0,
-                              decode_relay=not args.no_relay)
+                              decode_relay=not args.no_relay, openai_port=0 if args.api == "openai" else None)
     handle = srv.start_router(settings)
     loop = handle.extra["core"].loop
 
@@ -131,7 +131,7 @@ def probed_router_main(args, model_dir: str, conn) -> None:
 
     if full:
         loop.call_soon_threadsafe(lambda: (loop.create_task(lag_probe()), loop.create_task(sched_probe())))
-    conn.send((os.getpid(), handle.grpc_address))
+    conn.send((os.getpid(), handle.extra["openai_address"] if args.api == "openai" else handle.grpc_address))
     conn.recv()  # stop
     if opts.get("garbage"):
         st["garbage"], st["cycles"] = _garbage()
