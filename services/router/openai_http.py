@@ -838,7 +838,7 @@ class OpenAIServer:
                 offsets[msg.index] = offset + len(msg.text)
                 msg = await self._next(session, parsed)
             if len(finishes) == parsed.n and parsed.include_usage:
-                yield _event({**base, "choices": [], "usage": _usage([finishes[i] for i in sorted(finishes)])}, parsed)
+                yield _event({**base, "choices": [], "usage": _usage(list(finishes.values()))}, parsed)
         except ApiError as e:  # the headers are gone: report in the stream, as OpenAI-style servers do
             yield b"data: " + json.dumps(e.body()).encode() + b"\n\n"
 

@@ -143,8 +143,6 @@ def check_in_use_never_evicted(e: Engine) -> None:
         assert not free & held, f"cache {i}: pages both free and in use: {sorted(free & held)}"
 
 
-
-
 @pytest.mark.parametrize("kind", [None, "mtp"])  # mtp: three draft caches, each page evicted from all four
 def test_eviction_stress_full_pool_with_aborts(tiny_model_dir, kind, one_thread):
     """Requests from four shared prefixes on a pool that holds about two of them at once: the cache evicts
