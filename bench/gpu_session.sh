@@ -317,6 +317,7 @@ for stage in "$@"; do
     prefix-bench|prefix-bench2)  # issue 33's benchmark, the widened pair built once (/tmp/wide), one table
       [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
       if [ "$stage" = prefix-bench ]; then which=colo1,pd1 prefixes=16; else which=pd2 prefixes=64; fi
+      which=${PREFIX_LAYOUTS:-$which}  # e.g. PREFIX_LAYOUTS=colo1: one layout, the whole deadline its own
       # What the widening (and the stages before) took of this call's 10 minutes is taken off the deadline:
       # the benchmark stops issuing by it, its last requests drain and its services stop within the 45 s after.
       deadline=$(( 520 - SECONDS )); [ "$deadline" -gt 460 ] && deadline=460; [ "$deadline" -lt 60 ] && deadline=60

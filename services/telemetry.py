@@ -165,6 +165,10 @@ class Telemetry:
                                   "bookkeeping, by outcome: used (partial: for some of their requests) or dropped "
                                   "(mismatched: the next batch was not some of its requests)", ["outcome"])
         self._draft_ahead_seen: dict[str, int] = {}
+        self.draft_catch_up = metric(Counter, "spec_decode_draft_catch_up", "The draft's catch-ups over the "
+                                     "positions plain steps left it behind on (shared/spec/backlog.py): the extends "
+                                     "run (extends) and the positions they ran over (positions)", ["count"])
+        self._catch_up_seen: dict[str, int] = {}
         # Token-level speculation counters, named and shaped as vLLM's (shared/spec/token_counts.py), by the tree
         # shape that drafted (``SpecConfig.name``: the adaptive policy's choice, or the one shape of ``fixed``):
         # sum over ``shape`` for vLLM's series.
@@ -224,6 +228,9 @@ class Telemetry:
         for outcome, count in load.draft_ahead.items():  # the engine's running totals -> counter increments
             self.draft_ahead.labels(outcome).inc(count - self._draft_ahead_seen.get(outcome, 0))
             self._draft_ahead_seen[outcome] = count
+        for unit, count in load.draft_catch_up.items():
+            self.draft_catch_up.labels(unit).inc(count - self._catch_up_seen.get(unit, 0))
+            self._catch_up_seen[unit] = count
         used, total = load.total_pages[0] - load.free_pages[0], load.total_pages[0]
         self.kv_cache_usage.set(used / total if total else 0.0)
         self.observe_graph_failures(load.graph_failures)
@@ -271,6 +278,7 @@ class Telemetry:
     def skip_counts(self, load) -> None:
         """Take the engine's running totals so far as seen, without counting them (its warm-up request)."""
         self._draft_ahead_seen.update(load.draft_ahead)
+        self._catch_up_seen.update(load.draft_catch_up)
         self._spec_counted = {name: counts.copy() for name, counts in load.spec_shape_tokens.items()}
         self._steps_counted = dict(load.spec_steps)
         self._count_spec_tokens(load.spec_shape_tokens, load.spec_steps)  # every shape's series, at 0

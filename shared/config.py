@@ -151,6 +151,10 @@ class EngineConfig(BaseModel):
                              "(`EYRIE_SPEC_CANDIDATES`) or plain step it expects the most tokens per second from, by "
                              "each shape's cost timed on the device at start and its acceptance measured as it runs; "
                              "`fixed` always speculates with the configured tree (benchmarks)")  # shared/spec/policy.py
+    spec_draft_backlog: int = Field(32, ge=0, description="under the adaptive policy, plain decode steps leave the "
+                                    "draft behind for up to this many positions a request, and the draft then runs "
+                                    "over them in one extend (before a speculative step, or when a request's backlog "
+                                    "is full); 0 = every plain step runs the draft over its position")  # spec/backlog.py
     # The adaptive policy's speculative shapes (``SpecConfig.name``s, each within ``spec``); the configured
     # ``spec`` is always one. None: ``default_candidates``. Fixed runs ``spec`` alone.
     spec_candidates: tuple[str, ...] | None = None

@@ -44,6 +44,7 @@ from shared.memory.sizing import (
     activation_reserve,
     default_pages,
     device_memory,
+    draft_backlog_reserve,
     draft_phase_reserve,
     graph_output_reserve,
     graph_target_phases,
@@ -196,7 +197,9 @@ class ModelRunner:
         draft = draft_phase_reserve(head.config if head is not None else mc, config) if decodes else 0
         features = 0 if head is None else mc.hidden_size * max(1, len(getattr(head, "aux_layers", ())))
         outputs = graph_output_reserve(mc, config, features) if decodes else 0
-        return profiled_reserve(self.step_peaks, graph_target_phases(config) if decodes else 0, draft + outputs)
+        backlog = draft_backlog_reserve(config, features) if decodes else 0
+        return profiled_reserve(self.step_peaks, graph_target_phases(config) if decodes else 0,
+                                draft + outputs + backlog)
 
     def on_device(self) -> contextlib.AbstractContextManager:
         """This runner's GPU as the calling thread's current CUDA device (a no-op off CUDA). Triton
@@ -275,15 +278,17 @@ class ModelRunner:
         events = (yield from self._target_step(StepPlan(prefill=plan.prefill))) if plan.prefill else []
         if shape is None:
             return events + (yield from self._plain_step(plan.decode))
+        w.catch_up(plan.decode)  # the positions plain steps left the draft behind on (``shared/spec/backlog.py``)
         # A prompt completed by this step's chunks decodes from the next step on.
         joins = any(ch.completes_prompt for ch in plan.prefill) or (joins_next is not None and joins_next(plan.decode))
         return events + (yield from w.step(plan.decode, joins, shape))
 
     def _plain_step(self, reqs: list[Request]) -> Stepping:
         """A plain decode step of an engine with a draft: graph-shaped (padded to a bucket, replayed where
-        captured) as a plain engine's, its target forward capturing the draft's features, then the draft
-        over the one new position; eager (``_target_step``) with the plain graphs off. Both leave the
-        same draft state, so the next speculative step is the same."""
+        captured) as a plain engine's, its target forward capturing the draft's features, which wait in the
+        draft's backlog (``shared/spec/backlog.py``; without one, the draft runs over the one new position);
+        eager (``_target_step``) with the plain graphs off. Both leave the same draft state, so the next
+        speculative step is the same."""
         w = self.speculator
         graphs = w.graphs.get("plain")  # an adaptive engine's only
         if graphs is None or not graphs.enabled:
@@ -291,10 +296,14 @@ class ModelRunner:
         n = len(reqs)
         rows, lengths, tokens = self._decode_inputs(reqs, graphs.bucket(n) or n)
         logits, feats = graphs(rows, lengths, tokens)
+        written = [r.kv_len for r in reqs]
         for req in reqs:
             req.advance(req.kv_len + 1)
         events = yield from self._sample_and_commit(TargetOutput(logits=logits[:n]), reqs)
-        w.plain_extend(reqs, lengths, feats)  # after the host's wait: the device runs it while the next step is planned
+        if w.backlog is not None:  # after the host's wait (the tokens the draft would read are committed)
+            w.leave_behind(reqs, written, feats)
+        else:  # after the host's wait: the device runs it while the next step is planned
+            w.plain_extend(reqs, lengths, feats)
         return events
 
     def _target_step(self, plan: StepPlan) -> Stepping:

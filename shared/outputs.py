@@ -61,6 +61,7 @@ class EngineLoad:
     free_pages: tuple[int, ...]  # per cache, target first
     total_pages: tuple[int, ...]  # per cache, target first
     draft_ahead: dict[str, int] = field(default_factory=dict)  # drafts launched ahead, by outcome
+    draft_catch_up: dict[str, int] = field(default_factory=dict)  # the draft's catch-ups: extends, positions
     graph_failures: tuple[CaptureFailure, ...] = ()  # CUDA graphs that failed to capture (phase eager)
     spec_tokens: SpecTokenCounts | None = None  # token-level speculation counts so far (None without a draft)
     spec_shape_tokens: dict[str, SpecTokenCounts] = field(default_factory=dict)  # the same per tree shape
@@ -83,6 +84,7 @@ class EngineLoad:
             free_pages=tuple(c.num_free_pages for c in s.caches),
             total_pages=tuple(c.layout.num_pages for c in s.caches),
             draft_ahead=w.ahead.counts() if w is not None else {}, graph_failures=tuple(graph_failures),
+            draft_catch_up=dict(w.stats.catch_up) if w is not None else {},
             spec_tokens=w.stats.tokens.copy() if w is not None else None,
             spec_shape_tokens={n: c.copy() for n, c in w.stats.by_shape.items()} if w is not None else {},
             spec_steps=policy.steps_by_kind() if policy is not None else {},

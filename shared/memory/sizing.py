@@ -151,6 +151,14 @@ def draft_phase_reserve(config: ModelConfig, engine: EngineConfig) -> int:
     return 2 * rows * config.vocab_size * 4 * 2
 
 
+def draft_backlog_reserve(engine: EngineConfig, features: int) -> int:
+    """An adaptive engine's draft backlog (``shared/spec/backlog.py``): ``spec_draft_backlog`` positions of the
+    draft's ``features`` per request slot. ``features``: the hidden width the draft reads per token (0: no draft)."""
+    if not features or engine.spec is None or engine.spec_policy != "adaptive":
+        return 0
+    return (engine.max_running + 1) * engine.spec_draft_backlog * features * parse_dtype(engine.dtype).itemsize
+
+
 def graph_output_reserve(config: ModelConfig, engine: EngineConfig, features: int) -> int:
     """The outputs the captured phases keep: one set per phase at its largest batch size (every batch size of a
     phase writes into the same buffer, ``shared.cuda_graphs.SharedOutputs``): a verify phase's logits and

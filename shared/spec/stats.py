@@ -122,6 +122,12 @@ class SpecRecorder:
         self.num_batches = 0  # verify steps run so far (``batches_since`` takes a mark of it)
         self.tokens = SpecTokenCounts(steps)  # drafts, draft / accepted tokens (the /metrics counters)
         self.by_shape: dict[str, SpecTokenCounts] = {}  # the same per tree shape (``track_shapes``)
+        self.catch_up = {"extends": 0, "positions": 0}  # the draft's catch-ups over plain steps' positions
+
+    def caught_up(self, positions: int) -> None:
+        """The draft ran over ``positions`` that plain steps had left it behind on, in one extend."""
+        self.catch_up["extends"] += 1
+        self.catch_up["positions"] += positions
 
     def track_shapes(self, steps: dict[str, int]) -> None:
         """Count drafts and acceptance per shape too, for the shapes named (name -> its steps)."""

@@ -40,6 +40,7 @@ from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.request import Request
 from shared.sampling import sampling_ints, sampling_rows_from, to_device, top_pairs
 from shared.scheduler import Chunk
+from shared.spec.backlog import DraftBacklog, behind
 from shared.spec.draft_ahead import DraftAhead, Drafted
 from shared.spec.phases import DecodeInputs, SpecPhases, StepOutput
 from shared.spec.state import DraftState
@@ -117,7 +118,10 @@ class SpecWorker:
                        for s in dict.fromkeys([spec, *config.spec_shapes()[1:]])}
         self.phases, self.graphs = self.shapes[spec.name].phases, self.shapes[spec.name].graphs
         self.stats.track_shapes({name: sh.spec.steps for name, sh in self.shapes.items()})
-        if config.spec_policy == "adaptive":  # its plain steps' graphs (fixed never runs one: it has none)
+        # Plain steps (the adaptive policy's; fixed never runs one) leave the draft behind, up to a limit.
+        self.backlog = DraftBacklog(target_cache.layout.max_reqs, config.spec_draft_backlog) if (
+            config.spec_policy == "adaptive" and config.spec_draft_backlog) else None
+        if config.spec_policy == "adaptive":  # its plain steps' graphs
             self.graphs.update(self._plain_graphs(on, config.graph_max_bs, failures, flush))
         ahead = config.spec_draft_ahead
         enabled = target_cache.layout.device.type == "cuda" if ahead is None else ahead
@@ -148,12 +152,14 @@ class SpecWorker:
     def _plain_graphs(self, on: set[str], max_bs: int, failures: list[CaptureFailure],
                       flush: Callable[[], None]) -> dict[str, PhaseGraphs]:
         """A plain decode step's phases (``ModelRunner._plain_step``): the target's decode forward with the
-        draft's features, graph-shaped with the decode phase on; the draft over its one position, with
-        the extend phase on too."""
-        return {"plain": PhaseGraphs("plain", self.phases.plain_decode, "decode" in on, max_bs, failures,
-                                     before_replay=flush, pool=self.graph_pool),
-                "plain_extend": PhaseGraphs("plain_extend", self.phases.plain_extend, {"decode", "extend"} <= on,
-                                            max_bs, failures, before_replay=flush, pool=self.graph_pool)}
+        draft's features, graph-shaped with the decode phase on; without a backlog, the draft over its one
+        position, with the extend phase on too."""
+        graphs = {"plain": PhaseGraphs("plain", self.phases.plain_decode, "decode" in on, max_bs, failures,
+                                       before_replay=flush, pool=self.graph_pool)}
+        if self.backlog is None:
+            graphs["plain_extend"] = PhaseGraphs("plain_extend", self.phases.plain_extend, {"decode", "extend"} <= on,
+                                                 max_bs, failures, before_replay=flush, pool=self.graph_pool)
+        return graphs
 
     @staticmethod
     def cache_count(draft: DraftHead, spec: SpecConfig) -> int:
@@ -187,12 +193,18 @@ class SpecWorker:
                           out: TargetOutput) -> None:
         """Run the draft over a target step's rows in order: each plain-decoded request's one position
         (``starts``: where it wrote), then each prefill chunk. A decoded request still running, and one
-        whose prompt completed, get a DraftState (the next speculative step resumes from it)."""
+        whose prompt completed, get a DraftState (the next speculative step resumes from it). With a backlog
+        the decoded positions' features wait in it instead (``leave_behind``)."""
+        features = self.features(out) if decoded or chunks else None
+        if self.backlog is not None and decoded:
+            features = features[len(decoded):]
+            self.leave_behind(decoded, starts, self.features(out))
+            decoded, starts = [], []
         spans = [(r, s, s + 1) for r, s in zip(decoded, starts)] + [(c.req, c.start, c.end) for c in chunks]
         finals = [r.finish_reason is None for r in decoded] + [
             c.completes_prompt and c.req.finish_reason is None for c in chunks]
         if spans:
-            self.draft_extend(spans, self.features(out), finals)
+            self.draft_extend(spans, features, finals)
 
     def draft_extend(self, spans: list[tuple[Request, int, int]], features: torch.Tensor,
                      finals: list[bool]) -> None:
@@ -247,6 +259,23 @@ class SpecWorker:
         out = self.graphs["plain_extend"](ints[1:].t(), lengths, ints[0], feats)
         running = [i for i, r in enumerate(reqs) if r.finish_reason is None]  # rows picked by the host: no sync
         self._resume([reqs[i] for i in running], out.hidden, out.topk_p, out.topk_ids, running)
+
+    def leave_behind(self, reqs: list[Request], written: list[int], features: torch.Tensor) -> None:
+        """After a plain step (its tokens committed): each request of ``reqs`` wrote position ``written[i]`` with
+        target features ``features[i]``; they wait in the backlog, the draft not run. When a running request's
+        backlog is full, every request of the step catches up (``shared/spec/backlog.py``)."""
+        self.backlog.put(reqs, written, features)
+        if self.backlog.full(reqs):
+            self.catch_up(reqs)
+
+    def catch_up(self, reqs: list[Request]) -> None:
+        """The draft over every position plain steps left it behind on, for each running request of ``reqs``,
+        in one extend; each resumes from the draft state it leaves."""
+        late = [r for r in reqs if r.finish_reason is None and behind(r) > 0] if self.backlog is not None else []
+        if late:
+            features = self.backlog.take(late)
+            self.stats.caught_up(len(features))
+            self.draft_extend([(r, r.draft_state.committed_len, r.kv_len) for r in late], features, [True] * len(late))
 
     # ---- one decode step -------------------------------------------------------------------------
     def decode_step(self, reqs: list[Request], next_grows: bool = False, shape: str | None = None) -> Events:
@@ -384,7 +413,7 @@ class SpecWorker:
                              else [sh.graphs[k] for k in ("draft", "verify", "extend")])
                for name, sh in self.shapes.items()}
         if "plain" in self.graphs:
-            out["plain"] = largest([self.graphs["plain"], self.graphs["plain_extend"]])
+            out["plain"] = largest([self.graphs[k] for k in ("plain", "plain_extend") if k in self.graphs])
         return out
 
     def padding_inputs(self, bs: int) -> DecodeInputs:
@@ -404,7 +433,8 @@ class SpecWorker:
         """A plain step's phases (target decode, then the draft over its position) on padding rows ``inp``."""
         g, ints = self.graphs, torch.zeros_like(inp.L)
         logits, feats = g["plain"](ints, ints.clone(), ints.clone())
-        g["plain_extend"](inp.draft_rows, ints.clone(), ints.clone(), feats)
+        if "plain_extend" in g:  # without a backlog
+            g["plain_extend"](inp.draft_rows, ints.clone(), ints.clone(), feats)
 
     def padding_step(self, shape: str, inp: DecodeInputs) -> None:
         """A speculative step of ``shape`` on padding rows ``inp``: its draft, then its verify, acceptance and

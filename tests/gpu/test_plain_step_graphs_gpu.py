@@ -1,6 +1,7 @@
 """On the GPU: the adaptive policy's plain step in an engine with a draft is replayed from CUDA graphs (the
-target's decode forward with the draft's features, then the draft over the one new position), gives the
-eager plain step's tokens and draft state, and its graphs are captured ahead with the others.
+target's decode forward with the draft's features; with ``spec_draft_backlog=0`` then the draft over the one new
+position, by default the features wait in the draft's backlog for one catch-up extend), gives the eager plain
+step's tokens and draft state, and its graphs are captured ahead with the others.
 
 Float32, so the CPU reference is comparable token for token. The costs are injected so that the policy
 runs plain steps only (or switches every step), whatever the GPU's timings.
@@ -72,24 +73,30 @@ def cpu_reference(oracle_model_dir):
     return [r.token_ids for r in engine.generate(PROMPTS, PARAMS)]
 
 
+@pytest.mark.parametrize("backlog", [0, 4])
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp"])
 @pytest.mark.parametrize("costs", [plain_only, switching], ids=["plain", "switching"])
 def test_plain_step_graphs_are_replayed_and_equal_the_eager_plain_step(oracle_model_dir, cpu_reference, kind,
-                                                                        costs):
-    eager = adaptive(oracle_model_dir, kind, "cuda", False, costs())
+                                                                        costs, backlog):
+    eager = adaptive(oracle_model_dir, kind, "cuda", False, costs(), spec_draft_backlog=backlog)
     want = [r.token_ids for r in eager.generate(PROMPTS, PARAMS)]
-    engine = adaptive(oracle_model_dir, kind, "cuda", True, costs())
+    engine = adaptive(oracle_model_dir, kind, "cuda", True, costs(), spec_draft_backlog=backlog)
     count = engine.capture_graphs()
     graphs = engine.speculator.graphs
     assert count == sum(len(g.captured_sizes) for g in graphs.values())
-    assert graphs["plain"].captured_sizes == graphs["plain_extend"].captured_sizes == graphs["plain"].buckets
+    phases = ("plain", "plain_extend") if not backlog else ("plain",)
+    assert ("plain_extend" in graphs) == (not backlog)  # with a backlog a plain step runs no draft
+    assert all(graphs[p].captured_sizes == graphs["plain"].buckets for p in phases)
     assert not engine.graph_failures
-    plain, extend = Calls(graphs["plain"].fn), Calls(graphs["plain_extend"].fn)
-    graphs["plain"].fn, graphs["plain_extend"].fn = plain, extend
+    calls = {p: Calls(graphs[p].fn) for p in phases}
+    for p in phases:
+        graphs[p].fn = calls[p]
     got = [r.token_ids for r in engine.generate(PROMPTS, PARAMS)]
     assert got == want == cpu_reference
     assert engine.spec_policy.choices["plain"] >= 5
-    assert plain.count == extend.count == 0  # every plain step replayed both graphs: nothing ran eagerly
+    assert all(c.count == 0 for c in calls.values())  # every plain step replayed its graphs: nothing ran eagerly
+    if backlog:  # 20 tokens, plain steps of 3 rows: the backlogs fill and the draft catches up over them
+        assert engine.speculator.stats.catch_up["extends"] >= 1
     if costs is switching:
         assert engine.spec_policy.choices["spec"] >= 5 and engine.spec_stats.totals.accept_length > 1.3
     assert engine.is_idle_and_clean()
@@ -99,7 +106,8 @@ def test_plain_step_graphs_are_replayed_and_equal_the_eager_plain_step(oracle_mo
 def test_draft_state_after_a_replayed_plain_step_equals_the_eager_one(oracle_model_dir, kind):
     states = []
     for graphs in (False, True):
-        engine = adaptive(oracle_model_dir, kind, "cuda", graphs, plain_only(), chunk_size=None)
+        engine = adaptive(oracle_model_dir, kind, "cuda", graphs, plain_only(), chunk_size=None,
+                          spec_draft_backlog=0)
         if graphs:
             engine.capture_graphs()
         reqs = [engine.add_request(p, PARAMS) for p in PROMPTS]
@@ -120,12 +128,15 @@ def test_a_fixed_engine_captures_no_plain_step_graphs_and_capture_times_are_per_
     config = EngineConfig(device="cuda", dtype="float32", page_size=16, cuda_graph=True, cuda_graph_max_bs=8,
                           spec=SpecConfig(topk=2, steps=3, num_draft_tokens=6), spec_policy="fixed")
     fixed = Engine(oracle_model_dir / "target", oracle_model_dir / "eagle3", config)
-    adaptive_engine = adaptive(oracle_model_dir, "eagle3", "cuda", True, plain_only())
-    plain_buckets = len(adaptive_engine.speculator.graphs["plain"].buckets)
-    assert adaptive_engine.capture_graphs() == fixed.capture_graphs() + 2 * plain_buckets > 2 * plain_buckets
-    fixed_s, adaptive_s = fixed.graph_capture_s(), adaptive_engine.graph_capture_s()
-    assert set(adaptive_s) - set(fixed_s) == {"plain", "plain_extend"}  # reported with the other phases
-    assert all(s > 0 for s in adaptive_s.values())
+    fixed_count = fixed.capture_graphs()
+    for backlog, phases in ((0, {"plain", "plain_extend"}), (32, {"plain"})):
+        adaptive_engine = adaptive(oracle_model_dir, "eagle3", "cuda", True, plain_only(), spec_draft_backlog=backlog)
+        plain_buckets = len(adaptive_engine.speculator.graphs["plain"].buckets)
+        assert adaptive_engine.capture_graphs() == fixed_count + len(phases) * plain_buckets > plain_buckets
+        fixed_s, adaptive_s = fixed.graph_capture_s(), adaptive_engine.graph_capture_s()
+        assert set(adaptive_s) - set(fixed_s) == phases  # reported with the other phases
+        assert all(s > 0 for s in adaptive_s.values())
+        adaptive_engine.release_graphs()
 
 
 def folding(engine) -> tuple[list, object]:

@@ -1,12 +1,14 @@
 """The adaptive policy's plain step in an engine with a draft, graph-shaped (``ModelRunner._plain_step``).
 
 With CUDA graphs on, a plain step runs as a plain engine's does (padded to a batch-size bucket, replayed
-from a graph on a GPU): the target's decode forward capturing the draft's features (``plain``), then the
-draft over the one new position (``plain_extend``). On the CPU the same phases run eagerly on the padded
-rows. It must leave exactly the draft state the eager plain step (``ModelRunner._target_step``) leaves, so the next
-speculative step is unchanged: greedy output equals the fixed engine's and the target's alone, for every
-draft kind, with plain steps only and with the policy switching every step. The GPU tests
-(``tests/gpu/test_plain_step_graphs_gpu.py``) check the replayed graphs.
+from a graph on a GPU): the target's decode forward capturing the draft's features (``plain``). By default
+the features wait in the draft's backlog (``shared/spec/backlog.py``) and the draft catches up over them in
+one extend before the next speculative step or when a backlog is full; with ``spec_draft_backlog=0`` the
+draft runs over the one new position at once (``plain_extend``). On the CPU the same phases run eagerly on
+the padded rows. Either must leave the draft state the eager plain step (``ModelRunner._target_step``) leaves
+run by run, so the next speculative step is unchanged: greedy output equals the fixed engine's and the
+target's alone, for every draft kind, with plain steps only and with the policy switching every step. The
+GPU tests (``tests/gpu/test_plain_step_graphs_gpu.py``) check the replayed graphs.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ DEAR_SPEC = TableCost(decode=lambda b: 0.01, spec=lambda b: 1.0)  # speculation 
 
 
 def adaptive(models, kind: str, graphs: bool, cost, **cfg):
-    """An adaptive engine whose acceptance is known, so that the injected ``cost`` alone decides."""
+    """An adaptive engine whose acceptance is known, so that the injected ``cost`` alone decides; its plain steps
+    run the draft over their positions at once unless ``cfg`` gives ``spec_draft_backlog``."""
+    cfg = {"spec_draft_backlog": 0, **cfg}
     engine = models.engine(kind, topk=2, steps=3, ndt=6, cuda_graph=graphs, spec_policy="adaptive",
                            spec_candidates=(), **cfg)  # the configured shape or a plain step
     engine.spec_policy.cost = cost
@@ -57,6 +61,8 @@ def test_only_an_adaptive_engine_has_plain_step_graphs(oracle_models):
     eager_extend = adaptive(oracle_models, "eagle3", True, DEAR_SPEC, cuda_graph_phases=("decode", "draft"))
     graphs = eager_extend.speculator.graphs
     assert graphs["plain"].enabled and not graphs["plain_extend"].enabled  # the extend phase off: eager
+    backlog = adaptive(oracle_models, "eagle3", True, DEAR_SPEC, spec_draft_backlog=8).speculator.graphs
+    assert backlog["plain"].enabled and "plain_extend" not in backlog  # the draft waits: no extend to capture
 
 
 def first_tokens(results, lengths: list[int]):
@@ -137,3 +143,76 @@ def test_draft_state_after_a_graph_shaped_plain_step_equals_the_eager_one(oracle
         for r in reqs:
             engine.abort(r.rid)
         assert engine.is_idle_and_clean()
+
+
+# ---- the draft's backlog (shared/spec/backlog.py) ------------------------------------------------------------
+def run_plain_steps(models, kind: str, graphs: bool, backlog: int, steps: int):
+    """An adaptive engine after the batch's prefill and ``steps`` plain decode steps."""
+    engine = adaptive(models, kind, graphs, DEAR_SPEC, chunk_size=None, spec_draft_backlog=backlog)
+    reqs = [engine.add_request(p, PARAMS) for p in BATCH]
+    for _ in range(1 + steps):  # the prefill of all three, then the plain steps
+        engine.step()
+    assert engine.spec_policy.choices == {"spec": 0, "plain": steps}
+    return engine, reqs
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_plain_steps_leave_the_draft_behind_and_one_catch_up_leaves_what_the_per_step_extends_did(
+        oracle_models, kind, graphs):
+    at_once, at_once_reqs = run_plain_steps(oracle_models, kind, graphs, backlog=0, steps=5)
+    later, later_reqs = run_plain_steps(oracle_models, kind, graphs, backlog=8, steps=5)
+    w = later.speculator
+    assert w.stats.catch_up == {"extends": 0, "positions": 0}
+    for a, b in zip(at_once_reqs, later_reqs):
+        assert a.output_ids == b.output_ids and a.kv_len == b.kv_len == len(a.prompt_ids) + 5
+        assert a.draft_state.committed_len == a.kv_len  # the draft ran over every position ...
+        assert b.draft_state.committed_len == len(b.prompt_ids)  # ... or waits where the prompt ended
+    w.catch_up(later_reqs)
+    assert w.stats.catch_up == {"extends": 1, "positions": 3 * 5}
+    for a, b in zip(at_once_reqs, later_reqs):
+        sa, sb = a.draft_state, b.draft_state
+        assert (sa.bonus_token, sa.committed_len) == (sb.bonus_token, sb.committed_len)
+        assert torch.allclose(sa.hidden, sb.hidden, atol=1e-5)
+        assert torch.allclose(sa.topk_p, sb.topk_p, atol=1e-5) and torch.equal(sa.topk_ids, sb.topk_ids)
+        kv_a, kv_b = draft_kv(at_once, a), draft_kv(later, b)
+        assert len(kv_a) == len(kv_b) > 0
+        assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(kv_a, kv_b))  # every caught-up position's K/V
+    for engine, reqs in ((at_once, at_once_reqs), (later, later_reqs)):
+        for r in reqs:
+            engine.abort(r.rid)
+        assert engine.is_idle_and_clean()
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_full_backlog_catches_every_request_of_the_step_up_and_none_is_ever_further_behind(oracle_models, graphs):
+    limit = 4
+    engine = adaptive(oracle_models, "eagle3", graphs, DEAR_SPEC, spec_draft_backlog=limit)
+    w = engine.speculator
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 9, 11)]
+    reqs = [engine.add_request(p, q) for p, q in zip(BATCH, params)]
+    engine.step()  # the prefill: every request's draft up to date
+    behind_seen = []
+    while engine.has_work_to_step():
+        engine.step()
+        behind_seen.append([r.kv_len - r.draft_state.committed_len for r in reqs if r.finish_reason is None])
+    assert max(max(b, default=0) for b in behind_seen) == limit - 1  # full at ``limit``: caught up in that step
+    # The three fill together: each catch-up (after every 4th plain step) takes all of them at once; the second
+    # not the request of 9 tokens (8 plain steps), which ended in that step. None is caught up at its end.
+    assert w.stats.catch_up == {"extends": 2, "positions": 3 * 4 + 2 * 4}
+    assert engine.spec_policy.choices["spec"] == 0
+    assert_same_greedy([engine.result(r) for r in reqs], first_tokens(oracle_models.reference(BATCH, PARAMS), [12, 9, 11]))
+    assert engine.is_idle_and_clean()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_policy_switching_every_step_accepts_the_same_with_and_without_the_backlog(oracle_models, kind):
+    want = oracle_models.reference(BATCH, PARAMS)
+    stats = []
+    for backlog in (0, 2):  # 2: plain runs overflow it too
+        engine = adaptive(oracle_models, kind, True, Alternating(), spec_draft_backlog=backlog)
+        assert_same_greedy(engine.generate(BATCH, PARAMS), want, f"backlog {backlog}")
+        assert engine.spec_policy.choices["spec"] >= 2 and engine.spec_policy.choices["plain"] >= 2
+        stats.append((engine.speculator.stats.totals.accepted_drafts, engine.speculator.stats.totals.verify_steps))
+        assert engine.is_idle_and_clean()
+    assert stats[0] == stats[1]  # every speculative step drafted from the same state
