@@ -154,7 +154,7 @@ class EngineConfig(BaseModel):
     spec_draft_backlog: int = Field(32, ge=0, description="under the adaptive policy, plain decode steps leave the "
                                     "draft behind for up to this many positions a request, and the draft then runs "
                                     "over them in one extend (before a speculative step, or when a request's backlog "
-                                    "is full); 0 = every plain step runs the draft over its position")  # spec/backlog.py
+                                    "is full); 0 = every plain step runs the draft over its position")  # spec/backlog
     # The adaptive policy's speculative shapes (``SpecConfig.name``s, each within ``spec``); the configured
     # ``spec`` is always one. None: ``default_candidates``. Fixed runs ``spec`` alone.
     spec_candidates: tuple[str, ...] | None = None

@@ -201,7 +201,8 @@ def test_a_full_backlog_catches_every_request_of_the_step_up_and_none_is_ever_fu
     # not the request of 9 tokens (8 plain steps), which ended in that step. None is caught up at its end.
     assert w.stats.catch_up == {"extends": 2, "positions": 3 * 4 + 2 * 4}
     assert engine.spec_policy.choices["spec"] == 0
-    assert_same_greedy([engine.result(r) for r in reqs], first_tokens(oracle_models.reference(BATCH, PARAMS), [12, 9, 11]))
+    want = first_tokens(oracle_models.reference(BATCH, PARAMS), [12, 9, 11])
+    assert_same_greedy([engine.result(r) for r in reqs], want)
     assert engine.is_idle_and_clean()
 
 
