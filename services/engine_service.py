@@ -119,8 +119,10 @@ def capture_graphs(engine: Engine, enabled: bool, telemetry: Telemetry, log: Ser
     if count and largest < wanted:  # the memory fraction left no room for the larger ones (CaptureBudget)
         log.warning("graphs_capped", largest_batch=largest, graph_max_bs=engine.config.graph_max_bs,
                     reason="gpu_memory_fraction: larger batches run eagerly")
+    timed = {f"{kind}@{bs}": round(1e3 * s, 3) for (kind, bs), s in sorted(engine.graph_costs.items())}
     log.event("graphs_captured", seconds=round(time.perf_counter() - t0, 3), graphs=count, largest_batch=largest,
-              failed=len(engine.graph_failures), phase_seconds=engine.graph_capture_s(), **torch_memory(engine))
+              failed=len(engine.graph_failures), phase_seconds=engine.graph_capture_s(),
+              **({"step_ms": timed} if timed else {}), **torch_memory(engine))
 
 
 def torch_memory(engine: Engine) -> dict:
@@ -221,7 +223,9 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
         loop.stop()
         getattr(engine, "close", lambda: None)()  # a Leader's followers end with the loop's last call
         telemetry.stop()
-        log.event("stopped", drained=drained, seconds=round(time.monotonic() - t0, 3))
+        policy = getattr(engine, "spec_policy", None)  # what the speculation policy learnt (its loop has stopped)
+        log.event("stopped", drained=drained, seconds=round(time.monotonic() - t0, 3),
+                  **({"spec_policy": policy.summary()} if policy is not None else {}))
 
     return ServiceHandle(role=role, instance_id=instance_id, grpc_address=grpc_address, http_address=http_address,
                          stop=stop, engine_loop=loop, extra={"servicer": servicer, "telemetry": telemetry,

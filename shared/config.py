@@ -155,6 +155,10 @@ class EngineConfig(BaseModel):
                                     "draft behind for up to this many positions a request, and the draft then runs "
                                     "over them in one extend (before a speculative step, or when a request's backlog "
                                     "is full); 0 = every plain step runs the draft over its position")  # spec/backlog
+    spec_policy_costs: str = Field("measured", description="the adaptive policy's step costs: `measured` = each "
+                                   "kind's own steps' wall-clock time (an engine alone on its GPU); `timed` = the "
+                                   "device time of its CUDA graphs, timed at start (an engine sharing its GPU with "
+                                   "another process, whose kernels fill this one's host gaps)")
     # The adaptive policy's speculative shapes (``SpecConfig.name``s, each within ``spec``); the configured
     # ``spec`` is always one. None: ``default_candidates``. Fixed runs ``spec`` alone.
     spec_candidates: tuple[str, ...] | None = None
@@ -228,6 +232,13 @@ class EngineConfig(BaseModel):
     def _dtype(cls, v: str) -> str:
         if v != "auto" and v not in DTYPES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {v!r}")
+        return v
+
+    @field_validator("spec_policy_costs")
+    @classmethod
+    def _spec_policy_costs(cls, v: str) -> str:
+        if v not in ("measured", "timed"):
+            raise ValueError(f"spec_policy_costs must be measured or timed, got {v!r}")
         return v
 
     @field_validator("spec_policy")

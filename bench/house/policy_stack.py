@@ -40,18 +40,21 @@ BAR, TTFT_BAR = 0.95, 0.05
 # name -> the services' tree and policy flags (plain: no draft). ``default`` gives none: the settings' defaults.
 RUNS = {"plain": None, "default": {},
         "chain3": {"spec_topk": 1, "spec_steps": 3, "spec_policy": "fixed"},
-        "tree": {"spec_topk": 4, "spec_steps": 4, "spec_draft_tokens": 8, "spec_policy": "fixed"}}
+        "tree": {"spec_topk": 4, "spec_steps": 4, "spec_draft_tokens": 8, "spec_policy": "fixed"},
+        # the defaults but for one setting, for comparisons (not in the default ``--runs``)
+        "timed": {"spec_policy_costs": "timed"}, "backlog0": {"spec_draft_backlog": 0}}
+DEFAULT_RUNS = "plain,default,chain3,tree"
 SPEC_SERIES = ("eyrie_spec_decode_num_steps_total", "eyrie_spec_decode_num_drafts_total",
                "eyrie_spec_decode_num_accepted_tokens_total")
 GPU = dict(shape=[], heldout_bytes=400_000, vocab=128256, dtype="bfloat16", sweep="1,8,32,64,128", fixed="256:128",
            point_seconds=10.0, deadline_s=370.0, start_timeout_s=120.0, check=4, check_tokens=48,
            engine={"device": "cuda", "dtype": "bfloat16", "cuda_graph": True, "page_size": 16, "num_pages": 4096,
-                   "max_running": 128, "max_context": 1024, "chunk_size": 512}, runs=",".join(RUNS))
+                   "max_running": 128, "max_context": 1024, "chunk_size": 512}, runs=DEFAULT_RUNS)
 SMOKE = dict(shape=["--hidden", "256", "--layers", "5", "--intermediate", "640", "--heads", "2", "--kv-heads", "1"],
              heldout_bytes=40_000, vocab=4096, dtype="float32", sweep="1,2", fixed="24:6", point_seconds=2.0,
              deadline_s=900.0, start_timeout_s=300.0, check=1, check_tokens=6,
              engine={"device": "cpu", "dtype": "float32", "page_size": 4, "num_pages": 256, "max_running": 4,
-                     "max_context": 128, "chunk_size": 32}, runs=",".join(RUNS))
+                     "max_context": 128, "chunk_size": 32}, runs=DEFAULT_RUNS)
 
 
 def greedy_ids(address: str, prompt: list[int], tokens: int, timeout_s: float = 120.0) -> list[int]:
@@ -135,7 +138,7 @@ def table(runs: dict[str, dict], sweep: list[int]) -> list[dict]:
         point = {n: next((p for p in r.get("points", []) if p["concurrency"] == c), None) for n, r in runs.items()}
         tok = {n: p and p["output_tok_s"] for n, p in point.items()}
         ttft = {n: p and p["ttft_p50_s"] for n, p in point.items()}
-        fixed = {n: v for n, v in tok.items() if n not in ("plain", "default") and v}
+        fixed = {n: v for n, v in tok.items() if (RUNS.get(n) or {}).get("spec_policy") == "fixed" and v}
         best = max(fixed, key=fixed.get) if fixed else None
         d = tok.get("default")
         rows.append({"concurrency": c, "tok_s": tok, "ttft_p50_s": ttft, "best_fixed": best,

@@ -64,6 +64,10 @@ class MeasuredCost:
     seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, bucket) -> seconds
     counts: dict[tuple[str, int], int] = field(default_factory=dict)  # (kind, bucket) -> steps recorded
     prior: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, bucket) -> seconds timed at start
+    # "timed": a bucket timed at start keeps its prior (the device time of the kind's graphs), its steps' own
+    # wall-clock time is used only where nothing was timed; "measured": the steps' time replaces the prior
+    # (``EngineConfig.spec_policy_costs`` says when each is right).
+    source: str = "measured"
 
     def seed(self, kind: str, batch: int, seconds: float) -> None:
         """A step of ``kind`` at ``batch`` timed at start (its bucket's prior, until a step of it is recorded)."""
@@ -92,7 +96,16 @@ class MeasuredCost:
         return s_lo + (batch - lo) / (hi - lo) * (s_hi - s_lo)
 
     def _at(self, kind: str, b: int) -> float | None:
+        if self.source == "timed" and (kind, b) in self.prior:
+            return self.prior[(kind, b)]
         return self.seconds.get((kind, b), self.prior.get((kind, b)))
+
+    def table(self) -> dict[str, dict[str, float]]:
+        """Per kind, its ms per step at each bucket, as the policy reads them (a log's summary)."""
+        out: dict[str, dict[str, float]] = {}
+        for kind, b in sorted(set(self.seconds) | set(self.prior)):
+            out.setdefault(kind, {})[str(b)] = round(1e3 * self._at(kind, b), 3)
+        return out
 
 
 @dataclass
@@ -238,6 +251,13 @@ class SpecPolicy:
         for c in self.candidates:
             if c is ran or ran.covers(c):
                 c.acceptance.observe_counts(drafts, reached[:c.acceptance.steps])
+
+    def summary(self) -> dict:
+        """What the policy has learnt: each kind's step costs (ms per bucket), each shape's expected tokens per
+        request and steps run (a log's record of its choices)."""
+        costs = self.cost.table() if isinstance(self.cost, MeasuredCost) else {}
+        return {"kind": self.kind, "costs_ms": costs, "steps": self.steps_by_kind(),
+                "tokens": {c.name: None if c.tokens is None else round(c.tokens, 3) for c in self.candidates}}
 
     def steps_by_kind(self) -> dict[str, int]:
         """Decode steps run so far per shape (every candidate's, 0 for one never run) and ``plain``."""

@@ -282,3 +282,21 @@ def test_steps_not_timed_leave_the_cost_alone():
     p.ran("plain", 4, 0.010)
     p.ran("plain", 4, 0.001, timed=False)  # a prefill before it took over part of its wait
     assert p.cost.decode_s(4) == pytest.approx(0.010)
+
+
+def test_timed_costs_keep_each_bucket_timed_at_start_and_measure_only_the_others():
+    timed, measured = MeasuredCost(source="timed"), MeasuredCost()
+    for cost in (timed, measured):
+        cost.seed("plain", 32, 0.010)  # the graphs' device time at start
+        cost.seed("chain3", 32, 0.016)
+        for _ in range(20):  # the steps' wall-clock time: the host's work and a neighbour's kernels in it
+            cost.record("plain", 32, 0.030)
+            cost.record("plain", 64, 0.040)  # nothing timed at 64 (eager there): measured in both
+    assert timed.decode_s(32) == 0.010 and timed.spec_s(32, "chain3") == 0.016
+    assert measured.decode_s(32) == pytest.approx(0.030) and measured.spec_s(32, "chain3") == 0.016
+    assert timed.decode_s(64) == pytest.approx(0.040) == measured.decode_s(64)
+    assert timed.table() == {"chain3": {"32": 16.0}, "plain": {"32": 10.0, "64": 40.0}}
+    policy = SpecPolicy.of("adaptive", [SpecConfig(topk=1, steps=3, num_draft_tokens=4)], timed)
+    policy.observe("chain3", 10, [7, 5, 2])
+    assert policy.summary() == {"kind": "adaptive", "costs_ms": timed.table(), "steps": {"chain3": 0, "plain": 0},
+                                "tokens": {"chain3": 2.4}}
