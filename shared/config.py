@@ -159,6 +159,9 @@ class EngineConfig(BaseModel):
                                    "kind's own steps' wall-clock time (an engine alone on its GPU); `timed` = the "
                                    "device time of its CUDA graphs, timed at start (an engine sharing its GPU with "
                                    "another process, whose kernels fill this one's host gaps)")
+    spec_policy_settle: int = Field(1, ge=1, description="the adaptive policy records a kind's step time once it "
+                                    "has run this many steps in a row before it (a switch runs the kind that many "
+                                    "more; probes come that many times as seldom)")  # shared/spec/policy.py
     # The adaptive policy's speculative shapes (``SpecConfig.name``s, each within ``spec``); the configured
     # ``spec`` is always one. None: ``default_candidates``. Fixed runs ``spec`` alone.
     spec_candidates: tuple[str, ...] | None = None

@@ -300,3 +300,24 @@ def test_timed_costs_keep_each_bucket_timed_at_start_and_measure_only_the_others
     policy.observe("chain3", 10, [7, 5, 2])
     assert policy.summary() == {"kind": "adaptive", "costs_ms": timed.table(), "steps": {"chain3": 0, "plain": 0},
                                 "tokens": {"chain3": 2.4}}
+
+
+def test_a_settling_policy_runs_a_kind_settle_steps_after_a_switch_before_it_records_its_time():
+    cost = MeasuredCost()
+    policy = SpecPolicy.of("adaptive", [SpecConfig(topk=1, steps=3, num_draft_tokens=4)], cost)
+    policy.settle = 3
+    policy.ran("chain3", 8, 0.02)  # the first step: nothing before it
+    for i in range(3):  # a switch to plain: plain runs again until 3 steps of it came before the recorded one
+        policy.ran("plain", 8, 0.5 if i == 0 else 0.05)
+        assert policy.again == "plain" and ("plain", 8) not in cost.seconds
+        policy.again = None
+    policy.ran("plain", 8, 0.01)
+    assert policy.again is None and cost.seconds[("plain", 8)] == 0.01  # the settled step alone
+    assert policy.run == 4
+    one = SpecPolicy.of("adaptive", [SpecConfig(topk=1, steps=3, num_draft_tokens=4)], MeasuredCost())
+    one.ran("chain3", 8, 0.02)
+    one.ran("plain", 8, 0.5)
+    assert one.again == "plain"
+    one.again = None
+    one.ran("plain", 8, 0.01)  # the default (settle 1): the step after the switch's first is recorded
+    assert one.again is None and one.cost.seconds[("plain", 8)] == 0.01
