@@ -155,13 +155,6 @@ class EngineConfig(BaseModel):
                                     "draft behind for up to this many positions a request, and the draft then runs "
                                     "over them in one extend (before a speculative step, or when a request's backlog "
                                     "is full); 0 = every plain step runs the draft over its position")  # spec/backlog
-    spec_policy_costs: str = Field("measured", description="the adaptive policy's step costs: `measured` = each "
-                                   "kind's own steps' wall-clock time (an engine alone on its GPU); `timed` = the "
-                                   "device time of its CUDA graphs, timed at start (an engine sharing its GPU with "
-                                   "another process, whose kernels fill this one's host gaps)")
-    spec_policy_settle: int = Field(1, ge=1, description="the adaptive policy records a kind's step time once it "
-                                    "has run this many steps in a row before it (a switch runs the kind that many "
-                                    "more; probes come that many times as seldom)")  # shared/spec/policy.py
     # The adaptive policy's speculative shapes (``SpecConfig.name``s, each within ``spec``); the configured
     # ``spec`` is always one. None: ``default_candidates``. Fixed runs ``spec`` alone.
     spec_candidates: tuple[str, ...] | None = None
@@ -235,13 +228,6 @@ class EngineConfig(BaseModel):
     def _dtype(cls, v: str) -> str:
         if v != "auto" and v not in DTYPES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {v!r}")
-        return v
-
-    @field_validator("spec_policy_costs")
-    @classmethod
-    def _spec_policy_costs(cls, v: str) -> str:
-        if v not in ("measured", "timed"):
-            raise ValueError(f"spec_policy_costs must be measured or timed, got {v!r}")
         return v
 
     @field_validator("spec_policy")

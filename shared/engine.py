@@ -61,9 +61,7 @@ class Engine:
         self.checks = RequestChecks(mc.vocab_size, self.max_context, tokenizer)
         self.spec_policy = None if runner.speculator is None else SpecPolicy.of(
             self.config.spec_policy, [s.spec for s in runner.speculator.shapes.values()],
-            MeasuredCost(source=self.config.spec_policy_costs))
-        if self.spec_policy is not None:
-            self.spec_policy.settle = self.config.spec_policy_settle
+            MeasuredCost())
         self._decode_end: float | None = None  # when the last decode step ended (the policy's step costs)
         self.last_step: StepFacts | None = None  # what the step launched last ran (the loop's accounting)
         # Under tensor parallelism the scheduler sends its changes to the other ranks (``ModelRunner.leading``).

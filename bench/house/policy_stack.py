@@ -42,8 +42,7 @@ RUNS = {"plain": None, "default": {},
         "chain3": {"spec_topk": 1, "spec_steps": 3, "spec_policy": "fixed"},
         "tree": {"spec_topk": 4, "spec_steps": 4, "spec_draft_tokens": 8, "spec_policy": "fixed"},
         # the defaults but for one setting, for comparisons (not in the default ``--runs``)
-        "timed": {"spec_policy_costs": "timed"}, "backlog0": {"spec_draft_backlog": 0},
-        "settle16": {"spec_policy_settle": 16}}
+        "backlog0": {"spec_draft_backlog": 0}}
 DEFAULT_RUNS = "plain,default,chain3,tree"
 SPEC_SERIES = ("eyrie_spec_decode_num_steps_total", "eyrie_spec_decode_num_drafts_total",
                "eyrie_spec_decode_num_accepted_tokens_total")

@@ -64,10 +64,6 @@ class MeasuredCost:
     seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, bucket) -> seconds
     counts: dict[tuple[str, int], int] = field(default_factory=dict)  # (kind, bucket) -> steps recorded
     prior: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, bucket) -> seconds timed at start
-    # "timed": a bucket timed at start keeps its prior (the device time of the kind's graphs), its steps' own
-    # wall-clock time is used only where nothing was timed; "measured": the steps' time replaces the prior
-    # (``EngineConfig.spec_policy_costs`` says when each is right).
-    source: str = "measured"
 
     def seed(self, kind: str, batch: int, seconds: float) -> None:
         """A step of ``kind`` at ``batch`` timed at start (its bucket's prior, until a step of it is recorded)."""
@@ -96,8 +92,6 @@ class MeasuredCost:
         return s_lo + (batch - lo) / (hi - lo) * (s_hi - s_lo)
 
     def _at(self, kind: str, b: int) -> float | None:
-        if self.source == "timed" and (kind, b) in self.prior:
-            return self.prior[(kind, b)]
         return self.seconds.get((kind, b), self.prior.get((kind, b)))
 
     def table(self) -> dict[str, dict[str, float]]:
@@ -182,12 +176,6 @@ class SpecPolicy:
     last: str | None = None  # the kind ("plain" or a shape) of the step that ran last
     again: str | None = None  # a kind switched to, to run once more so that its own time is measured
     incumbent: str | None = None  # the kind chosen as the best last time (probes aside)
-    # A kind's step time is recorded once it has run ``settle`` steps in a row before it (1: the step after a
-    # first): a switch changes more than this engine's steps (a neighbour sharing the GPU, whose queue follows
-    # this engine's pace, takes a while to settle), so after a switch the kind runs ``settle`` + 1 steps, and
-    # probes come ``settle`` times as seldom.
-    settle: int = 1
-    run: int = 0  # steps of ``last`` in a row
     pin: bool = True  # a pinned step runs the configured shape (False: tests of the law under switching, seeded)
     # Per shape, the largest batch its step runs as CUDA graphs (``SpecWorker.graphed_batches``); None: no graphs
     # (every kind eager, as on the CPU). A shape is not chosen past it: an eager speculative step at a large batch
@@ -242,14 +230,11 @@ class SpecPolicy:
         again for it, and the next step, which may wait for its tail (the draft's extend over the chunks),
         is not recorded either."""
         if mixed:
-            self.last, self.run = None, 0
+            self.last = None
             return
-        same = kind == self.last
-        self.run = self.run + 1 if same else 1
-        if same and self.run > self.settle:
-            if timed and isinstance(self.cost, MeasuredCost):
-                self.cost.record(kind, batch, seconds)
-        elif self.last is not None:  # a switch, or a run not settled yet: the kind runs once more
+        if kind == self.last and timed and isinstance(self.cost, MeasuredCost):
+            self.cost.record(kind, batch, seconds)
+        elif kind != self.last and self.last is not None:
             self.again = kind
         self.last = kind
 
@@ -326,7 +311,7 @@ class SpecPolicy:
         """A shape not chosen whose acceptance is due for a probe (the longest idle), if any, among ``cands``
         (those that may run at ``batch``); a shape another one's steps keep measuring (a shallower chain) is never
         probed for it."""
-        due = [c for c in cands if c.name != best and c.idle + 1 >= (c.probe_interval or self.probe_every) * self.settle
+        due = [c for c in cands if c.name != best and c.idle + 1 >= (c.probe_interval or self.probe_every)
                and not any(o is not c and o.covers(c) for o in self.candidates)]
         if not due:
             return None
