@@ -125,6 +125,13 @@ def capture_graphs(engine: Engine, enabled: bool, telemetry: Telemetry, log: Ser
               **({"step_ms": timed} if timed else {}), **torch_memory(engine))
 
 
+def policy_summary(engine) -> dict:
+    """What an engine's speculation policy learnt (its step costs, its shapes' expected tokens, the steps of each),
+    for the log once its loop has stopped; nothing without a policy."""
+    policy = getattr(engine, "spec_policy", None)
+    return {"spec_policy": policy.summary()} if policy is not None else {}
+
+
 def torch_memory(engine: Engine) -> dict:
     """On a GPU: what PyTorch's allocator holds now and its peak so far (GiB), else nothing."""
     if engine.device.type != "cuda":
@@ -223,9 +230,7 @@ def start_engine_service(role: str, settings: EngineSettings, engine: Engine | N
         loop.stop()
         getattr(engine, "close", lambda: None)()  # a Leader's followers end with the loop's last call
         telemetry.stop()
-        policy = getattr(engine, "spec_policy", None)  # what the speculation policy learnt (its loop has stopped)
-        log.event("stopped", drained=drained, seconds=round(time.monotonic() - t0, 3),
-                  **({"spec_policy": policy.summary()} if policy is not None else {}))
+        log.event("stopped", drained=drained, seconds=round(time.monotonic() - t0, 3), **policy_summary(engine))
 
     return ServiceHandle(role=role, instance_id=instance_id, grpc_address=grpc_address, http_address=http_address,
                          stop=stop, engine_loop=loop, extra={"servicer": servicer, "telemetry": telemetry,
