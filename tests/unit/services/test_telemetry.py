@@ -183,6 +183,24 @@ def test_draft_ahead_outcomes_are_exported(telemetry, tiny_model_dir):
     assert got["used"] > 0 and got["partial"] > 0
 
 
+def test_draft_catch_ups_are_exported(telemetry, tiny_model_dir):
+    from shared.config import SpecConfig
+    from tests.policy_costs import Rotating
+
+    engine = Engine(tiny_model_dir / "target", tiny_model_dir / "eagle",
+                    EngineConfig(page_size=4, spec=SpecConfig(topk=1, steps=2, num_draft_tokens=3),
+                                 spec_draft_backlog=3))
+    engine.spec_policy.cost = Rotating([None])  # a plain step the fastest at every decision ...
+    for c in engine.spec_policy.candidates:  # ... once every shape's acceptance is known
+        c.acceptance.observe([1])
+    engine.generate([list(range(10)), list(range(5, 12))], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    telemetry.observe_load(engine.load())
+    m = samples(telemetry.address)
+    got = {u: m[("eyrie_spec_decode_draft_catch_up_total", (("count", u),))] for u in ("extends", "positions")}
+    assert got == engine.speculator.stats.catch_up and got["extends"] == 2  # full after 3 plain steps, twice in 7
+    assert got["positions"] == 2 * 2 * 3
+
+
 SPEC_COUNTERS = ("eyrie_spec_decode_num_drafts_total", "eyrie_spec_decode_num_draft_tokens_total",
                  "eyrie_spec_decode_num_accepted_tokens_total")
 
