@@ -32,8 +32,9 @@ request is complete when every token and its usage came back), the hand-off byte
 on against off (``comparisons``): the probe's uncached / cached TTFT p50 (the issue's target: >= 5), the
 loaded warm TTFT p50 off / on, the shared workload's output tok/s on / off (target: >= 2), the chat's, and the
 hand-off bytes on / off. Writes the JSON (``--out``, rewritten after every workload) and a markdown table
-beside it (``.md``). ``--deadline-s`` bounds the whole: each run gets an even share of what is left, and a
-workload that no longer fits its run's share is listed under the run's ``skipped``.
+beside it (``.md``). ``--deadline-s`` bounds the whole: each run gets an even share of what is left (the first,
+which starts cold, half a share more), and a workload that no longer fits its run's share is listed under the
+run's ``skipped``.
 
     python -m bench.house.widen_tiny --out /tmp/wide        # the trained tiny pair at the 8B shape
     python bench/bench_prefix.py --model /tmp/wide/target --draft /tmp/wide/eagle3 \
@@ -84,6 +85,7 @@ SMOKE_DEFAULTS = dict(preset="tiny", device="cpu", dtype="float32", cuda_graph="
 # shared machine is ten times slower with a spinning thread per core).
 SMOKE_ENV = {"OMP_NUM_THREADS": "1"}
 WORKLOADS = ("shared", "chat", "probe")
+FIRST_SHARE = 1.5  # the first run's share of the deadline, the others' being 1 (``main``)
 HEAD_KEY = 8  # a run's prompts differ in their first this many tokens: a cold prompt finds no page cached
 
 
@@ -509,8 +511,10 @@ def main(argv: list[str] | None = None) -> int:
     # The engines' flags as bench_serving's layouts set them: device and memory fraction each instance its own.
     flags = {**engine_flags(argparse.Namespace(**vars(args), gpu_memory_fraction=None)), "device": None}
     runs, plan = plan_runs(args), plan_prompts(args, vocab, text_ids)
+    # The first run starts cold (its stack compiles the kernels the later ones find cached): half a share more.
+    shares = [FIRST_SHARE] + [1.0] * (len(runs) - 1)
     for i, (layout, draft_name, cache) in enumerate(runs):
-        budget = (bench.left() - 5) / (len(runs) - i)
+        budget = (bench.left() - 5) * shares[i] / sum(shares[i:])
         if budget < args.min_phase_s:
             bench.report["skipped"].append(f"{layout} cache {cache} draft {draft_name}")
             continue
