@@ -50,6 +50,7 @@
 #   bench/gpu_session.sh nixl       # two GPUs: NIXL VRAM writes GPU 0 -> GPU 1 per UCX_TLS (bench_nixl.py; needs the
 #                                   # nixl-cu13 wheel in .whl: ../shared/tools/gpu-wheels.sh nixl-cu13==1.5.1)
 #   bench/gpu_session.sh policy     # one GPU, through the stack (OpenAI API): plain vs the defaults with a draft (adaptive)
+#                                   # (POLICY_LAYOUT=colo1: no prefill instance, the decode instance prefills; default pd1)
 #                                   # (POLICY_RUNS=plain,chain3,tree: the fixed shapes, a second call), c1..c128, the
 #                                   # 8B-shaped widened pair, greedy checked equal (bench/house/policy_stack.py), ~9 min
 #   bench/gpu_session.sh graphs     # issue 30: colo1 c32/c64/c128 (max_running 128), graphs up to max_running (or as far
@@ -239,7 +240,8 @@ for stage in "$@"; do
       # All four stacks do not fit one call's 10 minutes (the adaptive one's start alone took 93 s on an H100):
       # POLICY_RUNS=plain,default then POLICY_RUNS=plain,chain3,tree, one call each
       PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 run policy 560 python3 -m bench.house.policy_stack \
-        --out "$OUT" --work "$work" --runs "${POLICY_RUNS:-plain,default}" --deadline-s 500
+        --out "$OUT" --work "$work" --runs "${POLICY_RUNS:-plain,default}" --layout "${POLICY_LAYOUT:-pd1}" \
+        --deadline-s 500
       for d in "$work"/logs-*; do
         [ -d "$d" ] && mkdir -p "$OUT/$(basename "$d")" && cp "$d"/*.log "$OUT/$(basename "$d")/"
       done

@@ -1,6 +1,7 @@
 """Speculation that pays by default, through the stack (issue 31): plain decoding, the defaults with a draft (the
 adaptive policy over the default tree's shapes), the fixed chain of 3 and the fixed best tree, each served by
-router + prefill + decode on one GPU and driven over the OpenAI API at every concurrency of the sweep.
+router + prefill + decode on one GPU (``--layout pd1``; ``colo1``: router + one decode instance prefilling its own
+prompts) and driven over the OpenAI API at every concurrency of the sweep.
 
     python -m bench.house.policy_stack --out $OUT            # H100: ~6.5 min (bench/gpu_session.sh policy)
     python -m bench.house.policy_stack --out /tmp/p --smoke  # the CPU form: small shapes, the script only
@@ -44,17 +45,18 @@ RUNS = {"plain": None, "default": {},
         # the defaults but for one setting, for comparisons (not in the default ``--runs``)
         "backlog0": {"spec_draft_backlog": 0}}
 DEFAULT_RUNS = "plain,default,chain3,tree"
+LAYOUTS = ("pd1", "colo1")
 SPEC_SERIES = ("eyrie_spec_decode_num_steps_total", "eyrie_spec_decode_num_drafts_total",
                "eyrie_spec_decode_num_accepted_tokens_total")
 GPU = dict(shape=[], heldout_bytes=400_000, vocab=128256, dtype="bfloat16", sweep="1,8,32,64,128", fixed="256:128",
            point_seconds=10.0, deadline_s=370.0, start_timeout_s=120.0, check=4, check_tokens=48,
            engine={"device": "cuda", "dtype": "bfloat16", "cuda_graph": True, "page_size": 16, "num_pages": 4096,
-                   "max_running": 128, "max_context": 1024, "chunk_size": 512}, runs=DEFAULT_RUNS)
+                   "max_running": 128, "max_context": 1024, "chunk_size": 512}, runs=DEFAULT_RUNS, layout="pd1")
 SMOKE = dict(shape=["--hidden", "256", "--layers", "5", "--intermediate", "640", "--heads", "2", "--kv-heads", "1"],
              heldout_bytes=40_000, vocab=4096, dtype="float32", sweep="1,2", fixed="24:6", point_seconds=2.0,
              deadline_s=900.0, start_timeout_s=300.0, check=1, check_tokens=6,
              engine={"device": "cpu", "dtype": "float32", "page_size": 4, "num_pages": 256, "max_running": 4,
-                     "max_context": 128, "chunk_size": 32}, runs=DEFAULT_RUNS)
+                     "max_context": 128, "chunk_size": 32}, runs=DEFAULT_RUNS, layout="pd1")
 
 
 def greedy_ids(address: str, prompt: list[int], tokens: int, timeout_s: float = 120.0) -> list[int]:
@@ -100,8 +102,11 @@ def run_config(name: str, flags: dict | None, pair: dict, text_ids: list[int], s
     """One configuration's stack: started, checked, warmed, swept; its points into ``record`` as they come."""
     vocab = (2, s["vocab"])
     t0 = time.monotonic()
+    colo = s["layout"] == "colo1"  # one decode instance prefilling every prompt itself; pd1: a prefill instance too
     stack = ServingStack(pair["target"], pair["draft"] if flags is not None else None, {**s["engine"], **(flags or {})},
-                         work / f"logs-{name}").start(min(s["start_timeout_s"], max(1.0, deadline - t0)))
+                         work / f"logs-{name}", instances=[("decode", {})] if colo else None,
+                         env={"EYRIE_LOCAL_PREFILL_MAX_TOKENS": str(s["engine"]["max_context"] if colo else 0)}
+                         ).start(min(s["start_timeout_s"], max(1.0, deadline - t0)))
     record["start_s"] = round(time.monotonic() - t0, 1)
     try:
         check = make_requests(Point("check", 1, s["check"], (64, 64), (s["check_tokens"],) * 2, seed=7), vocab,
@@ -208,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--point-seconds", type=float, help="seconds each point issues requests (then drains)")
     p.add_argument("--deadline-s", type=float, help="the whole run's budget after the widening")
     p.add_argument("--runs", help=f"which of {','.join(RUNS)} to run (comma-separated)")
+    p.add_argument("--layout", choices=LAYOUTS, help="pd1: router + prefill + decode on the one device (default); "
+                   "colo1: router + one decode instance prefilling its own prompts")
     result = run(p.parse_args(argv))
     return 0 if result["greedy_equal"] and all(result["greedy_equal"].values()) else 1
 

@@ -17,6 +17,7 @@ when it runs short (``PageAllocator.spare``), and ``num_free_pages`` counts them
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,17 +162,20 @@ def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     shareable through CUDA IPC handles."""
     pool = torch.zeros(shape, dtype=dtype, device=device)
     if shareable and pool.device.type == "cpu":
-        for attempt in range(SHARE_ATTEMPTS):
+        deadline = time.monotonic() + SHARE_WAIT_S
+        while True:
             try:
                 pool.untyped_storage()._share_filename_cpu_()
                 break
-            except RuntimeError as e:  # torch's shared-memory manager (a daemon) can miss its answer's deadline
-                if "Shared memory manager" not in str(e) or attempt == SHARE_ATTEMPTS - 1:  # on a loaded host
+            except RuntimeError as e:  # torch's shared-memory manager (a daemon) can miss its answer's deadline on a
+                if "Shared memory manager" not in str(e) or time.monotonic() > deadline:  # loaded host: ask again
                     raise
     return pool
 
 
-SHARE_ATTEMPTS = 3  # a pool's share into named memory, tried again when torch's manager timed out
+# How long a pool's share into named memory is asked for again while torch's manager times out (its own answer
+# deadline is short: under the stress runs' CPU hogs three attempts in a row timed out once in five runs).
+SHARE_WAIT_S = 60.0
 
 
 class KVCache:
