@@ -422,9 +422,13 @@ def test_every_service_logs_json_lines_with_the_request_id(process_stack):
     assert router[1]["fields"]["decode"] == rec["decode_instance"]
     assert router[-1]["fields"]["reason"] == "length" and router[-1]["fields"]["output_tokens"] == 8
     prefill = events(stack, "prefill", "logged-ok")
-    assert [x["event"] for x in prefill] == ["received", "prefill_done", "handoff_sent"]
+    # Two threads log the last two: the call's handler once it has the first token, the hand-off's sender once the
+    # decode side acknowledged; a short prompt's hand-off can end before the handler runs again (a loaded host).
+    assert prefill[0]["event"] == "received"
+    assert sorted(x["event"] for x in prefill[1:]) == ["handoff_sent", "prefill_done"]
     assert {x["instance"] for x in prefill} == {rec["prefill_instance"]}
-    assert prefill[-1]["fields"]["bytes"] == int(rec["handoff_bytes"]) > 0
+    (sent,) = [x for x in prefill if x["event"] == "handoff_sent"]
+    assert sent["fields"]["bytes"] == int(rec["handoff_bytes"]) > 0
     decode = events(stack, "decode", "logged-ok")
     assert [x["event"] for x in decode] == ["reserved", "handoff_received", "stream_attached", "first_token",
                                             "finished"]
