@@ -60,8 +60,7 @@ class Engine:
         self.tokenizer = tokenizer = tokenizer or Tokenizer.beside(model)
         self.checks = RequestChecks(mc.vocab_size, self.max_context, tokenizer)
         self.spec_policy = None if runner.speculator is None else SpecPolicy.of(
-            self.config.spec_policy, [s.spec for s in runner.speculator.shapes.values()],
-            MeasuredCost())
+            self.config.spec_policy, [s.spec for s in runner.speculator.shapes.values()], MeasuredCost())
         self._decode_end: float | None = None  # when the last decode step ended (the policy's step costs)
         self.last_step: StepFacts | None = None  # what the step launched last ran (the loop's accounting)
         # Under tensor parallelism the scheduler sends its changes to the other ranks (``ModelRunner.leading``).
