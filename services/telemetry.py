@@ -76,6 +76,13 @@ class _Fanout:
             t.observe(value)
 
 
+def count_totals(counter, totals: dict[str, int], seen: dict[str, int]) -> None:
+    """An engine's running totals by label (``totals``) into ``counter``'s increments since ``seen`` (updated)."""
+    for label, count in totals.items():
+        counter.labels(label).inc(count - seen.get(label, 0))
+        seen[label] = count
+
+
 class Telemetry:
     def __init__(self, service: str, instance_id: str, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, model_name: str = "eyrie"):
@@ -225,12 +232,8 @@ class Telemetry:
             name = "target" if i == 0 else f"draft{i - 1}"
             self.kv_pages_total.labels(name).set(total)
             self.kv_pages_used.labels(name).set(total - free)
-        for outcome, count in load.draft_ahead.items():  # the engine's running totals -> counter increments
-            self.draft_ahead.labels(outcome).inc(count - self._draft_ahead_seen.get(outcome, 0))
-            self._draft_ahead_seen[outcome] = count
-        for unit, count in load.draft_catch_up.items():
-            self.draft_catch_up.labels(unit).inc(count - self._catch_up_seen.get(unit, 0))
-            self._catch_up_seen[unit] = count
+        count_totals(self.draft_ahead, load.draft_ahead, self._draft_ahead_seen)
+        count_totals(self.draft_catch_up, load.draft_catch_up, self._catch_up_seen)
         used, total = load.total_pages[0] - load.free_pages[0], load.total_pages[0]
         self.kv_cache_usage.set(used / total if total else 0.0)
         self.observe_graph_failures(load.graph_failures)

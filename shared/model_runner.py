@@ -296,12 +296,11 @@ class ModelRunner:
         n = len(reqs)
         rows, lengths, tokens = self._decode_inputs(reqs, graphs.bucket(n) or n)
         logits, feats = graphs(rows, lengths, tokens)
-        written = [r.kv_len for r in reqs]
         for req in reqs:
             req.advance(req.kv_len + 1)
         events = yield from self._sample_and_commit(TargetOutput(logits=logits[:n]), reqs)
         if w.backlog is not None:  # after the host's wait (the tokens the draft would read are committed)
-            w.leave_behind(reqs, written, feats)
+            w.leave_behind(reqs, feats)
         else:  # after the host's wait: the device runs it while the next step is planned
             w.plain_extend(reqs, lengths, feats)
         return events

@@ -40,13 +40,13 @@ class DraftBacklog:
         """Whether a running request of ``reqs`` has no room left for another position."""
         return any(r.finish_reason is None and behind(r) >= self.limit for r in reqs)
 
-    def put(self, reqs: list[Request], written: list[int], features: torch.Tensor) -> None:
-        """Each request of ``reqs`` wrote position ``written[i]``, whose target features are ``features[i]``."""
+    def put(self, reqs: list[Request], features: torch.Tensor) -> None:
+        """Each request of ``reqs`` wrote its last position (``kv_len - 1``), whose target features are
+        ``features[i]``: the newest of the positions it is behind on."""
         if self.features is None:
             self.features = torch.zeros(self.rows + 1, self.limit, features.shape[-1], dtype=features.dtype,
                                         device=features.device)
-        index = torch.tensor([[r.handles[0].row for r in reqs], [p - r.draft_state.committed_len
-                                                                  for r, p in zip(reqs, written)]])
+        index = torch.tensor([[r.handles[0].row for r in reqs], [behind(r) - 1 for r in reqs]])
         rows, slots = index.to(features.device, non_blocking=True)
         self.features[rows, slots] = features[:len(reqs)]
 

@@ -196,10 +196,9 @@ class SpecWorker:
         whose prompt completed, get a DraftState (the next speculative step resumes from it). With a backlog
         the decoded positions' features wait in it instead (``leave_behind``)."""
         features = self.features(out) if decoded or chunks else None
-        if self.backlog is not None and decoded:
-            features = features[len(decoded):]
-            self.leave_behind(decoded, starts, self.features(out))
-            decoded, starts = [], []
+        if self.backlog is not None and decoded:  # the decoded rows come first
+            self.leave_behind(decoded, features)
+            features, decoded, starts = features[len(decoded):], [], []
         spans = [(r, s, s + 1) for r, s in zip(decoded, starts)] + [(c.req, c.start, c.end) for c in chunks]
         finals = [r.finish_reason is None for r in decoded] + [
             c.completes_prompt and c.req.finish_reason is None for c in chunks]
@@ -260,11 +259,11 @@ class SpecWorker:
         running = [i for i, r in enumerate(reqs) if r.finish_reason is None]  # rows picked by the host: no sync
         self._resume([reqs[i] for i in running], out.hidden, out.topk_p, out.topk_ids, running)
 
-    def leave_behind(self, reqs: list[Request], written: list[int], features: torch.Tensor) -> None:
-        """After a plain step (its tokens committed): each request of ``reqs`` wrote position ``written[i]`` with
-        target features ``features[i]``; they wait in the backlog, the draft not run. When a running request's
-        backlog is full, every request of the step catches up (``shared/spec/backlog.py``)."""
-        self.backlog.put(reqs, written, features)
+    def leave_behind(self, reqs: list[Request], features: torch.Tensor) -> None:
+        """After a plain step (its tokens committed): each request of ``reqs`` wrote its last position with target
+        features ``features[i]``; they wait in the backlog, the draft not run. When a running request's backlog
+        is full, every request of the step catches up (``shared/spec/backlog.py``)."""
+        self.backlog.put(reqs, features)
         if self.backlog.full(reqs):
             self.catch_up(reqs)
 
