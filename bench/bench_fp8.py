@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_decode import fake_requests, kv_bytes, read_bytes, warm_up_gpu
 from bench.common import build_draft, copy_bandwidth, engine_config, llama8b_config, random_init_, time_cuda, write_json
+from bench.step_anatomy import kernels_of
 from shared.config import SpecConfig
 from shared.engine import Engine
 from shared.model import fp8
@@ -67,7 +68,8 @@ def step_bytes(target: LlamaForCausalLM) -> int:
     return read_bytes(target) + scales
 
 
-def decode_step(target, ctx: int, bw: float, scaled_mm: bool = False, one_row: str = "dot") -> dict:
+def decode_step(target, ctx: int, bw: float, scaled_mm: bool = False, one_row: str = "dot",
+                profile: bool = False) -> dict:
     os.environ["EYRIE_FP8_GEMV"] = "0" if scaled_mm else "1"  # read at capture: the graph keeps the choice
     os.environ["EYRIE_FP8_ONE_ROW"] = one_row
     try:
@@ -80,6 +82,8 @@ def decode_step(target, ctx: int, bw: float, scaled_mm: bool = False, one_row: s
         engine.cache.reserve(reqs[0].handles[0], ctx + 1)
         g = engine.decode_graphs
         graph_ms = time_cuda(lambda: g(rows, lens, toks))
+        # where the step's time goes, kernel by kernel (the graph's kernels under torch.profiler)
+        kernels = kernels_of(torch, lambda: g(rows, lens, toks), replays=10, top=16) if profile else None
         g.capture = False
         eager_ms = time_cuda(lambda: g(rows, lens, toks), iters=10)
         floor_ms = (step_bytes(target) + kv_bytes(engine, ctx)) / bw * 1e3
@@ -87,8 +91,9 @@ def decode_step(target, ctx: int, bw: float, scaled_mm: bool = False, one_row: s
         os.environ.pop("EYRIE_FP8_GEMV", None)
         os.environ.pop("EYRIE_FP8_ONE_ROW", None)
     gc.collect()
-    return {"context": ctx, "graph_ms": graph_ms, "eager_ms": eager_ms, "floor_ms": floor_ms,
-            "graph_over_floor": graph_ms / floor_ms, "weight_bytes_read": step_bytes(target)}
+    out = {"context": ctx, "graph_ms": graph_ms, "eager_ms": eager_ms, "floor_ms": floor_ms,
+           "graph_over_floor": graph_ms / floor_ms, "weight_bytes_read": step_bytes(target)}
+    return out | ({"kernels": kernels} if kernels else {})
 
 
 def greedy_with_and_without_draft(target, tcfg: dict, prompts: int, new_tokens: int, device: str) -> dict:
@@ -134,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--scaled-mm", action="store_true", help="also time the step with torch._scaled_mm only")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script)")
+    p.add_argument("--profile", action="store_true", help="the decode step's kernels, by device time")
+    p.add_argument("--skip-greedy", action="store_true", help="no greedy with/without a draft (timing only)")
     args = p.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -148,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         target = build_fp8_target(fmt, device, dtype, tcfg)
         row: dict = {}
         if not args.smoke:
-            row["decode"] = decode_step(target, args.context, result["copy_bandwidth_GBps"] * 1e9)
+            row["decode"] = decode_step(target, args.context, result["copy_bandwidth_GBps"] * 1e9,
+                                        profile=args.profile)
+            for kern in row["decode"].get("kernels", {}).get("top", []):
+                print(f"  {fmt}: {kern['us_per_step']:8.1f} us/step  x{kern['calls_per_step']:5.0f}  {kern['name']}",
+                      flush=True)
             if fmt != "bf16" and args.scaled_mm:
                 row["decode_scaled_mm"] = decode_step(target, args.context, result["copy_bandwidth_GBps"] * 1e9,
                                                       scaled_mm=True)
@@ -161,15 +172,17 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['decode_one_row_tile']['graph_ms']:.3f} ms", flush=True)
         if fmt != "bf16":
             row["check"] = product_check(fmt, device, dtype, shapes)
-        row["greedy"] = greedy_with_and_without_draft(target, tcfg, args.prompts, args.new_tokens, device)
+        if not args.skip_greedy:
+            row["greedy"] = greedy_with_and_without_draft(target, tcfg, args.prompts, args.new_tokens, device)
         if "check" in row:
             same = all(c["same_bits_as_one_row"] is not False for c in row["check"])
             print(f"{fmt}: a row's product the same bits at 1, 8, 64 and 300 rows: {same}", flush=True)
         # Informative: random weights in bf16 have near-ties among their logits that one row's and 2+ rows'
         # float32 summation orders (and the LM head's and attention's) may break differently, for bf16 weights
         # as for FP8; tests/gpu/test_fp8_gpu.py proves greedy equality on targets with margins.
-        print(f"{fmt}: greedy equal with and without the draft (random weights: informative): "
-              f"{row['greedy']['equal']}, first differences {row['greedy']['first_difference']}", flush=True)
+        if "greedy" in row:
+            print(f"{fmt}: greedy equal with and without the draft (random weights: informative): "
+                  f"{row['greedy']['equal']}, first differences {row['greedy']['first_difference']}", flush=True)
         result["formats"][fmt] = row
         write_json(args.out, result)
         del target

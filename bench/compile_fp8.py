@@ -31,18 +31,19 @@ def launches(quick: bool) -> list[dict]:
     """One dict of constexprs (and warps, stages) per distinct launch."""
     out = []
 
-    def add(rows, k, block, config, dtype="bf16"):
+    def add(rows, k, block, config, dtype="bf16", x_left=False):
         bn, bk = (1, k) if block is None else block
         block_k = check_config(rows, k, min(bk, k), config)
         out.append({"BN": bn, "BK": bk, "PER_CHANNEL": bk >= k, "BLOCK_M": 1 if rows == 1 else 16,
                     "BLOCK_N": config[0], "BLOCK_K": block_k, "HAS_BIAS": True,
-                    "PRECISION": "ieee" if dtype == "fp32" else "tf32", "dtype": dtype,
+                    "PRECISION": "ieee" if dtype == "fp32" else "tf32", "X_LEFT": x_left and rows > 1, "dtype": dtype,
                     "num_warps": config[2], "num_stages": config[3]})
 
     for rows in (1, 4):
         for n, k in SHAPES_8B[:2] if quick else SHAPES_8B:
             for block in (None, (128, 128)):
-                add(rows, k, block, choose_config(rows, n, k, min(k, 128 if block else k), 132))
+                for x_left in (False, True):  # both tl.dot operand orders (EYRIE_FP8_DOT)
+                    add(rows, k, block, choose_config(rows, n, k, min(k, 128 if block else k), 132), x_left=x_left)
         for _n, k in TEST_SHAPES[:1] if quick else TEST_SHAPES:
             for block in TEST_BLOCKS:
                 for config in TEST_CONFIGS:

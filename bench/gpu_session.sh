@@ -16,7 +16,9 @@
 #                                   # oracle's decode == verify logits, the FP8 greedy tests with and without a head,
 #                                   # then the batch-1 decode step (1k, 8k) and verify (N 6, 16) before (the kernel
 #                                   # of bench/baseline/) and after, one table (~5 min on one H100)
-#   bench/gpu_session.sh fp8-tune   # the FP8 skinny GEMM's launch configurations at the 8B shapes, 1 and 8 rows
+#   bench/gpu_session.sh fp8-tune   # the FP8 skinny GEMM's launch configurations at the 8B shapes, 1 and 8 rows,
+#                                   # both tl.dot operand orders, and the bf16 LM head through the same launch
+#   bench/gpu_session.sh fp8-profile  # the batch-1 decode step (bf16, FP8 channel and block) kernel by kernel
 #   bench/gpu_session.sh decode     # EAGLE-3 iteration vs a decode step at batch 1, context 1k (drafting ahead)
 #   bench/gpu_session.sh spec-grid  # every speculative phase, graph and eager, batch 1..64 x context 1k..8k
 #   bench/gpu_session.sh attention  # paged decode / extend / verify attention vs copy bandwidth and SDPA
@@ -177,6 +179,11 @@ for stage in "$@"; do
       ;;
     fp8-tune)
       run fp8_tune 570 python3 bench/bench_fp8_gemv.py --tune --out "$OUT/fp8_gemv.json"
+      ;;
+    fp8-profile)  # the batch-1 decode step, bf16 and FP8, kernel by kernel; then FP8 with x's rows the dot's left
+      run fp8_profile 300 python3 bench/bench_fp8.py --profile --skip-greedy --out "$OUT/fp8_profile.json"
+      EYRIE_FP8_DOT=xw run fp8_profile_xw 200 python3 bench/bench_fp8.py --profile --skip-greedy \
+        --formats channel --out "$OUT/fp8_profile_xw.json"
       ;;
     decode)
       run decode 570 python3 bench/bench_decode.py --batches 1 --contexts 1024 --draft eagle3 --verify-ns 8 \

@@ -65,7 +65,7 @@ if triton is not None:
     def _fp8_gemv_kernel(X, W, S, B, Y, M, N, K, KB, stride_xm, stride_wn, stride_sn, stride_ym,
                          BN: tl.constexpr, BK: tl.constexpr, PER_CHANNEL: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, X_LEFT: tl.constexpr):
         pid_m = tl.program_id(0)  # the row tiles of one weight block run side by side: it is read once from HBM
         pid_n = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -91,6 +91,18 @@ if triton is not None:
                 else:
                     tile += _block_scaled(w, s_rows, k, KB, BK, BLOCK_N, BLOCK_K) * x
             acc = tl.sum(tile, 1)[:, None]
+        elif X_LEFT:  # x's 16 rows the dot's left operand, the weight tile its right (transposed), then as below
+            acc_t = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k in range(0, K, BLOCK_K):
+                k_ok = (k + offs_k) < K
+                w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0, cache_modifier=".cg")
+                x = tl.load(x_ptrs + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
+                if PER_CHANNEL:
+                    acc_t += part
+                else:
+                    acc_t += part * tl.load(s_rows + k // BK)[None, :]
+            acc = tl.trans(acc_t)
         else:  # tl.dot of the FP8 tile (exact in x's dtype) with 16 rows, scaled per step (BLOCK_K <= BK)
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             for k in range(0, K, BLOCK_K):
@@ -155,10 +167,12 @@ def check_config(rows: int, k: int, bk: int, config: tuple[int, int, int, int]) 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                bias: torch.Tensor | None = None, *, backend: str = "auto",
-               config: tuple[int, int, int, int] | None = None, max_rows: int | None = MAX_ROWS) -> torch.Tensor:
+               config: tuple[int, int, int, int] | None = None, max_rows: int | None = MAX_ROWS,
+               x_left: bool | None = None) -> torch.Tensor:
     """``x @ (weight * scale).T + bias`` for FP8 ``weight`` [N, K] with ``scale`` in ``block``s: the kernel up to
     ``max_rows`` rows (None: at every row count, a row's bits never depending on the others), the reference
-    past them."""
+    past them. ``x_left``: x's rows the ``tl.dot``'s left operand (None: ``EYRIE_FP8_DOT``, ``xw`` or ``wx``,
+    default ``wx``: the weight tile on the left); one choice for every row count, as the launch shape."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     n, k = weight.shape
     bn, bk = block
@@ -180,6 +194,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
         BN=bn, BK=bk, PER_CHANNEL=bk >= k, BLOCK_M=tile_rows, BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        X_LEFT=os.environ.get("EYRIE_FP8_DOT", "wx") == "xw" if x_left is None else x_left,
         num_warps=warps, num_stages=stages)
     return out.reshape(*lead, n)
 

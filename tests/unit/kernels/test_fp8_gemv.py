@@ -98,10 +98,13 @@ def test_every_launch_compiles_for_hopper(tmp_path):
     assert " 0 launch(es) failed" in res.stdout
 
 
+@pytest.mark.parametrize("order", ["wx", "xw"])
 @pytest.mark.parametrize("block, k", [(None, 300), ((16, 32), 96), ((32, 64), 200)], ids=["channel", "16x32", "32x64"])
-def test_a_rows_output_is_the_same_bits_at_one_row_and_at_more(block, k):
+def test_a_rows_output_is_the_same_bits_at_one_row_and_at_more(block, k, order, monkeypatch):
     """A decode step's one row and a verify step's several: the same launch (a tile of 16) at 1, 2, 7, 16 and more
-    rows, so a row's product is bit-identical whatever the row count (greedy speculation stays lossless)."""
+    rows, so a row's product is bit-identical whatever the row count (greedy speculation stays lossless), with
+    either operand on the tl.dot's left (``EYRIE_FP8_DOT``); both orders give the dequantized product."""
+    monkeypatch.setenv("EYRIE_FP8_DOT", order)
     torch.manual_seed(5)
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     n = 37
@@ -113,6 +116,8 @@ def test_a_rows_output_is_the_same_bits_at_one_row_and_at_more(block, k):
         assert torch.equal(fp8_linear(x[:rows], *args, backend="triton"), every[:rows]), rows
     for row in (0, 5, TILE_ROWS, x.shape[0] - 1):  # each row alone, as a batch-1 decode step runs it
         assert torch.equal(fp8_linear(x[row:row + 1], *args, backend="triton"), every[row:row + 1]), row
+    ref = fp8_linear_ref(x.double().cpu(), q, scale, args[2])
+    assert ((every.double().cpu() - ref).norm() / ref.norm()).item() < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
 def test_the_one_row_tile_code_is_opt_in_and_still_matches_the_dequantized_product(monkeypatch):
