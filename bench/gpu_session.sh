@@ -53,6 +53,7 @@
 #                                   # nixl-cu13 wheel in .whl: ../shared/tools/gpu-wheels.sh nixl-cu13==1.5.1)
 #   bench/gpu_session.sh policy     # one GPU, through the stack (OpenAI API): plain vs the defaults with a draft (adaptive)
 #                                   # (POLICY_LAYOUT=colo1: no prefill instance, the decode instance prefills; default pd1)
+#                                   # (POLICY_MPS=1: the services as clients of an MPS daemon; POLICY_DEADLINE_S)
 #                                   # (POLICY_RUNS=plain,chain3,tree: the fixed shapes, a second call), c1..c128, the
 #                                   # 8B-shaped widened pair, greedy checked equal (bench/house/policy_stack.py), ~9 min
 #   bench/gpu_session.sh graphs     # issue 30: colo1 c32/c64/c128 (max_running 128), graphs up to max_running (or as far
@@ -244,11 +245,22 @@ for stage in "$@"; do
       shm_kb=$(df -k --output=avail /dev/shm 2>/dev/null | tail -n 1)
       work=/tmp/eyrie-policy
       [[ ${shm_kb:-0} =~ ^[0-9]+$ && ${shm_kb:-0} -gt $((40 << 20)) ]] && work=/dev/shm/eyrie-policy
+      # POLICY_MPS=1: an MPS control daemon first, every service its client (the two processes of pd1 then run
+      # kernels side by side on the GPU instead of in time slices); stopped after the run
+      if [ "${POLICY_MPS:-0}" = 1 ]; then
+        export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+        nvidia-cuda-mps-control -d && echo "policy: MPS control daemon started" | tee -a "$OUT/summary.txt"
+      fi
       # All four stacks do not fit one call's 10 minutes (the adaptive one's start alone took 93 s on an H100):
       # POLICY_RUNS=plain,default then POLICY_RUNS=plain,chain3,tree, one call each
       PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 run policy 560 python3 -m bench.house.policy_stack \
         --out "$OUT" --work "$work" --runs "${POLICY_RUNS:-plain,default}" --layout "${POLICY_LAYOUT:-pd1}" \
-        --deadline-s 500
+        --deadline-s "${POLICY_DEADLINE_S:-500}"
+      if [ "${POLICY_MPS:-0}" = 1 ]; then
+        echo quit | nvidia-cuda-mps-control; cp "$CUDA_MPS_LOG_DIRECTORY"/control.log "$OUT/mps_control.log" 2>/dev/null
+        unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+      fi
       for d in "$work"/logs-*; do
         [ -d "$d" ] && mkdir -p "$OUT/$(basename "$d")" && cp "$d"/*.log "$OUT/$(basename "$d")/"
       done

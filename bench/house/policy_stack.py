@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -178,7 +179,9 @@ def run(args) -> dict:
     text_ids = prompt_text_ids(pair["target"], pair["prompts_file"])
     names = [n for n in RUNS if n in s["runs"].split(",")]
     result = {"settings": s, "runs_flags": {n: RUNS[n] for n in names}, "widen": pair,
-              "runs": {}}
+              # the services as clients of an MPS server (bench/gpu_session.sh POLICY_MPS=1): kernels of the two
+              # processes sharing the GPU run side by side instead of in time slices
+              "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")), "runs": {}}
     path = out / "policy_stack.json"
 
     def save() -> None:
