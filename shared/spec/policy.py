@@ -21,7 +21,9 @@ once every ``probe_every`` steps to keep its acceptance current, and each probe 
 losing, having measured it no cheaper than expected (a probe faster than the estimate says the estimate
 is stale, e.g. a first step slowed by a one-time cost), doubles that shape's interval (up to
 ``max_probe_every``): a probe of a shape that is far dearer (a head nobody accepts, a large batch) costs
-several plain steps. Step costs come from a ``StepCost``: ``MeasuredCost`` times the engine's own steps
+several plain steps. Plain is probed the same way while a shape runs (its cost is learnt only from its own
+steps: one learnt while a neighbour held the GPU would keep it out for good), and a probe that finds it cheaper
+than expected probes it again soon. Step costs come from a ``StepCost``: ``MeasuredCost`` times the engine's own steps
 (an average per shape and batch-size bucket; a bucket not yet timed is tried), or any object with the
 two methods (the tests inject one).
 """
@@ -176,6 +178,11 @@ class SpecPolicy:
     last: str | None = None  # the kind ("plain" or a shape) of the step that ran last
     again: str | None = None  # a kind switched to, to run once more so that its own time is measured
     incumbent: str | None = None  # the kind chosen as the best last time (probes aside)
+    # Plain steps are probed too while a shape runs: plain's cost is measured only when it runs, and a cost
+    # learnt in a burst (a neighbour process on the GPU, a one-time stall) would otherwise keep it out for good.
+    plain_idle: int = 0  # steps since the last plain step
+    plain_probe_interval: int = 0  # as a Candidate's
+    plain_probe: tuple[int, int, float] | None = None  # (plain steps run, batch, decode_s) when one was chosen
     pin: bool = True  # a pinned step runs the configured shape (False: tests of the law under switching, seeded)
     # Per shape, the largest batch its step runs as CUDA graphs (``SpecWorker.graphed_batches``); None: no graphs
     # (every kind eager, as on the CPU). A shape is not chosen past it: an eager speculative step at a large batch
@@ -214,6 +221,7 @@ class SpecPolicy:
             self.shapes[name] = self.shapes.get(name, 0) + 1
         for c in self.candidates:
             c.idle = 0 if c.name == name else c.idle + 1
+        self.plain_idle = 0 if name is None else self.plain_idle + 1
         return name
 
     def ran(self, kind: str, batch: int, seconds: float, timed: bool = True, mixed: bool = False) -> None:
@@ -305,7 +313,37 @@ class SpecPolicy:
                 c.probe_interval, c.probe = 0, None
             else:
                 self._back_off_after_probe(c)
-        return self._probe(cands, batch, best, spec_s) or best
+        if best is None:
+            self.plain_probe_interval, self.plain_probe = 0, None
+        else:
+            self._back_off_after_plain_probe()
+        probe = self._probe(cands, batch, best, spec_s)
+        if probe is None and best is not None and self._probe_plain(batch, decode_s):
+            return None
+        return probe or best
+
+    def _probe_plain(self, batch: int, decode_s: float) -> bool:
+        """Whether this step is a probe of plain in place of the incumbent shape's (plain is due, and its cost is
+        learnt from the steps: ``MeasuredCost``). A probe runs plain twice: its first step after a switch is not
+        timed (``ran``)."""
+        if (not isinstance(self.cost, MeasuredCost) or self.plain_probe is not None
+                or self.plain_idle + 1 < (self.plain_probe_interval or self.probe_every)):
+            return False
+        self.plain_probe = (self.choices["plain"], batch, decode_s)
+        return True
+
+    def _back_off_after_plain_probe(self) -> None:
+        """Plain still loses after its probe was timed (two plain steps since): probe it half as often, or, when
+        the probe lowered its estimate (the GPU freed up: its cost is moving), as often as at first."""
+        if self.plain_probe is None or self.choices["plain"] < self.plain_probe[0] + 2:
+            return
+        _, batch, expected = self.plain_probe
+        self.plain_probe = None
+        if self._cost(batch, "plain") >= self.settled * expected:
+            self.plain_probe_interval = min(2 * (self.plain_probe_interval or self.probe_every),
+                                            self.max_probe_every)
+        else:
+            self.plain_probe_interval = 0
 
     def _probe(self, cands: list[Candidate], batch: int, best: str | None, spec_s: dict[str, float]) -> str | None:
         """A shape not chosen whose acceptance is due for a probe (the longest idle), if any, among ``cands``
