@@ -65,7 +65,7 @@ def measure(fmt: str, name: str, n: int, k: int, m: int, bw: float, tune: bool, 
     ws = weights(fmt, n, k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     ref = fp8_linear_ref(x.float(), ws[0][0], ws[0][1], block).double()
-    default = (choose_config(tile_rows(m), n, k, min(block[1], k), sms), os.environ.get("EYRIE_FP8_DOT") == "xw")
+    default = (choose_config(tile_rows(m), n, k, min(block[1], k), sms), os.environ.get("EYRIE_FP8_DOT", "xw") == "xw")
     configs = [default] + ([c for c in candidates(m, k, block[1]) if c != default] if tune else [])
     rows = []
     for cfg, x_left in configs:

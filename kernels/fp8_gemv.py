@@ -4,8 +4,8 @@ of an FP8 checkpoint (``shared/model/fp8.py``), up to ``MAX_ROWS`` rows of ``x``
 The layout of ``kernels/gemv.py``: one program owns ``BLOCK_N`` weight rows for a tile of 16 rows of ``x``
 (the tiles of one weight block side by side, so it is read from HBM once) and walks K in ``BLOCK_K`` steps,
 reading each FP8 weight byte once (half the bytes of bf16: the batch-1 step's floor halves). Each step is a
-``tl.dot`` of the FP8 tile converted to x's dtype (exact) with the x tile, inside one scale block, scaled per
-step (block scales) or once per output (per-channel scales: ``BK >= K``).
+``tl.dot`` of the x tile (its left operand) with the FP8 tile converted to x's dtype (exact), inside one scale
+block, scaled per step (block scales) or once per output (per-channel scales: ``BK >= K``).
 
 Every row count from 1 to ``MAX_ROWS`` runs this same launch (a single row is a tile of 16 with 15 masked
 rows, and the launch shape depends on the weight's shape only), so a row's output is the same bits whatever
@@ -129,15 +129,16 @@ def _pow2(v: int) -> bool:
 @functools.lru_cache(maxsize=256)
 def choose_config(m: int, n: int, k: int, bk: int, sms: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages). The ``tl.dot`` launch (``m`` > 1, and one row too unless
-    ``EYRIE_FP8_ONE_ROW=tile``, which asks for ``m == 1``): 64 weight rows x 256, halved down to 16 rows
-    while the weight blocks do not cover the SMs (a batch-1 step is bandwidth-bound: every SM streams), a
-    step inside one scale block. It depends on the shape only, never on ``m``: a row's output is then the
-    same bits whatever the other rows (verify's rows and a decode step's agree). ``m == 1`` (the one-row
-    tile): ``kernels/gemv.py``'s M=1 shape (16 rows, 1 KB of each FP8 row in flight, 8 warps, 3 stages), a
-    step spanning whole power-of-two scale blocks or lying in one.
-    Not yet tuned on a GPU for FP8: ``bench/bench_fp8.py`` times it against the floor."""
-    block_n, block_k, warps, stages = (16, 1024, 8, 3) if m == 1 else (64, 256, 4, 4)
-    while block_n > (4 if m == 1 else 16) and -(-n // block_n) < sms:
+    ``EYRIE_FP8_ONE_ROW=tile``, which asks for ``m == 1``): 32 weight rows x 256, halved down to 16 rows while
+    the weight blocks do not cover half the SMs, a step inside one scale block, 4 warps, 4 stages. Tuned on an
+    H100 at the 8B's shapes with x's rows the dot's left operand (``bench/bench_fp8_gemv.py --tune``, 1 and 8
+    rows: 0.50-0.86 of the copy bandwidth, 1.5-2.4x the 64 x 256 launch with the weight on the left; every
+    shape's best within 3%, docs/benchmarks.md). It depends on the shape only, never on ``m``: a row's output
+    is then the same bits whatever the other rows (verify's rows and a decode step's agree). ``m == 1`` (the
+    one-row tile): ``kernels/gemv.py``'s M=1 shape (16 rows, 1 KB of each FP8 row in flight, 8 warps, 3
+    stages), a step spanning whole power-of-two scale blocks or lying in one."""
+    block_n, block_k, warps, stages = (16, 1024, 8, 3) if m == 1 else (32, 256, 4, 4)
+    while block_n > (4 if m == 1 else 16) and -(-n // block_n) < (sms if m == 1 else sms // 2):
         block_n //= 2
     block_k = max(16, min(block_k, triton.next_power_of_2(k) if triton else block_k))
     if bk < k and (m > 1 or not _pow2(bk)):  # the step inside one block
@@ -172,7 +173,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     """``x @ (weight * scale).T + bias`` for FP8 ``weight`` [N, K] with ``scale`` in ``block``s: the kernel up to
     ``max_rows`` rows (None: at every row count, a row's bits never depending on the others), the reference
     past them. ``x_left``: x's rows the ``tl.dot``'s left operand (None: ``EYRIE_FP8_DOT``, ``xw`` or ``wx``,
-    default ``wx``: the weight tile on the left); one choice for every row count, as the launch shape."""
+    default ``xw``; ``wx``, the weight tile on the left, is 1.3-1.7x slower on an H100); one choice for every
+    row count, as the launch shape."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     n, k = weight.shape
     bn, bk = block
@@ -194,7 +196,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
         BN=bn, BK=bk, PER_CHANNEL=bk >= k, BLOCK_M=tile_rows, BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        X_LEFT=os.environ.get("EYRIE_FP8_DOT", "wx") == "xw" if x_left is None else x_left,
+        X_LEFT=os.environ.get("EYRIE_FP8_DOT", "xw") == "xw" if x_left is None else x_left,
         num_warps=warps, num_stages=stages)
     return out.reshape(*lead, n)
 
