@@ -53,7 +53,8 @@
 #                                   # nixl-cu13 wheel in .whl: ../shared/tools/gpu-wheels.sh nixl-cu13==1.5.1)
 #   bench/gpu_session.sh policy     # one GPU, through the stack (OpenAI API): plain vs the defaults with a draft (adaptive)
 #                                   # (POLICY_LAYOUT=colo1: no prefill instance, the decode instance prefills; default pd1)
-#                                   # (POLICY_MPS=1: the services as clients of an MPS daemon; POLICY_DEADLINE_S)
+#                                   # (POLICY_MPS=1: the services as clients of an MPS daemon; POLICY_DEADLINE_S,
+#                                   # POLICY_SWEEP=32,64,128: the concurrencies)
 #                                   # (POLICY_RUNS=plain,chain3,tree: the fixed shapes, a second call), c1..c128, the
 #                                   # 8B-shaped widened pair, greedy checked equal (bench/house/policy_stack.py), ~9 min
 #   bench/gpu_session.sh graphs     # issue 30: colo1 c32/c64/c128 (max_running 128), graphs up to max_running (or as far
@@ -256,7 +257,7 @@ for stage in "$@"; do
       # POLICY_RUNS=plain,default then POLICY_RUNS=plain,chain3,tree, one call each
       PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 run policy 560 python3 -m bench.house.policy_stack \
         --out "$OUT" --work "$work" --runs "${POLICY_RUNS:-plain,default}" --layout "${POLICY_LAYOUT:-pd1}" \
-        --deadline-s "${POLICY_DEADLINE_S:-500}"
+        --deadline-s "${POLICY_DEADLINE_S:-500}" ${POLICY_SWEEP:+--sweep "$POLICY_SWEEP"}
       if [ "${POLICY_MPS:-0}" = 1 ]; then
         echo quit | nvidia-cuda-mps-control; cp "$CUDA_MPS_LOG_DIRECTORY"/control.log "$OUT/mps_control.log" 2>/dev/null
         unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY

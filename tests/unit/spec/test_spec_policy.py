@@ -223,13 +223,20 @@ def test_a_slow_first_speculative_step_costs_the_adaptive_policy_little(accepted
         assert adaptive >= 0.93 * best, (batch, adaptive / best)
 
 
-def test_measured_cost_is_a_plain_mean_of_the_first_steps_then_a_running_average():
-    cost = MeasuredCost(weight=0.25)
+def test_measured_cost_is_the_median_of_the_last_steps_so_a_burst_is_forgotten():
+    cost = MeasuredCost(window=5)
     for seconds in (5.0, 1.0, 1.0, 1.0):
         cost.record("spec", 3, seconds)
-    assert cost.spec_s(4) == pytest.approx(2.0)  # (5 + 1 + 1 + 1) / 4
-    cost.record("spec", 4, 0.0)
-    assert cost.spec_s(4) == pytest.approx(1.5)  # then the newest step weighs 0.25
+    assert cost.spec_s(4) == pytest.approx(1.0)  # a one-time 5 s step does not move it
+    for seconds in (9.0, 9.0):  # a burst: two of the last five
+        cost.record("spec", 4, seconds)
+    assert cost.spec_s(4) == pytest.approx(1.0)
+    cost.record("spec", 4, 9.0)  # three of five: the burst is the cost now ...
+    assert cost.spec_s(4) == pytest.approx(9.0)
+    for seconds in (2.0, 2.0, 2.0):  # ... until three ordinary steps follow
+        cost.record("spec", 4, seconds)
+    assert cost.spec_s(4) == pytest.approx(2.0)
+    assert cost.counts[("spec", 4)] == 10
 
 
 def test_a_step_after_a_switch_is_not_taken_as_its_kinds_cost():
