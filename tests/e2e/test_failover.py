@@ -325,11 +325,15 @@ def test_a_stopped_decode_hands_its_sampled_streams_over_in_place(redis_url, tin
             assert all(cached_tokens[i] == 4 for i in range(4) if i not in failed_over), cached_tokens
             assert all(cached_tokens[i] % 4 == 0 and 4 <= cached_tokens[i] < len(request(i, "").token_ids.ids)
                        + len(got[i]) for i in failed_over), (cached_tokens, failed_over)
-            # each failed-over one was reserved again on the other decode instance, taking there the page it
-            # held (1: its reference ran there) or none (which one holds what is the placement's timing: the
-            # summaries come with heartbeats; tests/unit/handoff/test_handoff_cached.py pins the skipping)
+            # each failed-over one was reserved again on the other decode instance, taking there some of the full
+            # pages of its resumed sequence (prompt and the tokens so far): those its reference run left there,
+            # none if it ran elsewhere (which one holds what, and how many tokens came before the stop, is the
+            # run's timing: a stress run saw 2 pages taken; tests/unit/handoff/test_handoff_cached.py pins the
+            # skipping page by page)
             survivor = dict(taken[1 - int(first)])
-            assert failed_over and all(survivor.get(f"run-{i}") in (0, 1) for i in failed_over), (failed_over, taken)
+            assert failed_over and all(
+                0 <= survivor[f"run-{i}"] <= (len(request(i, "").token_ids.ids) + len(got[i])) // 4
+                for i in failed_over), (failed_over, taken)
     finally:
         stack.stop()
 
