@@ -182,10 +182,11 @@ for stage in "$@"; do
     fp8-tune)
       run fp8_tune 570 python3 bench/bench_fp8_gemv.py --tune --out "$OUT/fp8_gemv.json"
       ;;
-    fp8-profile)  # the batch-1 decode step, bf16 and FP8, kernel by kernel; then FP8 with x's rows the dot's left
+    fp8-profile)  # the batch-1 decode step, bf16 and FP8, kernel by kernel; then FP8 with the weight tile the dot's
+      # left operand (the order before 2026-12-07), for comparison
       run fp8_profile 300 python3 bench/bench_fp8.py --profile --skip-greedy --out "$OUT/fp8_profile.json"
-      EYRIE_FP8_DOT=xw run fp8_profile_xw 200 python3 bench/bench_fp8.py --profile --skip-greedy \
-        --formats channel --out "$OUT/fp8_profile_xw.json"
+      EYRIE_FP8_DOT=wx run fp8_profile_wx 200 python3 bench/bench_fp8.py --profile --skip-greedy \
+        --formats channel --out "$OUT/fp8_profile_wx.json"
       ;;
     decode)
       run decode 570 python3 bench/bench_decode.py --batches 1 --contexts 1024 --draft eagle3 --verify-ns 8 \
