@@ -57,6 +57,7 @@
 #                                   # POLICY_SWEEP=32,64,128: the concurrencies)
 #                                   # (POLICY_RUNS=plain,chain3,tree: the fixed shapes, a second call), c1..c128, the
 #                                   # 8B-shaped widened pair, greedy checked equal (bench/house/policy_stack.py), ~9 min
+#   bench/gpu_session.sh mps-ab     # pd1 without, then with an MPS daemon, plain and the defaults, c32-c128, one machine
 #   bench/gpu_session.sh graphs     # issue 30: colo1 c32/c64/c128 (max_running 128), graphs up to max_running (or as far
 #                                   # as the memory fraction allows: graphs_*_memory.log); then GRAPH_CAP=32 ... graphs:
 #                                   # the old cap of 32 (graphs_*.json with each fixed point's ideal, ~5 min each)
@@ -268,6 +269,12 @@ for stage in "$@"; do
       done
       cat "$OUT/policy.log" | tail -n 12
       rm -rf "$work"
+      ;;
+    mps-ab)  # pd1 with and without an MPS daemon, one machine: plain and the defaults at c32, c64, c128 (~7 min)
+      for mps in 0 1; do
+        OUT="$OUT/mps$mps" POLICY_MPS=$mps POLICY_RUNS=${POLICY_RUNS:-plain,default} POLICY_SWEEP=${POLICY_SWEEP:-32,64,128} \
+          POLICY_DEADLINE_S=${POLICY_DEADLINE_S:-200} bash "$0" policy
+      done
       ;;
     mixed-attn)
       run mixed_attn_tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mixed_attention_gpu.py \
