@@ -23,9 +23,9 @@ is stale, e.g. a first step slowed by a one-time cost), doubles that shape's int
 ``max_probe_every``): a probe of a shape that is far dearer (a head nobody accepts, a large batch) costs
 several plain steps. Plain is probed the same way while a shape runs (its cost is learnt only from its own
 steps: one learnt while a neighbour held the GPU would keep it out for good), and a probe that finds it cheaper
-than expected probes it again soon. Step costs come from a ``StepCost``: ``MeasuredCost`` times the engine's own steps
-(an average per shape and batch-size bucket; a bucket not yet timed is tried), or any object with the
-two methods (the tests inject one).
+than expected probes it again soon. Step costs come from a ``StepCost``: ``MeasuredCost`` times the engine's
+own steps (the median of the recent ones per shape and batch-size bucket; a bucket not yet timed is tried), or
+any object with the two methods (the tests inject one).
 """
 
 from __future__ import annotations
