@@ -70,8 +70,12 @@ from shared.text import TextStream
 
 RID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # fullmatch: "$" would let a trailing newline through
 # Router -> service channels: keepalive finds a peer that vanished without closing its sockets.
+# ``use_local_subchannel_pool``: the router's channels connect on their own. gRPC shares a process's connections to
+# one address among its channels by default, so a new channel to an address another channel saw refused (an
+# instance that died there, its successor now listening) failed at once with the old "Connection refused" until
+# that connection's reconnect backoff ran out (tests/unit/services/test_router.py).
 CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
-                   ("grpc.max_receive_message_length", 64 << 20)]
+                   ("grpc.max_receive_message_length", 64 << 20), ("grpc.use_local_subchannel_pool", 1)]
 
 
 class RouterError(Exception):

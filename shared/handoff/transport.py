@@ -103,7 +103,9 @@ class ChannelPool:
         with self._lock:
             ch = self._channels.get((address, lane))
             if ch is None:
-                options = self._options + ([("grpc.use_local_subchannel_pool", 1)] if lane else [])
+                # every channel connects on its own (a lane: a TCP connection of its own; lane 0: never a
+                # connection another channel of the process left in backoff, services/router/server.py)
+                options = self._options + [("grpc.use_local_subchannel_pool", 1)]
                 ch = self._channels[(address, lane)] = self._open(address, options)
         return ch
 

@@ -328,6 +328,32 @@ def test_full_decode_is_passed_over_for_another(core, scripted):
     assert core.ledger.pending("d-ok") == core.ledger.pending("d-full") == core.ledger.pending("p1") == 0
 
 
+def test_a_decode_listening_where_another_router_saw_a_refusal_is_reached_at_once(core, scripted, redis_url,
+                                                                                  tiny_model_dir):
+    """A router in this process found an address dead (its channel stays open, in gRPC's reconnect backoff); a
+    decode instance now listens there. Another router's channel connects afresh instead of failing with the old
+    refusal until the backoff runs out, as it did while gRPC shared one connection per address among a process's
+    channels (a stress run saw two router tests fail so: a port freed by one test's dead instance, taken by the
+    next test's server while the first router's channel lingered)."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    core.registry.register(InstanceInfo("d-dead", "decode", address, outstanding_tokens=0, beat=1))
+    scripted("prefill", "p1", ScriptedPrefill({address: "ok"}))
+    with pytest.raises(RouterError, match="onnect"):  # nobody listens there yet: refused
+        run(core, "first")
+    core.registry.deregister("d-dead")
+    ok = ScriptedDecode([40, 41])
+    server, _, _ = start_grpc_server("127.0.0.1", port, [(pb_grpc.add_DecodeServicer_to_server, ok)], [])
+    other = make_core(redis_url, tiny_model_dir)
+    try:
+        other.registry.register(InstanceInfo("d-new", "decode", address, outstanding_tokens=0, beat=1))
+        tokens, finish = run(other, "fresh")
+        assert tokens == [8, 40, 41] and finish.reason == "length" and ok.streams == ["fresh"]
+    finally:
+        other.close()
+        server.stop(0)
+
+
 def test_unreachable_decode_and_prefill_are_passed_over(core, scripted):
     ok = ScriptedDecode([30])
     a_dead = scripted("decode", "d-dead", None, load=0)
