@@ -52,9 +52,11 @@ def test_sigterm_drains_the_stream_in_flight_then_every_service_exits_0(tmp_path
     # fast machine the 40 tokens could otherwise all be out, and the router gone, before the signal lands.
     gate = tmp_path / "hold-decode"
     gate.touch()
+    # The drain's bound is generous: it runs from the signal, and on a loaded machine the checks below and the 38
+    # tokens after the gate took past the default 30 s (a stress run: the decode ended the relay one token short).
     stack = Stack(str(tiny_model_dir / "target"), str(tiny_model_dir / "eagle"), None, free_port(),
                   extra={"page_size": 4, "chunk_size": 8}, log_dir=tmp_path / "logs",
-                  env={HOLD_FILE_ENV: str(gate)}).start()
+                  env={HOLD_FILE_ENV: str(gate)}, common={"drain_timeout_s": 300.0}, drain_timeout_s=300.0).start()
     try:
         stub = pb_grpc.GenerationStub(grpc.insecure_channel(stack.router_address))
         req = pb.GenerateRequest(request_id="drained", token_ids=pb.TokenIds(ids=list(range(3, 30))),
