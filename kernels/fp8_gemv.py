@@ -62,6 +62,21 @@ if triton is not None:
         return out
 
     @triton.jit
+    def _step_product(x, w, s_ptrs, X_LEFT: tl.constexpr, PER_CHANNEL: tl.constexpr, PRECISION: tl.constexpr):
+        """One K step's product of the x tile [BLOCK_M, BLOCK_K] and the weight tile [BLOCK_N, BLOCK_K] (in x's
+        dtype), in the accumulator's orientation (``X_LEFT``: [BLOCK_M, BLOCK_N], else [BLOCK_N, BLOCK_M]), times
+        the step's block scales (``s_ptrs``: a scale per weight row) unless the scales are per channel."""
+        if X_LEFT:
+            part = tl.dot(x, tl.trans(w), input_precision=PRECISION)
+            if not PER_CHANNEL:
+                part = part * tl.load(s_ptrs)[None, :]
+        else:
+            part = tl.dot(w, tl.trans(x), input_precision=PRECISION)
+            if not PER_CHANNEL:
+                part = part * tl.load(s_ptrs)[:, None]
+        return part
+
+    @triton.jit
     def _fp8_gemv_kernel(X, W, S, B, Y, M, N, K, KB, stride_xm, stride_wn, stride_sn, stride_ym,
                          BN: tl.constexpr, BK: tl.constexpr, PER_CHANNEL: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -91,29 +106,18 @@ if triton is not None:
                 else:
                     tile += _block_scaled(w, s_rows, k, KB, BK, BLOCK_N, BLOCK_K) * x
             acc = tl.sum(tile, 1)[:, None]
-        elif X_LEFT:  # x's 16 rows the dot's left operand, the weight tile its right (transposed), then as below
-            acc_t = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        else:  # tl.dot of the x tile and the FP8 tile (exact in x's dtype), scaled per step (BLOCK_K <= BK)
+            if X_LEFT:  # x's 16 rows the dot's left operand: the accumulator [BLOCK_M, BLOCK_N], turned at the end
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            else:
+                acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             for k in range(0, K, BLOCK_K):
                 k_ok = (k + offs_k) < K
                 w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0, cache_modifier=".cg")
                 x = tl.load(x_ptrs + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
-                if PER_CHANNEL:
-                    acc_t += part
-                else:
-                    acc_t += part * tl.load(s_rows + k // BK)[None, :]
-            acc = tl.trans(acc_t)
-        else:  # tl.dot of the FP8 tile (exact in x's dtype) with 16 rows, scaled per step (BLOCK_K <= BK)
-            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            for k in range(0, K, BLOCK_K):
-                k_ok = (k + offs_k) < K
-                w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0, cache_modifier=".cg")
-                x = tl.load(x_ptrs + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                part = tl.dot(w.to(x.dtype), tl.trans(x), input_precision=PRECISION)
-                if PER_CHANNEL:
-                    acc += part
-                else:
-                    acc += part * tl.load(s_rows + k // BK)[:, None]
+                acc += _step_product(x, w.to(x.dtype), s_rows + k // BK, X_LEFT, PER_CHANNEL, PRECISION)
+            if X_LEFT:
+                acc = tl.trans(acc)
         if PER_CHANNEL:
             acc = acc * tl.load(s_rows)[:, None]
         if HAS_BIAS:

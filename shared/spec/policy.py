@@ -347,8 +347,7 @@ class SpecPolicy:
         _, batch, expected = self.plain_probe
         self.plain_probe = None
         if self._cost(batch, "plain") >= self.settled * expected:
-            self.plain_probe_interval = min(2 * (self.plain_probe_interval or self.probe_every),
-                                            self.max_probe_every)
+            self.plain_probe_interval = self._doubled(self.plain_probe_interval)
         else:
             self.plain_probe_interval = 0
 
@@ -372,4 +371,8 @@ class SpecPolicy:
         _, batch, expected = c.probe
         c.probe = None
         if self._cost(batch, c.name) >= self.settled * expected:
-            c.probe_interval = min(2 * (c.probe_interval or self.probe_every), self.max_probe_every)
+            c.probe_interval = self._doubled(c.probe_interval)
+
+    def _doubled(self, interval: int) -> int:
+        """A probe interval after a probe that found its kind still losing (0: ``probe_every``)."""
+        return min(2 * (interval or self.probe_every), self.max_probe_every)

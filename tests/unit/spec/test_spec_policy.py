@@ -306,20 +306,27 @@ def test_the_policy_summary_reads_its_costs_as_it_does_and_its_shapes_expected_t
                                 "tokens": {"chain3": 2.4}}
 
 
+def timed_run(p: SpecPolicy, steps: int, reached: list[int], seconds) -> list[str]:
+    """``steps`` decode steps of 8 requests under ``p``, each speculative step's drafts accepted up to each position
+    as ``reached`` says, step ``i`` of ``kind`` taking ``seconds(i, kind)``; the kinds run, in order."""
+    kinds = []
+    for i in range(steps):
+        shape = p.choose(8)
+        kind = shape or "plain"
+        if shape is not None:
+            p.observe(shape, 8, reached)
+        p.ran(kind, 8, seconds(i, kind))
+        kinds.append(kind)
+    return kinds
+
+
 def test_plain_is_probed_while_a_shape_runs_so_a_cost_learnt_in_a_burst_does_not_keep_it_out():
     """Plain steps timed at 40 ms while a neighbour held the GPU (the first 150 steps), 10 ms after; a shape's
     steps 25 ms for 2 tokens a request. The shape wins against the burst's plain cost; once the burst is over
     plain (100 tokens a second a request against 80) must win again, which it can only learn by running: the
     policy probes plain while the shape runs, and settles on it."""
-    p = single("adaptive", MeasuredCost())
-    kinds = []
-    for i in range(1000):
-        shape = p.choose(8)
-        kind = shape or "plain"
-        if shape is not None:
-            p.observe(shape, 8, [8, 0, 0])  # every first draft accepted, none after: 2 tokens a step
-        p.ran(kind, 8, (0.040 if i < 150 else 0.010) if kind == "plain" else 0.025)
-        kinds.append(kind)
+    p = single("adaptive", MeasuredCost())  # every first draft accepted, none after: 2 tokens a step
+    kinds = timed_run(p, 1000, [8, 0, 0], lambda i, kind: (0.040 if i < 150 else 0.010) if kind == "plain" else 0.025)
     assert kinds[100:150].count("spec") >= 40  # during the burst the shape wins
     assert kinds[-300:].count("plain") >= 0.9 * 300
 
@@ -328,13 +335,6 @@ def test_plain_probes_back_off_while_plain_keeps_losing():
     """A shape far ahead (4 tokens in 20 ms against 10 ms for one): plain is probed, each probe that leaves it
     losing doubles the interval up to ``max_probe_every``, so plain takes a few steps in a thousand."""
     p = single("adaptive", MeasuredCost())
-    kinds = []
-    for _ in range(2000):
-        shape = p.choose(8)
-        kind = shape or "plain"
-        if shape is not None:
-            p.observe(shape, 8, [8, 8, 8])
-        p.ran(kind, 8, 0.010 if kind == "plain" else 0.020)
-        kinds.append(kind)
+    kinds = timed_run(p, 2000, [8, 8, 8], lambda i, kind: 0.010 if kind == "plain" else 0.020)
     assert p.plain_probe_interval == p.max_probe_every
     assert 2 <= kinds[-1000:].count("plain") <= 2 * 1000 // p.max_probe_every + 4
