@@ -94,7 +94,8 @@ class StepLog:
 
 class CompileLog:
     """Triton kernels compiled while the engine serves (each a stall of every request in the step that met it):
-    per compile, the step it happened in, the kernel, its seconds and its constexpr values."""
+    per compile, the step it happened in, the kernel, its seconds, its constexpr values and how its cache key
+    differs from the nearest one compiled before (``_key_difference``)."""
 
     def __init__(self, log: StepLog):
         self.entries: list[list] = []
@@ -108,14 +109,38 @@ class CompileLog:
         entries = self.entries
 
         def timed(fn, key, signature, device, constexprs, *rest):
+            known = _cached_keys(fn, device)  # what this kernel compiled before: the new key's nearest differs how
             t0 = time.perf_counter()
             try:
                 return original(fn, key, signature, device, constexprs, *rest)
             finally:
                 entries.append([len(log.steps), getattr(fn, "__name__", str(fn)), round(time.perf_counter() - t0, 3),
-                                str(constexprs)[:300]])
+                                str(constexprs)[:300], _key_difference(str(key), known)])
 
         JITFunction._do_compile = timed
+
+
+def _cached_keys(fn, device) -> list[str]:
+    """The cache keys ``fn`` has compiled on ``device`` (Triton 3.x: ``device_caches[device][0]``); [] elsewhere."""
+    try:
+        return [str(k) for k in fn.device_caches[device][0]]
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return []
+
+
+def _key_difference(key: str, known: list[str]) -> str:
+    """How ``key`` differs from the nearest of ``known`` (what made Triton compile again: a specialization, an
+    option): the differing comma-separated parts, the new one's then the old one's; "" when none was known."""
+    if not known:
+        return ""
+    parts = key.split(",")
+
+    def changed(other: str) -> list[tuple[str, str]]:
+        theirs = other.split(",")
+        return [(a, b) for a, b in zip(parts, theirs) if a != b] + [(a, "") for a in parts[len(theirs):]]
+
+    diff = min((changed(k) for k in known), key=len)
+    return "; ".join(f"{a.strip()} (was {b.strip()})" for a, b in diff)[:600]
 
 
 def closed_loop(log: StepLog, specs, concurrency: int, on_step=None) -> dict:
@@ -285,7 +310,7 @@ def main(argv=None) -> int:
                  "device_span_s": round(sum(s["device_ms"] for s in steps) / 1e3, 3),
                  "by_kind": by_kind(steps), "profile_window": window(), "compiles": list(compiles.entries),
                  "timeline": [[s["kind"][0], s["shape"], s["rows"], s["prefill_tokens"], round(s["wall_ms"], 2),
-                               round(s["device_ms"], 2)] for s in steps]}
+                               round(s["device_ms"], 2), s["chunks"]] for s in steps]}
         report["points"].append(entry)
         print(f"c{c}: {entry['output_tok_s']} tok/s over {entry['seconds']} s ({entry['steps_tok_s']} over the steps' "
               f"time), {len(steps)} steps", flush=True)
@@ -296,6 +321,8 @@ def main(argv=None) -> int:
         if entry["compiles"]:
             print(f"  {len(entry['compiles'])} Triton compiles, {sum(c[2] for c in entry['compiles']):.1f} s: "
                   + ", ".join(f"step {c[0]} {c[1]} {c[2]} s" for c in entry["compiles"][:12]), flush=True)
+            for c in entry["compiles"][:12]:
+                print(f"    step {c[0]} {c[1]}: {c[4] or 'its first compile'}", flush=True)
         w = entry["profile_window"]
         if w and args.cprofile:
             print(f"  host window {w['steps']} steps, {w['wall_ms']} ms; per step, own / cumulative ms:", flush=True)

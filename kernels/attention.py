@@ -490,8 +490,12 @@ def choose_config(q: torch.Tensor, num_kv_heads: int, batch: int, max_q_len: int
         block_q = block_m // group
         block_n, num_warps, num_stages = 32, 4, 3
     else:
+        # One query block of ``rows_cap // group`` tokens whatever the longest query: a request of fewer tokens
+        # masks the rest of it (its rows are grouped as with a block of its own length, so the same bits). A
+        # block of ``max_q_len`` tokens made ``BLOCK_Q`` a constexpr of the batch: a draft catching up 25 or 31
+        # positions compiled the kernel again mid-serve (0.67 s each, H100).
         rows_cap = 64 if (fp32 or d > 128) else 128
-        block_q = max(1, min(max_q_len, max(1, rows_cap // group)))
+        block_q = max(1, rows_cap // group)
         block_m = max(16, triton.next_power_of_2(block_q * group))
         block_n, num_warps, num_stages = 64, 8, 2 if fp32 else 3
     bound = max(1, max_kv_len if max_kv_len is not None else 1 << 20)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from kernel_checks import DEVICE, no_host_reads
 
-from kernels.attention import choose_config, paged_attention
+from kernels.attention import AttnConfig, choose_config, paged_attention
 from kernels.attention_ref import AttentionMetadata, paged_attention_ref
 from kernels.spec_kernels import ancestor_mask
 
@@ -89,6 +89,21 @@ def test_extend_spans_several_query_blocks():
     cfg = choose_config(q, 2, 2, max(q_lens), None)
     assert -(-70 // cfg.block_q) > 1
     check(q, k, v, meta)
+
+
+def test_a_causal_launch_has_one_query_block_whatever_its_longest_query():
+    """``BLOCK_Q`` is a constexpr: sized to the batch's longest query, each new length (a draft catching up 25 or
+    31 positions) compiled the kernel again mid-serve. One size now, and a request's rows come out of it the same
+    bits as out of a block of its own length (the rows are grouped alike: one block either way)."""
+    configs = {(c.block_q, c.block_m) for c in (choose_config(torch.empty(n, 8, 16, dtype=torch.float16), 2, 2, n,
+                                                                  64) for n in range(17, 60))}
+    assert configs == {(32, 128)}
+    q_lens, prefix = [20, 5], [11, 0]
+    q, k, v, meta = make_case(q_lens, prefix, q_lens, 4, 8, 2, 16, torch.float16, seed=5)
+    chosen = choose_config(q, 2, 2, max(q_lens), max(p + n for p, n in zip(prefix, q_lens)))
+    own = AttnConfig(**{**chosen.__dict__, "block_q": max(q_lens)})  # the old choice: a block of 20 tokens
+    out = check(q, k, v, meta, config=chosen)
+    assert torch.equal(out, check(q, k, v, meta, config=own))
 
 
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
