@@ -310,8 +310,8 @@ class ModelRunner:
         features extend the draft over every row (a decode row: the one position it wrote)."""
         starts = [req.kv_len for req in plan.decode]
         rows, prefix, q_lens, ids, pos, sample_rows, sampled_reqs = [], [], [], [], [], [], []
+        self.cache.reserve_many([req.handles[0] for req in plan.decode], [n + 1 for n in starts])
         for req in plan.decode:
-            self.cache.reserve(req.handles[0], req.kv_len + 1)
             rows.append(req.handles[0].row), prefix.append(req.kv_len), q_lens.append(1)
             ids.append(req.all_ids[req.kv_len]), pos.append(req.kv_len)
             sample_rows.append(len(ids) - 1), sampled_reqs.append(req)

@@ -220,8 +220,7 @@ class SpecWorker:
         state_out = None
         for c, cache in enumerate(self.caches):
             rows = [r.handles[1 + c].row for r, _, _ in spans]
-            for r, _, e in spans:
-                cache.reserve(r.handles[1 + c], e)
+            cache.reserve_many([r.handles[1 + c] for r, _, _ in spans], [e for _, _, e in spans])
             batch = build_forward_batch(cache, rows, [s for _, s, _ in spans], q_lens, ids, pos, pos,
                                         logits_rows=last_rows)
             o = self.draft(batch, cache, c, features, from_target=True)
