@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kernels.attention_ref import AttentionMetadata
@@ -66,23 +67,28 @@ def build_forward_batch(
     device = cache.layout.device
     extra = q_lens if extra_lens is None else extra_lens
     kv_lens = [p + e for p, e in zip(prefix_lens, extra)]
+    qo, kv = _indptr(q_lens), _indptr(kv_lens)
+    # Every host int the batch reads goes in one pinned buffer and one copy that does not wait for the device,
+    # and the slots are gathered from the device table by host-built (row, position) pairs: a tensor per field
+    # from pageable memory (ten copies, each waiting for the work queued before it) and a boolean mask (a
+    # read back) made the host wait for the device's queue to drain once per field.
+    rows_np, kv_np = np.asarray(rows, dtype=np.int64), np.asarray(kv_lens, dtype=np.int64)
+    kv_rows = np.repeat(rows_np, kv_np)
+    kv_pos = np.arange(kv[-1], dtype=np.int64) - np.repeat(np.asarray(kv[:-1], dtype=np.int64), kv_np)
+    tok_req = np.repeat(rows_np, np.asarray(q_lens, dtype=np.int64))
+    fields = {"kv_rows": kv_rows, "kv_pos": kv_pos, "tok_req": tok_req, "qo": qo, "kv": kv, "prefix": prefix_lens}
+    given = {"ids": input_ids, "positions": positions, "write_pos": write_pos, "logits_rows": logits_rows}
+    fields.update((k, t.reshape(-1).numpy()) for k, t in given.items()
+                  if t is not None and t.device.type == "cpu" and t.dtype == torch.int64)
+    on_device = _to_device(fields, device)
+    on_device.update((k, t.to(device)) for k, t in given.items() if t is not None and k not in on_device)
     table = cache.req_to_token.table
-    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
-    kv_lens_t = torch.tensor(kv_lens, dtype=torch.int64, device=device)
-    width = max(kv_lens, default=0)
-    take = torch.arange(width, device=device).unsqueeze(0) < kv_lens_t.unsqueeze(1)
-    kv_indices = table[rows_t, :width][take]
-    tok_req = torch.repeat_interleave(rows_t, torch.tensor(q_lens, dtype=torch.int64, device=device))
-    out_cache_loc = table[tok_req, write_pos.to(device)]
-    qo = _indptr(q_lens)
-    kv = _indptr(kv_lens)
     meta = AttentionMetadata(
-        qo_indptr=torch.tensor(qo, dtype=torch.int64, device=device),
-        kv_indptr=torch.tensor(kv, dtype=torch.int64, device=device),
-        kv_indices=kv_indices,
-        prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=device),
+        qo_indptr=on_device["qo"], kv_indptr=on_device["kv"],
+        kv_indices=table[on_device["kv_rows"], on_device["kv_pos"]],
+        prefix_lens=on_device["prefix"],
         qo_indptr_cpu=qo, kv_indptr_cpu=kv, prefix_lens_cpu=list(prefix_lens),
-        max_q_len=max(q_lens, default=0), max_kv_len=width, split_len=attention_split_len(cache),
+        max_q_len=max(q_lens, default=0), max_kv_len=max(kv_lens, default=0), split_len=attention_split_len(cache),
     )
     if custom_mask is not None:
         mi = _indptr([q * e for q, e in zip(q_lens, extra)])
@@ -90,12 +96,25 @@ def build_forward_batch(
         meta.mask_indptr = torch.tensor(mi, dtype=torch.int64, device=device)
         meta.mask_indptr_cpu = mi
     return ForwardBatch(
-        input_ids=input_ids.to(device),
-        positions=positions.to(device),
-        out_cache_loc=out_cache_loc,
+        input_ids=on_device["ids"],
+        positions=on_device["positions"],
+        out_cache_loc=table[on_device["tok_req"], on_device["write_pos"]],
         attn=meta,
-        logits_rows=None if logits_rows is None else logits_rows.to(device),
+        logits_rows=on_device.get("logits_rows"),
     )
+
+
+def _to_device(fields: dict[str, np.ndarray | list[int]], device: torch.device) -> dict[str, torch.Tensor]:
+    """``fields`` (int arrays, int64 on arrival) on ``device`` through one buffer: pinned and copied without a
+    wait on a GPU; views of the buffer each."""
+    sizes = [len(v) for v in fields.values()]
+    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
+    flat, at = host.numpy(), 0
+    for v, n in zip(fields.values(), sizes):
+        flat[at:at + n] = v
+        at += n
+    out = host.to(device, non_blocking=True)
+    return dict(zip(fields, out.split(sizes)))
 
 
 def attention_split_len(cache: KVCache) -> int | None:

@@ -190,6 +190,34 @@ def test_forward_batch_metadata_carries_static_bounds():
     assert ub.attn.max_q_len == 2 and ub.attn.max_kv_len >= 11
 
 
+def test_forward_batch_gathers_each_requests_slots_in_position_order():
+    """kv_indices: each request's slots [0, prefix + extra) in position order, request after request; out_cache_loc:
+    the slot of each query's write position; the host ints all arrive (built from one buffer, not a field each)."""
+    from shared.forward_batch import build_forward_batch
+    from shared.memory.kv_cache import CacheLayout, KVCache
+
+    dev = torch.device(DEVICE)
+    cache = KVCache(CacheLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32, device=dev,
+                                page_size=4, num_pages=24, max_reqs=4, max_context=40))
+    hs = [cache.open() for _ in range(3)]
+    for n in (9, 3, 14, 17):  # interleaved growth: each request's pages are not contiguous
+        for h in hs:
+            cache.reserve(h, min(n, 17))
+    rows, prefix, q_lens = [h.row for h in hs], [5, 0, 13], [4, 3, 1]
+    write = torch.tensor([5, 6, 7, 8, 0, 1, 2, 13])
+    ids, logits_rows = torch.arange(8) + 100, torch.tensor([3, 6, 7])
+    fb = build_forward_batch(cache, rows, prefix, q_lens, ids, write, write, logits_rows=logits_rows)
+    host = cache.req_to_token.host
+    kv_lens = [p + q for p, q in zip(prefix, q_lens)]
+    assert fb.attn.kv_indices.cpu().tolist() == [s for r, n in zip(rows, kv_lens) for s in host[r, :n].tolist()]
+    owner = [r for r, q in zip(rows, q_lens) for _ in range(q)]
+    assert fb.out_cache_loc.cpu().tolist() == [host[r, w].item() for r, w in zip(owner, write.tolist())]
+    assert fb.attn.qo_indptr.cpu().tolist() == [0, 4, 7, 8] and fb.attn.kv_indptr.cpu().tolist() == [0, 9, 12, 26]
+    assert fb.attn.prefix_lens.cpu().tolist() == prefix and fb.input_ids.cpu().tolist() == ids.tolist()
+    assert fb.positions.cpu().tolist() == write.tolist() and fb.logits_rows.cpu().tolist() == [3, 6, 7]
+    assert fb.input_ids.device.type == dev.type
+
+
 def test_cpu_tensors_dispatch_to_the_reference():
     """backend='auto' on CPU tensors is the reference itself (bit-identical), not the interpreter."""
     q, k, v, meta = make_case([3], [2], [3], 1, 2, 2, 8, torch.float32, seed=1, device="cpu")
