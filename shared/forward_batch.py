@@ -106,15 +106,18 @@ def build_forward_batch(
 
 def _to_device(fields: dict[str, np.ndarray | list[int]], device: torch.device) -> dict[str, torch.Tensor]:
     """``fields`` (int arrays, int64 on arrival) on ``device`` through one buffer: pinned and copied without a
-    wait on a GPU; views of the buffer each."""
+    wait on a GPU; views of the buffer each, every one starting 16 bytes in line (a kernel's pointer argument is
+    specialised on that: a view out of line compiled the kernel again)."""
     sizes = [len(v) for v in fields.values()]
-    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
-    flat, at = host.numpy(), 0
-    for v, n in zip(fields.values(), sizes):
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n + n % 2)  # two int64 are 16 bytes
+    host = torch.empty(starts[-1], dtype=torch.int64, pin_memory=device.type == "cuda")
+    flat = host.numpy()
+    for v, at, n in zip(fields.values(), starts, sizes):
         flat[at:at + n] = v
-        at += n
     out = host.to(device, non_blocking=True)
-    return dict(zip(fields, out.split(sizes)))
+    return {k: out[at:at + n] for k, at, n in zip(fields, starts, sizes)}
 
 
 def attention_split_len(cache: KVCache) -> int | None:
