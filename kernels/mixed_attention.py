@@ -29,6 +29,8 @@ from kernels.attention import DECODE_ROWS, paged_attention
 from kernels.attention_ref import AttentionMetadata
 from kernels.extend_attention import extend_attention
 
+ALIGN = 16  # bytes: the alignment Triton specialises a pointer argument on
+
 
 @dataclass(frozen=True)
 class Part:
@@ -66,19 +68,26 @@ def _part(meta: AttentionMetadata, reqs: list[int]) -> Part:
     q_lens = [qo[b + 1] - qo[b] for b in reqs]
     kv_lens = [kv[b + 1] - kv[b] for b in reqs]
     first, end = reqs[0], reqs[-1] + 1
+    # Every index tensor the kernels read starts 16 bytes in line: Triton specialises a pointer argument on it,
+    # and a slice starting wherever the batch's other requests end compiled the kernels again as the number of
+    # decode rows or chunks changed parity (1.4 s a compile, mid-serve, H100).
     if end - first == len(reqs):
         rows: slice | torch.Tensor = slice(qo[first], qo[end])
         kv_indices = meta.kv_indices[kv[first]:kv[end]]
+        if kv_indices.data_ptr() % ALIGN:
+            kv_indices = kv_indices.clone()
     else:
         rows = _runs(qo, reqs).to(device)
         kv_indices = meta.kv_indices[_runs(kv, reqs).to(device)]
     qo_sub, kv_sub = list(accumulate(q_lens, initial=0)), list(accumulate(kv_lens, initial=0))
     pre_sub = [pre[b] for b in reqs]
-    host = torch.tensor(qo_sub + kv_sub + pre_sub, dtype=torch.int64, pin_memory=device.type == "cuda")
-    dev = host.to(device, non_blocking=True)
     n = len(reqs)
+    pad = [0] * ((n + 1) % 2)  # n + 1 int64 padded to a multiple of 16 bytes
+    host = torch.tensor(qo_sub + pad + kv_sub + pad + pre_sub, dtype=torch.int64, pin_memory=device.type == "cuda")
+    dev = host.to(device, non_blocking=True)
+    at = n + 1 + len(pad)
     sub = AttentionMetadata(
-        qo_indptr=dev[:n + 1], kv_indptr=dev[n + 1:2 * n + 2], kv_indices=kv_indices, prefix_lens=dev[2 * n + 2:],
+        qo_indptr=dev[:n + 1], kv_indptr=dev[at:at + n + 1], kv_indices=kv_indices, prefix_lens=dev[2 * at:],
         qo_indptr_cpu=qo_sub, kv_indptr_cpu=kv_sub, prefix_lens_cpu=pre_sub,
         max_q_len=max(q_lens), max_kv_len=max(kv_lens), split_len=meta.split_len)
     return Part(meta=sub, rows=rows)

@@ -70,3 +70,23 @@ def test_an_empty_request_goes_to_the_extend_side():
     assert split.decode.meta.prefix_lens_cpu == [9] and split.extend.meta.prefix_lens_cpu == [5, 0]
     case = mixed_case([0, EXTEND_MIN_Q], [5, 0], 1, "cpu")
     assert split_mixed(case.meta, 4) is None
+
+
+@pytest.mark.parametrize("decode_rows", [1, 2, 3])
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_every_index_tensor_of_a_split_starts_in_line(decode_rows, chunks):
+    """Triton specialises a pointer argument on 16-byte alignment: a part's index tensors sliced from wherever the
+    batch's other requests end compiled the kernels again as the counts of decode rows and chunks changed parity
+    (mid-serve). Each starts 16 bytes in line, whatever the counts, and holds its requests' values."""
+    slots = [[3 + b, 40 + b, 80 + b] for b in range(decode_rows)] + [list(range(100 * c, 100 * c + 70))
+                                                                      for c in range(1, chunks + 1)]
+    q_lens = [1] * decode_rows + [EXTEND_MIN_Q + 10] * chunks
+    prefixes = [len(s) - n for s, n in zip(slots, q_lens)]
+    split = split_mixed(meta_of(slots, q_lens, prefixes, DEVICE, 32), 4)
+    for part, reqs in ((split.decode, range(decode_rows)), (split.extend, range(decode_rows, len(slots)))):
+        m = part.meta
+        for t in (m.qo_indptr, m.kv_indptr, m.kv_indices, m.prefix_lens):
+            assert t.data_ptr() % 16 == 0
+        assert m.kv_indices.tolist() == [x for b in reqs for x in slots[b]]
+        assert m.kv_indptr.tolist() == m.kv_indptr_cpu and m.qo_indptr.tolist() == m.qo_indptr_cpu
+        assert m.prefix_lens.tolist() == [prefixes[b] for b in reqs]
