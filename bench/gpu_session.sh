@@ -67,7 +67,8 @@
 #                                   # (bench/bench_prefix.py: prefix_bench.json / .md, ~8 min)
 #   bench/gpu_session.sh prefix-bench2  # the same on two GPUs for pd2 (1P1D), the issue's 64 prefixes x 10 questions
 #   bench/gpu_session.sh profile    # issue 30: one engine in-process at c32/c64/c128, per step kind wall vs device time and
-#                                   # a torch.profiler window (bench/profile_engine.py), with the EAGLE-3 head then without
+#                                   # a torch.profiler window (bench/profile_engine.py), with the EAGLE-3 head then without;
+#                                   # PROFILE_C=128 PROFILE_ARGS="--prompt 256 --output 128": stop 47's c128 comparison
 #   bench/gpu_session.sh profile-host  # the same engine's host functions per step under cProfile at c64/c128
 #   bench/gpu_session.sh profile-mixed # a torch.profiler window over c128's first-wave mixed steps, without and with
 #                                   # the EAGLE-3 head (profile_mixed_{plain,adaptive}.json)
@@ -378,10 +379,13 @@ for stage in "$@"; do
     profile)  # issue 30 item 1: where one engine's time goes at c32/c64/c128 (in-process, the widened pair, graphs):
       # per step kind wall vs device time, a torch.profiler window's kernel time; the default (adaptive) then no draft
       [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
+      # PROFILE_ARGS: more flags for both runs, e.g. "--prompt 256 --output 128" (the policy stage's colo1 workload)
       run profile_adaptive 280 python3 bench/profile_engine.py --model /tmp/wide/target --draft /tmp/wide/eagle3 \
-        --prompts-file /tmp/wide/heldout.jsonl --concurrency ${PROFILE_C:-32,64,128} --out "$OUT/profile_adaptive.json"
+        --prompts-file /tmp/wide/heldout.jsonl --concurrency ${PROFILE_C:-32,64,128} ${PROFILE_ARGS:-} \
+        --out "$OUT/profile_adaptive.json"
       [ "${PROFILE_PLAIN:-1}" = 0 ] || run profile_plain 240 python3 bench/profile_engine.py --model /tmp/wide/target \
-        --prompts-file /tmp/wide/heldout.jsonl --concurrency ${PROFILE_C:-32,64,128} --out "$OUT/profile_plain.json"
+        --prompts-file /tmp/wide/heldout.jsonl --concurrency ${PROFILE_C:-32,64,128} ${PROFILE_ARGS:-} \
+        --out "$OUT/profile_plain.json"
       cat "$OUT"/profile_adaptive.log "$OUT"/profile_plain.log | grep -v Warning | head -120
       ;;
     profile-mixed)  # issue 30: a torch.profiler window over the first wave's mixed steps (a 512-token chunk beside the
