@@ -151,3 +151,19 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         probs = torch.softmax(scores, dim=-1)
         out[qs:qe] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
+
+
+def pack_int64(fields: list, device: torch.device) -> list[torch.Tensor]:
+    """Int lists / arrays on ``device`` through one buffer (pinned and copied without a wait on a GPU), one view
+    each, every view 16 bytes in line: Triton specialises a pointer argument on that, so a view out of line
+    compiled the kernel reading it again."""
+    sizes = [len(v) for v in fields]
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n + n % 2)  # two int64 are 16 bytes
+    host = torch.empty(starts[-1], dtype=torch.int64, pin_memory=device.type == "cuda")
+    flat = host.numpy()
+    for v, at, n in zip(fields, starts, sizes):
+        flat[at:at + n] = v
+    out = host.to(device, non_blocking=True)
+    return [out[at:at + n] for at, n in zip(starts, sizes)]

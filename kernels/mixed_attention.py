@@ -26,7 +26,7 @@ from itertools import accumulate
 import torch
 
 from kernels.attention import DECODE_ROWS, paged_attention
-from kernels.attention_ref import AttentionMetadata
+from kernels.attention_ref import AttentionMetadata, pack_int64
 from kernels.extend_attention import extend_attention
 
 ALIGN = 16  # bytes: the alignment Triton specialises a pointer argument on
@@ -81,13 +81,9 @@ def _part(meta: AttentionMetadata, reqs: list[int]) -> Part:
         kv_indices = meta.kv_indices[_runs(kv, reqs).to(device)]
     qo_sub, kv_sub = list(accumulate(q_lens, initial=0)), list(accumulate(kv_lens, initial=0))
     pre_sub = [pre[b] for b in reqs]
-    n = len(reqs)
-    pad = [0] * ((n + 1) % 2)  # n + 1 int64 padded to a multiple of 16 bytes
-    host = torch.tensor(qo_sub + pad + kv_sub + pad + pre_sub, dtype=torch.int64, pin_memory=device.type == "cuda")
-    dev = host.to(device, non_blocking=True)
-    at = n + 1 + len(pad)
+    qo_t, kv_t, pre_t = pack_int64([qo_sub, kv_sub, pre_sub], device)
     sub = AttentionMetadata(
-        qo_indptr=dev[:n + 1], kv_indptr=dev[at:at + n + 1], kv_indices=kv_indices, prefix_lens=dev[2 * at:],
+        qo_indptr=qo_t, kv_indptr=kv_t, kv_indices=kv_indices, prefix_lens=pre_t,
         qo_indptr_cpu=qo_sub, kv_indptr_cpu=kv_sub, prefix_lens_cpu=pre_sub,
         max_q_len=max(q_lens), max_kv_len=max(kv_lens), split_len=meta.split_len)
     return Part(meta=sub, rows=rows)

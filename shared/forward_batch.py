@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kernels.attention_ref import AttentionMetadata
+from kernels.attention_ref import AttentionMetadata, pack_int64
 from shared.memory.kv_cache import KVCache
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ def build_forward_batch(
     given = {"ids": input_ids, "positions": positions, "write_pos": write_pos, "logits_rows": logits_rows}
     fields.update((k, t.reshape(-1).numpy()) for k, t in given.items()
                   if t is not None and t.device.type == "cpu" and t.dtype == torch.int64)
-    on_device = _to_device(fields, device)
+    on_device = dict(zip(fields, pack_int64(list(fields.values()), device)))
     on_device.update((k, t.to(device)) for k, t in given.items() if t is not None and k not in on_device)
     table = cache.req_to_token.table
     meta = AttentionMetadata(
@@ -102,22 +102,6 @@ def build_forward_batch(
         attn=meta,
         logits_rows=on_device.get("logits_rows"),
     )
-
-
-def _to_device(fields: dict[str, np.ndarray | list[int]], device: torch.device) -> dict[str, torch.Tensor]:
-    """``fields`` (int arrays, int64 on arrival) on ``device`` through one buffer: pinned and copied without a
-    wait on a GPU; views of the buffer each, every one starting 16 bytes in line (a kernel's pointer argument is
-    specialised on that: a view out of line compiled the kernel again)."""
-    sizes = [len(v) for v in fields.values()]
-    starts = [0]
-    for n in sizes:
-        starts.append(starts[-1] + n + n % 2)  # two int64 are 16 bytes
-    host = torch.empty(starts[-1], dtype=torch.int64, pin_memory=device.type == "cuda")
-    flat = host.numpy()
-    for v, at, n in zip(fields.values(), starts, sizes):
-        flat[at:at + n] = v
-    out = host.to(device, non_blocking=True)
-    return {k: out[at:at + n] for k, at, n in zip(fields, starts, sizes)}
 
 
 def attention_split_len(cache: KVCache) -> int | None:
