@@ -10,6 +10,10 @@ orders: ``x_left``); each is checked against the dequantized product first. Prin
 microseconds and their share of the copy bandwidth (FP8 bytes and scales read / time).
 
     python bench/bench_fp8_gemv.py --tune [--rows 1,8] [--out $OUT/fp8_gemv.json]
+    python bench/bench_fp8_gemv.py --splits 1,2,4,8 [--rows 1,8]   # split-K: a few launches x each split count
+
+Every row's ``split`` is the count of programs sharing K (``kernels/fp8_gemv.py choose_split``: the default's
+``auto``).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.timing import copy_bandwidth, graph_of, time_cuda  # noqa: E402
-from kernels.fp8_gemv import TILE_ROWS, choose_config, fp8_linear, fp8_linear_ref, unit_scale  # noqa: E402
+from kernels.fp8_gemv import TILE_ROWS, choose_config, choose_split, fp8_linear, fp8_linear_ref, unit_scale  # noqa: E402
 from shared.model import fp8  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -50,6 +54,15 @@ def candidates(m: int, k: int, bk: int) -> list[tuple[tuple[int, int, int, int],
     return [(c[:4], c[4]) for c in grid if c[1] <= min(bk, k)]
 
 
+def split_candidates(m: int, k: int, bk: int, splits: list[int]) -> list[tuple[tuple[int, int, int, int], bool, int]]:
+    """(launch configuration, x_left, split): the tl.dot code (x's rows left) at a few tile shapes near the
+    default, each at every split count asked for."""
+    shapes = [(16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 4), (64, 256, 4, 4), (32, 256, 8, 4), (32, 512, 4, 3),
+              (16, 512, 4, 3)]
+    step = min(bk, k)
+    return [(c, True, sp) for c in shapes for sp in splits if c[1] <= step and k // sp >= c[1]]
+
+
 def weights(fmt: str, n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Enough different weights that none is in L2 when it is read (at most REPS, about 2 GiB): FP8 with its
     scales, or (``dense``) bf16 with the unit scale, as ``same_rows_linear`` runs an FP8 model's LM head."""
@@ -60,25 +73,36 @@ def weights(fmt: str, n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]
     return [fp8.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt, (128, 128)) for _ in range(reps)]
 
 
-def measure(fmt: str, name: str, n: int, k: int, m: int, bw: float, tune: bool, sms: int) -> list[dict]:
+def measure(fmt: str, name: str, n: int, k: int, m: int, bw: float, tune: bool, sms: int,
+            splits: list[int] | None = None) -> list[dict]:
     block = (1, k) if fmt == "channel" else (n, k) if fmt == "dense" else (128, 128)
     ws = weights(fmt, n, k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     ref = fp8_linear_ref(x.float(), ws[0][0], ws[0][1], block).double()
-    default = (choose_config(tile_rows(m), n, k, min(block[1], k), sms), os.environ.get("EYRIE_FP8_DOT", "xw") == "xw")
-    configs = [default] + ([c for c in candidates(m, k, block[1]) if c != default] if tune else [])
+    cfg0 = choose_config(tile_rows(m), n, k, min(block[1], k), sms)
+    split0 = 1 if tile_rows(m) == 1 else choose_split(n, k, cfg0[0], cfg0[1], sms)
+    default = (cfg0, os.environ.get("EYRIE_FP8_DOT", "xw") == "xw", split0)
+    configs = [default] + ([(c, xl, split0) for c, xl in candidates(m, k, block[1]) if (c, xl, split0) != default]
+                           if tune else [])
+    if splits and tile_rows(m) > 1:
+        configs += [c for c in split_candidates(m, k, block[1], splits) if c not in configs]
     rows = []
-    for cfg, x_left in configs:
+    for cfg, x_left, split in configs:
         try:
-            got = fp8_linear(x, ws[0][0], ws[0][1], block, config=cfg, x_left=x_left)
+            got = fp8_linear(x, ws[0][0], ws[0][1], block, config=cfg, x_left=x_left, split=split)
             err = ((got.double() - ref).norm() / ref.norm()).item()
             if not err < 1e-2:
-                print(f"  {fmt} {name} m={m} {cfg} x_left={x_left}: WRONG (rel err {err:.2e})", flush=True)
+                print(f"  {fmt} {name} m={m} {cfg} x_left={x_left} split={split}: WRONG (rel err {err:.2e})",
+                      flush=True)
+                continue
+            if m > 1 and not torch.equal(fp8_linear(x[:1], ws[0][0], ws[0][1], block, config=cfg, x_left=x_left,
+                                                    split=split), got[:1]):
+                print(f"  {fmt} {name} m={m} {cfg} split={split}: row 0's bits differ alone", flush=True)
                 continue
 
-            def run(cfg=cfg, ws=ws, x_left=x_left):
+            def run(cfg=cfg, ws=ws, x_left=x_left, split=split):
                 for q, s in ws:
-                    fp8_linear(x, q, s, block, config=cfg, x_left=x_left)
+                    fp8_linear(x, q, s, block, config=cfg, x_left=x_left, split=split)
 
             us = time_cuda(graph_of(run).replay) / len(ws) * 1e3
         except Exception as e:  # noqa: BLE001 - a configuration the compiler refuses (registers, shared memory)
@@ -86,7 +110,8 @@ def measure(fmt: str, name: str, n: int, k: int, m: int, bw: float, tune: bool, 
             continue
         nbytes = n * k * ws[0][0].element_size() + ws[0][1].numel() * 4
         rows.append({"format": fmt, "gemm": name, "n": n, "k": k, "m": m, "config": list(cfg), "x_left": x_left,
-                     "us": us, "of_copy_bw": nbytes / (us / 1e6) / bw, "default": (cfg, x_left) == default})
+                     "split": split, "us": us, "of_copy_bw": nbytes / (us / 1e6) / bw,
+                     "default": (cfg, x_left, split) == default})
     del ws
     torch.cuda.empty_cache()
     return rows
@@ -96,6 +121,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--rows", default="1,8")
+    ap.add_argument("--splits", help="split-K counts to try at a few launches, e.g. 1,2,4,8")
     ap.add_argument("--formats", default="channel,block,dense")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -106,16 +132,17 @@ def main() -> int:
     for fmt in args.formats.split(","):
         for m in (int(r) for r in args.rows.split(",")):
             for name, (n, k) in (HEAD if fmt == "dense" else SHAPES).items():
-                rows = measure(fmt, name, n, k, m, bw, args.tune, sms)
+                rows = measure(fmt, name, n, k, m, bw, args.tune, sms,
+                               [int(v) for v in args.splits.split(",")] if args.splits else None)
                 results += rows
                 d = next((r for r in rows if r["default"]), None)
                 best = min(rows, key=lambda r: r["us"], default=None)
                 if d is None or best is None:
                     print(f"{fmt:7s} {name:8s} m={m:2d}  default failed", flush=True)
                     continue
-                print(f"{fmt:7s} {name:8s} m={m:2d}  default {tuple(d['config'])} {d['us']:7.1f} us "
-                      f"({d['of_copy_bw']:.2f})  best {tuple(best['config'])} x_left={best['x_left']} "
-                      f"{best['us']:7.1f} us ({best['of_copy_bw']:.2f})", flush=True)
+                print(f"{fmt:7s} {name:8s} m={m:2d}  default {tuple(d['config'])} split {d['split']} {d['us']:7.1f} us "
+                      f"({d['of_copy_bw']:.2f})  best {tuple(best['config'])} x_left={best['x_left']} split "
+                      f"{best['split']} {best['us']:7.1f} us ({best['of_copy_bw']:.2f})", flush=True)
                 for xl in (False, True):  # the best of each operand order
                     b = min((r for r in rows if r["x_left"] == xl), key=lambda r: r["us"], default=None)
                     if b is not None:

@@ -19,7 +19,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.fp8_gemv import _fp8_gemv_kernel, check_config, choose_config  # noqa: E402
+from kernels.fp8_gemv import _fp8_gemv_kernel, check_config, choose_config, choose_split  # noqa: E402
 
 SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 TEST_SHAPES = [(40, 64), (37, 96), (64, 256)]  # tests/unit/kernels/test_fp8_gemv.py
@@ -31,23 +31,26 @@ def launches(quick: bool) -> list[dict]:
     """One dict of constexprs (and warps, stages) per distinct launch."""
     out = []
 
-    def add(rows, k, block, config, dtype="bf16", x_left=False):
+    def add(rows, k, block, config, dtype="bf16", x_left=False, split=1):
         bn, bk = (1, k) if block is None else block
         block_k = check_config(rows, k, min(bk, k), config)
         out.append({"BN": bn, "BK": bk, "PER_CHANNEL": bk >= k, "BLOCK_M": 1 if rows == 1 else 16,
                     "BLOCK_N": config[0], "BLOCK_K": block_k, "HAS_BIAS": True,
                     "PRECISION": "ieee" if dtype == "fp32" else "tf32", "X_LEFT": x_left and rows > 1, "dtype": dtype,
-                    "num_warps": config[2], "num_stages": config[3]})
+                    "SPLIT": split if rows > 1 else 1, "num_warps": config[2], "num_stages": config[3]})
 
     for rows in (1, 4):
         for n, k in SHAPES_8B[:2] if quick else SHAPES_8B:
             for block in (None, (128, 128)):
                 for x_left in (False, True):  # both tl.dot operand orders (EYRIE_FP8_DOT)
-                    add(rows, k, block, choose_config(rows, n, k, min(k, 128 if block else k), 132), x_left=x_left)
+                    config = choose_config(rows, n, k, min(k, 128 if block else k), 132)
+                    for split in {1, choose_split(n, k, config[0], config[1], 132)}:  # split-K's code and without
+                        add(rows, k, block, config, x_left=x_left, split=split)
         for _n, k in TEST_SHAPES[:1] if quick else TEST_SHAPES:
             for block in TEST_BLOCKS:
                 for config in TEST_CONFIGS:
-                    add(rows, k, block, config)
+                    for split in (1, 2):
+                        add(rows, k, block, config, split=split)
     add(4, 64, (16, 32), TEST_CONFIGS[0], "fp32")
     unique = {tuple(sorted(d.items())): d for d in out}
     return list(unique.values())
@@ -55,7 +58,7 @@ def launches(quick: bool) -> list[dict]:
 
 def build(launch: dict):
     dt = launch["dtype"]
-    types = {"X": f"*{dt}", "W": "*fp8e4nv", "S": "*fp32", "B": f"*{dt}", "Y": f"*{dt}"}
+    types = {"X": f"*{dt}", "W": "*fp8e4nv", "S": "*fp32", "B": f"*{dt}", "Y": f"*{dt}", "P": "*fp32", "C": "*i32"}
     consts = {k: v for k, v in launch.items() if k not in ("dtype", "num_warps", "num_stages")}
     sig = {}
     for name in _fp8_gemv_kernel.arg_names:

@@ -16,6 +16,7 @@
 #                                   # oracle's decode == verify logits, the FP8 greedy tests with and without a head,
 #                                   # then the batch-1 decode step (1k, 8k) and verify (N 6, 16) before (the kernel
 #                                   # of bench/baseline/) and after, one table (~5 min on one H100)
+#   bench/gpu_session.sh fp8-split  # split-K for the small FP8 products (launches x splits), then the step without/with
 #   bench/gpu_session.sh fp8-tune   # the FP8 skinny GEMM's launch configurations at the 8B shapes, 1 and 8 rows,
 #                                   # both tl.dot operand orders, and the bf16 LM head through the same launch
 #   bench/gpu_session.sh fp8-profile  # the batch-1 decode step (bf16, FP8 channel and block) kernel by kernel
@@ -180,6 +181,16 @@ for stage in "$@"; do
         --out "$OUT/decode_after.json"
       python3 bench/baseline/compare_decode.py "$OUT/decode_before.json" "$OUT/decode_after.json" \
         | tee "$OUT/decode_before_after.txt"
+      ;;
+    fp8-split)  # issue 34: split-K for the small FP8 products: a few launches x splits 1, 2, 4, 8 at 1 and 8 rows,
+      # then the batch-1 decode step without split-K (EYRIE_FP8_SPLIT=1) and with the default (auto), one machine
+      run fp8_split_tune 300 python3 bench/bench_fp8_gemv.py --splits 1,2,4,8 --rows 1,8 --formats channel,block \
+        --out "$OUT/fp8_split_gemv.json"
+      EYRIE_FP8_SPLIT=1 run fp8_step_nosplit 150 python3 bench/bench_fp8.py --skip-greedy --formats bf16,channel,block \
+        --out "$OUT/fp8_step_nosplit.json"
+      run fp8_step_split 150 python3 bench/bench_fp8.py --skip-greedy --formats bf16,channel,block \
+        --out "$OUT/fp8_step_split.json"
+      grep -h "step\|floor" "$OUT"/fp8_step_*.log | head -20
       ;;
     fp8-tune)
       run fp8_tune 570 python3 bench/bench_fp8_gemv.py --tune --out "$OUT/fp8_gemv.json"

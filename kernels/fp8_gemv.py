@@ -77,12 +77,15 @@ if triton is not None:
         return part
 
     @triton.jit
-    def _fp8_gemv_kernel(X, W, S, B, Y, M, N, K, KB, stride_xm, stride_wn, stride_sn, stride_ym,
+    def _fp8_gemv_kernel(X, W, S, B, Y, P, C, M, N, K, KB, K_PER, stride_xm, stride_wn, stride_sn, stride_ym,
                          BN: tl.constexpr, BK: tl.constexpr, PER_CHANNEL: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, X_LEFT: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, X_LEFT: tl.constexpr,
+                         SPLIT: tl.constexpr):
         pid_m = tl.program_id(0)  # the row tiles of one weight block run side by side: it is read once from HBM
         pid_n = tl.program_id(1)
+        k_lo = tl.program_id(2) * K_PER  # split-K: this program's share [k_lo, k_hi) of K (all of it at SPLIT 1)
+        k_hi = tl.minimum(K, k_lo + K_PER)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         offs_n_safe = tl.where(n_ok, offs_n, 0)
@@ -94,8 +97,8 @@ if triton is not None:
         x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
         if BLOCK_M == 1:  # a [BLOCK_N, BLOCK_K] float32 tile, reduced once at the end (as kernels/gemv.py)
             tile = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-            for k in range(0, K, BLOCK_K):
-                k_ok = (k + offs_k) < K
+            for k in range(k_lo, k_hi, BLOCK_K):
+                k_ok = (k + offs_k) < k_hi
                 w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
                 x = tl.load(x_ptrs + k, mask=k_ok[None, :], other=0.0).to(tl.float32)
                 if PER_CHANNEL:
@@ -111,19 +114,38 @@ if triton is not None:
                 acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             else:
                 acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            for k in range(0, K, BLOCK_K):
-                k_ok = (k + offs_k) < K
+            for k in range(k_lo, k_hi, BLOCK_K):
+                k_ok = (k + offs_k) < k_hi
                 w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0, cache_modifier=".cg")
                 x = tl.load(x_ptrs + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 acc += _step_product(x, w.to(x.dtype), s_rows + k // BK, X_LEFT, PER_CHANNEL, PRECISION)
             if X_LEFT:
                 acc = tl.trans(acc)
+        out_mask = n_ok[:, None] & m_ok[None, :]
+        if SPLIT == 1:
+            _finish(acc, s_rows, B, Y, offs_m, offs_n, offs_n_safe, out_mask, stride_ym, PER_CHANNEL, HAS_BIAS)
+        else:  # each split's partial sum to P; the tile's last program to arrive adds them in split order
+            p_ptrs = P + (offs_m[None, :] * N + offs_n[:, None])
+            tl.store(p_ptrs + tl.program_id(2) * M * N, acc, mask=out_mask)
+            tile = C + pid_m * tl.num_programs(1) + pid_n
+            tl.debug_barrier()  # every thread's partial stored before the (one-thread) release below
+            if tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT - 1:  # the others' partials are all written
+                tl.store(tile, 0)  # the counter back to zero for the next launch (and a CUDA graph's replays)
+                total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+                for part in range(SPLIT):  # always this order: a row's bits never depend on which came last
+                    total += tl.load(p_ptrs + part * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                _finish(total, s_rows, B, Y, offs_m, offs_n, offs_n_safe, out_mask, stride_ym, PER_CHANNEL,
+                        HAS_BIAS)
+
+    @triton.jit
+    def _finish(acc, s_rows, B, Y, offs_m, offs_n, offs_n_safe, out_mask, stride_ym, PER_CHANNEL: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+        """The [BLOCK_N, BLOCK_M] float32 sums times the per-channel scales, plus the bias, stored in Y's dtype."""
         if PER_CHANNEL:
             acc = acc * tl.load(s_rows)[:, None]
         if HAS_BIAS:
             acc += tl.load(B + offs_n_safe).to(tl.float32)[:, None]
-        tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty),
-                 mask=n_ok[:, None] & m_ok[None, :])
+        tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty), mask=out_mask)
 
 
 def _pow2(v: int) -> bool:
@@ -150,6 +172,38 @@ def choose_config(m: int, n: int, k: int, bk: int, sms: int) -> tuple[int, int, 
     return block_n, block_k, warps, stages
 
 
+def choose_split(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
+    """How many programs share each weight block's K (split-K): doubled while the blocks are fewer than 3 per SM
+    and each share keeps 4+ steps, so a small product (o, qkv, down at one decode row) has bytes in flight on
+    every SM instead of one ramping program per SM. ``EYRIE_FP8_SPLIT``: a count instead (1: off). It depends on
+    the shape only, never on the rows: the shares are added in one order, so a row's bits are the same at every
+    row count."""
+    forced = os.environ.get("EYRIE_FP8_SPLIT", "auto")
+    if forced != "auto":
+        split = int(forced)
+        if split < 1:
+            raise ValueError(f"EYRIE_FP8_SPLIT must be 'auto' or a count >= 1, got {forced!r}")
+        return split
+    blocks, split = -(-n // block_n), 1
+    while blocks * split < 3 * sms and k // (split * 2) >= 4 * block_k:
+        split *= 2
+    return split
+
+
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _counters(weight: torch.Tensor, tiles: int) -> torch.Tensor:
+    """The split-K arrival counters of ``weight``'s launches (one per output tile), zero between launches (the
+    last program of a tile sets it back), so every launch of one weight reuses them: kept per weight, never
+    shared by two products that could run at once."""
+    key = (weight.device, weight.data_ptr())
+    c = _COUNTERS.get(key)
+    if c is None or c.numel() < tiles:
+        c = _COUNTERS[key] = torch.zeros(max(tiles, 64), dtype=torch.int32, device=weight.device)
+    return c
+
+
 def check_config(rows: int, k: int, bk: int, config: tuple[int, int, int, int]) -> int:
     """The BLOCK_K a launch of ``config`` over tiles of ``rows`` rows runs with (1: the one-row tile code; 2+:
     the ``tl.dot`` code, its step capped at the scale block), or a ValueError
@@ -173,12 +227,13 @@ def check_config(rows: int, k: int, bk: int, config: tuple[int, int, int, int]) 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                bias: torch.Tensor | None = None, *, backend: str = "auto",
                config: tuple[int, int, int, int] | None = None, max_rows: int | None = MAX_ROWS,
-               x_left: bool | None = None) -> torch.Tensor:
+               x_left: bool | None = None, split: int | None = None) -> torch.Tensor:
     """``x @ (weight * scale).T + bias`` for FP8 ``weight`` [N, K] with ``scale`` in ``block``s: the kernel up to
     ``max_rows`` rows (None: at every row count, a row's bits never depending on the others), the reference
     past them. ``x_left``: x's rows the ``tl.dot``'s left operand (None: ``EYRIE_FP8_DOT``, ``xw`` or ``wx``,
     default ``xw``; ``wx``, the weight tile on the left, is 1.3-1.7x slower on an H100); one choice for every
-    row count, as the launch shape."""
+    row count, as the launch shape. ``split``: how many programs share K (None: ``choose_split``; 1 for the
+    one-row tile code)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     n, k = weight.shape
     bn, bk = block
@@ -195,12 +250,24 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     block_n, block_k, warps, stages = config or choose_config(tile_rows, n, k, min(bk, k), sms)
     block_k = check_config(tile_rows, k, min(bk, k), (block_n, block_k, warps, stages))
     scale = scale.float().contiguous()
-    _fp8_gemv_kernel[(triton.cdiv(rows, tile_rows), triton.cdiv(n, block_n))](
-        x2, weight, scale, bias if bias is not None else scale, out, rows, n, k, scale.shape[1],
-        x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+    if split is None:
+        split = 1 if tile_rows == 1 else choose_split(n, k, block_n, block_k, sms)
+    if split < 1 or (split > 1 and tile_rows == 1):
+        raise ValueError(f"fp8_linear: split {split} must be >= 1 (and 1 for the one-row tile code)")
+    k_per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k  # whole steps per share: scale blocks stay whole
+    split = triton.cdiv(k, k_per)
+    grid = (triton.cdiv(rows, tile_rows), triton.cdiv(n, block_n), split)
+    if split > 1:
+        partials = torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
+        counters = _counters(weight, grid[0] * grid[1])
+    else:
+        partials = counters = scale
+    _fp8_gemv_kernel[grid](
+        x2, weight, scale, bias if bias is not None else scale, out, partials, counters, rows, n, k, scale.shape[1],
+        k_per, x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
         BN=bn, BK=bk, PER_CHANNEL=bk >= k, BLOCK_M=tile_rows, BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        X_LEFT=os.environ.get("EYRIE_FP8_DOT", "xw") == "xw" if x_left is None else x_left,
+        X_LEFT=os.environ.get("EYRIE_FP8_DOT", "xw") == "xw" if x_left is None else x_left, SPLIT=split,
         num_warps=warps, num_stages=stages)
     return out.reshape(*lead, n)
 
@@ -226,5 +293,5 @@ def unit_scale(device: torch.device) -> torch.Tensor:
     return _UNIT[device]
 
 
-__all__ = ["MAX_ROWS", "TILE_ROWS", "check_config", "choose_config", "fp8_linear", "fp8_linear_ref",
+__all__ = ["MAX_ROWS", "TILE_ROWS", "check_config", "choose_config", "choose_split", "fp8_linear", "fp8_linear_ref",
            "same_rows_linear", "unit_scale"]

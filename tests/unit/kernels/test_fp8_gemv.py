@@ -13,10 +13,12 @@ import torch
 from kernel_checks import DEVICE
 
 from kernels.fp8_gemv import (
+    _COUNTERS,
     MAX_ROWS,
     TILE_ROWS,
     check_config,
     choose_config,
+    choose_split,
     fp8_linear,
     fp8_linear_ref,
     same_rows_linear,
@@ -167,3 +169,44 @@ def test_every_row_count_runs_the_launch_past_max_rows_when_asked():
     assert torch.equal(same_rows_linear(x[last:], w, backend="triton"), every[last:])
     bounded = same_rows_linear(x, w, backend="triton")  # the reference past MAX_ROWS: F.linear's product
     torch.testing.assert_close(bounded, torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.parametrize("block, k", [(None, 320), ((16, 32), 256), ((32, 64), 448)], ids=["channel", "16x32", "32x64"])
+@pytest.mark.parametrize("split", [2, 3, 4])
+def test_split_k_shares_add_in_one_order_whatever_the_rows(block, k, split):
+    """Split-K (``split`` programs per weight block, the last to arrive adding the shares): the dequantized
+    product at every split; a row's bits the same alone, in a verify-sized batch and past a tile; the arrival
+    counters back to zero after every launch (a CUDA graph's replays reuse them)."""
+    torch.manual_seed(split * 11 + k)
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    n = 45
+    q, scale = quantize(torch.randn(n, k), "channel" if block is None else "block", block or (128, 128))
+    args = (q.to(DEVICE), scale.to(DEVICE), (1, k) if block is None else block)
+    b = torch.randn(n, dtype=dtype, device=DEVICE)
+    x = torch.randn(TILE_ROWS + 5, k, dtype=dtype, device=DEVICE)
+    config = (16, 32, 4, 2)
+    every = fp8_linear(x, *args, b, backend="triton", config=config, split=split)
+    ref = fp8_linear_ref(x.double().cpu(), q, scale, args[2], b.double().cpu())
+    assert ((every.double().cpu() - ref).norm() / ref.norm()).item() < (1e-5 if dtype == torch.float32 else 2e-2)
+    for rows in (1, 7, TILE_ROWS + 5):
+        assert torch.equal(fp8_linear(x[:rows], *args, b, backend="triton", config=config, split=split),
+                           every[:rows]), rows
+    assert torch.equal(fp8_linear(x[3:4], *args, b, backend="triton", config=config, split=split), every[3:4])
+    counters = _COUNTERS[(args[0].device, args[0].data_ptr())]
+    assert counters.abs().sum().item() == 0
+
+
+def test_split_k_is_chosen_from_the_shape_for_the_small_products_only(monkeypatch):
+    monkeypatch.delenv("EYRIE_FP8_SPLIT", raising=False)
+    # the 8B's down, o and qkv have fewer weight blocks than 3 per SM of an H100: split; gate_up and the head not
+    assert choose_split(4096, 14336, 32, 256, 132) > 1
+    assert choose_split(4096, 4096, 32, 256, 132) > 1
+    assert choose_split(6144, 4096, 32, 256, 132) > 1
+    assert choose_split(28672, 4096, 32, 256, 132) == 1
+    assert choose_split(128256, 4096, 32, 256, 132) == 1
+    assert choose_split(4096, 512, 32, 256, 132) == 1  # too little K to share
+    monkeypatch.setenv("EYRIE_FP8_SPLIT", "1")
+    assert choose_split(4096, 14336, 32, 256, 132) == 1
+    monkeypatch.setenv("EYRIE_FP8_SPLIT", "0")
+    with pytest.raises(ValueError, match="EYRIE_FP8_SPLIT"):
+        choose_split(4096, 14336, 32, 256, 132)
