@@ -5,7 +5,9 @@ The engine runs in-process as the services build it (``EngineSettings``, graphs 
 fixed workload (prompt:output tokens, real text with ``--prompts-file``) at each concurrency in a closed loop.
 Per step: its kind (``decode`` / ``mixed`` / ``prefill``, with the speculative shape the policy chose or
 ``plain``), its decode rows and prefill tokens, the wall time of ``Engine.step`` (which waits for the device)
-and the device span between CUDA events recorded at its start and end. A window of steps runs under
+and the device span between CUDA events recorded at its start and end, the tokens it committed and, for a
+speculative step, what the policy believed when it chose it (its expected tokens per request, its ms and a
+plain step's ms at that batch); the point ends with the policy's summary. A window of steps runs under
 ``torch.profiler``: the kernels' summed time against the window's wall time says how long the GPU sat idle,
 and the top kernels say what the busy time was. The graphs' own costs (timed at capture) are the floor each
 decode kind could reach.
@@ -58,7 +60,7 @@ class StepLog:
         import torch
 
         self.engine, self.torch, self.steps = engine, torch, []
-        self.plan, self.shape = None, None
+        self.plan, self.shape, self.estimate = None, None, None
         schedule, choose = engine.scheduler.schedule, engine._choose_shape
 
         def scheduled():
@@ -67,9 +69,22 @@ class StepLog:
 
         def chosen(plan, **kw):
             self.shape = choose(plan, **kw)
+            self.estimate = self._estimate(plan)
             return self.shape
 
         engine.scheduler.schedule, engine._choose_shape = scheduled, chosen
+
+    def _estimate(self, plan) -> list | None:
+        """What the policy believed when it chose: the chosen shape's expected tokens per request and its ms per
+        step, and a plain step's ms, at this batch (None for a plain or mixed step, or without a policy)."""
+        policy = self.engine.spec_policy
+        if policy is None or self.shape is None or not plan.decode:
+            return None
+        b = len(plan.decode)
+        spec_s, plain_s = policy._cost(b, self.shape), policy._cost(b, "plain")
+        tokens = policy._candidate(self.shape).tokens
+        return [None if tokens is None else round(tokens, 3), None if spec_s is None else round(spec_s * 1e3, 2),
+                None if plain_s is None else round(plain_s * 1e3, 2)]
 
     def step(self):
         torch, cuda = self.torch, self.engine.device.type == "cuda"
@@ -83,11 +98,13 @@ class StepLog:
             end.synchronize()
         wall = time.perf_counter() - t0
         plan = self.plan
+        committed = sum(len(toks) for _, toks in events)
         if plan is not None and not plan.empty:
             kind = "mixed" if plan.prefill and plan.decode else "decode" if plan.decode else "prefill"
             self.steps.append({"kind": kind, "shape": (self.shape or "plain") if plan.decode else "-",
                                "rows": len(plan.decode), "prefill_tokens": sum(c.end - c.start for c in plan.prefill),
-                               "chunks": len(plan.prefill), "wall_ms": wall * 1e3,
+                               "chunks": len(plan.prefill), "wall_ms": wall * 1e3, "tokens": committed,
+                               "estimate": self.estimate,
                                "device_ms": start.elapsed_time(end) if cuda else wall * 1e3})
         return events
 
@@ -310,7 +327,8 @@ def main(argv=None) -> int:
                  "device_span_s": round(sum(s["device_ms"] for s in steps) / 1e3, 3),
                  "by_kind": by_kind(steps), "profile_window": window(), "compiles": list(compiles.entries),
                  "timeline": [[s["kind"][0], s["shape"], s["rows"], s["prefill_tokens"], round(s["wall_ms"], 2),
-                               round(s["device_ms"], 2), s["chunks"]] for s in steps]}
+                               round(s["device_ms"], 2), s["chunks"], s["tokens"], s["estimate"]] for s in steps],
+                 "policy": None if engine.spec_policy is None else engine.spec_policy.summary()}
         report["points"].append(entry)
         print(f"c{c}: {entry['output_tok_s']} tok/s over {entry['seconds']} s ({entry['steps_tok_s']} over the steps' "
               f"time), {len(steps)} steps", flush=True)

@@ -28,6 +28,12 @@ def test_a_closed_loop_is_logged_step_by_step_with_a_profiled_window(tmp_path, h
         assert "decode" in kinds and kinds & {"mixed", "prefill"}  # prompts arrive while others decode
         assert p["output_tok_s"] > 0 and p["steps_tok_s"] >= p["output_tok_s"]
         assert all(row[2] <= p["concurrency"] for row in p["timeline"])  # rows never past the closed loop's
+        # every output token is in some step's count (a request's first token with its prompt's last chunk)
+        assert sum(row[7] for row in p["timeline"]) == p["requests"] * 6
+        spec = [row for row in p["timeline"] if row[1] not in ("plain", "-")]
+        assert bool(spec) == host and (p["policy"] is not None) == host
+        assert all(len(row[8]) == 3 for row in spec)  # what the policy believed (None: not known yet)
+        assert all(row[7] >= row[2] for row in spec)  # a speculative step commits at least a token per row
         window = p["profile_window"]
         assert window["steps"] == 3
         assert (window["by_own"] and window["by_cumulative"]) if host else window["top_kernels"] is not None
