@@ -57,8 +57,7 @@ def candidates(m: int, k: int, bk: int) -> list[tuple[tuple[int, int, int, int],
 def split_candidates(m: int, k: int, bk: int, splits: list[int]) -> list[tuple[tuple[int, int, int, int], bool, int]]:
     """(launch configuration, x_left, split): the tl.dot code (x's rows left) at a few tile shapes near the
     default, each at every split count asked for."""
-    shapes = [(16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 4), (64, 256, 4, 4), (32, 256, 8, 4), (32, 512, 4, 3),
-              (16, 512, 4, 3)]
+    shapes = [(16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 4), (64, 256, 4, 4), (32, 512, 4, 3)]
     step = min(bk, k)
     return [(c, True, sp) for c in shapes for sp in splits if c[1] <= step and k // sp >= c[1]]
 
