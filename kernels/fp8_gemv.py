@@ -36,6 +36,7 @@ except ImportError:  # pragma: no cover
 
 TILE_ROWS = 16  # rows one tl.dot program takes (every row count, 1 included)
 MAX_ROWS = 1024  # rows the kernel takes: every decode and verify step (more: prefill chunks)
+SPLIT_ROWS = 256  # rows per launch under split-K (its float32 shares: split x SPLIT_ROWS x N at most)
 
 
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -256,19 +257,24 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         raise ValueError(f"fp8_linear: split {split} must be >= 1 (and 1 for the one-row tile code)")
     k_per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k  # whole steps per share: scale blocks stay whole
     split = triton.cdiv(k, k_per)
-    grid = (triton.cdiv(rows, tile_rows), triton.cdiv(n, block_n), split)
-    if split > 1:
-        partials = torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
-        counters = _counters(weight, grid[0] * grid[1])
-    else:
-        partials = counters = scale
-    _fp8_gemv_kernel[grid](
-        x2, weight, scale, bias if bias is not None else scale, out, partials, counters, rows, n, k, scale.shape[1],
-        k_per, x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
-        BN=bn, BK=bk, PER_CHANNEL=bk >= k, BLOCK_M=tile_rows, BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        X_LEFT=os.environ.get("EYRIE_FP8_DOT", "xw") == "xw" if x_left is None else x_left, SPLIT=split,
-        num_warps=warps, num_stages=stages)
+    # Split-K's float32 shares are split x rows x n: past SPLIT_ROWS rows (a prefill chunk) the rows go in
+    # launches of SPLIT_ROWS (whole 16-row tiles, each tile's sums the same), so they stay a few MiB
+    step = rows if split == 1 else SPLIT_ROWS
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        grid = (triton.cdiv(hi - lo, tile_rows), triton.cdiv(n, block_n), split)
+        if split > 1:
+            partials = torch.empty(split, hi - lo, n, dtype=torch.float32, device=x.device)
+            counters = _counters(weight, grid[0] * grid[1])
+        else:
+            partials = counters = scale
+        _fp8_gemv_kernel[grid](
+            x2[lo:hi], weight, scale, bias if bias is not None else scale, out[lo:hi], partials, counters, hi - lo, n,
+            k, scale.shape[1], k_per, x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+            BN=bn, BK=bk, PER_CHANNEL=bk >= k, BLOCK_M=tile_rows, BLOCK_N=block_n, BLOCK_K=block_k,
+            HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            X_LEFT=os.environ.get("EYRIE_FP8_DOT", "xw") == "xw" if x_left is None else x_left, SPLIT=split,
+            num_warps=warps, num_stages=stages)
     return out.reshape(*lead, n)
 
 

@@ -210,3 +210,18 @@ def test_split_k_is_chosen_from_the_shape_for_the_small_products_only(monkeypatc
     monkeypatch.setenv("EYRIE_FP8_SPLIT", "0")
     with pytest.raises(ValueError, match="EYRIE_FP8_SPLIT"):
         choose_split(4096, 14336, 32, 256, 132)
+
+
+def test_split_k_takes_many_rows_in_launches_of_whole_tiles_with_the_same_bits(monkeypatch):
+    """Past ``SPLIT_ROWS`` rows (a prefill chunk) split-K launches per group of rows, so its float32 shares stay
+    small: every row the same bits as in one launch."""
+    from kernels import fp8_gemv
+
+    torch.manual_seed(9)
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    q, scale = quantize(torch.randn(45, 256), "block", (16, 32))
+    args = (q.to(DEVICE), scale.to(DEVICE), (16, 32))
+    x = torch.randn(3 * TILE_ROWS + 5, 256, dtype=dtype, device=DEVICE)
+    whole = fp8_linear(x, *args, backend="triton", config=(16, 32, 4, 2), split=2)
+    monkeypatch.setattr(fp8_gemv, "SPLIT_ROWS", 2 * TILE_ROWS)
+    assert torch.equal(fp8_linear(x, *args, backend="triton", config=(16, 32, 4, 2), split=2), whole)
