@@ -187,9 +187,10 @@ class RouterSettings(CommonSettings):
     stream_timeout_s: float = Field(300.0, description="deadline of one request's prefill and decode calls")
     max_concurrent_requests: int = Field(1024, description="requests in flight at most: past it a new request gets "
                                          "RESOURCE_EXHAUSTED / 429 (0 = no cap)")
-    local_prefill_max_tokens: int = Field(0, ge=0, description="conditional disaggregation: a new request whose "
-                                          "prompt has at most this many tokens is prefilled by its decode instance "
-                                          "(folded into its decode steps, no hand-off); longer ones go to a prefill "
+    local_prefill_max_tokens: int = Field(0, ge=0, description="conditional disaggregation: a new request with at "
+                                          "most this many prompt tokens to compute on its decode instance (past the "
+                                          "prefix that instance's published prefix cache holds) is prefilled there "
+                                          "(folded into its decode steps, no hand-off); the others go to a prefill "
                                           "instance. 0 = every prompt goes to a prefill instance")
     reuse_port: bool = Field(False, description="several router processes on one host serve the same gRPC and OpenAI "
                              "ports (SO_REUSEPORT: the kernel spreads the connections over them); each router is "

@@ -785,7 +785,7 @@ class RouterCore:
     async def _placing(self, active: Active, ids: list[int], params: SamplingParams, t0: float,
                        avoid_decode: set[str], reason: str, resume: list[int], resume_logprobs: list[float]):
         left = params.max_new_tokens - len(resume)
-        if not resume and len(ids) <= self.settings.local_prefill_max_tokens and \
+        if not resume and self.settings.local_prefill_max_tokens and \
                 await self._admit_local(active, ids, params, t0, avoid_decode, reason):
             return None, None
         deadline = time.monotonic() + self.settings.placement_timeout_s
@@ -864,10 +864,13 @@ class RouterCore:
 
     async def _admit_local(self, active: Active, ids: list[int], params: SamplingParams, t0: float,
                            avoid_decode: set[str], reason: str) -> bool:
-        """Conditional disaggregation: a short prompt goes straight to the least loaded decode instance, which
-        prefills it inside its decode steps (as the single-process engine does: no second forward over the
-        weights, no hand-off); its first token then comes through ``Stream``. False (the request goes to a
-        prefill instance) when no decode instance is live or the one chosen refuses or cannot be reached."""
+        """Conditional disaggregation: a prompt with few tokens to compute on the decode instance chosen for it
+        (at most ``local_prefill_max_tokens`` past the prefix its published cache summary holds: a short prompt,
+        or a long one whose prefix it holds, as a follow-up in a conversation) goes straight to that instance,
+        which prefills it inside its decode steps (as the single-process engine does: no second forward over
+        the weights, no hand-off); its first token then comes through ``Stream``. False (the request goes to a
+        prefill instance) when no decode instance is live, the one chosen would compute more, or it refuses or
+        cannot be reached."""
         seen, tokens = await self._registry(), len(ids) + params.max_new_tokens
         decode, d_key, matched = await self._pick_now("decode", seen, avoid_decode, ids, tokens, False,
                                                       active.prefer.get("decode"))
@@ -875,6 +878,8 @@ class RouterCore:
             return False
         rid = active.rid
         try:
+            if len(ids) - (matched or 0) > self.settings.local_prefill_max_tokens:
+                return False  # too much to compute there: a prefill instance's forward, then the hand-off
             self._check_cancelled(active)
             active.prefill, active.decode = None, decode  # an abort from here on reaches the decode instance
             lost = False

@@ -221,6 +221,24 @@ def test_local_prefill_goes_to_the_decode_instance_holding_the_prefix(redis_url,
         s.stop()
 
 
+def test_a_long_prompt_whose_prefix_the_decode_instance_holds_is_prefilled_there(redis_url, tiny_model_dir):
+    """Conditional disaggregation counts the tokens left to compute on the decode instance: a 41-token prompt
+    whose first 40 decode-b holds (a conversation's next turn) is prefilled there, past an 8-token bound; the
+    same length cold goes to a prefill instance and its hand-off."""
+    s = Stack(redis_url, tiny_model_dir, local_prefill_max_tokens=8)
+    try:
+        s.publish("decode-b", cached=PROMPT)
+        placed = s.send("follow-up", PROMPT)
+        assert placed["local_prefill"] is True and (placed["decode"], placed["prefix_tokens"]) == ("decode-b", 40)
+        assert s.servicers["decode-b"].admitted == [PROMPT]
+        cold = s.send("cold", [5] * 41)
+        assert "local_prefill" not in cold and cold["prefill"].startswith("prefill-")
+        assert [5] * 41 in s.servicers[cold["prefill"]].prompts
+        assert s.servicers["decode-a"].admitted == [] and s.servicers["decode-b"].admitted == [PROMPT]
+    finally:
+        s.stop()
+
+
 def test_a_heartbeat_publishes_its_summary_and_sends_it_again_when_redis_lost_it(redis_url):
     """The summary is written when its version moves, renewed with the entry otherwise, written again when
     Redis lost it, and removed with the entry."""
