@@ -127,6 +127,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--spec-draft-tokens", type=int)
     ap.add_argument("--spec-policy", choices=["fixed", "adaptive"])
     ap.add_argument("--spec-candidates")
+    ap.add_argument("--local-prefill", type=int, default=0, help="disaggregated layouts: prompts with at most this "
+                    "many tokens to compute on their decode instance (past the prefix it holds) are prefilled there "
+                    "(the router's local_prefill_max_tokens; 0: every prompt to a prefill instance)")
     ap.add_argument("--transports", default="auto", help="every run's EYRIE_HANDOFF_TRANSPORT (auto, ipc, "
                                                          "grpc-stream)")
     ap.add_argument("--deadline-s", type=float, help="the whole benchmark's budget")
@@ -352,8 +355,10 @@ class PrefixRun(LayoutRun):
     def __init__(self, bench: Bench, layout: str, cache: str, draft_name: str, model: str, draft: str | None,
                  workdir: Path):
         self.run, self.name, self.model, self.draft, self.args = bench, layout, model, draft, bench.args
-        label = f"{layout}-cache-{cache}-draft-{Path(draft_name).name}"
-        self.out: dict = {"layout": layout, "cache": cache, "draft": draft_name, "label": label, "instances": [],
+        local = bench.args.local_prefill if LAYOUTS[layout][0] else 0
+        label = f"{layout}-cache-{cache}-draft-{Path(draft_name).name}" + (f"-local{local}" if local else "")
+        self.out: dict = {"layout": layout, "cache": cache, "draft": draft_name, "label": label, "local_prefill": local,
+                          "instances": [],
                           "log_dir": str(workdir / f"logs-{label}")}
         bench.report["runs"].append(self.out)
         self.stack = None

@@ -364,10 +364,13 @@ for stage in "$@"; do
       # the benchmark stops issuing by it, its last requests drain and its services stop within the 45 s after.
       deadline=$(( 520 - SECONDS )); [ "$deadline" -gt 460 ] && deadline=460; [ "$deadline" -lt 60 ] && deadline=60
       name=${stage//-/_}
-      run "$name" $((deadline + 45)) python3 bench/bench_prefix.py --layouts "$which" --cache on,off \
+      # PREFIX_LOCAL=256: the router's conditional disaggregation (a prompt with at most 256 tokens to compute past
+      # the prefix its decode instance holds is prefilled there); PREFIX_CACHE=on: the cache-on runs alone
+      run "$name" $((deadline + 45)) python3 bench/bench_prefix.py --layouts "$which" \
         --model /tmp/wide/target --draft /tmp/wide/eagle3 --prompts-file /tmp/wide/heldout.jsonl \
         --prefixes "$prefixes" --questions 10 --workdir "/tmp/$name" --deadline-s "$deadline" \
-        --request-timeout-s 120 --out "$OUT/$name.json"
+        --request-timeout-s 120 --local-prefill "${PREFIX_LOCAL:-0}" --cache "${PREFIX_CACHE:-on,off}" \
+        --out "$OUT/$name.json"
       for d in /tmp/"$name"/logs-*; do  # every run's service logs, a failed start's included
         [ -d "$d" ] && mkdir -p "$OUT/$(basename "$d")" && cp "$d"/*.log "$OUT/$(basename "$d")/"
       done

@@ -143,7 +143,8 @@ class LayoutRun:
         colo = not LAYOUTS[self.name][0]
         placed = instances(self.name, args.device)
         self.out["instances"] = [{"role": role, **own} for role, own in placed]
-        local = args.max_context if colo else 0  # colocated: every prompt prefilled on its decode instance
+        # colocated: every prompt prefilled on its decode instance; else conditional disaggregation's bound, if any
+        local = args.max_context if colo else getattr(args, "local_prefill", 0) or 0
         env = {"EYRIE_LOCAL_PREFILL_MAX_TOKENS": str(local), "EYRIE_HANDOFF_TRANSPORT": args.transports,
                **self.run.child_env()}
         self.out["transport"] = args.transports

@@ -76,3 +76,44 @@ def test_a_follow_up_goes_where_its_prefix_is_cached(stack):
         (33, "prefill-a", 0), (33, "prefill-b", 0), (len(FOLLOW_UP), "prefill-b", 32)]
     assert cold.usage.cached_tokens == 0
     assert s.wait_clean()
+
+
+def test_a_follow_up_whose_prefix_its_decode_instance_holds_is_prefilled_there(redis_url, tiny_model_dir):
+    """Conditional disaggregation by tokens left to compute: the first prompt (33 tokens, past the router's bound
+    of 16) goes through the prefill instance and its hand-off; the decode instance's cache then holds its pages,
+    so the follow-up (41 tokens, 9 to compute) is prefilled by the decode instance itself, no hand-off, with the
+    32 cached tokens reported and the tokens a single engine gives."""
+    from shared.config import EngineConfig
+    from shared.engine import Engine
+    from shared.sampling import SamplingParams
+
+    url = redis_url.replace("db=0", "db=14")
+    connect(url).flushdb()
+    base = dict(model=str(tiny_model_dir / "target"), draft=str(tiny_model_dir / "eagle"), redis_url=url,
+                heartbeat_s=0.2, page_size=4, chunk_size=8, max_context=96, spec_policy="fixed", prefix_cache=True)
+    s = InProcessStack(None, [], [], url)
+    try:
+        s.prefills.append(start_prefill(PrefillSettings(**base, instance_id="prefill-a")))
+        s.decodes.append(start_decode(DecodeSettings(**base, instance_id="decode-a")))
+        s.router = start_router(RouterSettings(model=base["model"], redis_url=url, placement_timeout_s=5,
+                                               local_prefill_max_tokens=16))
+        registry = Registry(connect(url))
+        s.generate(PROMPT, max_new_tokens=4, ignore_eos=True)
+        wait_for(lambda: held_pages(registry, "decode-a", PROMPT) == 8, "decode-a's summary to hold the prompt")
+        tokens, finish = s.generate(FOLLOW_UP, max_new_tokens=6, ignore_eos=True)
+        assert finish.usage.cached_tokens == 32
+        records = {int(r["prompt_tokens"]): r for r in
+                   (s.store.get(k.removeprefix("req:")) for k in registry.client.keys("req:*"))}
+        first, follow = records[len(PROMPT)], records[len(FOLLOW_UP)]
+        assert first["prefill_instance"] == "prefill-a" and first["decode_instance"] == "decode-a"
+        assert follow["prefill_instance"] == follow["decode_instance"] == "decode-a"
+        assert json.loads(follow["placements"])[-1]["local_prefill"] is True
+        engine = Engine(tiny_model_dir / "target", tiny_model_dir / "eagle",
+                        EngineConfig(page_size=4, chunk_size=8, spec_policy="fixed"))
+        [alone] = engine.generate([FOLLOW_UP], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        assert tokens == alone.token_ids
+        assert s.wait_clean()
+    finally:
+        for h in [s.router, *s.prefills, *s.decodes]:
+            if h is not None:
+                h.stop(0.5)
