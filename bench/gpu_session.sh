@@ -17,6 +17,7 @@
 #                                   # then the batch-1 decode step (1k, 8k) and verify (N 6, 16) before (the kernel
 #                                   # of bench/baseline/) and after, one table (~5 min on one H100)
 #   bench/gpu_session.sh fp8-split  # split-K for the small FP8 products (launches x splits), then the step without/with
+#   bench/gpu_session.sh cross-check  # guidellm vs bench_serving's client on one stack (carry .whl with .whl/guidellm)
 #   bench/gpu_session.sh fp8-tune   # the FP8 skinny GEMM's launch configurations at the 8B shapes, 1 and 8 rows,
 #                                   # both tl.dot operand orders, and the bf16 LM head through the same launch
 #   bench/gpu_session.sh fp8-profile  # the batch-1 decode step (bf16, FP8 channel and block) kernel by kernel
@@ -191,6 +192,16 @@ for stage in "$@"; do
       run fp8_step_split 150 python3 bench/bench_fp8.py --skip-greedy --formats bf16,channel,block \
         --out "$OUT/fp8_step_split.json"
       grep -h "step\|floor" "$OUT"/fp8_step_*.log | head -20
+      ;;
+    cross-check)  # issue 34: guidellm against bench_serving's client on one plain stack of the widened pair, OpenAI
+      # API, 512:256 (bench/cross_check.py); guidellm's wheels from bench/fetch_wheels.sh in .whl/guidellm (~6 min)
+      [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/guidellm .whl/guidellm/*.whl
+      run cross_check 520 python3 bench/cross_check.py --model /tmp/wide/target --device cuda --dtype bfloat16 \
+        --prompt 512 --output 256 --sweep "${CROSS_SWEEP:-1,8,32,64}" --requests "${CROSS_REQUESTS:-32}" \
+        --point-seconds 40 --guidellm "env PYTHONPATH=/tmp/guidellm python3 -m guidellm" --workdir /tmp/cross \
+        --out "$OUT/cross_check.json"
+      tail -n 30 "$OUT/cross_check.log"
       ;;
     fp8-tune)
       run fp8_tune 570 python3 bench/bench_fp8_gemv.py --tune --out "$OUT/fp8_gemv.json"
