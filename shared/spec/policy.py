@@ -185,6 +185,7 @@ class SpecPolicy:
     last: str | None = None  # the kind ("plain" or a shape) of the step that ran last
     again: str | None = None  # a kind switched to, to run once more so that its own time is measured
     incumbent: str | None = None  # the kind chosen as the best last time (probes aside)
+    after_mixed: bool = False  # the last step ran prefill chunks: the next one is neither timed nor a probe
     # Plain steps are probed too while a shape runs: plain's cost is measured only when it runs, and a cost
     # learnt in a burst (a neighbour process on the GPU, a one-time stall) would otherwise keep it out for good.
     plain_idle: int = 0  # steps since the last plain step
@@ -244,6 +245,7 @@ class SpecPolicy:
         ``mixed``: such a step (its kind is the chunks' choice, not a switch: ``choose``): no kind is run
         again for it, and the next step, which may wait for its tail (the draft's extend over the chunks),
         is not recorded either."""
+        self.after_mixed = mixed
         if mixed:
             self.last = None
             return
@@ -324,8 +326,11 @@ class SpecPolicy:
             self.plain_probe_interval, self.plain_probe = 0, None
         else:
             self._back_off_after_plain_probe()
-        probe = self._probe(cands, batch, best, spec_s)
-        if probe is None and best is not None and self._probe_plain(batch, decode_s):
+        # No probe right after a mixed step: that step is not timed and its kind not run again (``ran``), so a
+        # probe there would buy an acceptance sample for a whole switch (an H100 at c128: 33-44 ms, 2-3 plain
+        # steps); the next decode step probes instead.
+        probe = None if self.after_mixed else self._probe(cands, batch, best, spec_s)
+        if probe is None and best is not None and not self.after_mixed and self._probe_plain(batch, decode_s):
             return None
         return probe or best
 

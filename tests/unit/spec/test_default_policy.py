@@ -253,3 +253,24 @@ def test_a_batch_just_past_a_bucket_is_costed_near_it_not_at_the_next():
     assert cost.counts == {("chain2", 32): 1} and cost.spec_s(32, "chain2") == pytest.approx(0.0125)
     cost.record("plain", 48, 0.010)  # halfway: the larger bucket
     assert ("plain", 64) in cost.counts
+
+
+def test_no_probe_right_after_a_mixed_step_whose_successor_cannot_be_timed():
+    """The step after a mixed step is not timed (it may wait for the mixed step's tail) and its kind is not run
+    again: a probe there would cost a switch and learn no cost. The probe due waits for the next decode step."""
+    cost = MeasuredCost()
+    cost.seed("plain", 8, 0.009)
+    cost.seed("chain3", 8, 0.014)
+    cost.seed("chain2", 8, 0.013)
+    policy = SpecPolicy.of("adaptive", [SpecConfig.parse(n) for n in ("tree-k4-s4-n8", "chain3")], cost)
+    cost.seed("tree-k4-s4-n8", 8, 0.030)
+    policy.observe("chain3", 100, [90, 80, 70])
+    policy.observe("tree-k4-s4-n8", 100, [90, 80, 70, 60])
+    policy.probe_every = 1  # every decode step would probe the tree (3.0 / 30 ms loses to 3.4 / 14 ms)
+    assert policy.choose(8) == "tree-k4-s4-n8"  # a probe
+    policy.ran("tree-k4-s4-n8", 8, 0.030)
+    assert policy.choose(8, mixed=True) is None
+    policy.ran("plain", 8, 0.030, timed=False, mixed=True)
+    assert policy.choose(8) == "chain3"  # right after the mixed step: the best, no probe of the tree or plain
+    policy.ran("chain3", 8, 0.014)
+    assert policy.choose(8) in ("tree-k4-s4-n8", None)  # the next decode step probes again
