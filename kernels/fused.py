@@ -23,14 +23,27 @@ except ImportError:  # pragma: no cover
     triton = None
 
 
-def rope_store_ref(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads):
+def rope_store_ref(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, keep_kv: bool = False):
     T = qkv.shape[0]
     d = k_cache.shape[-1]
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
     q, k = apply_rope_ref(q.reshape(T, num_heads, d), k.reshape(T, num_kv_heads, d), cos, sin)
     k_cache[slots] = k.to(k_cache.dtype)
     v_cache[slots] = v.reshape(T, num_kv_heads, d).to(v_cache.dtype)
-    return q
+    if not keep_kv:
+        return q
+    return q, *_kept(qkv, k, num_heads, num_kv_heads, d)
+
+
+def _kept(qkv, k_rotated, num_heads, num_kv_heads, d):
+    """(k, v) as [T, Hkv, D] views of ``qkv``'s columns, the rotated keys written into its k columns (when
+    ``k_rotated`` is given: the reference; the kernel writes them itself)."""
+    T = qkv.shape[0]
+    k = qkv[:, num_heads * d:(num_heads + num_kv_heads) * d]
+    if k_rotated is not None:
+        k.copy_(k_rotated.reshape(T, num_kv_heads * d))
+    v = qkv[:, (num_heads + num_kv_heads) * d:]
+    return k.unflatten(1, (num_kv_heads, d)), v.unflatten(1, (num_kv_heads, d))
 
 
 def silu_mul_ref(gate_up):
@@ -41,7 +54,8 @@ def silu_mul_ref(gate_up):
 if triton is not None:
     @triton.jit
     def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, q_out, k_cache, v_cache, slots_ptr, stride_t,
-                           stride_ct, stride_ch, n_q: tl.constexpr, n_kv: tl.constexpr, HALF: tl.constexpr):
+                           stride_ct, stride_ch, n_q: tl.constexpr, n_kv: tl.constexpr, HALF: tl.constexpr,
+                           KEEP_K: tl.constexpr = False):
         t = tl.program_id(0)
         h = tl.program_id(1)  # [0, n_q): q heads, [n_q, n_q + n_kv): k heads, then v heads
         offs = tl.arange(0, HALF)
@@ -62,6 +76,9 @@ if triton is not None:
                 dst = k_cache + slot * stride_ct + (h - n_q) * stride_ch
                 tl.store(dst + offs, y1.to(k_cache.dtype.element_ty))
                 tl.store(dst + HALF + offs, y2.to(k_cache.dtype.element_ty))
+                if KEEP_K:  # the rotated key into qkv too (this program alone reads these columns)
+                    tl.store(src + offs, y1.to(qkv_ptr.dtype.element_ty))
+                    tl.store(src + HALF + offs, y2.to(qkv_ptr.dtype.element_ty))
         else:
             slot = tl.load(slots_ptr + t)
             dst = v_cache + slot * stride_ct + (h - n_q - n_kv) * stride_ch
@@ -83,18 +100,22 @@ def _use_triton(x: torch.Tensor, backend: str) -> bool:
     return triton is not None and (backend == "triton" or (backend == "auto" and x.is_cuda))
 
 
-def rope_store(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, backend: str = "auto"):
+def rope_store(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, backend: str = "auto",
+               keep_kv: bool = False):
+    """q [T, Hq, D] rotated, with the rotated keys and the values stored in the caches' ``slots``. ``keep_kv``:
+    also (k, v) [T, Hkv, D], views of ``qkv`` holding the same rows (the keys rotated in place), so a prefill
+    step's attention reads this step's K/V densely without gathering them back from the cache."""
     d = k_cache.shape[-1]
     half = d // 2
     if (not _use_triton(qkv, backend) or qkv.shape[0] == 0 or half & (half - 1) or qkv.stride(-1) != 1
             or k_cache.stride() != v_cache.stride()):
-        return rope_store_ref(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads)
+        return rope_store_ref(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, keep_kv)
     T = qkv.shape[0]
     q = torch.empty(T, num_heads, d, dtype=qkv.dtype, device=qkv.device)
     _rope_store_kernel[(T, num_heads + 2 * num_kv_heads)](
         qkv, cos.contiguous(), sin.contiguous(), q, k_cache, v_cache, slots, qkv.stride(0),
-        k_cache.stride(0), k_cache.stride(1), n_q=num_heads, n_kv=num_kv_heads, HALF=half)
-    return q
+        k_cache.stride(0), k_cache.stride(1), n_q=num_heads, n_kv=num_kv_heads, HALF=half, KEEP_K=keep_kv)
+    return (q, *_kept(qkv, None, num_heads, num_kv_heads, d)) if keep_kv else q
 
 
 def silu_mul(gate_up, backend: str = "auto"):

@@ -96,19 +96,26 @@ def _runs(indptr: list[int], reqs: list[int]) -> torch.Tensor:
 
 def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
                     split: MixedSplit, sm_scale: float, window: int = 0, q_positions: torch.Tensor | None = None,
-                    *, backend: str = "auto") -> torch.Tensor:
+                    *, backend: str = "auto", kv_new: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> torch.Tensor:
     """o [T, Hq, D] of the batch ``split`` was made from: ``split.decode``'s rows by ``paged_attention`` (the
-    metadata's ``split_len``), ``split.extend``'s by ``extend_attention`` fed this step's K/V from the cache
-    slots ``loc [T]`` the step wrote. ``window`` / ``q_positions [T]``: the sliding window, as in
-    ``paged_attention``; ``backend`` goes to both kernels. Rows of no request are left unwritten."""
+    metadata's ``split_len``), ``split.extend``'s by ``extend_attention`` fed this step's K/V: ``kv_new`` (k, v
+    [T, Hkv, D], row-aligned with ``q``, as stored: the chunks' rows are a view when they are one run), else
+    gathered from the cache slots ``loc [T]`` the step wrote. ``window`` / ``q_positions [T]``: the sliding
+    window, as in ``paged_attention``; ``backend`` goes to both kernels. Rows of no request are left
+    unwritten."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dec, ext = split.decode, split.extend
     pos = None if q_positions is None else q_positions[dec.rows]
     o = paged_attention(q[dec.rows], k_cache, v_cache, dec.meta, sm_scale, window, pos, backend=backend,
                         out=_dest(out, dec.rows))
     _scatter(out, dec.rows, o)
-    slots = loc[ext.rows]
-    o = extend_attention(q[ext.rows], k_cache[slots], v_cache[slots], k_cache, v_cache, ext.meta, sm_scale, window,
+    if kv_new is not None:
+        k_new, v_new = kv_new[0][ext.rows], kv_new[1][ext.rows]
+    else:
+        slots = loc[ext.rows]
+        k_new, v_new = k_cache[slots], v_cache[slots]
+    o = extend_attention(q[ext.rows], k_new, v_new, k_cache, v_cache, ext.meta, sm_scale, window,
                          backend=backend, out=_dest(out, ext.rows))
     _scatter(out, ext.rows, o)
     return out

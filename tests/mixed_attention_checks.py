@@ -103,4 +103,12 @@ def check_mixed(case: MixedCase, decode_reqs: list[int], scale: float = 0.37, wi
     assert torch.equal(out[ext_rows], want), (out[ext_rows].float() - want.float()).abs().max()
     ref = paged_attention_ref(case.q, case.pool.k, case.pool.v, case.meta, scale, window)
     torch.testing.assert_close(out.float(), ref.float(), **TOL[case.q.dtype])
+    # This step's K/V handed over where the layer computed them (strided views of one wider buffer, as of
+    # ``rope_store(keep_kv=True)``'s qkv) instead of gathered back from the cache: the same bits.
+    k, v = case.pool.k[case.loc], case.pool.v[case.loc]
+    wide = torch.empty(k.shape[0], 3, *k.shape[1:], dtype=k.dtype, device=k.device)
+    wide[:, 1], wide[:, 2] = k, v
+    kept = mixed_attention(case.q, case.pool.k, case.pool.v, case.loc, split, scale, window, case.positions,
+                           backend=backend, kv_new=(wide[:, 1], wide[:, 2]))
+    assert torch.equal(kept, out)
     return split, out

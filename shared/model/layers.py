@@ -122,37 +122,50 @@ class Attention(nn.Module):
         qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return linear(x, self.qkv_weight, self.qkv_bias).split([qd, kd, kd], dim=-1)
 
-    def _extend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 batch: ForwardBatch) -> torch.Tensor:
+    def _extend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+                kv_new: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """A batch with prefill chunks: the extend kernel, except for its decode rows (and chunks as short) in a
-        mixed step, which take the decode launch (``kernels.mixed_attention``): the bits a decode step gives them."""
+        mixed step, which take the decode launch (``kernels.mixed_attention``): the bits a decode step gives them.
+        ``kv_new``: this step's keys (rotated) and values as stored, row-aligned with ``q``; None: gathered back
+        from the cache's slots (two launches a layer)."""
         loc = batch.out_cache_loc
         split = batch.mixed_split(q.shape[1] // k_cache.shape[1])
         if split is not None:
             return mixed_attention(q, k_cache, v_cache, loc, split, self.scale, self.window,
-                                   batch.positions if self.window else None)
-        return extend_attention(q, k_cache[loc], v_cache[loc], k_cache, v_cache, batch.attn, self.scale, self.window)
+                                   batch.positions if self.window else None, kv_new=kv_new)
+        k_new, v_new = kv_new if kv_new is not None else (k_cache[loc], v_cache[loc])
+        return extend_attention(q, k_new, v_new, k_cache, v_cache, batch.attn, self.scale, self.window)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         T = x.shape[0]
         k_cache, v_cache = cache.k[self.cache_layer], cache.v[self.cache_layer]
+        # Prefill chunks: this step's K/V read densely (TMA) from where they were computed, not by slot
+        long = _long_extend(x, batch)
+        kv_new = None
         if self.qkv_weight is not None and self.q_norm is None:  # one GEMM, then RoPE + the K/V store in one launch
             if batch.cos_sin is None:
                 batch.cos_sin = self.rotary.cos_sin(batch.positions)
             qkv = linear(x, self.qkv_weight, self.qkv_bias)
-            q = rope_store(qkv, *batch.cos_sin, k_cache, v_cache, batch.out_cache_loc, self.num_heads,
-                           self.num_kv_heads)
+            if long and qkv.dtype == k_cache.dtype == v_cache.dtype:
+                q, *kv_new = rope_store(qkv, *batch.cos_sin, k_cache, v_cache, batch.out_cache_loc, self.num_heads,
+                                        self.num_kv_heads, keep_kv=True)
+            else:
+                q = rope_store(qkv, *batch.cos_sin, k_cache, v_cache, batch.out_cache_loc, self.num_heads,
+                               self.num_kv_heads)
         else:
             q, k, v = self._qkv(x)
             q = q.reshape(T, self.num_heads, self.head_dim)
             k = k.reshape(T, self.num_kv_heads, self.head_dim)
+            v = v.reshape(T, self.num_kv_heads, self.head_dim)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(batch, q, k)
             k_cache[batch.out_cache_loc] = k.to(k_cache.dtype)
-            v_cache[batch.out_cache_loc] = v.reshape(T, self.num_kv_heads, self.head_dim).to(v_cache.dtype)
-        if _long_extend(q, batch):  # prefill chunks: this step's K/V read densely (TMA), not by slot
-            o = self._extend(q, k_cache, v_cache, batch)
+            v_cache[batch.out_cache_loc] = v.to(v_cache.dtype)
+            if long and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype:
+                kv_new = (k, v)
+        if long:
+            o = self._extend(q, k_cache, v_cache, batch, kv_new)
         else:
             o = self._attend(q, k_cache, v_cache, batch.attn, self.scale, self.window,
                              batch.positions if self.window else None)

@@ -36,3 +36,26 @@ def test_silu_mul_matches_reference(dtype):
     x = torch.randn(3, 2 * 1500, dtype=dtype, device=DEVICE)  # a column count that is not a block multiple
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(silu_mul(x, backend="triton"), silu_mul_ref(x), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_can_keep_the_rotated_keys_and_values_in_qkv(dtype):
+    """``keep_kv``: (k, v) views of qkv holding exactly the rows stored in the caches (the keys rotated in
+    place), the kernel and the reference alike; q as without it."""
+    torch.manual_seed(1)
+    T, d, hq, hk = 5, 16, 4, 2
+    qkv = torch.randn(T, (hq + 2 * hk) * d, dtype=dtype, device=DEVICE)
+    pos = torch.tensor([3, 7, 8, 20, 21], device=DEVICE).float()
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=DEVICE).float() / d))
+    cos, sin = (pos[:, None] * inv[None]).cos(), (pos[:, None] * inv[None]).sin()
+    slots = torch.tensor([11, 2, 30, 5, 17], device=DEVICE)
+    for backend in ("triton", "torch"):
+        caches = [torch.full((40, hk, d), float("nan"), dtype=dtype, device=DEVICE) for _ in range(2)]
+        plain = rope_store(qkv.clone(), cos, sin, *[c.clone() for c in caches], slots, hq, hk, backend=backend)
+        mine = qkv.clone()
+        q, k, v = rope_store(mine, cos, sin, *caches, slots, hq, hk, backend=backend, keep_kv=True)
+        assert torch.equal(q, plain)
+        assert torch.equal(k, caches[0][slots]) and torch.equal(v, caches[1][slots])
+        assert k.data_ptr() == mine[:, hq * d:].data_ptr() and k.shape == v.shape == (T, hk, d)
+        assert torch.equal(mine[:, :hq * d], qkv[:, :hq * d])  # the queries' columns untouched
+
