@@ -3,8 +3,9 @@
 ``fixed`` always speculates with the configured shape. ``adaptive`` compares expected output tokens per
 second: a speculative step of shape ``c`` commits ``E_c`` tokens per request (1 + the expected accepted
 run, from ``c``'s running per-position acceptance) in ``cost.spec_s(b, c)``, a plain step one token in
-``cost.decode_s(b)``; it runs the one with the most tokens per second (plain on a tie). At large batches
-the verify costs more than it saves (the recorded grid: 49.8 ms per EAGLE-3 iteration against a 17.9 ms
+``cost.decode_s(b)``; it runs the one with the most tokens per second (plain on a tie, and a shape only past
+``margin`` over plain: near parity the estimates' errors and a switch's cost decide, and both favour plain).
+At large batches the verify costs more than it saves (the recorded grid: 49.8 ms per EAGLE-3 iteration against a 17.9 ms
 decode step at batch 64 x 4096), and between there and batch 1 a shallower chain often beats the wide
 tree (recorded at 8B shape, batch 8: chain of 3 1305 tok/s, tree 1158).
 
@@ -101,7 +102,23 @@ class MeasuredCost:
         return s_lo + (batch - lo) / (hi - lo) * (s_hi - s_lo)
 
     def _at(self, kind: str, b: int) -> float | None:
-        return self.seconds.get((kind, b), self.prior.get((kind, b)))
+        if (kind, b) in self.seconds:
+            return self.seconds[(kind, b)]
+        prior = self.prior.get((kind, b))
+        return None if prior is None else prior * self._host_factor(kind, b)
+
+    def _host_factor(self, kind: str, b: int) -> float:
+        """What the steps of ``kind`` cost against their prior (a graph's replay: the device alone), at the
+        timed bucket nearest ``b`` where both are known; 1 where none is. A prior is the device's time only,
+        a step's own time holds the host's work too (an H100 at c128: plain 12.5 ms against 7.3 at capture,
+        a chain of 3 25.2 against 15.1): a bucket never timed is estimated at its prior times that ratio, so a
+        shape is not tried at a small batch on a prior that leaves the host out (the tail of a wave: chains
+        and trees estimated 1.3x plain there, run at 0.8x)."""
+        timed = [c for (k, c) in self.seconds if k == kind and (k, c) in self.prior]
+        if not timed:
+            return 1.0
+        near = min(timed, key=lambda c: (abs(c.bit_length() - b.bit_length()), -c))
+        return self.seconds[(kind, near)] / self.prior[(kind, near)]
 
     def table(self) -> dict[str, dict[str, float]]:
         """Per kind, its ms per step at each bucket, as the policy reads them (a log's summary)."""
@@ -180,6 +197,11 @@ class SpecPolicy:
     max_probe_every: int = 128  # ... doubled after each probe that found it still losing, up to this
     settled: float = 0.98  # a probe that lowers the shape's estimate below this share of it: unsettled
     stay: float = 0.03  # the kind that ran last keeps running while its rate is within this share of the best
+    # A speculative shape is chosen over plain only when its expected rate beats plain's by this share: its
+    # acceptance is an estimate that lags the traffic (an H100 at c128: 1.9-2.0 expected against 1.6-1.8
+    # committed), and a switch to it costs a step (the first after it ran 10-30 ms over its own cost). Near
+    # parity plain runs: what is given up is at most this share of a marginal gain.
+    margin: float = 0.05
     choices: dict[str, int] = field(default_factory=lambda: {"spec": 0, "plain": 0})  # steps of each kind
     shapes: dict[str, int] = field(default_factory=dict)  # speculative steps by shape
     last: str | None = None  # the kind ("plain" or a shape) of the step that ran last
@@ -308,7 +330,7 @@ class SpecPolicy:
         unknown = [c for c in cands if c.tokens is None or spec_s[c.name] is None]
         if unknown or decode_s is None:  # what is not known yet is measured first, at a step that times it
             return unknown[0].name if unknown else None  # else a plain step, once, to know what it costs
-        rates = {None: 1 / decode_s} | {c.name: c.tokens / spec_s[c.name] for c in cands}
+        rates = {None: 1 / decode_s} | {c.name: (1 - self.margin) * c.tokens / spec_s[c.name] for c in cands}
         best = max(rates, key=rates.get)  # plain on a tie (first)
         # A switch costs a step (a draft launched ahead is dropped): the kind chosen last time (not a probe)
         # keeps running unless another is clearly faster.

@@ -274,3 +274,39 @@ def test_no_probe_right_after_a_mixed_step_whose_successor_cannot_be_timed():
     assert policy.choose(8) == "chain3"  # right after the mixed step: the best, no probe of the tree or plain
     policy.ran("chain3", 8, 0.014)
     assert policy.choose(8) in ("tree-k4-s4-n8", None)  # the next decode step probes again
+
+
+def test_a_bucket_never_timed_is_its_prior_times_what_timed_steps_cost_over_theirs():
+    """A prior is a graph's replay (the device alone); a step's own time holds the host's work. Where a kind was
+    timed at some bucket, its other buckets' priors are scaled by that bucket's ratio (the nearest timed one), so
+    a small batch's estimate holds the host's share as a large one's measured it; a kind never timed keeps its
+    priors (H100, c128: plain 12.5 ms against 7.3 at capture, a chain of 3 25.2 against 15.1)."""
+    cost = MeasuredCost()
+    for kind, small, large in (("plain", 0.0059, 0.0073), ("chain3", 0.0078, 0.0151), ("chain2", 0.0073, 0.0137)):
+        cost.seed(kind, 8, small)
+        cost.seed(kind, 128, large)
+    for _ in range(3):
+        cost.record("plain", 128, 0.0125)
+        cost.record("chain3", 128, 0.0252)
+    assert cost.decode_s(128) == pytest.approx(0.0125) and cost.spec_s(128, "chain3") == pytest.approx(0.0252)
+    assert cost.decode_s(8) == pytest.approx(0.0059 * 0.0125 / 0.0073)
+    assert cost.spec_s(8, "chain3") == pytest.approx(0.0078 * 0.0252 / 0.0151)
+    assert cost.spec_s(8, "chain2") == pytest.approx(0.0073)  # never timed: its prior
+    cost.record("chain3", 8, 0.011)  # timed there now: its own time, and 16's prior scales by 8's ratio (nearer)
+    cost.seed("chain3", 16, 0.008)
+    assert cost.spec_s(8, "chain3") == pytest.approx(0.011)
+    assert cost.spec_s(16, "chain3") == pytest.approx(0.008 * 0.011 / 0.0078)
+
+
+@pytest.mark.parametrize("gain, speculates", [(1.03, False), (1.10, True)])
+def test_a_shape_must_beat_plain_by_the_margin_to_be_chosen(gain, speculates):
+    """Near parity plain runs: a shape's expected tokens lag the traffic and a switch to it costs a step, so it is
+    chosen only past ``margin`` (5%) over plain; well past it, it is."""
+    cost = MeasuredCost()
+    cost.seed("plain", 128, 0.0125)
+    cost.seed("chain3", 128, 0.025)
+    policy = SpecPolicy.of("adaptive", [SpecConfig.parse("chain3")], cost)
+    policy.probe_every = policy.max_probe_every = 10 ** 6
+    drafts = 1000  # every first draft accepted, some second ones: E = 2 * gain, gain x plain's rate
+    policy.observe("chain3", drafts, [drafts, round((2 * gain - 2) * drafts), 0])
+    assert (policy.choose(128) is not None) == speculates

@@ -65,8 +65,8 @@ def test_adaptive_picks_the_shape_with_the_most_tokens_per_second_at_each_batch(
     picks = {}
     for batch in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
         p = observed(SpecPolicy.of("adaptive", list(SHAPES), cost))
-        rates = {None: 1 / cost.decode_s(batch)} | {c.name: c.tokens / cost.spec_s(batch, c.name)
-                                                     for c in p.candidates}
+        rates = {None: 1 / cost.decode_s(batch)} | {c.name: (1 - p.margin) * c.tokens / cost.spec_s(batch, c.name)
+                                                     for c in p.candidates}  # a shape only past the margin
         picks[batch] = p.choose(batch)
         assert picks[batch] == max(rates, key=rates.get), (batch, rates)
     assert picks[1] == "tree-k4-s3-n8" and picks[512] is None
