@@ -7,10 +7,11 @@ Per step: its kind (``decode`` / ``mixed`` / ``prefill``, with the speculative s
 ``plain``), its decode rows and prefill tokens, the wall time of ``Engine.step`` (which waits for the device)
 and the device span between CUDA events recorded at its start and end, the tokens it committed and, for a
 speculative step, what the policy believed when it chose it (its expected tokens per request, its ms and a
-plain step's ms at that batch); the point ends with the policy's summary. A window of steps runs under
-``torch.profiler``: the kernels' summed time against the window's wall time says how long the GPU sat idle,
-and the top kernels say what the busy time was. The graphs' own costs (timed at capture) are the floor each
-decode kind could reach.
+plain step's ms at that batch); the point ends with the policy's summary, and ``clean``: the figures over the
+steps outside the profiler's window and the steps that paid a Triton compile (compare those). A window of
+steps runs under ``torch.profiler``: the kernels' summed time against the window's wall time says how long the
+GPU sat idle, and the top kernels say what the busy time was. The graphs' own costs (timed at capture) are the
+floor each decode kind could reach.
 
     python bench/profile_engine.py --model DIR --draft DIR --prompts-file F --concurrency 64,128 --out prof.json
 """
@@ -318,6 +319,12 @@ def main(argv=None) -> int:
         on_step, window = window_of(c + args.profile_after, args.profile_steps)
         ran = closed_loop(log, make_requests(point, vocab, text_ids), c, on_step)
         steps = log.steps
+        # The steps neither inside the profiler's window (its host tracing slows a step in proportion to its host
+        # ops: the draft's path twice the target's, H100 c128) nor paying a Triton compile
+        start = c + args.profile_after
+        skip = set(range(start, start + args.profile_steps)) | {e[0] for e in compiles.entries}
+        clean = [s for i, s in enumerate(steps) if i not in skip]
+        clean_s = sum(s["wall_ms"] for s in clean) / 1e3
         entry = {"concurrency": c, "requests": point.requests,
                  "output_tok_s": round(ran["output_tokens"] / ran["seconds"], 1),
                  "seconds": round(ran["seconds"], 2), "steps": len(steps),
@@ -326,12 +333,16 @@ def main(argv=None) -> int:
                  "wall_s": round(sum(s["wall_ms"] for s in steps) / 1e3, 3),
                  "device_span_s": round(sum(s["device_ms"] for s in steps) / 1e3, 3),
                  "by_kind": by_kind(steps), "profile_window": window(), "compiles": list(compiles.entries),
+                 "clean": {"steps": len(clean), "wall_s": round(clean_s, 3),
+                           "tok_s": round(sum(s["tokens"] for s in clean) / clean_s, 1) if clean_s else None,
+                           "by_kind": by_kind(clean)},
                  "timeline": [[s["kind"][0], s["shape"], s["rows"], s["prefill_tokens"], round(s["wall_ms"], 2),
                                round(s["device_ms"], 2), s["chunks"], s["tokens"], s["estimate"]] for s in steps],
                  "policy": None if engine.spec_policy is None else engine.spec_policy.summary()}
         report["points"].append(entry)
         print(f"c{c}: {entry['output_tok_s']} tok/s over {entry['seconds']} s ({entry['steps_tok_s']} over the steps' "
-              f"time), {len(steps)} steps", flush=True)
+              f"time), {len(steps)} steps; {entry['clean']['tok_s']} tok/s over the {len(clean)} steps outside the "
+              f"profiler's window and compiles", flush=True)
         for name, g in list(entry["by_kind"].items())[:8]:
             print(f"  {name:40s} {g['steps']:5d} steps  wall {g['wall_ms_mean']:8.2f} ms  device "
                   f"{g['device_ms_mean']:8.2f} ms  rows {g['rows_mean']:6.1f}  share {g['share_of_wall']:.2f}",

@@ -34,6 +34,11 @@ def test_a_closed_loop_is_logged_step_by_step_with_a_profiled_window(tmp_path, h
         assert bool(spec) == host and (p["policy"] is not None) == host
         assert all(len(row[8]) == 3 for row in spec)  # what the policy believed (None: not known yet)
         assert all(row[7] >= row[2] for row in spec)  # a speculative step commits at least a token per row
+        # ``clean``: the steps outside the window (3 of them from step concurrency + 0) and any compile step
+        clean = p["clean"]
+        assert clean["steps"] == p["steps"] - 3 - len({e[0] for e in p["compiles"]} - set(
+            range(p["concurrency"], p["concurrency"] + 3)))
+        assert sum(g["steps"] for g in clean["by_kind"].values()) == clean["steps"] and clean["tok_s"] > 0
         window = p["profile_window"]
         assert window["steps"] == 3
         assert (window["by_own"] and window["by_cumulative"]) if host else window["top_kernels"] is not None
