@@ -71,6 +71,7 @@
 #   bench/gpu_session.sh profile    # issue 30: one engine in-process at c32/c64/c128, per step kind wall vs device time and
 #                                   # a torch.profiler window (bench/profile_engine.py), with the EAGLE-3 head then without;
 #                                   # PROFILE_C=128 PROFILE_ARGS="--prompt 256 --output 128": stop 47's c128 comparison
+#   PROFILE_ALT=alt.tar.gz bench/gpu_session.sh profile-branch  # profile here, then its head run on another tree
 #   bench/gpu_session.sh profile-host  # the same engine's host functions per step under cProfile at c64/c128
 #   bench/gpu_session.sh profile-mixed # a torch.profiler window over c128's first-wave mixed steps, without and with
 #                                   # the EAGLE-3 head (profile_mixed_{plain,adaptive}.json)
@@ -413,6 +414,14 @@ for stage in "$@"; do
         --out "$OUT/profile_plain.json"
       cat "$OUT"/profile_adaptive.log "$OUT"/profile_plain.log | grep -v Warning | head -120
       ;;
+    profile-branch)  # the profile stage's head run on another tree beside this one's, one machine: PROFILE_ALT names a
+      # `git archive --format=tar.gz` of it in this tree (untracked, not ignored: it travels), e.g.
+      # `git archive --format=tar.gz -o alt.tar.gz wip/draft-extend-before-wait`; PROFILE_C / PROFILE_ARGS as profile's
+      [ -f "${PROFILE_ALT:-}" ] || { echo "profile-branch: PROFILE_ALT must name a tar.gz of the other tree" >&2; exit 2; }
+      PROFILE_PLAIN=${PROFILE_PLAIN:-1} bash "$0" profile
+      rm -rf /tmp/alt && mkdir -p /tmp/alt/.whl && tar xzf "$PROFILE_ALT" -C /tmp/alt && cp .whl/*.whl /tmp/alt/.whl/
+      (cd /tmp/alt && OUT="$OUT/alt" PYTHONPATH="/tmp/site:/tmp/alt" PROFILE_PLAIN=0 bash bench/gpu_session.sh profile)
+      ;;
     profile-mixed)  # issue 30: a torch.profiler window over the first wave's mixed steps (a 512-token chunk beside the
       # decode rows) at c128, the target alone then with the EAGLE-3 head: where a chunk's 25-50 ms go
       [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
@@ -454,8 +463,9 @@ for stage in "$@"; do
     *)
       echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention, serving," \
         "features, tp-tests, tp, local, memory, layouts, layouts4, peer, nixl, receive, policy, graphs," \
-        "prefix, prefix-route, decode-cache, prefix-bench, prefix-bench2, profile, profile-host, profile-mixed," \
-        "split-attn, anatomy, mixed-attn, batch-invariant, suite-x2, tp-diag, router-cpu, pd2-arrivals)" >&2
+        "prefix, prefix-route, decode-cache, prefix-bench, prefix-bench2, profile, profile-branch, profile-host," \
+        "profile-mixed, split-attn, anatomy, mixed-attn, batch-invariant, suite-x2, tp-diag, router-cpu," \
+        "pd2-arrivals, fp8, fp8-split, fp8-tune, fp8-profile, cross-check)" >&2
       exit 2
       ;;
   esac
