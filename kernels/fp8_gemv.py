@@ -10,7 +10,10 @@ block, scaled per step (block scales) or once per output (per-channel scales: ``
 Every row count from 1 to ``MAX_ROWS`` runs this same launch (a single row is a tile of 16 with 15 masked
 rows, and the launch shape depends on the weight's shape only), so a row's output is the same bits whatever
 the other rows: a decode step and a verify step compute the same product for a position, and greedy
-speculation is exactly lossless in these products. The activations stay in their dtype (weight-only).
+speculation is exactly lossless in these products. A small product (few weight blocks per SM: the 8B's down, o
+and qkv) splits K over several programs per block (``choose_split``, from the shape alone); the last program of
+an output tile to arrive adds the float32 shares in split order, so the bits still do not depend on the rows.
+The activations stay in their dtype (weight-only).
 ``EYRIE_FP8_ONE_ROW=tile`` sends one row through the older one-row code instead (an element-wise float32
 tile reduced at the end, as ``kernels/gemv.py`` at M=1; a step may span power-of-two scale blocks): it sums
 in another order than 2+ rows, so it is for timing comparisons only (``bench/bench_fp8.py``).
