@@ -146,12 +146,11 @@ class Attention(nn.Module):
             if batch.cos_sin is None:
                 batch.cos_sin = self.rotary.cos_sin(batch.positions)
             qkv = linear(x, self.qkv_weight, self.qkv_bias)
-            if long and qkv.dtype == k_cache.dtype == v_cache.dtype:
-                q, *kv_new = rope_store(qkv, *batch.cos_sin, k_cache, v_cache, batch.out_cache_loc, self.num_heads,
-                                        self.num_kv_heads, keep_kv=True)
-            else:
-                q = rope_store(qkv, *batch.cos_sin, k_cache, v_cache, batch.out_cache_loc, self.num_heads,
-                               self.num_kv_heads)
+            keep = long and qkv.dtype == k_cache.dtype == v_cache.dtype
+            q = rope_store(qkv, *batch.cos_sin, k_cache, v_cache, batch.out_cache_loc, self.num_heads,
+                           self.num_kv_heads, keep_kv=keep)
+            if keep:
+                q, *kv_new = q
         else:
             q, k, v = self._qkv(x)
             q = q.reshape(T, self.num_heads, self.head_dim)

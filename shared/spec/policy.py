@@ -73,10 +73,12 @@ class MeasuredCost:
     counts: dict[tuple[str, int], int] = field(default_factory=dict)  # (kind, bucket) -> steps recorded
     prior: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, bucket) -> seconds timed at start
     recent: dict[tuple[str, int], deque] = field(default_factory=dict)  # (kind, bucket) -> its last steps
+    ratios: dict[str, dict[int, float]] = field(default_factory=dict)  # kind -> bucket -> seconds / prior
 
     def seed(self, kind: str, batch: int, seconds: float) -> None:
         """A step of ``kind`` at ``batch`` timed at start (its bucket's prior, until a step of it is recorded)."""
         self.prior[(kind, bucket(batch))] = seconds
+        self._ratio(kind, bucket(batch))
 
     def record(self, kind: str, batch: int, seconds: float) -> None:
         """A step's own time, into the bucket nearest its batch (33 rows into 32's, not 64's: a few requests
@@ -86,6 +88,12 @@ class MeasuredCost:
         last = self.recent.setdefault(key, deque(maxlen=self.window))
         last.append(seconds)
         self.seconds[key] = statistics.median(last)
+        self._ratio(*key)
+
+    def _ratio(self, kind: str, b: int) -> None:
+        """Keep ``ratios`` (``_host_factor``'s table) current for a bucket whose seconds or prior just moved."""
+        if (kind, b) in self.seconds and (kind, b) in self.prior:
+            self.ratios.setdefault(kind, {})[b] = self.seconds[(kind, b)] / self.prior[(kind, b)]
 
     def decode_s(self, batch: int) -> float | None:
         return self.spec_s(batch, "plain")
@@ -114,11 +122,10 @@ class MeasuredCost:
         a chain of 3 25.2 against 15.1): a bucket never timed is estimated at its prior times that ratio, so a
         shape is not tried at a small batch on a prior that leaves the host out (the tail of a wave: chains
         and trees estimated 1.3x plain there, run at 0.8x)."""
-        timed = [c for (k, c) in self.seconds if k == kind and (k, c) in self.prior]
+        timed = self.ratios.get(kind)
         if not timed:
             return 1.0
-        near = min(timed, key=lambda c: (abs(c.bit_length() - b.bit_length()), -c))
-        return self.seconds[(kind, near)] / self.prior[(kind, near)]
+        return timed[min(timed, key=lambda c: (abs(c.bit_length() - b.bit_length()), -c))]
 
     def table(self) -> dict[str, dict[str, float]]:
         """Per kind, its ms per step at each bucket, as the policy reads them (a log's summary)."""
