@@ -47,11 +47,11 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from kernels.attention_ref import AttentionMetadata, check_window_args, paged_attention_ref
+from kernels.attention_ref import AttentionMetadata, check_window_args, pack_int64, paged_attention_ref
 
 try:
     import triton
@@ -609,6 +609,37 @@ def _launch(q, k_cache, v_cache, meta, sm_scale, window, q_positions, cfg, split
                                  UNROLL=unroll, num_warps=4 if d >= 128 else 2)
 
 
+def warm_launches(dtype: torch.dtype, num_q_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  split_len: int, window: int = 0) -> int:
+    """Compile now every launch of ``paged_attention`` without a custom mask that a step over these caches may
+    take (``dtype`` queries, ``num_q_heads`` heads, ``split_len`` keys a split), so serving never compiles one:
+    both tile shapes (decode-like; causal, which a request of 17 to 63 queries takes, e.g. a draft catching up a
+    backlog: 1.3 s a compile mid-serve, H100 c128), each serial, split and split with a tail, and the combine
+    kernel at every unrolled split count and the loop. Each runs on one request reading the caches' first
+    slots into scratch (nothing is written to the caches). Returns the launches run (0 without Triton)."""
+    if triton is None:
+        return 0
+    hkv, d = k_cache.shape[1], k_cache.shape[2]
+    device, launches = k_cache.device, 0
+    for q_len in (1, DECODE_ROWS // max(1, num_q_heads // hkv) + 1):
+        q = torch.zeros(q_len, num_q_heads, d, dtype=dtype, device=device)
+        qo, kv, idx, pre = pack_int64([[0, q_len], [0, q_len], list(range(q_len)), [0]], device)
+        base = choose_config(q, hkv, 1, q_len, q_len, split_len=split_len)
+        runs = [(replace(base, num_splits=1, tail_split=0), q_len)]
+        counts = [1 << i for i in range(UNROLLED_SPLITS.bit_length())] + [UNROLLED_SPLITS + 1]
+        runs += [(replace(base, num_splits=2, tail_split=0), s * base.split_len)
+                 for s in (counts if q_len == 1 else counts[:1])]  # the combine kernel is the same for both
+        if TAIL_PROGRAMS > 1:
+            runs.append((replace(base, num_splits=2, tail_split=TAIL_SPLITS), q_len))
+        for cfg, bound in runs:
+            meta = AttentionMetadata(qo_indptr=qo, kv_indptr=kv, kv_indices=idx, prefix_lens=pre,
+                                     qo_indptr_cpu=[0, q_len], kv_indptr_cpu=[0, q_len], prefix_lens_cpu=[0],
+                                     max_q_len=q_len, max_kv_len=bound, split_len=split_len)
+            paged_attention(q, k_cache, v_cache, meta, d ** -0.5, window, config=cfg, backend="triton")
+            launches += 1
+    return launches
+
+
 MASK_COLS = 32  # mask columns read per step when mapping a query's visible step slots to positions
 
-__all__ = ["AttentionMetadata", "AttnConfig", "choose_config", "choose_split_len", "paged_attention"]
+__all__ = ["AttentionMetadata", "AttnConfig", "choose_config", "choose_split_len", "paged_attention", "warm_launches"]

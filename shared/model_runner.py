@@ -34,7 +34,7 @@ from shared.config import (
 )
 from shared.cuda_graphs import CaptureBudget, CaptureFailure, GraphPool, PhaseGraphs
 from shared.errors import RequestError
-from shared.forward_batch import build_forward_batch, build_uniform_batch
+from shared.forward_batch import attention_split_len, build_forward_batch, build_uniform_batch
 from shared.handoff.port import landing_pages
 from shared.logits_process import RowsCache, add_grammar, process_logits
 from shared.memory.kv_cache import KVCache, flush_tables
@@ -55,6 +55,7 @@ from shared.memory.sizing import (
 )
 from shared.model.drafts import DraftHead, load_draft
 from shared.model.fp8 import mark_same_rows
+from shared.model.layers import Attention
 from shared.model.llama import LlamaForCausalLM, TargetOutput
 from shared.model.loader import load_target
 from shared.model.shard_loader import load_target_shard, read_lm_head
@@ -386,7 +387,10 @@ class ModelRunner:
         costs (``timed``: a follower replaying rank 0's capture, which has no policy), then time each shape's
         graphs and the plain step's at each captured batch size: the policy's costs from the first step
         (``shared/spec/graph_costs.py``). Returns how many graphs exist."""
-        if self.device.type != "cuda" or self.role == "prefill":
+        if self.device.type != "cuda":
+            return 0
+        self.warm_attention()
+        if self.role == "prefill":
             return 0
         if timed is None:
             timed = policy is not None and policy.kind == "adaptive" and isinstance(policy.cost, MeasuredCost)
@@ -415,6 +419,31 @@ class ModelRunner:
             # (the reserve counts one eager step's, not two). The graphs' private pools stay.
             torch.cuda.empty_cache()
             return count
+
+    def warm_attention(self) -> int:
+        """Compile the eager attention launches a step may take (``kernels.attention.warm_launches``) for each
+        distinct attention of the target and the draft over its cache, before serving: Triton compiles a launch
+        the first time its shapes meet, and a step paying it stalls every stream (1.3 s, H100). Returns the
+        launches run (none off CUDA)."""
+        from kernels.attention import warm_launches
+
+        if self.device.type != "cuda":
+            return 0
+        pairs = [(m, self.cache) for m in self.model.modules() if isinstance(m, Attention)]
+        if self.speculator is not None:
+            pairs += [(m, c) for c in self.speculator.caches for m in self.head.modules() if isinstance(m, Attention)]
+        seen, launches = set(), 0
+        with self.on_device():
+            for m, cache in pairs:
+                k, v = cache.k[m.cache_layer], cache.v[m.cache_layer]
+                split_len = attention_split_len(cache)
+                key = (m.num_heads, k.dtype, tuple(k.shape[1:]), k.stride(), v.stride(), m.window, split_len,
+                       self.config.dtype)
+                if key in seen:
+                    continue
+                seen.add(key)
+                launches += warm_launches(getattr(torch, self.config.dtype), m.num_heads, k, v, split_len, m.window)
+        return launches
 
     def _capture_budget(self) -> CaptureBudget | None:
         """When the pools were sized by the memory fraction: the budget graph captures stop within (past it the

@@ -242,3 +242,50 @@ def test_unreferenced_slots_never_leak_into_the_output(masks):
     paged_attention(q, k, v, meta, 0.4, backend="triton", num_splits=4, out=out)
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+class _Recorder:
+    """Stands in for a Triton kernel: records each launch's compile key (its constexprs and launch options)."""
+
+    def __init__(self):
+        self.keys: set[tuple] = set()
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.keys.add(tuple(sorted((k, v) for k, v in kwargs.items() if k.isupper() or k.startswith("num_"))))
+        return launch
+
+
+def test_warm_launches_cover_every_unmasked_launch_a_step_takes(monkeypatch):
+    """After ``warm_launches``, no launch of ``paged_attention`` without a mask has a compile key it did not run:
+    decode steps and short extends (1 to 63 queries, the draft catching up), 1 to 256 requests, contexts up to
+    far past the split count the combine unrolls. A key first met mid-serve stalls every stream (1.3 s, H100)."""
+    import kernels.attention as attention
+
+    attn, combine = _Recorder(), _Recorder()
+    monkeypatch.setattr(attention, "_attn_kernel", attn)
+    monkeypatch.setattr(attention, "_combine_kernel", combine)
+    hq, hkv, d, split_len = 8, 2, 16, 64
+    k = torch.zeros(4096, hkv, d, dtype=torch.float16)
+    v = torch.zeros_like(k)
+    runs = attention.warm_launches(torch.float16, hq, k, v, split_len)
+    warm_attn, warm_combine = set(attn.keys), set(combine.keys)
+    assert runs >= 6 and len(warm_attn) == 4 + 2 * (attention.TAIL_PROGRAMS > 1)  # 2 tiles x serial, split (tail)
+    attn.keys.clear()
+    combine.keys.clear()
+    for batch in (1, 2, 8, 64, 256):
+        for q_len in (1, 2, 16, 17, 40, 63):
+            for context in (q_len, 100, 1000, 4000, 40000):
+                qo = [i * q_len for i in range(batch + 1)]
+                kv = [i * context for i in range(batch + 1)]
+                meta = AttentionMetadata(
+                    qo_indptr=torch.tensor(qo), kv_indptr=torch.tensor(kv),
+                    kv_indices=torch.zeros(1, dtype=torch.int64), prefix_lens=torch.zeros(batch, dtype=torch.int64),
+                    qo_indptr_cpu=qo, kv_indptr_cpu=kv, prefix_lens_cpu=[context - q_len] * batch,
+                    max_q_len=q_len, max_kv_len=context, split_len=split_len)
+                q = torch.zeros(batch * q_len, hq, d, dtype=torch.float16)
+                attention.paged_attention(q, k, v, meta, 0.25, backend="triton")
+    assert attn.keys and combine.keys
+    assert attn.keys <= warm_attn, attn.keys - warm_attn
+    assert combine.keys <= warm_combine, combine.keys - warm_combine
+    assert not k.any() and not v.any()  # the caches are read, never written
