@@ -423,18 +423,19 @@ for stage in "$@"; do
       (cd /tmp/alt && OUT="$OUT/alt" PYTHONPATH="/tmp/site:/tmp/alt" PROFILE_PLAIN=0 bash bench/gpu_session.sh profile)
       ;;
     profile-mixed)  # issue 30: a torch.profiler window over the first wave's mixed steps (a 512-token chunk beside the
-      # decode rows) at c128, the target alone then with the EAGLE-3 head: where a chunk's 25-50 ms go
+      # decode rows) at c128, the target alone then with the EAGLE-3 head: where a chunk's 25-50 ms go; the engine's
+      # phases apart (--annotate: the draft's extend, catch-up, the target's step); PROFILE_ARGS: more flags
       [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
       run profile_mixed_plain 150 python3 bench/profile_engine.py --model /tmp/wide/target \
-        --prompts-file /tmp/wide/heldout.jsonl --concurrency 128 --profile-after=-100 --profile-steps 30 \
-        --out "$OUT/profile_mixed_plain.json"
+        --prompts-file /tmp/wide/heldout.jsonl --concurrency 128 --profile-after=-100 --profile-steps 30 --annotate \
+        ${PROFILE_ARGS:-} --out "$OUT/profile_mixed_plain.json"
       run profile_mixed_adaptive 280 python3 bench/profile_engine.py --model /tmp/wide/target \
         --draft /tmp/wide/eagle3 --prompts-file /tmp/wide/heldout.jsonl --concurrency 128 --profile-after=-100 \
-        --profile-steps 30 --out "$OUT/profile_mixed_adaptive.json"
+        --profile-steps 30 --annotate ${PROFILE_ARGS:-} --out "$OUT/profile_mixed_adaptive.json"
       for f in "$OUT"/profile_mixed_*.json; do
         python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['points'][0]['profile_window']; print(sys.argv[1], \
           w.get('steps'), w.get('wall_ms'), w.get('kernel_ms')); [print('  ', r['calls'], r['ms'], r['name'][:80]) \
-          for r in w.get('top_kernels', [])[:16]]" "$f"
+          for r in w.get('top_kernels', [])[:16]]; [print('   range', k, v) for k, v in w.get('ranges', {}).items()]" "$f"
       done
       ;;
     profile-host)  # issue 30 item 2: the host functions per step of one engine (cProfile), EAGLE-3 adaptive, c64/c128

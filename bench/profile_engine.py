@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile-after", type=int, default=20,
                     help="the window starts this many steps past the first c (the first wave's prefill chunks)")
     ap.add_argument("--cprofile", action="store_true", help="the window under cProfile (host functions), not torch's")
+    ap.add_argument("--annotate", action="store_true",
+                    help="the window reports the engine's phases apart (ranges: the draft's extend, catch-up, the "
+                         "target's step ...; a range costs a few us of host time a call)")
     ap.add_argument("--out", required=True)
     return ap.parse_args(argv)
 
@@ -204,6 +207,34 @@ def by_kind(steps: list[dict]) -> dict:
     return dict(sorted(groups.items(), key=lambda kv: -kv[1]["wall_s"]))
 
 
+RANGE_PREFIX = "eyrie."
+# The engine's phases a profiler window reports apart (its ``ranges``): the draft's parts and the target's
+ANNOTATED = {
+    "shared.spec.worker.SpecWorker": ("draft_extend", "catch_up", "plain_extend", "step", "_draft", "_verify"),
+    "shared.model_runner.ModelRunner": ("_target_step", "_plain_step", "_decode_step", "_sample_and_commit"),
+}
+
+
+def annotate(torch) -> None:
+    """Wrap the methods of ``ANNOTATED`` in ``torch.profiler.record_function`` ranges (``eyrie.<Class>.<name>``):
+    a profiler window then reports the kernels each launched (a range's device time includes its children's)."""
+    import functools
+    import importlib
+
+    for path, names in ANNOTATED.items():
+        module, cls_name = path.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module), cls_name)
+        for name in names:
+            fn = getattr(cls, name, None)
+            if fn is None:
+                continue
+
+            def wrapped(*a, _fn=fn, _label=f"{RANGE_PREFIX}{cls_name}.{name}", **k):
+                with torch.profiler.record_function(_label):
+                    return _fn(*a, **k)
+            setattr(cls, name, functools.wraps(fn)(wrapped))
+
+
 def profile_window(torch, start_at: int, count: int):
     """A callback for ``closed_loop`` that starts torch.profiler at step ``start_at`` and stops ``count`` later;
     ``result()`` is then the window's wall, kernel time summed and top kernels."""
@@ -236,8 +267,13 @@ def profile_window(torch, start_at: int, count: int):
                    and str(e.device_type).endswith("CUDA") and e.self_device_time_total > 0]
         total_us = sum(e.self_device_time_total for e in kernels)
         top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:20]
+        # The engine's own ranges (``annotate``): the kernels each launched, summed, and its host time
+        ranges = {e.key: {"calls": e.count, "device_ms": round(e.device_time_total / 1e3, 2),
+                          "host_ms": round(e.cpu_time_total / 1e3, 2)}
+                  for e in prof.key_averages() if e.key.startswith(RANGE_PREFIX)}
         return {"steps": count, "wall_ms": round(state["wall"] * 1e3, 2), "kernel_ms": round(total_us / 1e3, 2),
                 "device_busy": round(total_us / 1e6 / state["wall"], 3) if state["wall"] else None,
+                "ranges": dict(sorted(ranges.items(), key=lambda kv: -kv[1]["device_ms"])),
                 "top_kernels": [{"name": e.key[:120], "calls": e.count, "ms": round(e.self_device_time_total / 1e3, 2)}
                                 for e in top]}
 
@@ -298,6 +334,8 @@ def main(argv=None) -> int:
     if args.chunk_size:
         flags["chunk_size"] = args.chunk_size
     settings = EngineSettings(model=args.model, draft=args.draft, **flags)
+    if args.annotate:
+        annotate(torch)
     engine = Engine(settings.model, settings.draft, settings.engine_config())
     t0 = time.perf_counter()
     engine.capture_graphs()
@@ -365,6 +403,9 @@ def main(argv=None) -> int:
                   f"(busy {w['device_busy']})", flush=True)
             for k in w["top_kernels"][:10]:
                 print(f"    {k['ms']:9.2f} ms  {k['calls']:6d}  {k['name']}", flush=True)
+            for name, r in w.get("ranges", {}).items():
+                print(f"    range {name}: {r['calls']} calls, kernels {r['device_ms']} ms, host {r['host_ms']} ms",
+                      flush=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
     return 0
 
