@@ -210,9 +210,22 @@ def by_kind(steps: list[dict]) -> dict:
 RANGE_PREFIX = "eyrie."
 # The engine's phases a profiler window reports apart (its ``ranges``): the draft's parts and the target's
 ANNOTATED = {
-    "shared.spec.worker.SpecWorker": ("draft_extend", "catch_up", "plain_extend", "step", "_draft", "_verify"),
+    "shared.spec.worker.SpecWorker": ("draft_extend", "catch_up", "leave_behind", "plain_extend", "step", "_draft",
+                                      "_verify"),
+    "shared.spec.policy.SpecPolicy": ("choose",),
+    "shared.scheduler.Scheduler": ("schedule",),
     "shared.model_runner.ModelRunner": ("_target_step", "_plain_step", "_decode_step", "_sample_and_commit"),
 }
+
+
+_ANNOTATED_ORIGINALS: list[tuple[type, str, object]] = []
+
+
+def unannotate() -> None:
+    """Undo ``annotate`` (tests: the classes are the process's)."""
+    while _ANNOTATED_ORIGINALS:
+        cls, name, fn = _ANNOTATED_ORIGINALS.pop()
+        setattr(cls, name, fn)
 
 
 def annotate(torch) -> None:
@@ -220,6 +233,7 @@ def annotate(torch) -> None:
     a profiler window then reports the kernels each launched (a range's device time includes its children's)."""
     import functools
     import importlib
+    import inspect
 
     for path, names in ANNOTATED.items():
         module, cls_name = path.rsplit(".", 1)
@@ -229,9 +243,16 @@ def annotate(torch) -> None:
             if fn is None:
                 continue
 
-            def wrapped(*a, _fn=fn, _label=f"{RANGE_PREFIX}{cls_name}.{name}", **k):
-                with torch.profiler.record_function(_label):
-                    return _fn(*a, **k)
+            _ANNOTATED_ORIGINALS.append((cls, name, fn))
+            label = f"{RANGE_PREFIX}{cls_name}.{name}"
+            if inspect.isgeneratorfunction(fn):  # a step's generator: the range spans it to its end (its host
+                def wrapped(*a, _fn=fn, _label=label, **k):  # wait at the yield included)
+                    with torch.profiler.record_function(_label):
+                        return (yield from _fn(*a, **k))
+            else:
+                def wrapped(*a, _fn=fn, _label=label, **k):
+                    with torch.profiler.record_function(_label):
+                        return _fn(*a, **k)
             setattr(cls, name, functools.wraps(fn)(wrapped))
 
 
@@ -268,9 +289,15 @@ def profile_window(torch, start_at: int, count: int):
         total_us = sum(e.self_device_time_total for e in kernels)
         top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:20]
         # The engine's own ranges (``annotate``): the kernels each launched, summed, and its host time
-        ranges = {e.key: {"calls": e.count, "device_ms": round(e.device_time_total / 1e3, 2),
-                          "host_ms": round(e.cpu_time_total / 1e3, 2)}
-                  for e in prof.key_averages() if e.key.startswith(RANGE_PREFIX)}
+        # (a range is two entries of one key: the host's, with its host time, and the device's, the span of its
+        # kernels on the device, idle gaps between them included)
+        ranges: dict[str, dict] = {}
+        for e in prof.key_averages():
+            if e.key.startswith(RANGE_PREFIX):
+                r = ranges.setdefault(e.key, {"calls": 0, "device_ms": 0.0, "host_ms": 0.0})
+                r["calls"] = max(r["calls"], e.count)
+                r["device_ms"] = round(r["device_ms"] + e.device_time_total / 1e3, 2)
+                r["host_ms"] = round(r["host_ms"] + e.cpu_time_total / 1e3, 2)
         return {"steps": count, "wall_ms": round(state["wall"] * 1e3, 2), "kernel_ms": round(total_us / 1e3, 2),
                 "device_busy": round(total_us / 1e6 / state["wall"], 3) if state["wall"] else None,
                 "ranges": dict(sorted(ranges.items(), key=lambda kv: -kv[1]["device_ms"])),

@@ -217,17 +217,17 @@ class SpecWorker:
         pos = torch.cat([torch.arange(s, e) for _, s, e in spans]) if spans else torch.zeros(0, dtype=torch.int64)
         ends = torch.tensor(q_lens, dtype=torch.int64).cumsum(0) - 1
         last_rows = ends[torch.tensor(finals, dtype=torch.bool)] if spans else ends
-        state_out = None
+        state_out = state_rows = None
         for c, cache in enumerate(self.caches):
             rows = [r.handles[1 + c].row for r, _, _ in spans]
             cache.reserve_many([r.handles[1 + c] for r, _, _ in spans], [e for _, _, e in spans])
             batch = build_forward_batch(cache, rows, [s for _, s, _ in spans], q_lens, ids, pos, pos,
                                         logits_rows=last_rows)
             o = self.draft(batch, cache, c, features, from_target=True)
-            if c == 0:
-                state_out = o
+            if c == 0:  # the rows as the batch copied them to the device: a host index would wait for the device
+                state_out, state_rows = o, batch.logits_rows
         finishing = [r for (r, _, e), f in zip(spans, finals) if f]
-        self._set_states(finishing, state_out.hidden[last_rows], state_out.logits)
+        self._set_states(finishing, state_out.hidden[state_rows], state_out.logits)
 
     def _set_states(self, reqs: list[Request], hidden: torch.Tensor, logits: torch.Tensor) -> None:
         self._resume(reqs, hidden, *self.phases.first_level(logits))

@@ -42,3 +42,22 @@ def test_a_closed_loop_is_logged_step_by_step_with_a_profiled_window(tmp_path, h
         window = p["profile_window"]
         assert window["steps"] == 3
         assert (window["by_own"] and window["by_cumulative"]) if host else window["top_kernels"] is not None
+
+
+def test_annotated_window_reports_the_engines_phases(tmp_path):
+    """``--annotate``: the torch.profiler window reports the engine's own ranges (the target's step, a generator,
+    spans its whole run; the policy's choice; the draft's work), each with its calls and host time."""
+    out = tmp_path / "prof.json"
+    argv = ["--model", str(PAIR / "target"), "--draft", str(PAIR / "eagle3"), "--device", "cpu", "--dtype", "float32",
+            "--concurrency", "3", "--waves", "2", "--prompt", "12", "--output", "6", "--profile-steps", "6",
+            "--profile-after=-3", "--max-running", "8", "--annotate", "--out", str(out)]
+    try:
+        assert profile_engine.main(argv) == 0
+    finally:
+        profile_engine.unannotate()
+    ranges = json.loads(out.read_text())["points"][0]["profile_window"]["ranges"]
+    assert {"eyrie.SpecPolicy.choose", "eyrie.Scheduler.schedule"} <= set(ranges)
+    assert any(k.startswith("eyrie.ModelRunner.") for k in ranges)
+    assert all(r["calls"] >= 1 and r["host_ms"] >= 0 for r in ranges.values())
+    target = [r for k, r in ranges.items() if k in ("eyrie.ModelRunner._target_step", "eyrie.ModelRunner._plain_step")]
+    assert target and all(r["host_ms"] > 0.01 for r in target)  # a generator's range spans its forward
