@@ -73,6 +73,8 @@
 #                                   # PROFILE_C=128 PROFILE_ARGS="--prompt 256 --output 128": stop 47's c128 comparison
 #   PROFILE_ALT=alt.tar.gz bench/gpu_session.sh profile-branch  # profile here, then its head run on another tree
 #   bench/gpu_session.sh profile-host  # the same engine's host functions per step under cProfile at c64/c128
+#   bench/gpu_session.sh syncs      # every synchronizing call of a c128 loop by site (bench/find_syncs.py), and the GPU
+#                                   # test that the draft's work in a step never waits for the device
 #   bench/gpu_session.sh profile-mixed # a torch.profiler window over c128's first-wave mixed steps, without and with
 #                                   # the EAGLE-3 head (profile_mixed_{plain,adaptive}.json)
 #   bench/gpu_session.sh split-attn # decode-like attention at the engine's graph bounds: serial vs every n'th split
@@ -461,12 +463,21 @@ for stage in "$@"; do
         --out "$OUT/anatomy.json"
       grep -v Warning "$OUT/anatomy.log" | head -150
       ;;
+    syncs)  # issues 30/31: every synchronizing call of one engine's c128 loop by site (bench/find_syncs.py), the
+      # widened pair with its EAGLE-3 head, then the GPU test that the draft's work in a step never waits (~3 min)
+      [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
+      run host_syncs_test 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_host_syncs_gpu.py
+      run find_syncs 300 python3 bench/find_syncs.py --model /tmp/wide/target --draft /tmp/wide/eagle3 \
+        --prompts-file /tmp/wide/heldout.jsonl --concurrency ${SYNCS_C:-128} --prompt 256 --output 128 \
+        --out "$OUT/find_syncs.json"
+      grep -v Warning "$OUT/find_syncs.log" | head -40
+      ;;
     *)
       echo "unknown stage $stage (suite, hazards, tests, kernels, extend, decode, spec-grid, attention, serving," \
         "features, tp-tests, tp, local, memory, layouts, layouts4, peer, nixl, receive, policy, graphs," \
         "prefix, prefix-route, decode-cache, prefix-bench, prefix-bench2, profile, profile-branch, profile-host," \
         "profile-mixed, split-attn, anatomy, mixed-attn, batch-invariant, suite-x2, tp-diag, router-cpu," \
-        "pd2-arrivals, fp8, fp8-split, fp8-tune, fp8-profile, cross-check)" >&2
+        "pd2-arrivals, fp8, fp8-split, fp8-tune, fp8-profile, cross-check, syncs)" >&2
       exit 2
       ;;
   esac
