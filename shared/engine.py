@@ -158,7 +158,8 @@ class Engine:
         one output in any batch."""
         pinned = self.spec_policy.kind != "fixed" and any(r.params.seed is not None and not r.params.greedy
                                                           for r in plan.decode)
-        return self.spec_policy.choose(len(plan.decode), pinned=pinned, mixed=bool(plan.prefill))
+        left = None if plan.prefill else [r.params.max_new_tokens - len(r.output_ids) for r in plan.decode]
+        return self.spec_policy.choose(len(plan.decode), pinned=pinned, mixed=bool(plan.prefill), left=left)
 
     def _record(self, plan: StepPlan, shape: str | None, before) -> None:
         """Tell the policy what a step's decode ran: a speculative step's acceptance, and the kind's cost, the

@@ -167,11 +167,14 @@ class Acceptance:
         self.reached = [r * self.decay + n for r, n in zip(self.reached, reached)]
         self.observations += 1
 
-    def expected_tokens(self) -> float | None:
-        """Tokens a speculative step commits per request (bonus included); None before any draft."""
+    def expected_tokens(self, cap: int | None = None) -> float | None:
+        """Tokens a speculative step commits per request (bonus included); None before any draft. ``cap``: a
+        request with that many tokens left commits at most that many: the positions past ``cap - 1`` count
+        for nothing (the accepted run is cut at its last token)."""
         if self.drafts <= 0:
             return None
-        return 1.0 + sum(self.reached) / self.drafts
+        reached = self.reached if cap is None else self.reached[:max(0, cap - 1)]
+        return 1.0 + sum(reached) / self.drafts
 
 
 @dataclass
@@ -193,6 +196,21 @@ class Candidate:
     @property
     def tokens(self) -> float | None:
         return self.acceptance.expected_tokens()
+
+    def tokens_left(self, left: dict[int, int] | None) -> float | None:
+        """Expected tokens a row of a step whose requests have ``left`` = {tokens left: rows} commits (None:
+        uncapped, ``tokens``). A request near its ``max_new_tokens`` commits what is left of it, however far
+        the draft is accepted: at a wave's tail a chain of 3 expected at 1.74 a row committed 1.3-1.4 (an
+        H100 at c128, 35-45 rows), where plain's one token a row is whole."""
+        if not left:
+            return self.tokens
+        total, rows = 0.0, 0
+        for cap, n in left.items():
+            t = self.acceptance.expected_tokens(cap)
+            if t is None:
+                return None
+            total, rows = total + t * n, rows + n
+        return total / rows
 
 
 @dataclass
@@ -237,7 +255,8 @@ class SpecPolicy:
         """A policy over ``shapes`` (``SpecConfig``s, the configured one first)."""
         return cls(kind, [Candidate(s.name, Acceptance(s.steps), chain=s.topk == 1) for s in shapes], cost)
 
-    def choose(self, batch: int, pinned: bool = False, mixed: bool = False) -> str | None:
+    def choose(self, batch: int, pinned: bool = False, mixed: bool = False,
+               left: list[int] | None = None) -> str | None:
         """The shape this step of ``batch`` requests runs, None for a plain step; counted in ``choices``.
         ``pinned``: the configured shape, whatever the policy (a seeded sampled request is in the batch).
         ``mixed``: the step also runs prefill chunks. The adaptive policy runs it plain: the decode rows then
@@ -246,13 +265,14 @@ class SpecPolicy:
         at c64: 50-55 ms against 31-36 for the one forward). What speculation adds there is ``b (E - 1)`` tokens
         for a whole speculative step's time, a lower rate than that step gives on its own (``b E``) in the time
         it would have taken: the time is better spent on the next decode step. Nothing is explored or probed
-        there either (its time is no kind's: ``ran``)."""
+        there either (its time is no kind's: ``ran``). ``left``: each request's tokens left to its
+        ``max_new_tokens`` (None: unbounded): a shape's expected tokens are capped by them (``tokens_left``)."""
         if pinned and self.pin:
             name = self.candidates[0].name
         elif self.again is not None and self.kind == "adaptive" and not mixed and self._runs_at(self.again, batch):
             name, self.again = (None if self.again == "plain" else self.again), None
         else:
-            name = self._decide(batch, mixed)
+            name = self._decide(batch, mixed, self._left(left))
         self.choices["plain" if name is None else "spec"] += 1
         if name is not None:
             self.shapes[name] = self.shapes.get(name, 0) + 1
@@ -325,7 +345,21 @@ class SpecPolicy:
         """Whether ``kind`` may run a step of ``batch`` requests: its graphs cover it (plain always may)."""
         return kind == "plain" or self.graphed is None or batch <= self.graphed.get(kind, 0)
 
-    def _decide(self, batch: int, mixed: bool = False) -> str | None:
+    def _left(self, left: list[int] | None) -> dict[int, int] | None:
+        """{tokens left: rows} of a step's requests, where any is within the deepest shape's reach (a request
+        further from its end commits what any shape accepts: counted at the reach); None where none is."""
+        if not left or self.kind == "fixed":
+            return None
+        reach = 1 + max(c.acceptance.steps for c in self.candidates)
+        if min(left) >= reach:
+            return None
+        counts: dict[int, int] = {}
+        for n in left:
+            k = max(1, min(n, reach))
+            counts[k] = counts.get(k, 0) + 1
+        return counts
+
+    def _decide(self, batch: int, mixed: bool = False, left: dict[int, int] | None = None) -> str | None:
         first = self.candidates[0]
         if self.kind == "fixed":
             return first.name
@@ -337,7 +371,8 @@ class SpecPolicy:
         unknown = [c for c in cands if c.tokens is None or spec_s[c.name] is None]
         if unknown or decode_s is None:  # what is not known yet is measured first, at a step that times it
             return unknown[0].name if unknown else None  # else a plain step, once, to know what it costs
-        rates = {None: 1 / decode_s} | {c.name: (1 - self.margin) * c.tokens / spec_s[c.name] for c in cands}
+        rates = {None: 1 / decode_s} | {c.name: (1 - self.margin) * c.tokens_left(left) / spec_s[c.name]
+                                        for c in cands}
         best = max(rates, key=rates.get)  # plain on a tie (first)
         # A switch costs a step (a draft launched ahead is dropped): the kind chosen last time (not a probe)
         # keeps running unless another is clearly faster.

@@ -338,3 +338,49 @@ def test_plain_probes_back_off_while_plain_keeps_losing():
     kinds = timed_run(p, 2000, [8, 8, 8], lambda i, kind: 0.010 if kind == "plain" else 0.020)
     assert p.plain_probe_interval == p.max_probe_every
     assert 2 <= kinds[-1000:].count("plain") <= 2 * 1000 // p.max_probe_every + 4
+
+
+def test_expected_tokens_are_cut_at_the_tokens_a_request_has_left():
+    """A request with ``cap`` tokens left commits at most that many, however far its draft is accepted."""
+    a = Acceptance(3)
+    a.observe([4, 4, 2, 1])  # reached: position 0 by 3 of 4, positions 1 and 2 by 2 of 4
+    assert a.expected_tokens() == pytest.approx(1 + (3 + 2 + 2) / 4)
+    assert a.expected_tokens(1) == pytest.approx(1.0)
+    assert a.expected_tokens(2) == pytest.approx(1 + 3 / 4)
+    assert a.expected_tokens(3) == pytest.approx(1 + 5 / 4)
+    assert a.expected_tokens(4) == a.expected_tokens(100) == a.expected_tokens()
+    c = Candidate("spec", a)
+    assert c.tokens_left({1: 2, 4: 2}) == pytest.approx((2 * 1.0 + 2 * a.expected_tokens()) / 4)
+    assert c.tokens_left(None) == c.tokens
+
+
+def test_rows_near_their_end_run_plain_where_the_uncapped_estimate_would_speculate():
+    """At a wave's tail every request has a token or two left: a chain's accepted run past them commits nothing,
+    so plain's one token a row wins where the uncapped estimate (2.5 tokens for 1.5x plain's time) speculated."""
+    cost = TableCost(decode=lambda b: 0.010, spec=lambda b: 0.015)
+    p = policy("adaptive", accepted_nodes=4, steps=3, cost=cost)  # every draft accepted: 4 tokens a step
+    p.margin, p.probe_every = 0.0, 10 ** 6
+    assert p.choose(8, left=[50] * 8) == "spec"  # far from their ends: 4 / 15 ms against 1 / 10 ms
+    assert p.choose(8) == "spec"  # (unknown: uncapped)
+    assert p.choose(8, left=[1] * 8) is None  # one token left each: 1 / 15 ms against 1 / 10 ms
+    assert p.choose(8, left=[2] * 8) == "spec"  # two left: 2 / 15 ms beats 1 / 10 ms
+    assert p.choose(8, left=[1] * 6 + [50] * 2) == "spec"  # (6 x 1 + 2 x 4) / 8 = 1.75 / 15 ms > 1 / 10 ms
+    assert p.choose(8, left=[1] * 7 + [50]) is None  # (7 x 1 + 4) / 8 = 1.375 / 15 ms < 1 / 10 ms
+    assert policy("fixed", accepted_nodes=4).choose(8, left=[1] * 8) == "spec"  # fixed always runs its shape
+
+
+def test_the_engine_tells_the_policy_each_rows_tokens_left(monkeypatch):
+    """``Engine._choose_shape`` passes each decode row's tokens left to its ``max_new_tokens``."""
+    engine = Engine("models/tiny-pair/target", "models/tiny-pair/eagle3",
+                    EngineConfig(device="cpu", dtype="float32", spec_policy="adaptive"))
+    seen = []
+    choose = engine.spec_policy.choose
+    monkeypatch.setattr(engine.spec_policy, "choose", lambda *a, **k: seen.append(k.get("left")) or choose(*a, **k))
+    reqs = [engine.add_request(list(range(5, 25)), SamplingParams(max_new_tokens=n, ignore_eos=True))
+            for n in (6, 9)]
+    while any(r.finish_reason is None for r in reqs):
+        engine.step()
+    decoding = [s for s in seen if s is not None]
+    assert decoding and all(len(s) in (1, 2) and min(s) >= 1 for s in decoding)
+    assert decoding[0] == [5, 8]  # after the prompt's step (one token each): 6 - 1 and 9 - 1 left
+    assert decoding[-1][-1] >= 1 and max(decoding[-1]) <= 9
