@@ -227,6 +227,12 @@ class SpecPolicy:
     # committed), and a switch to it costs a step (the first after it ran 10-30 ms over its own cost). Near
     # parity plain runs: what is given up is at most this share of a marginal gain.
     margin: float = 0.05
+    # A switch costs its first step more than the kind's own (the draft catching up what plain steps left it
+    # behind on, no draft launched ahead: an H100 at c128, a chain of 3's first step 31-44 ms against 21-23).
+    # ``switch_s``: that extra per kind, measured at each switch (``ran``); a kind not running is chosen only when
+    # its rate beats the incumbent's with the extra spread over ``switch_horizon`` of its steps.
+    switch_horizon: int = 8
+    switch_s: dict[str, float] = field(default_factory=dict)  # kind -> its switch's extra seconds (halved average)
     choices: dict[str, int] = field(default_factory=lambda: {"spec": 0, "plain": 0})  # steps of each kind
     shapes: dict[str, int] = field(default_factory=dict)  # speculative steps by shape
     last: str | None = None  # the kind ("plain" or a shape) of the step that ran last
@@ -302,6 +308,10 @@ class SpecPolicy:
             self.cost.record(kind, batch, seconds)
         elif kind != self.last and self.last is not None:
             self.again = kind
+            own = self._cost(batch, kind) if timed and self.kind == "adaptive" else None
+            if own is not None:
+                extra = max(0.0, seconds - own)
+                self.switch_s[kind] = 0.5 * (self.switch_s.get(kind, extra) + extra)
         self.last = kind
 
     def observe(self, shape: str, drafts: int, reached: list[int]) -> None:
@@ -373,6 +383,12 @@ class SpecPolicy:
             return unknown[0].name if unknown else None  # else a plain step, once, to know what it costs
         rates = {None: 1 / decode_s} | {c.name: (1 - self.margin) * c.tokens_left(left) / spec_s[c.name]
                                         for c in cands}
+        if self.incumbent is not None:  # a kind not running pays its switch, spread over switch_horizon steps
+            own = {None: decode_s} | spec_s
+            for k in rates:
+                extra = self.switch_s.get(k or "plain", 0.0)
+                if (k or "plain") != self.incumbent and extra:
+                    rates[k] /= 1 + extra / (self.switch_horizon * own[k])
         best = max(rates, key=rates.get)  # plain on a tie (first)
         # A switch costs a step (a draft launched ahead is dropped): the kind chosen last time (not a probe)
         # keeps running unless another is clearly faster.

@@ -384,3 +384,24 @@ def test_the_engine_tells_the_policy_each_rows_tokens_left(monkeypatch):
     assert decoding and all(len(s) in (1, 2) and min(s) >= 1 for s in decoding)
     assert decoding[0] == [5, 8]  # after the prompt's step (one token each): 6 - 1 and 9 - 1 left
     assert decoding[-1][-1] >= 1 and max(decoding[-1]) <= 9
+
+
+def test_a_switch_is_chosen_only_when_its_gain_over_a_few_steps_pays_its_measured_extra():
+    """The first step after a switch costs more than the kind's own (the draft catching up, nothing launched
+    ahead): measured at each switch, a kind not running is discounted by it spread over ``switch_horizon`` of its
+    steps, so a shape 11% ahead of plain on paper is not switched to when each switch costs 20 ms (8 steps of
+    18 ms: 14% more), and is when switches cost nothing."""
+    cost = TableCost(decode=lambda b: 0.010, spec=lambda b: 0.018)
+    p = policy("adaptive", accepted_nodes=2, steps=3, cost=cost)  # 2 tokens / 18 ms: 1.11x plain's 1 / 10 ms
+    p.margin, p.probe_every, p.stay = 0.0, 10 ** 6, 0.0
+    p.incumbent, p.last = "plain", "plain"
+    assert p.choose(8) == "spec"  # no switch measured yet
+    p.ran("spec", 8, 0.038)  # the switch's step: 20 ms over its 18
+    assert p.switch_s == {"spec": pytest.approx(0.020)}
+    p.ran("spec", 8, 0.018)
+    p.ran("plain", 8, 0.010)  # a switch back to plain costs nothing
+    p.incumbent, p.again = "plain", None  # (plain timed once more, as ``again`` asks)
+    assert p.switch_s["plain"] == 0.0
+    assert p.choose(8) is None  # 1.11x / (1 + 20 / 144) < 1: plain stays
+    p.switch_s["spec"] = 0.0
+    assert p.choose(8) == "spec"
