@@ -389,12 +389,13 @@ class ModelRunner:
         (``shared/spec/graph_costs.py``). Returns how many graphs exist."""
         if self.device.type != "cuda":
             return 0
+        if timed is None:  # rank 0: the other ranks warm (and, on a decode engine, capture) with it
+            timed = self.role != "prefill" and policy is not None and policy.kind == "adaptive" and isinstance(
+                policy.cost, MeasuredCost)
+            self.send("capture_graphs", timed)
         self.warm_attention()
         if self.role == "prefill":
             return 0
-        if timed is None:
-            timed = policy is not None and policy.kind == "adaptive" and isinstance(policy.cost, MeasuredCost)
-            self.send("capture_graphs", timed)
         room = self._capture_budget()
         with self.on_device():
             if self.speculator is not None:
