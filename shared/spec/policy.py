@@ -232,7 +232,9 @@ class SpecPolicy:
     # ``switch_s``: that extra per kind, measured at each switch (``ran``); a kind not running is chosen only when
     # its rate beats the incumbent's with the extra spread over ``switch_horizon`` of its steps.
     switch_horizon: int = 8
-    switch_s: dict[str, float] = field(default_factory=dict)  # kind -> its switch's extra seconds (halved average)
+    switch_s: dict[str, float] = field(default_factory=dict)  # kind -> its switches' extra seconds (median)
+    switch_seen: dict[str, deque] = field(default_factory=dict)  # kind -> its last switches' extras (each at most
+    # 4x the kind's own step: a one-time stall, a compile, is not a switch's price)
     choices: dict[str, int] = field(default_factory=lambda: {"spec": 0, "plain": 0})  # steps of each kind
     shapes: dict[str, int] = field(default_factory=dict)  # speculative steps by shape
     last: str | None = None  # the kind ("plain" or a shape) of the step that ran last
@@ -310,8 +312,9 @@ class SpecPolicy:
             self.again = kind
             own = self._cost(batch, kind) if timed and self.kind == "adaptive" else None
             if own is not None:
-                extra = max(0.0, seconds - own)
-                self.switch_s[kind] = 0.5 * (self.switch_s.get(kind, extra) + extra)
+                seen = self.switch_seen.setdefault(kind, deque(maxlen=5))
+                seen.append(min(max(0.0, seconds - own), 4 * own))
+                self.switch_s[kind] = statistics.median(seen)
         self.last = kind
 
     def observe(self, shape: str, drafts: int, reached: list[int]) -> None:

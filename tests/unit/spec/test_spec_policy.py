@@ -405,3 +405,14 @@ def test_a_switch_is_chosen_only_when_its_gain_over_a_few_steps_pays_its_measure
     assert p.choose(8) is None  # 1.11x / (1 + 20 / 144) < 1: plain stays
     p.switch_s["spec"] = 0.0
     assert p.choose(8) == "spec"
+
+
+def test_a_switchs_price_is_the_median_of_its_last_switches_each_at_most_four_steps():
+    """One stalled switch (a compile, a neighbour on the GPU) does not price a kind out: each extra is capped at 4x
+    the kind's own step and the price is the median of the last 5."""
+    p = policy("adaptive", accepted_nodes=2, steps=3, cost=TableCost(decode=lambda b: 0.010, spec=lambda b: 0.018))
+    for seconds in (1.318, 0.028, 0.030):  # a 1.3 s stall, then switches 10 and 12 ms over the 18 ms step
+        p.last = "plain"
+        p.ran("spec", 8, seconds)
+    assert p.switch_seen["spec"][0] == pytest.approx(4 * 0.018)
+    assert p.switch_s["spec"] == pytest.approx(0.012)
