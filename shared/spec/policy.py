@@ -310,7 +310,8 @@ class SpecPolicy:
             self.cost.record(kind, batch, seconds)
         elif kind != self.last and self.last is not None:
             self.again = kind
-            own = self._cost(batch, kind) if timed and self.kind == "adaptive" else None
+            # (measured costs only: they are what the policy learns from; injected ones may count their calls)
+            own = self._cost(batch, kind) if timed and isinstance(self.cost, MeasuredCost) else None
             if own is not None:
                 seen = self.switch_seen.setdefault(kind, deque(maxlen=5))
                 seen.append(min(max(0.0, seconds - own), 4 * own))

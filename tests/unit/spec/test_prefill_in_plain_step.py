@@ -51,7 +51,8 @@ class Staggered:
 
 def plain_on_prefill_steps(run: Staggered, shape: str) -> None:
     """The policy's choice forced: a plain step on a step with prefill chunks, else a speculative one."""
-    run.engine.spec_policy.choose = lambda batch, pinned=False, mixed=False: None if run.plans[-1].prefill else shape
+    run.engine.spec_policy.choose = lambda batch, pinned=False, mixed=False, left=None: (
+        None if run.plans[-1].prefill else shape)
 
 
 def split_mixed_forwards(engine) -> None:

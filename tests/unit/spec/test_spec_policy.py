@@ -386,13 +386,21 @@ def test_the_engine_tells_the_policy_each_rows_tokens_left(monkeypatch):
     assert decoding[-1][-1] >= 1 and max(decoding[-1]) <= 9
 
 
+def measured(**seconds: float) -> MeasuredCost:
+    """Costs as the policy learns them, every kind's prior at batch 8 (``MeasuredCost.seed``)."""
+    cost = MeasuredCost()
+    for kind, s in seconds.items():
+        cost.seed(kind, 8, s)
+    return cost
+
+
 def test_a_switch_is_chosen_only_when_its_gain_over_a_few_steps_pays_its_measured_extra():
     """The first step after a switch costs more than the kind's own (the draft catching up, nothing launched
     ahead): measured at each switch, a kind not running is discounted by it spread over ``switch_horizon`` of its
     steps, so a shape 11% ahead of plain on paper is not switched to when each switch costs 20 ms (8 steps of
     18 ms: 14% more), and is when switches cost nothing."""
-    cost = TableCost(decode=lambda b: 0.010, spec=lambda b: 0.018)
-    p = policy("adaptive", accepted_nodes=2, steps=3, cost=cost)  # 2 tokens / 18 ms: 1.11x plain's 1 / 10 ms
+    p = policy("adaptive", accepted_nodes=2, steps=3, cost=measured(plain=0.010, spec=0.018))  # 2 tokens / 18 ms:
+    # 1.11x plain's 1 / 10 ms
     p.margin, p.probe_every, p.stay = 0.0, 10 ** 6, 0.0
     p.incumbent, p.last = "plain", "plain"
     assert p.choose(8) == "spec"  # no switch measured yet
@@ -410,7 +418,7 @@ def test_a_switch_is_chosen_only_when_its_gain_over_a_few_steps_pays_its_measure
 def test_a_switchs_price_is_the_median_of_its_last_switches_each_at_most_four_steps():
     """One stalled switch (a compile, a neighbour on the GPU) does not price a kind out: each extra is capped at 4x
     the kind's own step and the price is the median of the last 5."""
-    p = policy("adaptive", accepted_nodes=2, steps=3, cost=TableCost(decode=lambda b: 0.010, spec=lambda b: 0.018))
+    p = policy("adaptive", accepted_nodes=2, steps=3, cost=measured(plain=0.010, spec=0.018))
     for seconds in (1.318, 0.028, 0.030):  # a 1.3 s stall, then switches 10 and 12 ms over the 18 ms step
         p.last = "plain"
         p.ran("spec", 8, seconds)
