@@ -146,7 +146,7 @@ def folding(engine) -> tuple[list, object]:
 
     plans, schedule, shape = [], engine.scheduler.schedule, next(iter(engine.speculator.shapes))
     engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
-    engine.spec_policy.choose = lambda batch, pinned=False, mixed=False: None if plans[-1].prefill else shape
+    engine.spec_policy.choose = lambda batch, pinned=False, mixed=False, left=None: None if plans[-1].prefill else shape
     engine.runner.model = CountingModel(engine.model)
     return plans, engine.model
 
