@@ -25,7 +25,7 @@ def test_a_wait_is_counted_at_its_site_only_while_watching():
     from shared.memory import kv_cache  # a module of ours whose frame names the site
 
     def wait():  # runs with a frame in shared/ on the stack: exec'd under that module's file name
-        warnings.warn("called a synchronizing CUDA operation", UserWarning)
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=2)
 
     code = compile("def in_shared(f):\n    f()\n", kv_cache.__file__, "exec")
     scope: dict = {}
