@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_serving import prompt_text_ids, prompt_vocab  # noqa: E402
+from bench.profile_engine import build_engine, closed_loop, engine_args  # noqa: E402
 from bench.serving_load import Point, make_requests  # noqa: E402
 
 OURS = ("/shared/", "/kernels/", "/services/")
@@ -34,18 +35,8 @@ OURS = ("/shared/", "/kernels/", "/services/")
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--draft", default=None)
-    ap.add_argument("--prompts-file", default=None)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
+    engine_args(ap)
     ap.add_argument("--concurrency", type=int, default=128)
-    ap.add_argument("--waves", type=int, default=2, help="requests = waves x concurrency")
-    ap.add_argument("--prompt", type=int, default=256)
-    ap.add_argument("--output", type=int, default=128)
-    ap.add_argument("--max-running", type=int, default=128)
-    ap.add_argument("--spec-policy", default=None)
-    ap.add_argument("--gpu-memory-fraction", type=float, default=0.9)
     ap.add_argument("--frames", type=int, default=3, help="frames of ours that name a site")
     ap.add_argument("--out", required=True)
     return ap.parse_args(argv)
@@ -71,7 +62,7 @@ class SyncLog:
         def show(message, category, filename, lineno, file=None, line=None):
             if self.watching and "synchroniz" in str(message):
                 self.sites[site_of(traceback.extract_stack()[:-1], self.frames)] += 1
-            elif not self.watching:
+            else:
                 self._show(message, category, filename, lineno, file, line)
 
         warnings.showwarning = show
@@ -86,48 +77,38 @@ class SyncLog:
         warnings.showwarning = self._show
 
 
+class Watched:
+    """``closed_loop``'s step log: the engine's steps, each run while ``sync`` watches (its hook installed or
+    not: a warm-up loop runs before it is)."""
+
+    def __init__(self, engine, sync: SyncLog):
+        self.engine, self.sync, self.steps = engine, sync, []
+
+    def step(self):
+        self.sync.watching = True
+        try:
+            events = self.engine.step()
+        finally:
+            self.sync.watching = False
+        self.steps.append(None)
+        return events
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from services.settings import EngineSettings
-    from shared.engine import Engine
-    from shared.sampling import SamplingParams
-
-    flags = {"device": args.device, "dtype": args.dtype, "max_running": args.max_running,
-             "gpu_memory_fraction": args.gpu_memory_fraction if args.device.startswith("cuda") else None,
-             "cuda_graph": args.device.startswith("cuda")}
-    if args.spec_policy:
-        flags["spec_policy"] = args.spec_policy
-    settings = EngineSettings(model=args.model, draft=args.draft, **flags)
-    engine = Engine(settings.model, settings.draft, settings.engine_config())
+    engine = build_engine(args)
     engine.capture_graphs()
     vocab, text_ids = tuple(prompt_vocab(args.model)), prompt_text_ids(args.model, args.prompts_file)
-    c = args.concurrency
-
-    def loop(point: Point, log: SyncLog | None) -> int:
-        pending, inflight, steps = list(reversed(make_requests(point, vocab, text_ids))), set(), 0
-        while pending or inflight:
-            while pending and len(inflight) < c:
-                spec = pending.pop()
-                req = engine.add_request(spec.prompt_ids, SamplingParams(max_new_tokens=spec.max_new_tokens,
-                                                                         ignore_eos=True))
-                inflight.add(req.rid)
-            if log is not None:
-                log.watching = True
-            events = engine.step()
-            if log is not None:
-                log.watching = False
-            steps += 1
-            for req, _ in events:
-                if req.finish_reason is not None:
-                    inflight.discard(req.rid)
-        return steps
-
-    loop(Point("warmup", c, c, (args.prompt,) * 2, (4, 4), seed=1), None)
-    with SyncLog(torch, args.frames) as log:
-        steps = loop(Point("fixed", c, args.waves * c, (args.prompt,) * 2, (args.output,) * 2, seed=c), log)
-    total = sum(log.sites.values())
+    c, log = args.concurrency, SyncLog(torch, args.frames)
+    closed_loop(Watched(engine, log), make_requests(Point("warmup", c, c, (args.prompt,) * 2, (4, 4), seed=1),
+                                                    vocab, text_ids), c)
+    point = Point("fixed", c, args.waves * c, (args.prompt,) * 2, (args.output,) * 2, seed=c)
+    watched = Watched(engine, log)
+    with log:
+        closed_loop(watched, make_requests(point, vocab, text_ids), c)
+    steps, total = len(watched.steps), sum(log.sites.values())
     report = {"args": vars(args), "steps": steps, "syncs": total, "syncs_per_step": round(total / max(1, steps), 3),
               "sites": [{"count": n, "per_step": round(n / max(1, steps), 3), "site": s}
                         for s, n in log.sites.most_common()]}

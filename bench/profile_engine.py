@@ -31,14 +31,14 @@ from bench.bench_serving import prompt_text_ids, prompt_vocab  # noqa: E402
 from bench.serving_load import Point, make_requests  # noqa: E402
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def engine_args(ap: argparse.ArgumentParser) -> None:
+    """The engine and closed-loop workload flags of the in-process benches (``build_engine``; with
+    ``--concurrency`` of their own)."""
     ap.add_argument("--model", required=True)
     ap.add_argument("--draft", default=None)
     ap.add_argument("--prompts-file", default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--concurrency", default="64,128")
     ap.add_argument("--waves", type=int, default=2, help="requests per point = waves x concurrency")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--output", type=int, default=256)
@@ -46,6 +46,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--spec-policy", default=None)
     ap.add_argument("--chunk-size", type=int, default=None)
     ap.add_argument("--gpu-memory-fraction", type=float, default=0.9)
+
+
+def build_engine(args: argparse.Namespace):
+    """The engine of ``engine_args``' flags, as the services build it (``EngineSettings``; graphs on CUDA, not
+    captured yet)."""
+    from services.settings import EngineSettings
+    from shared.engine import Engine
+
+    cuda = args.device.startswith("cuda")
+    flags = {"device": args.device, "dtype": args.dtype, "max_running": args.max_running,
+             "gpu_memory_fraction": args.gpu_memory_fraction if cuda else None, "cuda_graph": cuda}
+    if args.spec_policy:
+        flags["spec_policy"] = args.spec_policy
+    if args.chunk_size:
+        flags["chunk_size"] = args.chunk_size
+    settings = EngineSettings(model=args.model, draft=args.draft, **flags)
+    return Engine(settings.model, settings.draft, settings.engine_config())
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    engine_args(ap)
+    ap.add_argument("--concurrency", default="64,128")
     ap.add_argument("--profile-steps", type=int, default=40, help="steps in the torch.profiler window")
     ap.add_argument("--profile-after", type=int, default=20,
                     help="the window starts this many steps past the first c (the first wave's prefill chunks)")
@@ -350,20 +373,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from services.settings import EngineSettings
-    from shared.engine import Engine
-
-    cuda = args.device.startswith("cuda")
-    flags = {"device": args.device, "dtype": args.dtype, "max_running": args.max_running,
-             "gpu_memory_fraction": args.gpu_memory_fraction if cuda else None, "cuda_graph": cuda}
-    if args.spec_policy:
-        flags["spec_policy"] = args.spec_policy
-    if args.chunk_size:
-        flags["chunk_size"] = args.chunk_size
-    settings = EngineSettings(model=args.model, draft=args.draft, **flags)
     if args.annotate:
         annotate(torch)
-    engine = Engine(settings.model, settings.draft, settings.engine_config())
+    engine = build_engine(args)
     t0 = time.perf_counter()
     engine.capture_graphs()
     report: dict = {"args": vars(args), "graph_capture_s": round(time.perf_counter() - t0, 1),

@@ -158,7 +158,8 @@ class Engine:
         one output in any batch."""
         pinned = self.spec_policy.kind != "fixed" and any(r.params.seed is not None and not r.params.greedy
                                                           for r in plan.decode)
-        left = None if plan.prefill else [r.params.max_new_tokens - len(r.output_ids) for r in plan.decode]
+        left = None if plan.prefill or self.spec_policy.kind == "fixed" else [  # (fixed has no use for them)
+            r.params.max_new_tokens - len(r.output_ids) for r in plan.decode]
         return self.spec_policy.choose(len(plan.decode), pinned=pinned, mixed=bool(plan.prefill), left=left)
 
     def _record(self, plan: StepPlan, shape: str | None, before) -> None:

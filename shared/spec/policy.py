@@ -232,7 +232,6 @@ class SpecPolicy:
     # ``switch_s``: that extra per kind, measured at each switch (``ran``); a kind not running is chosen only when
     # its rate beats the incumbent's with the extra spread over ``switch_horizon`` of its steps.
     switch_horizon: int = 8
-    switch_s: dict[str, float] = field(default_factory=dict)  # kind -> its switches' extra seconds (median)
     switch_seen: dict[str, deque] = field(default_factory=dict)  # kind -> its last switches' extras (each at most
     # 4x the kind's own step: a one-time stall, a compile, is not a switch's price)
     choices: dict[str, int] = field(default_factory=lambda: {"spec": 0, "plain": 0})  # steps of each kind
@@ -315,8 +314,12 @@ class SpecPolicy:
             if own is not None:
                 seen = self.switch_seen.setdefault(kind, deque(maxlen=5))
                 seen.append(min(max(0.0, seconds - own), 4 * own))
-                self.switch_s[kind] = statistics.median(seen)
         self.last = kind
+
+    @property
+    def switch_s(self) -> dict[str, float]:
+        """Each kind's switch price: the median of its last switches' extras (``switch_seen``)."""
+        return {k: statistics.median(seen) for k, seen in self.switch_seen.items()}
 
     def observe(self, shape: str, drafts: int, reached: list[int]) -> None:
         """A verify step of ``shape``: ``drafts`` verified, ``reached[i]`` of them accepted up to position i
@@ -387,10 +390,10 @@ class SpecPolicy:
             return unknown[0].name if unknown else None  # else a plain step, once, to know what it costs
         rates = {None: 1 / decode_s} | {c.name: (1 - self.margin) * c.tokens_left(left) / spec_s[c.name]
                                         for c in cands}
-        if self.incumbent is not None:  # a kind not running pays its switch, spread over switch_horizon steps
-            own = {None: decode_s} | spec_s
+        if self.incumbent is not None and self.switch_seen:  # a kind not running pays its switch, spread over
+            own, price = {None: decode_s} | spec_s, self.switch_s  # switch_horizon of its steps
             for k in rates:
-                extra = self.switch_s.get(k or "plain", 0.0)
+                extra = price.get(k or "plain", 0.0)
                 if (k or "plain") != self.incumbent and extra:
                     rates[k] /= 1 + extra / (self.switch_horizon * own[k])
         best = max(rates, key=rates.get)  # plain on a tie (first)

@@ -8,7 +8,7 @@ target's alone, and the sampled output's distribution the target's (chi-square).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 
 import pytest
 import torch
@@ -411,7 +411,7 @@ def test_a_switch_is_chosen_only_when_its_gain_over_a_few_steps_pays_its_measure
     p.incumbent, p.again = "plain", None  # (plain timed once more, as ``again`` asks)
     assert p.switch_s["plain"] == 0.0
     assert p.choose(8) is None  # 1.11x / (1 + 20 / 144) < 1: plain stays
-    p.switch_s["spec"] = 0.0
+    p.switch_seen["spec"] = deque([0.0])
     assert p.choose(8) == "spec"
 
 
