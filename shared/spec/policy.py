@@ -17,10 +17,10 @@ to the committed length; a plain step's token is the target's, and its features 
 Acceptance is each shape's own (``Candidate.acceptance``): a tree's acceptance says little about a
 chain's, but the drafts of a chain of depth d are the first d of a deeper chain's, so a chain's verify
 steps also feed every shallower chain (``Candidate.chain``) exactly, and only the deepest chain needs probing.
-Acceptance decays (``decay`` per verify step) so it follows the traffic; each shape not chosen is run
-once every ``probe_every`` steps to keep its acceptance current, and each probe that leaves it still
-losing, having measured it no cheaper than expected (a probe faster than the estimate says the estimate
-is stale, e.g. a first step slowed by a one-time cost), doubles that shape's interval (up to
+Acceptance decays (``decay`` per verify step, faster for wide ones: ``Acceptance``) so it follows the traffic;
+each shape not chosen is run once every ``probe_every`` steps to keep its acceptance current, and each probe
+that leaves it still losing, having measured it no cheaper than expected (a probe faster than the estimate says
+the estimate is stale, e.g. a first step slowed by a one-time cost), doubles that shape's interval (up to
 ``max_probe_every``): a probe of a shape that is far dearer (a head nobody accepts, a large batch) costs
 several plain steps. Plain is probed the same way while a shape runs (its cost is learnt only from its own
 steps: one learnt while a neighbour held the GPU would keep it out for good), and a probe that finds it cheaper
@@ -137,10 +137,17 @@ class MeasuredCost:
 
 @dataclass
 class Acceptance:
-    """Decayed per-position acceptance: P(a draft's accepted run reaches position i)."""
+    """Decayed per-position acceptance: P(a draft's accepted run reaches position i).
+
+    What was seen before a verify step weighs ``decay`` after it, or less: half as much per ``half_life``
+    drafts the step verified, so a wide step (128 rows: 128 drafts) forgets as much as 128 steps of one row
+    would, not as much as one. Per step alone, an estimate made of a few wide steps lagged the traffic for dozens
+    of them (an H100 at c128: a chain of 3 expected to commit 1.8-2.0 tokens a row while its ten steps in a row
+    committed 1.4-1.7). A few hundred drafts still hold a share's noise to a few per cent."""
 
     steps: int
-    decay: float = 0.98
+    decay: float = 0.98  # per verify step ...
+    half_life: float = 512.0  # ... and per drafts verified, whichever forgets more
     drafts: float = 0.0
     reached: list[float] = field(default_factory=list)  # [steps] decayed drafts accepted up to position i
     observations: int = 0  # verify steps observed
@@ -150,21 +157,20 @@ class Acceptance:
 
     def observe(self, verified: list[int]) -> None:
         """One verify step: per request, the nodes accepted, root included (>= 1)."""
-        self.drafts *= self.decay
-        self.reached = [r * self.decay for r in self.reached]
-        self.observations += 1
+        counts = [0] * self.steps
         for n in verified:
-            self.drafts += 1
             for pos in range(min(n - 1, self.steps)):
-                self.reached[pos] += 1
+                counts[pos] += 1
+        self.observe_counts(len(verified), counts)
 
     def observe_counts(self, drafts: int, reached: list[int]) -> None:
         """The same from counter increments (``SpecTokenCounts``): ``drafts`` verified, ``reached[i]`` of
         them accepted up to position i."""
         if drafts == 0:
             return
-        self.drafts = self.drafts * self.decay + drafts
-        self.reached = [r * self.decay + n for r, n in zip(self.reached, reached)]
+        kept = min(self.decay, 0.5 ** (drafts / self.half_life))
+        self.drafts = self.drafts * kept + drafts
+        self.reached = [r * kept + n for r, n in zip(self.reached, reached)]
         self.observations += 1
 
     def expected_tokens(self, cap: int | None = None) -> float | None:

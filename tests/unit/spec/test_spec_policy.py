@@ -91,6 +91,25 @@ def test_acceptance_decays_towards_recent_steps():
     assert b.expected_tokens() == pytest.approx(1 + 5 / 2)
 
 
+def test_a_wide_verify_step_forgets_more_than_a_narrow_one():
+    """Forgetting follows the drafts verified: after the same steps, an estimate from 128-row steps has moved
+    further towards what the latest steps accepted than one from 2-row steps, which forget ``decay`` a step."""
+    def after(rows: int) -> float:
+        a = Acceptance(3)
+        for _ in range(20):
+            a.observe_counts(rows, [rows] * 3)  # every draft of 3 accepted: 4 tokens
+        for _ in range(4):
+            a.observe_counts(rows, [rows // 2, 0, 0])  # then half of the first position only: 1.5
+        return a.expected_tokens()
+
+    narrow, wide = after(2), after(128)
+    weights = [0.98 ** k for k in range(24)]  # the newest step first
+    per_step = 1 + (0.5 * sum(weights[:4]) + 3 * sum(weights[4:])) / sum(weights)
+    assert narrow == pytest.approx(per_step)  # two rows a step: 0.98 a step, as before
+    assert wide < 2.8 and narrow > 3.3  # 4 x 128 drafts at 1.5 weigh as much as all that came before
+    assert Acceptance(3).half_life == 512
+
+
 def test_bad_policy_name_is_refused():
     with pytest.raises(ValueError, match="fixed or adaptive"):
         EngineConfig(spec_policy="sometimes")
