@@ -330,7 +330,7 @@ def profile_window(torch, start_at: int, count: int):
     return on_step, result
 
 
-def cprofile_window(start_at: int, count: int, top: int = 30):
+def cprofile_window(start_at: int, count: int, top: int = 80):
     """As ``profile_window``, with cProfile: the host functions with the most own and cumulative time per step."""
     import cProfile
     import pstats

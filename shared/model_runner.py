@@ -331,9 +331,12 @@ class ModelRunner:
             req.advance(req.kv_len + 1)
         for ch in plan.prefill:
             ch.req.advance(ch.end)
-        events = yield from self._sample_and_commit(out, sampled_reqs)
+        draft = []  # the draft's extend, queued behind the forward before the host waits (its tokens: on the device)
+        ahead = None if w is None else lambda sampled: draft.append(
+            w.launch_rows(plan.decode, starts, plan.prefill, out, sampled))
+        events = yield from self._sample_and_commit(out, sampled_reqs, ahead)
         if w is not None:
-            w.draft_extend_rows(plan.decode, starts, plan.prefill, out)
+            w.finish_rows(draft[0] if draft else w.launch_rows(plan.decode, starts, plan.prefill, out))
         return events
 
     def _decode_phase(self, rows: torch.Tensor, lengths: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -360,9 +363,11 @@ class ModelRunner:
         rows, lengths, tokens = host.to(self.device, non_blocking=True)
         return rows, lengths, tokens
 
-    def _sample_and_commit(self, out: TargetOutput, reqs: list[Request]) -> Stepping:
+    def _sample_and_commit(self, out: TargetOutput, reqs: list[Request],
+                           ahead: Callable[[torch.Tensor], None] | None = None) -> Stepping:
         """Sample ``reqs``' next tokens from ``out``; the host waits for them after the one yield (the loop's
-        overlap: ``Engine.launch``), then commits them."""
+        overlap: ``Engine.launch``), then commits them. ``ahead(tokens)``: more device work queued before the
+        wait, given the sampled tokens on the device."""
         if not reqs:
             return []
         rows = self.penalty_rows.rows(reqs, out.logits.shape[-1], len(reqs), out.logits.device)
@@ -374,6 +379,8 @@ class ModelRunner:
         logprobs = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
         top_n = max((r.params.top_logprobs for r in reqs), default=0)
         top = top_logprobs(logp, top_n) if top_n else None
+        if ahead is not None:
+            ahead(tokens)
         yield  # the device computes the step: the engine loop publishes and serves meanwhile
         tops = [None] * len(reqs) if top is None else [
             top_pairs(v, i, r.params.top_logprobs) if r.params.top_logprobs else None

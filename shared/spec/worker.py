@@ -77,6 +77,18 @@ def shape_graph_rows(spec: SpecConfig, max_bs: int, adaptive: bool) -> int:
 
 
 @dataclass
+class RowsExtend:
+    """A target step's draft work between ``SpecWorker.launch_rows`` (queued before the host's wait) and
+    ``finish_rows`` (after the step's tokens are committed)."""
+
+    kept: list[Request]  # decoded rows whose features go to the backlog
+    kept_features: torch.Tensor | None
+    spans: list[tuple[Request, int, int]]  # the positions the draft ran over, per request
+    ends: list[bool]  # spans whose request may resume from the extend's last row
+    launched: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (hidden, top-k p, ids) of the ends
+
+
+@dataclass
 class SpecShape:
     """One tree shape the worker can run a decode step with: its phases and their CUDA graphs."""
 
@@ -195,42 +207,88 @@ class SpecWorker:
         (``starts``: where it wrote), then each prefill chunk. A decoded request still running, and one
         whose prompt completed, get a DraftState (the next speculative step resumes from it). With a backlog
         the decoded positions' features wait in it instead (``leave_behind``)."""
+        self.finish_rows(self.launch_rows(decoded, starts, chunks, out))
+
+    def launch_rows(self, decoded: list[Request], starts: list[int], chunks: list[Chunk], out: TargetOutput,
+                    sampled: torch.Tensor | None = None) -> RowsExtend:
+        """``draft_extend_rows`` up to the host's wait: the draft's extend over the chunks (and, without a
+        backlog, the decoded positions) is queued behind the target's forward, its input tokens the ones the
+        host knows and, where it does not yet (a decoded row's next token, a completed prompt's first), the
+        step's ``sampled`` tokens on the device (the i-th sampling row of the step: decoded rows, then the
+        chunks that sample). ``finish_rows``, after the tokens are committed, sets the draft states."""
         features = self.features(out) if decoded or chunks else None
-        if self.backlog is not None and decoded:  # the decoded rows come first
-            self.leave_behind(decoded, features)
-            features, decoded, starts = features[len(decoded):], [], []
-        spans = [(r, s, s + 1) for r, s in zip(decoded, starts)] + [(c.req, c.start, c.end) for c in chunks]
-        finals = [r.finish_reason is None for r in decoded] + [
-            c.completes_prompt and c.req.finish_reason is None for c in chunks]
-        if spans:
-            self.draft_extend(spans, features, finals)
+        keep = bool(self.backlog is not None and decoded)  # the decoded rows' features wait in the backlog
+        spans = [] if keep else [(r, s, s + 1) for r, s in zip(decoded, starts)]
+        spans += [(c.req, c.start, c.end) for c in chunks]
+        sample_row = [] if keep else list(range(len(decoded)))
+        n_sampling = len(decoded)
+        for c in chunks:
+            sample_row.append(n_sampling if c.samples else None)
+            n_sampling += int(c.samples)
+        ends = [True] * (0 if keep else len(decoded)) + [c.completes_prompt for c in chunks]
+        launched = self.launch_extend(spans, features[len(decoded):] if keep else features, ends,
+                                      sampled, sample_row) if spans else None
+        return RowsExtend(decoded if keep else [], features[:len(decoded)] if keep else None, spans, ends,
+                          launched)
+
+    def finish_rows(self, rows: RowsExtend) -> None:
+        """After the step's tokens are committed: the decoded rows' features into the backlog, then the states
+        of the requests the extend ended (still running) from its outputs."""
+        if rows.kept:
+            self.leave_behind(rows.kept, rows.kept_features)
+        if rows.launched is not None:
+            self.finish_extend(rows.spans, rows.ends, rows.launched)
 
     def draft_extend(self, spans: list[tuple[Request, int, int]], features: torch.Tensor,
                      finals: list[bool]) -> None:
-        """Draft positions [start, end) of each request, fed target features [sum(end-start), W].
+        """Draft positions [start, end) of each request, fed target features [sum(end-start), W]; each request
+        with ``finals[i]`` still running resumes from the draft state it leaves."""
+        self.finish_extend(spans, finals, self.launch_extend(spans, features, finals))
 
-        Every draft cache runs the extend (a multi-layer draft keeps all its layers' KV complete);
-        the first tree level of the next step comes from cache 0's layer at each span's last row.
-        """
+    def launch_extend(self, spans: list[tuple[Request, int, int]], features: torch.Tensor, ends: list[bool],
+                      sampled: torch.Tensor | None = None, sample_row: list[int | None] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The draft over positions [start, end) of each span, queued: every draft cache runs the extend (a
+        multi-layer draft keeps all its layers' KV complete); the first tree level of the next step comes from
+        cache 0's layer at the last row of each span with ``ends[i]``. A span's tail token the host does not
+        know yet is ``sampled[sample_row[i]]`` (``launch_rows``). Returns that level (hidden, top-k
+        probabilities, target ids) for the ``ends`` spans, in order, on the device."""
         q_lens = [e - s for _, s, e in spans]
-        ids = torch.tensor([t for r, s, e in spans for t in shifted_tokens(r, s, e)], dtype=torch.int64)
+        host_ids, fill_at, fill_from = [], [], []
+        for i, (r, s, e) in enumerate(spans):
+            known = r.all_ids[s + 1:e + 1]
+            host_ids += known
+            if len(known) < e - s:  # the tail: this step's sampled token
+                if sampled is None or sample_row is None or sample_row[i] is None:
+                    raise ValueError(f"{r.rid}: tail token at {e} is not known yet ({len(r.all_ids)} tokens)")
+                fill_at.append(len(host_ids))
+                fill_from.append(sample_row[i])
+                host_ids.append(0)
+        ids = torch.tensor(host_ids, dtype=torch.int64)
         pos = torch.cat([torch.arange(s, e) for _, s, e in spans]) if spans else torch.zeros(0, dtype=torch.int64)
-        ends = torch.tensor(q_lens, dtype=torch.int64).cumsum(0) - 1
-        last_rows = ends[torch.tensor(finals, dtype=torch.bool)] if spans else ends
+        last_rows = (torch.tensor(q_lens, dtype=torch.int64).cumsum(0) - 1)[torch.tensor(ends, dtype=torch.bool)]
         state_out = state_rows = None
         for c, cache in enumerate(self.caches):
             rows = [r.handles[1 + c].row for r, _, _ in spans]
             cache.reserve_many([r.handles[1 + c] for r, _, _ in spans], [e for _, _, e in spans])
             batch = build_forward_batch(cache, rows, [s for _, s, _ in spans], q_lens, ids, pos, pos,
                                         logits_rows=last_rows)
+            if fill_at:  # the same tokens every cache reads: filled once, in the batch's own copy of the ids
+                index = torch.tensor([fill_at, fill_from], dtype=torch.int64)
+                index = index.pin_memory().to(sampled.device, non_blocking=True) if sampled.is_cuda else index
+                batch.input_ids[index[0]] = sampled[index[1]].to(batch.input_ids.dtype)
+                ids, fill_at = batch.input_ids, []
             o = self.draft(batch, cache, c, features, from_target=True)
             if c == 0:  # the rows as the batch copied them to the device: a host index would wait for the device
                 state_out, state_rows = o, batch.logits_rows
-        finishing = [r for (r, _, e), f in zip(spans, finals) if f]
-        self._set_states(finishing, state_out.hidden[state_rows], state_out.logits)
+        return (state_out.hidden[state_rows], *self.phases.first_level(state_out.logits))
 
-    def _set_states(self, reqs: list[Request], hidden: torch.Tensor, logits: torch.Tensor) -> None:
-        self._resume(reqs, hidden, *self.phases.first_level(logits))
+    def finish_extend(self, spans: list[tuple[Request, int, int]], ends: list[bool],
+                      launched: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """Each ``ends`` span's request, if still running, resumes from its row of ``launched``."""
+        ended = [r for (r, _, _), end in zip(spans, ends) if end]
+        running = [i for i, r in enumerate(ended) if r.finish_reason is None]
+        self._resume([ended[i] for i in running], *launched, running)
 
     @staticmethod
     def _resume(reqs: list[Request], hidden: torch.Tensor, topk_p: torch.Tensor, topk_ids: torch.Tensor,

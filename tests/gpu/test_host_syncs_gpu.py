@@ -1,8 +1,9 @@
 """On CUDA: the draft's work inside a step never makes the host wait for the device. Its extend over a step's
-prefill chunks, a backlog's catch-up and the backlog's puts are queued behind the target's forward; a wait inside
-them (a host index into a device tensor, a pageable copy, a read back) stops the host launching until the device
-drains, and an eager step then costs its kernels plus the launches after the wait (issue 31: ~2 ms of a mixed
-step's 22 at c128, H100). Run under ``torch.cuda.set_sync_debug_mode("error")``: any synchronizing call raises.
+prefill chunks (queued before the host waits for the step's tokens), a backlog's catch-up and the backlog's puts
+are queued behind the target's forward; a wait inside them (a host index into a device tensor, a pageable copy, a
+read back) stops the host launching until the device drains, and an eager step then costs its kernels plus the
+launches after the wait (issue 31: ~2 ms of a mixed step's 22 at c128, H100). Run under
+``torch.cuda.set_sync_debug_mode("error")``: any synchronizing call raises.
 ``bench/find_syncs.py`` lists every wait of a whole loop by site."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from shared.spec.worker import SpecWorker
 pytestmark = pytest.mark.gpu
 
 PAIR = Path(__file__).resolve().parents[2] / "models" / "tiny-pair"
-WATCHED = ("draft_extend", "catch_up", "leave_behind")
+WATCHED = ("launch_rows", "launch_extend", "catch_up", "leave_behind")
 
 
 @pytest.fixture
@@ -57,4 +58,5 @@ def test_the_drafts_work_in_a_step_never_waits_for_the_device(no_waits):
         if all(r.finish_reason is not None for r in reqs):
             break
     assert all(r.finish_reason == "length" for r in reqs)
-    assert no_waits["draft_extend"] > 0  # the prompts' chunks (and the catch-ups) ran the draft's extend
+    assert no_waits["launch_rows"] > 0  # the prompts' chunks: the extend queued before the step's host wait
+    assert no_waits["launch_extend"] > no_waits["launch_rows"]  # and the catch-ups' extends

@@ -59,10 +59,10 @@ def record_logits(engine) -> dict[str, list]:
     seen: dict[str, list] = {}
     inner = engine.runner._sample_and_commit
 
-    def spy(out, reqs):
+    def spy(out, reqs, *rest):
         for req, row in zip(reqs, out.logits):
             seen.setdefault(req.rid, []).append(row.clone())
-        return inner(out, reqs)
+        return inner(out, reqs, *rest)
 
     engine.runner._sample_and_commit = spy
     return seen

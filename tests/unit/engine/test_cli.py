@@ -39,7 +39,8 @@ def test_make_model_writes_a_transformers_checkpoint_and_drafts(tmp_path):
     engine = Engine(target, config=EngineConfig(chunk_size=None))
     seen = []
     inner = engine.runner._sample_and_commit
-    engine.runner._sample_and_commit = lambda out, reqs: (seen.append(out.logits[0].clone()), inner(out, reqs))[1]
+    engine.runner._sample_and_commit = lambda out, reqs, *rest: (seen.append(out.logits[0].clone()),
+                                                                  inner(out, reqs, *rest))[1]
     engine.generate([prompt], SamplingParams(max_new_tokens=1))
     assert hf_logits.shape == (engine.model.config.vocab_size,)
     assert (seen[0] - hf_logits).abs().max().item() <= 1e-4

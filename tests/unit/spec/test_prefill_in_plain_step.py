@@ -133,3 +133,30 @@ def test_sampled_output_with_folded_prefills_equals_the_target_only_engines(orac
     for g, w in zip(got, want):
         assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4)
     assert run.engine.is_idle_and_clean()
+
+
+@pytest.mark.parametrize("backlog", [0, 32], ids=["extend-decoded", "backlog"])
+def test_the_drafts_extend_is_queued_before_the_host_waits_for_the_steps_tokens(oracle_models, backlog):
+    """A step with prefill chunks queues the draft's extend over them (and over its plain-decoded rows, without a
+    backlog) behind its target forward before the host waits for the sampled tokens: a completed prompt's last
+    draft input is its first sampled token, taken on the device. After the wait the requests resume from the
+    extend's outputs: each draft state sits at the request's length with its committed token as the bonus."""
+    engine = oracle_models.engine("eagle3", spec_policy="adaptive", spec_draft_backlog=backlog)
+    first = engine.add_request(PROMPTS[1], GREEDY)
+    step = engine.launch()  # a prefill step: the whole prompt, its first token sampled
+    assert first.output_ids == [] and first.handles[1].reserved == len(PROMPTS[1])
+    step.finish()
+    assert first.draft_state.committed_len == first.kv_len == len(PROMPTS[1])
+    assert first.draft_state.bonus_token == first.output_ids[0]
+    second = engine.add_request(PROMPTS[3], GREEDY)
+    step = engine.launch()  # a mixed step (the first decoding beside the second's prompt): run plain
+    assert second.output_ids == [] and second.handles[1].reserved == len(PROMPTS[3])
+    assert first.handles[1].reserved == (first.kv_len if backlog == 0 else len(PROMPTS[1]))
+    step.finish()
+    for req in (first, second):
+        assert req.draft_state.committed_len == (req.kv_len if backlog == 0 or req is second else len(PROMPTS[1]))
+    assert second.draft_state.bonus_token == second.output_ids[0]
+    while engine.scheduler.has_work():
+        engine.step()
+    assert_same_greedy([engine.result(first), engine.result(second)],
+                       oracle_models.reference([PROMPTS[1], PROMPTS[3]], GREEDY))

@@ -25,19 +25,20 @@ def prefill_then_decode(engine, prompts):
     reqs = [engine.add_request(p, GREEDY) for p in prompts]
     snap, accepts, spans = {}, {r.rid: [] for r in reqs}, []
     with DraftCalls(engine) as calls:
-        extend = engine.speculator.draft_extend
+        extend = engine.speculator.launch_extend
 
-        def recording_extend(span_list, features, finals):
+        def recording_extend(span_list, features, finals, *args, **kwargs):
             first = len(calls.calls)
-            extend(span_list, features, finals)
+            launched = extend(span_list, features, finals, *args, **kwargs)
             for call in calls.calls[first:]:  # one forward per draft cache
                 offset = 0
                 for r, s, e in span_list:
                     spans.append((r, s, e, call.input_ids[offset:offset + e - s].tolist(),
                                   call.positions[offset:offset + e - s].tolist()))
                     offset += e - s
+            return launched
 
-        engine.speculator.draft_extend = recording_extend
+        engine.speculator.launch_extend = recording_extend
         while engine.scheduler.has_work():
             events = engine.step()
             for r, toks in events:
