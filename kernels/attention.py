@@ -550,13 +550,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
         raise ValueError("the caches need a contiguous head dimension")
     B = meta.batch_size
-    max_q = meta.static_max_q_len(q.shape[0])
-    max_kv = meta.static_max_kv_len()
-    bound = k_cache.shape[0] if max_kv is None else max_kv  # a request's keys are distinct slots
-    has_mask = meta.custom_mask is not None
-    split_len = split_len or (config.split_len if config else 0) or meta.split_len \
-        or choose_split_len(k_cache.shape[0], hkv, q.device)
-    cfg = config or choose_config(q, hkv, B, max_q, bound, num_splits, split_len=split_len, has_mask=has_mask)
+    # The engine's launches (no override) decide once per batch and shape: every layer reuses it (``plans``)
+    engine = config is None and num_splits is None and split_len is None
+    key = ("paged", q.shape, q.dtype, q.device, k_cache.shape) if engine else None
+    plan = None if key is None else meta.plans.get(key)
+    if plan is None:
+        max_q = meta.static_max_q_len(q.shape[0])
+        max_kv = meta.static_max_kv_len()
+        bound = k_cache.shape[0] if max_kv is None else max_kv  # a request's keys are distinct slots
+        has_mask = meta.custom_mask is not None
+        split_len = split_len or (config.split_len if config else 0) or meta.split_len \
+            or choose_split_len(k_cache.shape[0], hkv, q.device)
+        cfg = config or choose_config(q, hkv, B, max_q, bound, num_splits, split_len=split_len, has_mask=has_mask)
+        plan = (max_q, bound, split_len, cfg)
+        if key is not None:
+            meta.plans[key] = plan
+    max_q, bound, split_len, cfg = plan
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():

@@ -28,7 +28,7 @@ whenever the tree is shallower than the window, which the engine checks).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -62,6 +62,9 @@ class AttentionMetadata:
     # Keys per attention split (kernels.attention.choose_split_len), fixed for the cache's life: the kernel
     # cuts splits at multiples of it, so a query's sum runs in one order whatever the step. None: the kernel's.
     split_len: int | None = None
+    # Launch decisions made for this batch (tile shapes, split counts), reused by every layer's call with the same
+    # shapes: one forward launches each attention 32 times over one metadata. Not copied by ``replace``.
+    plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:

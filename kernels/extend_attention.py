@@ -368,7 +368,13 @@ def _load_table(path: str) -> dict:
 
 def tuned_entries(device_name: str, key: str, path: str | None = None) -> list[tuple[int, int, ExtendConfig]]:
     """``(min_max_q_len, min_tokens, config)`` rows of the table for this device and shape key, in file order."""
-    table = _load_table(path or os.environ.get("EYRIE_EXTEND_CONFIGS") or str(TUNED_TABLE))
+    return list(_tuned_rows(device_name, key, path or os.environ.get("EYRIE_EXTEND_CONFIGS") or str(TUNED_TABLE)))
+
+
+@functools.lru_cache(maxsize=32)
+def _tuned_rows(device_name: str, key: str, path: str) -> tuple[tuple[int, int, ExtendConfig], ...]:
+    """``tuned_entries``' rows, parsed once per table, device and key (each extend launch reads them)."""
+    table = _load_table(path)
     rows = table.get("devices", {}).get(device_name, {}).get(key, [])
     out = []
     for row in rows:
@@ -376,7 +382,7 @@ def tuned_entries(device_name: str, key: str, path: str | None = None) -> list[t
             out.append((int(row["min_max_q_len"]), int(row["min_tokens"]), ExtendConfig(**row["config"])))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"extend-attention config table: bad row {row!r} for {device_name} / {key}: {e}") from e
-    return out
+    return tuple(out)
 
 
 def pick_tuned(entries: list[tuple[int, int, ExtendConfig]], max_q_len: int, tokens: int, group: int,
@@ -475,9 +481,18 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         raise ValueError("the caches need a contiguous head dimension")
     if k_new.dtype != q.dtype or v_new.dtype != q.dtype or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError("q, k_new, v_new and the caches must share one dtype")
-    max_q = meta.static_max_q_len(q.shape[0])
-    can_tma = tma_supported(q, k_new, v_new)
-    cfg = config or choose_extend_config(q, max_q, can_tma, hq // hkv)
+    # The engine's launches (no override) decide once per batch, shape and layout: every layer reuses it (``plans``)
+    key = None if config is not None else (
+        "extend", q.shape, q.dtype, q.device, hkv, q.stride(), k_new.stride(), v_new.stride(),
+        q.data_ptr() % 16, k_new.data_ptr() % 16, v_new.data_ptr() % 16)
+    plan = None if key is None else meta.plans.get(key)
+    if plan is None:
+        max_q = meta.static_max_q_len(q.shape[0])
+        can_tma = tma_supported(q, k_new, v_new)
+        plan = (max_q, can_tma, config or choose_extend_config(q, max_q, can_tma, hq // hkv))
+        if key is not None:
+            meta.plans[key] = plan
+    max_q, can_tma, cfg = plan
     if cfg.tma and not can_tma:
         raise ValueError("config asks for tensor descriptors, but these tensors / this device cannot use them")
     if cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1):

@@ -289,3 +289,28 @@ def test_warm_launches_cover_every_unmasked_launch_a_step_takes(monkeypatch):
     assert attn.keys <= warm_attn, attn.keys - warm_attn
     assert combine.keys <= warm_combine, combine.keys - warm_combine
     assert not k.any() and not v.any()  # the caches are read, never written
+
+
+def test_a_batchs_launch_is_decided_once_for_all_its_layers(monkeypatch):
+    """A forward launches the attention once per layer over one metadata: the tile shapes and splits are chosen at
+    the first call and reused (``AttentionMetadata.plans``), the same bits each time; a copy of the metadata
+    (``dataclasses.replace``) and a launch with an override decide afresh."""
+    import dataclasses
+
+    import kernels.attention as attention
+
+    calls = []
+    real = attention.choose_config
+    monkeypatch.setattr(attention, "choose_config", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    q, k, v, meta = make_case([1, 1, 1], [40, 9, 70], [1, 1, 1], 16, 4, 2, 16, torch.float32, host_copies=True)
+    first = check(q, k, v, meta)
+    again = check(q, k, v, meta)  # the next layer
+    assert len(calls) == 1 and torch.equal(first, again)
+    assert len(meta.plans) == 1
+    copy = dataclasses.replace(meta)
+    assert copy.plans == {} and torch.equal(check(q, k, v, copy), first) and len(calls) == 2
+    check(q[:, :2], k[:, :1], v[:, :1], meta)  # other shapes over the same metadata: a plan of their own
+    assert len(calls) == 3 and len(meta.plans) == 2
+    check(q, k, v, meta, num_splits=2)
+    check(q, k, v, meta, num_splits=2)  # an override is never taken from, nor kept in, the plans
+    assert len(calls) == 5 and len(meta.plans) == 2

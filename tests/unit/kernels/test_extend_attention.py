@@ -209,3 +209,20 @@ def test_rejects_custom_masks_and_mismatched_shapes():
     meta.mask_indptr = torch.tensor([0, 9])
     with pytest.raises(ValueError, match="causal"):
         extend_attention(q, k_new, v_new, k, v, meta, 0.5)
+
+
+def test_a_batchs_launch_is_decided_once_for_all_its_layers(monkeypatch):
+    """Every layer's extend over one metadata reuses the launch chosen at the first (``AttentionMetadata.plans``),
+    keyed by the shapes and the layout the descriptors need: a misaligned view decides again."""
+    import kernels.extend_attention as extend
+
+    calls = []
+    real = extend.choose_extend_config
+    monkeypatch.setattr(extend, "choose_extend_config", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    q, k_new, v_new, k, v, meta = make_case([9, 21, 1], [0, 19, 33], 16, 4, 2, 16, torch.float32, host_copies=True)
+    first = check(q, k_new, v_new, k, v, meta)
+    assert torch.equal(check(q, k_new, v_new, k, v, meta), first) and len(calls) == 1
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape).copy_(q)  # 4 bytes off: no descriptor
+    assert not tma_supported(shifted, k_new, v_new)
+    torch.testing.assert_close(check(shifted, k_new, v_new, k, v, meta), first)
+    assert len(calls) == 2 and calls[1][2] is False and len(meta.plans) == 2
