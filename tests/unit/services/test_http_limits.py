@@ -28,3 +28,26 @@ def test_headers_over_the_limit_are_a_400_naming_it():
         assert httpx.get(url, headers=auth, timeout=30).status_code == 200  # still serving
     finally:
         server.stop()
+
+
+def test_every_connection_is_tcp_nodelay():
+    """A stream writes its headers and then each event as small writes: with Nagle's algorithm on, each waited for
+    the client's ACK of the one before (a delayed ACK: up to 40 ms; the OpenAI API's first event came ~43 ms after
+    its headers). Every accepted connection of the shared server has TCP_NODELAY set, on a kept-alive connection
+    as users' clients hold them."""
+    import socket
+
+    app = FastAPI()
+    app.add_api_route("/ping", lambda: json_response({"ok": True}), methods=["GET"])
+    server = HttpServer(app, "127.0.0.1", 0, name="nodelay-test").start()
+    try:
+        assert server.sock.proto == socket.IPPROTO_TCP  # what asyncio looks at before setting it itself
+        with httpx.Client(timeout=30) as client:  # one kept-alive connection
+            for _ in range(2):
+                assert client.get(f"http://127.0.0.1:{server.port}/ping").json() == {"ok": True}
+            connections = list(server.server.server_state.connections)
+            assert len(connections) == 1
+            sock = connections[0].transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        server.stop()
