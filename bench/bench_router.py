@@ -10,7 +10,9 @@ local prefill (``local_prefill_max_tokens`` large), so no prefill service is inv
 ``--step-ms`` and gives each of its streams ``--tokens-per-step`` tokens per step, stretching its steps so that
 it never emits more than ``--instance-tok-s`` (a fixed engine throughput). Each token's logprob is the time it
 left the instance (``time.monotonic`` less the run's base, one clock for every process of the host), so the
-client measures what the router adds to each message: arrival time less the oldest token's departure.
+client measures what the router adds to each message: arrival time less the oldest token's departure (a
+sample of the messages: ``added``), and to each request's first message (all of them: ``first``, the part of
+TTFT the router adds).
 
 Clients (``--clients`` processes, grpc.aio) run a closed loop of ``--streams`` streams spread over the routers,
 each asking for ``--max-tokens`` tokens at a time. Reported per point: the tokens/s the clients received in
@@ -218,6 +220,8 @@ async def _stream_slot(stub, args, base: float, stats: dict, stop_at: float, mea
                 n = len(msg.token_ids)
                 stats["tokens"] += n
                 stats["messages"] += 1
+                if msg.logprobs and last is None:  # a request's first message (its first token)
+                    stats["first"].append(now - base - msg.logprobs[0])
                 if msg.logprobs and random.random() < 0.2:
                     stats["added"].append(now - base - msg.logprobs[0])
                 if last is not None and random.random() < 0.2:
@@ -267,6 +271,8 @@ async def _sse_slot(address: str, args, base: float, stats: dict, stop_at: float
                     if ids and measure_from <= now < stop_at:
                         stats["tokens"] += len(ids)
                         stats["messages"] += 1
+                        if lps and last is None:  # a request's first event (its first token)
+                            stats["first"].append(now - base - lps[0])
                         if lps and random.random() < 0.2:
                             stats["added"].append(now - base - lps[0])
                         if last is not None and random.random() < 0.2:
@@ -284,7 +290,7 @@ async def _client(args, routers: list[str], streams: int, base: float, start_at:
 
     from proto.eyrie.v1 import eyrie_pb2_grpc as pb_grpc
 
-    stats = {"tokens": 0, "messages": 0, "requests": 0, "added": [], "itl": []}
+    stats = {"tokens": 0, "messages": 0, "requests": 0, "added": [], "first": [], "itl": []}
     measure_from = start_at + args.warmup_s
     stop_at = measure_from + args.duration_s
     while time.monotonic() < start_at:
@@ -347,6 +353,7 @@ def run_point(args, routers: list[tuple[int, str]], streams: int, base: float, s
         p.join(60)
     tokens = sum(r["tokens"] for r in results)
     added = [x for r in results for x in r["added"]]
+    first = [x for r in results for x in r["first"]]
     itl = [x for r in results for x in r["itl"]]
     return {"routers": len(routers), "streams": streams, "tok_s": round(tokens / args.duration_s, 1),
             "msgs_s": round(sum(r["messages"] for r in results) / args.duration_s, 1),
@@ -354,6 +361,7 @@ def run_point(args, routers: list[tuple[int, str]], streams: int, base: float, s
             "router_cpu_us_per_token": round(1e6 * cpu / max(1, tokens), 2),
             "router_cpu_cores": round(cpu / wall, 2),
             "added_ms_p50": round(1e3 * _pct(added, 0.5), 3), "added_ms_p99": round(1e3 * _pct(added, 0.99), 3),
+            "first_ms_p50": round(1e3 * _pct(first, 0.5), 3), "first_ms_p99": round(1e3 * _pct(first, 0.99), 3),
             "itl_ms_p50": round(1e3 * _pct(itl, 0.5), 3), "itl_ms_p99": round(1e3 * _pct(itl, 0.99), 3),
             **other, "load_avg_1m": round(os.getloadavg()[0], 2)}
 
