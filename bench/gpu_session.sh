@@ -71,6 +71,7 @@
 #   bench/gpu_session.sh profile    # issue 30: one engine in-process at c32/c64/c128, per step kind wall vs device time and
 #                                   # a torch.profiler window (bench/profile_engine.py), with the EAGLE-3 head then without;
 #                                   # PROFILE_C=128 PROFILE_ARGS="--prompt 256 --output 128": stop 47's c128 comparison
+#                                   # PROFILE_REPEAT=2: the two engines alternated twice, medians and spreads compared
 #   PROFILE_ALT=alt.tar.gz bench/gpu_session.sh profile-branch  # profile here, then its head run on another tree
 #   bench/gpu_session.sh profile-host  # the same engine's host functions per step under cProfile at c64/c128
 #   bench/gpu_session.sh syncs      # every synchronizing call of a c128 loop by site (bench/find_syncs.py), and the GPU
@@ -407,14 +408,22 @@ for stage in "$@"; do
     profile)  # issue 30 item 1: where one engine's time goes at c32/c64/c128 (in-process, the widened pair, graphs):
       # per step kind wall vs device time, a torch.profiler window's kernel time; the default (adaptive) then no draft
       [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
-      # PROFILE_ARGS: more flags for both runs, e.g. "--prompt 256 --output 128" (the policy stage's colo1 workload)
-      run profile_adaptive 280 python3 bench/profile_engine.py --model /tmp/wide/target --draft /tmp/wide/eagle3 \
-        --prompts-file /tmp/wide/heldout.jsonl --concurrency ${PROFILE_C:-32,64,128} ${PROFILE_ARGS:-} \
-        --out "$OUT/profile_adaptive.json"
-      [ "${PROFILE_PLAIN:-1}" = 0 ] || run profile_plain 240 python3 bench/profile_engine.py --model /tmp/wide/target \
-        --prompts-file /tmp/wide/heldout.jsonl --concurrency ${PROFILE_C:-32,64,128} ${PROFILE_ARGS:-} \
-        --out "$OUT/profile_plain.json"
-      cat "$OUT"/profile_adaptive.log "$OUT"/profile_plain.log | grep -v Warning | head -120
+      # PROFILE_ARGS: more flags for both runs, e.g. "--prompt 256 --output 128" (the policy stage's colo1 workload);
+      # PROFILE_REPEAT=N: the two engines alternated N times (profile_{adaptive,plain}_rK.json), then
+      # bench/profile_compare.py's medians and spreads (one run of each says little: machines and moments differ)
+      reps=${PROFILE_REPEAT:-1}
+      for k in $(seq "$reps"); do
+        sfx=$([ "$reps" -gt 1 ] && echo "_r$k")
+        run profile_adaptive$sfx 280 python3 bench/profile_engine.py --model /tmp/wide/target \
+          --draft /tmp/wide/eagle3 --prompts-file /tmp/wide/heldout.jsonl --concurrency ${PROFILE_C:-32,64,128} \
+          ${PROFILE_ARGS:-} --out "$OUT/profile_adaptive$sfx.json"
+        [ "${PROFILE_PLAIN:-1}" = 0 ] || run profile_plain$sfx 240 python3 bench/profile_engine.py \
+          --model /tmp/wide/target --prompts-file /tmp/wide/heldout.jsonl --concurrency ${PROFILE_C:-32,64,128} \
+          ${PROFILE_ARGS:-} --out "$OUT/profile_plain$sfx.json"
+      done
+      cat "$OUT"/profile_adaptive*.log "$OUT"/profile_plain*.log | grep -v Warning | head -120
+      [ "${PROFILE_PLAIN:-1}" = 0 ] || python3 bench/profile_compare.py plain="$OUT/profile_plain*.json" \
+        adaptive="$OUT/profile_adaptive*.json" --out "$OUT/profile_compare.json"
       ;;
     profile-branch)  # the profile stage's head run on another tree beside this one's, one machine: PROFILE_ALT names a
       # `git archive --format=tar.gz` of it in this tree (untracked, not ignored: it travels), e.g.
