@@ -19,6 +19,11 @@ import glob
 import json
 import statistics
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.timing import write_json  # noqa: E402
 
 
 def load(pattern: str) -> list[dict]:
@@ -82,9 +87,7 @@ def main(argv=None) -> int:
             runs = ", ".join(f"{r['tok_s']} ({r['mixed_ms']} / {r['decode_ms']} ms)" for r in e["runs"])
             print(f"  {label:12s} median {e['median']} tok/s  spread {e['spread']}  vs first {e['vs_first']}"
                   f"   runs: {runs}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=1)
+    write_json(args.out, summary)
     return 0
 
 
