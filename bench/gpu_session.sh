@@ -58,7 +58,8 @@
 #                                   # (POLICY_MPS=1: the services as clients of an MPS daemon; POLICY_DEADLINE_S,
 #                                   # POLICY_SWEEP=32,64,128: the concurrencies)
 #                                   # (POLICY_RUNS=plain,chain3,tree: the fixed shapes, a second call), c1..c128, the
-#                                   # 8B-shaped widened pair, greedy checked equal (bench/house/policy_stack.py), ~9 min
+#                                   # 8B-shaped widened pair, greedy checked equal (bench/house/policy_stack.py), ~9 min;
+#                                   # "exit 1": a configuration or requests failed, "exit 3": only greedy left plain's
 #   bench/gpu_session.sh mps-ab     # pd1 without, then with an MPS daemon, plain and the defaults, c32-c128, one machine
 #   bench/gpu_session.sh graphs     # issue 30: colo1 c32/c64/c128 (max_running 128), graphs up to max_running (or as far
 #                                   # as the memory fraction allows: graphs_*_memory.log); then GRAPH_CAP=32 ... graphs:
