@@ -256,13 +256,13 @@ class SpecWorker:
         q_lens = [e - s for _, s, e in spans]
         host_ids, fill_at, fill_from = [], [], []
         for i, (r, s, e) in enumerate(spans):
-            known = r.all_ids[s + 1:e + 1]
-            host_ids += known
-            if len(known) < e - s:  # the tail: this step's sampled token
-                if sampled is None or sample_row is None or sample_row[i] is None:
-                    raise ValueError(f"{r.rid}: tail token at {e} is not known yet ({len(r.all_ids)} tokens)")
+            tail = sample_row[i] if sampled is not None and sample_row and e >= len(r.all_ids) else None
+            if tail is None:
+                host_ids += shifted_tokens(r, s, e)  # (raises when the tail is not known and not sampled)
+            else:  # the tail: this step's sampled token, filled on the device
+                host_ids += shifted_tokens(r, s, e - 1)
                 fill_at.append(len(host_ids))
-                fill_from.append(sample_row[i])
+                fill_from.append(tail)
                 host_ids.append(0)
         ids = torch.tensor(host_ids, dtype=torch.int64)
         pos = torch.cat([torch.arange(s, e) for _, s, e in spans]) if spans else torch.zeros(0, dtype=torch.int64)
