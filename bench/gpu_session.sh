@@ -77,6 +77,8 @@
 #   bench/gpu_session.sh profile-host  # the same engine's host functions per step under cProfile at c64/c128
 #   bench/gpu_session.sh syncs      # every synchronizing call of a c128 loop by site (bench/find_syncs.py), and the GPU
 #                                   # test that the draft's work in a step never waits for the device
+#   bench/gpu_session.sh launch     # Triton launches through kernels.launch.fast: its GPU test, the attention GPU tests,
+#                                   # then host us per launch against JITFunction.run (bench/bench_launch.py, ~3 min)
 #   bench/gpu_session.sh profile-mixed # a torch.profiler window over c128's first-wave mixed steps, without and with
 #                                   # the EAGLE-3 head (profile_mixed_{plain,adaptive}.json)
 #   bench/gpu_session.sh split-attn # decode-like attention at the engine's graph bounds: serial vs every n'th split
@@ -473,6 +475,14 @@ for stage in "$@"; do
         --out "$OUT/anatomy.json"
       grep -v Warning "$OUT/anatomy.log" | head -150
       ;;
+    launch)  # issue 30: Triton launches through kernels.launch.fast: its GPU test, the attention kernels' GPU tests
+      # (plan caching), the warm-launch test, then host us per launch, fast vs JITFunction.run (launch.json)
+      run launch_tests 360 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fast_launch_gpu.py \
+        tests/gpu/test_kernels_gpu.py tests/gpu/test_extend_attention_gpu.py tests/gpu/test_mixed_attention_gpu.py \
+        tests/gpu/test_attention_invariance_gpu.py tests/gpu/test_warm_launches_gpu.py
+      run launch_bench 120 python3 bench/bench_launch.py --out "$OUT/launch.json"
+      cat "$OUT/launch_bench.log"
+      ;;
     syncs)  # issues 30/31: every synchronizing call of one engine's c128 loop by site (bench/find_syncs.py), the
       # widened pair with its EAGLE-3 head, then the GPU test that the draft's work in a step never waits (~3 min)
       [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
@@ -487,7 +497,7 @@ for stage in "$@"; do
         "features, tp-tests, tp, local, memory, layouts, layouts4, peer, nixl, receive, policy, graphs," \
         "prefix, prefix-route, decode-cache, prefix-bench, prefix-bench2, profile, profile-branch, profile-host," \
         "profile-mixed, split-attn, anatomy, mixed-attn, batch-invariant, suite-x2, tp-diag, router-cpu," \
-        "pd2-arrivals, fp8, fp8-split, fp8-tune, fp8-profile, cross-check, syncs)" >&2
+        "pd2-arrivals, fp8, fp8-split, fp8-tune, fp8-profile, cross-check, syncs, launch)" >&2
       exit 2
       ;;
   esac

@@ -52,6 +52,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kernels.attention_ref import AttentionMetadata, check_window_args, pack_int64, paged_attention_ref
+from kernels.launch import fast
 
 try:
     import triton
@@ -600,7 +601,7 @@ def _launch(q, k_cache, v_cache, meta, sm_scale, window, q_positions, cfg, split
     block_d = max(16, triton.next_power_of_2(d))  # tl.dot needs K, N >= 16
     upcast = q.dtype == torch.bfloat16 and not q.is_cuda  # only the interpreter runs off CUDA
     precision = "ieee" if (q.dtype == torch.float32 or upcast) else "tf32"
-    _attn_kernel[(n_qblocks, B * hkv, P)](
+    fast(_attn_kernel)[(n_qblocks, B * hkv, P)](
         q, k_cache, v_cache, out, opart, lse, ranges,
         meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.prefix_lens, mask, mask_indptr, q_pos,
         sm_scale * LOG2E, hkv, hq, T, window, split_len, max(1, cfg.tail_split),
@@ -613,9 +614,9 @@ def _launch(q, k_cache, v_cache, meta, sm_scale, window, q_positions, cfg, split
     )
     if not serial:
         unroll = S <= UNROLLED_SPLITS
-        _combine_kernel[(T, hq)](opart, lse, out, ranges, T, hq, S, out.stride(0), out.stride(1), HEAD_DIM=d,
-                                 BLOCK_D=block_d, SPLITS_P2=triton.next_power_of_2(S) if unroll else 1,
-                                 UNROLL=unroll, num_warps=4 if d >= 128 else 2)
+        fast(_combine_kernel)[(T, hq)](opart, lse, out, ranges, T, hq, S, out.stride(0), out.stride(1), HEAD_DIM=d,
+                                       BLOCK_D=block_d, SPLITS_P2=triton.next_power_of_2(S) if unroll else 1,
+                                       UNROLL=unroll, num_warps=4 if d >= 128 else 2)
 
 
 def warm_launches(dtype: torch.dtype, num_q_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -65,6 +65,7 @@ from pathlib import Path
 import torch
 
 from kernels.attention_ref import AttentionMetadata, paged_attention_ref
+from kernels.launch import fast
 
 try:
     import triton
@@ -514,7 +515,7 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     n_heads = (1 if cfg.request_major else meta.batch_size) * hq // cfg.pack
     grid = (n_qblocks, n_heads) if cfg.head_major else (n_heads, n_qblocks)
     grid = (*grid, meta.batch_size if cfg.request_major else 1)
-    _extend_kernel[grid](
+    fast(_extend_kernel)[grid](
         q, qd, k_new, knd, v_new, vnd, k_cache, v_cache, out,
         meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.prefix_lens,
         sm_scale * LOG2E, hq, window,

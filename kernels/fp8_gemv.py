@@ -31,6 +31,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from kernels.launch import fast
+
 try:
     import triton
     import triton.language as tl
@@ -271,7 +273,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
             counters = _counters(weight, grid[0] * grid[1])
         else:
             partials = counters = scale
-        _fp8_gemv_kernel[grid](
+        fast(_fp8_gemv_kernel)[grid](
             x2[lo:hi], weight, scale, bias if bias is not None else scale, out[lo:hi], partials, counters, hi - lo, n,
             k, scale.shape[1], k_per, x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
             BN=bn, BK=bk, PER_CHANNEL=bk >= k, BLOCK_M=tile_rows, BLOCK_N=block_n, BLOCK_K=block_k,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.launch import fast
 from kernels.norm_rope import apply_rope_ref
 
 try:
@@ -112,7 +113,7 @@ def rope_store(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, 
         return rope_store_ref(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, keep_kv)
     T = qkv.shape[0]
     q = torch.empty(T, num_heads, d, dtype=qkv.dtype, device=qkv.device)
-    _rope_store_kernel[(T, num_heads + 2 * num_kv_heads)](
+    fast(_rope_store_kernel)[(T, num_heads + 2 * num_kv_heads)](
         qkv, cos.contiguous(), sin.contiguous(), q, k_cache, v_cache, slots, qkv.stride(0),
         k_cache.stride(0), k_cache.stride(1), n_q=num_heads, n_kv=num_kv_heads, HALF=half, KEEP_K=keep_kv)
     return (q, *_kept(qkv, None, num_heads, num_kv_heads, d)) if keep_kv else q
@@ -124,5 +125,5 @@ def silu_mul(gate_up, backend: str = "auto"):
     T, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(T, n, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(T, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0), BLOCK=block)
+    fast(_silu_mul_kernel)[(T, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0), BLOCK=block)
     return out

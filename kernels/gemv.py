@@ -24,6 +24,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from kernels.launch import fast
+
 try:
     import triton
     import triton.language as tl
@@ -83,8 +85,8 @@ if triton is not None:
                      mask=n_ok[:, None] & m_ok[None, :])
 
 
-def _enabled() -> bool:
-    return os.environ.get("EYRIE_GEMV", "1") != "0"
+# EYRIE_GEMV=0: every product through F.linear (read once: a linear is called ~130 times an eager step)
+ENABLED = os.environ.get("EYRIE_GEMV", "1") != "0"
 
 
 @functools.lru_cache(maxsize=256)
@@ -108,8 +110,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            out: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; the Triton kernel for few rows on CUDA (or ``backend="triton"``)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    use = triton is not None and (backend == "triton" or (backend == "auto" and x.is_cuda and _enabled()))
-    if (not use or rows == 0 or rows > MAX_ROWS or weight.dim() != 2 or weight.stride(1) != 1
+    use = triton is not None and (backend == "triton" or (backend == "auto" and x.is_cuda and ENABLED))
+    if (rows > MAX_ROWS or not use or rows == 0 or weight.dim() != 2 or weight.stride(1) != 1
             or x.dtype != weight.dtype or (x.is_cuda and x.dtype == torch.float32 and backend == "auto")):
         return linear_ref(x, weight, bias)
     lead = x.shape[:-1]
@@ -122,7 +124,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
     block_n, block_k, warps, stages = config or choose_config(rows, n, k, sms)
     block_m = 1 if rows == 1 else MAX_ROWS
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    fast(_gemv_kernel)[(triton.cdiv(n, block_n),)](
         x2, weight, bias if bias is not None else weight, out, rows, n, k,
         x2.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.launch import fast
+
 try:
     import triton
     import triton.language as tl
@@ -47,6 +49,6 @@ def gather_kv_indices(table: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Te
     if rows.numel():
         # The kernel reads rows[b] at rows_ptr + b: a strided view (one column of a [B, caches] map of a
         # multi-layer draft) must be made contiguous, or request b reads another request's row.
-        _gather_kv_indices_kernel[(rows.numel(),)](table, table.stride(0), rows.contiguous(), kv_lens.contiguous(),
-                                                   kv_indptr.contiguous(), out, BLOCK=256)
+        fast(_gather_kv_indices_kernel)[(rows.numel(),)](
+            table, table.stride(0), rows.contiguous(), kv_lens.contiguous(), kv_indptr.contiguous(), out, BLOCK=256)
     return out

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.launch import fast
+
 try:
     import triton
     import triton.language as tl
@@ -79,8 +81,9 @@ def rms_norm(x, weight, eps, residual=None, backend: str = "auto"):
     out = torch.empty_like(x)
     summed = torch.empty_like(x) if residual is not None else x
     rows = x.numel() // n
-    _rms_norm_kernel[(rows,)](x, residual.contiguous() if residual is not None else x, weight, out, summed, n, eps,
-                              HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n))
+    fast(_rms_norm_kernel)[(rows,)](
+        x, residual.contiguous() if residual is not None else x, weight, out, summed, n, eps,
+        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n))
     return out, summed
 
 
@@ -91,7 +94,7 @@ def apply_rope(q, k, cos, sin, backend: str = "auto"):
     for x in (q, k):
         x = x.contiguous()
         out = torch.empty_like(x)
-        _rope_kernel[(x.shape[0], x.shape[1])](x, cos.contiguous(), sin.contiguous(), out, x.shape[1],
-                                               HALF=x.shape[-1] // 2)
+        fast(_rope_kernel)[(x.shape[0], x.shape[1])](x, cos.contiguous(), sin.contiguous(), out, x.shape[1],
+                                                     HALF=x.shape[-1] // 2)
         outs.append(out)
     return outs[0], outs[1]

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kernels.launch import fast
+
 try:
     import triton
     import triton.language as tl
@@ -103,9 +105,10 @@ def copy_pages(dst: torch.Tensor, src: torch.Tensor, src_pages: list[int], dst_p
     block = triton.next_power_of_2(max(1, min(block_bytes // src_w.element_size(), page)))
     groups, blocks = triton.cdiv(n, k.pages_per_program), triton.cdiv(page, block)
     grid = (groups * blocks, planes) if k.flat_grid else (groups, planes, blocks)
-    _copy_pages_kernel[grid](src_w, dst_w.data_ptr() if raw_dst else dst_w, ids, n, src_w[0, 0].numel(),
-                             dst_w[0, 0].numel(), PAGE=page, BLOCK=block, PAGES=k.pages_per_program, FLAT=k.flat_grid,
-                             RAW=raw_dst, ALIGNED=raw_dst and _aligned16(dst_w, page, block), num_warps=k.num_warps)
+    fast(_copy_pages_kernel)[grid](
+        src_w, dst_w.data_ptr() if raw_dst else dst_w, ids, n, src_w[0, 0].numel(), dst_w[0, 0].numel(), PAGE=page,
+        BLOCK=block, PAGES=k.pages_per_program, FLAT=k.flat_grid, RAW=raw_dst,
+        ALIGNED=raw_dst and _aligned16(dst_w, page, block), num_warps=k.num_warps)
 
 
 PEER_MODES = ("staged", "pull", "push", "runs", "runs-strided")

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.launch import fast
+
 try:
     import triton
     import triton.language as tl
@@ -160,7 +162,7 @@ def build_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torc
                     mask=torch.empty(B, num_nodes, num_nodes, dtype=torch.bool, device=dev),
                     positions=None if committed_len is None else torch.empty(B, num_nodes, **i64))
     node_of = torch.empty(B, M, dtype=torch.int32, device=dev)
-    _build_tree_kernel[(B,)](
+    fast(_build_tree_kernel)[(B,)](
         cand_scores.float().contiguous(), cand_tokens.contiguous(), cand_parents.contiguous(),
         cand_depths.contiguous(), root.contiguous(), committed_len if committed_len is not None else root,
         node_of, out.tokens, out.parents, out.depths, out.mask.view(torch.uint8),
@@ -239,8 +241,9 @@ def greedy_verify(parents: torch.Tensor, tokens: torch.Tensor, target_argmax: to
     dev = tokens.device
     out = Acceptance(torch.empty(B, steps + 1, dtype=torch.int64, device=dev),
                          torch.empty(B, dtype=torch.int64, device=dev), torch.empty(B, dtype=torch.int64, device=dev))
-    _greedy_verify_kernel[(B,)](parents.contiguous(), tokens.contiguous(), target_argmax.contiguous(),
-                                out.accept_index, out.accept_len, out.bonus, N, STEPS=steps, N_P2=_p2(N), num_warps=1)
+    fast(_greedy_verify_kernel)[(B,)](
+        parents.contiguous(), tokens.contiguous(), target_argmax.contiguous(), out.accept_index, out.accept_len,
+        out.bonus, N, STEPS=steps, N_P2=_p2(N), num_warps=1)
     return out
 
 
@@ -310,7 +313,7 @@ def move_kv(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], src: tor
     B, S = src2.shape
     row_elems = first[0].numel()
     block = min(1024, _p2(row_elems))
-    _move_kv_kernel[(B, len(caches), triton.cdiv(row_elems, block))](
+    fast(_move_kv_kernel)[(B, len(caches), triton.cdiv(row_elems, block))](
         _pointer_table(caches), src2.contiguous(), dst2.contiguous(), S, row_elems,
         DT=_TL_DTYPES[first.dtype], S_P2=_p2(S), BLOCK=block, num_warps=4)
 
@@ -385,9 +388,9 @@ def gather_accepted(accept_index: torch.Tensor, accept_len: torch.Tensor, bonus:
     out = AcceptedPath(tokens=torch.empty(B, S, dtype=torch.int64, device=dev),
                        logprobs=torch.empty(B, S, dtype=torch.float32, device=dev),
                        feats=torch.empty(B, S, W, dtype=feats.dtype, device=dev))
-    _gather_accepted_kernel[(B, S)](accept_index.contiguous(), accept_len.contiguous(), bonus.contiguous(),
-                                    tree_tokens.contiguous(), logits.contiguous(), feats.contiguous(),
-                                    out.tokens, out.logprobs, out.feats, S, N, V, W,
-                                    BLOCK_V=min(4096, _p2(V)), BLOCK_W=min(1024, _p2(W)),
-                                    num_warps=8 if V >= 8192 else 4)
+    fast(_gather_accepted_kernel)[(B, S)](accept_index.contiguous(), accept_len.contiguous(), bonus.contiguous(),
+                                          tree_tokens.contiguous(), logits.contiguous(), feats.contiguous(),
+                                          out.tokens, out.logprobs, out.feats, S, N, V, W,
+                                          BLOCK_V=min(4096, _p2(V)), BLOCK_W=min(1024, _p2(W)),
+                                          num_warps=8 if V >= 8192 else 4)
     return out

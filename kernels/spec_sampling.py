@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.launch import fast
 from kernels.spec_kernels import Acceptance
 
 try:
@@ -266,11 +267,11 @@ def target_weights(logits: torch.Tensor, rows: SamplingRows, backend: str = "aut
     out = TargetWeights(weights=torch.empty(B, N, V, dtype=torch.float32, device=dev),
                         thresh=torch.empty(B, N, dtype=torch.int64, device=dev),
                         total=torch.empty(B, N, dtype=torch.int64, device=dev))
-    _target_weights_kernel[(B * N,)](logits.contiguous(), rows.temperature.float().contiguous(),
-                                     rows.top_k.to(torch.int64).contiguous(), rows.top_p.float().contiguous(),
-                                     out.weights, out.thresh, out.total, N, V, BLOCK_V=min(2048, _p2(V)),
-                                     SEARCH_BLOCK=min(256, _p2(V)), ROUNDS=SEARCH_ROUNDS, WAYS=SEARCH_WAYS,
-                                     num_warps=8 if V >= 4096 else 4)
+    fast(_target_weights_kernel)[(B * N,)](logits.contiguous(), rows.temperature.float().contiguous(),
+                                           rows.top_k.to(torch.int64).contiguous(), rows.top_p.float().contiguous(),
+                                           out.weights, out.thresh, out.total, N, V, BLOCK_V=min(2048, _p2(V)),
+                                           SEARCH_BLOCK=min(256, _p2(V)), ROUNDS=SEARCH_ROUNDS, WAYS=SEARCH_WAYS,
+                                           num_warps=8 if V >= 4096 else 4)
     return out
 
 
@@ -452,9 +453,9 @@ def tree_verify(tw: TargetWeights, argmax: torch.Tensor, parents: torch.Tensor, 
     dev = tokens.device
     out = Acceptance(torch.empty(B, steps + 1, dtype=torch.int64, device=dev),
                          torch.empty(B, dtype=torch.int64, device=dev), torch.empty(B, dtype=torch.int64, device=dev))
-    _tree_verify_kernel[(B,)](tw.weights, tw.thresh.contiguous(), tw.total.contiguous(), argmax.contiguous(),
-                              parents.contiguous(), tokens.contiguous(), rows.temperature.float().contiguous(),
-                              rows.seed.to(torch.int64).contiguous(), committed_len.to(torch.int64).contiguous(),
-                              out.accept_index, out.accept_len, out.bonus, N, V,
-                              STEPS=steps, N_P2=_p2(N), BLOCK_V=min(2048, _p2(V)), num_warps=8 if V >= 4096 else 4)
+    fast(_tree_verify_kernel)[(B,)](
+        tw.weights, tw.thresh.contiguous(), tw.total.contiguous(), argmax.contiguous(), parents.contiguous(),
+        tokens.contiguous(), rows.temperature.float().contiguous(), rows.seed.to(torch.int64).contiguous(),
+        committed_len.to(torch.int64).contiguous(), out.accept_index, out.accept_len, out.bonus, N, V,
+        STEPS=steps, N_P2=_p2(N), BLOCK_V=min(2048, _p2(V)), num_warps=8 if V >= 4096 else 4)
     return out
