@@ -79,6 +79,7 @@
 #                                   # test that the draft's work in a step never waits for the device
 #   bench/gpu_session.sh launch     # Triton launches through kernels.launch.fast: its GPU test, the attention GPU tests,
 #                                   # then host us per launch against JITFunction.run (bench/bench_launch.py, ~3 min)
+#   bench/gpu_session.sh launch-ab  # one engine at c128, plain and EAGLE-3, launches fast vs JITFunction.run alternated
 #   bench/gpu_session.sh profile-mixed # a torch.profiler window over c128's first-wave mixed steps, without and with
 #                                   # the EAGLE-3 head (profile_mixed_{plain,adaptive}.json)
 #   bench/gpu_session.sh split-attn # decode-like attention at the engine's graph bounds: serial vs every n'th split
@@ -483,6 +484,25 @@ for stage in "$@"; do
       run launch_bench 120 python3 bench/bench_launch.py --out "$OUT/launch.json"
       cat "$OUT/launch_bench.log"
       ;;
+    launch-ab)  # issue 30: one engine at c128 (256:128, in-process), Triton's launches through kernels.launch.fast and
+      # through JITFunction.run (EYRIE_FAST_LAUNCH=0), alternated LAUNCH_REPEAT times (default 1), plain then the
+      # EAGLE-3 default; bench/profile_compare.py's medians (profile_{plain,adaptive}_{fast,jit}_rK.json)
+      [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
+      for k in $(seq "${LAUNCH_REPEAT:-1}"); do
+        for mode in fast jit; do
+          flag=$([ $mode = fast ] && echo 1 || echo 0)
+          for eng in plain adaptive; do
+            EYRIE_FAST_LAUNCH=$flag run profile_${eng}_${mode}_r$k 200 python3 bench/profile_engine.py \
+              --model /tmp/wide/target $([ $eng = adaptive ] && echo --draft /tmp/wide/eagle3) \
+              --prompts-file /tmp/wide/heldout.jsonl --concurrency ${LAUNCH_C:-128} --prompt 256 --output 128 \
+              --out "$OUT/profile_${eng}_${mode}_r$k.json"
+          done
+        done
+      done
+      python3 bench/profile_compare.py plain_jit="$OUT/profile_plain_jit_r*.json" \
+        plain_fast="$OUT/profile_plain_fast_r*.json" adaptive_jit="$OUT/profile_adaptive_jit_r*.json" \
+        adaptive_fast="$OUT/profile_adaptive_fast_r*.json" --out "$OUT/launch_ab.json"
+      ;;
     syncs)  # issues 30/31: every synchronizing call of one engine's c128 loop by site (bench/find_syncs.py), the
       # widened pair with its EAGLE-3 head, then the GPU test that the draft's work in a step never waits (~3 min)
       [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
@@ -497,7 +517,7 @@ for stage in "$@"; do
         "features, tp-tests, tp, local, memory, layouts, layouts4, peer, nixl, receive, policy, graphs," \
         "prefix, prefix-route, decode-cache, prefix-bench, prefix-bench2, profile, profile-branch, profile-host," \
         "profile-mixed, split-attn, anatomy, mixed-attn, batch-invariant, suite-x2, tp-diag, router-cpu," \
-        "pd2-arrivals, fp8, fp8-split, fp8-tune, fp8-profile, cross-check, syncs, launch)" >&2
+        "pd2-arrivals, fp8, fp8-split, fp8-tune, fp8-profile, cross-check, syncs, launch, launch-ab)" >&2
       exit 2
       ;;
   esac
