@@ -133,8 +133,8 @@ class _EngineOwn(BaseSettings):
 # are: everything but the tree's parts (``spec``: the service's ``spec_*``), the graph phases (tests and benchmarks),
 # the pools' sharing (a decode engine's own) and the shapes (text here).
 FROM_ENGINE = ("device", "dtype", "page_size", "num_pages", "max_running", "max_context", "chunk_size", "cuda_graph",
-               "cuda_graph_max_bs", "spec_draft_ahead", "spec_policy", "spec_draft_backlog", "tensor_parallel",
-               "prefix_cache", "gpu_memory_fraction", "batch_invariant")
+               "cuda_graph_mixed", "cuda_graph_max_bs", "spec_draft_ahead", "spec_policy", "spec_draft_backlog",
+               "tensor_parallel", "prefix_cache", "gpu_memory_fraction", "batch_invariant")
 EngineOptions = create_model(
     "EngineOptions", __base__=_EngineOwn, __module__=__name__,
     **{n: (EngineConfig.model_fields[n].annotation, Field(EngineConfig.model_fields[n].default,

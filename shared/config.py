@@ -125,6 +125,10 @@ class EngineConfig(BaseModel):
     spec: SpecConfig | None = None
     cuda_graph: bool = Field(False, description="capture decode, draft and verify in CUDA graphs")
     cuda_graph_phases: tuple[str, ...] = ("decode", "draft", "verify", "extend")  # each switchable
+    cuda_graph_mixed: bool = Field(False, description="with `cuda_graph`: steps with prefill chunks (a mixed step, a "
+                                   "prefill step) replay the target's work between its attentions as CUDA graphs, "
+                                   "one per layer and 32-token bucket, the attentions launched between them "
+                                   "(shared/mixed_graphs.py); not yet measured against the eager step, hence off")
     cuda_graph_max_bs: int | None = Field(None, description="largest batch the CUDA graphs are captured for "
                                           "(unset = `max_running`: every batch the engine runs, as far as "
                                           "`gpu_memory_fraction` leaves room: a `graphs_capped` warning names "

@@ -53,6 +53,7 @@ from shared.memory.sizing import (
     pages_within_budget,
     profiled_reserve,
 )
+from shared.mixed_graphs import MixedGraphs
 from shared.model.drafts import DraftHead, load_draft
 from shared.model.fp8 import mark_same_rows
 from shared.model.layers import Attention
@@ -130,6 +131,12 @@ class ModelRunner:
         self.decode_graphs = PhaseGraphs("decode", self._decode_phase, "decode" in graphs_on, config.graph_max_bs,
                                          self.graph_failures, before_replay=lambda: flush_tables([self.cache]),
                                          pool=self.graph_pool)
+        w = self.speculator
+        self.mixed_graphs = MixedGraphs(  # steps with prefill chunks: the target in pieces between its attentions
+            self.model, self.cache, (config.chunk_size or 0) + config.max_running,
+            config.cuda_graph and config.cuda_graph_mixed and self.device.type == "cuda" and not config.batch_invariant,
+            aux_layers=w.aux_layers if w is not None and w.capture_mode == "aux" else (), pool=self.graph_pool,
+            failures=self.graph_failures)
 
     # ---- loading and sizing ----------------------------------------------------------------------
     def _load_target(self, model: str | Path | LlamaForCausalLM, config: EngineConfig
@@ -325,8 +332,8 @@ class ModelRunner:
         batch = build_forward_batch(self.cache, rows, prefix, q_lens, torch.tensor(ids), positions, positions,
                                     logits_rows=torch.tensor(sample_rows, dtype=torch.int64))
         w = self.speculator
-        out = self.model(batch, self.cache, capture=w.capture_mode if w else "none",
-                         aux_layers=w.aux_layers if w else ())
+        forward = self.mixed_graphs.forward if self.mixed_graphs.applies(batch) else self.model
+        out = forward(batch, self.cache, capture=w.capture_mode if w else "none", aux_layers=w.aux_layers if w else ())
         for req in plan.decode:
             req.advance(req.kv_len + 1)
         for ch in plan.prefill:
@@ -401,8 +408,10 @@ class ModelRunner:
                 policy.cost, MeasuredCost)
             self.send("capture_graphs", timed)
         self.warm_attention()
+        with self.on_device():
+            mixed = self.mixed_graphs.capture_all()
         if self.role == "prefill":
-            return 0
+            return mixed
         room = self._capture_budget()
         with self.on_device():
             if self.speculator is not None:
@@ -426,7 +435,7 @@ class ModelRunner:
             # no other step can reuse them: released, or they would sit beside the default stream's blocks
             # (the reserve counts one eager step's, not two). The graphs' private pools stay.
             torch.cuda.empty_cache()
-            return count
+            return count + mixed
 
     def warm_attention(self) -> int:
         """Compile the eager attention launches a step may take (``kernels.attention.warm_launches``) for each

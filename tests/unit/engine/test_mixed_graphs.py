@@ -1,0 +1,131 @@
+"""shared/mixed_graphs.py on the CPU: the target's forward in pieces between its attentions (the pieces run eagerly
+here, on the same buffers and padded buckets the CUDA graphs capture) gives each request what the eager forward
+gives it: the same greedy tokens and logits within float tolerance, with and without an EAGLE-3 head (whose
+features come from the pieces' buffers); padding rows write only the sink slot; what the pieces cannot run takes
+the eager forward. tests/gpu/test_mixed_graphs_gpu.py replays the captured graphs on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_checks import check_pools_full, record_logits
+
+from shared.config import EngineConfig, SpecConfig
+from shared.engine import Engine
+from shared.mixed_graphs import BUCKET, MixedGraphs, unsupported
+from shared.sampling import SamplingParams
+
+CHUNK = 96
+LONG = [50 + (i * 29) % 400 for i in range(200)]  # chunks of 96, 96, 8: two run in pieces
+SHORT = [list(range(3, 24)), [100 + (i * 37) % 300 for i in range(29)]]
+GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+
+def _engine(model_dir, draft: str | None, pieces: bool) -> tuple[Engine, list]:
+    config = EngineConfig(chunk_size=CHUNK, page_size=4, max_running=8,
+                          spec=SpecConfig(topk=1, steps=2, num_draft_tokens=3) if draft else None,
+                          spec_policy="fixed")
+    engine = Engine(model_dir / "target", model_dir / draft if draft else None, config)
+    used = []
+    if pieces:
+        r = engine.runner
+        w = r.speculator
+        mg = MixedGraphs(r.model, r.cache, CHUNK + 8, True, capture=False,
+                         aux_layers=w.aux_layers if w is not None and w.capture_mode == "aux" else ())
+        inner = mg.forward
+
+        def counted(batch, *args, **kwargs):
+            used.append(batch.input_ids.shape[0])
+            return inner(batch, *args, **kwargs)
+
+        mg.forward = counted
+        r.mixed_graphs = mg
+    return engine, used
+
+
+def _run(model_dir, draft: str | None, pieces: bool):
+    engine, used = _engine(model_dir, draft, pieces)
+    seen = record_logits(engine)
+    features = []  # what the draft is fed from each forward over chunks
+    w = engine.runner.speculator
+    if w is not None:
+        inner = w.launch_rows
+
+        def spy(decode, starts, prefill, out, *rest):
+            features.append(out.features().clone())
+            return inner(decode, starts, prefill, out, *rest)
+
+        w.launch_rows = spy
+    early = [engine.add_request(p, GREEDY) for p in SHORT]
+    engine.step()
+    engine.step()
+    late = engine.add_request(LONG, GREEDY)
+    engine.run_until_done()
+    reqs = early + [late]
+    out = [engine.result(r).token_ids for r in reqs]
+    logits = [torch.stack(seen[r.rid]) for r in reqs]
+    check_pools_full(engine)
+    return out, logits, used, features
+
+
+@pytest.mark.parametrize("draft", [None, "eagle3", "eagle"])
+def test_pieces_give_the_eager_forwards_tokens_and_logits(tiny_model_dir, draft):
+    want, want_logits, _, want_features = _run(tiny_model_dir, draft, pieces=False)
+    got, got_logits, used, got_features = _run(tiny_model_dir, draft, pieces=True)
+    assert got == want
+    for g, w in zip(got_logits, want_logits):
+        assert g.shape == w.shape and (g - w).abs().max().item() <= 1e-4
+    assert len(got_features) == len(want_features) and (len(want_features) > 0) == (draft is not None)
+    for g, w in zip(got_features, want_features):
+        assert g.shape == w.shape and (g - w).abs().max().item() <= 1e-4
+    # the late prompt's first two chunks (96 queries each, beside the decode rows) ran in pieces, the 8-token tail not
+    assert len(used) == 2 and all(CHUNK <= t <= CHUNK + 2 for t in used)
+
+
+def test_padding_rows_store_only_in_the_sink_slot(tiny_model_dir):
+    engine, used = _engine(tiny_model_dir, None, pieces=True)
+    cache = engine.runner.cache
+    stores = []
+    mg = engine.runner.mixed_graphs
+    inner = mg.forward
+
+    def watched(batch, *args, **kwargs):
+        before = [k.clone() for k in cache.k]
+        out = inner(batch, *args, **kwargs)
+        changed = set()
+        for k0, k1 in zip(before, cache.k):
+            changed |= set(torch.nonzero((k0 != k1).flatten(1).any(1)).flatten().tolist())
+        stores.append((changed, set(batch.out_cache_loc.tolist()), batch.input_ids.shape[0]))
+        return out
+
+    mg.forward = watched
+    engine.generate([LONG[:CHUNK + 4]], GREEDY)  # a full bucket (96 rows), then a 4-token chunk: eager
+    engine.generate([LONG[100:170]], GREEDY)  # 70 rows in the 96-row bucket: the last 26 rows are padding
+    assert [t for _, _, t in stores] == [CHUNK, 70]
+    changed, loc, t = stores[1]
+    assert 0 not in loc  # none of the request's slots is the sink
+    # the rows past 70 held the first prompt's slots: written again, they would show here
+    assert changed <= loc | {0} and loc <= changed | {0} and 0 in changed
+    check_pools_full(engine)
+
+
+def test_short_chunks_masks_and_unsupported_models_stay_eager(tiny_model_dir):
+    engine, used = _engine(tiny_model_dir, None, pieces=True)
+    engine.generate([LONG[:EXTEND_SHORT]], GREEDY)  # a 40-token prompt: the paged launch's batch, not pieces
+    assert used == []
+    mg = engine.runner.mixed_graphs
+    assert mg.bucket(CHUNK + 8) == -(-(CHUNK + 8) // BUCKET) * BUCKET and mg.bucket(10_000) is None
+    r = engine.runner
+    r.model.tp = object()
+    assert unsupported(r.model, r.cache) == "tensor parallelism"
+    off = MixedGraphs(r.model, r.cache, CHUNK, True, capture=False)
+    assert not off.enabled and off.why_not == "tensor parallelism" and off.buckets == []
+    r.model.tp = None
+    r.model.model.layers[1].self_attn.q_norm = object()
+    assert "q/k norms" in unsupported(r.model, r.cache)
+    r.model.model.layers[1].self_attn.q_norm = None
+    assert unsupported(r.model, r.cache) is None
+
+
+EXTEND_SHORT = 40
