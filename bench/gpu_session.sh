@@ -80,6 +80,7 @@
 #   bench/gpu_session.sh launch     # Triton launches through kernels.launch.fast: its GPU test, the attention GPU tests,
 #                                   # then host us per launch against JITFunction.run (bench/bench_launch.py, ~3 min)
 #   bench/gpu_session.sh launch-ab  # one engine at c128, plain and EAGLE-3, launches fast vs JITFunction.run alternated
+#   bench/gpu_session.sh mixed-graphs  # cuda_graph_mixed's GPU test, then c128 eager vs pieces (launch-ab's modes)
 #   bench/gpu_session.sh profile-mixed # a torch.profiler window over c128's first-wave mixed steps, without and with
 #                                   # the EAGLE-3 head (profile_mixed_{plain,adaptive}.json)
 #   bench/gpu_session.sh split-attn # decode-like attention at the engine's graph bounds: serial vs every n'th split
@@ -488,20 +489,29 @@ for stage in "$@"; do
       # through JITFunction.run (EYRIE_FAST_LAUNCH=0), alternated LAUNCH_REPEAT times (default 1), plain then the
       # EAGLE-3 default; bench/profile_compare.py's medians (profile_{plain,adaptive}_{fast,jit}_rK.json)
       [ -f /tmp/wide/target/config.json ] || run widen 300 python3 -m bench.house.widen_tiny --out /tmp/wide
+      # LAUNCH_MODES: any of jit (EYRIE_FAST_LAUNCH=0), fast, pieces (fast + cuda_graph_mixed); default "jit fast"
+      modes=${LAUNCH_MODES:-jit fast}
       for k in $(seq "${LAUNCH_REPEAT:-1}"); do
-        for mode in fast jit; do
-          flag=$([ $mode = fast ] && echo 1 || echo 0)
+        for mode in $modes; do
+          flag=$([ $mode = jit ] && echo 0 || echo 1)
           for eng in plain adaptive; do
             EYRIE_FAST_LAUNCH=$flag run profile_${eng}_${mode}_r$k 200 python3 bench/profile_engine.py \
               --model /tmp/wide/target $([ $eng = adaptive ] && echo --draft /tmp/wide/eagle3) \
+              $([ $mode = pieces ] && echo --mixed-graphs) \
               --prompts-file /tmp/wide/heldout.jsonl --concurrency ${LAUNCH_C:-128} --prompt 256 --output 128 \
               --out "$OUT/profile_${eng}_${mode}_r$k.json"
           done
         done
       done
-      python3 bench/profile_compare.py plain_jit="$OUT/profile_plain_jit_r*.json" \
-        plain_fast="$OUT/profile_plain_fast_r*.json" adaptive_jit="$OUT/profile_adaptive_jit_r*.json" \
-        adaptive_fast="$OUT/profile_adaptive_fast_r*.json" --out "$OUT/launch_ab.json"
+      labels=()
+      for eng in plain adaptive; do for mode in $modes; do labels+=("${eng}_$mode=$OUT/profile_${eng}_${mode}_r*.json"); done; done
+      python3 bench/profile_compare.py "${labels[@]}" --out "$OUT/launch_ab.json"
+      ;;
+    mixed-graphs)  # issue 30: steps with prefill chunks in CUDA graph pieces (cuda_graph_mixed): the GPU tests, then
+      # c128 in-process, eager vs pieces (launches fast in both), alternated LAUNCH_REPEAT times
+      run mixed_graphs_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mixed_graphs_gpu.py \
+        tests/gpu/test_fast_launch_gpu.py
+      LAUNCH_MODES="fast pieces" bash "$0" launch-ab
       ;;
     syncs)  # issues 30/31: every synchronizing call of one engine's c128 loop by site (bench/find_syncs.py), the
       # widened pair with its EAGLE-3 head, then the GPU test that the draft's work in a step never waits (~3 min)
@@ -517,7 +527,8 @@ for stage in "$@"; do
         "features, tp-tests, tp, local, memory, layouts, layouts4, peer, nixl, receive, policy, graphs," \
         "prefix, prefix-route, decode-cache, prefix-bench, prefix-bench2, profile, profile-branch, profile-host," \
         "profile-mixed, split-attn, anatomy, mixed-attn, batch-invariant, suite-x2, tp-diag, router-cpu," \
-        "pd2-arrivals, fp8, fp8-split, fp8-tune, fp8-profile, cross-check, syncs, launch, launch-ab)" >&2
+        "pd2-arrivals, fp8, fp8-split, fp8-tune, fp8-profile, cross-check, syncs, launch, launch-ab," \
+        "mixed-graphs)" >&2
       exit 2
       ;;
   esac

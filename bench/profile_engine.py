@@ -46,6 +46,8 @@ def engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--spec-policy", default=None)
     ap.add_argument("--chunk-size", type=int, default=None)
     ap.add_argument("--gpu-memory-fraction", type=float, default=0.9)
+    ap.add_argument("--mixed-graphs", action="store_true",
+                    help="steps with prefill chunks in CUDA graph pieces (`cuda_graph_mixed`, shared/mixed_graphs.py)")
 
 
 def build_engine(args: argparse.Namespace):
@@ -61,6 +63,8 @@ def build_engine(args: argparse.Namespace):
         flags["spec_policy"] = args.spec_policy
     if args.chunk_size:
         flags["chunk_size"] = args.chunk_size
+    if getattr(args, "mixed_graphs", False):
+        flags["cuda_graph_mixed"] = True
     settings = EngineSettings(model=args.model, draft=args.draft, **flags)
     return Engine(settings.model, settings.draft, settings.engine_config())
 

@@ -64,6 +64,12 @@ def unsupported(model, cache) -> str | None:
     return None
 
 
+def buffer_bytes(hidden: int, heads: int, kv_heads: int, head_dim: int, rows: int, aux: int, itemsize: int) -> int:
+    """``Buffers``' bytes at ``rows`` rows (a model of ``hidden`` width, ``aux`` EAGLE-3 layers)."""
+    width = (3 + aux) * hidden + 2 * heads * head_dim + (heads + 2 * kv_heads) * head_dim
+    return rows * (width * itemsize + head_dim * 4 + 3 * 8)
+
+
 @dataclass
 class Buffers:
     """Every piece's inputs and outputs, rows for the largest bucket; a bucket uses the first rows."""
@@ -262,4 +268,4 @@ class MixedGraphs:
         )
 
 
-__all__ = ["BUCKET", "Buffers", "MixedGraphs", "unsupported"]
+__all__ = ["BUCKET", "Buffers", "MixedGraphs", "buffer_bytes", "unsupported"]
