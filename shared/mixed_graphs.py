@@ -196,7 +196,9 @@ class MixedGraphs:
 
     @torch.inference_mode()
     def _capture(self, n: int) -> bool:
-        self._ensure_buffers()
+        b = self._ensure_buffers()
+        for buf in (b.ids, b.positions, b.loc):  # the warm-up runs store K/V: into the sink slot only
+            buf[:n].zero_()
         stream = capture_stream()
         stream.wait_stream(torch.cuda.current_stream())
         pieces = self._pieces(n)
@@ -246,6 +248,8 @@ class MixedGraphs:
         t = batch.input_ids.shape[0]
         n = self.bucket(t)
         b = self._ensure_buffers()
+        if self.capture and n not in self.graphs:  # a bucket not captured at start (or capture_all not called)
+            self._capture(n)
         for buf, src in ((b.ids, batch.input_ids), (b.positions, batch.positions), (b.loc, batch.out_cache_loc)):
             buf[t:n].zero_()  # padding rows: token 0 at position 0, stored in the sink slot
             buf[:t].copy_(src)

@@ -25,10 +25,12 @@ def _run(model_dir, draft, mixed: bool):
                           cuda_graph=True, cuda_graph_mixed=mixed, spec_policy="fixed",
                           spec=SpecConfig(topk=1, steps=2, num_draft_tokens=3) if draft else None)
     engine = Engine(model_dir / "target", model_dir / draft if draft else None, config)
+    count = engine.capture_graphs()
     r = engine.runner
     mg = r.mixed_graphs
     if mixed:
         assert mg.enabled and set(mg.graphs) == set(mg.buckets) and not r.graph_failures
+        assert count >= len(mg.buckets) * (len(mg.layers) + 1)
         assert all(len(g) == len(mg.layers) + 1 for g in mg.graphs.values())
 
         def no_eager(n):
