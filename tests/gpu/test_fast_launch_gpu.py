@@ -1,7 +1,7 @@
 """On CUDA: ``kernels.launch.fast`` launches a compiled kernel straight through its launcher only when Triton
 would have chosen the same one. A row-strided view 2 bytes off 16-byte alignment, a width 16 does not divide,
 a residual or none: each a specialization of its own, each right against the torch reference, and
-the second pass over all of them never goes through ``JITFunction.run`` (tests/unit/kernels/test_launch.py
+the second pass over all of them never goes through ``JITFunction.run`` (tests/unit/kernels/test_fast_launch.py
 holds the keys on the CPU). Also: inside a CUDA graph capture the short path records the launch on the
 capturing stream (a replay with new inputs gives their result).
 """
