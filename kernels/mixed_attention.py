@@ -96,15 +96,18 @@ def _runs(indptr: list[int], reqs: list[int]) -> torch.Tensor:
 
 def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
                     split: MixedSplit, sm_scale: float, window: int = 0, q_positions: torch.Tensor | None = None,
-                    *, backend: str = "auto", kv_new: tuple[torch.Tensor, torch.Tensor] | None = None
-                    ) -> torch.Tensor:
+                    *, backend: str = "auto", kv_new: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """o [T, Hq, D] of the batch ``split`` was made from: ``split.decode``'s rows by ``paged_attention`` (the
     metadata's ``split_len``), ``split.extend``'s by ``extend_attention`` fed this step's K/V: ``kv_new`` (k, v
     [T, Hkv, D], row-aligned with ``q``, as stored: the chunks' rows are a view when they are one run), else
     gathered from the cache slots ``loc [T]`` the step wrote. ``window`` / ``q_positions [T]``: the sliding
-    window, as in ``paged_attention``; ``backend`` goes to both kernels. Rows of no request are left
-    unwritten."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    window, as in ``paged_attention``; ``backend`` goes to both kernels; ``out``: a contiguous destination of q's
+    shape and dtype. Rows of no request are left unwritten."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError("out must be a contiguous tensor of q's shape and dtype")
     dec, ext = split.decode, split.extend
     pos = None if q_positions is None else q_positions[dec.rows]
     o = paged_attention(q[dec.rows], k_cache, v_cache, dec.meta, sm_scale, window, pos, backend=backend,

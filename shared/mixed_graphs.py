@@ -260,8 +260,10 @@ class MixedGraphs:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             q, kv = b.q[:t], _kept(b.qkv[:t], None, attn.num_heads, attn.num_kv_heads, attn.head_dim)
-            o = attn._extend(q, cache.k[attn.cache_layer], cache.v[attn.cache_layer], batch, kv)
-            b.o[:t].copy_(o.reshape(t, -1))
+            dest = b.o[:t].view(q.shape)
+            o = attn._extend(q, cache.k[attn.cache_layer], cache.v[attn.cache_layer], batch, kv, out=dest)
+            if o.data_ptr() != dest.data_ptr():  # (the kernels write ``out`` itself)
+                dest.copy_(o)
             run(pieces[i + 1])
         h = b.h[:t]
         rows = h if batch.logits_rows is None else h[batch.logits_rows]

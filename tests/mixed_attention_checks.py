@@ -111,4 +111,9 @@ def check_mixed(case: MixedCase, decode_reqs: list[int], scale: float = 0.37, wi
     kept = mixed_attention(case.q, case.pool.k, case.pool.v, case.loc, split, scale, window, case.positions,
                            backend=backend, kv_new=(wide[:, 1], wide[:, 2]))
     assert torch.equal(kept, out)
+    # Into a destination of the caller's (the mixed steps' graph pieces hand their buffer): the same bits, there
+    dest = torch.full_like(case.q, float("nan"))
+    into = mixed_attention(case.q, case.pool.k, case.pool.v, case.loc, split, scale, window, case.positions,
+                           backend=backend, out=dest)
+    assert into is dest and torch.equal(dest, out)
     return split, out

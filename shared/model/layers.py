@@ -123,18 +123,19 @@ class Attention(nn.Module):
         return linear(x, self.qkv_weight, self.qkv_bias).split([qd, kd, kd], dim=-1)
 
     def _extend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-                kv_new: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                kv_new: tuple[torch.Tensor, torch.Tensor] | None = None, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """A batch with prefill chunks: the extend kernel, except for its decode rows (and chunks as short) in a
         mixed step, which take the decode launch (``kernels.mixed_attention``): the bits a decode step gives them.
         ``kv_new``: this step's keys (rotated) and values as stored, row-aligned with ``q``; None: gathered back
-        from the cache's slots (two launches a layer)."""
+        from the cache's slots (two launches a layer). ``out``: where the output goes (contiguous, q's shape)."""
         loc = batch.out_cache_loc
         split = batch.mixed_split(q.shape[1] // k_cache.shape[1])
         if split is not None:
             return mixed_attention(q, k_cache, v_cache, loc, split, self.scale, self.window,
-                                   batch.positions if self.window else None, kv_new=kv_new)
+                                   batch.positions if self.window else None, kv_new=kv_new, out=out)
         k_new, v_new = kv_new if kv_new is not None else (k_cache[loc], v_cache[loc])
-        return extend_attention(q, k_new, v_new, k_cache, v_cache, batch.attn, self.scale, self.window)
+        return extend_attention(q, k_new, v_new, k_cache, v_cache, batch.attn, self.scale, self.window, out=out)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         T = x.shape[0]

@@ -14,7 +14,7 @@ import torch
 from kernel_checks import DEVICE
 
 from kernels.attention_ref import AttentionMetadata
-from kernels.mixed_attention import split_mixed
+from kernels.mixed_attention import mixed_attention, split_mixed
 from shared.model.layers import EXTEND_MIN_Q
 from tests.mixed_attention_checks import check_mixed, meta_of, mixed_case
 
@@ -90,3 +90,10 @@ def test_every_index_tensor_of_a_split_starts_in_line(decode_rows, chunks):
         assert m.kv_indices.tolist() == [x for b in reqs for x in slots[b]]
         assert m.kv_indptr.tolist() == m.kv_indptr_cpu and m.qo_indptr.tolist() == m.qo_indptr_cpu
         assert m.prefix_lens.tolist() == [prefixes[b] for b in reqs]
+
+
+def test_a_destination_of_another_shape_is_refused():
+    case = mixed_case([1, EXTEND_MIN_Q], [9, 0], 1, "cpu")
+    split = split_mixed(case.meta, 4)
+    with pytest.raises(ValueError, match="out must be"):
+        mixed_attention(case.q, case.pool.k, case.pool.v, case.loc, split, 0.5, out=case.q[:-1].clone())
