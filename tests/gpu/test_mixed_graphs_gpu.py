@@ -6,11 +6,11 @@ bucket, no failure) and no forward runs them eagerly after.
 """
 
 import pytest
-import torch
 
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
 from shared.sampling import SamplingParams
+from tests.mixed_graphs_checks import run_late_prompt
 
 pytestmark = pytest.mark.gpu
 
@@ -37,32 +37,10 @@ def _run(model_dir, draft, mixed: bool):
             raise AssertionError(f"the pieces ran eagerly at {n} rows")
 
         mg._pieces = no_eager
-    used, logits, features = [], {}, []
+    used = []
     applies = mg.applies
     mg.applies = lambda batch: used.append(batch.input_ids.shape[0]) or applies(batch)  # off: always False
-    inner = r._sample_and_commit
-
-    def spy(out, reqs, *rest):
-        for req, row in zip(reqs, out.logits):
-            logits.setdefault(req.rid, []).append(row.float().cpu())
-        return inner(out, reqs, *rest)
-
-    r._sample_and_commit = spy
-    if r.speculator is not None:
-        launch = r.speculator.launch_rows
-
-        def fed(decode, starts, prefill, out, *rest):
-            features.append(out.features().float().cpu())
-            return launch(decode, starts, prefill, out, *rest)
-
-        r.speculator.launch_rows = fed
-    early = [engine.add_request(p, GREEDY) for p in SHORT]
-    engine.step()
-    engine.step()
-    late = engine.add_request(LONG, GREEDY)
-    engine.run_until_done()
-    reqs = early + [late]
-    return [engine.result(q).token_ids for q in reqs], [torch.stack(logits[q.rid]) for q in reqs], features, used
+    return (*run_late_prompt(engine, SHORT, LONG, GREEDY), used)
 
 
 @pytest.mark.parametrize("draft", [None, "eagle3"])

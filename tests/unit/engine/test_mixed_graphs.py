@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_checks import check_pools_full, record_logits
+from engine_checks import check_pools_full
 
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
 from shared.mixed_graphs import BUCKET, MixedGraphs, unsupported
 from shared.sampling import SamplingParams
+from tests.mixed_graphs_checks import run_late_prompt
 
 CHUNK = 96
 LONG = [50 + (i * 29) % 400 for i in range(200)]  # chunks of 96, 96, 8: two run in pieces
@@ -46,25 +47,7 @@ def _engine(model_dir, draft: str | None, pieces: bool) -> tuple[Engine, list]:
 
 def _run(model_dir, draft: str | None, pieces: bool):
     engine, used = _engine(model_dir, draft, pieces)
-    seen = record_logits(engine)
-    features = []  # what the draft is fed from each forward over chunks
-    w = engine.runner.speculator
-    if w is not None:
-        inner = w.launch_rows
-
-        def spy(decode, starts, prefill, out, *rest):
-            features.append(out.features().clone())
-            return inner(decode, starts, prefill, out, *rest)
-
-        w.launch_rows = spy
-    early = [engine.add_request(p, GREEDY) for p in SHORT]
-    engine.step()
-    engine.step()
-    late = engine.add_request(LONG, GREEDY)
-    engine.run_until_done()
-    reqs = early + [late]
-    out = [engine.result(r).token_ids for r in reqs]
-    logits = [torch.stack(seen[r.rid]) for r in reqs]
+    out, logits, features = run_late_prompt(engine, SHORT, LONG, GREEDY)
     check_pools_full(engine)
     return out, logits, used, features
 
