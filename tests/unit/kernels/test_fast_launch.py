@@ -71,6 +71,20 @@ def test_tensor_keys_follow_dtype_and_alignment():
         launch.spec_key("a string")
 
 
+def test_tensor_descriptor_keys_follow_dtype_and_block_shape():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    x = torch.zeros(64, 32, dtype=torch.float16)
+
+    def desc(t, block):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+    assert launch.spec_key(desc(x, [16, 32])) == launch.spec_key(desc(torch.zeros(128, 32, dtype=torch.float16),
+                                                                      [16, 32]))
+    assert launch.spec_key(desc(x, [16, 32])) != launch.spec_key(desc(x, [32, 32]))
+    assert launch.spec_key(desc(x, [16, 32])) != launch.spec_key(desc(x.float(), [16, 32]))
+
+
 def test_call_shape_fills_defaults_in_order_and_names_missing_arguments():
     params = JITFunction(_kernel).params
     x, y = torch.zeros(4), torch.zeros(4)
