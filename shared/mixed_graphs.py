@@ -66,7 +66,7 @@ def unsupported(model, cache) -> str | None:
 
 def buffer_bytes(hidden: int, heads: int, kv_heads: int, head_dim: int, rows: int, aux: int, itemsize: int) -> int:
     """``Buffers``' bytes at ``rows`` rows (a model of ``hidden`` width, ``aux`` EAGLE-3 layers)."""
-    width = (3 + aux) * hidden + 2 * heads * head_dim + (heads + 2 * kv_heads) * head_dim
+    width = (2 + aux) * hidden + 2 * heads * head_dim + (heads + 2 * kv_heads) * head_dim
     return rows * (width * itemsize + head_dim * 4 + 3 * 8)
 
 
@@ -79,8 +79,7 @@ class Buffers:
     loc: torch.Tensor  # [N] the slot each row's K/V goes to (padding rows: 0, the sink)
     cos: torch.Tensor  # [N, D/2] float32
     sin: torch.Tensor
-    x: torch.Tensor  # [N, H] the residual stream: the next layer's input
-    mlp: torch.Tensor  # [N, H] the last layer's MLP output (added to x by the next norm)
+    x: torch.Tensor  # [N, H] the residual stream: the layer's input (its attention's residual)
     q: torch.Tensor  # [N, Hq, D] rotated queries
     qkv: torch.Tensor  # [N, (Hq + 2 Hk) D] the projection, its keys rotated: k and v are views of it
     o: torch.Tensor  # [N, Hq * D] the attention's output
@@ -100,7 +99,7 @@ class Buffers:
 
         return cls(ids=z(dtype=torch.int64), positions=z(dtype=torch.int64), loc=z(dtype=loc_dtype),
                    cos=z(d // 2, dtype=torch.float32), sin=z(d // 2, dtype=torch.float32), x=z(hidden),
-                   mlp=z(hidden), q=z(hq, d), qkv=z((hq + 2 * hk) * d), o=z(hq * d), h=z(hidden),
+                   q=z(hq, d), qkv=z((hq + 2 * hk) * d), o=z(hq * d), h=z(hidden),
                    aux=z(len(aux_layers), hidden) if aux_layers else None)
 
 

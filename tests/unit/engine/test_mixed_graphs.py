@@ -13,7 +13,7 @@ from engine_checks import check_pools_full
 
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
-from shared.mixed_graphs import BUCKET, MixedGraphs, unsupported
+from shared.mixed_graphs import BUCKET, Buffers, MixedGraphs, buffer_bytes, unsupported
 from shared.sampling import SamplingParams
 from tests.mixed_graphs_checks import run_late_prompt
 
@@ -112,3 +112,14 @@ def test_short_chunks_masks_and_unsupported_models_stay_eager(tiny_model_dir):
 
 
 EXTEND_SHORT = 40
+
+
+def test_the_memory_reserve_covers_the_buffers(tiny_model_dir):
+    engine, _ = _engine(tiny_model_dir, "eagle3", pieces=True)
+    r = engine.runner
+    mc, aux = r.model.config, r.speculator.aux_layers
+    buf = Buffers.allocate(r.model, r.cache.req_to_token.table.dtype, 160, aux)
+    held = sum(t.numel() * t.element_size() for t in vars(buf).values() if t is not None)
+    reserved = buffer_bytes(mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, 160,
+                            len(aux), r.model.model.embed_tokens.weight.element_size())
+    assert held <= reserved <= held + 160 * 4
