@@ -102,17 +102,25 @@ def _use_triton(x: torch.Tensor, backend: str) -> bool:
 
 
 def rope_store(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, backend: str = "auto",
-               keep_kv: bool = False):
+               keep_kv: bool = False, q_out: torch.Tensor | None = None):
     """q [T, Hq, D] rotated, with the rotated keys and the values stored in the caches' ``slots``. ``keep_kv``:
     also (k, v) [T, Hkv, D], views of ``qkv`` holding the same rows (the keys rotated in place), so a prefill
-    step's attention reads this step's K/V densely without gathering them back from the cache."""
+    step's attention reads this step's K/V densely without gathering them back from the cache. ``q_out``: a
+    contiguous [T, Hq, D] tensor of qkv's dtype the queries are written to (and returned)."""
     d = k_cache.shape[-1]
     half = d // 2
+    T = qkv.shape[0]
+    if q_out is not None and (q_out.shape != (T, num_heads, d) or q_out.dtype != qkv.dtype
+                              or not q_out.is_contiguous()):
+        raise ValueError(f"q_out must be a contiguous [{T}, {num_heads}, {d}] tensor of {qkv.dtype}")
     if (not _use_triton(qkv, backend) or qkv.shape[0] == 0 or half & (half - 1) or qkv.stride(-1) != 1
             or k_cache.stride() != v_cache.stride()):
-        return rope_store_ref(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, keep_kv)
-    T = qkv.shape[0]
-    q = torch.empty(T, num_heads, d, dtype=qkv.dtype, device=qkv.device)
+        out = rope_store_ref(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, keep_kv)
+        if q_out is None:
+            return out
+        q_out.copy_(out[0] if keep_kv else out)
+        return (q_out, *out[1:]) if keep_kv else q_out
+    q = q_out if q_out is not None else torch.empty(T, num_heads, d, dtype=qkv.dtype, device=qkv.device)
     fast(_rope_store_kernel)[(T, num_heads + 2 * num_kv_heads)](
         qkv, cos.contiguous(), sin.contiguous(), q, k_cache, v_cache, slots, qkv.stride(0),
         k_cache.stride(0), k_cache.stride(1), n_q=num_heads, n_kv=num_kv_heads, HALF=half, KEEP_K=keep_kv)

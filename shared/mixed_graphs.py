@@ -141,9 +141,8 @@ class MixedGraphs:
         for slot in self.aux_slots.get(i, ()):
             b.aux[:n, slot].copy_(x)
         qkv = linear(h, attn.qkv_weight, attn.qkv_bias)
-        q, _, _ = rope_store(qkv, b.cos[:n], b.sin[:n], self.cache.k[attn.cache_layer], self.cache.v[attn.cache_layer],
-                             b.loc[:n], attn.num_heads, attn.num_kv_heads, keep_kv=True)
-        b.q[:n].copy_(q)
+        rope_store(qkv, b.cos[:n], b.sin[:n], self.cache.k[attn.cache_layer], self.cache.v[attn.cache_layer],
+                   b.loc[:n], attn.num_heads, attn.num_kv_heads, keep_kv=True, q_out=b.q[:n])
         b.qkv[:n].copy_(qkv)  # the keys rotated in place by rope_store
 
     def _first(self, n: int) -> None:

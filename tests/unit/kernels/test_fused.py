@@ -59,3 +59,26 @@ def test_rope_store_can_keep_the_rotated_keys_and_values_in_qkv(dtype):
         assert k.data_ptr() == mine[:, hq * d:].data_ptr() and k.shape == v.shape == (T, hk, d)
         assert torch.equal(mine[:, :hq * d], qkv[:, :hq * d])  # the queries' columns untouched
 
+
+
+@pytest.mark.parametrize("keep_kv", [False, True])
+def test_rope_store_writes_the_queries_where_it_is_told(keep_kv):
+    """``q_out``: the queries land in the caller's buffer (the mixed steps' graph pieces pass theirs), the same
+    bits as without it, kernel and reference; a buffer of another shape is refused."""
+    torch.manual_seed(2)
+    T, d, hq, hk = 5, 16, 4, 2
+    qkv = torch.randn(T, (hq + 2 * hk) * d, dtype=torch.bfloat16, device=DEVICE)
+    pos = torch.tensor([3, 7, 8, 20, 21], device=DEVICE).float()
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=DEVICE).float() / d))
+    cos, sin = (pos[:, None] * inv[None]).cos(), (pos[:, None] * inv[None]).sin()
+    slots = torch.tensor([11, 2, 30, 5, 17], device=DEVICE)
+    for backend in ("triton", "torch"):
+        caches = [torch.zeros(40, hk, d, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+        want = rope_store(qkv.clone(), cos, sin, *caches, slots, hq, hk, backend=backend)
+        buf = torch.full((T + 3, hq, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        got = rope_store(qkv.clone(), cos, sin, *caches, slots, hq, hk, backend=backend, keep_kv=keep_kv,
+                         q_out=buf[:T])
+        q = got[0] if keep_kv else got
+        assert q.data_ptr() == buf.data_ptr() and torch.equal(buf[:T], want) and torch.isnan(buf[T:]).all()
+        with pytest.raises(ValueError, match="q_out"):
+            rope_store(qkv.clone(), cos, sin, *caches, slots, hq, hk, backend=backend, q_out=buf[:T - 1])
