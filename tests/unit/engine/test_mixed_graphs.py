@@ -123,3 +123,19 @@ def test_the_memory_reserve_covers_the_buffers(tiny_model_dir):
     reserved = buffer_bytes(mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, 160,
                             len(aux), r.model.model.embed_tokens.weight.element_size())
     assert held <= reserved <= held + 160 * 4
+
+
+def test_the_services_setting_reaches_the_runner(tiny_model_dir, monkeypatch):
+    """``EYRIE_CUDA_GRAPH_MIXED`` becomes the engine's ``cuda_graph_mixed``; on the CPU the runner's pieces stay off
+    (CUDA graphs are CUDA's) and its steps run eagerly."""
+    from services.settings import load_settings
+
+    monkeypatch.setenv("EYRIE_CUDA_GRAPH_MIXED", "1")
+    settings = load_settings("decode", model=str(tiny_model_dir / "target"), cuda_graph=True)
+    config = settings.engine_config()
+    assert config.cuda_graph_mixed and config.cuda_graph
+    engine = Engine(tiny_model_dir / "target", None, config)
+    mg = engine.runner.mixed_graphs
+    assert not mg.enabled and mg.why_not == "off" and mg.buckets == []
+    assert engine.generate([LONG[:CHUNK]], GREEDY)[0].token_ids
+    check_pools_full(engine)
