@@ -38,7 +38,7 @@ _I64 = 1 << 63
 
 
 def _hooked(hook) -> bool:
-    """A launch hook is set (a profiler's): None or an empty ``HookChain`` (Triton 3.7+) is none."""
+    """A launch hook is set (a profiler's): None or an empty ``HookChain`` (Triton 3.6, 3.9) is none."""
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
@@ -88,10 +88,11 @@ class CallShape:
 
     def key(self, args: tuple, kwargs: dict) -> tuple:
         key = []
+        # a constexpr by type and value: True == 1 == 1.0 in Python, not to Triton
         for v, const in zip(args, self.positional_const):
-            key.append(v if const else spec_key(v))
+            key.append((v.__class__, v) if const else spec_key(v))
         for v, const in zip(kwargs.values(), self.keyword_const):
-            key.append(v if const else spec_key(v))
+            key.append((v.__class__, v) if const else spec_key(v))
         return tuple(key)
 
     def values(self, args: tuple, kwargs: dict) -> list:

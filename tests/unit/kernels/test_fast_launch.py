@@ -137,6 +137,14 @@ def test_what_could_change_tritons_choice_takes_its_path(launcher, monkeypatch, 
     assert len(rec.slow) == 2
 
 
+def test_constexprs_python_calls_equal_are_apart(launcher):
+    ln, rec = launcher
+    x = torch.zeros(32)
+    for block in (1, True, 1.0, 1):  # 1 == True == 1.0 in Python; three specializations to Triton
+        ln[(1,)](x, x, 32, 16, 0.5, BLOCK=block)
+    assert len(rec.slow) == 3
+
+
 def test_unkeyable_arguments_callable_grids_and_hooks_always_take_tritons_path(launcher, monkeypatch):
     ln, rec = launcher
     x = torch.zeros(32)
