@@ -232,14 +232,14 @@ class PhaseGraphs:
         del warm
         torch.cuda.synchronize()  # nothing else in flight when capture begins
         rng = torch.cuda.get_rng_state()
+        gc.collect()
         try:
-            graph, static_out = self._record(stream, static_args)
+            with collector_paused():
+                graph, static_out = record_graph(lambda: self.outputs.bind(self.fn(*static_args)), stream, self.pool)
         except Exception as e:  # noqa: BLE001 (any failure inside capture is contained the same way)
             self._contain(e, _batch_size(example), rng)
             self._tick()
             return None
-        if self.pool.handle is None:
-            self.pool.handle = graph.pool()
         self._tick()
         return graph, static_args, static_out
 
@@ -247,41 +247,56 @@ class PhaseGraphs:
         if self.progress is not None:
             self.progress.update(1)
 
-    def _record(self, stream: torch.cuda.Stream, static_args: tuple):
-        """Capture one run of ``fn``; raises whatever went wrong, after ending the capture."""
-        graph = torch.cuda.CUDAGraph()
-        gc.collect()
-        gc_was_on = gc.isenabled()
-        gc.disable()  # no collection (freeing dead graphs or tensors) in the middle of a capture
-        error: BaseException | None = None
-        try:
-            with torch.cuda.stream(stream):
-                graph.capture_begin(*((self.pool.handle,) if self.pool.handle is not None else ()),
-                                    capture_error_mode="thread_local")
-                try:
-                    static_out = self.outputs.bind(self.fn(*static_args))
-                except Exception as e:  # noqa: BLE001 (the capture must still be ended)
-                    error = e
-                try:
-                    graph.capture_end()
-                except Exception as e:  # noqa: BLE001
-                    error = error or e
-        finally:
-            if gc_was_on:
-                gc.enable()
-        if error is not None:
-            raise error
-        return graph, static_out
-
     def _contain(self, error: BaseException, batch_size: int, rng: torch.Tensor) -> None:
-        """After a failed capture: this phase goes eager, the failure is recorded, the CUDA generator
-        is released from capture mode and its state restored."""
+        """After a failed capture: this phase goes eager (``contain_failure`` records it)."""
         self.capture = False
-        reason = f"{type(error).__name__}: {error}".splitlines()[0][:500]
-        self.failures.append(CaptureFailure(self.name, batch_size, reason))
-        log.warning("CUDA graph capture of phase %s at batch size %d failed; the phase runs eagerly: %s",
-                    self.name, batch_size, reason)
-        restore_cuda_rng(rng)
+        contain_failure(self.failures, self.name, batch_size, error, rng)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """No cyclic collection (freeing dead graphs or tensors) in the middle of a capture."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
+def record_graph(fn: Callable[[], Any], stream: torch.cuda.Stream, pool: GraphPool) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Capture one run of ``fn()`` on ``stream`` into ``pool`` (``thread_local`` mode: another thread's CUDA calls
+    cannot invalidate it); the pool's handle is the first capture's. Returns the graph and ``fn``'s result;
+    raises whatever went wrong, after ending the capture."""
+    graph = torch.cuda.CUDAGraph()
+    error: BaseException | None = None
+    out = None
+    with torch.cuda.stream(stream):
+        graph.capture_begin(*((pool.handle,) if pool.handle is not None else ()), capture_error_mode="thread_local")
+        try:
+            out = fn()
+        except Exception as e:  # noqa: BLE001 (the capture must still be ended)
+            error = e
+        try:
+            graph.capture_end()
+        except Exception as e:  # noqa: BLE001
+            error = error or e
+    if error is not None:
+        raise error
+    if pool.handle is None:
+        pool.handle = graph.pool()
+    return graph, out
+
+
+def contain_failure(failures: list[CaptureFailure], phase: str, size: int, error: BaseException,
+                    rng: torch.Tensor) -> None:
+    """After a failed capture (its phase then runs eagerly): the failure recorded and logged, the CUDA generator
+    released from capture mode and its state restored."""
+    reason = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+    failures.append(CaptureFailure(phase, size, reason))
+    log.warning("CUDA graph capture of phase %s at size %d failed; the phase runs eagerly: %s", phase, size, reason)
+    restore_cuda_rng(rng)
 
 
 @contextlib.contextmanager

@@ -26,20 +26,18 @@ no embedding scale and a K/V cache of the activations' dtype; anything else runs
 from __future__ import annotations
 
 import gc
-import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
 from kernels.fused import _kept, rope_store
-from shared.cuda_graphs import CaptureFailure, GraphPool, capture_stream, restore_cuda_rng
+from shared import cuda_graphs
+from shared.cuda_graphs import GraphPool, capture_stream, collector_paused, record_graph
 from shared.forward_batch import ForwardBatch
 from shared.model.fp8 import linear
 from shared.model.layers import EXTEND_MIN_Q
 from shared.model.llama import LlamaForCausalLM, TargetOutput
-
-log = logging.getLogger("eyrie.graphs")
 
 BUCKET = 32  # token-count buckets: every multiple of 32 up to the largest step's tokens
 
@@ -62,6 +60,27 @@ def unsupported(model, cache) -> str | None:
         if k.dtype != v.dtype or k.dtype != model.model.embed_tokens.weight.dtype:
             return "a K/V cache of another dtype than the activations"
     return None
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """The token counts pieces are captured at: every multiple of ``BUCKET`` up to ``max_tokens`` rounded up."""
+    return list(range(BUCKET, -(-max_tokens // BUCKET) * BUCKET + 1, BUCKET))
+
+
+def step_tokens(config) -> int:
+    """The most tokens a step with prefill chunks runs: a chunk beside every running request's decode row."""
+    return (config.chunk_size or 0) + config.max_running
+
+
+def reserve_bytes(model_config, config, aux: int, chunk_peak: int) -> int:
+    """What the pieces need beside an eager engine (0 when ``cuda_graph_mixed`` is off): their buffers at the
+    largest bucket and a graph pool of one eager chunk's peak (``chunk_peak``)."""
+    buckets = token_buckets(step_tokens(config)) if config.cuda_graph and config.cuda_graph_mixed else []
+    if not buckets:
+        return 0
+    mc = model_config
+    return chunk_peak + buffer_bytes(mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
+                                     buckets[-1], aux, getattr(torch, config.dtype).itemsize)
 
 
 def buffer_bytes(hidden: int, heads: int, kv_heads: int, head_dim: int, rows: int, aux: int, itemsize: int) -> int:
@@ -113,7 +132,7 @@ class MixedGraphs:
         self.model, self.cache, self.aux_layers = model, cache, tuple(aux_layers)
         self.why_not = unsupported(model, cache) if enabled else "off"
         self.enabled = self.why_not is None and max_tokens > 0
-        self.buckets = list(range(BUCKET, -(-max_tokens // BUCKET) * BUCKET + 1, BUCKET)) if self.enabled else []
+        self.buckets = token_buckets(max_tokens) if self.enabled else []
         self.capture = self.enabled and (torch.cuda.is_available() if capture is None else capture)
         self.pool = GraphPool() if pool is None else pool
         self.failures = [] if failures is None else failures
@@ -207,32 +226,15 @@ class MixedGraphs:
         rng = torch.cuda.get_rng_state()
         graphs = []
         gc.collect()
-        gc_was_on = gc.isenabled()
-        gc.disable()  # no collection (freeing dead graphs or tensors) in the middle of a capture
         try:
-            for piece in pieces:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.stream(stream):
-                    graph.capture_begin(*((self.pool.handle,) if self.pool.handle is not None else ()),
-                                        capture_error_mode="thread_local")
-                    try:
-                        piece()
-                    finally:
-                        graph.capture_end()
-                if self.pool.handle is None:
-                    self.pool.handle = graph.pool()
-                graphs.append(graph)
+            with collector_paused():
+                for piece in pieces:
+                    graphs.append(record_graph(piece, stream, self.pool)[0])
         except Exception as e:  # noqa: BLE001 (any failure inside capture is contained the same way)
-            reason = f"{type(e).__name__}: {e}".splitlines()[0][:500]
-            self.failures.append(CaptureFailure("mixed", n, reason))
-            log.warning("CUDA graph capture of the mixed pieces at %d tokens failed; they run eagerly: %s", n, reason)
             self.capture = False
             self.graphs.clear()
-            restore_cuda_rng(rng)
+            cuda_graphs.contain_failure(self.failures, "mixed", n, e, rng)
             return False
-        finally:
-            if gc_was_on:
-                gc.enable()
         self.graphs[n] = graphs
         return True
 
@@ -272,4 +274,5 @@ class MixedGraphs:
         )
 
 
-__all__ = ["BUCKET", "Buffers", "MixedGraphs", "buffer_bytes", "unsupported"]
+__all__ = ["BUCKET", "Buffers", "MixedGraphs", "buffer_bytes", "reserve_bytes", "step_tokens", "token_buckets",
+           "unsupported"]

@@ -53,8 +53,7 @@ from shared.memory.sizing import (
     pages_within_budget,
     profiled_reserve,
 )
-from shared.mixed_graphs import BUCKET as MIXED_BUCKET
-from shared.mixed_graphs import MixedGraphs, buffer_bytes
+from shared.mixed_graphs import MixedGraphs, reserve_bytes, step_tokens
 from shared.model.drafts import DraftHead, load_draft
 from shared.model.fp8 import mark_same_rows
 from shared.model.layers import Attention
@@ -134,7 +133,7 @@ class ModelRunner:
                                          pool=self.graph_pool)
         w = self.speculator
         self.mixed_graphs = MixedGraphs(  # steps with prefill chunks: the target in pieces between its attentions
-            self.model, self.cache, (config.chunk_size or 0) + config.max_running,
+            self.model, self.cache, step_tokens(config),
             config.cuda_graph and config.cuda_graph_mixed and self.device.type == "cuda" and not config.batch_invariant,
             aux_layers=w.aux_layers if w is not None and w.capture_mode == "aux" else (), pool=self.graph_pool,
             failures=self.graph_failures)
@@ -207,12 +206,8 @@ class ModelRunner:
         features = 0 if head is None else mc.hidden_size * max(1, len(getattr(head, "aux_layers", ())))
         outputs = graph_output_reserve(mc, config, features) if decodes else 0
         backlog = draft_backlog_reserve(config, features) if decodes else 0
-        mixed = 0
-        if config.cuda_graph and config.cuda_graph_mixed:  # the pieces' buffers and a pool of one eager chunk's peak
-            rows = -(-((config.chunk_size or 0) + config.max_running) // MIXED_BUCKET) * MIXED_BUCKET
-            mixed = self.step_peaks.prefill + buffer_bytes(
-                mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, rows,
-                len(getattr(head, "aux_layers", ())) if capture == "aux" else 0, getattr(torch, config.dtype).itemsize)
+        mixed = reserve_bytes(mc, config, len(getattr(head, "aux_layers", ())) if capture == "aux" else 0,
+                              self.step_peaks.prefill)
         return profiled_reserve(self.step_peaks, graph_target_phases(config) if decodes else 0,
                                 draft + outputs + backlog + mixed)
 

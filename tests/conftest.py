@@ -169,16 +169,16 @@ def no_unexpected_capture_failure(request, monkeypatch):
     if not torch.cuda.is_available():
         yield
         return
-    from shared.cuda_graphs import PhaseGraphs
+    from shared import cuda_graphs
 
     seen: list[str] = []
-    contain = PhaseGraphs._contain
+    contain = cuda_graphs.contain_failure
 
-    def recording(self, error, batch_size, rng):
-        seen.append(f"{self.name} at batch size {batch_size}: {type(error).__name__}: {error}")
-        return contain(self, error, batch_size, rng)
+    def recording(failures, phase, size, error, rng):
+        seen.append(f"{phase} at size {size}: {type(error).__name__}: {error}")
+        return contain(failures, phase, size, error, rng)
 
-    monkeypatch.setattr(PhaseGraphs, "_contain", recording)
+    monkeypatch.setattr(cuda_graphs, "contain_failure", recording)
     yield
     if seen and request.node.get_closest_marker("capture_failure_expected") is None:
         pytest.fail("CUDA graph capture failed (contained, the phase ran eagerly): " + "; ".join(seen),

@@ -13,7 +13,7 @@ from engine_checks import check_pools_full
 
 from shared.config import EngineConfig, SpecConfig
 from shared.engine import Engine
-from shared.mixed_graphs import BUCKET, Buffers, MixedGraphs, buffer_bytes, unsupported
+from shared.mixed_graphs import BUCKET, Buffers, MixedGraphs, buffer_bytes, reserve_bytes, unsupported
 from shared.sampling import SamplingParams
 from tests.mixed_graphs_checks import run_late_prompt
 
@@ -139,3 +139,12 @@ def test_the_services_setting_reaches_the_runner(tiny_model_dir, monkeypatch):
     assert not mg.enabled and mg.why_not == "off" and mg.buckets == []
     assert engine.generate([LONG[:CHUNK]], GREEDY)[0].token_ids
     check_pools_full(engine)
+
+
+def test_the_reserve_is_the_largest_buckets_buffers_and_a_chunks_peak(tiny_model_dir):
+    mc = Engine(tiny_model_dir / "target", None, EngineConfig()).runner.model.config
+    on = EngineConfig(cuda_graph=True, cuda_graph_mixed=True, chunk_size=100, max_running=8, dtype="bfloat16")
+    rows = 128  # 108 tokens at most, rounded up to the bucket
+    want = 1000 + buffer_bytes(mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, rows, 3, 2)
+    assert reserve_bytes(mc, on, 3, 1000) == want
+    assert reserve_bytes(mc, on.model_copy(update={"cuda_graph_mixed": False}), 3, 1000) == 0
